@@ -1,0 +1,145 @@
+"""Every ``node.meta`` key fxpipe writes, and the record type stored under it.
+
+Passes fill these records; cost models, the lowering to a partition problem and
+codegen read them. Nothing else in fxpipe touches ``node.meta`` by string.
+
+    from fxpipe import meta
+    meta.FLOPS.set(node, meta.FlopInfo(forward=..., backward=...))
+    flops = meta.FLOPS.get(node)        # raises MissingMeta if the pass did not run
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+import torch.fx
+
+__all__ = [
+    "BYTES",
+    "FLOPS",
+    "MEASURED_MEMORY",
+    "MODULE",
+    "SHAPE",
+    "TIME",
+    "FlopInfo",
+    "MeasuredMemory",
+    "MemoryInfo",
+    "MetaKey",
+    "MissingMeta",
+    "ModuleInfo",
+    "TensorSpec",
+    "TimeInfo",
+    "ValueInfo",
+]
+
+R = TypeVar("R")
+
+
+class MissingMeta(KeyError):
+    """A pass that reads a record ran before the pass that writes it."""
+
+
+@dataclass(frozen=True)
+class MetaKey(Generic[R]):
+    """A typed ``node.meta`` slot: its string key and the record class stored there."""
+
+    name: str
+    record: type[R]
+    filled_by: str
+
+    def get(self, node: torch.fx.Node) -> R:
+        value = node.meta.get(self.name)
+        if not isinstance(value, self.record):
+            raise MissingMeta(
+                f"{node.format_node()} has no {self.name!r} record; run {self.filled_by} first"
+            )
+        return value
+
+    def has(self, node: torch.fx.Node) -> bool:
+        return isinstance(node.meta.get(self.name), self.record)
+
+    def set(self, node: torch.fx.Node, value: R) -> None:
+        assert isinstance(value, self.record), (self.name, type(value))
+        node.meta[self.name] = value
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Shape and type of one tensor value (no storage, works for meta and fake tensors)."""
+
+    shape: tuple[int, ...]
+    dtype: str  # e.g. "float32", the torch dtype name without the "torch." prefix
+    nbytes: int
+    requires_grad: bool
+
+
+@dataclass(frozen=True)
+class ValueInfo:
+    """Every tensor a node produces, in pytree-leaf order (one for a plain tensor)."""
+
+    tensors: tuple[TensorSpec, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def requires_grad(self) -> bool:
+        return any(t.requires_grad for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class ModuleInfo:
+    """The innermost ``nn.Module`` a node came from ("" is the root model)."""
+
+    path: str  # qualified name, e.g. "transformer.h.3.attn"
+    type_name: str  # class name, e.g. "GPT2Attention"
+    stack: tuple[str, ...] = ()  # enclosing qualified names, outermost first, path last
+
+
+@dataclass(frozen=True)
+class FlopInfo:
+    """Floating-point operations of one node for one micro-batch."""
+
+    forward: int
+    backward: int  # gradients of every input and parameter that requires grad
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    """Bytes a node owns or produces for one micro-batch."""
+
+    param_bytes: int  # parameters this node reads directly (get_attr / call_module)
+    buffer_bytes: int  # buffers this node reads directly
+    output_bytes: int  # bytes of everything it returns
+    saved_bytes: int  # bytes autograd keeps for backward (excluding parameters)
+    params: tuple[str, ...] = field(default=())  # qualified names of those parameters
+    buffers: tuple[str, ...] = field(default=())  # qualified names of those buffers
+
+
+@dataclass(frozen=True)
+class TimeInfo:
+    """Seconds one node takes for one micro-batch."""
+
+    forward_s: float
+    backward_s: float
+    source: str  # "analytic:<device>", "measured:cuda", "measured:cpu"
+
+
+@dataclass(frozen=True)
+class MeasuredMemory:
+    """Caching-allocator figures for one node, measured on a device."""
+
+    kept_bytes: int  # allocated by the node and still held after it returns
+    peak_bytes: int  # peak increase while it ran
+
+
+SHAPE = MetaKey("fxpipe.shape", ValueInfo, "fxpipe.passes.shapes.annotate_shapes")
+MODULE = MetaKey("fxpipe.module", ModuleInfo, "fxpipe.passes.modules.annotate_modules")
+FLOPS = MetaKey("fxpipe.flops", FlopInfo, "fxpipe.passes.flops.annotate_flops")
+BYTES = MetaKey("fxpipe.bytes", MemoryInfo, "fxpipe.passes.memory.annotate_memory")
+TIME = MetaKey("fxpipe.time", TimeInfo, "a cost model's annotate_times")
+MEASURED_MEMORY = MetaKey(
+    "fxpipe.measured_memory", MeasuredMemory, "fxpipe.cost_models.measured.annotate_times"
+)

@@ -1,0 +1,154 @@
+"""The result of partitioning: which fine-graph nodes run on which stage, and what it costs.
+
+A ``Plan`` is plain data that round-trips through ``plan.json``. Codegen reads a
+plan, never a solver, so tests can hand-write one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["Estimate", "Plan", "SolverReport", "StageMemory", "StagePlan"]
+
+PLAN_FORMAT = 1
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    """Predicted peak bytes on one device, by kind."""
+
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    activations: int = 0  # saved for backward, times micro-batches in flight
+    received: int = 0  # inputs received from other stages, times micro-batches in flight
+    workspace: int = 0
+
+    @property
+    def total(self) -> int:
+        return (
+            self.params + self.grads + self.optimizer + self.activations + self.received
+            + self.workspace
+        )
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    index: int
+    nodes: tuple[str, ...]  # fine-graph node names, in graph order
+    inputs: tuple[str, ...] = ()  # values it receives: producing node names, graph order
+    outputs: tuple[str, ...] = ()  # values it sends on or returns, graph order
+    parameters: tuple[str, ...] = ()  # qualified names of the parameters it holds
+    flops_forward: int = 0
+    flops_backward: int = 0
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    comm_s: float = 0.0  # send + receive time per micro-batch
+    memory: StageMemory = field(default_factory=StageMemory)
+    recompute: bool = False
+
+    @property
+    def time_s(self) -> float:
+        """Per-micro-batch time of this stage: forward + backward + communication."""
+        return self.forward_s + self.backward_s + self.comm_s
+
+
+@dataclass(frozen=True)
+class SolverReport:
+    method: str  # "cp-sat", "uniform-layers", "parameters", "greedy-time", "hand-written"
+    status: str  # "OPTIMAL", "FEASIBLE", "INFEASIBLE", "HEURISTIC"
+    objective: float  # bottleneck seconds found
+    bound: float  # best proved lower bound on the bottleneck
+    wall_s: float
+    solved_nodes: int = 0  # nodes of the (coarsened) graph the solver saw
+    graph_nodes: int = 0  # nodes of the fine graph
+
+    @property
+    def gap(self) -> float:
+        if self.objective <= 0:
+            return 0.0
+        return max(0.0, (self.objective - self.bound) / self.objective)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Predicted step figures of a partition under the plan's schedule."""
+
+    bottleneck_s: float  # slowest stage's per-micro-batch time
+    iteration_s: float  # (M - 1) * bottleneck + sum of stage times (fill + steady + drain)
+    bubble_fraction: float  # (K - 1) / (M + K - 1): idle share of the whole step
+    max_memory: int  # largest stage's predicted bytes
+    fits: bool  # every stage within the memory limit
+
+
+@dataclass(frozen=True)
+class Plan:
+    num_stages: int
+    schedule: str  # "gpipe" or "1f1b"
+    microbatches: int
+    stages: tuple[StagePlan, ...]
+    solver: SolverReport
+    estimate: Estimate
+    model: str = ""
+    tracer: str = ""
+    device: str = ""
+    memory_limit: float = float("inf")
+    optimizer: str = "adam"
+    tied: dict[str, str] = field(default_factory=dict)  # parameter -> "colocated"/"replicated"
+    baselines: dict[str, Estimate] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    def stage_of(self) -> dict[str, int]:
+        """Fine-graph node name -> stage index."""
+        return {name: stage.index for stage in self.stages for name in stage.nodes}
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["format"] = PLAN_FORMAT
+        data["solver"]["gap"] = self.solver.gap
+        for stage, raw in zip(self.stages, data["stages"], strict=True):
+            raw["time_s"] = stage.time_s
+            raw["memory"]["total"] = stage.memory.total
+        if self.memory_limit == float("inf"):
+            data["memory_limit"] = None
+        return data
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        def stage(raw: dict[str, Any]) -> StagePlan:
+            raw = dict(raw)
+            raw.pop("time_s", None)
+            memory = dict(raw.pop("memory", {}))
+            memory.pop("total", None)
+            tuples = {k: tuple(raw[k]) for k in ("nodes", "inputs", "outputs", "parameters")
+                      if k in raw}
+            return StagePlan(**{**raw, **tuples}, memory=StageMemory(**memory))
+
+        solver = dict(data["solver"])
+        solver.pop("gap", None)
+        limit = data.get("memory_limit")
+        return cls(
+            num_stages=data["num_stages"],
+            schedule=data["schedule"],
+            microbatches=data["microbatches"],
+            stages=tuple(stage(s) for s in data["stages"]),
+            solver=SolverReport(**solver),
+            estimate=Estimate(**data["estimate"]),
+            model=data.get("model", ""),
+            tracer=data.get("tracer", ""),
+            device=data.get("device", ""),
+            memory_limit=float("inf") if limit is None else float(limit),
+            optimizer=data.get("optimizer", "adam"),
+            tied=dict(data.get("tied", {})),
+            baselines={k: Estimate(**v) for k, v in data.get("baselines", {}).items()},
+            notes=tuple(data.get("notes", ())),
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        return cls.from_dict(json.loads(text))
