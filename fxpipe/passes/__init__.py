@@ -1,0 +1,31 @@
+"""Analysis passes: each takes a GraphModule, fills node.meta records, returns it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.fx
+
+from fxpipe.passes.base import AnalysisError
+from fxpipe.passes.flops import annotate_flops
+from fxpipe.passes.memory import annotate_memory
+from fxpipe.passes.modules import annotate_modules
+from fxpipe.passes.shapes import annotate_shapes
+
+__all__ = [
+    "AnalysisError",
+    "annotate_all",
+    "annotate_flops",
+    "annotate_memory",
+    "annotate_modules",
+    "annotate_shapes",
+]
+
+
+def annotate_all(gm: torch.fx.GraphModule, *flat_inputs: Any) -> torch.fx.GraphModule:
+    """Shapes, modules, FLOPs and bytes: every record the cost models need."""
+    annotate_shapes(gm, *flat_inputs)
+    annotate_modules(gm)
+    annotate_flops(gm, *flat_inputs)
+    annotate_memory(gm, *flat_inputs)
+    return gm

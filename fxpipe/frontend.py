@@ -1,0 +1,266 @@
+"""Load the user's model file and trace the model into an FX graph.
+
+The model file contract (DESIGN.md): the file defines ``build_model()`` and
+``example_inputs()`` (one micro-batch, a tuple of positional inputs or a dict
+of keyword inputs), optionally ``loss_fn(output, target)`` and
+``example_target()``. ``path.py:make_gpt`` names another factory.
+
+Tracing tries ``torch.fx.symbolic_trace`` first (it keeps ``call_module``
+nodes, which read best in generated code) and falls back to
+``torch.export.export(..., strict=False)``, which captures Hugging Face models.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import sys
+import traceback
+import types
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils import _pytree as pytree
+
+from fxpipe.metadevice import inputs_to_meta, named_state, on_meta
+
+__all__ = ["ModelFileError", "ModelSource", "TraceError", "Traced", "load_model_file", "trace"]
+
+
+class ModelFileError(ValueError):
+    """The model file is missing, broken, or does not follow the contract."""
+
+
+class TraceError(ValueError):
+    """Neither tracer could capture the model."""
+
+
+@dataclass
+class ModelSource:
+    """What a model file provides, built and ready to trace."""
+
+    path: Path
+    factory: str
+    model: torch.nn.Module
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    loss_fn: Callable[..., torch.Tensor] | None
+    target: Any
+
+    @property
+    def label(self) -> str:
+        return f"{self.path.name}:{self.factory}"
+
+
+@dataclass
+class Traced:
+    """A traced model and the example inputs flattened in placeholder order."""
+
+    gm: torch.fx.GraphModule
+    tracer: str  # "symbolic_trace" or "export"
+    fallback_reason: str | None  # why symbolic_trace was not used, if it was not
+    flat_inputs: tuple[Any, ...]
+    notes: tuple[str, ...] = ()
+
+
+def load_model_file(spec: str) -> ModelSource:
+    """Import ``path.py[:factory]``, build the model and one micro-batch of inputs."""
+    path_text, _, factory = spec.partition(":") if not Path(spec).exists() else (spec, "", "")
+    factory = factory or "build_model"
+    path = Path(path_text)
+    if not path.is_file():
+        raise ModelFileError(
+            f"{path}: no such file; pass the path to a Python file that defines build_model()"
+        )
+    module = _import_file(path)
+
+    build = _find_function(
+        module, path, factory, "-> nn.Module", named_by_user=factory != "build_model"
+    )
+    model = _call(build, path, factory)
+    if not isinstance(model, torch.nn.Module):
+        raise ModelFileError(
+            f"{path}: {factory}() returned {type(model).__name__}, not a torch.nn.Module; "
+            "return the model instance"
+        )
+
+    make_inputs = _find_function(module, path, "example_inputs", "-> tuple | dict")
+    args, kwargs = _as_args_kwargs(_call(make_inputs, path, "example_inputs"), path)
+
+    loss_fn = getattr(module, "loss_fn", None)
+    make_target = getattr(module, "example_target", None)
+    target = _call(make_target, path, "example_target") if callable(make_target) else None
+    return ModelSource(
+        path=path,
+        factory=factory,
+        model=model,
+        args=args,
+        kwargs=kwargs,
+        loss_fn=loss_fn if callable(loss_fn) else None,
+        target=target,
+    )
+
+
+def _import_file(path: Path) -> types.ModuleType:
+    name = f"fxpipe_user_{path.stem}_{abs(hash(path.resolve())) % 10**8}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ModelFileError(f"{path}: cannot be imported as Python; give a .py file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as exc:
+        raise ModelFileError(
+            f"{path}:{exc.lineno}: syntax error: {exc.msg}; fix the file and run again"
+        ) from None
+    except Exception as exc:
+        raise ModelFileError(
+            f"{_where(path, exc)}: importing the file raised {_one_line(exc)}; fix the file "
+            "and run again"
+        ) from None
+    return module
+
+
+def _find_function(
+    module: types.ModuleType, path: Path, name: str, returns: str, *, named_by_user: bool = False
+) -> Callable[[], Any]:
+    function = getattr(module, name, None)
+    if callable(function):
+        return function
+    if named_by_user:
+        raise ModelFileError(f"{path}: no function {name}(); check the name after the ':'")
+    hint = " or name another factory with FILE.py:NAME" if name == "build_model" else ""
+    raise ModelFileError(f"{path}: no function {name}(); define {name}() {returns}{hint}")
+
+
+def _call(function: Callable[[], Any], path: Path, name: str) -> Any:
+    try:
+        return function()
+    except Exception as exc:
+        raise ModelFileError(
+            f"{_where(path, exc)}: {name}() raised {_one_line(exc)}; fix {name}() and run again"
+        ) from None
+
+
+def _as_args_kwargs(inputs: Any, path: Path) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if isinstance(inputs, dict) and all(isinstance(k, str) for k in inputs):
+        return (), dict(inputs)
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), {}
+    if isinstance(inputs, torch.Tensor):
+        return (inputs,), {}
+    raise ModelFileError(
+        f"{path}: example_inputs() returned {type(inputs).__name__}; return a tuple of "
+        "positional inputs or a dict of keyword inputs for one micro-batch"
+    )
+
+
+def _where(path: Path, exc: BaseException) -> str:
+    """``path:line`` of the innermost traceback frame inside the user's file."""
+    line = None
+    resolved = str(path.resolve())
+    for frame in traceback.extract_tb(exc.__traceback__):
+        if Path(frame.filename).resolve().as_posix() == Path(resolved).as_posix():
+            line = frame.lineno
+    return f"{path}:{line}" if line else str(path)
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    first = text[0] if text else ""
+    if len(first) > 200:
+        first = first[:197] + "..."
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+# ---------------------------------------------------------------------------- tracing
+
+
+def trace(
+    model: torch.nn.Module, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+) -> Traced:
+    """Trace ``model`` on one micro-batch: symbolic_trace, else torch.export non-strict."""
+    kwargs = dict(kwargs or {})
+    notes: list[str] = []
+    device = _model_device(model)
+    if device is not None and device.type == "meta":
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False  # type: ignore[union-attr]
+        notes.append("set config.use_cache = False: a training step keeps no key/value cache")
+
+    try:
+        gm = torch.fx.symbolic_trace(model)
+        flat = _symbolic_inputs(model, gm, args, kwargs)
+        _check_runs(gm, flat)
+        return Traced(gm, "symbolic_trace", None, flat, tuple(notes))
+    except Exception as exc:
+        reason = _one_line(exc)
+
+    try:
+        program = torch.export.export(model, args, kwargs, strict=False)
+    except Exception as exc:
+        raise TraceError(
+            f"cannot trace {type(model).__name__}: symbolic_trace failed ({reason}) and "
+            f"torch.export failed ({_one_line(exc)}); make forward free of data-dependent "
+            "Python control flow"
+        ) from None
+    gm = program.module()
+    assert isinstance(gm, torch.fx.GraphModule)
+    _drop_export_checks(gm)
+    flat = tuple(pytree.tree_leaves((args, kwargs)))
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert len(flat) == len(placeholders), (len(flat), len(placeholders))
+    return Traced(gm, "export", reason, flat, tuple(notes))
+
+
+def _drop_export_checks(gm: torch.fx.GraphModule) -> None:
+    """Remove export's input guards, dtype assertions and unread attributes."""
+    for node in reversed(gm.graph.nodes):
+        guard = node.op == "call_module" and node.target == "_guards_fn"
+        check = (
+            node.op == "call_function"
+            and node.target is torch.ops.aten._assert_tensor_metadata.default
+        )
+        if (guard or check) and not node.users:
+            gm.graph.erase_node(node)
+            if guard:
+                gm.delete_submodule("_guards_fn")
+    # A tied parameter appears once per name; only the one export reads has users.
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+
+
+def _model_device(model: torch.nn.Module) -> torch.device | None:
+    for _, tensor in named_state(model):
+        return tensor.device
+    return None
+
+
+def _symbolic_inputs(
+    model: torch.nn.Module, gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, ...]:
+    """The example inputs in the order of the traced graph's placeholders."""
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    bound.apply_defaults()
+    flat = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        name = str(node.target)
+        if name.startswith("*"):
+            raise TypeError(f"forward takes {name}, which symbolic_trace cannot bind")
+        flat.append(bound.arguments[name])
+    return tuple(flat)
+
+
+def _check_runs(gm: torch.fx.GraphModule, flat: tuple[Any, ...]) -> None:
+    """Run the graph once on meta tensors: symbolic_trace can succeed on a graph that fails."""
+    with torch.no_grad(), on_meta(gm):
+        torch.fx.Interpreter(gm).run(*inputs_to_meta(flat))

@@ -1,0 +1,89 @@
+"""What every analysis pass shares: an Interpreter that runs the graph on meta tensors."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils import _pytree as pytree
+
+from fxpipe.metadevice import inputs_to_meta, on_meta
+
+__all__ = ["OP_NODES", "AnalysisError", "MetaInterpreter"]
+
+OP_NODES = frozenset({"call_function", "call_method", "call_module"})
+
+
+class AnalysisError(RuntimeError):
+    """A pass failed at one node; the message names the node."""
+
+
+class MetaInterpreter(torch.fx.Interpreter):
+    """Runs a graph on meta tensors with the module's state swapped for meta copies.
+
+    Subclasses override ``visit(node, result)`` to record what a node produced, or
+    ``execute(node)`` to change how a node runs. Errors name the node.
+    """
+
+    pass_name = "analysis"
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        super().__init__(gm, garbage_collect_values=True)
+
+    def analyze(self, *flat_inputs: Any) -> None:
+        with on_meta(self.module) as state:
+            self.meta_state = state  # qualified name -> the meta tensor standing in for it
+            self.run(*inputs_to_meta(flat_inputs))
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        try:
+            result = self.execute(n)
+            self.visit(n, result)
+        except AnalysisError:
+            raise
+        except Exception as exc:
+            raise AnalysisError(
+                f"{self.pass_name} failed at {n.format_node()}: {type(exc).__name__}: {exc}"
+            ) from exc
+        return result
+
+    def execute(self, n: torch.fx.Node) -> Any:
+        return super().run_node(n)
+
+    def visit(self, node: torch.fx.Node, result: Any) -> None:
+        """Record something about ``node`` given its (meta) result."""
+
+    def run_op_detached(self, n: torch.fx.Node) -> tuple[Any, list[torch.Tensor]]:
+        """Run one op node on fresh leaf copies of its tensor inputs.
+
+        Returns the op's result and the leaves that require grad (its inputs and, for
+        ``call_module``, the module's parameters), so a caller can run this node's
+        backward alone with ``torch.autograd.grad``.
+        """
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        leaves: list[torch.Tensor] = []
+
+        def leaf(t: torch.Tensor) -> torch.Tensor:
+            if not t.requires_grad:
+                return t.detach()
+            fresh = t.detach().requires_grad_()
+            leaves.append(fresh)
+            # A non-leaf view of the leaf, so in-place ops inside the node stay legal.
+            return fresh.view_as(fresh)
+
+        args, kwargs = pytree.tree_map_only(torch.Tensor, leaf, (args, kwargs))
+        if n.op == "call_module":
+            submodule = self.fetch_attr(str(n.target))
+            leaves += [p for p in submodule.parameters() if p.requires_grad]
+        result = getattr(self, n.op)(n.target, args, kwargs)
+        return result, leaves
+
+
+def tensor_leaves(value: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def grad_outputs_of(result: Any) -> list[torch.Tensor]:
+    """The result's tensors that carry gradient (the ones a backward starts from)."""
+    return [t for t in tensor_leaves(result) if t.requires_grad]

@@ -1,0 +1,104 @@
+"""Bytes per node: parameters and buffers it owns, what it outputs, what backward keeps.
+
+Saved-for-backward bytes come from autograd itself: each op node runs alone under
+``torch.autograd.graph.saved_tensors_hooks`` and every tensor its backward keeps is
+classified. Parameters and buffers are not activations and are skipped. A saved
+tensor that is one of the node's inputs is charged once to the node that produced
+it (its output stays alive for backward), however many consumers save it; every
+other saved tensor is an intermediate of the node and charged to the node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.fx
+
+from fxpipe import meta
+from fxpipe.passes.base import OP_NODES, MetaInterpreter, tensor_leaves
+
+__all__ = ["annotate_memory"]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class _MemoryCount(MetaInterpreter):
+    pass_name = "memory accounting"
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.parameter_names = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+        self.intermediate: dict[torch.fx.Node, int] = {}
+        self.output_saved: set[torch.fx.Node] = set()
+        self.owned: dict[torch.fx.Node, meta.MemoryInfo] = {}  # saved_bytes filled at the end
+
+    def execute(self, n: torch.fx.Node) -> Any:
+        if n.op not in OP_NODES:
+            return super().execute(n)
+        state_ids = {id(t) for t in self.meta_state.values()}
+        inputs = {
+            id(t): producer
+            for producer in n.all_input_nodes
+            for t in tensor_leaves(self.env.get(producer))
+        }
+        saved: dict[int, torch.Tensor] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved.setdefault(id(t), t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            result = super().execute(n)
+        outputs = {id(t) for t in tensor_leaves(result)}
+        own = 0
+        for key, t in saved.items():
+            base = t._base if t._base is not None else t
+            if key in state_ids or id(base) in state_ids:
+                continue
+            producer = inputs.get(key, inputs.get(id(base)))
+            if producer is not None:
+                self.output_saved.add(producer)
+            elif key in outputs or id(base) in outputs:
+                self.output_saved.add(n)
+            else:
+                own += _nbytes(t)
+        self.intermediate[n] = own
+        return result
+
+    def visit(self, node: torch.fx.Node, result: Any) -> None:
+        params: list[str] = []
+        buffers: list[str] = []
+        if node.op == "get_attr":
+            name = str(node.target)
+            if isinstance(result, torch.Tensor):
+                (params if name in self.parameter_names else buffers).append(name)
+        elif node.op == "call_module":
+            submodule = self.module.get_submodule(str(node.target))
+            prefix = f"{node.target}."
+            params += [prefix + k for k, _ in submodule.named_parameters(remove_duplicate=False)]
+            buffers += [prefix + k for k, _ in submodule.named_buffers(remove_duplicate=False)]
+        state = self.meta_state
+        self.owned[node] = meta.MemoryInfo(
+            param_bytes=sum(_nbytes(state[p]) for p in params),
+            buffer_bytes=sum(_nbytes(state[b]) for b in buffers),
+            output_bytes=sum(_nbytes(t) for t in tensor_leaves(result)),
+            saved_bytes=0,
+            params=tuple(params),
+            buffers=tuple(buffers),
+        )
+
+
+def annotate_memory(gm: torch.fx.GraphModule, *flat_inputs: Any) -> torch.fx.GraphModule:
+    """Fill ``meta.BYTES`` on every node."""
+    counter = _MemoryCount(gm)
+    counter.analyze(*flat_inputs)
+    for node, owned in counter.owned.items():
+        saved = counter.intermediate.get(node, 0)
+        if node in counter.output_saved and node.op in OP_NODES:
+            saved += owned.output_bytes
+        meta.BYTES.set(node, replace(owned, saved_bytes=saved))
+    return gm
