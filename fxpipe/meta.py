@@ -114,8 +114,10 @@ class MemoryInfo:
     buffer_bytes: int  # buffers this node reads directly
     output_bytes: int  # bytes of everything it returns
     saved_bytes: int  # bytes autograd keeps for backward (excluding parameters)
-    params: tuple[str, ...] = field(default=())  # qualified names of those parameters
-    buffers: tuple[str, ...] = field(default=())  # qualified names of those buffers
+    # (canonical qualified name, bytes) of those parameters and buffers. A tied parameter
+    # has one canonical name (its first in ``named_parameters()``) whichever name a node uses.
+    params: tuple[tuple[str, int], ...] = field(default=())
+    buffers: tuple[tuple[str, int], ...] = field(default=())
 
 
 @dataclass(frozen=True)

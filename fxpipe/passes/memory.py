@@ -17,6 +17,7 @@ import torch
 import torch.fx
 
 from fxpipe import meta
+from fxpipe.metadevice import named_state
 from fxpipe.passes.base import OP_NODES, MetaInterpreter, tensor_leaves
 
 __all__ = ["annotate_memory"]
@@ -32,6 +33,9 @@ class _MemoryCount(MetaInterpreter):
     def __init__(self, gm: torch.fx.GraphModule) -> None:
         super().__init__(gm)
         self.parameter_names = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+        # Every name of a tensor -> the first name it has (tied parameters share one).
+        first: dict[int, str] = {}
+        self.canonical = {name: first.setdefault(id(t), name) for name, t in named_state(gm)}
         self.intermediate: dict[torch.fx.Node, int] = {}
         self.output_saved: set[torch.fx.Node] = set()
         self.owned: dict[torch.fx.Node, meta.MemoryInfo] = {}  # saved_bytes filled at the end
@@ -70,25 +74,22 @@ class _MemoryCount(MetaInterpreter):
         return result
 
     def visit(self, node: torch.fx.Node, result: Any) -> None:
-        params: list[str] = []
-        buffers: list[str] = []
-        if node.op == "get_attr":
-            name = str(node.target)
-            if isinstance(result, torch.Tensor):
-                (params if name in self.parameter_names else buffers).append(name)
+        names: list[str] = []
+        if node.op == "get_attr" and isinstance(result, torch.Tensor):
+            names.append(str(node.target))
         elif node.op == "call_module":
             submodule = self.module.get_submodule(str(node.target))
-            prefix = f"{node.target}."
-            params += [prefix + k for k, _ in submodule.named_parameters(remove_duplicate=False)]
-            buffers += [prefix + k for k, _ in submodule.named_buffers(remove_duplicate=False)]
-        state = self.meta_state
+            names += [f"{node.target}.{k}" for k, _ in named_state(submodule)]
+        owned = {self.canonical[name]: _nbytes(self.meta_state[name]) for name in names}
+        params = tuple(sorted((k, v) for k, v in owned.items() if k in self.parameter_names))
+        buffers = tuple(sorted((k, v) for k, v in owned.items() if k not in self.parameter_names))
         self.owned[node] = meta.MemoryInfo(
-            param_bytes=sum(_nbytes(state[p]) for p in params),
-            buffer_bytes=sum(_nbytes(state[b]) for b in buffers),
+            param_bytes=sum(size for _, size in params),
+            buffer_bytes=sum(size for _, size in buffers),
             output_bytes=sum(_nbytes(t) for t in tensor_leaves(result)),
             saved_bytes=0,
-            params=tuple(params),
-            buffers=tuple(buffers),
+            params=params,
+            buffers=buffers,
         )
 
 

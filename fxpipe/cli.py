@@ -1,0 +1,189 @@
+"""The ``fxpipe`` command: ``profile`` a model, ``split`` it into pipeline stages."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+__all__ = ["main"]
+
+EXIT_USER_ERROR = 2
+
+err = Console(stderr=True, highlight=False)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "run"):
+        parser.print_help()
+        return EXIT_USER_ERROR
+    try:
+        code: int = args.run(args)
+        return code
+    except ValueError as exc:  # every user mistake fxpipe detects is a ValueError subclass
+        if os.environ.get("FXPIPE_DEBUG"):
+            raise
+        message = " ".join(str(exc).split())
+        print(f"fxpipe: error: {message}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("fxpipe: interrupted; nothing was written", file=sys.stderr)
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fxpipe",
+        description="A pipeline-parallelism compiler for PyTorch.",
+    )
+    commands = parser.add_subparsers(title="commands")
+
+    profile = commands.add_parser(
+        "profile", help="trace a model and show what every module or op costs"
+    )
+    _model_argument(profile)
+    profile.add_argument("--device", default="h100", help="device table entry (default h100)")
+    profile.add_argument("--by", choices=("module", "op"), default="module")
+    profile.add_argument("--depth", type=int, default=None, help="module nesting level to show")
+    profile.add_argument(
+        "--measure",
+        action="store_true",
+        help="time every node on this machine (CUDA events on a GPU, wall clock on the CPU)",
+    )
+    profile.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    profile.set_defaults(run=_run_profile)
+    return parser
+
+
+def _model_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model", help="model file defining build_model() and example_inputs(); FILE.py:FACTORY"
+    )
+
+
+@contextmanager
+def _step(label: str, quiet: bool) -> Iterator[None]:
+    """Show a spinner while a step runs and its time when it ends."""
+    start = time.perf_counter()
+    if quiet:
+        yield
+        return
+    with err.status(label):
+        yield
+    err.print(f"[green]✓[/] {label} ({time.perf_counter() - start:.1f} s)")
+
+
+def analyze_model(
+    spec: str, *, device: str, measure: bool = False, quiet: bool = False
+) -> tuple[Any, Any]:
+    """Load, trace and annotate a model file: (ModelSource, Traced) with costed nodes."""
+    from fxpipe.cost_models import analytic, get_device
+    from fxpipe.frontend import load_model_file, trace
+    from fxpipe.passes import annotate_all
+
+    target = get_device(device)  # an unknown device fails before any slow work
+    with _step(f"loading {spec}", quiet):
+        source = load_model_file(spec)
+    with _step("tracing", quiet):
+        traced = trace(source.model, source.args, source.kwargs)
+    if not quiet:
+        how = traced.tracer
+        if traced.fallback_reason:
+            how += f" (symbolic_trace failed: {traced.fallback_reason})"
+        err.print(f"  traced with {how}; {len(traced.gm.graph.nodes)} nodes")
+        for note in traced.notes:
+            err.print(f"  note: {note}")
+    with _step("shapes, FLOPs and bytes", quiet):
+        annotate_all(traced.gm, *traced.flat_inputs)
+    if measure:
+        from fxpipe.cost_models import measured
+
+        kind = "cuda" if _on_cuda(traced.flat_inputs) else "cpu"
+        with _step(f"timing every node ({kind})", quiet):
+            measured.annotate_times(traced.gm, *traced.flat_inputs, device=kind)
+    else:
+        with _step(f"roofline times for {target.name}", quiet):
+            analytic.annotate_times(traced.gm, target)
+    return source, traced
+
+
+def _on_cuda(values: Sequence[Any]) -> bool:
+    import torch
+
+    return any(isinstance(v, torch.Tensor) and v.is_cuda for v in values)
+
+
+def _run_profile(args: argparse.Namespace) -> int:
+    from fxpipe.profile import summarize
+
+    _, traced = analyze_model(args.model, device=args.device, measure=args.measure,
+                              quiet=args.json)
+    if args.depth is not None and args.depth < 1:
+        raise ValueError(f"--depth must be at least 1, got {args.depth}")
+    rows, total = summarize(traced.gm, by=args.by, depth=args.depth)
+    if args.json:
+        payload = {
+            "model": args.model,
+            "tracer": traced.tracer,
+            "device": args.device,
+            "by": args.by,
+            "rows": [r.as_dict() for r in rows],
+            "total": total.as_dict(),
+        }
+        print(json.dumps(payload, indent=2))
+        return 0
+    table = Table(title=f"{args.model} on {args.device} (one micro-batch)")
+    columns: list[tuple[str, Callable[[Any], str]]] = [
+        ("ops", lambda r: str(r.nodes)),
+        ("fwd FLOPs", lambda r: _si(r.flops_forward)),
+        ("bwd FLOPs", lambda r: _si(r.flops_backward)),
+        ("params", lambda r: _bytes(r.param_bytes)),
+        ("activations", lambda r: _bytes(r.activation_bytes)),
+        ("fwd time", lambda r: _seconds(r.forward_s)),
+        ("bwd time", lambda r: _seconds(r.backward_s)),
+    ]
+    table.add_column(args.by)
+    for title, _ in columns:
+        table.add_column(title, justify="right")
+    for row in rows:
+        table.add_row(row.name, *(fmt(row) for _, fmt in columns))
+    table.add_section()
+    table.add_row("total", *(fmt(total) for _, fmt in columns), style="bold")
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
+    return 0
+
+
+def _si(value: float) -> str:
+    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f} {unit}"
+    return f"{value:.0f}"
+
+
+def _bytes(value: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(value) >= scale:
+            return f"{value / scale:.2f} {unit}"
+    return f"{value:.0f} B"
+
+
+def _seconds(value: float) -> str:
+    if value >= 1:
+        return f"{value:.2f} s"
+    if value >= 1e-3:
+        return f"{value * 1e3:.2f} ms"
+    return f"{value * 1e6:.1f} µs"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
