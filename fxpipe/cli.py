@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Literal
 
 from rich.console import Console
 from rich.table import Table
@@ -108,7 +108,7 @@ def analyze_model(
     if measure:
         from fxpipe.cost_models import measured
 
-        kind = "cuda" if _on_cuda(traced.flat_inputs) else "cpu"
+        kind: Literal["cpu", "cuda"] = "cuda" if _on_cuda(traced.flat_inputs) else "cpu"
         with _step(f"timing every node ({kind})", quiet):
             measured.annotate_times(traced.gm, *traced.flat_inputs, device=kind)
     else:

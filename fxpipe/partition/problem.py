@@ -65,6 +65,7 @@ class Edge:
     src: int
     dst: int
     ordered: bool = True  # stage(src) <= stage(dst) must hold; False: only costs communication
+    data: bool = True  # False: an ordering constraint only, no value moves (costs nothing)
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,9 @@ class Problem:
     tied_policy: TiedPolicy = TiedPolicy.REPLICATE
     # Nodes whose index sets must share one stage (a layer's forward and backward).
     colocate: tuple[tuple[int, ...], ...] = field(default=())
+    # False: every stage holds at least one node (K devices, K stage modules). True: a stage
+    # may stay empty, i.e. "at most K devices", the model of the partitioning literature.
+    allow_empty_stages: bool = False
 
     def __post_init__(self) -> None:
         if self.num_stages < 1:
