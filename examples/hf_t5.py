@@ -1,0 +1,20 @@
+"""Hugging Face T5 (T5ForConditionalGeneration), random weights:
+2+2 layers, d_model 64, vocab 1000.
+
+Traced by fxpipe with torch.export (non-strict); inputs are a keyword dict.
+The definitions live in transformers_models.py next to this file.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # find transformers_models
+
+from transformers_models import build_t5 as build_model
+from transformers_models import loss_fn
+from transformers_models import t5_inputs as example_inputs
+from transformers_models import t5_target as example_target
+
+__all__ = ["build_model", "example_inputs", "example_target", "loss_fn"]
