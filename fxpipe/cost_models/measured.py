@@ -16,7 +16,10 @@ On CUDA a pair of ``torch.cuda.Event(enable_timing=True)`` brackets each run
 (synchronising on the end event) and the caching allocator's figures for that
 last forward go into ``meta.MEASURED_MEMORY``: bytes still allocated after it
 returns (its outputs and what autograd saved) and the peak increase while it
-ran. On the CPU ``time.perf_counter`` brackets each run.
+ran. On the CPU ``time.perf_counter`` brackets each run; on a loaded machine
+intra-op threads wait on each other for whole scheduler ticks (≈ 10 ms per op
+on 2 busy cores), so measure on an idle host or with ``torch.set_num_threads``
+below the number of free cores.
 
 The value passed on to later nodes is that last forward's output, detached,
 with its ``requires_grad`` kept, so the autograd graph of the whole model is

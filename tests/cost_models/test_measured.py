@@ -1,5 +1,7 @@
 """The measured model on the CPU (and on CUDA where there is one)."""
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.fx
@@ -70,7 +72,18 @@ def test_no_grad_input_and_no_parameters_means_no_backward() -> None:
     assert meta.TIME.get(node).backward_s == 0.0
 
 
-def test_larger_linear_takes_longer() -> None:
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """One intra-op thread: on a loaded machine OpenMP barriers stall for scheduler ticks."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_larger_linear_takes_longer(one_thread: None) -> None:
     class TwoLinears(nn.Module):
         def __init__(self) -> None:
             super().__init__()
