@@ -125,9 +125,11 @@ class Plan:
             raw.pop("time_s", None)
             memory = dict(raw.pop("memory", {}))
             memory.pop("total", None)
-            tuples = {k: tuple(raw[k]) for k in ("nodes", "inputs", "outputs", "parameters")
-                      if k in raw}
-            return StagePlan(**{**raw, **tuples}, memory=StageMemory(**memory))
+            tuples: dict[str, tuple[Any, ...]] = {
+                k: tuple(raw[k]) for k in ("nodes", "inputs", "outputs", "parameters") if k in raw
+            }
+            fields: dict[str, Any] = {**raw, **tuples}
+            return StagePlan(**fields, memory=StageMemory(**memory))
 
         solver = dict(data["solver"])
         solver.pop("gap", None)
@@ -144,7 +146,7 @@ class Plan:
             device=data.get("device", ""),
             memory_limit=float("inf") if limit is None else float(limit),
             optimizer=data.get("optimizer", "adam"),
-            tied=dict(data.get("tied", {})),
+            tied={str(k): str(v) for k, v in data.get("tied", {}).items()},
             baselines={k: Estimate(**v) for k, v in data.get("baselines", {}).items()},
             notes=tuple(data.get("notes", ())),
         )

@@ -1,0 +1,198 @@
+"""The splits users can get today without fxpipe, and the interval DP used as a warm start.
+
+Each baseline returns ``stage_of`` (a stage per fine node) and is scored by
+``evaluate`` like the ILP's answer. All cut contiguous blocks of one topological
+order of the co-location groups, so they are valid pipelines:
+
+- ``uniform-layers``  DeepSpeed ``partition_method="uniform"``: the same number of
+                      top-level blocks (``Node.module``) per stage; nodes when no
+                      module names are given.
+- ``parameters``      DeepSpeed ``"parameters"`` / PiPPy ``split_into_equal_size``:
+                      parameter bytes balanced (min-max) over the order.
+- ``greedy-time``     torchgpipe ``balance_by_time``: the block partition of the order
+                      that minimises the slowest stage's compute time (communication
+                      and memory ignored, as there).
+
+``interval_dp`` is DESIGN's O(K n^2) warm start: the best contiguous split of the
+order with cut communication and memory included (replicated tied parameters left
+out; ``evaluate`` has the last word).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from fxpipe.partition.coarsen import Coarsening, exact_groups
+from fxpipe.partition.evaluate import state_split
+from fxpipe.partition.problem import Problem, in_flight
+
+__all__ = ["BASELINES", "baselines", "interval_dp", "linear_partition"]
+
+
+def linear_partition(weights: Sequence[float], num_parts: int, *, allow_empty: bool = False
+                     ) -> list[int]:
+    """Part index per item: contiguous parts minimising the heaviest part's weight.
+
+    Binary search on the threshold with greedy packing (exact for contiguous parts).
+    Without ``allow_empty``, every part gets an item when there are enough items.
+    """
+    n, K = len(weights), num_parts
+    if n == 0:
+        return []
+
+    def pack(limit: float) -> list[int] | None:
+        part, load, out = 0, 0.0, []
+        for w in weights:
+            if load + w > limit and load > 0:
+                part, load = part + 1, 0.0
+            if part >= K or w > limit:
+                return None
+            load += w
+            out.append(part)
+        return out
+
+    lo, hi = max(weights), max(sum(weights), max(weights))
+    best = pack(hi)
+    assert best is not None
+    for _ in range(64):
+        if hi - lo <= 1e-12 * max(1.0, hi):
+            break
+        mid = (lo + hi) / 2
+        got = pack(mid)
+        if got is None:
+            lo = mid
+        else:
+            hi, best = mid, got
+    if not allow_empty and n >= K:
+        # Item i must leave an item for each later part: a monotone fix that hits every part.
+        best = [min(i, max(b, i - (n - K))) for i, b in enumerate(best)]
+    return best
+
+
+def _group_weights(c: Coarsening, weight: Callable[[int], float]) -> list[float]:
+    return [sum(weight(v) for v in group) for group in c.groups]
+
+
+def uniform_layers(problem: Problem, c: Coarsening | None = None) -> tuple[int, ...]:
+    c = c or exact_groups(problem)
+    K = problem.num_stages
+    modules = [problem.nodes[group[0]].module for group in c.groups]
+    rank: dict[str, int] = {}
+    unit, running = [], 0
+    for name in modules:
+        rank.setdefault(name, len(rank))
+        running = max(running, rank[name])
+        unit.append(running)
+    if all(m == "" for m in modules) or (len(rank) < K and not problem.allow_empty_stages):
+        parts = linear_partition(_group_weights(c, lambda v: 1.0), K,
+                                 allow_empty=problem.allow_empty_stages)
+        return c.expand(parts)
+    count = len(rank)
+    return c.expand([u * K // count for u in unit])
+
+
+def by_parameters(problem: Problem, c: Coarsening | None = None) -> tuple[int, ...]:
+    c = c or exact_groups(problem)
+    extra = [0.0] * len(problem.nodes)
+    for tied in problem.tied:
+        extra[min(tied.nodes)] += tied.param_bytes
+    w = _group_weights(c, lambda v: problem.nodes[v].param_bytes + extra[v])
+    return c.expand(linear_partition(w, problem.num_stages,
+                                     allow_empty=problem.allow_empty_stages))
+
+
+def greedy_time(problem: Problem, c: Coarsening | None = None) -> tuple[int, ...]:
+    c = c or exact_groups(problem)
+    w = _group_weights(c, lambda v: problem.nodes[v].forward_s + problem.nodes[v].backward_s)
+    return c.expand(linear_partition(w, problem.num_stages,
+                                     allow_empty=problem.allow_empty_stages))
+
+
+BASELINES: dict[str, Callable[[Problem, Coarsening | None], tuple[int, ...]]] = {
+    "uniform-layers": uniform_layers,
+    "parameters": by_parameters,
+    "greedy-time": greedy_time,
+}
+
+
+def baselines(problem: Problem, c: Coarsening | None = None) -> dict[str, tuple[int, ...]]:
+    """Every baseline's ``stage_of``."""
+    c = c or exact_groups(problem)
+    return {name: f(problem, c) for name, f in BASELINES.items()}
+
+
+def interval_dp(c: Coarsening) -> tuple[int, ...] | None:
+    """Coarse assignment: best contiguous split of ``c``'s order, None if none fits.
+
+    Legend: n coarse nodes in order, a..c a block [a, c), cut[i] the cost of cutting
+    before item i (values whose producer and readers lie on both sides).
+    """
+    p = c.problem
+    n, K = c.num_coarse, p.num_stages
+    grad_f, opt_f = state_split(p.state_factor)
+    t = np.zeros(n + 1)
+    params = np.zeros(n + 1)
+    act = np.zeros(n + 1)
+    for v, node in enumerate(p.nodes):
+        g = c.group_of[v]
+        t[g + 1] += node.forward_s + node.backward_s
+        params[g + 1] += node.param_bytes * (1 + grad_f + opt_f)
+        act[g + 1] += node.activation_bytes
+    for tied in p.tied:
+        params[min(c.group_of[v] for v in tied.nodes) + 1] += tied.param_bytes * (
+            1 + grad_f + opt_f)
+    T, P, A = np.cumsum(t), np.cumsum(params), np.cumsum(act)
+
+    cut_time = np.zeros(n + 2)
+    cut_bytes = np.zeros(n + 2)
+    span: dict[int, list[int]] = {}
+    for e in p.edges:
+        if e.data:
+            a, b = c.group_of[e.src], c.group_of[e.dst]
+            lo_hi = span.setdefault(e.src, [a, a])
+            lo_hi[0], lo_hi[1] = min(lo_hi[0], b), max(lo_hi[1], b)
+    for v, (lo, hi) in span.items():
+        if lo < hi:  # cuts lo+1 .. hi separate the value from a reader
+            cut_time[lo + 1] += p.nodes[v].comm_s
+            cut_time[hi + 1] -= p.nodes[v].comm_s
+            cut_bytes[lo + 1] += p.nodes[v].output_bytes
+            cut_bytes[hi + 1] -= p.nodes[v].output_bytes
+    cut = np.cumsum(cut_time)[: n + 1]
+    cut_b = np.cumsum(cut_bytes)[: n + 1]
+    cut[0] = cut[n] = 0.0
+    cut_b[0] = cut_b[n] = 0.0
+
+    inf = float("inf")
+    best = np.full((K, n + 1), inf)
+    back = np.zeros((K, n + 1), dtype=np.int64)
+    limit = p.memory_limit
+    gap = 0 if p.allow_empty_stages else 1
+    for j in range(K):
+        f = in_flight(p.schedule, p.microbatches, K, j)
+        keep = 1 if p.recompute else f
+        for end in range(n + 1):
+            starts = np.arange(0, end - gap + 1) if j > 0 else np.array([0])
+            if starts.size == 0 or (j == 0 and end < gap):
+                continue
+            load = T[end] - T[starts] + cut[starts] + cut[end]
+            memory = (P[end] - P[starts] + (A[end] - A[starts]) * keep + cut_b[starts] * f
+                      + p.workspace_bytes)
+            load = np.where(memory <= limit, load, inf)
+            if end == starts[0] == 0 and j == 0 and not p.allow_empty_stages:
+                load[:] = inf
+            if j > 0:
+                load = np.maximum(load, best[j - 1][starts])
+            i = int(np.argmin(load))
+            best[j][end], back[j][end] = load[i], starts[i]
+    if best[K - 1][n] == inf:
+        return None
+    stage = [0] * n
+    end = n
+    for j in range(K - 1, -1, -1):
+        start = int(back[j][end])
+        for g in range(start, end):
+            stage[g] = j
+        end = start
+    return tuple(stage)

@@ -1,0 +1,188 @@
+"""The one cost model: what an assignment of nodes to stages costs.
+
+Every figure fxpipe reports -- the ILP's result and every baseline -- comes from
+``evaluate``, so they are comparable, and the ILP's objective equals ``evaluate``'s
+bottleneck for the assignment it returns (tests/partition check this).
+
+Per stage j, for one micro-batch:
+
+    forward_s, backward_s  sum over its nodes
+    comm_s                 send + receive time, by ``Problem.comm``:
+        NEIGHBOUR  a value produced on stage s and read on stages C spans the stages
+                   lo = min(s, C) .. hi = max(s, C); it crosses boundaries lo .. hi-1, and
+                   each crossing of boundary b charges the node's comm_s to stage b and b+1.
+        DIRECT     a value read on a stage other than its own charges comm_s once to its
+                   own stage, and once to every other stage that reads it.
+               + all-reduce of a replicated tied parameter, on each stage holding a copy,
+                 when more than one stage holds one.
+    memory (StageMemory)
+        params      parameter bytes of its nodes (+ tied parameters, see TiedPolicy)
+        grads       params * clamp(state_factor - 1, 0, 1)
+        optimizer   params * max(state_factor - 2, 0)
+                    (so params + grads + optimizer = params * state_factor for factor >= 1)
+        activations activation_bytes * in_flight(j); with recompute only one micro-batch's
+                    activations (the peak while recomputing), the inputs kept per micro-batch
+                    are the received values below
+        received    bytes of values it receives (NEIGHBOUR: also the ones it passes on)
+                    * in_flight(j)
+        workspace   Problem.workspace_bytes
+
+Legend: n nodes, K stages, M micro-batches, s/t/j stages (see problem.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from fxpipe.partition.plan import Estimate, StageMemory
+from fxpipe.partition.problem import Comm, Problem, TiedPolicy, in_flight
+
+__all__ = ["Evaluation", "StageCost", "evaluate", "state_split", "violations"]
+
+
+@dataclass(frozen=True)
+class StageCost:
+    forward_s: float
+    backward_s: float
+    comm_s: float
+    memory: StageMemory
+
+    @property
+    def time_s(self) -> float:
+        return self.forward_s + self.backward_s + self.comm_s
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    stage_of: tuple[int, ...]
+    stages: tuple[StageCost, ...]
+    estimate: Estimate
+
+    @property
+    def bottleneck_s(self) -> float:
+        return self.estimate.bottleneck_s
+
+
+def state_split(state_factor: float) -> tuple[float, float]:
+    """(gradient, optimizer) bytes per parameter byte for ``Problem.state_factor``."""
+    return min(1.0, max(0.0, state_factor - 1.0)), max(0.0, state_factor - 2.0)
+
+
+def consumers(problem: Problem) -> list[list[int]]:
+    """For each node, the nodes reading its value (edges that move data), deduplicated."""
+    readers: list[set[int]] = [set() for _ in problem.nodes]
+    for e in problem.edges:
+        if e.data:
+            readers[e.src].add(e.dst)
+    return [sorted(r) for r in readers]
+
+
+def violations(problem: Problem, stage_of: Sequence[int]) -> list[str]:
+    """Why ``stage_of`` is not a valid pipeline split (empty list: it is). Memory is not checked."""
+    K = problem.num_stages
+    out: list[str] = []
+    if len(stage_of) != len(problem.nodes):
+        return [f"{len(stage_of)} stage indices for {len(problem.nodes)} nodes"]
+    for v, s in enumerate(stage_of):
+        if not 0 <= s < K:
+            out.append(f"node {problem.nodes[v].name} on stage {s}, outside 0..{K - 1}")
+    for e in problem.edges:
+        if e.ordered and stage_of[e.src] > stage_of[e.dst]:
+            out.append(
+                f"edge {problem.nodes[e.src].name} -> {problem.nodes[e.dst].name} goes back "
+                f"from stage {stage_of[e.src]} to {stage_of[e.dst]}"
+            )
+    groups = list(problem.colocate)
+    if problem.tied_policy is TiedPolicy.COLOCATE:
+        groups += [g.nodes for g in problem.tied]
+    for group in groups:
+        if len({stage_of[v] for v in group}) > 1:
+            out.append(f"co-located nodes {[problem.nodes[v].name for v in group]} are split")
+    if not problem.allow_empty_stages:
+        empty = sorted(set(range(K)) - set(stage_of))
+        if empty:
+            out.append(f"stages {empty} are empty")
+    return out
+
+
+def evaluate(problem: Problem, stage_of: Sequence[int]) -> Evaluation:
+    """Cost of putting node v on stage ``stage_of[v]`` (see the module docstring)."""
+    K, M = problem.num_stages, problem.microbatches
+    assert len(stage_of) == len(problem.nodes), (len(stage_of), len(problem.nodes))
+    assert all(0 <= s < K for s in stage_of)
+    stage_of = tuple(stage_of)
+    flight = [in_flight(problem.schedule, M, K, j) for j in range(K)]
+
+    forward = [0.0] * K
+    backward = [0.0] * K
+    comm = [0.0] * K
+    params = [0] * K
+    activations = [0] * K
+    received = [0] * K  # bytes of one micro-batch's received values
+
+    for v, node in enumerate(problem.nodes):
+        j = stage_of[v]
+        forward[j] += node.forward_s
+        backward[j] += node.backward_s
+        params[j] += node.param_bytes
+        activations[j] += node.activation_bytes
+
+    readers = consumers(problem)
+    for v, node in enumerate(problem.nodes):
+        if not readers[v]:
+            continue
+        s = stage_of[v]
+        read_on = {stage_of[w] for w in readers[v]}
+        if problem.comm is Comm.NEIGHBOUR:
+            lo, hi = min(read_on | {s}), max(read_on | {s})
+            for b in range(lo, hi):  # boundary b sits between stage b and b + 1
+                comm[b] += node.comm_s
+                comm[b + 1] += node.comm_s
+            for j in range(lo, hi + 1):
+                if j != s:
+                    received[j] += node.output_bytes
+        else:
+            others = read_on - {s}
+            if others:
+                comm[s] += node.comm_s
+            for j in others:
+                comm[j] += node.comm_s
+                received[j] += node.output_bytes
+
+    for group in problem.tied:
+        holders = {stage_of[v] for v in group.nodes}
+        if problem.tied_policy is TiedPolicy.COLOCATE:
+            # One copy; validity (all on one stage) is ``violations``' business.
+            params[min(holders)] += group.param_bytes
+            continue
+        for j in holders:
+            params[j] += group.param_bytes
+            if len(holders) > 1:
+                comm[j] += group.allreduce_s
+
+    grad_factor, optimizer_factor = state_split(problem.state_factor)
+    stages = []
+    for j in range(K):
+        saved = activations[j] if problem.recompute else activations[j] * flight[j]
+        memory = StageMemory(
+            params=params[j],
+            grads=round(params[j] * grad_factor),
+            optimizer=round(params[j] * optimizer_factor),
+            activations=saved,
+            received=received[j] * flight[j],
+            workspace=problem.workspace_bytes,
+        )
+        stages.append(StageCost(forward[j], backward[j], comm[j], memory))
+
+    times = [s.time_s for s in stages]
+    bottleneck = max(times)
+    max_memory = max(s.memory.total for s in stages)
+    estimate = Estimate(
+        bottleneck_s=bottleneck,
+        iteration_s=(M - 1) * bottleneck + sum(times),
+        bubble_fraction=(K - 1) / (M + K - 1),
+        max_memory=max_memory,
+        fits=max_memory <= problem.memory_limit,
+    )
+    return Evaluation(stage_of=stage_of, stages=tuple(stages), estimate=estimate)

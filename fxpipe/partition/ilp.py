@@ -1,0 +1,434 @@
+"""The CP-SAT program: minimise the bottleneck stage time (DESIGN.md, "The partitioning problem").
+
+Legend: g a coarse node (a group of fine nodes that share a stage, see coarsen.py),
+j = 0..K-1 a stage, b = 0..K-2 the boundary between stage b and b + 1, k a value
+class: the values produced in one group and read by the same set W of other groups
+(they cross the same boundaries, so they share indicators and their costs add up).
+
+Variables
+    d[g,j]  = [stage(g) <= j]  (cumulative encoding; d[g,K-1] = 1 is a constant)
+    x[g,j]  = d[g,j] - d[g,j-1]  = [stage(g) == j]  (an expression, not a variable)
+    NEIGHBOUR transport:
+      cu[k,b] = [the values go up across b]   >= d[g,b] - d[w,b] for w in W
+      cd[k,b] = [they come down across b]     >= d[w,b] - d[g,b] for w in W read by
+                                                 unordered edges (backward passes)
+    DIRECT transport:
+      r[k,j]  = [stage j receives them]       >= x[w,j] - x[g,j]
+      o[k,j]  = [stage j sends them]          >= x[g,j] - x[w,j]
+    tied parameter G (replicated): u[G,j] = [stage j holds a copy], m[G] = [more than one
+      copy], a[G,j] = [stage j all-reduces]
+    T = the bottleneck
+
+Indicators only have lower bounds: the objective and the memory rows never gain from
+setting one, so at an optimum they take their exact values, and the objective equals
+``evaluate``'s bottleneck for the returned assignment (checked in tests/partition).
+
+Integer scaling: CP-SAT works on integers. Seconds are multiplied by a power of ten,
+``ticks_per_second``, chosen so that the whole graph's time is about 1e9 ticks
+(nanoseconds for a one-second step); bytes are used as they are. A group's time and a
+value class's transfer time are each rounded once, so a stage's time is off by at most
+half a tick per term; the reported objective is re-evaluated in floating point by
+``evaluate`` and the reported bound is lowered by that rounding margin.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+from ortools.sat.python import cp_model
+
+from fxpipe.partition.coarsen import Coarsening
+from fxpipe.partition.evaluate import state_split
+from fxpipe.partition.problem import Comm, TiedPolicy, in_flight
+
+__all__ = ["IlpResult", "StageModel", "ticks_per_second"]
+
+Term = int | cp_model.IntVar
+Terms = list[tuple[int, Term]]  # sum of coefficient * (variable or constant)
+
+TARGET_TICKS = 1e9
+
+
+@dataclass(frozen=True)
+class IlpResult:
+    status: str  # "OPTIMAL", "FEASIBLE", "INFEASIBLE", "UNKNOWN", "MODEL_INVALID"
+    coarse_stage_of: tuple[int, ...] | None  # per coarse node; None when no solution
+    stage_of: tuple[int, ...] | None  # per fine node
+    objective: float  # seconds (time objective) or bytes (memory objective), as the model saw it
+    bound: float  # proved lower bound in the same unit, lowered by the rounding margin
+    wall_s: float
+    num_nodes: int  # coarse nodes the model had
+
+    @property
+    def has_solution(self) -> bool:
+        return self.stage_of is not None
+
+
+def ticks_per_second(coarsening: Coarsening) -> int:
+    """A power of ten that makes the graph's total time about 1e9 ticks."""
+    p = coarsening.problem
+    total = sum(n.forward_s + n.backward_s + 4 * n.comm_s for n in p.nodes)
+    total += sum(t.allreduce_s for t in p.tied) * p.num_stages
+    if total <= 0:
+        return 10**9
+    return 10 ** min(15, max(0, math.floor(math.log10(TARGET_TICKS / total))))
+
+
+def _ancestor_sums(n: int, edges: Sequence[tuple[int, int]], weight: np.ndarray,
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Per node (topologically numbered): total weight of it and its ancestors / descendants."""
+    reach = np.eye(n, dtype=bool)  # reach[a, b]: b reaches a (b is an ancestor of a)
+    preds: list[list[int]] = [[] for _ in range(n)]
+    for a, b in edges:
+        preds[b].append(a)
+    for g in range(n):
+        for p in preds[g]:
+            reach[g] |= reach[p]
+    return reach.astype(np.int64) @ weight, reach.T.astype(np.int64) @ weight
+
+
+class StageModel:
+    """The CP-SAT model of one problem over one coarsening.
+
+    ``hint``: a coarse assignment to start from; when it is valid and fits, the model also
+    requires T <= its value and fixes the d[g,j] that this upper bound rules out.
+    ``objective``: "time" (the bottleneck) or "memory" (the largest stage's bytes, with no
+    memory limit: the smallest per-device memory any split needs).
+    """
+
+    def __init__(self, coarsening: Coarsening, *, objective: Literal["time", "memory"] = "time",
+                 hint: Sequence[int] | None = None) -> None:
+        self.coarsening = coarsening
+        self.objective = objective
+        p = self.problem = coarsening.problem
+        K = self.num_stages = p.num_stages
+        G = self.num_nodes = coarsening.num_coarse
+        self.scale = ticks_per_second(coarsening)
+        self.model = cp_model.CpModel()
+        self._defs: list[tuple[cp_model.IntVar, list[Terms]]] = []  # aux var >= each Terms
+        all_stages = range(K)
+        boundaries = range(K - 1)
+        group_of = coarsening.group_of
+        flight = [in_flight(p.schedule, p.microbatches, K, j) for j in all_stages]
+
+        # Per coarse node: compute ticks, parameter-state bytes, activation bytes.
+        grad_f, opt_f = state_split(p.state_factor)
+        state = 1.0 + grad_f + opt_f
+        secs = [0.0] * G
+        param_state = [0.0] * G
+        act = [0] * G
+        for v, node in enumerate(p.nodes):
+            g = group_of[v]
+            secs[g] += node.forward_s + node.backward_s
+            param_state[g] += node.param_bytes * state
+            act[g] += node.activation_bytes
+        replicated = []
+        for tied in p.tied:
+            holders = sorted({group_of[v] for v in tied.nodes})
+            if len(holders) == 1 or p.tied_policy is TiedPolicy.COLOCATE:
+                param_state[holders[0]] += tied.param_bytes * state
+            else:
+                replicated.append((tied, holders))
+        t = [round(s * self.scale) for s in secs]
+        mem = [round(b) for b in param_state]
+
+        # Value classes: values produced in group g and read by groups W (unordered: Wu).
+        readers: list[dict[int, bool]] = [{} for _ in p.nodes]
+        for e in p.edges:
+            if e.data and group_of[e.dst] != group_of[e.src]:
+                wg = group_of[e.dst]
+                readers[e.src][wg] = readers[e.src].get(wg, True) and e.ordered
+        classes: dict[tuple[int, tuple[int, ...], tuple[int, ...]], list[float]] = {}
+        for v, node in enumerate(p.nodes):
+            if not readers[v]:
+                continue
+            W = tuple(sorted(readers[v]))
+            Wu = tuple(w for w in W if not readers[v][w])
+            acc = classes.setdefault((group_of[v], W, Wu), [0.0, 0.0])
+            acc[0] += node.comm_s
+            acc[1] += node.output_bytes
+        self._rounding_terms = G + 4 * len(classes) + len(replicated)
+
+        # Stage ranges from the upper bound: a node whose ancestors cost more than
+        # (j+1)*UB cannot sit on stages <= j; one whose descendants cost more than
+        # (K-j)*UB cannot sit on stages >= j.
+        lo, hi = [0] * G, [K - 1] * G
+        self.upper_ticks: int | None = None
+        hint_valid = hint is not None and self._hint_is_valid(hint)
+        if hint is not None and hint_valid and objective == "time":
+            self.upper_ticks = self._hint_time_ticks(hint, t, classes, replicated, mem, act, flight)
+        if self.upper_ticks is not None and self.upper_ticks > 0:
+            ub = self.upper_ticks
+            up, down = _ancestor_sums(G, coarsening.order_edges, np.array(t, dtype=np.int64))
+            for g in range(G):
+                lo[g] = max(0, -(-int(up[g]) // ub) - 1)
+                hi[g] = min(K - 1, K - (-(-int(down[g]) // ub)))
+
+        # d[g,j] = [stage(g) <= j]; constants where the range decides it.
+        m = self.model
+        self.d: list[list[Term]] = []
+        for g in range(G):
+            row: list[Term] = []
+            for j in boundaries:
+                if j < lo[g]:
+                    row.append(0)
+                elif j >= hi[g]:
+                    row.append(1)
+                else:
+                    row.append(m.new_bool_var(f"d[{g},{j}]"))
+            row.append(1)
+            self.d.append(row)
+
+        # Stages never decrease along a node's own cumulative indicator.
+        for g in range(G):
+            for j in range(K - 2):
+                self._add_le([(1, self.d[g][j])], [(1, self.d[g][j + 1])])
+        # Stages never decrease along an ordering edge u -> w: d[w,j] <= d[u,j].
+        for a, b in coarsening.order_edges:
+            for j in boundaries:
+                self._add_le([(1, self.d[b][j])], [(1, self.d[a][j])])
+
+        time_terms: list[Terms] = [[(t[g] * c, v) for g in range(G) for c, v in self._x(g, j)]
+                                   for j in all_stages]
+        recv_terms: list[Terms] = [[] for _ in all_stages]
+
+        # Communication, per value class k = (g, W, Wu) with transfer ticks c and bytes s.
+        for (g, W, Wu), (comm_s, out_bytes) in classes.items():
+            c, s = round(comm_s * self.scale), round(out_bytes)
+            if p.comm is Comm.NEIGHBOUR:
+                cu = [self._at_least([[(1, self.d[g][b]), (-1, self.d[w][b])] for w in W],
+                                     f"cu[{g},{b}]") for b in boundaries]
+                cd = [self._at_least([[(1, self.d[w][b]), (-1, self.d[g][b])] for w in Wu],
+                                     f"cd[{g},{b}]") for b in boundaries]
+                for b in boundaries:
+                    # a crossing of boundary b costs its sender and its receiver
+                    for j in (b, b + 1):
+                        time_terms[j] += [(c, cu[b]), (c, cd[b])]
+                    recv_terms[b + 1].append((s, cu[b]))
+                    recv_terms[b].append((s, cd[b]))
+            else:
+                for j in all_stages:
+                    xg = self._x(g, j)
+                    r = self._at_least([self._x(w, j) + [(-c_, v_) for c_, v_ in xg] for w in W],
+                                       f"r[{g},{j}]")
+                    o = self._at_least([xg + [(-c_, v_) for c_, v_ in self._x(w, j)] for w in W],
+                                       f"o[{g},{j}]")
+                    time_terms[j] += [(c, r), (c, o)]
+                    recv_terms[j].append((s, r))
+
+        # Replicated tied parameters: a copy (memory) on every holder, an all-reduce on
+        # each holder when there is more than one.
+        tied_mem: list[Terms] = [[] for _ in all_stages]
+        for tied, holders in replicated:
+            name = tied.name
+            uses = [self._at_least([self._x(h, j) for h in holders], f"u[{name},{j}]")
+                    for j in all_stages]
+            first = holders[0]
+            multi = self._at_least(
+                [[(1, uses[j])] + [(-c_, v_) for c_, v_ in self._x(first, j)] for j in all_stages],
+                f"m[{name}]")
+            ticks = round(tied.allreduce_s * self.scale)
+            size = round(tied.param_bytes * state)
+            for j in all_stages:
+                allreduce = self._at_least([[(1, uses[j]), (1, multi), (-1, 1)]],
+                                           f"a[{name},{j}]")
+                time_terms[j].append((ticks, allreduce))
+                tied_mem[j].append((size, uses[j]))
+
+        self.time_terms = time_terms
+        memory_terms: list[Terms] = []
+        for j in all_stages:
+            per_group = [((mem[g] + act[g] * (1 if p.recompute else flight[j])) * c, v)
+                         for g in range(G) for c, v in self._x(g, j)]
+            received = [(s * flight[j], v) for s, v in recv_terms[j]]
+            memory_terms.append(per_group + received + tied_mem[j] + [(p.workspace_bytes, 1)])
+        self.memory_terms = memory_terms
+
+        # Every stage holds a node (unless empty stages are allowed).
+        if not p.allow_empty_stages:
+            for j in all_stages:
+                holds: Terms = [tv for g in range(G) for tv in self._x(g, j)]
+                m.add(self._expr(holds) >= 1)
+
+        if objective == "time":
+            # Each stage fits in memory; the bottleneck T bounds every stage time.
+            if p.memory_limit != float("inf"):
+                for j in all_stages:
+                    m.add(self._expr(memory_terms[j]) <= int(p.memory_limit))
+            lower = max(-(-sum(t) // K), max(t, default=0))
+            upper = self.upper_ticks if self.upper_ticks is not None else sum(
+                abs(c) for row in time_terms for c, _ in row)
+            self.T = m.new_int_var(min(lower, upper), upper, "T")
+            for j in all_stages:
+                m.add(self._expr(time_terms[j]) <= self.T)
+            m.minimize(self.T)
+        else:
+            upper = sum(abs(c) for row in memory_terms for c, _ in row)
+            self.T = m.new_int_var(0, upper, "memory")
+            for j in all_stages:
+                m.add(self._expr(memory_terms[j]) <= self.T)
+            m.minimize(self.T)
+
+        if hint is not None:
+            self._add_hints(hint)
+
+    # -- building blocks -------------------------------------------------------------
+
+    def _x(self, g: int, j: int) -> Terms:
+        """x[g,j] = d[g,j] - d[g,j-1] as terms."""
+        if j == 0:
+            return [(1, self.d[g][0])]
+        return [(1, self.d[g][j]), (-1, self.d[g][j - 1])]
+
+    @staticmethod
+    def _expr(terms: Terms) -> cp_model.LinearExprT:
+        return sum((c * v for c, v in terms), 0)
+
+    @staticmethod
+    def _range(terms: Terms) -> tuple[int, int]:
+        lo = hi = 0
+        for c, v in terms:
+            if isinstance(v, int):
+                lo += c * v
+                hi += c * v
+            elif c > 0:
+                hi += c
+            else:
+                lo += c
+        return lo, hi
+
+    def _add_le(self, left: Terms, right: Terms) -> None:
+        terms = left + [(-c, v) for c, v in right]
+        lo, hi = self._range(terms)
+        if hi <= 0:
+            return  # always true
+        assert lo <= 0, "contradictory fixed variables"
+        self.model.add(self._expr(terms) <= 0)
+
+    def _at_least(self, rows: list[Terms], name: str) -> Term:
+        """A 0/1 indicator >= every row (a constant when the rows decide it)."""
+        live = []
+        for row in rows:
+            lo, hi = self._range(row)
+            if lo >= 1:
+                return 1
+            if hi >= 1:
+                live.append(row)
+        if not live:
+            return 0
+        var = self.model.new_bool_var(name)
+        for row in live:
+            self.model.add(var >= self._expr(row))
+        self._defs.append((var, live))
+        return var
+
+    # -- hints ---------------------------------------------------------------------------
+
+    def _hint_is_valid(self, hint: Sequence[int]) -> bool:
+        c = self.coarsening
+        if len(hint) != c.num_coarse or not all(0 <= s < self.num_stages for s in hint):
+            return False
+        if any(hint[a] > hint[b] for a, b in c.order_edges):
+            return False
+        return self.problem.allow_empty_stages or len(set(hint)) == self.num_stages
+
+    def _hint_time_ticks(self, hint: Sequence[int], t: list[int],
+                         classes: dict[tuple[int, tuple[int, ...], tuple[int, ...]], list[float]],
+                         replicated: list, mem: list[int], act: list[int], flight: list[int],
+                         ) -> int | None:
+        """The hint's bottleneck in ticks as this model computes it, None if it does not fit."""
+        p, K = self.problem, self.num_stages
+        ticks = [0] * K
+        memory = [p.workspace_bytes] * K
+        for g, s in enumerate(hint):
+            ticks[s] += t[g]
+            memory[s] += mem[g] + act[g] * (1 if p.recompute else flight[s])
+        for (g, W, _), (comm_s, out_bytes) in classes.items():
+            c, b = round(comm_s * self.scale), round(out_bytes)
+            s = hint[g]
+            on = {hint[w] for w in W}
+            if p.comm is Comm.NEIGHBOUR:
+                lo, hi = min(on | {s}), max(on | {s})
+                for bd in range(lo, hi):
+                    ticks[bd] += c
+                    ticks[bd + 1] += c
+                for j in range(lo, hi + 1):
+                    if j != s:
+                        memory[j] += b * flight[j]
+            else:
+                others = on - {s}
+                if others:
+                    ticks[s] += c
+                for j in others:
+                    ticks[j] += c
+                    memory[j] += b * flight[j]
+        grad_f, opt_f = state_split(p.state_factor)
+        for tied, holders in replicated:
+            on = {hint[h] for h in holders}
+            for j in on:
+                memory[j] += round(tied.param_bytes * (1 + grad_f + opt_f))
+                if len(on) > 1:
+                    ticks[j] += round(tied.allreduce_s * self.scale)
+        if max(memory) > p.memory_limit:
+            return None
+        return max(ticks)
+
+    def _value(self, term: Term, values: dict[int, int]) -> int:
+        return term if isinstance(term, int) else values[term.index]
+
+    def _add_hints(self, hint: Sequence[int]) -> None:
+        """Hint every variable: d from the assignment, indicators from their definitions."""
+        if not self._hint_is_valid(hint):
+            return
+        values: dict[int, int] = {}
+        variables: dict[int, cp_model.IntVar] = {}
+        for g, row in enumerate(self.d):
+            for j, var in enumerate(row):
+                if not isinstance(var, int):
+                    values[var.index] = int(hint[g] <= j)
+                    variables[var.index] = var
+        for var, rows in self._defs:  # created after everything they read
+            values[var.index] = max(
+                0, *(sum(c * self._value(v, values) for c, v in row) for row in rows))
+            variables[var.index] = var
+        for index, value in values.items():
+            self.model.add_hint(variables[index], value)
+        rows = self.time_terms if self.objective == "time" else self.memory_terms
+        top = max(sum(c * self._value(v, values) for c, v in row) for row in rows)
+        domain = self.T.proto.domain
+        if domain[0] <= top <= domain[-1]:
+            self.model.add_hint(self.T, top)
+
+    # -- solving ---------------------------------------------------------------------------
+
+    def export_model(self, path: str) -> None:
+        """Write the model (text proto if ``path`` ends in .txt / .pbtxt) for debugging."""
+        self.model.export_to_file(path)
+
+    def solve(self, *, time_limit_s: float = 30.0, workers: int = 2, log: bool = False
+              ) -> IlpResult:
+        solver = cp_model.CpSolver()
+        solver.parameters.max_time_in_seconds = max(0.01, time_limit_s)
+        solver.parameters.num_workers = workers
+        solver.parameters.log_search_progress = log
+        start = time.perf_counter()
+        status = solver.solve(self.model)
+        wall = time.perf_counter() - start
+        name = solver.status_name(status)
+        unit = self.scale if self.objective == "time" else 1
+        margin = self._rounding_terms * 0.5 / unit if self.objective == "time" else 0.0
+        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+            return IlpResult(name, None, None, math.inf, 0.0, wall, self.num_nodes)
+        coarse = tuple(
+            sum(1 for v in row[:-1] if (v if isinstance(v, int) else solver.value(v)) == 0)
+            for row in self.d
+        )
+        objective = solver.objective_value / unit
+        bound = max(0.0, solver.best_objective_bound / unit - margin)
+        return IlpResult(name, coarse, self.coarsening.expand(coarse), objective,
+                         min(bound, objective), wall, self.num_nodes)

@@ -1,0 +1,191 @@
+"""``partition``: baselines, coarsening, warm start, CP-SAT, and an honest report.
+
+The steps, each in its own module:
+
+    exact_groups ─► baselines ─► coarsen (cap total/4K) ─► interval DP ─► CP-SAT (coarse)
+         │                                                                     │ best split
+         └──────────────────────────────────────────────────────────► CP-SAT (exact groups,
+                                                                      hinted, T <= best,
+                                                                      stages fixed by it)
+
+The second solve works on the exact groups, so the bound and gap it proves are for
+the real problem, and whatever the coarse graph lost is won back there.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+from fxpipe.partition.baselines import baselines as run_baselines
+from fxpipe.partition.baselines import interval_dp
+from fxpipe.partition.coarsen import Coarsening, exact_groups
+from fxpipe.partition.coarsen import coarsen as coarsen_graph
+from fxpipe.partition.evaluate import Evaluation, evaluate, violations
+from fxpipe.partition.ilp import IlpResult, StageModel
+from fxpipe.partition.plan import Estimate, SolverReport
+from fxpipe.partition.problem import Problem
+from fxpipe.partition.units import format_bytes, format_bytes_up
+
+__all__ = [
+    "InfeasibleMemoryError",
+    "NoSolutionError",
+    "Partition",
+    "TooManyStagesError",
+    "partition",
+]
+
+
+class TooManyStagesError(ValueError):
+    """More stages than nodes (or than groups of nodes that must stay together)."""
+
+
+class InfeasibleMemoryError(ValueError):
+    """No split fits the per-device memory limit; ``needed`` says what would."""
+
+    def __init__(self, message: str, *, needed: float) -> None:
+        super().__init__(message)
+        self.needed = needed
+
+
+class NoSolutionError(ValueError):
+    """The time limit ran out before any split that fits was found."""
+
+
+@dataclass(frozen=True)
+class Partition:
+    stage_of: tuple[int, ...]  # stage per node of the problem
+    report: SolverReport
+    evaluation: Evaluation
+    baselines: dict[str, Estimate] = field(default_factory=dict)
+    baseline_splits: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    coarse_nodes: int = 0  # nodes of the capped coarse graph (first solve)
+    phases: tuple[IlpResult, ...] = ()  # the CP-SAT runs, in order
+
+
+def _check_stage_count(problem: Problem, exact: Coarsening) -> None:
+    n, K = len(problem.nodes), problem.num_stages
+    if problem.allow_empty_stages:
+        return
+    if n < K:
+        raise TooManyStagesError(
+            f"Cannot cut {n} nodes into {K} stages; use --gpus {n} or fewer.")
+    if exact.num_coarse < K:
+        raise TooManyStagesError(
+            f"Cannot cut the model into {K} stages: its {n} nodes form only "
+            f"{exact.num_coarse} groups that must share a stage; use --gpus "
+            f"{exact.num_coarse} or fewer.")
+
+
+def min_memory(problem: Problem, exact: Coarsening, *, time_limit_s: float, workers: int,
+               ) -> float:
+    """The smallest per-device memory any valid split needs (a proved lower bound if the
+    time ran out: the message then errs on the side of too little)."""
+    hint = interval_dp(Coarsening(_unlimited(problem), exact.group_of, exact.groups,
+                                  exact.order_edges))
+    model = StageModel(exact, objective="memory", hint=hint)
+    result = model.solve(time_limit_s=time_limit_s, workers=workers)
+    if result.stage_of is not None:
+        return float(evaluate(problem, result.stage_of).estimate.max_memory)
+    return result.bound
+
+
+def _unlimited(problem: Problem) -> Problem:
+    return replace(problem, memory_limit=float("inf"))
+
+
+def partition(problem: Problem, *, time_limit_s: float = 30.0, coarsen: bool = True,
+              workers: int = 2) -> Partition:
+    """Split ``problem`` into ``problem.num_stages`` pipeline stages, minimising the
+    bottleneck stage time within the memory limit.
+
+    Raises ``TooManyStagesError`` / ``InfeasibleMemoryError`` / ``NoSolutionError``
+    (all ``ValueError``) with a one-sentence message for the user.
+    """
+    start = time.perf_counter()
+    deadline = start + time_limit_s
+    exact = exact_groups(problem)
+    _check_stage_count(problem, exact)
+
+    splits = run_baselines(problem, exact)
+    scored = {name: evaluate(problem, s) for name, s in splits.items()}
+    candidates: list[tuple[float, tuple[int, ...]]] = [
+        (ev.bottleneck_s, s) for s, ev in zip(splits.values(), scored.values(), strict=True)
+        if ev.estimate.fits and not violations(problem, s)
+    ]
+
+    phases: list[IlpResult] = []
+    level = _coarse_level(problem, exact) if coarsen else exact
+    coarse_nodes = level.num_coarse
+    if level.num_coarse < exact.num_coarse:
+        hint = interval_dp(level)
+        budget = max(0.05, (deadline - time.perf_counter()) / 3)
+        result = StageModel(level, hint=hint).solve(time_limit_s=budget, workers=workers)
+        phases.append(result)
+        if result.stage_of is not None:
+            candidates.append((evaluate(problem, result.stage_of).bottleneck_s,
+                               result.stage_of))
+    dp = interval_dp(exact)
+    if dp is not None:
+        candidates.append((evaluate(problem, exact.expand(dp)).bottleneck_s, exact.expand(dp)))
+    fitting = [(b, s) for b, s in candidates
+               if evaluate(problem, s).estimate.fits and not violations(problem, s)]
+    best = min(fitting, key=lambda c: c[0])[1] if fitting else None
+
+    hint = exact.restrict(best) if best is not None else None
+    model = StageModel(exact, hint=hint)
+    result = model.solve(time_limit_s=max(0.05, deadline - time.perf_counter()),
+                         workers=workers)
+    phases.append(result)
+
+    if result.stage_of is not None:
+        found = evaluate(problem, result.stage_of)
+        if best is None or found.bottleneck_s <= evaluate(problem, best).bottleneck_s:
+            best = result.stage_of
+
+    if best is None:
+        if result.status == "INFEASIBLE":
+            needed = min_memory(problem, exact, time_limit_s=max(1.0, time_limit_s / 2),
+                                workers=workers)
+            K = problem.num_stages
+            raise InfeasibleMemoryError(
+                f"No split of the model onto {K} GPUs fits in "
+                f"{format_bytes(problem.memory_limit)} per GPU; the best split needs "
+                f"{format_bytes(needed)}. Use --memory {format_bytes_up(needed)} or more GPUs.",
+                needed=needed)
+        raise NoSolutionError(
+            f"No split that fits in {format_bytes(problem.memory_limit)} per GPU was found "
+            f"in {time_limit_s:g} s; raise --time-limit or the memory limit.")
+
+    evaluation = evaluate(problem, best)
+    objective = evaluation.bottleneck_s
+    if result.status == "OPTIMAL":
+        status, bound = "OPTIMAL", min(objective, max(result.bound, objective * (1 - 1e-9)))
+    elif result.status == "INFEASIBLE":
+        # T <= the warm start's value admits nothing better: the warm start is optimal
+        # (only reachable through rounding at the last tick).
+        status, bound = "OPTIMAL", objective
+    else:
+        status, bound = "FEASIBLE", min(result.bound, objective)
+    report = SolverReport(
+        method="cp-sat",
+        status=status,
+        objective=objective,
+        bound=bound,
+        wall_s=time.perf_counter() - start,
+        solved_nodes=exact.num_coarse,
+        graph_nodes=len(problem.nodes),
+    )
+    return Partition(
+        stage_of=tuple(best),
+        report=report,
+        evaluation=evaluation,
+        baselines={name: ev.estimate for name, ev in scored.items()},
+        baseline_splits=splits,
+        coarse_nodes=coarse_nodes,
+        phases=tuple(phases),
+    )
+
+
+def _coarse_level(problem: Problem, exact: Coarsening) -> Coarsening:
+    return coarsen_graph(problem, base=exact)
