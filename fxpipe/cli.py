@@ -62,6 +62,38 @@ def _parser() -> argparse.ArgumentParser:
     )
     profile.add_argument("--json", action="store_true", help="print JSON instead of a table")
     profile.set_defaults(run=_run_profile)
+
+    split = commands.add_parser(
+        "split", help="cut a model into pipeline stages and write them as a Python package"
+    )
+    _model_argument(split)
+    split.add_argument("--gpus", type=int, required=True, help="pipeline stages, one per GPU")
+    split.add_argument(
+        "--memory", default=None, help="memory per GPU, e.g. 80GiB (default: the device's)"
+    )
+    split.add_argument("--device", default="h100", help="device table entry (default h100)")
+    split.add_argument(
+        "--microbatches", type=int, default=None, help="micro-batches per step (default 4 x GPUs)"
+    )
+    split.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
+    split.add_argument("--optimizer", choices=("adam", "sgd", "sgd-momentum"), default="adam")
+    split.add_argument(
+        "--recompute",
+        action="store_true",
+        help="keep only stage inputs, recompute activations in backward",
+    )
+    split.add_argument("--time-limit", type=float, default=30.0, help="solver seconds")
+    split.add_argument("--diagram", choices=("module", "op"), default="module")
+    split.add_argument(
+        "--measure",
+        action="store_true",
+        help="time every node on this machine instead of the roofline",
+    )
+    split.add_argument("--out", default="fxpipe-out", help="output folder (default fxpipe-out)")
+    split.add_argument(
+        "--force", action="store_true", help="replace --out even if fxpipe did not write it"
+    )
+    split.set_defaults(run=_run_split)
     return parser
 
 
@@ -126,8 +158,7 @@ def _on_cuda(values: Sequence[Any]) -> bool:
 def _run_profile(args: argparse.Namespace) -> int:
     from fxpipe.profile import summarize
 
-    _, traced = analyze_model(args.model, device=args.device, measure=args.measure,
-                              quiet=args.json)
+    _, traced = analyze_model(args.model, device=args.device, measure=args.measure, quiet=args.json)
     if args.depth is not None and args.depth < 1:
         raise ValueError(f"--depth must be at least 1, got {args.depth}")
     rows, total = summarize(traced.gm, by=args.by, depth=args.depth)
@@ -161,6 +192,107 @@ def _run_profile(args: argparse.Namespace) -> int:
     table.add_row("total", *(fmt(total) for _, fmt in columns), style="bold")
     Console(width=None if sys.stdout.isatty() else 160).print(table)
     return 0
+
+
+def _run_split(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from fxpipe.cost_models import get_device
+    from fxpipe.lower import lower
+    from fxpipe.output import write_folder
+    from fxpipe.partition import Schedule, parse_bytes, partition
+    from fxpipe.partition.units import format_bytes
+    from fxpipe.planning import build_plan
+    from fxpipe.profile import auto_depth
+    from fxpipe.report import partition_dot, render_report, render_svg, summary_rows
+
+    # Every flag is checked before any slow work.
+    if args.gpus < 1:
+        raise ValueError(f"--gpus must be at least 1, got {args.gpus}")
+    microbatches = args.microbatches if args.microbatches is not None else 4 * args.gpus
+    if microbatches < 1:
+        raise ValueError(f"--microbatches must be at least 1, got {microbatches}")
+    if args.time_limit <= 0:
+        raise ValueError(f"--time-limit must be positive, got {args.time_limit}")
+    device = get_device(args.device)
+    limit = (
+        float(parse_bytes(args.memory)) if args.memory is not None else float(device.memory_bytes)
+    )
+
+    source, traced = analyze_model(args.model, device=args.device, measure=args.measure)
+    depth = auto_depth(traced.gm)
+    lowered = lower(
+        traced.gm,
+        num_stages=args.gpus,
+        device=device,
+        memory_limit=limit,
+        schedule=Schedule(args.schedule),
+        microbatches=microbatches,
+        optimizer=args.optimizer,
+        recompute=args.recompute,
+        block_depth=depth,
+    )
+    with _step(f"solving ({len(lowered.problem.nodes)} nodes onto {args.gpus} stages)", False):
+        result = partition(lowered.problem, time_limit_s=args.time_limit)
+    notes = list(traced.notes)
+    if traced.fallback_reason:
+        notes.append(f"symbolic_trace failed ({traced.fallback_reason}); used torch.export")
+    plan = build_plan(
+        lowered,
+        result.evaluation,
+        result.report,
+        baselines=result.baselines,
+        model=source.label,
+        tracer=traced.tracer,
+        device=device.name,
+        optimizer=args.optimizer,
+        notes=notes,
+    )
+    dot = partition_dot(
+        traced.gm,
+        plan.stage_of(),
+        num_stages=plan.num_stages,
+        level=args.diagram,
+        depth=depth,
+        title=source.label,
+    )
+    files: dict[str, str | bytes] = {
+        "plan.json": plan.to_json(),
+        "report.md": render_report(plan),
+        "partition.dot": dot,
+    }
+    svg = render_svg(dot)
+    if svg is not None:
+        files["partition.svg"] = svg
+    files.update(_generated_package(traced, plan))
+    out = Path(args.out)
+    write_folder(out, files, force=args.force)
+
+    table = Table(
+        title=f"{source.label}: {plan.num_stages} stages, {plan.schedule}, "
+        f"M={plan.microbatches}, limit {format_bytes(limit)}"
+    )
+    for column in ("partition", "bottleneck", "iteration", "max memory", "fits"):
+        table.add_column(column, justify="left" if column == "partition" else "right")
+    for row in summary_rows(plan):
+        table.add_row(*row)
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
+    solver = plan.solver
+    print(
+        f"solver {solver.status}, gap {solver.gap:.2%}, {solver.wall_s:.2f} s; "
+        f"wrote {out}/ ({', '.join(sorted(files))})"
+    )
+    return 0
+
+
+def _generated_package(traced: Any, plan: Any) -> dict[str, str]:
+    """Stage modules and runner, where codegen is available in this build."""
+    try:
+        from fxpipe.codegen.package import generate
+    except ImportError:
+        return {}
+    files: dict[str, str] = generate(traced, plan)
+    return files
 
 
 def _si(value: float) -> str:

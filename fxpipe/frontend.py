@@ -88,11 +88,17 @@ def load_model_file(spec: str) -> ModelSource:
             "return the model instance"
         )
 
-    make_inputs = _find_function(module, path, "example_inputs", "-> tuple | dict")
+    # A factory may carry its own inputs (``build_big.example_inputs = ...``): a file with
+    # several models of different sizes gives each one a realistic micro-batch.
+    make_inputs = getattr(build, "example_inputs", None)
+    if not callable(make_inputs):
+        make_inputs = _find_function(module, path, "example_inputs", "-> tuple | dict")
     args, kwargs = _as_args_kwargs(_call(make_inputs, path, "example_inputs"), path)
 
     loss_fn = getattr(module, "loss_fn", None)
-    make_target = getattr(module, "example_target", None)
+    make_target = getattr(build, "example_target", None)
+    if not callable(make_target):
+        make_target = getattr(module, "example_target", None)
     target = _call(make_target, path, "example_target") if callable(make_target) else None
     return ModelSource(
         path=path,

@@ -1,0 +1,117 @@
+"""Lower an annotated FX graph to the partitioner's plain-data ``Problem``.
+
+Problem nodes are the graph's op nodes. Placeholders are free (the runner hands
+each stage the mini-batch inputs it reads) and ``get_attr`` nodes are not
+nodes at all: a parameter read by one op is that op's, a parameter read by
+several ops (a tied embedding and LM head, or one weight reused) becomes a
+``TiedGroup`` the solver co-locates or replicates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.fx
+
+from fxpipe import meta
+from fxpipe.cost_models import Device, allreduce_time, intra_node_time
+from fxpipe.partition.problem import Edge, Node, Problem, Schedule, TiedGroup, TiedPolicy
+from fxpipe.passes.base import OP_NODES
+
+__all__ = ["OPTIMIZERS", "Lowered", "lower"]
+
+# Bytes of parameter state per byte of fp32 parameter: weights + gradients + optimizer state.
+OPTIMIZERS = {"adam": 4.0, "sgd": 2.0, "sgd-momentum": 3.0, "none": 1.0}
+
+
+@dataclass(frozen=True)
+class Lowered:
+    problem: Problem
+    ops: tuple[torch.fx.Node, ...]  # problem node i is ops[i]
+    params: dict[str, tuple[str, ...]]  # op node name -> canonical parameter names it reads
+
+
+def lower(
+    gm: torch.fx.GraphModule,
+    *,
+    num_stages: int,
+    device: Device,
+    memory_limit: float,
+    schedule: Schedule,
+    microbatches: int,
+    optimizer: str = "adam",
+    recompute: bool = False,
+    tied_policy: TiedPolicy = TiedPolicy.REPLICATE,
+    block_depth: int = 1,
+) -> Lowered:
+    """The partition problem of ``gm`` (every node costed: run passes and a cost model first)."""
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"Unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}.")
+    ops = tuple(n for n in gm.graph.nodes if n.op in OP_NODES)
+    index = {node: i for i, node in enumerate(ops)}
+
+    # Parameters each op reads: its own (call_module) and those of its get_attr inputs.
+    reads: dict[str, dict[str, int]] = {}
+    for node in ops:
+        owned = dict(meta.BYTES.get(node).params)
+        for source in node.all_input_nodes:
+            if source.op == "get_attr":
+                owned.update(meta.BYTES.get(source).params)
+        reads[node.name] = owned
+    readers: dict[str, list[int]] = {}
+    sizes: dict[str, int] = {}
+    for node in ops:
+        for name, size in reads[node.name].items():
+            readers.setdefault(name, []).append(index[node])
+            sizes[name] = size
+
+    nodes = []
+    for node in ops:
+        own = sum(size for name, size in reads[node.name].items() if len(readers[name]) == 1)
+        memory = meta.BYTES.get(node)
+        time = meta.TIME.get(node)
+        nodes.append(
+            Node(
+                name=node.name,
+                forward_s=time.forward_s,
+                backward_s=time.backward_s,
+                param_bytes=own,
+                activation_bytes=memory.saved_bytes,
+                output_bytes=memory.output_bytes,
+                comm_s=intra_node_time(memory.output_bytes, device),
+                module=_block(meta.MODULE.get(node).path, block_depth),
+                members=(node.name,),
+            )
+        )
+    edges = sorted(
+        {(index[node], index[user]) for node in ops for user in node.users if user in index}
+    )
+    tied = tuple(
+        TiedGroup(
+            name=name,
+            nodes=tuple(sorted(set(users))),
+            param_bytes=sizes[name],
+            allreduce_s=allreduce_time(
+                sizes[name], 2, device.intra_node_bandwidth, device.intra_node_latency
+            ),
+        )
+        for name, users in sorted(readers.items())
+        if len(set(users)) > 1
+    )
+    problem = Problem(
+        nodes=tuple(nodes),
+        edges=tuple(Edge(src, dst) for src, dst in edges),
+        num_stages=num_stages,
+        memory_limit=memory_limit,
+        schedule=schedule,
+        microbatches=microbatches,
+        state_factor=OPTIMIZERS[optimizer],
+        recompute=recompute,
+        tied=tied,
+        tied_policy=tied_policy,
+    )
+    return Lowered(problem, ops, {k: tuple(sorted(v)) for k, v in reads.items()})
+
+
+def _block(path: str, depth: int) -> str:
+    return ".".join(path.split(".")[:depth]) if path else ""

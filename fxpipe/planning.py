@@ -1,0 +1,110 @@
+"""Turn a stage assignment of the lowered problem into a ``Plan`` over the fine graph.
+
+Applies the solver's answer to the graph: which fine nodes each stage runs, the
+values it receives and sends, the parameters it holds and the costs the shared
+evaluation predicts. The solver never sees the graph; codegen never sees the solver.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch.fx
+
+from fxpipe import meta
+from fxpipe.lower import Lowered
+from fxpipe.partition.evaluate import Evaluation
+from fxpipe.partition.plan import Estimate, Plan, SolverReport, StagePlan
+
+__all__ = ["build_plan", "stage_of_nodes"]
+
+
+def stage_of_nodes(lowered: Lowered, stage_of: Sequence[int]) -> dict[torch.fx.Node, int]:
+    """Stage of every non-placeholder, non-output node (get_attr: its first reader's stage)."""
+    stages = {node: stage_of[i] for i, node in enumerate(lowered.ops)}
+    graph = lowered.ops[0].graph if lowered.ops else None
+    for node in graph.nodes if graph is not None else ():
+        if node.op == "get_attr":
+            readers = [stages[u] for u in node.users if u in stages]
+            stages[node] = min(readers, default=0)
+    return stages
+
+
+def build_plan(
+    lowered: Lowered,
+    evaluation: Evaluation,
+    report: SolverReport,
+    *,
+    baselines: Mapping[str, Estimate],
+    model: str,
+    tracer: str,
+    device: str,
+    optimizer: str,
+    notes: Sequence[str] = (),
+) -> Plan:
+    problem = lowered.problem
+    stages = stage_of_nodes(lowered, evaluation.stage_of)
+    graph_nodes = list(lowered.ops[0].graph.nodes) if lowered.ops else []
+    by_stage: list[list[torch.fx.Node]] = [[] for _ in range(problem.num_stages)]
+    for node in graph_nodes:
+        if node in stages:
+            by_stage[stages[node]].append(node)
+
+    stage_plans = []
+    for k, members in enumerate(by_stage):
+        inside = set(members)
+        inputs = [
+            n
+            for n in graph_nodes
+            if n not in inside and n.op != "get_attr" and any(u in inside for u in n.users)
+        ]
+        outputs = [
+            n
+            for n in members
+            if n.op != "get_attr"
+            and any(
+                u not in inside and (u.op == "output" or stages.get(u, -1) > k) for u in n.users
+            )
+        ]
+        params = sorted(
+            {name for n in members if n.op != "get_attr" for name in lowered.params.get(n.name, ())}
+        )
+        flops = [meta.FLOPS.get(n) for n in members]
+        cost = evaluation.stages[k]
+        stage_plans.append(
+            StagePlan(
+                index=k,
+                nodes=tuple(n.name for n in members),
+                inputs=tuple(n.name for n in inputs),
+                outputs=tuple(n.name for n in outputs),
+                parameters=tuple(params),
+                flops_forward=sum(f.forward for f in flops),
+                flops_backward=sum(f.backward for f in flops),
+                forward_s=cost.forward_s,
+                backward_s=cost.backward_s,
+                comm_s=cost.comm_s,
+                memory=cost.memory,
+                recompute=problem.recompute,
+            )
+        )
+
+    tied = {}
+    for group in problem.tied:
+        used = {evaluation.stage_of[i] for i in group.nodes}
+        tied[group.name] = "colocated" if len(used) == 1 else "replicated"
+    return Plan(
+        num_stages=problem.num_stages,
+        schedule=problem.schedule.value,
+        microbatches=problem.microbatches,
+        stages=tuple(stage_plans),
+        solver=report,
+        estimate=evaluation.estimate,
+        model=model,
+        tracer=tracer,
+        device=device,
+        memory_limit=problem.memory_limit,
+        optimizer=optimizer,
+        tied=tied,
+        baselines=dict(baselines),
+        notes=tuple(notes),
+    )
