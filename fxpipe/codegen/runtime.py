@@ -48,7 +48,6 @@ the mini-batch when ``loss_fn`` is a mean over the batch and the micro-batches
 are equal-sized (the mini-batch size is a multiple of M).
 """
 
-from __future__ import annotations
 
 import contextlib
 import warnings
@@ -304,7 +303,7 @@ class PipelineRunner:
         return self._receive(values[name], p, k, events.get(p), grad)
 
     def _lazy(self, values: Mapping[str, Any], k: int, grad: bool,
-              events: Mapping[int, Any]) -> _OnDemand:
+              events: Mapping[int, Any]) -> "_OnDemand":
         """A dict for ``build_output`` that receives a value on stage k's device
         only when it is read (so unread activations never move)."""
         return _OnDemand(values, lambda name: self._get(values, name, k, grad, events))
@@ -329,7 +328,7 @@ class PipelineRunner:
         events[k] = self._record(k)
         return inputs, outputs
 
-    def _train_forward(self, k: int, m: int, state: _StepState) -> None:
+    def _train_forward(self, k: int, m: int, state: "_StepState") -> None:
         values = state.values[m]
         events = state.fwd_events[m]
         if self.recompute[k]:
@@ -343,7 +342,7 @@ class PipelineRunner:
         if k == len(self.stages) - 1 and not self.recompute[k]:
             state.losses[m] = self._loss(k, m, state)
 
-    def _loss(self, k: int, m: int, state: _StepState) -> tuple[torch.Tensor, dict[str, Any]]:
+    def _loss(self, k: int, m: int, state: "_StepState") -> tuple[torch.Tensor, dict[str, Any]]:
         """loss_fn(build_output(values of m), target of m) / M on the last stage;
         returns it with the values build_output read (leaves for earlier stages')."""
         values = state.values[m]
@@ -362,7 +361,7 @@ class PipelineRunner:
             state.total_loss = total if state.total_loss is None else state.total_loss + total
         return loss, out_in
 
-    def _backward(self, k: int, m: int, state: _StepState) -> None:
+    def _backward(self, k: int, m: int, state: "_StepState") -> None:
         inputs, outputs, rng = state.saved.pop((k, m))
         values = state.values[m]
         last = len(self.stages) - 1

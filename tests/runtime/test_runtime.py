@@ -258,3 +258,42 @@ def test_cuda_streams_equal_cpu(schedule_fn: Any, recompute: bool) -> None:
     torch.testing.assert_close(loss.cpu(), cpu_loss, rtol=1e-10, atol=1e-12)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad.cpu(), cpu_grads[name], rtol=1e-10, atol=1e-12)
+
+
+def test_runtime_runs_when_copied_after_a_generated_header(tmp_path: Any) -> None:
+    """runner.py = generated header + runtime.py verbatim: it must import and run."""
+    import importlib.util
+    from pathlib import Path
+
+    import fxpipe.codegen.runtime as runtime
+
+    header = (
+        '"""Generated header."""\n\n'
+        "from typing import Any\n\n"
+        f"SCHEDULE = {gpipe(3, 2)!r}\n"
+        "MICROBATCHES = 2\n"
+        "RECOMPUTE = (False, True, False)\n"
+        "GRAPH_INPUTS = ('x', 'scale')\n\n\n"
+        "def flatten_inputs(x: Any, scale: int = 2) -> dict[str, Any]:\n"
+        "    return {'x': x, 'scale': scale}\n\n\n"
+        "def build_output(values: dict[str, Any]) -> Any:\n"
+        "    return {'logits': values['logits'], 'hidden': values['h1']}\n\n\n"
+    )
+    path = tmp_path / "runner.py"
+    path.write_text(header + Path(runtime.__file__).read_text())
+    spec = importlib.util.spec_from_file_location("generated_runner", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    model, stages = make(torch.float64)
+    x, y = data(torch.float64)
+    ref_loss, ref_grads = reference_grads(model, x, y, 2)
+    pipe = module.PipelineRunner(
+        stages, schedule=module.SCHEDULE, microbatches=module.MICROBATCHES,
+        flatten_inputs=module.flatten_inputs, build_output=module.build_output,
+        recompute=module.RECOMPUTE,
+    )
+    torch.testing.assert_close(pipe.step((x,), y, loss_fn), ref_loss, rtol=1e-12, atol=1e-12)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-12, atol=1e-12)
