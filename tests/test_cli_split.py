@@ -1,0 +1,106 @@
+"""`fxpipe split` end to end through the real command: outputs, errors, atomic writing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT = str(ROOT / "examples" / "gpt.py")
+MLP = str(ROOT / "examples" / "mlp.py")
+
+
+def fxpipe(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "fxpipe.cli", *args],
+        cwd=cwd, capture_output=True, text=True, timeout=300,
+    )
+
+
+@pytest.fixture(scope="module")
+def gpt_split(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    work = tmp_path_factory.mktemp("split")
+    done = fxpipe("split", GPT, "--gpus", "4", "--microbatches", "8", "--out", "out", cwd=work)
+    assert done.returncode == 0, done.stderr
+    return work / "out"
+
+
+def test_split_writes_plan_report_and_diagram(gpt_split: Path) -> None:
+    plan = json.loads((gpt_split / "plan.json").read_text())
+    assert plan["num_stages"] == 4 and plan["microbatches"] == 8
+    assert plan["solver"]["status"] == "OPTIMAL"
+    assert plan["solver"]["gap"] <= 0.01
+    # Every op sits on exactly one stage and every stage is used.
+    names = [n for stage in plan["stages"] for n in stage["nodes"]]
+    assert len(names) == len(set(names))
+    assert all(stage["nodes"] for stage in plan["stages"])
+    # The ILP is never worse than a baseline, under the same cost model.
+    for name, baseline in plan["baselines"].items():
+        assert plan["estimate"]["bottleneck_s"] <= baseline["bottleneck_s"] * (1 + 1e-9), name
+    # The tied embedding / LM head weight is declared.
+    assert plan["tied"] == {"tok_emb.weight": plan["tied"]["tok_emb.weight"]}
+    assert plan["tied"]["tok_emb.weight"] in ("colocated", "replicated")
+    report = (gpt_split / "report.md").read_text()
+    assert "## Stages" in report and "uniform-layers" in report
+    dot = (gpt_split / "partition.dot").read_text()
+    assert all(f"cluster_stage{k}" in dot for k in range(4))
+    assert (gpt_split / "partition.svg").read_bytes().lstrip().startswith(b"<?xml")
+
+
+def test_plan_json_round_trips(gpt_split: Path) -> None:
+    from fxpipe.partition.plan import Plan
+
+    text = (gpt_split / "plan.json").read_text()
+    assert Plan.from_json(text).to_json() == text
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--gpus", "4", "--memory", "2MiB"], "Use --memory"),
+        (["--gpus", "500"], "or fewer"),
+        (["--gpus", "2", "--memory", "lots"], "lots"),
+        (["--gpus", "2", "--device", "h900"], "known devices"),
+        (["--gpus", "0"], "--gpus must be at least 1"),
+    ],
+)
+def test_split_errors_are_one_line_with_exit_2(
+    tmp_path: Path, args: list[str], expected: str
+) -> None:
+    done = fxpipe("split", MLP if "500" in args else GPT, *args, "--out", "out", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert lines[-1].startswith("fxpipe: error:") and expected in lines[-1], done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_infeasible_memory_names_the_memory_that_would_fit(tmp_path: Path) -> None:
+    done = fxpipe("split", GPT, "--gpus", "2", "--memory", "1MiB", "--out", "out", cwd=tmp_path)
+    assert done.returncode == 2
+    message = done.stderr.strip().splitlines()[-1]
+    needed = message.split("Use --memory ")[1].split()[0]
+    # The memory the message names really is enough.
+    again = fxpipe("split", GPT, "--gpus", "2", "--memory", needed, "--out", "out", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+
+
+def test_existing_foreign_folder_is_not_replaced(tmp_path: Path) -> None:
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "mine.txt").write_text("keep me")
+    done = fxpipe("split", MLP, "--gpus", "2", "--out", "out", cwd=tmp_path)
+    assert done.returncode == 2 and "--force" in done.stderr
+    assert (tmp_path / "out" / "mine.txt").read_text() == "keep me"
+    forced = fxpipe("split", MLP, "--gpus", "2", "--out", "out", "--force", cwd=tmp_path)
+    assert forced.returncode == 0, forced.stderr
+    assert not (tmp_path / "out" / "mine.txt").exists()
+    assert (tmp_path / "out" / "plan.json").exists()
+    # A folder fxpipe wrote is replaced without --force.
+    again = fxpipe("split", MLP, "--gpus", "3", "--out", "out", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert json.loads((tmp_path / "out" / "plan.json").read_text())["num_stages"] == 3
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no staging folders left behind
