@@ -32,7 +32,9 @@ class _FlopCount(MetaInterpreter):
             result, leaves = self.run_op_detached(n)
         outputs = grad_outputs_of(result)
         backward = 0
-        if outputs and leaves:
+        # FlopCounterMode counts matmul, convolution and attention ops; the backward of a
+        # node that has none of them in its forward has none either, so it is not run.
+        if outputs and leaves and forward.get_total_flops() > 0:
             with FlopCounterMode(display=False) as counter:
                 torch.autograd.grad(
                     outputs,
