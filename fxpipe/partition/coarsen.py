@@ -310,10 +310,24 @@ def coarsen(problem: Problem, *, cap_s: float | None = None, base: Coarsening | 
     alive = m
     min_groups = 1 if p.allow_empty_stages else K
 
-    heap = [(time[a] + time[b], a, b) for a, b in base.order_edges]
+    # Communication across each pair of coarse nodes: the edges that would be the most
+    # expensive cuts merge first, so the cuts that survive are the cheap ones.
+    link: list[dict[int, float]] = [{} for _ in range(m)]  # symmetric
+    seen: set[tuple[int, int]] = set()
+    for e in p.edges:
+        a, b = base.group_of[e.src], base.group_of[e.dst]
+        if e.data and a != b and (e.src, b) not in seen:
+            seen.add((e.src, b))
+            link[a][b] = link[a].get(b, 0.0) + p.nodes[e.src].comm_s
+            link[b][a] = link[a][b]
+
+    def priority(a: int, b: int) -> tuple[float, float, int, int]:
+        return (-link[a].get(b, 0.0), time[a] + time[b], a, b)
+
+    heap = [priority(a, b) for a, b in base.order_edges]
     heapq.heapify(heap)
     while heap and alive > min_groups:
-        _, a, b = heapq.heappop(heap)
+        _, _, a, b = heapq.heappop(heap)
         a, b = uf.find(a), uf.find(b)
         if a == b or b not in succs[a]:
             continue
@@ -328,6 +342,12 @@ def coarsen(problem: Problem, *, cap_s: float | None = None, base: Coarsening | 
         time[keep] += time[gone]
         memory[keep] += memory[gone]
         has_tied[keep] = has_tied[keep] or has_tied[gone]
+        for other, c in link[gone].items():
+            del link[other][gone]
+            if other != keep:
+                link[keep][other] = link[keep].get(other, 0.0) + c
+                link[other][keep] = link[keep][other]
+        link[gone] = {}
         new_preds = (preds[a] | preds[b]) - {a, b}
         new_succs = (succs[a] | succs[b]) - {a, b}
         for x in preds[gone] | succs[gone] | preds[keep] | succs[keep]:
@@ -339,10 +359,10 @@ def coarsen(problem: Problem, *, cap_s: float | None = None, base: Coarsening | 
         preds[keep], succs[keep] = new_preds, new_succs
         for x in new_preds:
             succs[x].add(keep)
-            heapq.heappush(heap, (time[x] + time[keep], x, keep))
+            heapq.heappush(heap, priority(x, keep))
         for x in new_succs:
             preds[x].add(keep)
-            heapq.heappush(heap, (time[keep] + time[x], keep, x))
+            heapq.heappush(heap, priority(keep, x))
         alive -= 1
 
     fine_uf = _UnionFind(len(p.nodes))

@@ -51,7 +51,7 @@ __all__ = ["IlpResult", "StageModel", "ticks_per_second"]
 Term = int | cp_model.IntVar
 Terms = list[tuple[int, Term]]  # sum of coefficient * (variable or constant)
 
-TARGET_TICKS = 1e9
+TARGET_TICKS = 1e12
 
 
 @dataclass(frozen=True)
@@ -99,10 +99,13 @@ class StageModel:
     requires T <= its value and fixes the d[g,j] that this upper bound rules out.
     ``objective``: "time" (the bottleneck) or "memory" (the largest stage's bytes, with no
     memory limit: the smallest per-device memory any split needs).
+    ``window``: per coarse node, the stages (first, last) it may take -- a restriction for
+    a local re-solve around an incumbent, not a proof; solve without it to prove.
     """
 
     def __init__(self, coarsening: Coarsening, *, objective: Literal["time", "memory"] = "time",
-                 hint: Sequence[int] | None = None) -> None:
+                 hint: Sequence[int] | None = None,
+                 window: Sequence[tuple[int, int]] | None = None) -> None:
         self.coarsening = coarsening
         self.objective = objective
         p = self.problem = coarsening.problem
@@ -169,6 +172,9 @@ class StageModel:
                 lo[g] = max(0, -(-int(up[g]) // ub) - 1)
                 hi[g] = min(K - 1, K - (-(-int(down[g]) // ub)))
 
+        if window is not None:
+            lo = [max(a, w[0]) for a, w in zip(lo, window, strict=True)]
+            hi = [min(b, w[1]) for b, w in zip(hi, window, strict=True)]
         # d[g,j] = [stage(g) <= j]; constants where the range decides it.
         m = self.model
         self.d: list[list[Term]] = []

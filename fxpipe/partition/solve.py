@@ -160,11 +160,11 @@ def partition(problem: Problem, *, time_limit_s: float = 30.0, coarsen: bool = T
     evaluation = evaluate(problem, best)
     objective = evaluation.bottleneck_s
     if result.status == "OPTIMAL":
-        status, bound = "OPTIMAL", min(objective, max(result.bound, objective * (1 - 1e-9)))
+        status, bound = "OPTIMAL", min(objective, result.bound)
     elif result.status == "INFEASIBLE":
-        # T <= the warm start's value admits nothing better: the warm start is optimal
-        # (only reachable through rounding at the last tick).
-        status, bound = "OPTIMAL", objective
+        # Nothing with T <= the warm start's value in the scaled model: the warm start is
+        # optimal up to the rounding margin (see ilp.py).
+        status, bound = "OPTIMAL", objective * (1 - 1e-9)
     else:
         status, bound = "FEASIBLE", min(result.bound, objective)
     report = SolverReport(
