@@ -251,7 +251,11 @@ class PipelineRunner:
         """``x``, produced on ``producer``'s stream, made safe to use on stage k's."""
         dev, stream = self._device(k), self._streams[k]
         if dev is None or stream is None:
-            return x if dev is None or x.device == dev else x.to(dev)
+            if dev is None or x.device == dev:
+                return x
+            if event is not None and x.device.type == "cuda":  # e.g. to a CPU stage
+                torch.cuda.current_stream(x.device).wait_event(event)
+            return x.to(dev)
         if x.device == dev:
             if event is not None:
                 stream.wait_event(event)

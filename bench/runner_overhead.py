@@ -1,0 +1,181 @@
+"""Overhead of ``PipelineRunner.step`` against plain gradient accumulation.
+
+A GPT-2-small-shaped model (examples/gpt.py: 12 layers, width 768, 12 heads,
+vocab 50257, tied LM head) is split by hand into 4 stage modules, all on the
+CPU. One step of the runner (1F1B, M micro-batches) is timed against the unsplit
+model doing the same M micro-batches with ``loss / M`` and ``backward()`` each;
+the two are timed alternately, so drift on the machine hits both alike.
+
+    python bench/runner_overhead.py --repeats 7 --batch 8 --seq 64 --microbatches 4
+
+Prints the median wall time of each, the ratio of medians and the median of
+the per-round ratios (goal: <= 1.10).
+"""
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fxpipe.codegen.runtime import PipelineRunner
+from fxpipe.codegen.schedules import gpipe, one_f_one_b
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def load_gpt_example() -> Any:
+    spec = importlib.util.spec_from_file_location("fxpipe_example_gpt", ROOT / "examples/gpt.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+class Embed(nn.Module):
+    """Stage 0: token + position embeddings and the first blocks."""
+
+    INPUTS = ("idx",)
+
+    def __init__(self, model: Any, blocks: range, name_out: str) -> None:
+        super().__init__()
+        self.OUTPUTS = (name_out,)
+        self.tok_emb = model.tok_emb
+        self.pos_emb = model.pos_emb
+        self.blocks = nn.ModuleList(model.blocks[i] for i in blocks)
+
+    def forward(self, idx: torch.Tensor) -> tuple[torch.Tensor]:
+        pos = torch.arange(idx.size(1), device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        for block in self.blocks:
+            x = block(x)
+        return (x,)
+
+
+class Middle(nn.Module):
+    """A run of blocks; each stage names its output, as every value has one producer."""
+
+    def __init__(self, model: Any, blocks: range, name_in: str, name_out: str) -> None:
+        super().__init__()
+        self.INPUTS = (name_in,)
+        self.OUTPUTS = (name_out,)
+        self.blocks = nn.ModuleList(model.blocks[i] for i in blocks)
+
+    def forward(self, **inputs: torch.Tensor) -> tuple[torch.Tensor]:
+        (x,) = inputs.values()
+        for block in self.blocks:
+            x = block(x)
+        return (x,)
+
+
+class Head(nn.Module):
+    """Last stage: the last blocks, the final LayerNorm and the tied LM head."""
+
+    OUTPUTS = ("logits",)
+
+    def __init__(self, model: Any, blocks: range, name_in: str) -> None:
+        super().__init__()
+        self.INPUTS = (name_in,)
+        self.blocks = nn.ModuleList(model.blocks[i] for i in blocks)
+        self.ln_f = model.ln_f
+        self.lm_head = model.lm_head
+
+    def forward(self, **inputs: torch.Tensor) -> tuple[torch.Tensor]:
+        (x,) = inputs.values()
+        for block in self.blocks:
+            x = block(x)
+        return (self.lm_head(self.ln_f(x)),)
+
+
+def split(model: Any, num_stages: int) -> list[nn.Module]:
+    """Blocks spread evenly; the embeddings go first and ln_f + LM head last."""
+    n = len(model.blocks)
+    cuts = [round(i * n / num_stages) for i in range(num_stages + 1)]
+    names = [f"x{j}" for j in range(num_stages)]
+    stages: list[nn.Module] = [Embed(model, range(cuts[0], cuts[1]), names[0])]
+    for j in range(1, num_stages - 1):
+        stages.append(Middle(model, range(cuts[j], cuts[j + 1]), names[j - 1], names[j]))
+    stages.append(Head(model, range(cuts[-2], cuts[-1]), names[-2]))
+    return stages
+
+
+def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
+    parser.add_argument("--small", action="store_true", help="the 4x128 test GPT (smoke run)")
+    args = parser.parse_args()
+
+    gpt = load_gpt_example()
+    cfg = gpt.SMALL if args.small else gpt.GPT2_SMALL
+    model = gpt._build(cfg)  # real weights on the CPU
+    m = args.microbatches
+    make_schedule = one_f_one_b if args.schedule == "1f1b" else gpipe
+    runner = PipelineRunner(
+        split(model, args.stages),
+        schedule=make_schedule(args.stages, m),
+        microbatches=m,
+        flatten_inputs=lambda idx: {"idx": idx},
+        build_output=lambda values: values["logits"],
+    )
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g)
+    idx, target = ids[:, :-1], ids[:, 1:]
+
+    def accumulate() -> torch.Tensor:
+        total = torch.zeros(())
+        for x_m, y_m in zip(idx.tensor_split(m), target.tensor_split(m), strict=True):
+            loss = loss_fn(model(x_m), y_m) / m
+            loss.backward()
+            total += loss.detach()
+        return total
+
+    def pipelined() -> torch.Tensor:
+        return runner.step((idx,), target, loss_fn)
+
+    timings: dict[str, list[float]] = {"accumulate": [], "runner": []}
+    contenders = [("accumulate", accumulate), ("runner", pipelined)]
+    for i in range(args.repeats + 1):  # the first round warms up and is not counted
+        for name, fn in contenders if i % 2 else contenders[::-1]:  # alternate who goes first
+            model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            loss = fn()
+            elapsed = time.perf_counter() - start
+            if i:
+                timings[name].append(elapsed)
+            print(f"round {i} {name:10s} {elapsed:7.3f} s  loss {loss.item():.4f}", flush=True)
+
+    base = statistics.median(timings["accumulate"])
+    ours = statistics.median(timings["runner"])
+    params = sum(p.numel() for p in model.parameters())
+    print(
+        f"\nGPT {cfg.n_layer}x{cfg.n_embd} ({params / 1e6:.0f}M params), batch {args.batch} x "
+        f"seq {args.seq}, {args.stages} stages, M={m}, {args.schedule}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+    )
+    paired = statistics.median(
+        r / a for r, a in zip(timings["runner"], timings["accumulate"], strict=True)
+    )
+    print(
+        f"median accumulate {base:.3f} s, runner.step {ours:.3f} s, ratio of medians "
+        f"{ours / base:.3f}, median of per-round ratios {paired:.3f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
