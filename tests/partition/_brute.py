@@ -1,0 +1,62 @@
+"""Plain brute force over every valid split, scored by ``evaluate``: the tests' oracle."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from fxpipe.partition import Problem, evaluate, violations
+
+
+def valid_splits(problem: Problem) -> Iterator[tuple[int, ...]]:
+    """Every assignment of nodes to stages that ``violations`` accepts.
+
+    Walks the nodes in a topological order of the ordering edges, giving each node every
+    stage from its predecessors' largest up; ``violations`` judges the rest.
+    """
+    n, K = len(problem.nodes), problem.num_stages
+    preds: list[list[int]] = [[] for _ in range(n)]
+    indegree = [0] * n
+    for e in problem.edges:
+        if e.ordered:
+            preds[e.dst].append(e.src)
+            indegree[e.dst] += 1
+    order: list[int] = []
+    ready = [v for v in range(n) if indegree[v] == 0]
+    while ready:
+        v = ready.pop()
+        order.append(v)
+        for e in problem.edges:
+            if e.ordered and e.src == v:
+                indegree[e.dst] -= 1
+                if indegree[e.dst] == 0:
+                    ready.append(e.dst)
+    assert len(order) == n, "ordering edges form a cycle"
+
+    stage = [0] * n
+
+    def walk(i: int) -> Iterator[tuple[int, ...]]:
+        if i == n:
+            if not violations(problem, stage):
+                yield tuple(stage)
+            return
+        v = order[i]
+        for s in range(max((stage[u] for u in preds[v]), default=0), K):
+            stage[v] = s
+            yield from walk(i + 1)
+
+    yield from walk(0)
+
+
+def brute_force(problem: Problem) -> tuple[float | None, float | None, bool]:
+    """(best bottleneck among splits that fit, least max-memory of any split, any valid split)."""
+    best_time: float | None = None
+    least_memory: float | None = None
+    any_valid = False
+    for stage_of in valid_splits(problem):
+        any_valid = True
+        estimate = evaluate(problem, stage_of).estimate
+        if least_memory is None or estimate.max_memory < least_memory:
+            least_memory = estimate.max_memory
+        if estimate.fits and (best_time is None or estimate.bottleneck_s < best_time):
+            best_time = estimate.bottleneck_s
+    return best_time, least_memory, any_valid

@@ -1,0 +1,108 @@
+"""evaluate(): the one cost model, checked by hand on small cases."""
+
+from __future__ import annotations
+
+import pytest
+
+from fxpipe.partition import (
+    Comm,
+    Edge,
+    Node,
+    Problem,
+    Schedule,
+    TiedGroup,
+    TiedPolicy,
+    evaluate,
+    violations,
+)
+
+
+def fan(comm: Comm, **kwargs: object) -> Problem:
+    # a -> b, a -> c, b -> c ; a's value: 8 bytes, 1 s to move
+    nodes = (
+        Node("a", 1.0, 2.0, param_bytes=100, activation_bytes=10, output_bytes=8, comm_s=1.0),
+        Node("b", 1.0, 1.0, param_bytes=50, activation_bytes=5, output_bytes=4, comm_s=0.5),
+        Node("c", 2.0, 2.0, activation_bytes=1),
+    )
+    edges = (Edge(0, 1), Edge(0, 2), Edge(1, 2))
+    return Problem(nodes, edges, comm=comm, **kwargs)  # type: ignore[arg-type]
+
+
+def test_neighbour_comm_charges_each_boundary_crossed() -> None:
+    p = fan(Comm.NEIGHBOUR, num_stages=3, microbatches=4, schedule=Schedule.GPIPE)
+    ev = evaluate(p, [0, 1, 2])
+    # a crosses boundaries 0 and 1 (read on 1 and 2): 1 s on stages 0,1 and 1,2.
+    # b crosses boundary 1: 0.5 s on stages 1, 2.
+    assert [s.comm_s for s in ev.stages] == [1.0, 2.5, 1.5]
+    # received (x M=4 in flight): stage 1 gets a; stage 2 gets a (passed on) and b.
+    assert [s.memory.received for s in ev.stages] == [0, 32, 48]
+    assert [s.time_s for s in ev.stages] == [4.0, 4.5, 5.5]
+
+
+def test_direct_comm_charges_sender_once_and_each_reader() -> None:
+    p = fan(Comm.DIRECT, num_stages=3)
+    ev = evaluate(p, [0, 1, 2])
+    # a: once on its own stage, once on 1, once on 2; b: once on 1, once on 2
+    assert [s.comm_s for s in ev.stages] == [1.0, 1.5, 1.5]
+    assert evaluate(p, [0, 0, 0]).stages[0].comm_s == 0.0
+
+
+def test_memory_kinds_state_factor_and_in_flight() -> None:
+    p = fan(Comm.NEIGHBOUR, num_stages=2, microbatches=8, state_factor=4.0,
+            workspace_bytes=7)
+    ev = evaluate(p, [0, 0, 1])
+    m0, m1 = ev.stages[0].memory, ev.stages[1].memory
+    # 1F1B: stage 0 keeps min(8, 2) = 2 micro-batches, stage 1 keeps 1.
+    assert (m0.params, m0.grads, m0.optimizer) == (150, 150, 300)
+    assert m0.activations == 15 * 2 and m1.activations == 1
+    assert m1.received == (8 + 4) * 1
+    assert m0.workspace == m1.workspace == 7
+    assert m0.total == 150 * 4 + 30 + 7
+    assert ev.estimate.max_memory == m0.total
+
+
+def test_recompute_keeps_one_micro_batch_of_activations() -> None:
+    p = fan(Comm.NEIGHBOUR, num_stages=2, microbatches=8, schedule=Schedule.GPIPE,
+            recompute=True)
+    ev = evaluate(p, [0, 1, 1])
+    assert ev.stages[1].memory.activations == 6  # b + c, once
+    assert ev.stages[1].memory.received == 8 * 8  # a's value kept per micro-batch
+
+
+def test_estimate_formulas() -> None:
+    p = fan(Comm.DIRECT, num_stages=3, microbatches=5)
+    ev = evaluate(p, [0, 1, 2])
+    times = [s.time_s for s in ev.stages]
+    assert ev.estimate.bottleneck_s == max(times)
+    assert ev.estimate.iteration_s == pytest.approx(4 * max(times) + sum(times))
+    assert ev.estimate.bubble_fraction == pytest.approx(2 / 7)
+    assert ev.estimate.fits
+    assert not evaluate(p.__class__(**{**p.__dict__, "memory_limit": 10}), [0, 1, 2]).estimate.fits
+
+
+def test_tied_replicate_charges_copies_and_allreduce() -> None:
+    nodes = (Node("emb", 1, 1), Node("mid", 1, 1), Node("head", 1, 1))
+    tied = (TiedGroup("wte", (0, 2), param_bytes=1000, allreduce_s=0.25),)
+    p = Problem(nodes, (Edge(0, 1), Edge(1, 2)), num_stages=2, tied=tied, state_factor=2.0,
+                tied_policy=TiedPolicy.REPLICATE)
+    split = evaluate(p, [0, 0, 1])
+    assert [s.memory.params for s in split.stages] == [1000, 1000]
+    assert [s.memory.grads for s in split.stages] == [1000, 1000]
+    assert [s.comm_s for s in split.stages] == [0.25, 0.25]
+    together = evaluate(p, [0, 1, 1])
+    assert [s.memory.params for s in together.stages] == [1000, 1000]
+    one = evaluate(Problem(nodes, (Edge(0, 1),), num_stages=2, tied=tied), [0, 1, 0])
+    assert [s.memory.params for s in one.stages] == [1000, 0]
+    assert [s.comm_s for s in one.stages] == [0.0, 0.0]
+
+
+def test_violations() -> None:
+    nodes = tuple(Node(n, 1, 1) for n in "abc")
+    p = Problem(nodes, (Edge(0, 1), Edge(1, 2, ordered=False)), num_stages=3,
+                colocate=((0, 2),))
+    assert violations(p, [0, 0, 0]) == ["stages [1, 2] are empty"]
+    assert any("goes back" in v for v in violations(p, [1, 0, 1]))
+    assert any("split" in v for v in violations(p, [0, 1, 2]))
+    assert violations(p.__class__(**{**p.__dict__, "allow_empty_stages": True}), [1, 1, 1]) == []
+    # an unordered edge may go back: only communication
+    assert violations(Problem(nodes, (Edge(1, 0, ordered=False),), num_stages=3), [0, 1, 2]) == []

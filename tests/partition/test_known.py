@@ -1,0 +1,63 @@
+"""Tiny graphs whose best split is known by construction."""
+
+from __future__ import annotations
+
+import pytest
+
+from fxpipe.partition import Edge, Node, Problem, evaluate, partition, violations
+
+MS = 1e-3
+GiB = 2**30
+
+
+def chain(times_ms: list[float], *, params: list[int] | None = None, **kwargs: object) -> Problem:
+    params = params or [0] * len(times_ms)
+    nodes = tuple(Node(f"layer{i}", t * MS / 3, 2 * t * MS / 3, param_bytes=p,
+                       module=f"layers.{i}") for i, (t, p) in enumerate(zip(times_ms, params,
+                                                                               strict=True)))
+    edges = tuple(Edge(i, i + 1) for i in range(len(times_ms) - 1))
+    return Problem(nodes, edges, **kwargs)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("heavy_at", [0, 4, 8])
+def test_eight_10ms_layers_and_one_40ms_layer_onto_4_gpus(heavy_at: int) -> None:
+    times = [10.0] * 8
+    times.insert(heavy_at, 40.0)
+    result = partition(chain(times, num_stages=4), time_limit_s=10)
+    assert result.report.status == "OPTIMAL"
+    assert result.report.objective == pytest.approx(40 * MS)
+    assert result.report.solved_nodes == 9 and result.report.graph_nodes == 9
+    heavy_stage = result.stage_of[heavy_at]
+    assert [result.stage_of[i] for i in range(9)].count(heavy_stage) == 1
+
+
+def test_torchgpipe_balance_10ms_and_20ms_layers() -> None:
+    # torchgpipe's test: layers sleeping 10 ms and 20 ms balance to a known split.
+    result = partition(chain([10, 10, 20, 10, 10, 20], num_stages=2), time_limit_s=10)
+    assert result.report.objective == pytest.approx(40 * MS)
+    assert result.stage_of == (0, 0, 0, 1, 1, 1)
+
+
+def test_uniform_split_overflows_but_a_feasible_split_exists() -> None:
+    # Two big layers up front: two layers per stage puts 12 GiB on stage 0.
+    params = [6 * GiB, 6 * GiB] + [GiB] * 6
+    problem = chain([10] * 8, params=params, num_stages=4, memory_limit=8 * GiB,
+                    state_factor=1.0)
+    result = partition(problem, time_limit_s=10)
+    assert result.baselines["uniform-layers"].fits is False
+    assert result.evaluation.estimate.fits
+    assert not violations(problem, result.stage_of)
+    assert result.stage_of[0] != result.stage_of[1]
+    assert result.report.status == "OPTIMAL"
+    # Best: [0] [1] [2,3,4] [5,6,7] -> 30 ms.
+    assert result.report.objective == pytest.approx(30 * MS)
+
+
+def test_baselines_are_valid_and_scored_by_evaluate() -> None:
+    problem = chain([5, 1, 1, 1, 30, 1, 1, 8], params=[1, 9, 1, 1, 1, 1, 1, 9], num_stages=3)
+    result = partition(problem, time_limit_s=10)
+    for name, split in result.baseline_splits.items():
+        assert not violations(problem, split), name
+        assert result.baselines[name] == evaluate(problem, split).estimate
+        assert result.baselines[name].bottleneck_s >= result.report.objective
+    assert set(result.baselines) == {"uniform-layers", "parameters", "greedy-time"}
