@@ -1,0 +1,519 @@
+"""One stage of a plan as Python source: ``class Stage{k}(nn.Module)``.
+
+A stage is the sub-graph of the plan's nodes for stage k, cut out of the fine
+graph and printed with torch.fx's own code generator, so the body reads like
+fx code: one statement per op, the graph's node names, dead values freed.
+
+    INPUTS   values the stage receives (graph inputs or earlier stages' outputs)
+    OUTPUTS  values it produces that a later stage reads or the model returns
+    __init__ binds the submodules, parameters and buffers it reads from the
+             original model under their original qualified names
+    forward  takes INPUTS by name and returns a tuple in OUTPUTS order
+
+get_attr nodes (parameters, buffers) are never communicated: every stage that
+reads one binds it. The body of a higher-order op (export's
+``wrap_with_set_grad_enabled(False, submod_1, ...)``) is printed as a small
+module class in the same file.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import io
+import math
+import re
+import textwrap
+import tokenize
+import types
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from fxpipe import meta
+from fxpipe.partition.plan import Plan
+
+__all__ = ["LINE_LENGTH", "PlanError", "StageIO", "stage_io", "stage_source", "wrap_line"]
+
+LINE_LENGTH = 100  # the runtime copied into runner.py is written to 100 columns
+
+
+class PlanError(ValueError):
+    """The plan does not fit the traced graph."""
+
+
+@dataclass(frozen=True)
+class StageIO:
+    """The values one stage exchanges with the others, by node name, in graph order."""
+
+    index: int
+    nodes: tuple[str, ...]  # the ops it runs (get_attr nodes it reads included)
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+# ---------------------------------------------------------------------------- the cut
+
+
+def stage_io(graph: torch.fx.Graph, plan: Plan) -> list[StageIO]:
+    """Check ``plan`` against ``graph`` and name what every stage receives and sends."""
+    stage_of = plan.stage_of()
+    ops = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    names = {n.name for n in ops}
+    missing = [n.name for n in ops if n.name not in stage_of]
+    unknown = sorted(set(stage_of) - names)
+    if missing or unknown:
+        raise PlanError(
+            f"the plan does not cover the traced graph: {len(missing)} graph nodes in no stage "
+            f"(first: {missing[:3]}), {len(unknown)} plan nodes not in the graph (first: "
+            f"{unknown[:3]}); partition this traced graph again"
+        )
+    if sorted({s.index for s in plan.stages}) != list(range(plan.num_stages)):
+        raise PlanError(
+            f"stage indices {[s.index for s in plan.stages]} are not 0..{plan.num_stages - 1}"
+        )
+    for node in ops:
+        for arg in node.all_input_nodes:
+            if arg.op in ("placeholder", "get_attr"):
+                continue
+            if stage_of[arg.name] > stage_of[node.name]:
+                raise PlanError(
+                    f"node {node.name!r} (stage {stage_of[node.name]}) reads {arg.name!r} "
+                    f"(stage {stage_of[arg.name]}): stage indices must never decrease along "
+                    "an edge"
+                )
+
+    def home(node: torch.fx.Node) -> int:
+        # -1: a graph input; get_attr nodes live in every stage that reads them
+        return -1 if node.op == "placeholder" else stage_of[node.name]
+
+    result = []
+    output = graph.output_node()
+    for k in range(plan.num_stages):
+        runs = [
+            n.name
+            for n in ops
+            if (n.op == "get_attr" and any(_stage(u, stage_of) == k for u in n.users))
+            or (n.op != "get_attr" and stage_of[n.name] == k)
+            or (n.op == "get_attr" and not n.users and stage_of[n.name] == k)
+        ]
+        inside = set(runs)
+        inputs = [
+            n.name
+            for n in graph.nodes
+            if n.op != "get_attr"
+            and n.name not in inside
+            and n.op != "output"
+            and any(u.name in inside and u.op != "get_attr" for u in n.users)
+        ]
+        outputs = [
+            n.name
+            for n in ops
+            if n.name in inside
+            and home(n) == k
+            and any(u is output or (u.op != "output" and stage_of[u.name] > k) for u in n.users)
+        ]
+        result.append(StageIO(k, tuple(runs), tuple(inputs), tuple(outputs)))
+    return result
+
+
+def _stage(node: torch.fx.Node, stage_of: dict[str, int]) -> int:
+    return -2 if node.op == "output" else stage_of[node.name]
+
+
+def _sub_graph(graph: torch.fx.Graph, io: StageIO) -> torch.fx.Graph:
+    """The stage's ops as a graph of their own: INPUTS in, OUTPUTS out, names kept."""
+    sub = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    by_name = {n.name: n for n in graph.nodes}
+    for name in io.inputs:
+        env[by_name[name]] = sub.placeholder(name)
+    inside = set(io.nodes)
+    for node in graph.nodes:
+        if node.name in inside:
+            env[node] = sub.node_copy(node, lambda n: env[n])
+    sub.output(tuple(env[by_name[name]] for name in io.outputs))
+    for node in sub.nodes:
+        node.type = None  # no annotations: they would need the types importable
+        if node.op not in ("output",):
+            assert node.name in by_name, f"fx renamed a value: {node.name}"
+    return sub
+
+
+# ---------------------------------------------------------------------------- the source
+
+
+def stage_source(gm: torch.fx.GraphModule, io: StageIO) -> str:
+    """The text of ``stage{k}.py`` for one stage of ``gm``."""
+    sub = _sub_graph(gm.graph, io)
+    shapes = {n.name: _shape_comment(n) for n in gm.graph.nodes if meta.SHAPE.has(n)}
+
+    bodies: list[str] = []  # classes of higher-order-op bodies
+    bind: list[str] = []  # paths bound from the model
+    inits: list[str] = []  # body modules constructed
+    modules = sorted(
+        {str(n.target) for n in sub.nodes if n.op == "call_module"}, key=lambda p: p.split(".")
+    )
+    for node in sub.nodes:
+        if node.op != "get_attr":
+            continue
+        target = str(node.target)
+        value = _resolve(gm, target)
+        if isinstance(value, torch.fx.GraphModule):
+            class_name = "_" + "".join(p.capitalize() for p in re.split(r"[._]", target) if p)
+            if f"self.{target} = {class_name}()" not in inits:
+                bodies.append(_body_class(value, class_name, target))
+                inits.append(f"self.{target} = {class_name}()")
+        elif target not in bind:
+            bind.append(target)
+    # a path under a bound module is already bound with it
+    paths: list[str] = []
+    for path in modules + sorted(bind, key=lambda p: p.split(".")):
+        if not any(path.startswith(m + ".") or path == m for m in paths):
+            paths.append(path)
+
+    code = sub.python_code(root_module="self")
+    readable = {}  # fx prints blocks.0.x as getattr(self.blocks, "0").x; say it by name
+    for node in sub.nodes:
+        if node.op == "get_attr":
+            value = _resolve(gm, str(node.target))
+            if isinstance(value, torch.nn.Parameter):
+                readable[node.name] = f'self.get_parameter("{node.target}")'
+            elif isinstance(value, torch.Tensor):
+                readable[node.name] = f'self.get_buffer("{node.target}")'
+    forward_lines, names = _forward_lines(code.src, io, shapes, readable)
+    header_names = set(names)
+    for body in bodies:
+        header_names |= _names_in(body)
+    imports = _imports(code.globals, header_names)
+
+    k = io.index
+    doc_in = ", ".join(io.inputs) or "nothing"
+    doc_out = ", ".join(io.outputs) or "nothing"
+    lines = [
+        f'"""Stage {k} of the pipeline, generated by fxpipe.',
+        "",
+        *_wrap_words(f"Receives: {doc_in}.", LINE_LENGTH),
+        *_wrap_words(f"Returns: ({doc_out}).", LINE_LENGTH),
+        '"""',
+        "",
+        *imports,
+        "",
+        "",
+        *_bind_helper(),
+    ]
+    for body in bodies:
+        lines += ["", "", body]
+    lines += [
+        "",
+        "",
+        f"class Stage{k}(nn.Module):",
+        *_tuple_attr("INPUTS", io.inputs),
+        *_tuple_attr("OUTPUTS", io.outputs),
+        "",
+        "    def __init__(self, model: nn.Module) -> None:",
+        "        super().__init__()",
+    ]
+    for path in paths:
+        lines += wrap_line(f'        _bind(self, model, "{path}")', LINE_LENGTH)
+    for init in inits:
+        lines.append(f"        {init}")
+    lines += ["", *forward_lines]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _resolve(gm: torch.fx.GraphModule, target: str) -> object:
+    owner = gm
+    *path, leaf = target.split(".")
+    for part in path:
+        owner = getattr(owner, part)
+    return getattr(owner, leaf)
+
+
+def _tuple_attr(name: str, values: tuple[str, ...]) -> list[str]:
+    if not values:
+        return [f"    {name} = ()"]
+    items = ", ".join(f'"{v}"' for v in values)
+    one = f"    {name} = ({items},)" if len(values) == 1 else f"    {name} = ({items})"
+    if len(one) <= LINE_LENGTH:
+        return [one]
+    return [f"    {name} = (", *(f'        "{v}",' for v in values), "    )"]
+
+
+def _bind_helper() -> list[str]:
+    return [
+        "def _bind(stage: nn.Module, model: nn.Module, path: str) -> None:",
+        '    """Put the model\'s own object at ``path`` into ``stage`` under the same name."""',
+        '    *parents, leaf = path.split(".")',
+        "    source, target = model, stage",
+        "    for name in parents:",
+        "        source = source.get_submodule(name)",
+        "        if name not in target._modules:",
+        "            target.add_module(name, nn.Module())",
+        "        target = target.get_submodule(name)",
+        "    if leaf in source._parameters:",
+        "        target.register_parameter(leaf, source._parameters[leaf])",
+        "    elif leaf in source._buffers:",
+        "        persistent = leaf not in source._non_persistent_buffers_set",
+        "        target.register_buffer(leaf, source._buffers[leaf], persistent=persistent)",
+        "    else:",
+        "        target.add_module(leaf, source.get_submodule(leaf))",
+    ]
+
+
+_FREE = re.compile(r"^(?P<stmt>.*?);  (?P<dead>(?:[A-Za-z_]\w* = )+)None$")
+_ASSIGN = re.compile(r"^    (?P<name>[A-Za-z_]\w*) = ")
+
+
+def _forward_lines(
+    src: str,
+    io: StageIO,
+    shapes: dict[str, str],
+    readable: dict[str, str] | None = None,
+    *,
+    indent: str = "    ",
+) -> tuple[list[str], set[str]]:
+    """fx's ``forward`` re-indented into the class, frees as ``del``, long lines wrapped."""
+    raw = [line for line in src.strip("\n").splitlines() if line.strip()]
+    assert raw[0].startswith("def forward(self"), raw[0]
+    out = wrap_line(indent + raw[0], LINE_LENGTH)
+    outs = ", ".join(io.outputs)
+    out += [f'{indent}    """Returns ({outs})."""' if outs else f'{indent}    """Returns ()."""']
+    if len(out[-1]) > LINE_LENGTH:
+        out[-1:] = [f'{indent}    """Returns, in order:', *(f"{indent}    {o}" for o in io.outputs),
+                    f'{indent}    """']
+    for line in raw[1:]:
+        match = _FREE.match(line)
+        dead: list[str] = []
+        if match:
+            line = match["stmt"]
+            dead = [d for d in match["dead"].split(" = ") if d]
+        assign = _ASSIGN.match(line)
+        if assign and readable and assign["name"] in readable and (
+            "getattr(" in line or len(indent + line) > LINE_LENGTH
+        ):
+            line = f"    {assign['name']} = {readable[assign['name']]}"
+        comment = shapes.get(assign["name"], "") if assign else ""
+        with_comment = f"{line}  # {comment}" if comment else line
+        if len(indent + with_comment) <= LINE_LENGTH:
+            out.append(indent + with_comment)
+        else:
+            out += wrap_line(indent + line, LINE_LENGTH)
+        while dead:
+            # as many names per `del` as fit on a line
+            take = 1
+            while take < len(dead) and len(_del(indent, dead[: take + 1])) <= LINE_LENGTH:
+                take += 1
+            out += wrap_line(_del(indent, dead[:take]), LINE_LENGTH)
+            dead = dead[take:]
+    return out, _names_in(src.strip("\n"))
+
+
+def _del(indent: str, names: list[str]) -> str:
+    return f"{indent}    del {', '.join(names)}"
+
+
+def _body_class(body: torch.fx.GraphModule, class_name: str, target: str) -> str:
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in body.graph.nodes:
+        if node.op == "get_attr":
+            raise PlanError(
+                f"the body {target!r} of a higher-order op reads attribute {node.target!r}; "
+                "fxpipe cannot print such bodies yet"
+            )
+        if node.op == "call_function" and not node.users and _is_assert(node):
+            continue
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    for node in graph.nodes:
+        node.type = None
+    code = graph.python_code(root_module="self")
+    io = StageIO(-1, (), (), ())
+    lines, _ = _forward_lines(code.src, io, {})
+    lines[1] = '        """The body of a higher-order op, as traced."""'
+    return "\n".join([f"class {class_name}(nn.Module):", *lines])
+
+
+def _is_assert(node: torch.fx.Node) -> bool:
+    return node.target is torch.ops.aten._assert_tensor_metadata.default
+
+
+def _shape_comment(node: torch.fx.Node) -> str:
+    info = meta.SHAPE.get(node)
+    if not info.tensors or len(info.tensors) > 3:
+        return ""
+    return ", ".join(
+        f"{t.dtype}[{', '.join(str(d) for d in t.shape)}]" for t in info.tensors
+    )
+
+
+# ---------------------------------------------------------------------------- imports
+
+
+def _names_in(text: str) -> set[str]:
+    """Names the code reads as variables (not attribute names, not strings)."""
+    tree = ast.parse(textwrap.dedent(text))
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+
+
+def _imports(globals_: dict[str, object], used: set[str]) -> list[str]:
+    """Import statements, isort-ordered, for the fx code globals the text uses."""
+    stdlib: set[str] = set()
+    third: set[str] = {"from torch import nn"}
+    for name in sorted(globals_):
+        if name not in used or name in ("self", "nn"):
+            continue
+        value = globals_[name]
+        if name in builtins.__dict__ and builtins.__dict__[name] is value:
+            continue
+        if isinstance(value, float) and (math.isinf(value) or math.isnan(value)):
+            stdlib.add(f"from math import {name}")
+        elif value is type(None):
+            stdlib.add("from types import NoneType")
+        elif value is torch.device:
+            third.add("from torch import device")
+        elif isinstance(value, types.ModuleType):
+            module = value.__name__
+            if module == name:
+                (stdlib if module in _STDLIB else third).add(f"import {module}")
+            else:
+                (stdlib if module.split(".")[0] in _STDLIB else third).add(
+                    f"import {module} as {name}"
+                )
+        elif hasattr(value, "__module__") and hasattr(value, "__qualname__"):
+            module, qualname = str(value.__module__), str(value.__qualname__)
+            if "." in qualname or "<" in qualname or module.startswith("fxpipe_user_"):
+                raise PlanError(
+                    f"the graph calls {module}.{qualname}, which cannot be imported by name; "
+                    "define it at the top level of an importable module"
+                )
+            alias = "" if qualname == name else f" as {name}"
+            (stdlib if module.split(".")[0] in _STDLIB else third).add(
+                f"from {module} import {qualname}{alias}"
+            )
+        else:
+            raise PlanError(f"the graph uses a global {name} = {value!r} fxpipe cannot import")
+    if "torch" in used:
+        third.add("import torch")
+    lines: list[str] = []
+    for block in (_isort(stdlib), _isort(third)):
+        if block:
+            if lines:
+                lines.append("")
+            lines += block
+    return lines
+
+
+_STDLIB = {"builtins", "math", "operator", "types", "typing", "collections", "functools"}
+
+
+def _isort(statements: set[str]) -> list[str]:
+    """isort's default order: plain imports first, then from-imports merged per module."""
+    plain = sorted((s for s in statements if s.startswith("import ")), key=str.lower)
+    names: dict[str, set[str]] = {}
+    for statement in statements:
+        if statement.startswith("from "):
+            module, _, name = statement[len("from ") :].partition(" import ")
+            names.setdefault(module, set()).add(name)
+    froms = [
+        f"from {module} import {', '.join(sorted(names[module], key=_isort_key))}"
+        for module in sorted(names, key=str.lower)
+    ]
+    return plain + froms
+
+
+def _isort_key(name: str) -> tuple[int, str]:
+    # isort's order-by-type: CONSTANTS, then Classes, then functions
+    kind = 0 if name.isupper() else 1 if name[:1].isupper() else 2
+    return kind, name.lower()
+
+
+# ---------------------------------------------------------------------------- wrapping
+
+
+def wrap_line(line: str, limit: int = LINE_LENGTH) -> list[str]:
+    """Split a too-long line at the top-level commas of its last bracket pair.
+
+    ``x = f(a, b, c)`` becomes ``x = f(`` / one argument per line / ``)``; a line
+    that stays too long after that is marked ``# noqa: E501``.
+    """
+    if len(line) <= limit:
+        return [line]
+    indent = line[: len(line) - len(line.lstrip())]
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(line.strip() + "\n").readline))
+    except (tokenize.TokenError, SyntaxError):
+        return [line + "  # noqa: E501"]
+    text = line.strip()
+    # the opening bracket whose partner closes the statement
+    depth = 0
+    opens: list[int] = []
+    pairs: dict[int, int] = {}
+    offsets = _offsets(text)
+    for token in tokens:
+        if token.type != tokenize.OP:
+            continue
+        at = offsets[token.start[0] - 1] + token.start[1]
+        if token.string in "([{":
+            opens.append(at)
+            depth += 1
+        elif token.string in ")]}":
+            pairs[opens.pop()] = at
+            depth -= 1
+    end = len(text.rstrip(":").rstrip()) - 1
+    if text.endswith(":"):
+        end = len(text) - 2
+    start = next((o for o, c in pairs.items() if c == end), None)
+    if start is None:
+        return [line + "  # noqa: E501"]
+    # top-level commas inside (start, end)
+    commas = []
+    depth = 0
+    for token in tokens:
+        at = offsets[token.start[0] - 1] + token.start[1]
+        if not start < at < end or token.type != tokenize.OP:
+            continue
+        if token.string in "([{":
+            depth += 1
+        elif token.string in ")]}":
+            depth -= 1
+        elif token.string == "," and depth == 0:
+            commas.append(at)
+    parts = []
+    begin = start + 1
+    for comma in [*commas, end]:
+        part = text[begin:comma].strip()
+        if part:
+            parts.append(part)
+        begin = comma + 1
+    if not parts:
+        return [line + "  # noqa: E501"]
+    inner = indent + "    "
+    lines = [indent + text[: start + 1]]
+    for part in parts:
+        piece = f"{inner}{part},"
+        lines.append(piece if len(piece) <= limit else piece + "  # noqa: E501")
+    lines.append(indent + text[end:])
+    return lines
+
+
+def _offsets(text: str) -> list[int]:
+    offsets = [0]
+    for row in text.splitlines(keepends=True):
+        offsets.append(offsets[-1] + len(row))
+    return offsets
+
+
+def _wrap_words(text: str, limit: int) -> list[str]:
+    lines: list[str] = []
+    current = ""
+    for word in text.split(" "):
+        if current and len(current) + 1 + len(word) > limit:
+            lines.append(current)
+            current = "    " + word
+        else:
+            current = f"{current} {word}" if current else word
+    lines.append(current)
+    return lines
+
