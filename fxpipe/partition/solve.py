@@ -36,6 +36,9 @@ __all__ = [
 ]
 
 
+DP_MAX_NODES = 1000  # exact groups up to which the interval DP warm start runs anyway
+
+
 class TooManyStagesError(ValueError):
     """More stages than nodes (or than groups of nodes that must stay together)."""
 
@@ -122,15 +125,21 @@ def partition(problem: Problem, *, time_limit_s: float = 30.0, coarsen: bool = T
         budget = max(0.05, (deadline - time.perf_counter()) / 3)
         result = StageModel(level, hint=hint).solve(time_limit_s=budget, workers=workers)
         phases.append(result)
-        if result.stage_of is not None:
+        if result.stage_of is not None:  # fits and is valid by construction
             candidates.append((evaluate(problem, result.stage_of).bottleneck_s,
                                result.stage_of))
-    dp = interval_dp(exact)
-    if dp is not None:
-        candidates.append((evaluate(problem, exact.expand(dp)).bottleneck_s, exact.expand(dp)))
-    fitting = [(b, s) for b, s in candidates
-               if evaluate(problem, s).estimate.fits and not violations(problem, s)]
-    best = min(fitting, key=lambda c: c[0])[1] if fitting else None
+    if not phases or phases[-1].stage_of is None or exact.num_coarse <= DP_MAX_NODES:
+        # The DP over the exact groups' order: often a better warm start than the coarse
+        # answer (ResNet-50: 264.8 vs 312.7), but O(K n^2), so skipped on big graphs
+        # that already have a coarse answer.
+        dp = interval_dp(exact)
+        if dp is not None:
+            split = exact.expand(dp)
+            if not violations(problem, split):
+                ev = evaluate(problem, split)
+                if ev.estimate.fits:
+                    candidates.append((ev.bottleneck_s, split))
+    best = min(candidates, key=lambda c: c[0])[1] if candidates else None
 
     hint = exact.restrict(best) if best is not None else None
     model = StageModel(exact, hint=hint)
