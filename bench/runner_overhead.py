@@ -119,7 +119,10 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
     parser.add_argument("--small", action="store_true", help="the 4x128 test GPT (smoke run)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     gpt = load_gpt_example()
     cfg = gpt.SMALL if args.small else gpt.GPT2_SMALL
