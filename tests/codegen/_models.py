@@ -1,0 +1,100 @@
+"""The example models, traced once per test session, and generated packages loaded from disk."""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import itertools
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from fxpipe.codegen import generate
+from fxpipe.frontend import ModelSource, Traced, load_model_file, trace
+from fxpipe.partition.plan import Plan
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+SYMBOLIC = ["mlp", "resnet", "unet", "gpt", "llama"]
+EXPORTED = ["hf_gpt2", "hf_llama", "hf_bert", "hf_t5", "hf_vit"]
+MODELS = SYMBOLIC + EXPORTED
+
+_counter = itertools.count()
+
+
+@functools.cache
+def traced(name: str) -> tuple[ModelSource, Traced]:
+    """The example model and its traced graph; shared by the tests (zero grads before use)."""
+    source = load_model_file(str(EXAMPLES / f"{name}.py"))
+    return source, trace(source.model, source.args, source.kwargs)
+
+
+def write_package(directory: Path, traced: Traced, plan: Plan) -> dict[str, str]:
+    files = generate(traced, plan)
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (directory / name).write_text(text, encoding="utf-8")
+    return files
+
+
+def import_package(directory: Path) -> types.ModuleType:
+    """Import a generated package from ``directory`` under a fresh module name."""
+    name = f"fxpipe_generated_{next(_counter)}"
+    spec = importlib.util.spec_from_file_location(
+        name, directory / "__init__.py", submodule_search_locations=[str(directory)]
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def import_file(path: Path) -> types.ModuleType:
+    """Import one generated file on its own, outside its package."""
+    name = f"fxpipe_generated_file_{next(_counter)}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_stages(package: types.ModuleType, stages: list[torch.nn.Module], args: tuple[Any, ...],
+               kwargs: dict[str, Any]) -> Any:
+    """The stages in sequence, values fed by name: no runner, no schedule."""
+    values = package.runner.flatten_inputs(*args, **kwargs)
+    for stage in stages:
+        outputs = stage(**{name: values[name] for name in stage.INPUTS})
+        assert isinstance(outputs, tuple) and len(outputs) == len(stage.OUTPUTS)
+        values.update(zip(stage.OUTPUTS, outputs, strict=True))
+    return package.runner.build_output(values)
+
+
+def as_plain(output: Any) -> Any:
+    """A model output with ModelOutputs as dicts, as build_output writes them."""
+    if hasattr(output, "keys") and not isinstance(output, dict):
+        return {key: output[key] for key in output.keys()}  # noqa: SIM118 (ModelOutput)
+    return output
+
+
+def leaves(output: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(as_plain(output)) if isinstance(t, torch.Tensor)]
+
+
+def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {
+        name: p.grad.detach().clone()
+        for name, p in model.named_parameters()
+        if p.grad is not None
+    }
+
+
+def mini_batch(value: Any) -> Any:
+    """Two micro-batches: the example and the example reversed along dim 0."""
+    return pytree.tree_map_only(
+        torch.Tensor, lambda t: torch.cat([t, t.flip(0)]) if t.dim() else t, value
+    )

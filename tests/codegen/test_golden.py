@@ -1,0 +1,121 @@
+"""Golden files: a tiny MLP cut into 2 stages by a hand-written plan.
+
+Regenerate with ``FXPIPE_UPDATE_GOLDEN=1 pytest tests/codegen/test_golden.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from fxpipe.codegen import generate
+from fxpipe.codegen.package import runner_header, runtime_parts
+from fxpipe.frontend import Traced, trace
+from fxpipe.partition.plan import Plan
+
+from ._models import import_file, import_package, write_package
+from ._plans import contiguous_plan
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "mlp_2stage"
+RUFF = [sys.executable, "-m", "ruff", "check", "--isolated", "--no-cache",
+        "--select", "E,F,W,I", "--line-length", "100"]
+
+
+class TinyMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, 8)
+        self.fc2 = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, scale: float = 2.0) -> torch.Tensor:
+        h = torch.relu(self.fc1(x))
+        h = self.norm(h + torch.relu(self.fc2(h))) * scale
+        return self.head(h)
+
+
+def _tiny() -> tuple[TinyMLP, Traced, Plan]:
+    torch.manual_seed(0)
+    model = TinyMLP()
+    traced = trace(model, (torch.randn(3, 4),))
+    plan = contiguous_plan(traced.gm.graph, 2, schedule="1f1b", microbatches=3,
+                           recompute=(False, True), model="TinyMLP")
+    return model, traced, plan
+
+
+def _golden_view(traced: Traced, plan: Plan) -> dict[str, str]:
+    """The generated files, with runner.py cut to its generated header (the runtime
+    below it is another module's text and has its own tests)."""
+    files = generate(traced, plan)
+    del files["runner.py"]
+    files["runner_header.py.txt"] = runner_header(traced, plan) + "\n"
+    return files
+
+
+def test_matches_golden_files() -> None:
+    _, traced, plan = _tiny()
+    files = _golden_view(traced, plan)
+    if os.environ.get("FXPIPE_UPDATE_GOLDEN") == "1":
+        GOLDEN.mkdir(parents=True, exist_ok=True)
+        for old in GOLDEN.iterdir():
+            old.unlink()
+        for name, text in files.items():
+            (GOLDEN / name).write_text(text, encoding="utf-8")
+    on_disk = {p.name: p.read_text(encoding="utf-8") for p in sorted(GOLDEN.iterdir())}
+    assert sorted(on_disk) == sorted(files), "regenerate with FXPIPE_UPDATE_GOLDEN=1"
+    for name, text in files.items():
+        assert text == on_disk[name], f"{name} differs from {GOLDEN / name}"
+
+
+def test_byte_identical_run_to_run() -> None:
+    _, traced, plan = _tiny()
+    _, traced_again, plan_again = _tiny()
+    assert generate(traced, plan) == generate(traced, plan)
+    assert generate(traced, plan) == generate(traced_again, plan_again)
+
+
+def test_runner_is_header_plus_runtime_verbatim() -> None:
+    _, traced, plan = _tiny()
+    runner = generate(traced, plan)["runner.py"]
+    docstring, imports, rest = runtime_parts()
+    assert runner.endswith(rest.rstrip("\n") + "\n")
+    assert imports in runner and docstring.strip() in runner
+    assert runner_header(traced, plan) in runner
+
+
+def test_generated_files_pass_ruff(tmp_path: Path) -> None:
+    _, traced, plan = _tiny()
+    write_package(tmp_path / "tiny", traced, plan)
+    result = subprocess.run([*RUFF, str(tmp_path / "tiny")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("name", ["stage0.py", "stage1.py", "runner.py"])
+def test_files_import_on_their_own(tmp_path: Path, name: str) -> None:
+    _, traced, plan = _tiny()
+    write_package(tmp_path / "tiny", traced, plan)
+    module = import_file(tmp_path / "tiny" / name)
+    if name.startswith("stage"):
+        assert isinstance(getattr(module, f"Stage{name[5]}").INPUTS, tuple)
+
+
+def test_package_runs_the_tiny_mlp(tmp_path: Path) -> None:
+    model, traced, plan = _tiny()
+    write_package(tmp_path / "tiny", traced, plan)
+    package = import_package(tmp_path / "tiny")
+    stages = package.build_stages(model)
+    assert package.PLAN["num_stages"] == 2 and package.SCHEDULE
+    assert package.runner.RECOMPUTE == (False, True)
+    assert stages[0].INPUTS == ("x",)
+    x = torch.randn(9, 4)
+    runner = package.PipelineRunner(stages)
+    torch.testing.assert_close(runner.forward(x), model(x))
+    # the default baked into flatten_inputs is the forward's own
+    assert package.runner.flatten_inputs(x) == {"x": x, "scale": 2.0}
