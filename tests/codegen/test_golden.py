@@ -119,3 +119,15 @@ def test_package_runs_the_tiny_mlp(tmp_path: Path) -> None:
     torch.testing.assert_close(runner.forward(x), model(x))
     # the default baked into flatten_inputs is the forward's own
     assert package.runner.flatten_inputs(x) == {"x": x, "scale": 2.0}
+
+
+def test_shape_comments_where_shapes_are_known(tmp_path: Path) -> None:
+    from fxpipe.passes.shapes import annotate_shapes
+
+    _, traced, plan = _tiny()
+    annotate_shapes(traced.gm, *traced.flat_inputs)
+    stage0 = generate(traced, plan)["stage0.py"]
+    assert "fc1 = self.fc1(x)  # float32[3, 8]" in stage0
+    write_package(tmp_path / "tiny", traced, plan)
+    result = subprocess.run([*RUFF, str(tmp_path / "tiny")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
