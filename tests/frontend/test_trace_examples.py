@@ -1,0 +1,110 @@
+"""Every example traces and profiles: load_model_file -> trace -> annotate_all -> roofline
+-> summarize, with the tracer we expect and records on every op node."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from fxpipe import meta
+from fxpipe.cost_models import analytic, get_device
+from fxpipe.frontend import load_model_file, trace
+from fxpipe.passes import annotate_all
+from fxpipe.passes.base import OP_NODES
+from fxpipe.profile import summarize
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+# example file -> the tracer that must capture it
+CASES = {
+    "mlp.py": "symbolic_trace",
+    "resnet.py": "symbolic_trace",
+    "unet.py": "symbolic_trace",
+    "gpt.py": "symbolic_trace",
+    "hf_gpt2.py": "export",
+    "hf_llama.py": "export",
+    "hf_bert.py": "export",
+    "hf_t5.py": "export",
+    "hf_vit.py": "export",
+}
+# Export graphs of models built on the CPU carry the CPU in op arguments
+# (``aten.to(..., device=cpu)``, tensors created with ``device=cpu``, lifted constants),
+# and the analysis passes run them on meta tensors: "Cannot copy out of meta tensor" /
+# "Tensor on device meta is not on the expected device cpu". The owner of
+# fxpipe/passes/base.py + fxpipe/metadevice.py must map device arguments and constant
+# attributes to meta. Reproduce: ``fxpipe profile examples/hf_gpt2.py`` (exit 1, traceback).
+EXPORT_CPU_DEVICE_BUG = pytest.mark.xfail(
+    strict=True,
+    reason="meta analysis of an export graph fails on ops that name the CPU device",
+)
+PARAMS = [
+    pytest.param(
+        example, tracer, id=example, marks=EXPORT_CPU_DEVICE_BUG if tracer == "export" else ()
+    )
+    for example, tracer in CASES.items()
+]
+RECORDS = (meta.SHAPE, meta.MODULE, meta.FLOPS, meta.BYTES, meta.TIME)
+
+
+@pytest.fixture(autouse=True)
+def _restore_grad_mode() -> Iterator[None]:
+    """A failed analysis inside export's ``wrap_with_set_grad_enabled(False, ...)`` (hf_llama
+    on the CPU, see EXPORT_CPU_DEVICE_BUG) leaves grad mode off for the whole process;
+    an xfailed case must not zero the backward FLOPs of the cases after it."""
+    enabled = torch.is_grad_enabled()
+    yield
+    torch.set_grad_enabled(enabled)
+
+
+def unique_param_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters, a tied parameter counted once."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())  # deduplicates
+
+
+@pytest.mark.parametrize(("example", "tracer"), PARAMS)
+def check_profile(spec: str, tracer: str, *, on_meta: bool = False) -> None:
+    if on_meta:
+        with torch.device("meta"):  # weights and example inputs built without storage
+            source = load_model_file(spec)
+        assert all(p.is_meta for p in source.model.parameters())
+    else:
+        source = load_model_file(spec)
+    traced = trace(source.model, source.args, source.kwargs)
+    assert traced.tracer == tracer
+    if tracer == "export":
+        assert traced.fallback_reason, "the report must say why symbolic_trace was not used"
+    else:
+        assert traced.fallback_reason is None
+
+    annotate_all(traced.gm, *traced.flat_inputs)
+    analytic.annotate_times(traced.gm, get_device("h100"))
+    rows, total = summarize(traced.gm)
+
+    op_nodes = [n for n in traced.gm.graph.nodes if n.op in OP_NODES]
+    assert op_nodes
+    for node in op_nodes:
+        missing = [key.name for key in RECORDS if not key.has(node)]
+        assert not missing, f"{node.format_node()} lacks {missing}"
+
+    node_forward = sum(meta.FLOPS.get(n).forward for n in traced.gm.graph.nodes)
+    assert total.flops_forward > 0
+    assert total.flops_forward == node_forward
+    assert sum(r.flops_forward for r in rows) == total.flops_forward
+    assert total.forward_s > 0 and total.backward_s > 0
+    assert total.param_bytes == unique_param_bytes(source.model), (
+        f"summary {total.param_bytes} B vs model {unique_param_bytes(source.model)} B"
+    )
+
+
+@pytest.mark.parametrize(("example", "tracer"), PARAMS)
+def test_example_traces_and_profiles(example: str, tracer: str) -> None:
+    check_profile(str(EXAMPLES / example), tracer)
+
+
+@pytest.mark.parametrize("example", [e for e, t in CASES.items() if t == "export"])
+def test_transformers_example_built_on_meta_traces_and_profiles(example: str) -> None:
+    """The same transformers examples built under ``torch.device("meta")``."""
+    check_profile(str(EXAMPLES / example), "export", on_meta=True)

@@ -1,0 +1,154 @@
+"""FLOP counts against closed forms: one Linear exactly, GPT-2 small within 1%.
+
+Legend: b batch, s sequence length, t = b·s tokens, d width, v vocabulary, n layers.
+A linear layer in -> out costs 2·t·in·out forward; its backward costs the same for
+the weight gradient and the same again for the input gradient when the input
+requires grad. Attention costs 4·b·s²·d per layer forward (scores q·kᵀ and the
+weighted sum of values, 2·b·s²·d each); FLOP counting counts the full s×s matrix,
+masked or not.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import types
+from pathlib import Path
+
+import torch
+import torch.fx
+from torch import nn
+
+from fxpipe import meta
+from fxpipe.frontend import trace
+from fxpipe.passes import annotate_all, annotate_flops
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def import_example(name: str) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        f"fxpipe_test_example_{name}", EXAMPLES / f"{name}.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+our_gpt = import_example("gpt")
+
+
+def total_flops(gm: torch.fx.GraphModule) -> tuple[int, int]:
+    records = [meta.FLOPS.get(n) for n in gm.graph.nodes]
+    return sum(r.forward for r in records), sum(r.backward for r in records)
+
+
+def gpt_forward_closed_form(*, b: int, s: int, d: int, v: int, n: int) -> int:
+    """Every linear (qkv d->3d, proj d->d, fc d->4d, proj 4d->d, LM head d->v) + attention."""
+    t = b * s
+    linears_per_layer = 2 * t * (d * 3 * d + d * d + d * 4 * d + 4 * d * d)
+    attention_per_layer = 4 * b * s * s * d
+    return n * (linears_per_layer + attention_per_layer) + 2 * t * d * v
+
+
+# ------------------------------------------------------------------ one Linear, exactly
+
+IN, OUT, BATCH = 1024, 4096, 8
+LINEAR_FORWARD = 2 * BATCH * IN * OUT
+
+
+def linear_flops(input_requires_grad: bool) -> tuple[int, int]:
+    gm = torch.fx.symbolic_trace(nn.Linear(IN, OUT))
+    x = torch.randn(BATCH, IN, requires_grad=input_requires_grad)
+    annotate_all(gm, x)
+    return total_flops(gm)
+
+
+def test_linear_forward_and_backward_exact() -> None:
+    forward, backward = linear_flops(input_requires_grad=True)
+    assert forward == LINEAR_FORWARD == 67_108_864
+    assert backward == 2 * LINEAR_FORWARD, "weight gradient + input gradient"
+
+
+def test_linear_backward_without_input_grad_is_weight_gradient_only() -> None:
+    forward, backward = linear_flops(input_requires_grad=False)
+    assert forward == LINEAR_FORWARD
+    assert backward == LINEAR_FORWARD
+
+
+# ------------------------------------------------------------------ GPT-2 small on meta
+
+GPT2 = {"b": 1, "s": 512, "d": 768, "v": 50257, "n": 12}
+
+
+def hf_gpt2_small_on_meta() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(  # GPT-2 small; dropout 0 so the graph is the training graph minus noise
+        n_embd=GPT2["d"],
+        n_layer=GPT2["n"],
+        n_head=12,
+        vocab_size=GPT2["v"],
+        n_positions=1024,
+        use_cache=False,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    with torch.device("meta"):
+        return GPT2LMHeadModel(cfg).train()
+
+
+def check_against_closed_form(gm: torch.fx.GraphModule, label: str, **shape: int) -> None:
+    forward, backward = total_flops(gm)
+    expected = gpt_forward_closed_form(**shape)
+    step = forward + backward
+    report = (
+        f"{label} {shape}: forward {forward:,} vs closed form {expected:,} "
+        f"({forward / expected - 1:+.3%}); forward+backward {step:,} = "
+        f"{step / forward:.4f} x forward"
+    )
+    print(report)
+    assert abs(forward / expected - 1) < 0.01, report
+    assert abs(step / (3 * forward) - 1) < 0.02, report
+
+
+def test_hf_gpt2_small_flops_match_closed_form() -> None:
+    model = hf_gpt2_small_on_meta()
+    ids = torch.zeros(GPT2["b"], GPT2["s"], dtype=torch.long)
+    traced = trace(model, (), {"input_ids": ids})
+    assert traced.tracer == "export"
+    annotate_flops(traced.gm, *traced.flat_inputs)
+    check_against_closed_form(traced.gm, "transformers GPT-2 small", **GPT2)
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_our_gpt_small_flops_match_closed_form() -> None:
+    cfg = our_gpt.SMALL
+    traced = trace(our_gpt.build_model(), our_gpt.example_inputs())
+    assert traced.tracer == "symbolic_trace"
+    annotate_flops(traced.gm, *traced.flat_inputs)
+    check_against_closed_form(
+        traced.gm,
+        "examples/gpt.py build_model",
+        b=cfg.batch_size,
+        s=cfg.seq_len,
+        d=cfg.n_embd,
+        v=cfg.vocab_size,
+        n=cfg.n_layer,
+    )
+
+
+def test_our_gpt2_small_on_meta_flops_match_closed_form() -> None:
+    cfg = our_gpt.GPT2_SMALL
+    traced = trace(our_gpt.build_gpt2_small(), our_gpt.example_inputs_gpt2_small())
+    annotate_flops(traced.gm, *traced.flat_inputs)
+    check_against_closed_form(
+        traced.gm,
+        "examples/gpt.py build_gpt2_small",
+        b=cfg.batch_size,
+        s=cfg.seq_len,
+        d=cfg.n_embd,
+        v=cfg.vocab_size,
+        n=cfg.n_layer,
+    )
