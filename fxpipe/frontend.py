@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import os
 import sys
 import traceback
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,9 +28,17 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from fxpipe.metadevice import inputs_to_meta, named_state, on_meta
+from fxpipe.metadevice import MetaRunner, named_state
 
-__all__ = ["ModelFileError", "ModelSource", "TraceError", "Traced", "load_model_file", "trace"]
+__all__ = [
+    "ModelFileError",
+    "ModelSource",
+    "TraceError",
+    "Traced",
+    "load_model_file",
+    "trace",
+    "trace_source",
+]
 
 
 class ModelFileError(ValueError):
@@ -167,12 +177,17 @@ def _as_args_kwargs(inputs: Any, path: Path) -> tuple[tuple[Any, ...], dict[str,
 
 
 def _where(path: Path, exc: BaseException) -> str:
-    """``path:line`` of the innermost traceback frame inside the user's file."""
+    """``path:line`` of the innermost frame inside the user's file, along the exception chain."""
     line = None
-    resolved = str(path.resolve())
-    for frame in traceback.extract_tb(exc.__traceback__):
-        if Path(frame.filename).resolve().as_posix() == Path(resolved).as_posix():
-            line = frame.lineno
+    resolved = path.resolve()
+    seen: set[int] = set()
+    chain: BaseException | None = exc
+    while chain is not None and id(chain) not in seen and line is None:
+        seen.add(id(chain))
+        for frame in traceback.extract_tb(chain.__traceback__):
+            if Path(frame.filename).resolve() == resolved:
+                line = frame.lineno
+        chain = chain.__cause__ or chain.__context__
     return f"{path}:{line}" if line else str(path)
 
 
@@ -208,15 +223,21 @@ def trace(
         return Traced(gm, "symbolic_trace", None, flat, tuple(notes))
     except Exception as exc:
         reason = _one_line(exc)
+        symbolic_error = exc
 
     try:
-        program = torch.export.export(model, args, kwargs, strict=False)
+        with _quiet_stderr():  # a failing export dumps its partial graph on stderr
+            program = torch.export.export(model, args, kwargs, strict=False)
     except Exception as exc:
-        raise TraceError(
+        error = TraceError(
             f"cannot trace {type(model).__name__}: symbolic_trace failed ({reason}) and "
             f"torch.export failed ({_one_line(exc)}); make forward free of data-dependent "
             "Python control flow"
-        ) from None
+        )
+        # Their tracebacks locate the failing line of the model file.
+        error.__cause__ = exc
+        error.__context__ = symbolic_error
+        raise error from None
     gm = program.module()
     assert isinstance(gm, torch.fx.GraphModule)
     _drop_export_checks(gm)
@@ -224,6 +245,34 @@ def trace(
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     assert len(flat) == len(placeholders), (len(flat), len(placeholders))
     return Traced(gm, "export", reason, flat, tuple(notes))
+
+
+@contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Silence file descriptor 2 (torch's C++ side writes there, bypassing sys.stderr)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def trace_source(source: ModelSource) -> Traced:
+    """``trace`` for a loaded model file; a trace error names the file and line."""
+    try:
+        return trace(source.model, source.args, source.kwargs)
+    except TraceError as exc:
+        where = str(source.path)
+        for cause in (exc.__cause__, exc.__context__):
+            if cause is not None and _where(source.path, cause) != where:
+                where = _where(source.path, cause)
+                break
+        raise TraceError(f"{where}: {exc}") from None
 
 
 def _drop_export_checks(gm: torch.fx.GraphModule) -> None:
@@ -268,5 +317,4 @@ def _symbolic_inputs(
 
 def _check_runs(gm: torch.fx.GraphModule, flat: tuple[Any, ...]) -> None:
     """Run the graph once on meta tensors: symbolic_trace can succeed on a graph that fails."""
-    with torch.no_grad(), on_meta(gm):
-        torch.fx.Interpreter(gm).run(*inputs_to_meta(flat))
+    MetaRunner(gm).run_on_meta(*flat)

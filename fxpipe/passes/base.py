@@ -8,7 +8,7 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from fxpipe.metadevice import inputs_to_meta, on_meta
+from fxpipe.metadevice import MetaRunner
 
 __all__ = ["OP_NODES", "AnalysisError", "MetaInterpreter"]
 
@@ -19,7 +19,7 @@ class AnalysisError(RuntimeError):
     """A pass failed at one node; the message names the node."""
 
 
-class MetaInterpreter(torch.fx.Interpreter):
+class MetaInterpreter(MetaRunner):
     """Runs a graph on meta tensors with the module's state swapped for meta copies.
 
     Subclasses override ``visit(node, result)`` to record what a node produced, or
@@ -28,13 +28,8 @@ class MetaInterpreter(torch.fx.Interpreter):
 
     pass_name = "analysis"
 
-    def __init__(self, gm: torch.fx.GraphModule) -> None:
-        super().__init__(gm, garbage_collect_values=True)
-
     def analyze(self, *flat_inputs: Any) -> None:
-        with on_meta(self.module) as state:
-            self.meta_state = state  # qualified name -> the meta tensor standing in for it
-            self.run(*inputs_to_meta(flat_inputs))
+        self.run_on_meta(*flat_inputs)
 
     def run_node(self, n: torch.fx.Node) -> Any:
         try:

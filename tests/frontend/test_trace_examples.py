@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,33 +29,8 @@ CASES = {
     "hf_t5.py": "export",
     "hf_vit.py": "export",
 }
-# Export graphs of models built on the CPU carry the CPU in op arguments
-# (``aten.to(..., device=cpu)``, tensors created with ``device=cpu``, lifted constants),
-# and the analysis passes run them on meta tensors: "Cannot copy out of meta tensor" /
-# "Tensor on device meta is not on the expected device cpu". The owner of
-# fxpipe/passes/base.py + fxpipe/metadevice.py must map device arguments and constant
-# attributes to meta. Reproduce: ``fxpipe profile examples/hf_gpt2.py`` (exit 1, traceback).
-EXPORT_CPU_DEVICE_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="meta analysis of an export graph fails on ops that name the CPU device",
-)
-PARAMS = [
-    pytest.param(
-        example, tracer, id=example, marks=EXPORT_CPU_DEVICE_BUG if tracer == "export" else ()
-    )
-    for example, tracer in CASES.items()
-]
+PARAMS = [pytest.param(example, tracer, id=example) for example, tracer in CASES.items()]
 RECORDS = (meta.SHAPE, meta.MODULE, meta.FLOPS, meta.BYTES, meta.TIME)
-
-
-@pytest.fixture(autouse=True)
-def _restore_grad_mode() -> Iterator[None]:
-    """A failed analysis inside export's ``wrap_with_set_grad_enabled(False, ...)`` (hf_llama
-    on the CPU, see EXPORT_CPU_DEVICE_BUG) leaves grad mode off for the whole process;
-    an xfailed case must not zero the backward FLOPs of the cases after it."""
-    enabled = torch.is_grad_enabled()
-    yield
-    torch.set_grad_enabled(enabled)
 
 
 def unique_param_bytes(model: torch.nn.Module) -> int:
