@@ -94,6 +94,13 @@ def _parser() -> argparse.ArgumentParser:
         "--force", action="store_true", help="replace --out even if fxpipe did not write it"
     )
     split.set_defaults(run=_run_split)
+
+    merge = commands.add_parser(
+        "merge", help="merge the stages' saved state_dicts into one model checkpoint"
+    )
+    merge.add_argument("stages", nargs="+", help="torch.save'd stage state_dicts, in stage order")
+    merge.add_argument("--out", required=True, help="path of the merged checkpoint")
+    merge.set_defaults(run=_run_merge)
     return parser
 
 
@@ -107,7 +114,7 @@ def _model_argument(parser: argparse.ArgumentParser) -> None:
 def _step(label: str, quiet: bool) -> Iterator[None]:
     """Show a spinner while a step runs and its time when it ends."""
     start = time.perf_counter()
-    if quiet:
+    if quiet or not err.is_terminal:
         yield
         return
     with err.status(label):
@@ -120,21 +127,23 @@ def analyze_model(
 ) -> tuple[Any, Any]:
     """Load, trace and annotate a model file: (ModelSource, Traced) with costed nodes."""
     from fxpipe.cost_models import analytic, get_device
-    from fxpipe.frontend import load_model_file, trace
+    from fxpipe.frontend import load_model_file, trace_source
     from fxpipe.passes import annotate_all
 
     target = get_device(device)  # an unknown device fails before any slow work
     with _step(f"loading {spec}", quiet):
         source = load_model_file(spec)
     with _step("tracing", quiet):
-        traced = trace(source.model, source.args, source.kwargs)
+        traced = trace_source(source)
     if not quiet:
         how = traced.tracer
         if traced.fallback_reason:
             how += f" (symbolic_trace failed: {traced.fallback_reason})"
-        err.print(f"  traced with {how}; {len(traced.gm.graph.nodes)} nodes")
+        # On a terminal beside the progress; in a pipe on stdout, so stderr holds only errors.
+        say = err.print if err.is_terminal else print
+        say(f"  traced with {how}; {len(traced.gm.graph.nodes)} nodes")
         for note in traced.notes:
-            err.print(f"  note: {note}")
+            say(f"  note: {note}")
     with _step("shapes, FLOPs and bytes", quiet):
         annotate_all(traced.gm, *traced.flat_inputs)
     if measure:
@@ -197,6 +206,7 @@ def _run_profile(args: argparse.Namespace) -> int:
 def _run_split(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from fxpipe.codegen import generate
     from fxpipe.cost_models import get_device
     from fxpipe.lower import lower
     from fxpipe.output import write_folder
@@ -264,7 +274,8 @@ def _run_split(args: argparse.Namespace) -> int:
     svg = render_svg(dot)
     if svg is not None:
         files["partition.svg"] = svg
-    files.update(_generated_package(traced, plan))
+    files["schedule.svg"] = _schedule_svg(plan)
+    files.update(generate(traced, plan))
     out = Path(args.out)
     write_folder(out, files, force=args.force)
 
@@ -285,14 +296,68 @@ def _run_split(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generated_package(traced: Any, plan: Any) -> dict[str, str]:
-    """Stage modules and runner, where codegen is available in this build."""
+def _run_merge(args: argparse.Namespace) -> int:
+    import os
+    import tempfile
+    from pathlib import Path
+
+    import torch
+
+    from fxpipe.codegen import merge_stage_state_dicts
+
+    states = []
+    for name in args.stages:
+        path = Path(name)
+        if not path.is_file():
+            raise ValueError(f"{path}: no such file; pass the stage checkpoints torch.save wrote")
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise ValueError(
+                f"{path}: not a torch checkpoint ({type(exc).__name__}); "
+                "pass files written by torch.save(stage.state_dict(), ...)"
+            ) from None
+        if not isinstance(state, dict):
+            raise ValueError(
+                f"{path}: holds a {type(state).__name__}, not a state_dict; save stage.state_dict()"
+            )
+        states.append(state)
+    merged = merge_stage_state_dicts(states)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    handle, scratch = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
+    os.close(handle)
     try:
-        from fxpipe.codegen.package import generate
-    except ImportError:
-        return {}
-    files: dict[str, str] = generate(traced, plan)
-    return files
+        torch.save(merged, scratch)
+        os.replace(scratch, out)  # all or nothing
+    finally:
+        if os.path.exists(scratch):
+            os.remove(scratch)
+    print(f"merged {len(states)} stages, {len(merged)} tensors, into {out}")
+    return 0
+
+
+def _schedule_svg(plan: Any) -> bytes:
+    """The plan's schedule as a Gantt chart with predicted times (schedule.svg).
+
+    Each stage's communication is split evenly between its forward (activations out)
+    and its backward (gradients back).
+    """
+    import tempfile
+    from pathlib import Path
+
+    from fxpipe.codegen.schedules import gpipe, one_f_one_b
+    from fxpipe.codegen.timeline import draw_timeline
+
+    build = gpipe if plan.schedule == "gpipe" else one_f_one_b
+    schedule = build(plan.num_stages, plan.microbatches)
+    forward = [s.forward_s + s.comm_s / 2 for s in plan.stages]
+    backward = [s.backward_s + s.comm_s / 2 for s in plan.stages]
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / "schedule.svg"
+        title = f"{plan.model}: {plan.schedule}, K={plan.num_stages}, M={plan.microbatches}"
+        draw_timeline(schedule, forward, backward, path, title=title)
+        return path.read_bytes()
 
 
 def _si(value: float) -> str:

@@ -90,5 +90,12 @@ def render_report(plan: Plan) -> str:
         lines.append(f"- stage {stage.index} receives {received}")
     if plan.notes:
         lines += ["", "## Notes", ""] + [f"- {note}" for note in plan.notes]
-    lines += ["", "The partition diagram is `partition.svg` (source `partition.dot`).", ""]
+    lines += [
+        "",
+        "The partition diagram is `partition.svg` (source `partition.dot`); the schedule's "
+        "timeline with these predicted times is `schedule.svg`:",
+        "",
+        "![schedule](schedule.svg)",
+        "",
+    ]
     return "\n".join(lines)
