@@ -1,0 +1,84 @@
+"""An ordinary training loop for the example GPT that switches to fxpipe's stages.
+
+    python examples/train_gpt.py --steps 5                    # the model as it is
+    fxpipe split examples/gpt.py --gpus 4 --out gpt-pipe      # cut it into 4 stages
+    python examples/train_gpt.py --steps 5 --pipeline gpt-pipe
+
+Both runs print the same losses: the pipeline runs M micro-batches per step and
+leaves in the model's own parameters the gradients the whole mini-batch gives.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpt  # the bundled example model, beside this file
+
+
+def load_package(folder: str) -> ModuleType:
+    """Import the package ``fxpipe split --out FOLDER`` wrote, wherever it is."""
+    path = Path(folder).resolve()
+    spec = importlib.util.spec_from_file_location(
+        path.name, path / "__init__.py", submodule_search_locations=[str(path)]
+    )
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"{folder}: no generated package here; run fxpipe split --out {folder}")
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[path.name] = package
+    spec.loader.exec_module(package)
+    return package
+
+
+def mini_batch(step: int, microbatches: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids and next-token targets for ``microbatches`` micro-batches of the example size."""
+    cfg = gpt.SMALL
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, cfg.vocab_size, (microbatches * cfg.batch_size, cfg.seq_len + 1),
+                        generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--microbatches", type=int, default=4,
+                        help="micro-batches per mini-batch (the pipeline's plan decides it)")
+    parser.add_argument("--pipeline", default=None, help="folder written by fxpipe split")
+    args = parser.parse_args()
+
+    model = gpt.build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    microbatches = args.microbatches
+
+    if args.pipeline is None:
+        def train_step(inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            loss = gpt.loss_fn(model(inputs), target)
+            loss.backward()
+            return loss
+    else:
+        # The few lines that switch to the pipeline: stages bind the model's own parameters,
+        # so the optimizer, checkpoints and the rest of the loop stay as they are.
+        pipe = load_package(args.pipeline)
+        runner = pipe.PipelineRunner(pipe.build_stages(model))
+        microbatches = pipe.PLAN["microbatches"]
+
+        def train_step(inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return runner.step((inputs,), target, gpt.loss_fn)
+
+    for step in range(args.steps):
+        inputs, target = mini_batch(step, microbatches)
+        optimizer.zero_grad()
+        loss = train_step(inputs, target)
+        optimizer.step()
+        print(f"step {step}: loss {loss.item():.6f}")
+
+
+if __name__ == "__main__":
+    main()
