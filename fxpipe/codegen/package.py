@@ -23,11 +23,18 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from fxpipe.codegen import schedules
-from fxpipe.codegen.stages import LINE_LENGTH, PlanError, stage_io, stage_source, wrap_line
+from fxpipe.codegen.stages import (
+    LINE_LENGTH,
+    PlanError,
+    StageIO,
+    stage_io,
+    stage_source,
+    wrap_line,
+)
 from fxpipe.frontend import Traced
 from fxpipe.partition.plan import Plan
 
-__all__ = ["generate", "runner_header", "runtime_parts"]
+__all__ = ["generate", "runner_header", "runtime_parts", "tied_parameters", "wires"]
 
 
 def generate(traced: Traced, plan: Plan) -> dict[str, str]:
@@ -38,16 +45,19 @@ def generate(traced: Traced, plan: Plan) -> dict[str, str]:
     files["runner.py"] = runner_source(traced, plan)
     files["__init__.py"] = init_source(plan)
     files["plan.json"] = plan.to_json()
+    # issue 5: the same stages on torch.distributed.pipelining (see the section below)
+    files["distributed.py"] = distributed_source(traced, plan, ios)
+    files["train_torchrun.py"] = launch_source(plan)
     return dict(sorted(files.items()))
 
 
 # ---------------------------------------------------------------------------- runner.py
 
 
-def runtime_parts() -> tuple[str, str, str]:
+def runtime_parts(name: str = "runtime.py") -> tuple[str, str, str]:
     """The runtime module's (docstring, import block, rest), the import block and the
     rest verbatim, so the generated header can sit between them."""
-    text = resources.files("fxpipe.codegen").joinpath("runtime.py").read_text(encoding="utf-8")
+    text = resources.files("fxpipe.codegen").joinpath(name).read_text(encoding="utf-8")
     tree = ast.parse(text)
     lines = text.splitlines(keepends=True)
     body = list(tree.body)
@@ -292,11 +302,21 @@ def init_source(plan: Plan) -> str:
         "import torch",
         "from torch import nn",
         "",
-        "from . import runner",
+        "from . import distributed, runner",
+        "from .distributed import build_schedule, pipeline_stage, train_step",
         "from .runner import MICROBATCHES, RECOMPUTE, SCHEDULE, build_output, flatten_inputs",
         *(f"from .stage{j} import Stage{j}" for j in range(k)),
         "",
-        '__all__ = ["PLAN", "SCHEDULE", "PipelineRunner", "build_stages"]',
+        "__all__ = [",
+        '    "PLAN",',
+        '    "SCHEDULE",',
+        '    "PipelineRunner",',
+        '    "build_schedule",',
+        '    "build_stages",',
+        '    "distributed",',
+        '    "pipeline_stage",',
+        '    "train_step",',
+        "]",
         "",
         'PLAN = json.loads(Path(__file__).with_name("plan.json").read_text(encoding="utf-8"))',
         "",
@@ -340,3 +360,160 @@ def init_source(plan: Plan) -> str:
         "        )",
     ]
     return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------- distributed.py
+# issue 5: the stages one per process on torch.distributed.pipelining. The runtime is
+# fxpipe/codegen/distributed.py, copied verbatim between a generated header (the tables
+# below) and a footer that binds them.
+
+
+def wires(graph: torch.fx.Graph, ios: list[StageIO]) -> list[tuple[str, ...]]:
+    """``wires[k]``: the values stage k receives from stage k - 1 (``wires[0]``: the
+    graph inputs any stage reads), in graph order. torch's stages talk to their
+    neighbours only, so a value crosses every boundary between its producer and its
+    last reader (the model's output is read after the last stage)."""
+    k_last = len(ios) - 1
+    order = {n.name: i for i, n in enumerate(graph.nodes)}
+    producer = {n.name: -1 for n in graph.nodes if n.op == "placeholder"}
+    last_reader: dict[str, int] = {}
+    for io in ios:
+        producer.update(dict.fromkeys(io.outputs, io.index))
+        for name in io.inputs:
+            last_reader[name] = max(last_reader.get(name, -1), io.index)
+    for node in graph.output_node().all_input_nodes:
+        if node.name in producer:
+            last_reader[node.name] = k_last
+    return [
+        tuple(
+            sorted(
+                (n for n, p in producer.items() if p < k <= last_reader.get(n, -2)),
+                key=order.__getitem__,
+            )
+        )
+        for k in range(len(ios))
+    ]
+
+
+def tied_parameters(gm: torch.fx.GraphModule, ios: list[StageIO]) -> list[dict[int, str]]:
+    """Parameters bound by more than one stage (the same ``Parameter`` object, e.g. a
+    GPT's tok_emb.weight and lm_head.weight): for each, stage -> the name it binds."""
+    by_node = {n.name: n for n in gm.graph.nodes}
+    names: dict[int, dict[int, str]] = {}  # id(parameter) -> stage -> name
+    first_seen: dict[int, tuple[int, str]] = {}
+    for io in ios:
+        for node_name in io.nodes:
+            node = by_node[node_name]
+            found: list[tuple[str, torch.nn.Parameter]] = []
+            if node.op == "call_module":
+                module = gm.get_submodule(str(node.target))
+                found = list(module.named_parameters(str(node.target), remove_duplicate=False))
+            elif node.op == "get_attr":
+                owner, _, leaf = str(node.target).rpartition(".")
+                value = getattr(gm.get_submodule(owner) if owner else gm, leaf)
+                if isinstance(value, torch.nn.Parameter):
+                    found = [(str(node.target), value)]
+            for name, param in found:
+                stages = names.setdefault(id(param), {})
+                stages[io.index] = min(name, stages.get(io.index, name))
+                first_seen.setdefault(id(param), (io.index, name))
+    groups = [names[key] for key in sorted(names, key=first_seen.__getitem__)]
+    return [dict(sorted(g.items())) for g in groups if len(g) > 1]
+
+
+def distributed_source(traced: Traced, plan: Plan, ios: list[StageIO]) -> str:
+    docstring, imports, rest = runtime_parts("distributed.py")
+    k = plan.num_stages
+    doc = [
+        f"{plan.model or 'The model'}'s {k} stages on torch.distributed.pipelining, generated",
+        "by fxpipe. Everything above the runtime's own code is generated from the plan;",
+        "the runtime below it is fxpipe/codegen/distributed.py, copied verbatim:",
+        "",
+        docstring.strip("\n"),
+    ]
+    wire_table = wires(traced.gm.graph, ios)
+    tied = tied_parameters(traced.gm, ios)
+    header = [
+        "from .runner import MICROBATCHES, build_output, flatten_inputs",
+        *(f"from .stage{j} import Stage{j}" for j in range(k)),
+        "",
+        f"STAGE_CLASSES = {_tuple(f'Stage{j}' for j in range(k))}",
+        f"SCHEDULE_KIND = {json.dumps(plan.schedule)}",
+        "# WIRES[k]: the values stage k receives, in this order; a value passes through",
+        "# every stage between the one that makes it and the last one that reads it.",
+        "WIRES = (",
+    ]
+    for j, wire in enumerate(wire_table):
+        header.append(f"    # into stage {j}")
+        header += wrap_line(f"    {_tuple(json.dumps(v) for v in wire) if wire else '()'},")
+    header += [
+        ")",
+        "# TIED: parameters bound by several stages, stage -> name; their gradients are",
+        "# summed over exactly those ranks after backward.",
+        "TIED = (" if tied else "TIED = ()",
+    ]
+    for group in tied:
+        items = ", ".join(f"{j}: {json.dumps(name)}" for j, name in group.items())
+        header += wrap_line(f"    {{{items}}},")
+    if tied:
+        header.append(")")
+    footer = [
+        "PIPELINE = DistributedPipeline(",
+        "    stage_classes=STAGE_CLASSES,",
+        "    wires=WIRES,",
+        "    tied=TIED,",
+        "    schedule=SCHEDULE_KIND,",
+        "    microbatches=MICROBATCHES,",
+        "    flatten_inputs=flatten_inputs,",
+        "    build_output=build_output,",
+        ")",
+        "stage_module = PIPELINE.stage_module",
+        "pipeline_stage = PIPELINE.pipeline_stage",
+        "build_schedule = PIPELINE.build_schedule",
+        "train_step = PIPELINE.train_step",
+        "reduce_tied_grads = PIPELINE.reduce_tied_grads",
+    ]
+    parts = [
+        '"""' + "\n".join(doc).replace('"""', "'''").rstrip() + '\n"""\n',
+        "\n" + imports + "\n",
+        "\n".join(header) + "\n",
+        "\n\n" + rest.rstrip("\n") + "\n",
+        "\n\n" + "\n".join(footer) + "\n",
+    ]
+    return "".join(parts)
+
+
+def launch_source(plan: Plan) -> str:
+    k = plan.num_stages
+    return "\n".join([
+        f'"""Train {plan.model or "the model"} under torchrun, one pipeline stage per process:',
+        "",
+        f"    torchrun --nproc-per-node {k} train_torchrun.py --model model.py \\",
+        "        [--checkpoint model.pt] [--steps N] [--lr LR] [--batch FILE] [--save DIR]",
+        "",
+        "gloo on the CPU, NCCL on GPUs; the loss is the model file's loss_fn. With",
+        "--checkpoint (a torch.save'd state_dict of the whole model) each rank builds",
+        "the model on meta and materializes only its own stage. Generated by fxpipe.",
+        '"""',
+        "",
+        "import importlib.util",
+        "import sys",
+        "from pathlib import Path",
+        "",
+        "",
+        "def _package():  # this directory as a package, whatever its name",
+        "    here = Path(__file__).resolve().parent",
+        "    spec = importlib.util.spec_from_file_location(",
+        '        "fxpipe_stages", here / "__init__.py", submodule_search_locations=[str(here)]',
+        "    )",
+        "    module = importlib.util.module_from_spec(spec)",
+        "    sys.modules[spec.name] = module",
+        "    spec.loader.exec_module(module)",
+        "    return module",
+        "",
+        "",
+        'if __name__ == "__main__":',
+        "    distributed = _package().distributed",
+        "    sys.exit(distributed.main(distributed.PIPELINE, sys.argv[1:]))",
+        "",
+    ])

@@ -16,12 +16,22 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from . import runner
+from . import distributed, runner
+from .distributed import build_schedule, pipeline_stage, train_step
 from .runner import MICROBATCHES, RECOMPUTE, SCHEDULE, build_output, flatten_inputs
 from .stage0 import Stage0
 from .stage1 import Stage1
 
-__all__ = ["PLAN", "SCHEDULE", "PipelineRunner", "build_stages"]
+__all__ = [
+    "PLAN",
+    "SCHEDULE",
+    "PipelineRunner",
+    "build_schedule",
+    "build_stages",
+    "distributed",
+    "pipeline_stage",
+    "train_step",
+]
 
 PLAN = json.loads(Path(__file__).with_name("plan.json").read_text(encoding="utf-8"))
 
