@@ -110,16 +110,21 @@ def _model_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+PHASES: dict[str, float] = {}  # step label -> wall seconds of this run, for timing.json
+
+
 @contextmanager
 def _step(label: str, quiet: bool) -> Iterator[None]:
-    """Show a spinner while a step runs and its time when it ends."""
+    """Show a spinner while a step runs (on a terminal) and record how long it took."""
     start = time.perf_counter()
     if quiet or not err.is_terminal:
         yield
-        return
-    with err.status(label):
-        yield
-    err.print(f"[green]✓[/] {label} ({time.perf_counter() - start:.1f} s)")
+    else:
+        with err.status(label):
+            yield
+    PHASES[label] = time.perf_counter() - start
+    if not quiet and err.is_terminal:
+        err.print(f"[green]✓[/] {label} ({PHASES[label]:.1f} s)")
 
 
 def analyze_model(
@@ -275,6 +280,8 @@ def _run_split(args: argparse.Namespace) -> int:
     if svg is not None:
         files["partition.svg"] = svg
     files["schedule.svg"] = _schedule_svg(plan)
+    timing = {"solver_wall_s": plan.solver.wall_s, "phases_s": PHASES}
+    files["timing.json"] = json.dumps(timing, indent=2) + "\n"
     files.update(generate(traced, plan))
     out = Path(args.out)
     write_folder(out, files, force=args.force)

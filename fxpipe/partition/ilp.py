@@ -421,6 +421,9 @@ class StageModel:
         solver = cp_model.CpSolver()
         solver.parameters.max_time_in_seconds = max(0.01, time_limit_s)
         solver.parameters.num_workers = workers
+        # Workers interleaved in one deterministic order: the same problem gives the same
+        # split on every run (plan.json and the generated stages are reproducible).
+        solver.parameters.interleave_search = True
         solver.parameters.log_search_progress = log
         start = time.perf_counter()
         status = solver.solve(self.model)
