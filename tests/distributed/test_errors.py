@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -45,9 +46,9 @@ def test_not_under_torchrun(gpt: tuple, monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_launch_script_without_torchrun_says_so(tmp_path: Path) -> None:
-    source, traced = load(str(EXAMPLES / "mlp.py"))
+    _, traced = load(str(EXAMPLES / "mlp.py"))
     write_package(tmp_path / "pkg", traced, contiguous_plan(traced.gm.graph, 2))
-    env = {k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     result = subprocess.run(
         [sys.executable, str(tmp_path / "pkg" / "train_torchrun.py"), "--model",
          str(EXAMPLES / "mlp.py")], capture_output=True, text=True, env=env, timeout=120)
@@ -72,7 +73,8 @@ def test_checkpoint_missing_keys_are_named(gpt: tuple) -> None:
 
 def _chain(package, model: nn.Module, k: int, args: tuple, kwargs: dict, **options) -> tuple:
     """All K adapters in one process, fed as torch would feed them."""
-    built = [package.distributed.stage_module(model, j, "cpu", *args, **options, **kwargs) for j in range(k)]
+    make = package.distributed.stage_module
+    built = [make(model, j, "cpu", *args, **options, **kwargs) for j in range(k)]
     values = package.runner.flatten_inputs(*args, **kwargs)
     flat = tuple(values[name] for name in built[0][0].receives)
     for adapter, inputs, outputs in built:

@@ -536,7 +536,7 @@ def _train(
     device: torch.device,
 ) -> None:
     module, build = _load_model_file(opts.model)
-    example = module.example_inputs()
+    example = getattr(build, "example_inputs", module.example_inputs)()
     args, kwargs = (((), example) if isinstance(example, Mapping)
                     else (tuple(example), {}))
     loss_fn = getattr(module, "loss_fn", None)
@@ -561,7 +561,8 @@ def _train(
         m = pipeline.microbatches
         repeat = lambda t: torch.cat([t] * m) if t.dim() else t  # noqa: E731
         args, kwargs = pytree.tree_map_only(torch.Tensor, repeat, (args, kwargs))
-        target = pytree.tree_map_only(torch.Tensor, repeat, module.example_target())
+        example_target = getattr(build, "example_target", module.example_target)
+        target = pytree.tree_map_only(torch.Tensor, repeat, example_target())
     optimizer = torch.optim.SGD(stage.submod.parameters(), lr=opts.lr)
     for step in range(opts.steps):
         optimizer.zero_grad(set_to_none=True)
