@@ -1,0 +1,568 @@
+"""Random models for the fuzzer: a hypothesis strategy that draws a ``ModelSpec`` (plain
+data) and ``build_model`` that turns it into an ``nn.Module``.
+
+A spec is a DAG of ops over a pool of live tensors. Every tensor has a batch
+dimension first and a per-sample shape after it; every op works per sample (no
+batch-mixing op), so a mini-batch split into micro-batches along dim 0 gives
+the unsplit model's outputs. The module's ``forward`` interprets the fixed op
+list built in ``__init__``, so ``symbolic_trace`` sees ordinary module calls,
+functions and methods; an ``untraceable`` spec branches on a tensor's size,
+which ``symbolic_trace`` rejects and ``torch.export`` specialises, to fuzz the
+export path too.
+
+    spec = data.draw(model_specs())
+    model = build_model(spec)                 # float64, weights seeded by spec.seed
+    args = example_inputs(spec, batch=2, seed=0)
+
+Op kinds (``Op.kind``) and their fields (``srcs`` are pool indices, the result
+or results are appended to the pool):
+
+    linear      Linear on the last dim (``module`` names it; a name reused is a
+                shared submodule, ``tie`` ties its weight to another Linear's)
+    conv1d/2d   Conv1d on (C, L) / Conv2d on (C, H, W), same padding
+    norm        LayerNorm on the last dim / GroupNorm on dim 1 (``arg``: groups)
+    act         relu / gelu / tanh, as a module, a function or a method
+    add/mul     two tensors of one shape (``srcs``), or a tensor and a buffer
+    cat         two tensors along a dim, then a Linear back to the first width
+                when the dim is the last one
+    chunk       chunk / split along a dim into pieces (each joins the pool)
+    reshape     (F,) -> (a, b), (a, b) -> (a*b,), (C, H, W) -> (C, H*W) by
+                reshape / view / flatten
+    permute     a permutation of the per-sample dims (+ the inverse when ``arg``)
+    matmul      x @ y, x @ x.mT, or x @ a registered Parameter
+    inplace     relu_ / add_ / mul_ / += on a fresh intermediate
+    reduce      mean / sum over a non-last... per-sample dim, keepdim or not
+    scalar      x * c, x + c, softmax over the last dim
+    branch      an untraceable branch on x.shape[-1] (export only)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from hypothesis import strategies as st
+from torch import nn
+from torch.nn import functional as F
+
+__all__ = ["ModelSpec", "Op", "build_model", "example_inputs", "model_specs", "output_leaves"]
+
+Shape = tuple[int, ...]  # per-sample shape (the batch dimension excluded)
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: str
+    srcs: tuple[int, ...]
+    out: tuple[Shape, ...]  # the shapes this op adds to the pool, in order
+    how: str = ""  # the variant (activation name, style, in-place op...)
+    arg: Any = None  # kind-specific: widths, dims, groups, permutation, sizes
+    module: str = ""  # the submodule it calls ("" for none)
+    tie: str = ""  # linear: the module whose weight this one's weight is
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    inputs: tuple[Shape, ...]
+    ops: tuple[Op, ...]
+    outputs: Any  # a tree (tuple/dict/int) of pool indices
+    seed: int
+    kwargs: bool = False  # feed the inputs by keyword
+    untraceable: bool = False
+    modules: dict[str, tuple[str, Any]] = field(default_factory=dict)  # name -> (kind, arg)
+    buffers: dict[str, Shape] = field(default_factory=dict)
+    params: dict[str, Shape] = field(default_factory=dict)
+
+
+WIDTHS = st.integers(4, 16)
+
+
+# ---------------------------------------------------------------------------- the strategy
+
+
+@st.composite
+def model_specs(draw: st.DrawFn, *, max_ops: int = 10, untraceable: bool | None = None
+                ) -> ModelSpec:
+    """A random model: 1-3 inputs, 1-``max_ops`` ops, a tree of 1-3 outputs."""
+    builder = _Builder(draw)
+    for _ in range(draw(st.integers(1, 3))):
+        builder.new_input()
+    # Every model starts with a parameterised op, so some output needs a gradient.
+    builder.linear(0)
+    for _ in range(draw(st.integers(0, max_ops - 1))):
+        builder.random_op()
+    if untraceable is None:
+        untraceable = draw(st.integers(0, 3)) == 0
+    if untraceable:
+        builder.branch(draw(st.integers(len(builder.inputs), len(builder.pool) - 1)))
+    outputs = builder.outputs()
+    return ModelSpec(
+        inputs=tuple(builder.inputs),
+        ops=tuple(builder.ops),
+        outputs=outputs,
+        seed=draw(st.integers(0, 2**16)),
+        kwargs=draw(st.booleans()),
+        untraceable=untraceable,
+        modules=builder.modules,
+        buffers=builder.buffers,
+        params=builder.params,
+    )
+
+
+class _Builder:
+    """Draws ops one by one over the pool of live tensors (pool[i] is a shape)."""
+
+    def __init__(self, draw: st.DrawFn) -> None:
+        self.draw = draw
+        self.inputs: list[Shape] = []
+        self.pool: list[Shape] = []
+        self.grad: list[bool] = []  # pool[i] depends on a parameter
+        self.contiguous: list[bool] = []
+        self.used: list[int] = []  # how many ops read pool[i]
+        self.ops: list[Op] = []
+        self.modules: dict[str, tuple[str, Any]] = {}
+        self.buffers: dict[str, Shape] = {}
+        self.params: dict[str, Shape] = {}
+
+    # -- bookkeeping
+
+    def _add(self, op: Op, grad: bool, contiguous: bool = True) -> None:
+        for i in op.srcs:
+            self.used[i] += 1
+        self.ops.append(op)
+        for shape in op.out:
+            self.pool.append(shape)
+            self.grad.append(grad)
+            self.contiguous.append(contiguous)
+            self.used.append(0)
+
+    def _pick(self, ok: Any = None) -> int | None:
+        """A pool index whose shape satisfies ``ok``, recent ones more likely."""
+        choices = [i for i, s in enumerate(self.pool) if ok is None or ok(s)]
+        if not choices:
+            return None
+        if self.draw(st.booleans()):
+            return choices[-1]
+        return self.draw(st.sampled_from(choices))
+
+    def _any_grad(self, srcs: tuple[int, ...]) -> bool:
+        return any(self.grad[i] for i in srcs)
+
+    def _module(self, kind: str, arg: Any) -> str:
+        """A new submodule, or (sometimes) an existing one of the same kind and arg: shared."""
+        same = [n for n, (k, a) in self.modules.items() if k == kind and a == arg]
+        if same and self.draw(st.integers(0, 2)) == 0:
+            return self.draw(st.sampled_from(same))
+        name = f"{kind}{len(self.modules)}"
+        self.modules[name] = (kind, arg)
+        return name
+
+    def new_input(self) -> None:
+        rank = self.draw(st.integers(1, 3))
+        shape = tuple(self.draw(st.integers(2, 6) if rank > 1 else WIDTHS) for _ in range(rank))
+        if rank > 1:
+            shape = (self.draw(WIDTHS), *shape[1:])
+        self.inputs.append(shape)
+        self.pool.append(shape)
+        self.grad.append(False)
+        self.contiguous.append(True)
+        self.used.append(0)
+
+    # -- ops
+
+    def random_op(self) -> None:
+        kinds = ["linear", "conv", "norm", "act", "binary", "cat", "chunk", "reshape", "permute",
+                 "matmul", "inplace", "reduce", "scalar"]
+        getattr(self, self.draw(st.sampled_from(kinds)))(None)
+
+    def linear(self, src: int | None) -> None:
+        src = self._pick() if src is None else src
+        assert src is not None
+        shape = self.pool[src]
+        width = self.draw(WIDTHS)
+        bias = self.draw(st.booleans())
+        name = self._module("linear", (shape[-1], width, bias))
+        tie = ""
+        if self.draw(st.integers(0, 3)) == 0:
+            # Tie to another Linear of the same weight shape (a GPT embedding and LM head).
+            others = [n for n, (k, a) in self.modules.items()
+                      if k == "linear" and a[:2] == (shape[-1], width) and n != name]
+            if others:
+                tie = self.draw(st.sampled_from(others))
+        self._add(Op("linear", (src,), ((*shape[:-1], width),), module=name, tie=tie), True)
+
+    def conv(self, _: Any) -> None:
+        src = self._pick(lambda s: len(s) in (2, 3))
+        if src is None:
+            return self.linear(None)
+        shape = self.pool[src]
+        out_c, k = self.draw(WIDTHS), self.draw(st.sampled_from([1, 3]))
+        kind = "conv1d" if len(shape) == 2 else "conv2d"
+        name = self._module(kind, (shape[0], out_c, k))
+        self._add(Op(kind, (src,), ((out_c, *shape[1:]),), module=name), True)
+
+    def norm(self, _: Any) -> None:
+        src = self._pick()
+        assert src is not None
+        shape = self.pool[src]
+        groups = [g for g in (1, 2, 4) if len(shape) >= 2 and shape[0] % g == 0]
+        if groups and self.draw(st.booleans()):
+            g = self.draw(st.sampled_from(groups))
+            name = self._module("groupnorm", (g, shape[0]))
+        else:
+            name = self._module("layernorm", shape[-1])
+        self._add(Op("norm", (src,), (shape,), module=name), True)
+
+    def act(self, _: Any) -> None:
+        src = self._pick()
+        assert src is not None
+        fn = self.draw(st.sampled_from(["relu", "gelu", "tanh"]))
+        style = self.draw(st.sampled_from(["module", "function", "method"]))
+        if style == "method" and fn == "gelu":
+            style = "function"
+        name = self._module(fn, None) if style == "module" else ""
+        self._add(Op("act", (src,), (self.pool[src],), how=f"{fn}:{style}", module=name),
+                  self.grad[src], self.contiguous[src])
+
+    def binary(self, _: Any) -> None:
+        a = self._pick()
+        assert a is not None
+        how = self.draw(st.sampled_from(["add", "mul"]))
+        shape = self.pool[a]
+        partners = [i for i, s in enumerate(self.pool) if s == shape]
+        if self.draw(st.integers(0, 2)) == 0:
+            # A registered buffer: the whole per-sample shape or the last dim (broadcast).
+            bshape = shape if self.draw(st.booleans()) else shape[-1:]
+            name = f"buf{len(self.buffers)}"
+            self.buffers[name] = bshape
+            self._add(Op("binary", (a,), (shape,), how=how, arg=name), self.grad[a])
+            return
+        b = self.draw(st.sampled_from(partners))
+        self._add(Op("binary", (a, b), (shape,), how=how), self._any_grad((a, b)))
+
+    def cat(self, _: Any) -> None:
+        a = self._pick()
+        assert a is not None
+        shape = self.pool[a]
+        dims = list(range(len(shape)))
+        dim = self.draw(st.sampled_from(dims))
+        partners = [i for i, s in enumerate(self.pool)
+                    if len(s) == len(shape) and all(s[d] == shape[d] for d in dims if d != dim)]
+        b = self.draw(st.sampled_from(partners))
+        joined = list(shape)
+        joined[dim] += self.pool[b][dim]
+        out = tuple(joined)
+        name = ""
+        if dim == len(shape) - 1 and self.draw(st.booleans()):
+            name = self._module("linear", (out[-1], shape[-1], True))
+            out = shape
+        self._add(Op("cat", (a, b), (out,), arg=dim, module=name), self._any_grad((a, b)) or
+                  bool(name))
+
+    def chunk(self, _: Any) -> None:
+        src = self._pick(lambda s: any(n >= 2 for n in s))
+        if src is None:
+            return self.act(None)
+        shape = self.pool[src]
+        dim = self.draw(st.sampled_from([d for d, n in enumerate(shape) if n >= 2]))
+        n = shape[dim]
+        if self.draw(st.booleans()):
+            pieces = self.draw(st.integers(2, min(n, 3)))
+            sizes = [len(r) for r in torch.arange(n).chunk(pieces)]
+            how = "chunk"
+            arg: Any = (dim, pieces)
+        else:
+            first = self.draw(st.integers(1, n - 1))
+            sizes = [first, n - first]
+            how = "split"
+            arg = (dim, tuple(sizes))
+        outs = tuple(tuple(s if d == dim else m for d, m in enumerate(shape)) for s in sizes)
+        self._add(Op("chunk", (src,), outs, how=how, arg=arg), self.grad[src], False)
+
+    def reshape(self, _: Any) -> None:
+        src = self._pick()
+        assert src is not None
+        shape = self.pool[src]
+        style = self.draw(st.sampled_from(["reshape", "view", "flatten"]))
+        if style == "view" and not self.contiguous[src]:
+            style = "reshape"
+        if len(shape) == 1:
+            divisors = [d for d in range(2, shape[0]) if shape[0] % d == 0]
+            if not divisors:
+                return self.act(None)
+            a = self.draw(st.sampled_from(divisors))
+            out: Shape = (a, shape[0] // a)
+            if style == "flatten":
+                style = "unflatten"
+        elif len(shape) == 2:
+            out = (math.prod(shape),)
+        else:
+            out = (shape[0], math.prod(shape[1:]))
+        self._add(Op("reshape", (src,), (out,), how=style), self.grad[src],
+                  self.contiguous[src])
+
+    def permute(self, _: Any) -> None:
+        src = self._pick(lambda s: len(s) >= 2)
+        if src is None:
+            return self.reshape(None)
+        shape = self.pool[src]
+        perm = tuple(self.draw(st.permutations(range(len(shape)))))
+        back = self.draw(st.booleans())
+        out = shape if back else tuple(shape[p] for p in perm)
+        self._add(Op("permute", (src,), (out,), arg=(perm, back)), self.grad[src], back)
+
+    def matmul(self, _: Any) -> None:
+        a = self._pick(lambda s: len(s) >= 2)
+        if a is None:
+            return self.linear(None)
+        shape = self.pool[a]
+        partners = [i for i, s in enumerate(self.pool)
+                    if len(s) == len(shape) and s[:-2] == shape[:-2] and s[-2] == shape[-1]]
+        how = self.draw(st.sampled_from(["other", "self", "param"]))
+        if how == "other" and partners:
+            b = self.draw(st.sampled_from(partners))
+            out = (*shape[:-1], self.pool[b][-1])
+            self._add(Op("matmul", (a, b), (out,), how=how), self._any_grad((a, b)))
+        elif how == "self":
+            self._add(Op("matmul", (a,), ((*shape[:-1], shape[-2]),), how=how), self.grad[a])
+        else:
+            width = self.draw(WIDTHS)
+            name = f"w{len(self.params)}"
+            self.params[name] = (shape[-1], width)
+            self._add(Op("matmul", (a,), ((*shape[:-1], width),), how="param", arg=name), True)
+
+    def inplace(self, _: Any) -> None:
+        a = self._pick()
+        assert a is not None
+        shape = self.pool[a]
+        how = self.draw(st.sampled_from(["relu_", "add_", "mul_", "iadd"]))
+        partners = [i for i, s in enumerate(self.pool) if s == shape]
+        srcs = (a, self.draw(st.sampled_from(partners))) if how in ("add_", "iadd") else (a,)
+        # ``arg``: whether the fresh intermediate is a Linear's output (else x * 0.5).
+        name = ""
+        if self.draw(st.booleans()):
+            name = self._module("linear", (shape[-1], shape[-1], True))
+        self._add(Op("inplace", srcs, (shape,), how=how, module=name),
+                  self._any_grad(srcs) or bool(name), self.contiguous[a] or bool(name))
+
+    def reduce(self, _: Any) -> None:
+        src = self._pick(lambda s: len(s) >= 1)
+        assert src is not None
+        shape = self.pool[src]
+        dim = self.draw(st.sampled_from(range(len(shape))))
+        keep = len(shape) == 1 or self.draw(st.booleans())
+        how = self.draw(st.sampled_from(["mean", "sum", "amax"]))
+        out = tuple(1 if d == dim else n for d, n in enumerate(shape)) if keep else tuple(
+            n for d, n in enumerate(shape) if d != dim)
+        self._add(Op("reduce", (src,), (out,), how=how, arg=(dim, keep)), self.grad[src])
+
+    def scalar(self, _: Any) -> None:
+        src = self._pick()
+        assert src is not None
+        how = self.draw(st.sampled_from(["mul", "add", "softmax", "neg"]))
+        self._add(Op("scalar", (src,), (self.pool[src],), how=how), self.grad[src],
+                  self.contiguous[src])
+
+    def branch(self, src: int) -> None:
+        self._add(Op("branch", (src,), (self.pool[src],)), self.grad[src], self.contiguous[src])
+
+    # -- outputs
+
+    def outputs(self) -> Any:
+        """A tree of pool indices: every unread op result, plus maybe an extra leaf,
+        at most 4 leaves, at least one that needs a gradient."""
+        first = len(self.inputs)
+        sinks = [i for i in range(first, len(self.pool)) if self.used[i] == 0][-4:]
+        grads = [i for i in sinks if self.grad[i]]
+        if not grads:
+            grads = [i for i in range(first, len(self.pool)) if self.grad[i]][-1:]
+            sinks = [*sinks[-3:], *grads]
+        leaves = list(sinks)
+        if len(leaves) < 4 and self.draw(st.integers(0, 3)) == 0:
+            leaves.append(self.draw(st.integers(0, len(self.pool) - 1)))  # maybe an input
+        structure = self.draw(st.sampled_from(["tuple", "dict", "nested", "single"]))
+        if structure == "single" and len(leaves) == 1:
+            return leaves[0]
+        if structure == "dict":
+            return {f"out{n}": i for n, i in enumerate(leaves)}
+        if structure == "nested" and len(leaves) >= 2:
+            return (leaves[0], {"rest": tuple(leaves[1:])})
+        return tuple(leaves)
+
+
+# ---------------------------------------------------------------------------- the module
+
+
+def _make_module(kind: str, arg: Any) -> nn.Module:
+    if kind == "linear":
+        return nn.Linear(arg[0], arg[1], bias=arg[2])
+    if kind == "conv1d":
+        return nn.Conv1d(arg[0], arg[1], arg[2], padding=arg[2] // 2)
+    if kind == "conv2d":
+        return nn.Conv2d(arg[0], arg[1], arg[2], padding=arg[2] // 2)
+    if kind == "groupnorm":
+        return nn.GroupNorm(arg[0], arg[1])
+    if kind == "layernorm":
+        return nn.LayerNorm(arg)
+    return {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh}[kind]()
+
+
+class FuzzModel(nn.Module):
+    """Interprets ``spec.ops`` over a pool of tensors (the inputs first)."""
+
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        gen = torch.Generator().manual_seed(spec.seed)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(spec.seed)
+            self.layers = nn.ModuleDict(
+                {name: _make_module(kind, arg) for name, (kind, arg) in spec.modules.items()}
+            )
+        for op in spec.ops:
+            if op.tie:
+                self.layers[op.module].weight = self.layers[op.tie].weight
+        for name, shape in spec.buffers.items():
+            self.register_buffer(name, torch.randn(shape, generator=gen) * 0.5 + 1.0)
+        self.weights = nn.ParameterDict(
+            {name: nn.Parameter(torch.randn(shape, generator=gen) / math.sqrt(shape[0]))
+             for name, shape in spec.params.items()}
+        )
+        self.double()
+
+    def run(self, xs: tuple[torch.Tensor, ...]) -> Any:
+        pool: list[torch.Tensor] = list(xs)
+        for op in self.spec.ops:
+            pool.extend(self._op(op, [pool[i] for i in op.srcs]))
+        return _tree_map(self.spec.outputs, lambda i: pool[i])
+
+    def _op(self, op: Op, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+        kind, how, x = op.kind, op.how, xs[0]
+        layer = self.layers[op.module] if op.module else None
+        if kind in ("linear", "conv1d", "conv2d", "norm"):
+            assert layer is not None
+            return [layer(x)]
+        if kind == "act":
+            fn, style = how.split(":")
+            if style == "module":
+                assert layer is not None
+                return [layer(x)]
+            if style == "function":
+                return [{"relu": F.relu, "gelu": F.gelu, "tanh": torch.tanh}[fn](x)]
+            return [x.relu() if fn == "relu" else x.tanh()]
+        if kind == "binary":
+            other = getattr(self, op.arg) if op.arg else xs[1]
+            return [x + other if how == "add" else x * other]
+        if kind == "cat":
+            y = torch.cat([x, xs[1]], dim=op.arg + 1)
+            return [layer(y) if layer is not None else y]
+        if kind == "chunk":
+            dim, parts = op.arg
+            # Indexed, not iterated: symbolic_trace cannot iterate a Proxy.
+            if how == "chunk":
+                pieces = x.chunk(parts, dim=dim + 1)
+            else:
+                pieces = torch.split(x, list(parts), dim=dim + 1)
+            return [pieces[i] for i in range(len(op.out))]
+        if kind == "reshape":
+            shape = op.out[0]
+            if how == "view":
+                return [x.view(x.size(0), *shape)]
+            if how == "unflatten":
+                return [x.unflatten(1, shape)]
+            if how == "flatten":
+                return [x.flatten(1) if len(shape) == 1 else x.flatten(2)]
+            return [x.reshape(x.shape[0], *shape)]
+        if kind == "permute":
+            perm, back = op.arg
+            y = x.permute(0, *(p + 1 for p in perm))
+            if back:
+                inverse = sorted(range(len(perm)), key=lambda d: perm[d])
+                y = (y * 2.0).permute(0, *(p + 1 for p in inverse))
+            return [y]
+        if kind == "matmul":
+            if how == "other":
+                return [x @ xs[1]]
+            if how == "self":
+                return [torch.matmul(x, x.transpose(-1, -2))]
+            return [x @ self.weights[op.arg]]
+        if kind == "inplace":
+            fresh = layer(x) if layer is not None else x * 0.5
+            if how == "relu_":
+                return [fresh.relu_()]
+            if how == "add_":
+                fresh.add_(xs[1])
+                return [fresh]
+            if how == "mul_":
+                return [fresh.mul_(1.5)]
+            fresh += xs[1]
+            return [fresh]
+        if kind == "reduce":
+            dim, keep = op.arg
+            if how == "amax":
+                return [x.amax(dim=dim + 1, keepdim=keep)]
+            reduce = torch.mean if how == "mean" else torch.sum
+            return [reduce(x, dim=dim + 1, keepdim=keep)]
+        if kind == "scalar":
+            if how == "mul":
+                return [x * 0.75]
+            if how == "add":
+                return [x + 1.0]
+            if how == "neg":
+                return [-x]
+            return [F.softmax(x, dim=-1)]
+        if kind == "branch":
+            # Python control flow on a size: symbolic_trace fails, export specialises.
+            if x.shape[-1] > 8:
+                return [torch.tanh(x)]
+            return [x * 2.0]
+        raise AssertionError(kind)
+
+
+class FuzzModel1(FuzzModel):
+    def forward(self, x0: torch.Tensor) -> Any:
+        return self.run((x0,))
+
+
+class FuzzModel2(FuzzModel):
+    def forward(self, x0: torch.Tensor, x1: torch.Tensor) -> Any:
+        return self.run((x0, x1))
+
+
+class FuzzModel3(FuzzModel):
+    def forward(self, x0: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor) -> Any:
+        return self.run((x0, x1, x2))
+
+
+def build_model(spec: ModelSpec) -> FuzzModel:
+    cls = (FuzzModel1, FuzzModel2, FuzzModel3)[len(spec.inputs) - 1]
+    return cls(spec)
+
+
+def example_inputs(spec: ModelSpec, *, batch: int, seed: int
+                   ) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
+    """``(args, kwargs)`` of ``batch`` samples: positional or by keyword per the spec."""
+    gen = torch.Generator().manual_seed(seed)
+    xs = [torch.randn((batch, *shape), generator=gen, dtype=torch.float64)
+          for shape in spec.inputs]
+    if spec.kwargs:
+        return (), {f"x{i}": x for i, x in enumerate(xs)}
+    return tuple(xs), {}
+
+
+def output_leaves(output: Any) -> list[torch.Tensor]:
+    if isinstance(output, dict):
+        return [t for v in output.values() for t in output_leaves(v)]
+    if isinstance(output, (tuple, list)):
+        return [t for v in output for t in output_leaves(v)]
+    return [output]
+
+
+def _tree_map(tree: Any, fn: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _tree_map(v, fn) for k, v in tree.items()}
+    if isinstance(tree, tuple):
+        return tuple(_tree_map(v, fn) for v in tree)
+    return fn(tree)

@@ -1,0 +1,140 @@
+"""Split a fuzz model with the whole fxpipe pipeline (trace, annotate, cost, lower,
+partition, plan, generate) and check the transparency rule on the generated package.
+
+    case = Case(spec, stages=3, schedule="1f1b", microbatches=2, recompute=(True, False, True),
+                batch=2)
+    check_transparency(case, tmp_dir)  # raises AssertionError (or the pipeline's error)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import sys
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from fxpipe.codegen import generate
+from fxpipe.cost_models import analytic, get_device
+from fxpipe.frontend import Traced, trace
+from fxpipe.lower import lower
+from fxpipe.partition import Schedule, partition
+from fxpipe.partition.coarsen import exact_groups
+from fxpipe.passes import annotate_all
+from fxpipe.planning import build_plan
+
+from .models import ModelSpec, build_model, example_inputs, output_leaves
+
+__all__ = ["Case", "check_transparency", "split"]
+
+RTOL, ATOL = 1e-9, 1e-10  # float64; micro-batching only reorders sums
+_counter = itertools.count()
+
+
+@dataclass(frozen=True)
+class Case:
+    spec: ModelSpec
+    stages: int  # asked for; capped by the model's op groups
+    schedule: str  # "gpipe" | "1f1b"
+    microbatches: int
+    recompute: tuple[bool, ...] | bool  # per stage (the runner's), or one flag for the plan
+    batch: int  # samples per micro-batch
+
+
+def loss_fn(output: Any, target: Any) -> torch.Tensor:
+    """Mean of every output leaf, summed: a per-sample mean, so micro-batches add up."""
+    del target
+    return sum(leaf.mean() for leaf in output_leaves(output))  # type: ignore[return-value]
+
+
+def split(case: Case, directory: Path) -> tuple[Traced, types.ModuleType, int]:
+    """The traced model, its generated package imported from ``directory``, the stage count."""
+    model = build_model(case.spec)
+    args, kwargs = example_inputs(case.spec, batch=case.batch, seed=1)
+    traced = trace(model, args, kwargs)
+    assert (traced.tracer == "export") == case.spec.untraceable, traced.fallback_reason
+    annotate_all(traced.gm, *traced.flat_inputs)
+    device = get_device("h100")
+    analytic.annotate_times(traced.gm, device)
+    plan_recompute = case.recompute if isinstance(case.recompute, bool) else False
+
+    def lowered_for(k: int) -> Any:
+        return lower(traced.gm, num_stages=k, device=device, memory_limit=float("inf"),
+                     schedule=Schedule(case.schedule), microbatches=case.microbatches,
+                     recompute=plan_recompute, block_depth=1)
+
+    lowered = lowered_for(case.stages)
+    k = min(case.stages, exact_groups(lowered.problem).num_coarse)
+    if k != case.stages:
+        lowered = lowered_for(k)
+    result = partition(lowered.problem, time_limit_s=10)
+    plan = build_plan(lowered, result.evaluation, result.report, baselines=result.baselines,
+                      model="fuzz", tracer=traced.tracer, device="h100", optimizer="adam")
+    directory.mkdir(parents=True, exist_ok=True)
+    for name, text in generate(traced, plan).items():
+        (directory / name).write_text(text, encoding="utf-8")
+    return traced, _import_package(directory), k
+
+
+def check_transparency(case: Case, directory: Path) -> None:
+    _traced, package, k = split(case, directory)
+    model = build_model(case.spec)  # a fresh copy: tracing must not have touched the weights
+    runner_kwargs: dict[str, Any] = {}
+    if not isinstance(case.recompute, bool):
+        runner_kwargs["recompute"] = (tuple(case.recompute) * k)[:k]
+    runner = package.PipelineRunner(package.build_stages(model), **runner_kwargs)
+    args, kwargs = example_inputs(case.spec, batch=case.batch * case.microbatches, seed=2)
+
+    with torch.no_grad():
+        want = model(*args, **kwargs)
+        got = runner.forward(*args, **kwargs)
+    _assert_trees_close(got, want, "forward output")
+
+    model.zero_grad(set_to_none=True)
+    loss = runner.step(kwargs if kwargs else args, None, loss_fn)
+    pipeline_grads = _grads(model)
+    model.zero_grad(set_to_none=True)
+    want_loss = loss_fn(model(*args, **kwargs), None)
+    want_loss.backward()
+    model_grads = _grads(model)
+    torch.testing.assert_close(torch.as_tensor(loss), want_loss.detach(), rtol=RTOL, atol=ATOL)
+    assert sorted(pipeline_grads) == sorted(model_grads), (sorted(pipeline_grads),
+                                                           sorted(model_grads))
+    for key, value in model_grads.items():
+        torch.testing.assert_close(pipeline_grads[key], value, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, key=key: f"gradient of {key}: {m}")
+
+
+def _assert_trees_close(got: Any, want: Any, what: str) -> None:
+    got_leaves, got_spec = pytree.tree_flatten(got)
+    want_leaves, want_spec = pytree.tree_flatten(want)
+    assert got_spec == want_spec, f"{what}: structure {got_spec} != {want_spec}"
+    for i, (a, b) in enumerate(zip(got_leaves, want_leaves, strict=True)):
+        torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, i=i: f"{what} leaf {i}: {m}")
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters()
+            if p.grad is not None}
+
+
+def _import_package(directory: Path) -> types.ModuleType:
+    name = f"fxpipe_fuzz_{next(_counter)}"
+    spec = importlib.util.spec_from_file_location(
+        name, directory / "__init__.py", submodule_search_locations=[str(directory)])
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        # Keep sys.modules small across a thousand examples.
+        for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
+            del sys.modules[key]
+    return module
