@@ -64,8 +64,9 @@ class MetaInterpreter(MetaRunner):
                 return t.detach()
             fresh = t.detach().requires_grad_()
             leaves.append(fresh)
-            # A non-leaf view of the leaf, so in-place ops inside the node stay legal.
-            return fresh.view_as(fresh)
+            # A non-leaf copy of the leaf, so in-place ops inside the node stay legal (a
+            # view of it would not be: autograd rejects in-place ops on views of leaves).
+            return fresh.clone()
 
         args, kwargs = pytree.tree_map_only(torch.Tensor, leaf, (args, kwargs))
         if n.op == "call_module":
