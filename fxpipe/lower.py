@@ -9,6 +9,7 @@ several ops (a tied embedding and LM head, or one weight reused) becomes a
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch.fx
@@ -98,6 +99,13 @@ def lower(
         for name, users in sorted(readers.items())
         if len(set(users)) > 1
     )
+    # An in-place op stays with the op whose result it mutates: across a cut that result
+    # reaches the next stage as a leaf that requires grad, which autograd cannot mutate.
+    colocate = tuple(
+        (index[source], index[node])
+        for node in ops
+        if (source := _mutated_input(gm, node)) is not None and source in index
+    )
     problem = Problem(
         nodes=tuple(nodes),
         edges=tuple(Edge(src, dst) for src, dst in edges),
@@ -109,9 +117,42 @@ def lower(
         recompute=recompute,
         tied=tied,
         tied_policy=tied_policy,
+        colocate=colocate,
     )
     return Lowered(problem, ops, {k: tuple(sorted(v)) for k, v in reads.items()})
 
 
 def _block(path: str, depth: int) -> str:
     return ".".join(path.split(".")[:depth]) if path else ""
+
+
+_INPLACE_OPERATORS = frozenset({
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+    operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
+    operator.ilshift, operator.irshift, operator.imatmul,
+})
+
+
+def _mutated_input(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.Node | None:
+    """The node whose value ``node`` writes in place (``x.relu_()``, ``x += y``,
+    ``aten.add_``, ``F.relu(x, inplace=True)``, ``nn.ReLU(inplace=True)``), if any."""
+    first = node.args[0] if node.args else None
+    if not isinstance(first, torch.fx.Node):
+        return None
+    target = node.target
+    if node.op == "call_method":
+        name = str(target)
+        writes = name.endswith("_") and not name.startswith("_")
+    elif node.op == "call_module":
+        writes = getattr(gm.get_submodule(str(target)), "inplace", False) is True
+    else:
+        schema = getattr(target, "_schema", None)
+        alias = schema.arguments[0].alias_info if schema is not None and schema.arguments else None
+        name = getattr(target, "__name__", "")
+        writes = (
+            target in _INPLACE_OPERATORS
+            or (alias is not None and alias.is_write)
+            or (name.endswith("_") and not name.startswith("_"))
+            or node.kwargs.get("inplace") is True
+        )
+    return first if writes else None

@@ -3,11 +3,16 @@ model split and checked end to end, with the fix it needed."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 
 from fxpipe.frontend import trace
 from fxpipe.passes import annotate_all
+
+from .models import ModelSpec, Op
+from .pipeline import Case, check_transparency
 
 
 class _InplaceOnModuleOutput(nn.Module):
@@ -28,3 +33,25 @@ def test_flops_pass_runs_in_place_ops() -> None:
     x = torch.randn(2, 6, dtype=torch.float64)
     traced = trace(model, (x,))
     annotate_all(traced.gm, *traced.flat_inputs)
+
+
+def test_in_place_op_shares_the_stage_of_what_it_mutates(tmp_path: Path) -> None:
+    # Cut between linear1 and its relu_, the stage of relu_ received linear1's output as a
+    # leaf that requires grad and relu_ on it raised. Fixed: lower co-locates an in-place
+    # op with the op whose result it mutates.
+    spec = ModelSpec(
+        inputs=((6,),),
+        ops=(
+            Op("linear", (0,), ((6,),), module="linear0"),
+            Op("inplace", (1,), ((6,),), how="relu_", module="linear1"),
+            Op("linear", (2,), ((4,),), module="linear2"),
+        ),
+        outputs=(3,),
+        seed=0,
+        modules={"linear0": ("linear", (6, 6, True)), "linear1": ("linear", (6, 6, True)),
+                 "linear2": ("linear", (6, 4, True))},
+    )
+    for stages in (1, 2, 3):
+        case = Case(spec, stages=stages, schedule="1f1b", microbatches=2, recompute=False,
+                    batch=2)
+        check_transparency(case, tmp_path / f"pkg{stages}")
