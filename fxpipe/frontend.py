@@ -12,6 +12,7 @@ nodes, which read best in generated code) and falls back to
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
 import os
@@ -89,7 +90,7 @@ def load_model_file(spec: str) -> ModelSource:
     module = _import_file(path)
 
     build = _find_function(
-        module, path, factory, "-> nn.Module", named_by_user=factory != "build_model"
+        module, path, factory, "returning an nn.Module", named_by_user=factory != "build_model"
     )
     model = _call(build, path, factory)
     if not isinstance(model, torch.nn.Module):
@@ -102,7 +103,7 @@ def load_model_file(spec: str) -> ModelSource:
     # several models of different sizes gives each one a realistic micro-batch.
     make_inputs = getattr(build, "example_inputs", None)
     if not callable(make_inputs):
-        make_inputs = _find_function(module, path, "example_inputs", "-> tuple | dict")
+        make_inputs = _find_function(module, path, "example_inputs", "returning a tuple or a dict")
     args, kwargs = _as_args_kwargs(_call(make_inputs, path, "example_inputs"), path)
 
     loss_fn = getattr(module, "loss_fn", None)
@@ -249,15 +250,14 @@ def trace(
 
 @contextmanager
 def _quiet_stderr() -> Iterator[None]:
-    """Silence file descriptor 2 (torch's C++ side writes there, bypassing sys.stderr)."""
+    """Silence stderr: Python's ``sys.stderr`` and file descriptor 2 (torch's C++ side)."""
     sys.stderr.flush()
     saved = os.dup(2)
     try:
-        with open(os.devnull, "w") as devnull:
+        with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):
             os.dup2(devnull.fileno(), 2)
             yield
     finally:
-        sys.stderr.flush()
         os.dup2(saved, 2)
         os.close(saved)
 

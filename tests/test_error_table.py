@@ -1,0 +1,133 @@
+"""Every user-facing error in README.md's table, reproduced: the printed line is the row's.
+
+Each case builds its situation in an empty folder (the model file is always `model.py`),
+runs the real `fxpipe` command there, and requires the one-line message it prints to
+appear verbatim in README.md, so the table and the tool cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from fxpipe import cli
+
+README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+
+GOOD = """
+import torch
+
+
+def build_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def example_inputs():
+    return (torch.ones(4, 8),)
+"""
+
+
+def model(body: str) -> dict[str, str]:
+    return {"model.py": textwrap.dedent(body)}
+
+
+CASES: dict[str, tuple[dict[str, str], list[str]]] = {
+    "missing file": ({}, ["profile", "model.py"]),
+    "syntax error": (model("def build_model(:\n    pass\n"), ["profile", "model.py"]),
+    "import fails": (model("import no_such_module_here\n"), ["profile", "model.py"]),
+    "no build_model": (model("def example_inputs():\n    return ()\n"), ["profile", "model.py"]),
+    "named factory missing": (model(GOOD), ["profile", "model.py:make_big"]),
+    "factory raises": (
+        model(GOOD.replace("    torch.manual_seed(0)\n", "    raise RuntimeError('no GPU')\n")),
+        ["profile", "model.py"],
+    ),
+    "factory returns no module": (
+        model("def build_model():\n    return 3\n"), ["profile", "model.py"]
+    ),
+    "no example_inputs": (
+        model(GOOD.split("def example_inputs")[0]), ["profile", "model.py"]
+    ),
+    "inputs of the wrong type": (
+        model(GOOD.replace("return (torch.ones(4, 8),)", "return 'tokens'")),
+        ["profile", "model.py"],
+    ),
+    "model neither tracer captures": (
+        model(
+            """
+            import torch
+
+
+            class Loop(torch.nn.Module):
+                def forward(self, x):
+                    for _ in range(int(x.sum().item())):
+                        x = x * 2
+                    return x
+
+
+            def build_model():
+                return Loop()
+
+
+            def example_inputs():
+                return (torch.ones(1),)
+            """
+        ),
+        ["profile", "model.py"],
+    ),
+    "unknown device": (model(GOOD), ["split", "model.py", "--gpus", "2", "--device", "h900"]),
+    "malformed --memory": (model(GOOD), ["split", "model.py", "--gpus", "2", "--memory", "lots"]),
+    "--gpus below 1": (model(GOOD), ["split", "model.py", "--gpus", "0"]),
+    "--microbatches below 1": (
+        model(GOOD), ["split", "model.py", "--gpus", "2", "--microbatches", "0"]
+    ),
+    "more GPUs than ops": (model(GOOD), ["split", "model.py", "--gpus", "8"]),
+    "memory no split fits": (
+        model(GOOD), ["split", "model.py", "--gpus", "2", "--memory", "100B"]
+    ),
+    "--out is someone else's folder": (
+        {**model(GOOD), "out/notes.txt": "mine"}, ["split", "model.py", "--gpus", "2", "--out", "out"]
+    ),
+    "merge: missing stage file": ({}, ["merge", "stage0.pt", "--out", "model.pt"]),
+    "merge: copies of a key differ": (
+        {"stage0.pt": "zeros", "stage1.pt": "ones"},
+        ["merge", "stage0.pt", "stage1.pt", "--out", "model.pt"],
+    ),
+}
+
+
+def materialize(folder: Path, files: dict[str, str]) -> None:
+    for name, content in files.items():
+        path = folder / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if name.endswith(".pt"):  # a stage checkpoint holding one shared key
+            fill = torch.zeros if content == "zeros" else torch.ones
+            torch.save({"shared.weight": fill(2)}, path)
+        else:
+            path.write_text(content)
+
+
+def printed_error(folder: Path, argv: list[str], capsys: pytest.CaptureFixture[str],
+                  monkeypatch: pytest.MonkeyPatch) -> str:
+    monkeypatch.chdir(folder)
+    code = cli.main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2, err
+    assert len(err) == 1, err
+    return err[0]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_each_error_is_one_line_exit_2_and_in_the_readme(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    files, argv = CASES[case]
+    materialize(tmp_path, files)
+    line = printed_error(tmp_path, argv, capsys, monkeypatch)
+    assert line.startswith("fxpipe: error: ")
+    row = f"| {case} | `{line.removeprefix('fxpipe: error: ')}` |"
+    assert row in README, f"README.md lacks the row:\n{row}"
