@@ -8,8 +8,8 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from typing import Any, Literal
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -131,9 +131,9 @@ def analyze_model(
     spec: str, *, device: str, measure: bool = False, quiet: bool = False
 ) -> tuple[Any, Any]:
     """Load, trace and annotate a model file: (ModelSource, Traced) with costed nodes."""
-    from fxpipe.cost_models import analytic, get_device
+    from fxpipe.compiler import analyze
+    from fxpipe.cost_models import get_device
     from fxpipe.frontend import load_model_file, trace_source
-    from fxpipe.passes import annotate_all
 
     target = get_device(device)  # an unknown device fails before any slow work
     with _step(f"loading {spec}", quiet):
@@ -149,24 +149,8 @@ def analyze_model(
         say(f"  traced with {how}; {len(traced.gm.graph.nodes)} nodes")
         for note in traced.notes:
             say(f"  note: {note}")
-    with _step("shapes, FLOPs and bytes", quiet):
-        annotate_all(traced.gm, *traced.flat_inputs)
-    if measure:
-        from fxpipe.cost_models import measured
-
-        kind: Literal["cpu", "cuda"] = "cuda" if _on_cuda(traced.flat_inputs) else "cpu"
-        with _step(f"timing every node ({kind})", quiet):
-            measured.annotate_times(traced.gm, *traced.flat_inputs, device=kind)
-    else:
-        with _step(f"roofline times for {target.name}", quiet):
-            analytic.annotate_times(traced.gm, target)
+    analyze(traced, device=target, measure=measure, progress=lambda label: _step(label, quiet))
     return source, traced
-
-
-def _on_cuda(values: Sequence[Any]) -> bool:
-    import torch
-
-    return any(isinstance(v, torch.Tensor) and v.is_cuda for v in values)
 
 
 def _run_profile(args: argparse.Namespace) -> int:
@@ -211,15 +195,12 @@ def _run_profile(args: argparse.Namespace) -> int:
 def _run_split(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from fxpipe.codegen import generate
+    from fxpipe.compiler import SplitOptions, output_files, plan_split
     from fxpipe.cost_models import get_device
-    from fxpipe.lower import lower
     from fxpipe.output import write_folder
-    from fxpipe.partition import Schedule, parse_bytes, partition
+    from fxpipe.partition import Schedule, parse_bytes
     from fxpipe.partition.units import format_bytes
-    from fxpipe.planning import build_plan
-    from fxpipe.profile import auto_depth
-    from fxpipe.report import partition_dot, render_report, render_svg, summary_rows
+    from fxpipe.report import summary_rows
 
     # Every flag is checked before any slow work.
     if args.gpus < 1:
@@ -233,56 +214,25 @@ def _run_split(args: argparse.Namespace) -> int:
     limit = (
         float(parse_bytes(args.memory)) if args.memory is not None else float(device.memory_bytes)
     )
-
-    source, traced = analyze_model(args.model, device=args.device, measure=args.measure)
-    depth = auto_depth(traced.gm)
-    lowered = lower(
-        traced.gm,
-        num_stages=args.gpus,
+    options = SplitOptions(
+        gpus=args.gpus,
         device=device,
         memory_limit=limit,
-        schedule=Schedule(args.schedule),
         microbatches=microbatches,
+        schedule=Schedule(args.schedule),
         optimizer=args.optimizer,
         recompute=args.recompute,
-        block_depth=depth,
+        time_limit_s=args.time_limit,
     )
-    with _step(f"solving ({len(lowered.problem.nodes)} nodes onto {args.gpus} stages)", False):
-        result = partition(lowered.problem, time_limit_s=args.time_limit)
-    notes = list(traced.notes)
-    if traced.fallback_reason:
-        notes.append(f"symbolic_trace failed ({traced.fallback_reason}); used torch.export")
-    plan = build_plan(
-        lowered,
-        result.evaluation,
-        result.report,
-        baselines=result.baselines,
-        model=source.label,
-        tracer=traced.tracer,
-        device=device.name,
-        optimizer=args.optimizer,
-        notes=notes,
-    )
-    dot = partition_dot(
-        traced.gm,
-        plan.stage_of(),
-        num_stages=plan.num_stages,
-        level=args.diagram,
-        depth=depth,
-        title=source.label,
-    )
-    files: dict[str, str | bytes] = {
-        "plan.json": plan.to_json(),
-        "report.md": render_report(plan),
-        "partition.dot": dot,
-    }
-    svg = render_svg(dot)
-    if svg is not None:
-        files["partition.svg"] = svg
-    files["schedule.svg"] = _schedule_svg(plan)
+
+    source, traced = analyze_model(args.model, device=args.device, measure=args.measure)
+    def progress(label: str) -> AbstractContextManager[None]:
+        return _step(label, False)
+
+    plan = plan_split(traced, label=source.label, options=options, progress=progress)
+    files = output_files(traced, plan, label=source.label, diagram=args.diagram, progress=progress)
     timing = {"solver_wall_s": plan.solver.wall_s, "phases_s": PHASES}
     files["timing.json"] = json.dumps(timing, indent=2) + "\n"
-    files.update(generate(traced, plan))
     out = Path(args.out)
     write_folder(out, files, force=args.force)
 
@@ -342,29 +292,6 @@ def _run_merge(args: argparse.Namespace) -> int:
             os.remove(scratch)
     print(f"merged {len(states)} stages, {len(merged)} tensors, into {out}")
     return 0
-
-
-def _schedule_svg(plan: Any) -> bytes:
-    """The plan's schedule as a Gantt chart with predicted times (schedule.svg).
-
-    Each stage's communication is split evenly between its forward (activations out)
-    and its backward (gradients back).
-    """
-    import tempfile
-    from pathlib import Path
-
-    from fxpipe.codegen.schedules import gpipe, one_f_one_b
-    from fxpipe.codegen.timeline import draw_timeline
-
-    build = gpipe if plan.schedule == "gpipe" else one_f_one_b
-    schedule = build(plan.num_stages, plan.microbatches)
-    forward = [s.forward_s + s.comm_s / 2 for s in plan.stages]
-    backward = [s.backward_s + s.comm_s / 2 for s in plan.stages]
-    with tempfile.TemporaryDirectory() as scratch:
-        path = Path(scratch) / "schedule.svg"
-        title = f"{plan.model}: {plan.schedule}, K={plan.num_stages}, M={plan.microbatches}"
-        draw_timeline(schedule, forward, backward, path, title=title)
-        return path.read_bytes()
 
 
 def _si(value: float) -> str:

@@ -89,7 +89,8 @@ CASES: dict[str, tuple[dict[str, str], list[str]]] = {
         model(GOOD), ["split", "model.py", "--gpus", "2", "--memory", "100B"]
     ),
     "--out is someone else's folder": (
-        {**model(GOOD), "out/notes.txt": "mine"}, ["split", "model.py", "--gpus", "2", "--out", "out"]
+        {**model(GOOD), "out/notes.txt": "mine"},
+        ["split", "model.py", "--gpus", "2", "--out", "out"],
     ),
     "merge: missing stage file": ({}, ["merge", "stage0.pt", "--out", "model.pt"]),
     "merge: copies of a key differ": (

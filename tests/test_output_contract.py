@@ -41,7 +41,7 @@ def failing(exc: BaseException):
 
 @pytest.mark.parametrize(
     "where",
-    ["fxpipe.frontend.trace", "fxpipe.partition.partition", "fxpipe.codegen.generate"],
+    ["fxpipe.frontend.trace", "fxpipe.compiler.partition", "fxpipe.compiler.generate"],
 )
 def test_a_failing_step_leaves_the_previous_folder_untouched(
     previous: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
@@ -89,7 +89,7 @@ def test_ctrl_c_while_writing_leaves_the_previous_folder(
 
 def test_a_failed_first_run_leaves_no_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                              ) -> None:
-    monkeypatch.setattr("fxpipe.codegen.generate", failing(ValueError("codegen broke")))
+    monkeypatch.setattr("fxpipe.compiler.generate", failing(ValueError("codegen broke")))
     assert cli.main(["split", MLP, "--gpus", "2", "--out", str(tmp_path / "out")]) == 2
     assert list(tmp_path.iterdir()) == []
 

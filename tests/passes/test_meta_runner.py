@@ -25,7 +25,7 @@ class DeviceLiterals(torch.nn.Module):
 def test_cpu_device_literals_run_on_meta() -> None:
     traced = trace(DeviceLiterals(), (torch.randn(2, 4),))
     annotate_shapes(traced.gm, *traced.flat_inputs)
-    out = [n for n in traced.gm.graph.nodes if n.op == "output"][0]
+    out = next(n for n in traced.gm.graph.nodes if n.op == "output")
     assert meta.SHAPE.get(out).tensors[0].shape == (2, 4)
 
 
