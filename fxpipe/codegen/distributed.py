@@ -53,7 +53,7 @@ import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -104,7 +104,7 @@ def parameters_on_meta() -> Iterator[None]:
             param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
         register(module, name, param)
 
-    nn.Module.register_parameter = on_meta  # type: ignore[method-assign]
+    nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
     try:
         yield
     finally:
@@ -144,8 +144,9 @@ class StageAdapter(nn.Module):
     def forward(self, *flat: torch.Tensor) -> Any:
         values: dict[str, Any] = dict(self.constants)
         values.update(zip(self.receives, flat, strict=True))
-        outputs = self.stage(**{name: values[name] for name in self.stage.INPUTS})
-        values.update(zip(self.stage.OUTPUTS, outputs, strict=True))
+        names = cast(tuple[str, ...], self.stage.INPUTS)
+        outputs = self.stage(**{name: values[name] for name in names})
+        values.update(zip(cast(tuple[str, ...], self.stage.OUTPUTS), outputs, strict=True))
         if self.sends is None:
             return self.build_output(values)
         return tuple(values[name] for name in self.sends)
@@ -351,9 +352,9 @@ class DistributedPipeline:
                     name: _fake_like(t)
                     for name, t in _named_tensors(stage)
                 }
-                inputs = {name: values[name] for name in stage.INPUTS}
+                inputs = {name: values[name] for name in cast(tuple[str, ...], stage.INPUTS)}
                 outputs = torch.func.functional_call(stage, state, (), inputs)
-                values.update(zip(stage.OUTPUTS, outputs, strict=True))
+                values.update(zip(cast(tuple[str, ...], stage.OUTPUTS), outputs, strict=True))
             values["__output__"] = self.build_output(values)
         return values
 
@@ -455,7 +456,10 @@ def _materialize(
         if isinstance(old, nn.Parameter):
             new = nn.Parameter(new, requires_grad=old.requires_grad)
         for module, key, _, is_param in places:
-            (module._parameters if is_param else module._buffers)[key] = new
+            if is_param:
+                module._parameters[key] = cast(nn.Parameter, new)
+            else:
+                module._buffers[key] = new
 
 
 # ---------------------------------------------------------------------------- main
@@ -549,7 +553,7 @@ def _train(
         if step == opts.steps - 1 and opts.save:
             rss["step"] = peak_rss_bytes()
             grads = {name: p.grad.detach().cpu().clone()
-                     for name, p in stage.submod.stage.named_parameters(
+                     for name, p in cast(nn.Module, stage.submod.stage).named_parameters(
                          remove_duplicate=False) if p.grad is not None}
             Path(opts.save).mkdir(parents=True, exist_ok=True)
             torch.save({"loss": loss, "grads": grads, "rss": rss},
