@@ -19,19 +19,23 @@ or results are appended to the pool):
 
     linear      Linear on the last dim (``module`` names it; a name reused is a
                 shared submodule, ``tie`` ties its weight to another Linear's)
+    embed       Embedding of an int64 token-id input (a Linear may tie its weight
+                to it: a GPT LM head)
     conv1d/2d   Conv1d on (C, L) / Conv2d on (C, H, W), same padding
     norm        LayerNorm on the last dim / GroupNorm on dim 1 (``arg``: groups)
     act         relu / gelu / tanh, as a module, a function or a method
-    add/mul     two tensors of one shape (``srcs``), or a tensor and a buffer
+    add/mul     two tensors of one shape (``srcs``), or a tensor and a buffer (a
+                buffer may be read by several ops)
     cat         two tensors along a dim, then a Linear back to the first width
                 when the dim is the last one
     chunk       chunk / split along a dim into pieces (each joins the pool)
     reshape     (F,) -> (a, b), (a, b) -> (a*b,), (C, H, W) -> (C, H*W) by
                 reshape / view / flatten
     permute     a permutation of the per-sample dims (+ the inverse when ``arg``)
-    matmul      x @ y, x @ x.mT, or x @ a registered Parameter
+    matmul      x @ y, x @ x.mT, or x @ a registered Parameter (maybe one that
+                another matmul reads too)
     inplace     relu_ / add_ / mul_ / += on a fresh intermediate
-    reduce      mean / sum over a non-last... per-sample dim, keepdim or not
+    reduce      mean / sum / amax over a per-sample dim, keepdim or not
     scalar      x * c, x + c, softmax over the last dim
     branch      an untraceable branch on x.shape[-1] (export only)
 """
@@ -74,6 +78,7 @@ class ModelSpec:
     modules: dict[str, tuple[str, Any]] = field(default_factory=dict)  # name -> (kind, arg)
     buffers: dict[str, Shape] = field(default_factory=dict)
     params: dict[str, Shape] = field(default_factory=dict)
+    ids: dict[int, int] = field(default_factory=dict)  # input index -> vocabulary (int64 ids)
 
 
 WIDTHS = st.integers(4, 16)
@@ -83,15 +88,17 @@ WIDTHS = st.integers(4, 16)
 
 
 @st.composite
-def model_specs(draw: st.DrawFn, *, max_ops: int = 10, untraceable: bool | None = None
+def model_specs(draw: st.DrawFn, *, max_ops: int = 12, untraceable: bool | None = None
                 ) -> ModelSpec:
-    """A random model: 1-3 inputs, 1-``max_ops`` ops, a tree of 1-3 outputs."""
+    """A random model: 1-3 inputs, 4-``max_ops`` ops, a tree of 1-4 outputs."""
     builder = _Builder(draw)
     for _ in range(draw(st.integers(1, 3))):
         builder.new_input()
     # Every model starts with a parameterised op, so some output needs a gradient.
     builder.linear(0)
-    for _ in range(draw(st.integers(0, max_ops - 1))):
+    for i in sorted(builder.ids):
+        builder.embed(i)
+    for _ in range(draw(st.integers(min(3, max_ops - 1), max_ops - 1))):
         builder.random_op()
     if untraceable is None:
         untraceable = draw(st.integers(0, 3)) == 0
@@ -108,6 +115,7 @@ def model_specs(draw: st.DrawFn, *, max_ops: int = 10, untraceable: bool | None 
         modules=builder.modules,
         buffers=builder.buffers,
         params=builder.params,
+        ids=builder.ids,
     )
 
 
@@ -125,6 +133,7 @@ class _Builder:
         self.modules: dict[str, tuple[str, Any]] = {}
         self.buffers: dict[str, Shape] = {}
         self.params: dict[str, Shape] = {}
+        self.ids: dict[int, int] = {}  # pool index of a token-id input -> vocabulary size
 
     # -- bookkeeping
 
@@ -140,12 +149,16 @@ class _Builder:
 
     def _pick(self, ok: Any = None) -> int | None:
         """A pool index whose shape satisfies ``ok``, recent ones more likely."""
-        choices = [i for i, s in enumerate(self.pool) if ok is None or ok(s)]
+        choices = [i for i, s in self._floats() if ok is None or ok(s)]
         if not choices:
             return None
         if self.draw(st.booleans()):
             return choices[-1]
         return self.draw(st.sampled_from(choices))
+
+    def _floats(self) -> list[tuple[int, Shape]]:
+        """The pool's floating-point tensors (token ids only feed an Embedding)."""
+        return [(i, s) for i, s in enumerate(self.pool) if i not in self.ids]
 
     def _any_grad(self, srcs: tuple[int, ...]) -> bool:
         return any(self.grad[i] for i in srcs)
@@ -160,6 +173,16 @@ class _Builder:
         return name
 
     def new_input(self) -> None:
+        if self.inputs and self.draw(st.integers(0, 3)) == 0:
+            # Token ids (int64, per sample (L,)) for an Embedding.
+            length, vocab = self.draw(st.integers(2, 6)), self.draw(WIDTHS)
+            self.ids[len(self.pool)] = vocab
+            self.inputs.append((length,))
+            self.pool.append((length,))
+            self.grad.append(False)
+            self.contiguous.append(True)
+            self.used.append(0)
+            return
         rank = self.draw(st.integers(1, 3))
         shape = tuple(self.draw(st.integers(2, 6) if rank > 1 else WIDTHS) for _ in range(rank))
         if rank > 1:
@@ -181,17 +204,25 @@ class _Builder:
         src = self._pick() if src is None else src
         assert src is not None
         shape = self.pool[src]
-        width = self.draw(WIDTHS)
+        heads = [a[0] for k, a in self.modules.values() if k == "embedding" and a[1] == shape[-1]]
+        width = self.draw(st.sampled_from(heads) if heads and self.draw(st.booleans()) else WIDTHS)
         bias = self.draw(st.booleans())
         name = self._module("linear", (shape[-1], width, bias))
         tie = ""
-        if self.draw(st.integers(0, 3)) == 0:
-            # Tie to another Linear of the same weight shape (a GPT embedding and LM head).
+        if self.draw(st.integers(0, 3)) == 0 or width in heads:
+            # Tie to another Linear or an Embedding of the same weight shape (a GPT
+            # embedding and its LM head).
             others = [n for n, (k, a) in self.modules.items()
-                      if k == "linear" and a[:2] == (shape[-1], width) and n != name]
+                      if (k == "linear" and a[:2] == (shape[-1], width) and n != name)
+                      or (k == "embedding" and a == (width, shape[-1]))]
             if others:
                 tie = self.draw(st.sampled_from(others))
         self._add(Op("linear", (src,), ((*shape[:-1], width),), module=name, tie=tie), True)
+
+    def embed(self, src: int) -> None:
+        width = self.draw(WIDTHS)
+        name = self._module("embedding", (self.ids[src], width))
+        self._add(Op("embed", (src,), ((*self.pool[src], width),), module=name), True)
 
     def conv(self, _: Any) -> None:
         src = self._pick(lambda s: len(s) in (2, 3))
@@ -231,12 +262,16 @@ class _Builder:
         assert a is not None
         how = self.draw(st.sampled_from(["add", "mul"]))
         shape = self.pool[a]
-        partners = [i for i, s in enumerate(self.pool) if s == shape]
+        partners = [i for i, s in self._floats() if s == shape]
         if self.draw(st.integers(0, 2)) == 0:
             # A registered buffer: the whole per-sample shape or the last dim (broadcast).
             bshape = shape if self.draw(st.booleans()) else shape[-1:]
-            name = f"buf{len(self.buffers)}"
-            self.buffers[name] = bshape
+            same = [n for n, b in self.buffers.items() if b == bshape]
+            if same and self.draw(st.booleans()):
+                name = self.draw(st.sampled_from(same))  # one buffer read by several ops
+            else:
+                name = f"buf{len(self.buffers)}"
+                self.buffers[name] = bshape
             self._add(Op("binary", (a,), (shape,), how=how, arg=name), self.grad[a])
             return
         b = self.draw(st.sampled_from(partners))
@@ -248,7 +283,7 @@ class _Builder:
         shape = self.pool[a]
         dims = list(range(len(shape)))
         dim = self.draw(st.sampled_from(dims))
-        partners = [i for i, s in enumerate(self.pool)
+        partners = [i for i, s in self._floats()
                     if len(s) == len(shape) and all(s[d] == shape[d] for d in dims if d != dim)]
         b = self.draw(st.sampled_from(partners))
         joined = list(shape)
@@ -318,7 +353,7 @@ class _Builder:
         if a is None:
             return self.linear(None)
         shape = self.pool[a]
-        partners = [i for i, s in enumerate(self.pool)
+        partners = [i for i, s in self._floats()
                     if len(s) == len(shape) and s[:-2] == shape[:-2] and s[-2] == shape[-1]]
         how = self.draw(st.sampled_from(["other", "self", "param"]))
         if how == "other" and partners:
@@ -328,9 +363,14 @@ class _Builder:
         elif how == "self":
             self._add(Op("matmul", (a,), ((*shape[:-1], shape[-2]),), how=how), self.grad[a])
         else:
-            width = self.draw(WIDTHS)
-            name = f"w{len(self.params)}"
-            self.params[name] = (shape[-1], width)
+            same = [n for n, p in self.params.items() if p[0] == shape[-1]]
+            if same and self.draw(st.booleans()):
+                name = self.draw(st.sampled_from(same))  # one Parameter read by several ops
+                width = self.params[name][1]
+            else:
+                width = self.draw(WIDTHS)
+                name = f"w{len(self.params)}"
+                self.params[name] = (shape[-1], width)
             self._add(Op("matmul", (a,), ((*shape[:-1], width),), how="param", arg=name), True)
 
     def inplace(self, _: Any) -> None:
@@ -338,7 +378,7 @@ class _Builder:
         assert a is not None
         shape = self.pool[a]
         how = self.draw(st.sampled_from(["relu_", "add_", "mul_", "iadd"]))
-        partners = [i for i, s in enumerate(self.pool) if s == shape]
+        partners = [i for i, s in self._floats() if s == shape]
         srcs = (a, self.draw(st.sampled_from(partners))) if how in ("add_", "iadd") else (a,)
         # ``arg``: whether the fresh intermediate is a Linear's output (else x * 0.5).
         name = ""
@@ -381,7 +421,7 @@ class _Builder:
             sinks = [*sinks[-3:], *grads]
         leaves = list(sinks)
         if len(leaves) < 4 and self.draw(st.integers(0, 3)) == 0:
-            leaves.append(self.draw(st.integers(0, len(self.pool) - 1)))  # maybe an input
+            leaves.append(self.draw(st.sampled_from([i for i, _ in self._floats()])))  # or an input
         structure = self.draw(st.sampled_from(["tuple", "dict", "nested", "single"]))
         if structure == "single" and len(leaves) == 1:
             return leaves[0]
@@ -402,6 +442,8 @@ def _make_module(kind: str, arg: Any) -> nn.Module:
         return nn.Conv1d(arg[0], arg[1], arg[2], padding=arg[2] // 2)
     if kind == "conv2d":
         return nn.Conv2d(arg[0], arg[1], arg[2], padding=arg[2] // 2)
+    if kind == "embedding":
+        return nn.Embedding(arg[0], arg[1])
     if kind == "groupnorm":
         return nn.GroupNorm(arg[0], arg[1])
     if kind == "layernorm":
@@ -441,7 +483,7 @@ class FuzzModel(nn.Module):
     def _op(self, op: Op, xs: list[torch.Tensor]) -> list[torch.Tensor]:
         kind, how, x = op.kind, op.how, xs[0]
         layer = self.layers[op.module] if op.module else None
-        if kind in ("linear", "conv1d", "conv2d", "norm"):
+        if kind in ("linear", "conv1d", "conv2d", "norm", "embed"):
             assert layer is not None
             return [layer(x)]
         if kind == "act":
@@ -545,8 +587,9 @@ def example_inputs(spec: ModelSpec, *, batch: int, seed: int
                    ) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
     """``(args, kwargs)`` of ``batch`` samples: positional or by keyword per the spec."""
     gen = torch.Generator().manual_seed(seed)
-    xs = [torch.randn((batch, *shape), generator=gen, dtype=torch.float64)
-          for shape in spec.inputs]
+    xs = [torch.randint(spec.ids[i], (batch, *shape), generator=gen) if i in spec.ids
+          else torch.randn((batch, *shape), generator=gen, dtype=torch.float64)
+          for i, shape in enumerate(spec.inputs)]
     if spec.kwargs:
         return (), {f"x{i}": x for i, x in enumerate(xs)}
     return tuple(xs), {}

@@ -49,7 +49,8 @@ class Case:
 def loss_fn(output: Any, target: Any) -> torch.Tensor:
     """Mean of every output leaf, summed: a per-sample mean, so micro-batches add up."""
     del target
-    return sum(leaf.mean() for leaf in output_leaves(output))  # type: ignore[return-value]
+    leaves = [leaf for leaf in output_leaves(output) if leaf.is_floating_point()]
+    return sum(leaf.mean() for leaf in leaves)  # type: ignore[return-value]
 
 
 def split(case: Case, directory: Path) -> tuple[Traced, types.ModuleType, int]:
@@ -81,7 +82,8 @@ def split(case: Case, directory: Path) -> tuple[Traced, types.ModuleType, int]:
     return traced, _import_package(directory), k
 
 
-def check_transparency(case: Case, directory: Path) -> None:
+def check_transparency(case: Case, directory: Path) -> int:
+    """Split ``case`` into ``directory`` and check it; returns the number of stages used."""
     _traced, package, k = split(case, directory)
     model = build_model(case.spec)  # a fresh copy: tracing must not have touched the weights
     runner_kwargs: dict[str, Any] = {}
@@ -108,6 +110,7 @@ def check_transparency(case: Case, directory: Path) -> None:
     for key, value in model_grads.items():
         torch.testing.assert_close(pipeline_grads[key], value, rtol=RTOL, atol=ATOL,
                                    msg=lambda m, key=key: f"gradient of {key}: {m}")
+    return k
 
 
 def _assert_trees_close(got: Any, want: Any, what: str) -> None:
