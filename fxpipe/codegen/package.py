@@ -104,7 +104,7 @@ def runner_header(traced: Traced, plan: Plan) -> str:
         table = schedules.one_f_one_b(k, m)
     else:
         raise PlanError(f"unknown schedule {plan.schedule!r}; use 'gpipe' or '1f1b'")
-    picture = schedules.render_ascii(table, k)
+    picture = schedules.render_ascii(table, k, width=LINE_LENGTH - len("#     "))
     graph = traced.gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     lines = [

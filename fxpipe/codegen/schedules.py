@@ -154,14 +154,30 @@ def peak_in_flight(schedule: Sequence[Sequence[Action]], num_stages: int) -> lis
     return peak
 
 
-def render_ascii(schedule: Sequence[Sequence[Action]], num_stages: int) -> str:
-    """Rows are stages, columns are ticks; ``..`` marks an idle stage (a bubble)."""
-    width = max([2] + [len(f"{kind}{m}") for tick in schedule for _j, kind, m in tick])
-    grid = [["." * width] * len(schedule) for _ in range(num_stages)]
+def render_ascii(
+    schedule: Sequence[Sequence[Action]], num_stages: int, *, width: int | None = None
+) -> str:
+    """Rows are stages, columns are ticks; ``..`` marks an idle stage (a bubble).
+
+    With ``width``, a schedule wider than that is drawn as several blocks of ticks,
+    one under the other, each headed by the tick it starts at.
+    """
+    cell = max([2] + [len(f"{kind}{m}") for tick in schedule for _j, kind, m in tick])
+    grid = [["." * cell] * len(schedule) for _ in range(num_stages)]
     for t, tick in enumerate(schedule):
         for j, kind, m in tick:
-            grid[j][t] = f"{kind}{m}".ljust(width)
+            grid[j][t] = f"{kind}{m}".ljust(cell)
     label = len(f"stage {num_stages - 1}")
-    return "\n".join(
-        f"{f'stage {j}'.ljust(label)} | " + " ".join(row).rstrip() for j, row in enumerate(grid)
-    )
+    per_block = len(schedule) or 1
+    if width is not None:
+        per_block = max(1, (width - label - 3 + 1) // (cell + 1))
+    blocks = []
+    for start in range(0, max(len(schedule), 1), per_block):
+        rows = [
+            f"{f'stage {j}'.ljust(label)} | " + " ".join(row[start : start + per_block]).rstrip()
+            for j, row in enumerate(grid)
+        ]
+        if per_block < len(schedule):
+            rows.insert(0, f"{'tick'.ljust(label)} | {start}")
+        blocks.append("\n".join(rows))
+    return "\n\n".join(blocks)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
+from torch.utils import _pytree as pytree
 
 from fxpipe import meta
 from fxpipe.partition.plan import Plan
@@ -138,7 +139,42 @@ def _sub_graph(graph: torch.fx.Graph, io: StageIO) -> torch.fx.Graph:
         node.type = None  # no annotations: they would need the types importable
         if node.op not in ("output",):
             assert node.name in by_name, f"fx renamed a value: {node.name}"
+    _follow_stage_device(sub, by_name)
     return sub
+
+
+def _follow_stage_device(sub: torch.fx.Graph, by_name: dict[str, torch.fx.Node]) -> None:
+    """Replace device constants with the device of a tensor the stage holds.
+
+    torch.export writes the tracing device into ops (``arange(..., device=cpu)``,
+    ``to(x, device=cpu)``); a stage placed on a GPU must create its tensors there.
+    """
+    users = [n for n in sub.nodes if _holds_device((n.args, n.kwargs))]
+    anchor = next(
+        (n for n in sub.nodes if n.op in ("placeholder", "get_attr")
+         and isinstance(by_name[n.name].meta.get("val"), torch.Tensor)),
+        None,
+    )
+    if not users or anchor is None:
+        return  # nothing to follow, or no tensor to follow (the literal stays)
+    placeholders = [n for n in sub.nodes if n.op == "placeholder"]
+    if anchor.op == "get_attr" and placeholders:
+        placeholders[-1].append(anchor)  # an attribute read has no inputs: move it up front
+    elif anchor.op == "get_attr":
+        next(iter(sub.nodes)).prepend(anchor)
+    with sub.inserting_after(anchor):
+        device = sub.create_node("call_function", getattr, (anchor, "device"),
+                                 name="stage_device")
+
+    def follow(value: object) -> object:
+        return device if isinstance(value, torch.device) else value
+
+    for node in users:
+        node.args, node.kwargs = pytree.tree_map(follow, (node.args, node.kwargs))
+
+
+def _holds_device(value: object) -> bool:
+    return any(isinstance(leaf, torch.device) for leaf in pytree.tree_leaves(value))
 
 
 # ---------------------------------------------------------------------------- the source
@@ -328,6 +364,7 @@ def _body_class(body: torch.fx.GraphModule, class_name: str, target: str) -> str
         env[node] = graph.node_copy(node, lambda n: env[n])
     for node in graph.nodes:
         node.type = None
+    _follow_stage_device(graph, {copy.name: original for original, copy in env.items()})
     code = graph.python_code(root_module="self")
     io = StageIO(-1, (), (), ())
     lines, _ = _forward_lines(code.src, io, {})
