@@ -99,12 +99,13 @@ def lower(
         for name, users in sorted(readers.items())
         if len(set(users)) > 1
     )
-    # An in-place op stays with the op whose result it mutates: across a cut that result
-    # reaches the next stage as a leaf that requires grad, which autograd cannot mutate.
+    # An in-place op stays with the op whose result it mutates, and with the views that
+    # lead to it from their base: across a cut that result (or base) reaches the next
+    # stage as a leaf that requires grad, which autograd cannot mutate.
     colocate = tuple(
-        (index[source], index[node])
+        tuple(sorted(index[n] for n in (node, *chain)))
         for node in ops
-        if (source := _mutated_input(gm, node)) is not None and source in index
+        if (chain := _mutated_chain(gm, node, index))
     )
     problem = Problem(
         nodes=tuple(nodes),
@@ -131,6 +132,41 @@ _INPLACE_OPERATORS = frozenset({
     operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
     operator.ilshift, operator.irshift, operator.imatmul,
 })
+
+
+# Methods and functions whose result may share storage with their first argument.
+_VIEW_NAMES = frozenset({
+    "view", "view_as", "reshape", "reshape_as", "unsqueeze", "squeeze", "transpose",
+    "swapaxes", "permute", "t", "expand", "expand_as", "narrow", "select", "unflatten",
+    "flatten", "chunk", "split", "tensor_split", "unbind", "diagonal", "as_strided", "unfold",
+    "movedim", "moveaxis", "contiguous", "getitem", "real", "imag", "view_as_real",
+})
+
+
+def _mutated_chain(
+    gm: torch.fx.GraphModule, node: torch.fx.Node, index: dict[torch.fx.Node, int]
+) -> list[torch.fx.Node]:
+    """The op nodes whose storage ``node`` writes in place: the input it mutates and,
+    when that is a view, the views back to their base (empty if ``node`` is not in place)."""
+    chain: list[torch.fx.Node] = []
+    source = _mutated_input(gm, node)
+    while source is not None and source in index:
+        chain.append(source)
+        first = source.args[0] if source.args else None
+        source = first if _is_view(source) and isinstance(first, torch.fx.Node) else None
+    return chain
+
+
+def _is_view(node: torch.fx.Node) -> bool:
+    if node.op == "call_method":
+        return str(node.target) in _VIEW_NAMES
+    if node.op != "call_function":
+        return False
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None:  # an aten op: its first result aliases an input
+        alias = schema.returns[0].alias_info if schema.returns else None
+        return alias is not None and not alias.is_write
+    return getattr(node.target, "__name__", "") in _VIEW_NAMES
 
 
 def _mutated_input(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.Node | None:

@@ -3,6 +3,7 @@ model split and checked end to end, with the fix it needed."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -55,3 +56,30 @@ def test_in_place_op_shares_the_stage_of_what_it_mutates(tmp_path: Path) -> None
         case = Case(spec, stages=stages, schedule="1f1b", microbatches=2, recompute=False,
                     batch=2)
         check_transparency(case, tmp_path / f"pkg{stages}")
+
+
+def test_in_place_op_through_a_view_shares_the_stage_of_the_base(tmp_path: Path) -> None:
+    # `h = linear(x); h.unsqueeze(1).relu_()` mutates h through a view. Co-located with
+    # the view only, the cut fell between linear and the view: the view's base arrived as
+    # a leaf that requires grad and autograd rejected the in-place op on its view. Fixed:
+    # lower follows the views back to their base and co-locates the whole chain.
+    spec = ModelSpec(
+        inputs=((6,),),
+        ops=(
+            Op("linear", (0,), ((6,),), module="linear0"),
+            Op("inplace", (1,), ((6,),), how="view_relu_", module="linear1"),
+            Op("linear", (2,), ((4,),), module="linear2"),
+        ),
+        outputs=(3,),
+        seed=0,
+        modules={"linear0": ("linear", (6, 6, True)), "linear1": ("linear", (6, 6, True)),
+                 "linear2": ("linear", (6, 4, True))},
+    )
+    for untraceable in (False, True):  # symbolic_trace's call_method, export's aten ops
+        spec_u = dataclasses.replace(spec, untraceable=untraceable, ops=(
+            *spec.ops, *([Op("branch", (3,), ((4,),))] if untraceable else [])),
+            outputs=(4,) if untraceable else (3,))
+        for stages in (2, 3, 4):
+            case = Case(spec_u, stages=stages, schedule="gpipe", microbatches=2,
+                        recompute=False, batch=2)
+            check_transparency(case, tmp_path / f"pkg{untraceable}{stages}")
