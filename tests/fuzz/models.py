@@ -34,7 +34,10 @@ or results are appended to the pool):
     permute     a permutation of the per-sample dims (+ the inverse when ``arg``)
     matmul      x @ y, x @ x.mT, or x @ a registered Parameter (maybe one that
                 another matmul reads too)
-    inplace     relu_ / add_ / mul_ / += on a fresh intermediate
+    inplace     relu_ / add_ / mul_ / += on a fresh intermediate, or relu_ on a view of it
+    where       torch.where(x > 0, x, y) (a bool mask between two ops)
+    detach      x.detach() * 2 (no gradient flows back)
+    const       x + arange(size), x * ones_like(x).cumsum(-1), x - x.new_full(...)
     reduce      mean / sum / amax over a per-sample dim, keepdim or not
     scalar      x * c, x + c, softmax over the last dim
     branch      an untraceable branch on x.shape[-1] (export only)
@@ -79,6 +82,7 @@ class ModelSpec:
     buffers: dict[str, Shape] = field(default_factory=dict)
     params: dict[str, Shape] = field(default_factory=dict)
     ids: dict[int, int] = field(default_factory=dict)  # input index -> vocabulary (int64 ids)
+    frozen: tuple[str, ...] = ()  # modules whose parameters do not require grad
 
 
 WIDTHS = st.integers(4, 16)
@@ -95,7 +99,7 @@ def model_specs(draw: st.DrawFn, *, max_ops: int = 12, untraceable: bool | None 
     for _ in range(draw(st.integers(1, 3))):
         builder.new_input()
     # Every model starts with a parameterised op, so some output needs a gradient.
-    builder.linear(0)
+    builder.linear(0, trainable=True)
     for i in sorted(builder.ids):
         builder.embed(i)
     for _ in range(draw(st.integers(min(3, max_ops - 1), max_ops - 1))):
@@ -116,6 +120,7 @@ def model_specs(draw: st.DrawFn, *, max_ops: int = 12, untraceable: bool | None 
         buffers=builder.buffers,
         params=builder.params,
         ids=builder.ids,
+        frozen=tuple(sorted(builder.frozen)),
     )
 
 
@@ -134,10 +139,13 @@ class _Builder:
         self.buffers: dict[str, Shape] = {}
         self.params: dict[str, Shape] = {}
         self.ids: dict[int, int] = {}  # pool index of a token-id input -> vocabulary size
+        self.frozen: set[str] = set()  # modules never tied: their gradient flags stay exact
 
     # -- bookkeeping
 
     def _add(self, op: Op, grad: bool, contiguous: bool = True) -> None:
+        if op.module in self.frozen:  # a frozen module adds no gradient of its own
+            grad = self._any_grad(op.srcs)
         for i in op.srcs:
             self.used[i] += 1
         self.ops.append(op)
@@ -163,13 +171,18 @@ class _Builder:
     def _any_grad(self, srcs: tuple[int, ...]) -> bool:
         return any(self.grad[i] for i in srcs)
 
-    def _module(self, kind: str, arg: Any) -> str:
-        """A new submodule, or (sometimes) an existing one of the same kind and arg: shared."""
-        same = [n for n, (k, a) in self.modules.items() if k == kind and a == arg]
+    def _module(self, kind: str, arg: Any, *, trainable: bool = False) -> str:
+        """A new submodule, or (sometimes) an existing one of the same kind and arg: shared.
+        A new one with parameters is sometimes frozen (``requires_grad_(False)``)."""
+        same = [n for n, (k, a) in self.modules.items()
+                if k == kind and a == arg and not (trainable and n in self.frozen)]
         if same and self.draw(st.integers(0, 2)) == 0:
             return self.draw(st.sampled_from(same))
         name = f"{kind}{len(self.modules)}"
         self.modules[name] = (kind, arg)
+        if not trainable and kind not in ("relu", "gelu", "tanh") and (
+                self.draw(st.integers(0, 7)) == 0):
+            self.frozen.add(name)
         return name
 
     def new_input(self) -> None:
@@ -197,17 +210,17 @@ class _Builder:
 
     def random_op(self) -> None:
         kinds = ["linear", "conv", "norm", "act", "binary", "cat", "chunk", "reshape", "permute",
-                 "matmul", "inplace", "reduce", "scalar"]
+                 "matmul", "inplace", "reduce", "scalar", "where", "detach", "const"]
         getattr(self, self.draw(st.sampled_from(kinds)))(None)
 
-    def linear(self, src: int | None) -> None:
+    def linear(self, src: int | None, *, trainable: bool = False) -> None:
         src = self._pick() if src is None else src
         assert src is not None
         shape = self.pool[src]
         heads = [a[0] for k, a in self.modules.values() if k == "embedding" and a[1] == shape[-1]]
         width = self.draw(st.sampled_from(heads) if heads and self.draw(st.booleans()) else WIDTHS)
         bias = self.draw(st.booleans())
-        name = self._module("linear", (shape[-1], width, bias))
+        name = self._module("linear", (shape[-1], width, bias), trainable=trainable)
         tie = ""
         if self.draw(st.integers(0, 3)) == 0 or width in heads:
             # Tie to another Linear or an Embedding of the same weight shape (a GPT
@@ -217,6 +230,7 @@ class _Builder:
                       or (k == "embedding" and a == (width, shape[-1]))]
             if others:
                 tie = self.draw(st.sampled_from(others))
+                self.frozen -= {name, tie}
         self._add(Op("linear", (src,), ((*shape[:-1], width),), module=name, tie=tie), True)
 
     def embed(self, src: int) -> None:
@@ -238,7 +252,9 @@ class _Builder:
         src = self._pick()
         assert src is not None
         shape = self.pool[src]
-        groups = [g for g in (1, 2, 4) if len(shape) >= 2 and shape[0] % g == 0]
+        # GroupNorm needs more than one value per group in training.
+        groups = [g for g in (1, 2, 4) if len(shape) >= 2 and shape[0] % g == 0
+                  and math.prod(shape) > g]
         if groups and self.draw(st.booleans()):
             g = self.draw(st.sampled_from(groups))
             name = self._module("groupnorm", (g, shape[0]))
@@ -377,7 +393,7 @@ class _Builder:
         a = self._pick()
         assert a is not None
         shape = self.pool[a]
-        how = self.draw(st.sampled_from(["relu_", "add_", "mul_", "iadd"]))
+        how = self.draw(st.sampled_from(["relu_", "add_", "mul_", "iadd", "view_relu_"]))
         partners = [i for i, s in self._floats() if s == shape]
         srcs = (a, self.draw(st.sampled_from(partners))) if how in ("add_", "iadd") else (a,)
         # ``arg``: whether the fresh intermediate is a Linear's output (else x * 0.5).
@@ -386,6 +402,23 @@ class _Builder:
             name = self._module("linear", (shape[-1], shape[-1], True))
         self._add(Op("inplace", srcs, (shape,), how=how, module=name),
                   self._any_grad(srcs) or bool(name), self.contiguous[a] or bool(name))
+
+    def where(self, _: Any) -> None:
+        a = self._pick()
+        assert a is not None
+        b = self.draw(st.sampled_from([i for i, s in self._floats() if s == self.pool[a]]))
+        self._add(Op("where", (a, b), (self.pool[a],)), self._any_grad((a, b)))
+
+    def detach(self, _: Any) -> None:
+        src = self._pick()
+        assert src is not None
+        self._add(Op("detach", (src,), (self.pool[src],)), False, self.contiguous[src])
+
+    def const(self, _: Any) -> None:
+        src = self._pick()
+        assert src is not None
+        how = self.draw(st.sampled_from(["arange", "ones_like", "new_full"]))
+        self._add(Op("const", (src,), (self.pool[src],), how=how), self.grad[src])
 
     def reduce(self, _: Any) -> None:
         src = self._pick(lambda s: len(s) >= 1)
@@ -463,6 +496,8 @@ class FuzzModel(nn.Module):
             self.layers = nn.ModuleDict(
                 {name: _make_module(kind, arg) for name, (kind, arg) in spec.modules.items()}
             )
+        for name in spec.frozen:
+            self.layers[name].requires_grad_(False)
         for op in spec.ops:
             if op.tie:
                 self.layers[op.module].weight = self.layers[op.tie].weight
@@ -539,8 +574,24 @@ class FuzzModel(nn.Module):
                 return [fresh]
             if how == "mul_":
                 return [fresh.mul_(1.5)]
+            if how == "view_relu_":
+                # In place through a view: mutates ``fresh``, the view's base.
+                fresh.unsqueeze(1).relu_()
+                return [fresh]
             fresh += xs[1]
             return [fresh]
+        if kind == "where":
+            mask = x > 0  # a bool tensor, maybe sent to the next stage
+            return [torch.where(mask, x, xs[1])]
+        if kind == "detach":
+            return [x.detach() * 2.0]
+        if kind == "const":
+            # Tensors made inside forward, from a size or like an activation.
+            if how == "arange":
+                return [x + torch.arange(x.shape[-1], dtype=x.dtype) / 8.0]
+            if how == "ones_like":
+                return [x * torch.ones_like(x).cumsum(-1)]
+            return [x - x.new_full((x.shape[-1],), 0.25)]
         if kind == "reduce":
             dim, keep = op.arg
             if how == "amax":
