@@ -1,10 +1,12 @@
 """Overhead of ``PipelineRunner.step`` against plain gradient accumulation.
 
 A GPT-2-small-shaped model (examples/gpt.py: 12 layers, width 768, 12 heads,
-vocab 50257, tied LM head) is split by hand into 4 stage modules, all on the
-CPU. One step of the runner (1F1B, M micro-batches) is timed against the unsplit
-model doing the same M micro-batches with ``loss / M`` and ``backward()`` each;
-the two are timed alternately, so drift on the machine hits both alike.
+vocab 50257, tied LM head) is split by fxpipe itself into 4 stages (the
+generated package's stage modules and runner; ``--hand`` uses four hand-written
+stage modules instead), all on the CPU. One step of the runner (1F1B, M
+micro-batches) is timed against the unsplit model doing the same M
+micro-batches with ``loss / M`` and ``backward()`` each; the two are timed
+alternately, so drift on the machine hits both alike.
 
     python bench/runner_overhead.py --repeats 7 --batch 8 --seq 64 --microbatches 4
 
@@ -106,6 +108,37 @@ def split(model: Any, num_stages: int) -> list[nn.Module]:
     return stages
 
 
+def generated_runner(model: nn.Module, cfg: Any, args: argparse.Namespace) -> Any:
+    """Split ``model`` with fxpipe (one micro-batch traced) and load the package it writes."""
+    import tempfile
+
+    from fxpipe.compiler import SplitOptions, analyze, output_files, plan_split
+    from fxpipe.cost_models import get_device
+    from fxpipe.frontend import trace
+    from fxpipe.output import write_folder
+    from fxpipe.partition import Schedule
+
+    micro = torch.zeros(args.batch // args.microbatches, args.seq, dtype=torch.long)
+    traced = trace(model, (micro,))
+    device = get_device("h100")
+    analyze(traced, device=device)
+    options = SplitOptions(gpus=args.stages, device=device, memory_limit=float("inf"),
+                           microbatches=args.microbatches, schedule=Schedule(args.schedule))
+    plan = plan_split(traced, label="gpt2-small", options=options)
+    out = Path(tempfile.mkdtemp(prefix="fxpipe-overhead-")) / "gpt2_pipe"
+    write_folder(out, output_files(traced, plan, label="gpt2-small"))
+    spec = importlib.util.spec_from_file_location(
+        out.name, out / "__init__.py", submodule_search_locations=[str(out)]
+    )
+    assert spec is not None and spec.loader is not None
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[out.name] = package
+    spec.loader.exec_module(package)
+    print(f"generated {args.stages} stages in {out}: "
+          f"{[len(s.nodes) for s in plan.stages]} ops per stage")
+    return package.PipelineRunner(package.build_stages(model))
+
+
 def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
 
@@ -120,6 +153,8 @@ def main() -> None:
     parser.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
     parser.add_argument("--small", action="store_true", help="the 4x128 test GPT (smoke run)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--hand", action="store_true",
+                        help="hand-written stage modules instead of fxpipe's generated ones")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -129,13 +164,16 @@ def main() -> None:
     model = gpt._build(cfg)  # real weights on the CPU
     m = args.microbatches
     make_schedule = one_f_one_b if args.schedule == "1f1b" else gpipe
-    runner = PipelineRunner(
-        split(model, args.stages),
-        schedule=make_schedule(args.stages, m),
-        microbatches=m,
-        flatten_inputs=lambda idx: {"idx": idx},
-        build_output=lambda values: values["logits"],
-    )
+    if args.hand:
+        runner = PipelineRunner(
+            split(model, args.stages),
+            schedule=make_schedule(args.stages, m),
+            microbatches=m,
+            flatten_inputs=lambda idx: {"idx": idx},
+            build_output=lambda values: values["logits"],
+        )
+    else:
+        runner = generated_runner(model, cfg, args)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g)
     idx, target = ids[:, :-1], ids[:, 1:]
