@@ -12,7 +12,7 @@ import importlib.util
 import itertools
 import sys
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +20,12 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fxpipe.codegen import generate
-from fxpipe.cost_models import analytic, get_device
+from fxpipe.compiler import SplitOptions, analyze, plan_split
+from fxpipe.cost_models import get_device
 from fxpipe.frontend import Traced, trace
 from fxpipe.lower import lower
-from fxpipe.partition import Schedule, partition
+from fxpipe.partition import Schedule
 from fxpipe.partition.coarsen import exact_groups
-from fxpipe.passes import annotate_all
-from fxpipe.planning import build_plan
 
 from .models import ModelSpec, build_model, example_inputs, output_leaves
 
@@ -59,23 +58,18 @@ def split(case: Case, directory: Path) -> tuple[Traced, types.ModuleType, int]:
     args, kwargs = example_inputs(case.spec, batch=case.batch, seed=1)
     traced = trace(model, args, kwargs)
     assert (traced.tracer == "export") == case.spec.untraceable, traced.fallback_reason
-    annotate_all(traced.gm, *traced.flat_inputs)
     device = get_device("h100")
-    analytic.annotate_times(traced.gm, device)
+    analyze(traced, device=device)
     plan_recompute = case.recompute if isinstance(case.recompute, bool) else False
-
-    def lowered_for(k: int) -> Any:
-        return lower(traced.gm, num_stages=k, device=device, memory_limit=float("inf"),
-                     schedule=Schedule(case.schedule), microbatches=case.microbatches,
-                     recompute=plan_recompute, block_depth=1)
-
-    lowered = lowered_for(case.stages)
-    k = min(case.stages, exact_groups(lowered.problem).num_coarse)
-    if k != case.stages:
-        lowered = lowered_for(k)
-    result = partition(lowered.problem, time_limit_s=10)
-    plan = build_plan(lowered, result.evaluation, result.report, baselines=result.baselines,
-                      model="fuzz", tracer=traced.tracer, device="h100", optimizer="adam")
+    options = SplitOptions(gpus=case.stages, device=device, memory_limit=float("inf"),
+                           microbatches=case.microbatches, schedule=Schedule(case.schedule),
+                           recompute=plan_recompute, time_limit_s=10)
+    # Ask for no more stages than the model has groups of ops that may be cut apart.
+    probe = lower(traced.gm, num_stages=1, device=device, memory_limit=float("inf"),
+                  schedule=options.schedule, microbatches=options.microbatches)
+    k = min(case.stages, exact_groups(probe.problem).num_coarse)
+    # The compiler's own sequence (what `fxpipe split` runs), minus the diagrams.
+    plan = plan_split(traced, label="fuzz", options=replace(options, gpus=k))
     directory.mkdir(parents=True, exist_ok=True)
     for name, text in generate(traced, plan).items():
         (directory / name).write_text(text, encoding="utf-8")
