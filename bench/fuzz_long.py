@@ -59,9 +59,10 @@ def main() -> int:
 
     run()
     wall = time.perf_counter() - start
-    with args.failures.open("w", encoding="utf-8") as f:
-        for message, case, tb in failures:
-            f.write(f"=== {message}\n{case!r}\n{tb}\n")
+    if failures:  # no file at all when every model passed
+        with args.failures.open("w", encoding="utf-8") as f:
+            for message, case, tb in failures:
+                f.write(f"=== {message}\n{case!r}\n{tb}\n")
     by_error = collections.Counter(message for message, _, _ in failures)
     print(f"models tried: {tried} ({dict(tracers)}); failures: {len(failures)}; "
           f"{wall:.0f} s ({wall / max(tried, 1):.2f} s per model)")
