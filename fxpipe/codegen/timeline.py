@@ -1,6 +1,6 @@
 """Draw a pipeline schedule as a Gantt chart with predicted durations.
 
-Each action of the clock-tick schedule starts as soon as its stage is free and
+Each action of the clock-tick schedule starts as soon as its device is free and
 its dependencies have finished (F(j, m) after F(j-1, m); B(j, m) after F(j, m)
 and B(j+1, m)), and lasts the stage's predicted forward or backward time, so
 the idle gaps (the pipeline bubble) show at their true size::
@@ -8,6 +8,11 @@ the idle gaps (the pipeline bubble) show at their true size::
     stage 0 | [F0][F1]            [B0 ][B1 ]
     stage 1 |     [F0][F1][B0 ][B1 ]
               ── time (s) ──►
+
+A device is a stage unless ``devices`` maps stages to devices (interleaved 1F1B:
+several virtual stages per GPU, which runs them one action at a time in schedule
+order); the chart then has a row per GPU and labels each box with the
+micro-batch and the chunk letter, as ``fxpipe.schedules.render_ascii`` does.
 
 The SVG is deterministic (fixed ``svg.hashsalt``, no date), so a committed
 chart diffs cleanly.
@@ -23,9 +28,11 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-__all__ = ["action_times", "draw_timeline"]
+from fxpipe.schedules import chunk_label
 
-# K: number of stages, j: a stage, m: a micro-batch.
+__all__ = ["action_times", "bubble_fraction", "draw_timeline"]
+
+# K: number of stages, j: a stage, d: a device, m: a micro-batch.
 
 Action = tuple[int, str, int]  # (stage, "F" | "B", microbatch)
 
@@ -36,16 +43,19 @@ def action_times(
     schedule: Sequence[Sequence[Action]],
     forward_s: Sequence[float],
     backward_s: Sequence[float],
+    devices: Sequence[int] | None = None,
 ) -> dict[Action, tuple[float, float]]:
-    """(start, end) in seconds of every action, each stage running its actions
-    in schedule order, each action as early as its dependencies allow."""
+    """(start, end) in seconds of every action, each device running its actions
+    one at a time in schedule order, each action as early as its dependencies
+    allow. ``devices[j]`` is stage j's device; by default each stage has its own."""
     num_stages = len(forward_s)
     if len(backward_s) != num_stages:
         raise ValueError(
             f"Got {num_stages} forward times and {len(backward_s)} backward times: "
             f"pass one of each per stage."
         )
-    stage_free = [0.0] * num_stages
+    device_of = _device_of(devices, num_stages)
+    device_free = [0.0] * (max(device_of, default=-1) + 1)
     times: dict[Action, tuple[float, float]] = {}
     for tick in schedule:
         for action in tick:
@@ -56,11 +66,40 @@ def action_times(
                     f"for {num_stages} stages."
                 )
             deps = [(j - 1, "F", m)] if kind == "F" else [(j, "F", m), (j + 1, "B", m)]
-            start = max([stage_free[j]] + [times[d][1] for d in deps if d in times])
+            start = max([device_free[device_of[j]]] + [times[d][1] for d in deps if d in times])
             end = start + (forward_s[j] if kind == "F" else backward_s[j])
             times[action] = (start, end)
-            stage_free[j] = end
+            device_free[device_of[j]] = end
     return times
+
+
+def bubble_fraction(
+    schedule: Sequence[Sequence[Action]],
+    forward_s: Sequence[float],
+    backward_s: Sequence[float],
+    devices: Sequence[int] | None = None,
+) -> float:
+    """The idle share of the whole step: the devices' idle time over (devices x step
+    time), step time being the end of the last action (see ``action_times``)."""
+    times = action_times(schedule, forward_s, backward_s, devices)
+    return _bubble(times, len(set(_device_of(devices, len(forward_s)))))
+
+
+def _bubble(times: dict[Action, tuple[float, float]], num_devices: int) -> float:
+    makespan = max((end for _start, end in times.values()), default=0.0)
+    busy = sum(end - start for start, end in times.values())
+    return 1.0 - busy / (num_devices * makespan) if makespan > 0 else 0.0
+
+
+def _device_of(devices: Sequence[int] | None, num_stages: int) -> list[int]:
+    if devices is None:
+        return list(range(num_stages))
+    if len(devices) != num_stages or any(d < 0 for d in devices):
+        raise ValueError(
+            f"Got {len(devices)} devices for {num_stages} stages: pass one device "
+            f"index (0, 1, ...) per stage."
+        )
+    return [int(d) for d in devices]
 
 
 def draw_timeline(
@@ -70,32 +109,40 @@ def draw_timeline(
     path: str | Path,
     *,
     title: str,
+    devices: Sequence[int] | None = None,
 ) -> float:
     """Write the schedule's Gantt chart to ``path`` (SVG) and return the
-    predicted step time in seconds (the end of the last action)."""
-    times = action_times(schedule, forward_s, backward_s)
+    predicted step time in seconds (the end of the last action). With ``devices``
+    (stage j on device ``devices[j]``) the rows are devices, not stages."""
+    times = action_times(schedule, forward_s, backward_s, devices)
     num_stages = len(forward_s)
+    row_of = _device_of(devices, num_stages)
+    num_rows = max(row_of, default=-1) + 1
+    # a row's chunks a, b, ... are its stages in order (as in schedules.render_ascii)
+    suffix = [""] * num_stages
+    if devices is not None:
+        suffix = [chunk_label(row_of[:j].count(row_of[j])) for j in range(num_stages)]
     makespan = max((end for _start, end in times.values()), default=0.0)
-    busy = sum(end - start for start, end in times.values())
-    bubble = 1.0 - busy / (num_stages * makespan) if makespan > 0 else 0.0
+    bubble = _bubble(times, len(set(row_of)))
 
     scale, unit = (1e3, "ms") if makespan < 1.0 else (1.0, "s")
-    ticks_per_stage = len(times) / max(num_stages, 1)
-    fig = Figure(figsize=(max(6.0, 0.35 * ticks_per_stage + 3), 1 + 0.5 * num_stages))
+    ticks_per_row = len(times) / max(num_rows, 1)
+    fig = Figure(figsize=(max(6.0, 0.35 * ticks_per_row + 3), 1 + 0.5 * num_rows))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    # One bar collection per (stage, kind): a chart of K x 2M boxes stays quick to draw.
+    # One bar collection per (row, kind): a chart of K x 2M boxes stays quick to draw.
     bars: dict[tuple[int, str], list[tuple[float, float]]] = {}
     for (j, kind, m), (start, end) in sorted(times.items(), key=lambda kv: (kv[1][0], kv[0])):
         width = (end - start) * scale
-        bars.setdefault((j, kind), []).append((start * scale, width))
-        ax.text(start * scale + width / 2, j, str(m), ha="center", va="center",
-                color="white", fontsize=7)
-    for (j, kind), spans in sorted(bars.items()):
-        ax.broken_barh(spans, (j - 0.4, 0.8), facecolors=_COLOURS[kind], edgecolor="white",
+        bars.setdefault((row_of[j], kind), []).append((start * scale, width))
+        ax.text(start * scale + width / 2, row_of[j], f"{m}{suffix[j]}", ha="center",
+                va="center", color="white", fontsize=7)
+    for (row, kind), spans in sorted(bars.items()):
+        ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=_COLOURS[kind], edgecolor="white",
                        linewidth=0.8)
-    ax.set_yticks(range(num_stages), [f"stage {j}" for j in range(num_stages)])
-    ax.set_ylim(num_stages - 0.5, -0.5)  # stage 0 on top
+    name = "stage" if devices is None else "gpu"
+    ax.set_yticks(range(num_rows), [f"{name} {r}" for r in range(num_rows)])
+    ax.set_ylim(num_rows - 0.5, -0.5)  # row 0 on top
     ax.set_xlim(0, makespan * scale if makespan > 0 else 1)
     ax.set_xlabel(f"predicted time ({unit})")
     ax.set_title(f"{title}  (step {makespan * scale:.3g} {unit}, bubble {bubble:.0%})",

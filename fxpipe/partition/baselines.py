@@ -26,7 +26,7 @@ import numpy as np
 
 from fxpipe.partition.coarsen import Coarsening, exact_groups
 from fxpipe.partition.evaluate import state_split
-from fxpipe.partition.problem import Problem, in_flight
+from fxpipe.partition.problem import Problem, stage_flights
 
 __all__ = ["BASELINES", "baselines", "interval_dp", "linear_partition"]
 
@@ -169,8 +169,9 @@ def interval_dp(c: Coarsening) -> tuple[int, ...] | None:
     back = np.zeros((K, n + 1), dtype=np.int64)
     limit = p.memory_limit
     gap = 0 if p.allow_empty_stages else 1
+    flights = stage_flights(p)
     for j in range(K):
-        f = in_flight(p.schedule, p.microbatches, K, j)
+        f = flights[j]
         keep = 1 if p.recompute else f
         for end in range(n + 1):
             starts = np.arange(0, end - gap + 1) if j > 0 else np.array([0])

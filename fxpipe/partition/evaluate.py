@@ -25,7 +25,27 @@ Per stage j, for one micro-batch:
                     are the received values below
         received    bytes of values it receives (NEIGHBOUR: also the ones it passes on)
                     * in_flight(j)
+        stashed     PipeDream weight stashing: a copy of the parameters per micro-batch
+                    in flight (params * in_flight(j))
         workspace   Problem.workspace_bytes
+
+Replicated stage j (r_j GPUs, ``replicas``): each replica computes 1/r_j of every
+micro-batch, so forward_s, backward_s, activations and received are divided by r_j
+(the figures are per replica); comm_s adds the ring all-reduce over r_j of the
+gradients of its nodes' own parameters (``allreduce_s``); parameters, gradients and
+optimizer state are whole on every replica. Sends and receives are not divided
+(conservative: a stage of one GPU next to two replicas still moves the whole
+micro-batch through its link).
+
+Interleaved (v > 1): a GPU runs its v stage modules one after another, so the
+figures that decide the step are per GPU: its time is the sum of its modules' times
+and its memory the sum of their memories.
+
+Step figures (K pipeline positions: stages, or GPUs when interleaved; T the slowest
+GPU's time per micro-batch, T_d each GPU's):
+    iteration_s      M * T + (sum_d T_d - T) / v     (fill, steady state, drain)
+    bubble_fraction  (K - 1) / (v*M + K - 1)          idle share of the whole step
+    bubble_ratio     (K - 1) / (v*M)                  idle time over the ideal time
 
 Legend: n nodes, K stages, M micro-batches, s/t/j stages (see problem.py).
 """
@@ -36,9 +56,23 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fxpipe.partition.plan import Estimate, StageMemory
-from fxpipe.partition.problem import Comm, Problem, TiedPolicy, in_flight
+from fxpipe.partition.problem import (
+    Comm,
+    Problem,
+    Schedule,
+    TiedPolicy,
+    allreduce_s,
+    stage_flights,
+)
 
-__all__ = ["Evaluation", "StageCost", "evaluate", "state_split", "violations"]
+__all__ = [
+    "Evaluation",
+    "StageCost",
+    "evaluate",
+    "state_split",
+    "step_estimate",
+    "violations",
+]
 
 
 @dataclass(frozen=True)
@@ -47,6 +81,7 @@ class StageCost:
     backward_s: float
     comm_s: float
     memory: StageMemory
+    replicas: int = 1
 
     @property
     def time_s(self) -> float:
@@ -58,6 +93,10 @@ class Evaluation:
     stage_of: tuple[int, ...]
     stages: tuple[StageCost, ...]
     estimate: Estimate
+
+    @property
+    def replicas(self) -> tuple[int, ...]:
+        return tuple(s.replicas for s in self.stages)
 
     @property
     def bottleneck_s(self) -> float:
@@ -78,12 +117,25 @@ def consumers(problem: Problem) -> list[list[int]]:
     return [sorted(r) for r in readers]
 
 
-def violations(problem: Problem, stage_of: Sequence[int]) -> list[str]:
-    """Why ``stage_of`` is not a valid pipeline split (empty list: it is). Memory is not checked."""
+def _replicas(problem: Problem, replicas: Sequence[int] | None) -> tuple[int, ...]:
+    if replicas is None:
+        assert not problem.replicates, "a replicated problem needs replicas per stage"
+        return (1,) * problem.num_stages
+    return tuple(replicas)
+
+
+def violations(problem: Problem, stage_of: Sequence[int],
+               replicas: Sequence[int] | None = None) -> list[str]:
+    """Why ``stage_of`` (and ``replicas``) is not a valid pipeline split (empty list: it
+    is). Memory is not checked."""
     K = problem.num_stages
     out: list[str] = []
     if len(stage_of) != len(problem.nodes):
         return [f"{len(stage_of)} stage indices for {len(problem.nodes)} nodes"]
+    if replicas is not None:
+        r = tuple(replicas)
+        if len(r) != K or min(r, default=0) < 1 or sum(r) != problem.devices:
+            out.append(f"replicas {r} do not give {K} stages {problem.devices} GPUs")
     for v, s in enumerate(stage_of):
         if not 0 <= s < K:
             out.append(f"node {problem.nodes[v].name} on stage {s}, outside 0..{K - 1}")
@@ -106,18 +158,22 @@ def violations(problem: Problem, stage_of: Sequence[int]) -> list[str]:
     return out
 
 
-def evaluate(problem: Problem, stage_of: Sequence[int]) -> Evaluation:
-    """Cost of putting node v on stage ``stage_of[v]`` (see the module docstring)."""
-    K, M = problem.num_stages, problem.microbatches
+def evaluate(problem: Problem, stage_of: Sequence[int],
+             replicas: Sequence[int] | None = None) -> Evaluation:
+    """Cost of putting node v on stage ``stage_of[v]``, stage j on ``replicas[j]`` GPUs
+    (default one each; see the module docstring)."""
+    K = problem.num_stages
     assert len(stage_of) == len(problem.nodes), (len(stage_of), len(problem.nodes))
     assert all(0 <= s < K for s in stage_of)
     stage_of = tuple(stage_of)
-    flight = [in_flight(problem.schedule, M, K, j) for j in range(K)]
+    reps = _replicas(problem, replicas)
+    flight = stage_flights(problem)
 
     forward = [0.0] * K
     backward = [0.0] * K
     comm = [0.0] * K
     params = [0] * K
+    own_params = [0] * K  # parameters of its nodes (not tied ones): all-reduced when replicated
     activations = [0] * K
     received = [0] * K  # bytes of one micro-batch's received values
 
@@ -126,6 +182,7 @@ def evaluate(problem: Problem, stage_of: Sequence[int]) -> Evaluation:
         forward[j] += node.forward_s
         backward[j] += node.backward_s
         params[j] += node.param_bytes
+        own_params[j] += node.param_bytes
         activations[j] += node.activation_bytes
 
     readers = consumers(problem)
@@ -162,27 +219,45 @@ def evaluate(problem: Problem, stage_of: Sequence[int]) -> Evaluation:
                 comm[j] += group.allreduce_s
 
     grad_factor, optimizer_factor = state_split(problem.state_factor)
+    stashing = problem.schedule is Schedule.PIPEDREAM
     stages = []
     for j in range(K):
+        r = reps[j]
         saved = activations[j] if problem.recompute else activations[j] * flight[j]
         memory = StageMemory(
             params=params[j],
             grads=round(params[j] * grad_factor),
             optimizer=round(params[j] * optimizer_factor),
-            activations=saved,
-            received=received[j] * flight[j],
+            activations=-(-saved // r),
+            received=-(-received[j] * flight[j] // r),
+            stashed=params[j] * flight[j] if stashing else 0,
             workspace=problem.workspace_bytes,
         )
-        stages.append(StageCost(forward[j], backward[j], comm[j], memory))
+        stages.append(StageCost(forward[j] / r, backward[j] / r,
+                                comm[j] + allreduce_s(problem, own_params[j], r), memory, r))
+    return Evaluation(stage_of=stage_of, stages=tuple(stages),
+                      estimate=step_estimate(problem, stages))
 
-    times = [s.time_s for s in stages]
+
+def step_estimate(problem: Problem, stages: Sequence[StageCost]) -> Estimate:
+    """The step figures of per-stage costs (see the module docstring): per GPU when
+    interleaved, per stage otherwise."""
+    M, v, N = problem.microbatches, problem.virtual_stages, problem.devices
+    if v > 1:
+        times = [sum(s.time_s for j, s in enumerate(stages) if j % N == d) for d in range(N)]
+        memories = [sum(s.memory.total for j, s in enumerate(stages) if j % N == d)
+                    for d in range(N)]
+    else:
+        times = [s.time_s for s in stages]
+        memories = [s.memory.total for s in stages]
+    K = len(times)  # pipeline positions
     bottleneck = max(times)
-    max_memory = max(s.memory.total for s in stages)
-    estimate = Estimate(
+    max_memory = max(memories)
+    return Estimate(
         bottleneck_s=bottleneck,
-        iteration_s=(M - 1) * bottleneck + sum(times),
-        bubble_fraction=(K - 1) / (M + K - 1),
+        iteration_s=M * bottleneck + (sum(times) - bottleneck) / v,
+        bubble_fraction=(K - 1) / (v * M + K - 1),
         max_memory=max_memory,
         fits=max_memory <= problem.memory_limit,
+        bubble_ratio=(K - 1) / (v * M),
     )
-    return Evaluation(stage_of=stage_of, stages=tuple(stages), estimate=estimate)

@@ -17,18 +17,24 @@ Variables
       o[k,j]  = [stage j sends them]          >= x[g,j] - x[w,j]
     tied parameter G (replicated): u[G,j] = [stage j holds a copy], m[G] = [more than one
       copy], a[G,j] = [stage j all-reduces]
-    T = the bottleneck
+    replicated stages (N GPUs > K stages): y[j,r] = [stage j runs on r GPUs], r = 1..N-K+1,
+      one r per stage, sum_j sum_r r * y[j,r] = N; stage j's time and memory rows hold
+      only where y[j,r] (CP-SAT enforcement literals), with compute and activations / r
+      and the ring all-reduce of its parameters' gradients added
+    T = the bottleneck: the slowest stage, or the slowest GPU (the sum of its stage
+      modules) when interleaved
 
 Indicators only have lower bounds: the objective and the memory rows never gain from
 setting one, so at an optimum they take their exact values, and the objective equals
 ``evaluate``'s bottleneck for the returned assignment (checked in tests/partition).
 
 Integer scaling: CP-SAT works on integers. Seconds are multiplied by a power of ten,
-``ticks_per_second``, chosen so that the whole graph's time is about 1e9 ticks
-(nanoseconds for a one-second step); bytes are used as they are. A group's time and a
-value class's transfer time are each rounded once, so a stage's time is off by at most
-half a tick per term; the reported objective is re-evaluated in floating point by
-``evaluate`` and the reported bound is lowered by that rounding margin.
+``ticks_per_second``, chosen so that the whole graph's time is at most 1e9 ticks
+(nanoseconds for a one-second step; see TARGET_TICKS for why not finer); bytes are
+used as they are. A group's time and a value class's transfer time are each rounded
+once, so a stage's time is off by at most half a tick per term; the reported
+objective is re-evaluated in floating point by ``evaluate`` and the reported bound is
+lowered by that rounding margin.
 """
 
 from __future__ import annotations
@@ -44,14 +50,25 @@ from ortools.sat.python import cp_model
 
 from fxpipe.partition.coarsen import Coarsening
 from fxpipe.partition.evaluate import state_split
-from fxpipe.partition.problem import Comm, TiedPolicy, in_flight
+from fxpipe.partition.problem import (
+    Comm,
+    Schedule,
+    TiedPolicy,
+    allreduce_s,
+    allreduce_terms,
+    stage_flights,
+)
 
 __all__ = ["IlpResult", "StageModel", "ticks_per_second"]
 
 Term = int | cp_model.IntVar
 Terms = list[tuple[int, Term]]  # sum of coefficient * (variable or constant)
 
-TARGET_TICKS = 1e12
+# At most ~1e9 ticks in all, so a coefficient squared stays below 2^63: with coefficients
+# of ~1e11 CP-SAT 9.15's presolve (probing, inclusion) proved a 15 ms split "OPTIMAL"
+# where a 14 ms one fits, and proved a feasible replicated model INFEASIBLE; both
+# solve right at 1e9 (tests/partition/test_bruteforce.py keeps those cases).
+TARGET_TICKS = 1e9
 
 
 @dataclass(frozen=True)
@@ -63,20 +80,23 @@ class IlpResult:
     bound: float  # proved lower bound in the same unit, lowered by the rounding margin
     wall_s: float
     num_nodes: int  # coarse nodes the model had
+    replicas: tuple[int, ...] | None = None  # GPUs per stage when the model chose them
 
     @property
     def has_solution(self) -> bool:
         return self.stage_of is not None
 
 
-def ticks_per_second(coarsening: Coarsening) -> int:
-    """A power of ten that makes the graph's total time about 1e9 ticks."""
+def ticks_per_second(coarsening: Coarsening, target: float = TARGET_TICKS) -> int:
+    """A power of ten that makes the graph's total time about ``target`` ticks."""
     p = coarsening.problem
     total = sum(n.forward_s + n.backward_s + 4 * n.comm_s for n in p.nodes)
     total += sum(t.allreduce_s for t in p.tied) * p.num_stages
+    if p.replicates:  # the largest all-reduce a replicated stage could pay
+        total += allreduce_s(p, sum(n.param_bytes for n in p.nodes), p.devices)
     if total <= 0:
         return 10**9
-    return 10 ** min(15, max(0, math.floor(math.log10(TARGET_TICKS / total))))
+    return 10 ** min(15, max(0, math.floor(math.log10(target / total))))
 
 
 def _ancestor_sums(n: int, edges: Sequence[tuple[int, int]], weight: np.ndarray,
@@ -101,11 +121,14 @@ class StageModel:
     memory limit: the smallest per-device memory any split needs).
     ``window``: per coarse node, the stages (first, last) it may take -- a restriction for
     a local re-solve around an incumbent, not a proof; solve without it to prove.
+    ``upper_s``: only splits with a bottleneck below this are wanted (the best found so
+    far); INFEASIBLE then means none is better.
     """
 
     def __init__(self, coarsening: Coarsening, *, objective: Literal["time", "memory"] = "time",
                  hint: Sequence[int] | None = None,
-                 window: Sequence[tuple[int, int]] | None = None) -> None:
+                 window: Sequence[tuple[int, int]] | None = None,
+                 upper_s: float | None = None) -> None:
         self.coarsening = coarsening
         self.objective = objective
         p = self.problem = coarsening.problem
@@ -117,26 +140,39 @@ class StageModel:
         all_stages = range(K)
         boundaries = range(K - 1)
         group_of = coarsening.group_of
-        flight = [in_flight(p.schedule, p.microbatches, K, j) for j in all_stages]
+        flight = list(stage_flights(p))
+        N = p.devices
+        self.replicating = p.replicates
+        assert not (self.replicating and objective == "memory"), "memory objective: one per GPU"
+        stash = p.schedule is Schedule.PIPEDREAM  # a weight copy per micro-batch in flight
+        # GPU d runs the stage modules on_device[d] (one each unless interleaved).
+        on_device = [[j for j in all_stages if p.device_of(j) == d] for d in range(N)]
+        if self.replicating:
+            on_device = [[j] for j in all_stages]
 
         # Per coarse node: compute ticks, parameter-state bytes, activation bytes.
         grad_f, opt_f = state_split(p.state_factor)
         state = 1.0 + grad_f + opt_f
         secs = [0.0] * G
         param_state = [0.0] * G
+        params = [0] * G  # own parameter bytes (all-reduced when the stage is replicated)
+        held = [0] * G  # parameter bytes held, colocated tied ones included (stashed copies)
         act = [0] * G
         for v, node in enumerate(p.nodes):
             g = group_of[v]
             secs[g] += node.forward_s + node.backward_s
             param_state[g] += node.param_bytes * state
+            params[g] += node.param_bytes
             act[g] += node.activation_bytes
         replicated = []
         for tied in p.tied:
             holders = sorted({group_of[v] for v in tied.nodes})
             if len(holders) == 1 or p.tied_policy is TiedPolicy.COLOCATE:
                 param_state[holders[0]] += tied.param_bytes * state
+                held[holders[0]] += tied.param_bytes
             else:
                 replicated.append((tied, holders))
+        held = [h + b for h, b in zip(held, params, strict=True)]
         t = [round(s * self.scale) for s in secs]
         mem = [round(b) for b in param_state]
 
@@ -155,22 +191,32 @@ class StageModel:
             acc = classes.setdefault((group_of[v], W, Wu), [0.0, 0.0])
             acc[0] += node.comm_s
             acc[1] += node.output_bytes
-        self._rounding_terms = G + 4 * len(classes) + len(replicated)
+        # Rounded coefficients in one row (a row: one GPU; interleaved, v stage modules).
+        self._rounding_terms = (2 if self.replicating else 1) * G + 4 * p.virtual_stages * len(
+            classes) + len(replicated) + 1
 
         # Stage ranges from the upper bound: a node whose ancestors cost more than
         # (j+1)*UB cannot sit on stages <= j; one whose descendants cost more than
         # (K-j)*UB cannot sit on stages >= j.
         lo, hi = [0] * G, [K - 1] * G
         self.upper_ticks: int | None = None
-        hint_valid = hint is not None and self._hint_is_valid(hint)
+        hint_valid = hint is not None and not self.replicating and self._hint_is_valid(hint)
         if hint is not None and hint_valid and objective == "time":
-            self.upper_ticks = self._hint_time_ticks(hint, t, classes, replicated, mem, act, flight)
+            self.upper_ticks = self._hint_time_ticks(hint, t, classes, replicated, mem, act, flight,
+                                                     held, on_device)
+        if upper_s is not None and objective == "time":
+            # strictly below the best so far, less the rounding margin of the scaled rows
+            cap = math.floor(upper_s * self.scale - self._rounding_terms * 0.5)
+            self.upper_ticks = cap if self.upper_ticks is None else min(self.upper_ticks, cap)
         if self.upper_ticks is not None and self.upper_ticks > 0:
+            # Stages 0..j run on at most j + 1 GPUs (j + 1 + N - K with replicas; the first
+            # N stage modules when interleaved are on distinct GPUs), each at most UB.
             ub = self.upper_ticks
+            extra = N - K if self.replicating else 0
             up, down = _ancestor_sums(G, coarsening.order_edges, np.array(t, dtype=np.int64))
             for g in range(G):
-                lo[g] = max(0, -(-int(up[g]) // ub) - 1)
-                hi[g] = min(K - 1, K - (-(-int(down[g]) // ub)))
+                lo[g] = max(0, -(-int(up[g]) // ub) - 1 - extra)
+                hi[g] = min(K - 1, K - (-(-int(down[g]) // ub)) + extra)
 
         if window is not None:
             lo = [max(a, w[0]) for a, w in zip(lo, window, strict=True)]
@@ -199,8 +245,8 @@ class StageModel:
             for j in boundaries:
                 self._add_le([(1, self.d[b][j])], [(1, self.d[a][j])])
 
-        time_terms: list[Terms] = [[(t[g] * c, v) for g in range(G) for c, v in self._x(g, j)]
-                                   for j in all_stages]
+        # time_terms: communication and tied all-reduces; compute is added per replica count
+        time_terms: list[Terms] = [[] for _ in all_stages]
         recv_terms: list[Terms] = [[] for _ in all_stages]
 
         # Communication, per value class k = (g, W, Wu) with transfer ticks c and bytes s.
@@ -244,16 +290,39 @@ class StageModel:
                 allreduce = self._at_least([[(1, uses[j]), (1, multi), (-1, 1)]],
                                            f"a[{name},{j}]")
                 time_terms[j].append((ticks, allreduce))
-                tied_mem[j].append((size, uses[j]))
+                copies = tied.param_bytes * flight[j] if stash else 0
+                tied_mem[j].append((size + copies, uses[j]))
 
-        self.time_terms = time_terms
-        memory_terms: list[Terms] = []
-        for j in all_stages:
-            per_group = [((mem[g] + act[g] * (1 if p.recompute else flight[j])) * c, v)
+        def compute(j: int, r: int) -> Terms:
+            """Stage j's compute on r replicas, plus their all-reduce (r > 1)."""
+            if r == 1:
+                return [(t[g] * c, v) for g in range(G) for c, v in self._x(g, j)]
+            per_byte, fixed = allreduce_terms(p, r)
+            ticks = [round(secs[g] / r * self.scale) + round(params[g] * per_byte * self.scale)
+                     for g in range(G)]
+            return [(ticks[g] * c, v) for g in range(G) for c, v in self._x(g, j)] + [
+                (round(fixed * self.scale), 1)]
+
+        def memory(j: int, r: int) -> Terms:
+            """Stage j's bytes on each of r replicas (activations and received / r)."""
+            keep = 1 if p.recompute else flight[j]
+            per_group = [((mem[g] + -(-act[g] * keep // r) + held[g] * flight[j] * stash) * c, v)
                          for g in range(G) for c, v in self._x(g, j)]
-            received = [(s * flight[j], v) for s, v in recv_terms[j]]
-            memory_terms.append(per_group + received + tied_mem[j] + [(p.workspace_bytes, 1)])
-        self.memory_terms = memory_terms
+            received = [(-(-s * flight[j] // r), v) for s, v in recv_terms[j]]
+            return per_group + received + tied_mem[j] + [(p.workspace_bytes, 1)]
+
+        # Rows per GPU: a GPU's time and memory are the sums over its stage modules.
+        self.time_terms = [[tv for j in js for tv in compute(j, 1) + time_terms[j]]
+                           for js in on_device]
+        self.memory_terms = [[tv for j in js for tv in memory(j, 1)] for js in on_device]
+        self.y: list[dict[int, Term]] = []
+        if self.replicating:
+            # y[j,r]: stage j on r GPUs; every stage gets one r, and they add up to N.
+            options = range(1, N - K + 2)
+            for j in all_stages:
+                self.y.append({r: m.new_bool_var(f"y[{j},{r}]") for r in options})
+                m.add_exactly_one(self.y[j].values())
+            m.add(sum(r * y for row in self.y for r, y in row.items()) == N)
 
         # Every stage holds a node (unless empty stages are allowed).
         if not p.allow_empty_stages:
@@ -261,23 +330,37 @@ class StageModel:
                 holds: Terms = [tv for g in range(G) for tv in self._x(g, j)]
                 m.add(self._expr(holds) >= 1)
 
+        limited = p.memory_limit != float("inf")
         if objective == "time":
-            # Each stage fits in memory; the bottleneck T bounds every stage time.
-            if p.memory_limit != float("inf"):
-                for j in all_stages:
-                    m.add(self._expr(memory_terms[j]) <= int(p.memory_limit))
-            lower = max(-(-sum(t) // K), max(t, default=0))
-            upper = self.upper_ticks if self.upper_ticks is not None else sum(
-                abs(c) for row in time_terms for c, _ in row)
+            # Each GPU fits in memory; the bottleneck T bounds every GPU's time.
+            lower = max(-(-sum(t) // N), -(-max(t, default=0) // (N - K + 1 if self.replicating
+                                                                   else 1)))
+            rows = self.time_terms
+            if self.replicating:
+                rows = [compute(j, r) + time_terms[j] for j in all_stages for r in self.y[j]]
+            upper = self.upper_ticks if self.upper_ticks is not None else max(
+                1, sum(abs(c) for terms in rows for c, _ in terms))
             self.T = m.new_int_var(min(lower, upper), upper, "T")
-            for j in all_stages:
-                m.add(self._expr(time_terms[j]) <= self.T)
+            if self.replicating:
+                for j in all_stages:
+                    for r, y in self.y[j].items():
+                        m.add(self._expr(compute(j, r) + time_terms[j]) <= self.T
+                              ).only_enforce_if(y)
+                        if limited:
+                            m.add(self._expr(memory(j, r)) <= int(p.memory_limit)
+                                  ).only_enforce_if(y)
+            else:
+                for gpu_time in self.time_terms:
+                    m.add(self._expr(gpu_time) <= self.T)
+                if limited:
+                    for gpu_memory in self.memory_terms:
+                        m.add(self._expr(gpu_memory) <= int(p.memory_limit))
             m.minimize(self.T)
         else:
-            upper = sum(abs(c) for row in memory_terms for c, _ in row)
+            upper = sum(abs(c) for gpu_memory in self.memory_terms for c, _ in gpu_memory)
             self.T = m.new_int_var(0, upper, "memory")
-            for j in all_stages:
-                m.add(self._expr(memory_terms[j]) <= self.T)
+            for gpu_memory in self.memory_terms:
+                m.add(self._expr(gpu_memory) <= self.T)
             m.minimize(self.T)
 
         if hint is not None:
@@ -346,14 +429,17 @@ class StageModel:
     def _hint_time_ticks(self, hint: Sequence[int], t: list[int],
                          classes: dict[tuple[int, tuple[int, ...], tuple[int, ...]], list[float]],
                          replicated: list, mem: list[int], act: list[int], flight: list[int],
-                         ) -> int | None:
-        """The hint's bottleneck in ticks as this model computes it, None if it does not fit."""
+                         held: list[int], on_device: list[list[int]]) -> int | None:
+        """The hint's bottleneck in ticks as this model computes it (one GPU per stage),
+        None if it does not fit."""
         p, K = self.problem, self.num_stages
+        stash = p.schedule is Schedule.PIPEDREAM
         ticks = [0] * K
         memory = [p.workspace_bytes] * K
         for g, s in enumerate(hint):
             ticks[s] += t[g]
             memory[s] += mem[g] + act[g] * (1 if p.recompute else flight[s])
+            memory[s] += held[g] * flight[s] if stash else 0
         for (g, W, _), (comm_s, out_bytes) in classes.items():
             c, b = round(comm_s * self.scale), round(out_bytes)
             s = hint[g]
@@ -378,18 +464,19 @@ class StageModel:
             on = {hint[h] for h in holders}
             for j in on:
                 memory[j] += round(tied.param_bytes * (1 + grad_f + opt_f))
+                memory[j] += tied.param_bytes * flight[j] if stash else 0
                 if len(on) > 1:
                     ticks[j] += round(tied.allreduce_s * self.scale)
-        if max(memory) > p.memory_limit:
+        if max(sum(memory[j] for j in js) for js in on_device) > p.memory_limit:
             return None
-        return max(ticks)
+        return max(sum(ticks[j] for j in js) for js in on_device)
 
     def _value(self, term: Term, values: dict[int, int]) -> int:
         return term if isinstance(term, int) else values[term.index]
 
     def _add_hints(self, hint: Sequence[int]) -> None:
         """Hint every variable: d from the assignment, indicators from their definitions."""
-        if not self._hint_is_valid(hint):
+        if self.replicating or not self._hint_is_valid(hint):
             return
         values: dict[int, int] = {}
         variables: dict[int, cp_model.IntVar] = {}
@@ -439,5 +526,6 @@ class StageModel:
         )
         objective = solver.objective_value / unit
         bound = max(0.0, solver.best_objective_bound / unit - margin)
+        replicas = tuple(next(r for r, y in row.items() if solver.value(y)) for row in self.y)
         return IlpResult(name, coarse, self.coarsening.expand(coarse), objective,
-                         min(bound, objective), wall, self.num_nodes)
+                         min(bound, objective), wall, self.num_nodes, replicas or None)

@@ -25,12 +25,13 @@ class StageMemory:
     activations: int = 0  # saved for backward, times micro-batches in flight
     received: int = 0  # inputs received from other stages, times micro-batches in flight
     workspace: int = 0
+    stashed: int = 0  # weight stashing: a parameter copy per micro-batch in flight
 
     @property
     def total(self) -> int:
         return (
             self.params + self.grads + self.optimizer + self.activations + self.received
-            + self.workspace
+            + self.stashed + self.workspace
         )
 
 
@@ -48,6 +49,10 @@ class StagePlan:
     comm_s: float = 0.0  # send + receive time per micro-batch
     memory: StageMemory = field(default_factory=StageMemory)
     recompute: bool = False
+    # GPUs running this stage data-parallel ("2-1-1": stage 0 on two GPUs, each taking half
+    # of every micro-batch, gradients all-reduced). forward_s/backward_s are per replica
+    # (already divided by replicas); comm_s includes the all-reduce.
+    replicas: int = 1
 
     @property
     def time_s(self) -> float:
@@ -78,15 +83,16 @@ class Estimate:
 
     bottleneck_s: float  # slowest stage's per-micro-batch time
     iteration_s: float  # (M - 1) * bottleneck + sum of stage times (fill + steady + drain)
-    bubble_fraction: float  # (K - 1) / (M + K - 1): idle share of the whole step
-    max_memory: int  # largest stage's predicted bytes
-    fits: bool  # every stage within the memory limit
+    bubble_fraction: float  # (K - 1) / (v*M + K - 1): idle share of the whole step
+    max_memory: int  # largest device's predicted bytes
+    fits: bool  # every device within the memory limit
+    bubble_ratio: float = 0.0  # (K - 1) / (v*M): idle time over the ideal (bubble-free) time
 
 
 @dataclass(frozen=True)
 class Plan:
-    num_stages: int
-    schedule: str  # "gpipe" or "1f1b"
+    num_stages: int  # stage modules (K * v for an interleaved schedule)
+    schedule: str  # "gpipe", "1f1b", "interleaved" or "pipedream"
     microbatches: int
     stages: tuple[StagePlan, ...]
     solver: SolverReport
@@ -99,6 +105,27 @@ class Plan:
     tied: dict[str, str] = field(default_factory=dict)  # parameter -> "colocated"/"replicated"
     baselines: dict[str, Estimate] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    # Interleaved 1F1B: each GPU runs v stage modules; stage j runs on GPU j % (K / v).
+    virtual_stages: int = 1
+
+    @property
+    def num_devices(self) -> int:
+        """GPUs the plan uses: one per stage times its replicas, or K / v when interleaved."""
+        if self.virtual_stages > 1:
+            return self.num_stages // self.virtual_stages
+        return sum(stage.replicas for stage in self.stages)
+
+    @property
+    def configuration(self) -> str:
+        """PipeDream's notation: replicas per stage, e.g. "2-1-1"."""
+        return "-".join(str(stage.replicas) for stage in self.stages)
+
+    def devices_of(self, stage: int) -> tuple[int, ...]:
+        """GPU indices (0 .. num_devices - 1) that run stage module ``stage``."""
+        if self.virtual_stages > 1:
+            return (stage % self.num_devices,)
+        first = sum(s.replicas for s in self.stages[:stage])
+        return tuple(range(first, first + self.stages[stage].replicas))
 
     def stage_of(self) -> dict[str, int]:
         """Fine-graph node name -> stage index."""
@@ -152,6 +179,7 @@ class Plan:
             tied={str(k): str(v) for k, v in data.get("tied", {}).items()},
             baselines={k: Estimate(**v) for k, v in data.get("baselines", {}).items()},
             notes=tuple(data.get("notes", ())),
+            virtual_stages=int(data.get("virtual_stages", 1)),
         )
 
     @classmethod

@@ -8,13 +8,25 @@ adapters fill them in.
 
 Legend used throughout ``fxpipe.partition``:
     n: number of nodes, K: number of stages, M: micro-batches per step,
-    v: a node, j: a stage, b: a boundary between stage b and stage b + 1.
+    v: a node, j: a stage, b: a boundary between stage b and stage b + 1,
+    N: GPUs, r: replicas of one stage (GPUs running it data-parallel).
+
+Three ways stages map onto GPUs:
+
+    one stage per GPU          N = K        stage j on GPU j
+    replicated ("2-1-1")       N > K        stage j on r_j GPUs, sum r_j = N; each replica
+                                            takes 1/r_j of every micro-batch, gradients
+                                            all-reduced over the r_j replicas (ring)
+    interleaved (Megatron-LM)  N = K / v    K = N * v stage modules, stage j on GPU j % N
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from enum import Enum
+
+from fxpipe import schedules
 
 __all__ = [
     "Comm",
@@ -24,13 +36,18 @@ __all__ = [
     "Schedule",
     "TiedGroup",
     "TiedPolicy",
+    "allreduce_s",
+    "allreduce_terms",
     "in_flight",
+    "stage_flights",
 ]
 
 
 class Schedule(str, Enum):
     GPIPE = "gpipe"  # fill-drain: all M forwards, then all M backwards
     ONE_F_ONE_B = "1f1b"  # PipeDream-flush: at most K - j micro-batches in flight at stage j
+    INTERLEAVED = "interleaved"  # Megatron-LM: v stage modules per GPU, 1F1B over all of them
+    PIPEDREAM = "pipedream"  # 1F1B order, an update per micro-batch, weights stashed per m
 
 
 class Comm(str, Enum):
@@ -99,19 +116,100 @@ class Problem:
     # False: every stage holds at least one node (K devices, K stage modules). True: a stage
     # may stay empty, i.e. "at most K devices", the model of the partitioning literature.
     allow_empty_stages: bool = False
+    # Interleaved schedule: stage modules per GPU (v); num_stages = N * v.
+    virtual_stages: int = 1
+    # GPUs (N). 0: one per stage (num_stages / v when interleaved). More GPUs than stages:
+    # the solver chooses how many replicas r_j each stage gets, sum r_j = N.
+    num_devices: int = 0
+    # Ring all-reduce of a replicated stage's gradients (see ``allreduce_s``).
+    allreduce_bandwidth: float = float("inf")  # bytes / s
+    allreduce_latency_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.num_stages < 1:
             raise ValueError(f"Number of stages ({self.num_stages}) must be at least 1.")
         if self.microbatches < 1:
             raise ValueError(f"Number of micro-batches ({self.microbatches}) must be at least 1.")
+        v = self.virtual_stages
+        if v < 1 or self.num_stages % v:
+            raise ValueError(
+                f"Number of stages ({self.num_stages}) must be a multiple of the virtual "
+                f"stages per GPU ({v}).")
+        if (v > 1) != (self.schedule is Schedule.INTERLEAVED):
+            raise ValueError(
+                f"Virtual stages ({v}) need the interleaved schedule and the interleaved "
+                f"schedule needs virtual stages (got {self.schedule.value}).")
+        if v > 1 and self.num_devices not in (0, self.num_stages // v):
+            raise ValueError("Interleaved stages cannot also be replicated.")
+        if v > 1 and self.microbatches % (self.num_stages // v):
+            n = self.num_stages // v
+            raise ValueError(
+                f"Interleaved 1F1B needs the micro-batches ({self.microbatches}) to be a "
+                f"multiple of the GPUs ({n}): use --microbatches "
+                f"{-(-self.microbatches // n) * n}.")
+        if self.num_devices and self.num_devices < self.num_stages // v:
+            raise ValueError(
+                f"{self.num_devices} GPUs cannot run {self.num_stages // v} stages.")
         n = len(self.nodes)
         for e in self.edges:
             assert 0 <= e.src < n and 0 <= e.dst < n and e.src != e.dst, e
 
+    @property
+    def devices(self) -> int:
+        """N: the GPUs the pipeline runs on."""
+        return self.num_devices or self.num_stages // self.virtual_stages
+
+    @property
+    def replicates(self) -> bool:
+        """More GPUs than stages: some stage runs on several (data-parallel)."""
+        return self.virtual_stages == 1 and self.devices > self.num_stages
+
+    def device_of(self, stage: int) -> int:
+        """The GPU a stage module runs on (its first replica's, when replicated)."""
+        return stage % self.devices if self.virtual_stages > 1 else stage
+
+
+def allreduce_terms(problem: Problem, replicas: int) -> tuple[float, float]:
+    """(seconds per byte, fixed seconds) of a ring all-reduce over ``replicas`` GPUs:
+    2(r - 1)/r / bandwidth and 2(r - 1) * latency; nothing for one replica. The fixed
+    part is paid even with no parameters: the replicas still synchronise every step."""
+    if replicas <= 1:
+        return 0.0, 0.0
+    steps = 2 * (replicas - 1)
+    return steps / replicas / problem.allreduce_bandwidth, steps * problem.allreduce_latency_s
+
+
+def allreduce_s(problem: Problem, nbytes: float, replicas: int) -> float:
+    """Ring all-reduce of ``nbytes`` over ``replicas`` GPUs (see ``allreduce_terms``)."""
+    per_byte, fixed = allreduce_terms(problem, replicas)
+    return per_byte * nbytes + fixed
+
 
 def in_flight(schedule: Schedule, microbatches: int, num_stages: int, stage: int) -> int:
-    """Micro-batches whose activations stage ``stage`` holds at its peak."""
+    """Micro-batches whose activations stage ``stage`` holds at its peak (GPipe: all M;
+    1F1B and PipeDream: min(M, K - j)). Interleaved: see ``stage_flights``."""
     if schedule is Schedule.GPIPE:
         return microbatches
+    if schedule is Schedule.INTERLEAVED:
+        raise ValueError("in_flight of an interleaved schedule needs stage_flights(problem)")
     return min(microbatches, num_stages - stage)
+
+
+def stage_flights(problem: Problem) -> tuple[int, ...]:
+    """Per stage module, the micro-batches whose activations it holds at its peak.
+
+    Interleaved 1F1B holds a different number per virtual stage; it is read off the
+    schedule itself (Megatron-LM's warm-up of (N - d - 1) * 2 + (v - 1) * N forwards on
+    GPU d) rather than a closed form.
+    """
+    K, M = problem.num_stages, problem.microbatches
+    if problem.schedule is Schedule.INTERLEAVED:
+        return _interleaved_flights(problem.devices, problem.virtual_stages, M)
+    return tuple(in_flight(problem.schedule, M, K, j) for j in range(K))
+
+
+@functools.cache
+def _interleaved_flights(num_devices: int, virtual_stages: int, microbatches: int,
+                         ) -> tuple[int, ...]:
+    table = schedules.interleaved_1f1b(num_devices, virtual_stages, microbatches)
+    return tuple(schedules.peak_in_flight(table, num_devices * virtual_stages))

@@ -10,6 +10,13 @@ The steps, each in its own module:
 
 The second solve works on the exact groups, so the bound and gap it proves are for
 the real problem, and whatever the coarse graph lost is won back there.
+
+With more GPUs than stages allowed (``Problem.num_devices`` > ``num_stages``, PipeDream's
+replicated stages), the one-stage-per-GPU answer above comes first; then one CP-SAT
+program per stage count K = N-1 .. 1 chooses the cuts and the replicas per stage
+together, each asked only for splits faster than the best so far:
+
+    N stages, one GPU each ─► K = N-1 stages, sum r = N ─► ... ─► K = 1 (data parallel)
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ class NoSolutionError(ValueError):
 @dataclass(frozen=True)
 class Partition:
     stage_of: tuple[int, ...]  # stage per node of the problem
+    problem: Problem  # the problem solved (its num_stages: the stages chosen)
     report: SolverReport
     evaluation: Evaluation
     baselines: dict[str, Estimate] = field(default_factory=dict)
@@ -70,6 +78,12 @@ def _check_stage_count(problem: Problem, exact: Coarsening) -> None:
     n, K = len(problem.nodes), problem.num_stages
     if problem.allow_empty_stages:
         return
+    v = problem.virtual_stages
+    if v > 1 and min(n, exact.num_coarse) < K:
+        raise TooManyStagesError(
+            f"Cannot cut {min(n, exact.num_coarse)} nodes into {K} stage modules "
+            f"({problem.devices} GPUs x {v} virtual stages); use fewer --gpus or "
+            f"--virtual-stages.")
     if n < K:
         raise TooManyStagesError(
             f"Cannot cut {n} nodes into {K} stages; use --gpus {n} or fewer.")
@@ -98,13 +112,20 @@ def _unlimited(problem: Problem) -> Problem:
 
 
 def partition(problem: Problem, *, time_limit_s: float = 30.0, coarsen: bool = True,
-              workers: int = 2) -> Partition:
+              workers: int = 2, replicate: bool = False) -> Partition:
     """Split ``problem`` into ``problem.num_stages`` pipeline stages, minimising the
     bottleneck stage time within the memory limit.
+
+    ``replicate`` (implied when ``problem.num_devices`` > ``num_stages``): any number of
+    stages K <= N = ``problem.devices``, the N GPUs shared among them (PipeDream's
+    replicated stages); the answer's ``problem`` has the K chosen.
 
     Raises ``TooManyStagesError`` / ``InfeasibleMemoryError`` / ``NoSolutionError``
     (all ``ValueError``) with a one-sentence message for the user.
     """
+    if replicate or problem.replicates:
+        return _partition_replicated(problem, time_limit_s=time_limit_s, coarsen=coarsen,
+                                     workers=workers)
     start = time.perf_counter()
     deadline = start + time_limit_s
     exact = exact_groups(problem)
@@ -187,6 +208,7 @@ def partition(problem: Problem, *, time_limit_s: float = 30.0, coarsen: bool = T
     )
     return Partition(
         stage_of=tuple(best),
+        problem=problem,
         report=report,
         evaluation=evaluation,
         baselines={name: ev.estimate for name, ev in scored.items()},
@@ -198,3 +220,69 @@ def partition(problem: Problem, *, time_limit_s: float = 30.0, coarsen: bool = T
 
 def _coarse_level(problem: Problem, exact: Coarsening) -> Coarsening:
     return coarsen_graph(problem, base=exact)
+
+
+def _partition_replicated(problem: Problem, *, time_limit_s: float, coarsen: bool,
+                          workers: int) -> Partition:
+    """The best of: one stage per GPU, and K = N-1 .. 1 stages with replicas (see the
+    module docstring). The bound is the smallest any stage count could still reach."""
+    start = time.perf_counter()
+    deadline = start + time_limit_s
+    N = problem.devices
+    one_each = replace(problem, num_stages=N, num_devices=0)
+    best: Partition | None = None
+    failure: ValueError | None = None
+    try:
+        best = partition(one_each, time_limit_s=time_limit_s / 2, coarsen=coarsen,
+                         workers=workers)
+    except ValueError as exc:  # too few nodes or too little memory for N stages
+        failure = exc
+    # proved: every stage count so far is settled (its optimum found, or none exists)
+    if best is not None:
+        proved = best.report.status == "OPTIMAL"
+    else:
+        proved = isinstance(failure, TooManyStagesError | InfeasibleMemoryError)
+    bounds = [best.report.bound] if best is not None else []
+    counts = range(N - 1, 0, -1)
+    for done, K in enumerate(counts):
+        sub = replace(problem, num_stages=K, num_devices=N)
+        exact = exact_groups(sub)
+        if exact.num_coarse < K and not sub.allow_empty_stages:
+            continue
+        upper = best.evaluation.bottleneck_s if best is not None else None
+        budget = max(0.05, (deadline - time.perf_counter()) / (len(counts) - done))
+        result = StageModel(exact, upper_s=upper).solve(time_limit_s=budget, workers=workers)
+        if result.status == "INFEASIBLE":
+            continue  # nothing with K stages beats the best so far (or fits)
+        proved &= result.status == "OPTIMAL"
+        bounds.append(result.bound)
+        if result.stage_of is None or result.replicas is None:
+            continue
+        found = evaluate(sub, result.stage_of, result.replicas)
+        if best is None or found.bottleneck_s < best.evaluation.bottleneck_s:
+            best = Partition(
+                stage_of=result.stage_of,
+                problem=sub,
+                report=_report(result, found, graph_nodes=len(problem.nodes)),
+                evaluation=found,
+                baselines=best.baselines if best is not None else {},
+                baseline_splits=best.baseline_splits if best is not None else {},
+                coarse_nodes=exact.num_coarse,
+                phases=(*best.phases, result) if best is not None else (result,),
+            )
+    if best is None:
+        raise failure or NoSolutionError(
+            f"No split onto {N} GPUs was found in {time_limit_s:g} s; raise --time-limit.")
+    objective = best.evaluation.bottleneck_s
+    bound = min([objective, *bounds])
+    report = replace(best.report, status="OPTIMAL" if proved else "FEASIBLE",
+                     objective=objective, bound=objective if proved else bound,
+                     wall_s=time.perf_counter() - start)
+    return replace(best, report=report)
+
+
+def _report(result: IlpResult, evaluation: Evaluation, *, graph_nodes: int) -> SolverReport:
+    return SolverReport(method="cp-sat", status=result.status,
+                        objective=evaluation.bottleneck_s,
+                        bound=min(result.bound, evaluation.bottleneck_s), wall_s=result.wall_s,
+                        solved_nodes=result.num_nodes, graph_nodes=graph_nodes)

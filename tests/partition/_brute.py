@@ -47,14 +47,28 @@ def valid_splits(problem: Problem) -> Iterator[tuple[int, ...]]:
     yield from walk(0)
 
 
+def compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
+    """Every way to write ``total`` as ``parts`` positive integers, in order."""
+    if parts == 1:
+        yield (total,)
+        return
+    for first in range(1, total - parts + 2):
+        for rest in compositions(total - first, parts - 1):
+            yield (first, *rest)
+
+
 def brute_force(problem: Problem) -> tuple[float | None, float | None, bool]:
-    """(best bottleneck among splits that fit, least max-memory of any split, any valid split)."""
+    """(best bottleneck among splits that fit, least max-memory of any split, any valid split);
+    a replicated problem tries every split with every way to share the GPUs among stages."""
     best_time: float | None = None
     least_memory: float | None = None
     any_valid = False
-    for stage_of in valid_splits(problem):
+    sharing: list[tuple[int, ...] | None] = [None]
+    if problem.replicates:
+        sharing = list(compositions(problem.devices, problem.num_stages))
+    for stage_of, replicas in ((s, r) for s in valid_splits(problem) for r in sharing):
         any_valid = True
-        estimate = evaluate(problem, stage_of).estimate
+        estimate = evaluate(problem, stage_of, replicas).estimate
         if least_memory is None or estimate.max_memory < least_memory:
             least_memory = estimate.max_memory
         if estimate.fits and (best_time is None or estimate.bottleneck_s < best_time):

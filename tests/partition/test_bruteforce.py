@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -29,8 +31,18 @@ MS = 1e-3
 
 
 @st.composite
-def problems(draw: st.DrawFn) -> Problem:
+def problems(draw: st.DrawFn, layout: str = "one per GPU") -> Problem:
+    """Random small problems; ``layout``: "one per GPU", "interleaved" (N GPUs x 2 stage
+    modules) or "replicated" (N GPUs > K stages)."""
     K = draw(st.integers(1, 4))
+    v, devices = 1, 0
+    schedule = draw(st.sampled_from([s for s in Schedule if s is not Schedule.INTERLEAVED]))
+    if layout == "interleaved":
+        v, schedule = 2, Schedule.INTERLEAVED
+        K = 2 * draw(st.integers(1, 2))
+    elif layout == "replicated":
+        K = draw(st.integers(1, 3))
+        devices = K + draw(st.integers(1, 2))
     n = draw(st.integers(1, 7 if K < 4 else 6))
     nodes = tuple(
         Node(
@@ -64,8 +76,8 @@ def problems(draw: st.DrawFn) -> Problem:
         edges=tuple(edges),
         num_stages=K,
         memory_limit=draw(st.integers(0, 3000)) if limited else float("inf"),
-        schedule=draw(st.sampled_from(Schedule)),
-        microbatches=draw(st.integers(1, 4)),
+        schedule=schedule,
+        microbatches=draw(st.integers(1, 4)) * (K // v),
         state_factor=float(draw(st.integers(1, 4))),
         recompute=draw(st.booleans()),
         workspace_bytes=draw(st.integers(0, 2)) * 50,
@@ -74,6 +86,10 @@ def problems(draw: st.DrawFn) -> Problem:
         tied_policy=draw(st.sampled_from(TiedPolicy)),
         colocate=colocate,
         allow_empty_stages=draw(st.booleans()),
+        virtual_stages=v,
+        num_devices=devices,
+        allreduce_bandwidth=draw(st.sampled_from([1e5, 1e6])),
+        allreduce_latency_s=draw(st.integers(0, 2)) * MS,
     )
 
 
@@ -120,3 +136,90 @@ def test_model_objective_equals_evaluate(problem: Problem) -> None:
     assert result.status == "OPTIMAL"
     assert result.objective == pytest.approx(evaluate(problem, result.stage_of).bottleneck_s,
                                              abs=1e-12)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(layout="interleaved"))
+def test_interleaved_ilp_matches_brute_force(problem: Problem) -> None:
+    """K = N * v stage modules, GPU d running modules d, d + N, ...: per-GPU time and
+    memory (the sum over its modules) are what the ILP bounds."""
+    best, _least, any_valid = brute_force(problem)
+    try:
+        result = partition(problem, time_limit_s=20, workers=1)
+    except TooManyStagesError:
+        assert not any_valid
+        return
+    except InfeasibleMemoryError:
+        assert any_valid and best is None
+        return
+    assert best is not None
+    evaluation = evaluate(problem, result.stage_of)
+    assert evaluation.estimate.fits
+    assert result.report.status == "OPTIMAL"
+    assert result.report.objective == pytest.approx(best, rel=1e-9, abs=1e-12)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(layout="replicated"))
+def test_replicated_stage_model_matches_brute_force(problem: Problem) -> None:
+    """For a fixed stage count K < N GPUs the ILP chooses cuts and replicas together."""
+    best, _least, any_valid = brute_force(problem)
+    exact = exact_groups(problem)
+    if not problem.allow_empty_stages and exact.num_coarse < problem.num_stages:
+        assert not any_valid
+        return
+    result = StageModel(exact).solve(time_limit_s=20, workers=1)
+    if result.stage_of is None:
+        assert result.status == "INFEASIBLE" and best is None
+        return
+    assert result.status == "OPTIMAL" and result.replicas is not None
+    assert not violations(problem, result.stage_of, result.replicas)
+    evaluation = evaluate(problem, result.stage_of, result.replicas)
+    assert evaluation.estimate.fits
+    # the model's time is in ticks of about 1e-9 of the total (see ilp.TARGET_TICKS)
+    assert result.objective == pytest.approx(evaluation.bottleneck_s, rel=1e-6)
+    assert best is not None
+    assert evaluation.bottleneck_s == pytest.approx(best, rel=1e-6)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(layout="replicated"))
+def test_replicated_partition_is_the_best_stage_count(problem: Problem) -> None:
+    """``partition`` tries N stages of one GPU, then every K < N with replicas: its answer
+    is the best of all of them, by brute force over every K."""
+    N = problem.devices
+    candidates = [brute_force(replace(problem, num_stages=K, num_devices=0 if K == N else N))[0]
+                  for K in range(1, N + 1)]
+    fitting = [c for c in candidates if c is not None]
+    try:
+        result = partition(problem, time_limit_s=20, workers=1)
+    except (TooManyStagesError, InfeasibleMemoryError):
+        assert not fitting
+        return
+    assert fitting
+    assert result.report.status == "OPTIMAL"
+    assert result.report.objective == pytest.approx(min(fitting), rel=1e-6)
+    assert sum(result.evaluation.replicas) == N
+    assert result.problem.num_stages == len(result.evaluation.replicas)
+
+
+def test_regression_presolve_with_large_coefficients() -> None:
+    """Two cases CP-SAT's presolve got wrong when seconds were scaled to ~1e12 ticks: a
+    15 ms split reported OPTIMAL where a 14 ms one exists (an unordered edge and an upper
+    bound from the warm start), and a feasible replicated model reported INFEASIBLE."""
+    costs = [(5, 0), (6, 2), (3, 0), (2, 0), (7, 0), (1, 0)]
+    nodes = tuple(Node(f"n{i}", 0.0, b * MS, comm_s=c * MS) for i, (b, c) in enumerate(costs))
+    edges = (Edge(0, 1, ordered=False), Edge(0, 2), Edge(1, 4), Edge(3, 4), Edge(0, 5),
+             Edge(4, 5))
+    problem = Problem(nodes=nodes, edges=edges, num_stages=2, schedule=Schedule.GPIPE,
+                      microbatches=2, state_factor=1.0, tied_policy=TiedPolicy.COLOCATE)
+    result = partition(problem, time_limit_s=20, workers=1)
+    assert result.report.objective == pytest.approx(14 * MS)
+    assert result.stage_of == (0, 1, 0, 0, 1, 1)
+
+    one = Problem(nodes=(Node("n0", 0.0, 1 * MS, param_bytes=100),), edges=(), num_stages=2,
+                  schedule=Schedule.GPIPE, microbatches=2, state_factor=1.0,
+                  allow_empty_stages=True, num_devices=3, allreduce_bandwidth=1e5)
+    replicated = StageModel(exact_groups(one)).solve(time_limit_s=20, workers=1)
+    assert replicated.status == "OPTIMAL"
+    assert replicated.objective == pytest.approx(1 * MS)

@@ -1,7 +1,12 @@
+import itertools
+
 import pytest
 
-from fxpipe.codegen.schedules import gpipe, one_f_one_b
-from fxpipe.codegen.timeline import action_times, draw_timeline
+from fxpipe.codegen.timeline import action_times, bubble_fraction, draw_timeline
+from fxpipe.schedules import gpipe, interleaved_1f1b, interleaved_devices, one_f_one_b
+
+# K: GPUs, v: virtual stages per GPU, M: micro-batches; balanced stages take t forward
+# and 2t backward per GPU, split evenly over its v chunks.
 
 
 def test_times_follow_dependencies_and_stage_order() -> None:
@@ -35,3 +40,69 @@ def test_svg_is_written_and_byte_identical(tmp_path) -> None:
 def test_mismatched_times_are_a_user_error(tmp_path) -> None:
     with pytest.raises(ValueError, match="2 forward times and 3 backward"):
         draw_timeline(gpipe(2, 2), [1.0, 1.0], [1.0, 1.0, 1.0], tmp_path / "x.svg", title="x")
+
+
+@pytest.mark.parametrize("make", [gpipe, one_f_one_b])
+def test_bubble_of_gpipe_and_1f1b_is_the_textbook_formula(make) -> None:
+    t = 0.010
+    for k in range(1, 7):
+        for m in range(1, 13):
+            bubble = bubble_fraction(make(k, m), [t] * k, [2 * t] * k)
+            assert bubble == pytest.approx((k - 1) / (m + k - 1), abs=1e-9), (k, m)
+
+
+def test_bubble_of_interleaved_is_v_times_smaller() -> None:
+    # Megatron's interleaved schedule reaches the paper's (K - 1) / (v * M + K - 1)
+    # exactly for every size here (and backward = forward as well as 2 x forward):
+    # e.g. K = 4, M = 8 gives 0.2727 for v = 1, 0.1579 for v = 2, 0.0857 for v = 4.
+    t = 0.010
+    for k in range(1, 7):
+        for v in range(1, 5):
+            for m in range(k, 4 * k + 1, k):
+                schedule, devices = interleaved_1f1b(k, v, m), interleaved_devices(k, v)
+                want = (k - 1) / (v * m + k - 1)
+                for backward in (2 * t / v, t / v):
+                    bubble = bubble_fraction(schedule, [t / v] * (k * v),
+                                             [backward] * (k * v), devices)
+                    assert bubble == pytest.approx(want, abs=1e-9), (k, v, m, backward)
+                times = action_times(schedule, [t / v] * (k * v), [2 * t / v] * (k * v),
+                                     devices)
+                step = max(end for _s, end in times.values())
+                assert step == pytest.approx((v * m + k - 1) * 3 * t / v), (k, v, m)
+
+
+def test_a_gpu_runs_one_action_at_a_time() -> None:
+    k, v, m = 2, 2, 4
+    schedule, devices = interleaved_1f1b(k, v, m), interleaved_devices(k, v)
+    forward, backward = [1.0, 2.0, 1.5, 0.5], [2.0, 3.0, 2.5, 1.0]
+    times = action_times(schedule, forward, backward, devices)
+    for d in range(k):
+        spans = sorted(span for (j, _kind, _mb), span in times.items() if devices[j] == d)
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+    # without the mapping the four stages would overlap on "their own" devices
+    apart = action_times(schedule, forward, backward)
+    assert max(e for _s, e in apart.values()) < max(e for _s, e in times.values())
+
+
+def test_unbalanced_interleaved_bubble_is_measured_not_assumed() -> None:
+    # a slow last chunk: the GPUs wait on it, more than the balanced formula says
+    schedule, devices = interleaved_1f1b(2, 2, 4), interleaved_devices(2, 2)
+    balanced = bubble_fraction(schedule, [1.0] * 4, [2.0] * 4, devices)
+    slow = bubble_fraction(schedule, [1.0, 1.0, 1.0, 3.0], [2.0, 2.0, 2.0, 6.0], devices)
+    assert balanced == pytest.approx(1 / 9) and slow > balanced + 0.05
+
+
+def test_timeline_by_gpu(tmp_path) -> None:
+    schedule, devices = interleaved_1f1b(2, 2, 4), interleaved_devices(2, 2)
+    path = tmp_path / "interleaved.svg"
+    makespan = draw_timeline(schedule, [1.0] * 4, [2.0] * 4, path,
+                             title="interleaved", devices=devices)
+    assert makespan == pytest.approx((2 * 4 + 2 - 1) * (1.0 + 2.0))  # (vM + K - 1)(f + b)
+    svg = path.read_text()
+    assert "gpu 1" in svg and "stage 3" not in svg and "3b" in svg
+    assert "bubble 11%" in svg  # 1/9
+
+
+def test_devices_must_be_one_per_stage() -> None:
+    with pytest.raises(ValueError, match="3 devices for 4 stages"):
+        action_times(interleaved_1f1b(2, 2, 2), [1.0] * 4, [1.0] * 4, [0, 1, 0])
