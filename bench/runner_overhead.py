@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxpipe.codegen.runtime import PipelineRunner
-from fxpipe.codegen.schedules import gpipe, one_f_one_b
+from fxpipe.schedules import gpipe, one_f_one_b
 
 ROOT = Path(__file__).resolve().parent.parent
 

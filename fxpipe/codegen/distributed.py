@@ -169,8 +169,10 @@ class DistributedPipeline:
         microbatches: int,
         flatten_inputs: Callable[..., dict[str, Any]],
         build_output: Callable[[dict[str, Any]], Any],
+        unsupported: str | None = None,
     ) -> None:
         assert len(wires) == len(stage_classes), (len(wires), len(stage_classes))
+        self.unsupported = unsupported  # why this plan cannot run one stage per rank
         self.stage_classes = list(stage_classes)
         self.wires = [tuple(w) for w in wires]
         self.tied = [dict(group) for group in tied]
@@ -236,6 +238,8 @@ class DistributedPipeline:
         """This rank's ``PipelineStage`` (collective: every rank calls it, in the
         same order). ``example_args``/``example_kwargs``: ONE micro-batch, as the
         model's forward takes it."""
+        if self.unsupported:
+            raise ValueError(self.unsupported)
         if world_size != self.num_stages:
             raise ValueError(
                 f"world size ({world_size}) must equal the number of pipeline stages "

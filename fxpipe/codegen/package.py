@@ -2,9 +2,10 @@
 
     files = generate(traced, plan)     # relative file name -> text
     stage0.py ... stage{K-1}.py        # class Stage{k}(nn.Module), see stages.py
-    runner.py                          # SCHEDULE, MICROBATCHES, RECOMPUTE, GRAPH_INPUTS,
-                                       # flatten_inputs, build_output + the runtime, verbatim
-    __init__.py                        # build_stages, PipelineRunner, SCHEDULE, PLAN
+    runner.py                          # SCHEDULE, MICROBATCHES, RECOMPUTE, DEVICE_OF,
+                                       # NUM_GPUS, GRAPH_INPUTS, flatten_inputs,
+                                       # build_output + the runtime, verbatim
+    __init__.py                        # build_stages, PipelineRunner, SCHEDULE, DEVICE_OF, PLAN
     plan.json                          # plan.to_json()
 
 Everything is a pure function of the graph and the plan: the same input gives
@@ -22,7 +23,7 @@ from typing import Any
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from fxpipe.codegen import schedules
+from fxpipe import schedules
 from fxpipe.codegen.stages import (
     LINE_LENGTH,
     PlanError,
@@ -96,21 +97,30 @@ def runner_source(traced: Traced, plan: Plan) -> str:
 
 
 def runner_header(traced: Traced, plan: Plan) -> str:
-    """SCHEDULE, MICROBATCHES, RECOMPUTE, GRAPH_INPUTS, flatten_inputs, build_output."""
+    """SCHEDULE, MICROBATCHES, RECOMPUTE, REPLICAS, WEIGHT_STASHING, DEVICE_OF, NUM_GPUS,
+    GRAPH_INPUTS, flatten_inputs, build_output."""
     k, m = plan.num_stages, plan.microbatches
-    if plan.schedule == "gpipe":
-        table = schedules.gpipe(k, m)
-    elif plan.schedule == "1f1b":
-        table = schedules.one_f_one_b(k, m)
-    else:
-        raise PlanError(f"unknown schedule {plan.schedule!r}; use 'gpipe' or '1f1b'")
-    picture = schedules.render_ascii(table, k, width=LINE_LENGTH - len("#     "))
+    device_of = [plan.devices_of(j)[0] for j in range(k)]
+    interleaved = plan.schedule == "interleaved"
+    try:
+        table = schedule_table(plan)
+    except ValueError as err:
+        raise PlanError(str(err)) from None
+    picture = schedules.render_ascii(table, k, width=LINE_LENGTH - len("#     "),
+                                     devices=device_of if interleaved else None)
     graph = traced.gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     lines = [
         f"# The {plan.schedule} schedule, one clock tick per line: the actions"
         ' (stage, "F" | "B", micro-batch)',
         "# that run together. Fm: forward of micro-batch m, Bm: its backward, ..: idle.",
+    ]
+    if interleaved:
+        lines += [
+            "# A row per GPU; the letter after m is the chunk: GPU d runs stage d (a), "
+            f"d + {plan.num_devices} (b), ...",
+        ]
+    lines += [
         "#",
         *(f"#     {row}".rstrip() for row in picture.splitlines()),
         "SCHEDULE = [",
@@ -122,6 +132,13 @@ def runner_header(traced: Traced, plan: Plan) -> str:
         "]",
         f"MICROBATCHES = {m}",
         f"RECOMPUTE = {_tuple(str(s.recompute) for s in plan.stages)}",
+        "# REPLICAS[k]: how many data-parallel replicas split each micro-batch of stage k;",
+        "# WEIGHT_STASHING: PipeDream's update after every micro-batch, with stashed weights",
+        f"REPLICAS = {_tuple(str(s.replicas) for s in plan.stages)}",
+        f"WEIGHT_STASHING = {plan.schedule == 'pipedream'}",
+        "# DEVICE_OF[k]: the GPU (0 .. NUM_GPUS - 1) that runs stage k",
+        f"DEVICE_OF = {_tuple(str(d) for d in device_of)}",
+        f"NUM_GPUS = {plan.num_devices}",
         f"GRAPH_INPUTS = {_tuple(json.dumps(p.name) for p in placeholders)}",
         "",
         "",
@@ -132,6 +149,26 @@ def runner_header(traced: Traced, plan: Plan) -> str:
         lines += _flatten_symbolic(placeholders)
     lines += ["", "", *_build_output(traced)]
     return "\n".join(lines)
+
+
+def schedule_table(plan: Plan) -> schedules.Schedule:
+    """The plan's schedule as a clock-tick table over its stage modules."""
+    k, m = plan.num_stages, plan.microbatches
+    if plan.schedule == "gpipe":
+        return schedules.gpipe(k, m)
+    if plan.schedule in ("1f1b", "pipedream"):  # PipeDream: 1F1B's order, stashed weights
+        return schedules.one_f_one_b(k, m)
+    if plan.schedule == "interleaved":
+        gpus, v = plan.num_devices, plan.virtual_stages
+        if gpus * v != k:
+            raise PlanError(
+                f"an interleaved plan on {gpus} GPUs with {v} virtual stages each has "
+                f"{gpus * v} stages, not {k}"
+            )
+        return schedules.interleaved_1f1b(gpus, v, m)
+    raise PlanError(
+        f"unknown schedule {plan.schedule!r}; use 'gpipe', '1f1b', 'interleaved' or 'pipedream'"
+    )
 
 
 def _tuple(items: Any) -> str:
@@ -288,7 +325,17 @@ def init_source(plan: Plan) -> str:
         "",
         "    stages = build_stages(model)              # the model's own parameters, by name",
         "    runner = PipelineRunner(stages)           # this plan's schedule and micro-batches",
-        "    loss = runner.step(inputs, target, loss_fn)",
+        *(
+            [
+                "    optimizers = [torch.optim.SGD(s.parameters(), lr=0.1) for s in stages]",
+                "    loss = runner.step(inputs, target, loss_fn, optimizers=optimizers)",
+                "",
+                "PipeDream's weight stashing: every stage updates its weights after each",
+                "micro-batch's backward with its own optimizer (see runner.py).",
+            ]
+            if plan.schedule == "pipedream"
+            else ["    loss = runner.step(inputs, target, loss_fn)"]
+        ),
         "",
         "PLAN is plan.json as a dict.",
         '"""',
@@ -304,10 +351,21 @@ def init_source(plan: Plan) -> str:
         "",
         "from . import distributed, runner",
         "from .distributed import build_schedule, pipeline_stage, train_step",
-        "from .runner import MICROBATCHES, RECOMPUTE, SCHEDULE, build_output, flatten_inputs",
+        "from .runner import (",
+        "    DEVICE_OF,",
+        "    MICROBATCHES,",
+        "    NUM_GPUS,",
+        "    RECOMPUTE,",
+        "    REPLICAS,",
+        "    SCHEDULE,",
+        "    WEIGHT_STASHING,",
+        "    build_output,",
+        "    flatten_inputs,",
+        ")",
         *(f"from .stage{j} import Stage{j}" for j in range(k)),
         "",
         "__all__ = [",
+        '    "DEVICE_OF",',
         '    "PLAN",',
         '    "SCHEDULE",',
         '    "PipelineRunner",',
@@ -315,6 +373,7 @@ def init_source(plan: Plan) -> str:
         '    "build_stages",',
         '    "distributed",',
         '    "pipeline_stage",',
+        '    "stage_devices",',
         '    "train_step",',
         "]",
         "",
@@ -325,20 +384,41 @@ def init_source(plan: Plan) -> str:
         "    model: nn.Module, devices: Sequence[torch.device | str | int] | None = None",
         ") -> list[nn.Module]:",
         '    """One module per stage, bound to ``model``\'s own parameters and buffers;',
-        '    with ``devices``, stage k is moved to ``devices[k]``."""',
+        "    with ``devices`` (one per stage, or one per GPU), stage k is moved to its",
+        '    device (see ``stage_devices``)."""',
         *wrap_line(f"    stages: list[nn.Module] = {stage_list}"),
         "    if devices is None:",
         "        return stages",
-        "    if len(devices) != len(stages):",
-        "        raise ValueError(",
-        '            f"got {len(devices)} devices for {len(stages)} stages; pass one per stage"',
-        "        )",
-        "    return [stage.to(device) for stage, device in zip(stages, devices, strict=True)]",
+        "    placed = stage_devices(devices)",
+        "    return [",
+        "        stage.to(device[0] if isinstance(device, list) else device)  # replicas: first",
+        "        for stage, device in zip(stages, placed, strict=True)",
+        "    ]",
+        "",
+        "",
+        "def stage_devices(",
+        "    devices: Sequence[torch.device | str | int],",
+        ") -> list[torch.device | str | int | list[torch.device | str | int]]:",
+        '    """One device per stage: ``devices`` as given when there is one per stage;',
+        '    when there is one per GPU (NUM_GPUS), stage k\'s is ``devices[DEVICE_OF[k]]``,',
+        '    or the list of its REPLICAS[k] GPUs from there for a replicated stage."""',
+        "    if len(devices) == len(DEVICE_OF):",
+        "        return list(devices)",
+        "    if len(devices) == NUM_GPUS:",
+        "        return [",
+        "            devices[gpu] if count == 1 else list(devices[gpu : gpu + count])",
+        "            for gpu, count in zip(DEVICE_OF, REPLICAS, strict=True)",
+        "        ]",
+        "    raise ValueError(",
+        '        f"got {len(devices)} devices for {len(DEVICE_OF)} stages on {NUM_GPUS} GPUs; "',
+        '        "pass one per stage or one per GPU"',
+        "    )",
         "",
         "",
         "class PipelineRunner(runner.PipelineRunner):",
         '    """The runtime\'s PipelineRunner with this package\'s schedule, micro-batches,',
-        '    recompute flags and input/output mapping as defaults."""',
+        "    recompute flags, replicas, weight stashing and input/output mapping as",
+        '    defaults; ``devices`` as for ``build_stages``: one per stage, or one per GPU."""',
         "",
         "    def __init__(",
         "        self,",
@@ -348,15 +428,19 @@ def init_source(plan: Plan) -> str:
         "        schedule: Sequence[Sequence[tuple[int, str, int]]] = SCHEDULE,",
         "        microbatches: int = MICROBATCHES,",
         "        recompute: Sequence[bool] = RECOMPUTE,",
+        "        replicas: Sequence[int] = REPLICAS,",
+        "        weight_stashing: bool = WEIGHT_STASHING,",
         "    ) -> None:",
         "        super().__init__(",
         "            stages,",
-        "            devices,",
+        "            None if devices is None else stage_devices(devices),",
         "            schedule=schedule,",
         "            microbatches=microbatches,",
         "            flatten_inputs=flatten_inputs,",
         "            build_output=build_output,",
         "            recompute=recompute,",
+        "            replicas=replicas,",
+        "            weight_stashing=weight_stashing,",
         "        )",
     ]
     return "\n".join(lines) + "\n"
@@ -366,6 +450,34 @@ def init_source(plan: Plan) -> str:
 # issue 5: the stages one per process on torch.distributed.pipelining. The runtime is
 # fxpipe/codegen/distributed.py, copied verbatim between a generated header (the tables
 # below) and a footer that binds them.
+
+
+def _string_constant(name: str, text: str | None) -> list[str]:
+    """``NAME = None``, or ``NAME = (`` the text in string pieces under the line limit ``)``."""
+    if text is None:
+        return [f"{name} = None"]
+    words = text.split(" ")
+    pieces, line = [], ""
+    for word in words:
+        if line and len(line) + len(word) > 70:
+            pieces.append(line)
+            line = ""
+        line += word + " "
+    pieces.append(line.rstrip(" "))
+    return [f"{name} = (", *(f"    {json.dumps(p)}" for p in pieces), ")"]
+
+
+def _distributed_limit(plan: Plan) -> str | None:
+    """Why ``distributed.py`` cannot run ``plan`` one stage per rank, or None."""
+    if plan.virtual_stages > 1 or plan.schedule == "pipedream":
+        what = "interleaved" if plan.virtual_stages > 1 else "pipedream"
+    elif any(stage.replicas > 1 for stage in plan.stages):
+        what = f"replicated ({plan.configuration})"
+    else:
+        return None
+    return (f"this plan's {what} stages run in runner.PipelineRunner (one process) only; "
+            f"for torchrun, split with --schedule 1f1b or gpipe and without --replicate "
+            f"or --virtual-stages")
 
 
 def wires(graph: torch.fx.Graph, ios: list[StageIO]) -> list[tuple[str, ...]]:
@@ -439,6 +551,8 @@ def distributed_source(traced: Traced, plan: Plan, ios: list[StageIO]) -> str:
         "",
         f"STAGE_CLASSES = {_tuple(f'Stage{j}' for j in range(k))}",
         f"SCHEDULE_KIND = {json.dumps(plan.schedule)}",
+        "# UNSUPPORTED: why this plan cannot run here (None: it can)",
+        *_string_constant("UNSUPPORTED", _distributed_limit(plan)),
         "# WIRES[k]: the values stage k receives, in this order; a value passes through",
         "# every stage between the one that makes it and the last one that reads it.",
         "WIRES = (",
@@ -466,6 +580,7 @@ def distributed_source(traced: Traced, plan: Plan, ios: list[StageIO]) -> str:
         "    microbatches=MICROBATCHES,",
         "    flatten_inputs=flatten_inputs,",
         "    build_output=build_output,",
+        "    unsupported=UNSUPPORTED,",
         ")",
         "stage_module = PIPELINE.stage_module",
         "pipeline_stage = PIPELINE.pipeline_stage",

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxpipe.codegen.runtime import PipelineRunner
-from fxpipe.codegen.schedules import gpipe, one_f_one_b
+from fxpipe.schedules import gpipe, one_f_one_b
 
 BATCH = 8
 

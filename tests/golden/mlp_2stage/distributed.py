@@ -71,6 +71,8 @@ from .stage1 import Stage1
 
 STAGE_CLASSES = (Stage0, Stage1)
 SCHEDULE_KIND = "1f1b"
+# UNSUPPORTED: why this plan cannot run here (None: it can)
+UNSUPPORTED = None
 # WIRES[k]: the values stage k receives, in this order; a value passes through
 # every stage between the one that makes it and the last one that reads it.
 WIRES = (
@@ -192,8 +194,10 @@ class DistributedPipeline:
         microbatches: int,
         flatten_inputs: Callable[..., dict[str, Any]],
         build_output: Callable[[dict[str, Any]], Any],
+        unsupported: str | None = None,
     ) -> None:
         assert len(wires) == len(stage_classes), (len(wires), len(stage_classes))
+        self.unsupported = unsupported  # why this plan cannot run one stage per rank
         self.stage_classes = list(stage_classes)
         self.wires = [tuple(w) for w in wires]
         self.tied = [dict(group) for group in tied]
@@ -259,6 +263,8 @@ class DistributedPipeline:
         """This rank's ``PipelineStage`` (collective: every rank calls it, in the
         same order). ``example_args``/``example_kwargs``: ONE micro-batch, as the
         model's forward takes it."""
+        if self.unsupported:
+            raise ValueError(self.unsupported)
         if world_size != self.num_stages:
             raise ValueError(
                 f"world size ({world_size}) must equal the number of pipeline stages "
@@ -593,6 +599,7 @@ PIPELINE = DistributedPipeline(
     microbatches=MICROBATCHES,
     flatten_inputs=flatten_inputs,
     build_output=build_output,
+    unsupported=UNSUPPORTED,
 )
 stage_module = PIPELINE.stage_module
 pipeline_stage = PIPELINE.pipeline_stage
