@@ -9,10 +9,14 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from fxpipe.partition import Schedule
+    from fxpipe.partition.plan import Plan
 
 __all__ = ["main"]
 
@@ -75,7 +79,24 @@ def _parser() -> argparse.ArgumentParser:
     split.add_argument(
         "--microbatches", type=int, default=None, help="micro-batches per step (default 4 x GPUs)"
     )
-    split.add_argument("--schedule", choices=("gpipe", "1f1b"), default="1f1b")
+    split.add_argument(
+        "--schedule",
+        choices=("gpipe", "1f1b", "interleaved", "pipedream"),
+        default=None,
+        help="pipeline schedule (default 1f1b; interleaved with --virtual-stages; pipedream: "
+        "1F1B with an update per micro-batch and weight stashing)",
+    )
+    split.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=1,
+        help="stage modules per GPU for Megatron-LM's interleaved 1F1B (default 1)",
+    )
+    split.add_argument(
+        "--replicate",
+        action="store_true",
+        help="let a stage run data-parallel on several GPUs (PipeDream's 2-1-1)",
+    )
     split.add_argument("--optimizer", choices=("adam", "sgd", "sgd-momentum"), default="adam")
     split.add_argument(
         "--recompute",
@@ -198,7 +219,7 @@ def _run_split(args: argparse.Namespace) -> int:
     from fxpipe.compiler import SplitOptions, output_files, plan_split
     from fxpipe.cost_models import get_device
     from fxpipe.output import write_folder
-    from fxpipe.partition import Schedule, parse_bytes
+    from fxpipe.partition import parse_bytes
     from fxpipe.partition.units import format_bytes
     from fxpipe.report import summary_rows
 
@@ -210,6 +231,7 @@ def _run_split(args: argparse.Namespace) -> int:
         raise ValueError(f"--microbatches must be at least 1, got {microbatches}")
     if args.time_limit <= 0:
         raise ValueError(f"--time-limit must be positive, got {args.time_limit}")
+    schedule = _schedule(args, microbatches)
     device = get_device(args.device)
     limit = (
         float(parse_bytes(args.memory)) if args.memory is not None else float(device.memory_bytes)
@@ -219,10 +241,12 @@ def _run_split(args: argparse.Namespace) -> int:
         device=device,
         memory_limit=limit,
         microbatches=microbatches,
-        schedule=Schedule(args.schedule),
+        schedule=schedule,
         optimizer=args.optimizer,
         recompute=args.recompute,
         time_limit_s=args.time_limit,
+        virtual_stages=args.virtual_stages,
+        replicate=args.replicate,
     )
 
     source, traced = analyze_model(args.model, device=args.device, measure=args.measure)
@@ -237,7 +261,7 @@ def _run_split(args: argparse.Namespace) -> int:
     write_folder(out, files, force=args.force)
 
     table = Table(
-        title=f"{source.label}: {plan.num_stages} stages, {plan.schedule}, "
+        title=f"{source.label}: {plan.num_stages} stages{_replication(plan)}, {plan.schedule}, "
         f"M={plan.microbatches}, limit {format_bytes(limit)}"
     )
     for column in ("partition", "bottleneck", "iteration", "max memory", "fits"):
@@ -251,6 +275,35 @@ def _run_split(args: argparse.Namespace) -> int:
         f"wrote {out}/ ({', '.join(sorted(files))})"
     )
     return 0
+
+
+def _replication(plan: Plan) -> str:
+    """The configuration, e.g. " (2-1-1 on 4 GPUs)", for a plan with replicated stages."""
+    if all(stage.replicas == 1 for stage in plan.stages):
+        return ""
+    return f" ({plan.configuration} on {plan.num_devices} GPUs)"
+
+
+def _schedule(args: argparse.Namespace, microbatches: int) -> Schedule:
+    """--schedule, --virtual-stages and --replicate, checked together."""
+    from fxpipe.partition import Schedule
+
+    v = args.virtual_stages
+    if v < 1:
+        raise ValueError(f"--virtual-stages must be at least 1, got {v}")
+    name = args.schedule or ("interleaved" if v > 1 else "1f1b")
+    if name == "interleaved" and v == 1:
+        raise ValueError("--schedule interleaved needs --virtual-stages 2 or more")
+    if v > 1 and name != "interleaved":
+        raise ValueError(f"--virtual-stages {v} needs --schedule interleaved, not {name}")
+    if v > 1 and args.replicate:
+        raise ValueError("--replicate and --virtual-stages cannot be combined; pick one")
+    if v > 1 and microbatches % args.gpus:
+        n = args.gpus
+        raise ValueError(
+            f"--schedule interleaved needs the micro-batches ({microbatches}) to be a multiple "
+            f"of --gpus ({n}); use --microbatches {-(-microbatches // n) * n}")
+    return Schedule(name)
 
 
 def _run_merge(args: argparse.Namespace) -> int:

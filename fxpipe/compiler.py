@@ -21,8 +21,7 @@ from typing import Literal
 
 import torch
 
-from fxpipe.codegen import generate
-from fxpipe.codegen.schedules import gpipe, one_f_one_b
+from fxpipe.codegen import generate, schedule_table
 from fxpipe.codegen.timeline import draw_timeline
 from fxpipe.cost_models import Device, analytic, measured
 from fxpipe.frontend import Traced
@@ -70,6 +69,8 @@ class SplitOptions:
     optimizer: str = "adam"
     recompute: bool = False
     time_limit_s: float = 30.0
+    virtual_stages: int = 1  # interleaved schedule: stage modules per GPU
+    replicate: bool = False  # let the solver give a stage several GPUs ("2-1-1")
 
 
 def plan_split(
@@ -78,7 +79,9 @@ def plan_split(
     """Cut an analysed model into ``options.gpus`` stages: lower, solve, apply to the graph."""
     lowered = lower(
         traced.gm,
-        num_stages=options.gpus,
+        num_stages=options.gpus * options.virtual_stages,
+        virtual_stages=options.virtual_stages,
+        num_devices=options.gpus,
         device=options.device,
         memory_limit=options.memory_limit,
         schedule=options.schedule,
@@ -87,13 +90,15 @@ def plan_split(
         recompute=options.recompute,
         block_depth=auto_depth(traced.gm),
     )
-    with progress(f"solving ({len(lowered.problem.nodes)} nodes onto {options.gpus} stages)"):
-        result = partition(lowered.problem, time_limit_s=options.time_limit_s)
+    with progress(f"solving ({len(lowered.problem.nodes)} nodes onto {options.gpus} GPUs)"):
+        result = partition(lowered.problem, time_limit_s=options.time_limit_s,
+                           replicate=options.replicate)
     notes = list(traced.notes)
     if traced.fallback_reason:
         notes.append(f"symbolic_trace failed ({traced.fallback_reason}); used torch.export")
     return build_plan(
         lowered,
+        result.problem,
         result.evaluation,
         result.report,
         baselines=result.baselines,
@@ -143,12 +148,14 @@ def schedule_svg(plan: Plan) -> bytes:
     Each stage's communication is split evenly between its forward (activations out)
     and its backward (gradients back).
     """
-    build = gpipe if plan.schedule == "gpipe" else one_f_one_b
-    schedule = build(plan.num_stages, plan.microbatches)
+    schedule = schedule_table(plan)
     forward = [s.forward_s + s.comm_s / 2 for s in plan.stages]
     backward = [s.backward_s + s.comm_s / 2 for s in plan.stages]
+    devices = None
+    if plan.virtual_stages > 1:  # one row per GPU, its stage modules in turn
+        devices = [plan.devices_of(j)[0] for j in range(plan.num_stages)]
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch) / "schedule.svg"
         title = f"{plan.model}: {plan.schedule}, K={plan.num_stages}, M={plan.microbatches}"
-        draw_timeline(schedule, forward, backward, path, title=title)
+        draw_timeline(schedule, forward, backward, path, title=title, devices=devices)
         return path.read_bytes()

@@ -44,6 +44,8 @@ def lower(
     recompute: bool = False,
     tied_policy: TiedPolicy = TiedPolicy.REPLICATE,
     block_depth: int = 1,
+    virtual_stages: int = 1,
+    num_devices: int = 0,
 ) -> Lowered:
     """The partition problem of ``gm`` (every node costed: run passes and a cost model first)."""
     if optimizer not in OPTIMIZERS:
@@ -119,6 +121,10 @@ def lower(
         tied=tied,
         tied_policy=tied_policy,
         colocate=colocate,
+        virtual_stages=virtual_stages,
+        num_devices=num_devices,
+        allreduce_bandwidth=device.intra_node_bandwidth,
+        allreduce_latency_s=device.intra_node_latency,
     )
     return Lowered(problem, ops, {k: tuple(sorted(v)) for k, v in reads.items()})
 

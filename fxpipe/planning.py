@@ -15,6 +15,7 @@ from fxpipe import meta
 from fxpipe.lower import Lowered
 from fxpipe.partition.evaluate import Evaluation
 from fxpipe.partition.plan import Estimate, Plan, SolverReport, StagePlan
+from fxpipe.partition.problem import Problem
 
 __all__ = ["build_plan", "stage_of_nodes"]
 
@@ -32,6 +33,7 @@ def stage_of_nodes(lowered: Lowered, stage_of: Sequence[int]) -> dict[torch.fx.N
 
 def build_plan(
     lowered: Lowered,
+    problem: Problem,
     evaluation: Evaluation,
     report: SolverReport,
     *,
@@ -42,7 +44,8 @@ def build_plan(
     optimizer: str,
     notes: Sequence[str] = (),
 ) -> Plan:
-    problem = lowered.problem
+    """``problem``: the one solved (``lowered.problem``, or it with the stage count a
+    replicated split chose)."""
     stages = stage_of_nodes(lowered, evaluation.stage_of)
     graph_nodes = list(lowered.ops[0].graph.nodes) if lowered.ops else []
     by_stage: list[list[torch.fx.Node]] = [[] for _ in range(problem.num_stages)]
@@ -85,6 +88,7 @@ def build_plan(
                 comm_s=cost.comm_s,
                 memory=cost.memory,
                 recompute=problem.recompute,
+                replicas=cost.replicas,
             )
         )
 
@@ -107,4 +111,5 @@ def build_plan(
         tied=tied,
         baselines=dict(baselines),
         notes=tuple(notes),
+        virtual_stages=problem.virtual_stages,
     )

@@ -84,7 +84,27 @@ CASES: dict[str, tuple[dict[str, str], list[str]]] = {
     "--microbatches below 1": (
         model(GOOD), ["split", "model.py", "--gpus", "2", "--microbatches", "0"]
     ),
+    "--virtual-stages below 1": (
+        model(GOOD), ["split", "model.py", "--gpus", "2", "--virtual-stages", "0"]
+    ),
+    "interleaved without virtual stages": (
+        model(GOOD), ["split", "model.py", "--gpus", "2", "--schedule", "interleaved"]
+    ),
+    "virtual stages with another schedule": (
+        model(GOOD),
+        ["split", "model.py", "--gpus", "2", "--virtual-stages", "2", "--schedule", "gpipe"],
+    ),
+    "--replicate with --virtual-stages": (
+        model(GOOD), ["split", "model.py", "--gpus", "2", "--virtual-stages", "2", "--replicate"]
+    ),
+    "interleaved micro-batches not a multiple of the GPUs": (
+        model(GOOD),
+        ["split", "model.py", "--gpus", "2", "--virtual-stages", "2", "--microbatches", "3"],
+    ),
     "more GPUs than ops": (model(GOOD), ["split", "model.py", "--gpus", "8"]),
+    "more stage modules than ops": (
+        model(GOOD), ["split", "model.py", "--gpus", "2", "--virtual-stages", "2"]
+    ),
     "memory no split fits": (
         model(GOOD), ["split", "model.py", "--gpus", "2", "--memory", "100B"]
     ),

@@ -7,7 +7,15 @@ from fxpipe.partition.units import format_bytes
 
 __all__ = ["render_report", "summary_rows"]
 
-BUBBLE_DEFINITION = "(K − 1) / (M + K − 1) of the whole step (GPipe's definition)"
+SCHEDULES = {
+    "gpipe": "GPipe fill-drain: all forwards, then all backwards",
+    "1f1b": "1F1B with a flush at the end of the step (PipeDream-flush, Megatron-LM)",
+    "interleaved": "Megatron-LM's interleaved 1F1B: {v} stage modules per GPU, stage j on "
+    "GPU j mod {n}",
+    "pipedream": "PipeDream's 1F1B with weight stashing: each stage updates its weights "
+    "after every micro-batch's backward, and a micro-batch's backward uses the weights its "
+    "forward used (one stashed copy per micro-batch in flight)",
+}
 
 
 def _ms(seconds: float) -> str:
@@ -40,38 +48,71 @@ def _throughput(plan: Plan, estimate: Estimate) -> str:
     return f"{plan.microbatches / estimate.iteration_s:.1f} micro-batches/s"
 
 
+def bubble_text(plan: Plan) -> str:
+    """The predicted bubble with the formula it comes from, for this plan's schedule.
+
+    K pipeline positions (stages; GPUs when interleaved), v stage modules per GPU, M
+    micro-batches: (K - 1) / (v*M + K - 1) of the whole step, and (K - 1) / (v*M) of
+    the ideal (bubble-free) time, Megatron-LM's definition.
+    """
+    v, M = plan.virtual_stages, plan.microbatches
+    K = plan.num_devices if v > 1 else plan.num_stages
+    e = plan.estimate
+    return (
+        f"bubble {e.bubble_fraction:.1%} of the step = (K − 1) / (v·M + K − 1) with K={K}, "
+        f"v={v}, M={M}; {e.bubble_ratio:.1%} of the ideal time = (K − 1) / (v·M)"
+    )
+
+
+def _layout(plan: Plan) -> str:
+    if plan.virtual_stages > 1:
+        return (f"{plan.num_stages} stage modules on {plan.num_devices} GPUs "
+                f"({plan.virtual_stages} per GPU)")
+    if any(stage.replicas > 1 for stage in plan.stages):
+        return (f"{plan.num_stages} stages on {plan.num_devices} GPUs, configuration "
+                f"{plan.configuration} (GPUs per stage, data-parallel within a stage)")
+    return f"{plan.num_stages} stages"
+
+
 def render_report(plan: Plan) -> str:
     limit = "none" if plan.memory_limit == float("inf") else format_bytes(plan.memory_limit)
     solver = plan.solver
+    schedule = SCHEDULES.get(plan.schedule, plan.schedule).format(
+        v=plan.virtual_stages, n=plan.num_devices)
     lines = [
         f"# fxpipe plan: {plan.model}",
         "",
-        f"- {plan.num_stages} stages on {plan.device}, {plan.schedule} schedule, "
+        f"- {_layout(plan)} on {plan.device}, {plan.schedule} schedule, "
         f"{plan.microbatches} micro-batches per step, optimizer {plan.optimizer}, "
-        f"memory limit {limit} per device",
+        f"memory limit {limit} per GPU",
+        f"- schedule: {schedule}",
         f"- traced with {plan.tracer}",
         f"- solver: {solver.method}, status {solver.status}, bottleneck "
         f"{_ms(solver.objective)}, bound {_ms(solver.bound)}, gap {solver.gap:.2%}, "
         f"on a graph of {solver.solved_nodes} nodes "
         f"(coarsened from {solver.graph_nodes})",
         f"- predicted bottleneck {_ms(plan.estimate.bottleneck_s)}, iteration "
-        f"{_ms(plan.estimate.iteration_s)}, bubble {plan.estimate.bubble_fraction:.1%} "
-        f"({BUBBLE_DEFINITION}), throughput {_throughput(plan, plan.estimate)}",
+        f"{_ms(plan.estimate.iteration_s)}, {bubble_text(plan)}, throughput "
+        f"{_throughput(plan, plan.estimate)}",
         "",
         "## Stages",
         "",
-        "| stage | ops | params | fwd FLOPs | fwd | bwd | comm | params+grads+opt "
-        "| activations | received | total memory |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "Times and memory are per GPU of the stage (a replicated stage's GPUs each take "
+        "1/r of every micro-batch; its comm includes the all-reduce of its gradients).",
+        "",
+        "| stage | GPUs | ops | params | fwd FLOPs | fwd | bwd | comm | params+grads+opt "
+        "| activations | received | stashed | total memory |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for stage in plan.stages:
         m = stage.memory
+        gpus = ", ".join(str(d) for d in plan.devices_of(stage.index))
         lines.append(
-            f"| {stage.index} | {len(stage.nodes)} | {len(stage.parameters)} | "
+            f"| {stage.index} | {gpus} | {len(stage.nodes)} | {len(stage.parameters)} | "
             f"{_flops(stage.flops_forward)} | {_ms(stage.forward_s)} | {_ms(stage.backward_s)} | "
             f"{_ms(stage.comm_s)} | {format_bytes(m.params + m.grads + m.optimizer)} | "
             f"{format_bytes(m.activations)} | {format_bytes(m.received)} | "
-            f"{format_bytes(m.total)} |"
+            f"{format_bytes(m.stashed)} | {format_bytes(m.total)} |"
         )
     lines += [
         "",
