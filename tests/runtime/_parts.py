@@ -8,9 +8,6 @@ unsplit model computes.
 
 from __future__ import annotations
 
-import importlib.util
-import itertools
-import sys
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -18,9 +15,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from codegen._models import import_package, write_package
 from torch import nn
 
-from fxpipe.codegen import generate
 from fxpipe.frontend import trace
 from fxpipe.partition.plan import Estimate, Plan, SolverReport, StagePlan
 
@@ -155,7 +152,6 @@ def token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------- the same through a generated package
 
 
-_packages = itertools.count()
 
 
 def generated_package(directory: Path, model: nn.Module, example: torch.Tensor,
@@ -175,15 +171,5 @@ def generated_package(directory: Path, model: nn.Module, example: torch.Tensor,
     plan = Plan(num_stages=num_stages, schedule=schedule, microbatches=microbatches,
                 stages=stages, solver=SolverReport("hand-written", "HEURISTIC", 0.0, 0.0),
                 estimate=Estimate(0.0, 0.0, 0.0, 0, True))
-    directory.mkdir(parents=True)
-    for name, text in generate(traced, plan).items():
-        (directory / name).write_text(text, encoding="utf-8")
-    name = f"fxpipe_runtime_test_package_{next(_packages)}"
-    spec = importlib.util.spec_from_file_location(
-        name, directory / "__init__.py", submodule_search_locations=[str(directory)]
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    write_package(directory, traced, plan)
+    return import_package(directory)
