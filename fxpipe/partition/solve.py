@@ -197,6 +197,7 @@ def partition(problem: Problem, *, time_limit_s: float = 30.0, coarsen: bool = T
         status, bound = "OPTIMAL", objective * (1 - 1e-9)
     else:
         status, bound = "FEASIBLE", min(result.bound, objective)
+    bound = min(objective, max(bound, trivial_bound(problem)))
     report = SolverReport(
         method="cp-sat",
         status=status,
@@ -275,10 +276,22 @@ def _partition_replicated(problem: Problem, *, time_limit_s: float, coarsen: boo
             f"No split onto {N} GPUs was found in {time_limit_s:g} s; raise --time-limit.")
     objective = best.evaluation.bottleneck_s
     bound = min([objective, *bounds])
+    bound = min(objective, max(bound, trivial_bound(replace(problem, num_stages=1,
+                                                            num_devices=N))))
     report = replace(best.report, status="OPTIMAL" if proved else "FEASIBLE",
                      objective=objective, bound=objective if proved else bound,
                      wall_s=time.perf_counter() - start)
     return replace(best, report=report)
+
+
+def trivial_bound(problem: Problem) -> float:
+    """A bottleneck no split can beat: all compute spread evenly over the N GPUs, and (one
+    GPU per stage) the slowest node on one GPU. Communication only adds to either."""
+    N = problem.devices
+    times = [n.forward_s + n.backward_s for n in problem.nodes]
+    if problem.replicates:  # a node's micro-batch may be split over up to N GPUs
+        return max(sum(times), 0.0) / N
+    return max(sum(times) / N, max(times, default=0.0))
 
 
 def _report(result: IlpResult, evaluation: Evaluation, *, graph_nodes: int) -> SolverReport:

@@ -97,3 +97,15 @@ def _monotone(n: int, K: int) -> list[tuple[int, ...]]:
 
     return [s for s in itertools.product(range(K), repeat=n)
             if list(s) == sorted(s) and set(s) == set(range(K))]
+
+
+def test_reported_bound_is_never_below_the_trivial_one() -> None:
+    """With no time to prove anything the bound is still max(total / N, slowest node)."""
+    from fxpipe.partition.solve import trivial_bound
+
+    problem = chain([10, 10, 10, 30, 5, 5, 20, 10], num_stages=4)
+    assert trivial_bound(problem) == pytest.approx(30 * MS)
+    result = partition(problem, time_limit_s=10)
+    assert result.report.bound >= trivial_bound(problem) * (1 - 1e-9)
+    replicated = partition(problem, time_limit_s=10, replicate=True)
+    assert replicated.report.bound >= 100 * MS / 4 * (1 - 1e-9)
