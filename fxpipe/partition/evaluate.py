@@ -240,17 +240,14 @@ def evaluate(problem: Problem, stage_of: Sequence[int],
 
 
 def step_estimate(problem: Problem, stages: Sequence[StageCost]) -> Estimate:
-    """The step figures of per-stage costs (see the module docstring): per GPU when
-    interleaved, per stage otherwise."""
-    M, v, N = problem.microbatches, problem.virtual_stages, problem.devices
-    if v > 1:
-        times = [sum(s.time_s for j, s in enumerate(stages) if j % N == d) for d in range(N)]
-        memories = [sum(s.memory.total for j, s in enumerate(stages) if j % N == d)
-                    for d in range(N)]
-    else:
-        times = [s.time_s for s in stages]
-        memories = [s.memory.total for s in stages]
-    K = len(times)  # pipeline positions
+    """The step figures of per-stage costs (see the module docstring), per pipeline
+    position: a GPU's stage modules together when interleaved, each stage otherwise."""
+    M, v = problem.microbatches, problem.virtual_stages
+    positions = range(problem.num_stages // v)
+    on = [[s for j, s in enumerate(stages) if problem.device_of(j) == d] for d in positions]
+    times = [sum(s.time_s for s in held) for held in on]
+    memories = [sum(s.memory.total for s in held) for held in on]
+    K = len(times)
     bottleneck = max(times)
     max_memory = max(memories)
     return Estimate(

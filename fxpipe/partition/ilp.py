@@ -87,8 +87,8 @@ class IlpResult:
         return self.stage_of is not None
 
 
-def ticks_per_second(coarsening: Coarsening, target: float = TARGET_TICKS) -> int:
-    """A power of ten that makes the graph's total time about ``target`` ticks."""
+def ticks_per_second(coarsening: Coarsening) -> int:
+    """A power of ten that makes the graph's total time at most TARGET_TICKS ticks."""
     p = coarsening.problem
     total = sum(n.forward_s + n.backward_s + 4 * n.comm_s for n in p.nodes)
     total += sum(t.allreduce_s for t in p.tied) * p.num_stages
@@ -96,7 +96,7 @@ def ticks_per_second(coarsening: Coarsening, target: float = TARGET_TICKS) -> in
         total += allreduce_s(p, sum(n.param_bytes for n in p.nodes), p.devices)
     if total <= 0:
         return 10**9
-    return 10 ** min(15, max(0, math.floor(math.log10(target / total))))
+    return 10 ** min(15, max(0, math.floor(math.log10(TARGET_TICKS / total))))
 
 
 def _ancestor_sums(n: int, edges: Sequence[tuple[int, int]], weight: np.ndarray,
@@ -145,10 +145,10 @@ class StageModel:
         self.replicating = p.replicates
         assert not (self.replicating and objective == "memory"), "memory objective: one per GPU"
         stash = p.schedule is Schedule.PIPEDREAM  # a weight copy per micro-batch in flight
-        # GPU d runs the stage modules on_device[d] (one each unless interleaved).
-        on_device = [[j for j in all_stages if p.device_of(j) == d] for d in range(N)]
-        if self.replicating:
-            on_device = [[j] for j in all_stages]
+        # Pipeline position d (a GPU, or a replicated stage's GPUs) runs the stage modules
+        # on_device[d]: one each unless interleaved.
+        on_device = [[j for j in all_stages if p.device_of(j) == d]
+                     for d in range(K // p.virtual_stages)]
 
         # Per coarse node: compute ticks, parameter-state bytes, activation bytes.
         grad_f, opt_f = state_split(p.state_factor)
@@ -311,10 +311,11 @@ class StageModel:
             received = [(-(-s * flight[j] // r), v) for s, v in recv_terms[j]]
             return per_group + received + tied_mem[j] + [(p.workspace_bytes, 1)]
 
-        # Rows per GPU: a GPU's time and memory are the sums over its stage modules.
-        self.time_terms = [[tv for j in js for tv in compute(j, 1) + time_terms[j]]
-                           for js in on_device]
-        self.memory_terms = [[tv for j in js for tv in memory(j, 1)] for js in on_device]
+        # Rows per GPU: a GPU's time and memory are the sums over its stage modules. With
+        # replicas, a time row and a memory row per (stage j, replica count r) instead,
+        # each enforced by y[j,r].
+        self.time_terms: list[Terms] = []
+        self.memory_terms: list[Terms] = []
         self.y: list[dict[int, Term]] = []
         if self.replicating:
             # y[j,r]: stage j on r GPUs; every stage gets one r, and they add up to N.
@@ -323,6 +324,12 @@ class StageModel:
                 self.y.append({r: m.new_bool_var(f"y[{j},{r}]") for r in options})
                 m.add_exactly_one(self.y[j].values())
             m.add(sum(r * y for row in self.y for r, y in row.items()) == N)
+            enforced = [(y, compute(j, r) + time_terms[j], memory(j, r))
+                        for j in all_stages for r, y in self.y[j].items()]
+        else:
+            self.time_terms = [[tv for j in js for tv in compute(j, 1) + time_terms[j]]
+                               for js in on_device]
+            self.memory_terms = [[tv for j in js for tv in memory(j, 1)] for js in on_device]
 
         # Every stage holds a node (unless empty stages are allowed).
         if not p.allow_empty_stages:
@@ -335,20 +342,15 @@ class StageModel:
             # Each GPU fits in memory; the bottleneck T bounds every GPU's time.
             lower = max(-(-sum(t) // N), -(-max(t, default=0) // (N - K + 1 if self.replicating
                                                                    else 1)))
-            rows = self.time_terms
-            if self.replicating:
-                rows = [compute(j, r) + time_terms[j] for j in all_stages for r in self.y[j]]
+            rows = [row for _, row, _ in enforced] if self.replicating else self.time_terms
             upper = self.upper_ticks if self.upper_ticks is not None else max(
                 1, sum(abs(c) for terms in rows for c, _ in terms))
             self.T = m.new_int_var(min(lower, upper), upper, "T")
             if self.replicating:
-                for j in all_stages:
-                    for r, y in self.y[j].items():
-                        m.add(self._expr(compute(j, r) + time_terms[j]) <= self.T
-                              ).only_enforce_if(y)
-                        if limited:
-                            m.add(self._expr(memory(j, r)) <= int(p.memory_limit)
-                                  ).only_enforce_if(y)
+                for y, time_row, memory_row in enforced:
+                    m.add(self._expr(time_row) <= self.T).only_enforce_if(y)
+                    if limited:
+                        m.add(self._expr(memory_row) <= int(p.memory_limit)).only_enforce_if(y)
             else:
                 for gpu_time in self.time_terms:
                     m.add(self._expr(gpu_time) <= self.T)
