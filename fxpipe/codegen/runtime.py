@@ -922,9 +922,7 @@ def _check_schedule(schedule: list[tuple[Action, ...]], num_stages: int, num_mb:
 def _split_tree(value: Any, num_mb: int, what: str) -> list[Any]:
     """Split every tensor leaf of ``value`` along dim 0 into ``num_mb`` chunks;
     0-dim tensors and non-tensors are passed to every micro-batch unchanged."""
-    leaves, spec = pytree.tree_flatten(value)
-    chunks: list[list[Any]] = []
-    for x in leaves:
+    for x in pytree.tree_leaves(value):
         if isinstance(x, torch.Tensor) and x.dim() > 0:
             if x.size(0) < num_mb:
                 raise ValueError(
@@ -938,10 +936,25 @@ def _split_tree(value: Any, num_mb: int, what: str) -> list[Any]:
                     f"no longer equals the unsplit model's.",
                     stacklevel=3,
                 )
-            chunks.append(list(torch.tensor_split(x, num_mb, dim=0)))
-        else:
-            chunks.append([x] * num_mb)
-    return [pytree.tree_unflatten([c[m] for c in chunks], spec) for m in range(num_mb)]
+    return _split_leaves(value, num_mb, lambda x: x.dim() > 0)
+
+
+def _split_leaves(value: Any, n: int, splits: Callable[[torch.Tensor], bool]) -> list[Any]:
+    """``n`` trees shaped like ``value``: the tensor leaves ``splits`` accepts cut along
+    dim 0 into n chunks (``torch.tensor_split``), every other leaf whole in each."""
+    leaves, spec = pytree.tree_flatten(value)
+    columns = [torch.tensor_split(x, n, dim=0) if isinstance(x, torch.Tensor) and splits(x)
+               else [x] * n for x in leaves]
+    return [pytree.tree_unflatten([c[i] for c in columns], spec) for i in range(n)]
+
+
+def _merge_leaves(trees: list[Any], merge: Callable[[list[Any]], Any]) -> Any:
+    """One tree from ``trees`` of one structure: each leaf is ``merge`` of that leaf's
+    values in every tree, in order."""
+    flat = [pytree.tree_flatten(tree) for tree in trees]
+    leaves0, spec = flat[0]
+    return pytree.tree_unflatten(
+        [merge([leaves[i] for leaves, _ in flat]) for i in range(len(leaves0))], spec)
 
 
 def _chunk_sizes(batch: int, r: int) -> list[int]:
@@ -953,28 +966,19 @@ def _chunk_sizes(batch: int, r: int) -> list[int]:
 def _split_replicas(inputs: dict[str, Any], batch: int, r: int) -> list[dict[str, Any]]:
     """One input dict per replica: tensor leaves with dim 0 == ``batch`` split into r
     chunks along dim 0, every other leaf passed whole to each replica."""
-    leaves, spec = pytree.tree_flatten(inputs)
-    columns: list[Sequence[Any]] = []
-    for x in leaves:
-        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.size(0) == batch:
-            columns.append(torch.tensor_split(x, r, dim=0))
-        else:
-            columns.append([x] * r)
-    return [pytree.tree_unflatten([c[i] for c in columns], spec) for i in range(r)]
+    return _split_leaves(inputs, r, lambda x: x.dim() > 0 and x.size(0) == batch)
 
 
 def _merge_replicas(outputs: list[tuple[Any, ...]], sizes: list[int]) -> Any:
     """The replicas' outputs as one: a tensor leaf whose dim 0 is each replica's
     chunk size is concatenated along dim 0, any other leaf taken from replica 0."""
-    flat = [pytree.tree_flatten(o) for o in outputs]
-    leaves0, spec = flat[0]
-    merged = []
-    for j, x in enumerate(leaves0):
-        parts = [leaves[j] for leaves, _ in flat]
+
+    def merge(parts: list[Any]) -> Any:
         batched = all(isinstance(t, torch.Tensor) and t.dim() > 0 and t.size(0) == size
                       for t, size in zip(parts, sizes, strict=True))
-        merged.append(torch.cat(parts, dim=0) if batched else x)
-    return pytree.tree_unflatten(merged, spec)
+        return torch.cat(parts, dim=0) if batched else parts[0]
+
+    return _merge_leaves(outputs, merge)
 
 
 def _to_device(value: Any, dev: torch.device | None) -> Any:
@@ -1001,13 +1005,10 @@ def _concat(outputs: list[Any]) -> Any:
     """Rebuild one output from per-micro-batch outputs: tensor leaves are
     concatenated along dim 0 (0-dim tensors stacked), other leaves taken from
     micro-batch 0."""
-    flat = [pytree.tree_flatten(o) for o in outputs]
-    leaves0, spec = flat[0]
-    merged = []
-    for i, x in enumerate(leaves0):
-        if isinstance(x, torch.Tensor):
-            parts = [leaves[i] for leaves, _ in flat]
-            merged.append(torch.cat(parts, dim=0) if x.dim() > 0 else torch.stack(parts))
-        else:
-            merged.append(x)
-    return pytree.tree_unflatten(merged, spec)
+
+    def merge(parts: list[Any]) -> Any:
+        if not isinstance(parts[0], torch.Tensor):
+            return parts[0]
+        return torch.cat(parts, dim=0) if parts[0].dim() > 0 else torch.stack(parts)
+
+    return _merge_leaves(outputs, merge)
