@@ -15,10 +15,8 @@ the per-round ratios (goal: <= 1.10).
 """
 
 import argparse
-import importlib.util
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -26,19 +24,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import (
+    load_gpt_example,
+    paired_ratio,
+    split_and_load,
+    time_alternately,
+    token_batch,
+)
+
 from fxpipe.codegen.runtime import PipelineRunner
 from fxpipe.schedules import gpipe, one_f_one_b
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def load_gpt_example() -> Any:
-    spec = importlib.util.spec_from_file_location("fxpipe_example_gpt", ROOT / "examples/gpt.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
 
 
 class Embed(nn.Module):
@@ -108,35 +104,14 @@ def split(model: Any, num_stages: int) -> list[nn.Module]:
     return stages
 
 
-def generated_runner(model: nn.Module, cfg: Any, args: argparse.Namespace) -> Any:
+def generated_runner(model: nn.Module, args: argparse.Namespace) -> Any:
     """Split ``model`` with fxpipe (one micro-batch traced) and load the package it writes."""
-    import tempfile
-
-    from fxpipe.compiler import SplitOptions, analyze, output_files, plan_split
-    from fxpipe.cost_models import get_device
-    from fxpipe.frontend import trace
-    from fxpipe.output import write_folder
-    from fxpipe.partition import Schedule
-
     micro = torch.zeros(args.batch // args.microbatches, args.seq, dtype=torch.long)
-    traced = trace(model, (micro,))
-    device = get_device("h100")
-    analyze(traced, device=device)
-    options = SplitOptions(gpus=args.stages, device=device, memory_limit=float("inf"),
-                           microbatches=args.microbatches, schedule=Schedule(args.schedule))
-    plan = plan_split(traced, label="gpt2-small", options=options)
-    out = Path(tempfile.mkdtemp(prefix="fxpipe-overhead-")) / "gpt2_pipe"
-    write_folder(out, output_files(traced, plan, label="gpt2-small"))
-    spec = importlib.util.spec_from_file_location(
-        out.name, out / "__init__.py", submodule_search_locations=[str(out)]
-    )
-    assert spec is not None and spec.loader is not None
-    package = importlib.util.module_from_spec(spec)
-    sys.modules[out.name] = package
-    spec.loader.exec_module(package)
-    print(f"generated {args.stages} stages in {out}: "
-          f"{[len(s.nodes) for s in plan.stages]} ops per stage")
-    return package.PipelineRunner(package.build_stages(model))
+    generated = split_and_load(model, (micro,), stages=args.stages,
+                               microbatches=args.microbatches, schedule=args.schedule)
+    print(f"generated {args.stages} stages in {generated.folder}: "
+          f"{[len(s.nodes) for s in generated.plan.stages]} ops per stage")
+    return generated.package.PipelineRunner(generated.package.build_stages(model))
 
 
 def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -173,34 +148,23 @@ def main() -> None:
             build_output=lambda values: values["logits"],
         )
     else:
-        runner = generated_runner(model, cfg, args)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq + 1), generator=g)
-    idx, target = ids[:, :-1], ids[:, 1:]
+        runner = generated_runner(model, args)
+    idx, target = token_batch(cfg.vocab_size, args.batch, args.seq)
 
-    def accumulate() -> torch.Tensor:
+    def accumulate() -> float:
         total = torch.zeros(())
         for x_m, y_m in zip(idx.tensor_split(m), target.tensor_split(m), strict=True):
             loss = loss_fn(model(x_m), y_m) / m
             loss.backward()
             total += loss.detach()
-        return total
+        return total.item()
 
-    def pipelined() -> torch.Tensor:
-        return runner.step((idx,), target, loss_fn)
+    def pipelined() -> float:
+        return runner.step((idx,), target, loss_fn).item()
 
-    timings: dict[str, list[float]] = {"accumulate": [], "runner": []}
-    contenders = [("accumulate", accumulate), ("runner", pipelined)]
-    for i in range(args.repeats + 1):  # the first round warms up and is not counted
-        for name, fn in contenders if i % 2 else contenders[::-1]:  # alternate who goes first
-            model.zero_grad(set_to_none=True)
-            start = time.perf_counter()
-            loss = fn()
-            elapsed = time.perf_counter() - start
-            if i:
-                timings[name].append(elapsed)
-            print(f"round {i} {name:10s} {elapsed:7.3f} s  loss {loss.item():.4f}", flush=True)
-
+    timings = time_alternately([("accumulate", accumulate), ("runner", pipelined)],
+                               args.repeats, before=lambda: model.zero_grad(set_to_none=True),
+                               log=True)
     base = statistics.median(timings["accumulate"])
     ours = statistics.median(timings["runner"])
     params = sum(p.numel() for p in model.parameters())
@@ -209,9 +173,7 @@ def main() -> None:
         f"seq {args.seq}, {args.stages} stages, M={m}, {args.schedule}, "
         f"torch {torch.__version__}, {torch.get_num_threads()} threads"
     )
-    paired = statistics.median(
-        r / a for r, a in zip(timings["runner"], timings["accumulate"], strict=True)
-    )
+    paired = paired_ratio(timings, "runner", "accumulate")
     print(
         f"median accumulate {base:.3f} s, runner.step {ours:.3f} s, ratio of medians "
         f"{ours / base:.3f}, median of per-round ratios {paired:.3f}"
