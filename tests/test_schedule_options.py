@@ -101,8 +101,11 @@ def test_replicated_split_beats_every_unreplicated_one_and_keeps_gradients(
 
     package = import_package(dominant / "rep")
     assert tuple(package.runner.REPLICAS) == tuple(replicas)
-    # torchrun runs one stage per rank: a replicated plan says so instead of misbehaving
-    with pytest.raises(ValueError, match="for torchrun, split with"):
+    # torchrun's lanes need the same replicas on every stage: 1-1-2 says so instead of
+    # misbehaving
+    assert len(set(replicas)) > 1
+    with pytest.raises(ValueError, match=rf"different numbers of replicas \({config}\), which "
+                       "torchrun's pipeline lanes cannot carry"):
         package.pipeline_stage(torch.nn.Linear(1, 1), 0, len(replicas), "cpu")
     namespace: dict[str, object] = {}
     exec(textwrap.dedent(DOMINANT), namespace)

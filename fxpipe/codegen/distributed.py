@@ -4,7 +4,7 @@ This module is copied verbatim into every generated ``distributed.py``, between
 a generated header (the package's stage classes and the literal tables below)
 and a footer that binds them; it imports only torch and the standard library.
 
-# K: stages = processes (rank k runs stage k), M: micro-batches.
+# K: stages, r: replicas of every stage (LANES), K·r processes, M: micro-batches.
 
 torch's ``PipelineStage`` passes a flat tuple of tensors from stage k to stage
 k + 1 only. Each generated stage (inputs by name, a tuple of outputs) is
@@ -26,6 +26,24 @@ Tied parameters (``TIED``: one Parameter bound into several stages, a GPT
 embedding reused as the LM head) live as one copy per rank; after backward
 ``train_step`` sums their gradients over a process group of exactly the ranks
 that hold a copy, so every copy sees the gradient of the unsplit model.
+
+Replicated stages (PipeDream's "2-2": ``LANES`` = r > 1 replicas of every
+stage): K·r ranks form r lanes, each a whole pipeline of K ranks on its own
+process group. Rank j·r + l runs stage j in lane l (the GPUs of stage j are
+j·r .. j·r + r - 1, as ``DEVICE_OF`` numbers them), and lane l takes chunk l of
+the r equal chunks of every micro-batch, as the single-process runner splits a
+replicated stage's micro-batch::
+
+    lane 0 | rank 0 (stage 0) ──► rank 2 (stage 1)     chunk 0 of every micro-batch
+    lane 1 | rank 1 (stage 0) ──► rank 3 (stage 1)     chunk 1
+             └─ all-reduce ─┘     └─ all-reduce ─┘     gradients, over each stage's r ranks
+
+After backward every gradient is averaged over its stage's r replicas (a tied
+one over all its holders in all lanes, divided by r), and the last stage's loss
+over the lanes: with a loss that is a mean over the batch and equal chunks, the
+gradient of the whole micro-batch. Only plans whose stages all have the same
+number of replicas run here: the lanes carry whole micro-batch chunks from one
+rank to the next, which a "1-1-2" plan (one rank feeding two) does not fit.
 
 Memory: with ``checkpoint``, ``pipeline_stage`` allocates only the rank's own
 stage (parameters and buffers still on ``meta`` become empty tensors on
@@ -80,7 +98,7 @@ def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device
     if missing:
         raise RuntimeError(
             f"not launched under torchrun ({' and '.join(missing)} unset): run "
-            "`torchrun --nproc-per-node K train_torchrun.py ...` with K the number of stages"
+            "`torchrun --nproc-per-node N train_torchrun.py ...` with N the plan's GPUs"
         )
     rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if torch.cuda.is_available():
@@ -140,6 +158,8 @@ class StageAdapter(nn.Module):
         self.constants = dict(constants)
         self.build_output = build_output
         self.tied: list[tuple[Any, nn.Parameter]] = []  # (process group, this rank's copy)
+        self.replica_group: Any = None  # the ranks running this stage (replicated stages)
+        self.microbatches = 1  # per step, set by build_schedule
 
     def forward(self, *flat: torch.Tensor) -> Any:
         values: dict[str, Any] = dict(self.constants)
@@ -169,10 +189,13 @@ class DistributedPipeline:
         microbatches: int,
         flatten_inputs: Callable[..., dict[str, Any]],
         build_output: Callable[[dict[str, Any]], Any],
+        lanes: int = 1,
         unsupported: str | None = None,
     ) -> None:
         assert len(wires) == len(stage_classes), (len(wires), len(stage_classes))
-        self.unsupported = unsupported  # why this plan cannot run one stage per rank
+        assert lanes >= 1, lanes
+        self.unsupported = unsupported  # why this plan cannot run under torchrun
+        self.lanes = lanes  # replicas of every stage: r pipelines side by side
         self.stage_classes = list(stage_classes)
         self.wires = [tuple(w) for w in wires]
         self.tied = [dict(group) for group in tied]
@@ -185,23 +208,35 @@ class DistributedPipeline:
     def num_stages(self) -> int:
         return len(self.stage_classes)
 
+    @property
+    def num_ranks(self) -> int:
+        return self.num_stages * self.lanes
+
+    def position(self, rank: int) -> tuple[int, int]:
+        """(stage, lane) of ``rank``: rank j·r + l runs stage j in lane l."""
+        if not 0 <= rank < self.num_ranks:
+            raise ValueError(
+                f"rank {rank} has no stage: this package runs on ranks 0..{self.num_ranks - 1}"
+            )
+        return divmod(rank, self.lanes)
+
     # -------------------------------------------------------------- building
 
     def stage_module(
         self,
         model: nn.Module,
-        rank: int,
+        stage_index: int,
         device: torch.device | str,
         *example_args: Any,
         checkpoint: str | Path | Mapping[str, torch.Tensor] | None = None,
         **example_kwargs: Any,
     ) -> tuple[StageAdapter, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        """Stage ``rank`` of ``model`` as a ``StageAdapter`` on ``device``, with
+        """Stage ``stage_index`` of ``model`` as a ``StageAdapter`` on ``device``, with
         the example tensors (inputs, outputs) of one micro-batch. No process group
         needed. Parameters and buffers still on ``meta`` are materialized and
         loaded from ``checkpoint`` (a state_dict or a ``torch.save`` file of one,
         memory-mapped); nothing outside this stage is allocated."""
-        k = self._check_rank(rank)
+        k = self._check_stage(stage_index)
         device = torch.device(device)
         examples = self._example_values(model, example_args, example_kwargs)
         receives, constants = self._split_wire(k, examples)
@@ -237,32 +272,72 @@ class DistributedPipeline:
     ) -> PipelineStage:
         """This rank's ``PipelineStage`` (collective: every rank calls it, in the
         same order). ``example_args``/``example_kwargs``: ONE micro-batch, as the
-        model's forward takes it."""
+        model's forward takes it. ``group``: the pipeline's process group (default:
+        the whole job); with replicated stages fxpipe makes one per lane."""
         if self.unsupported:
             raise ValueError(self.unsupported)
-        if world_size != self.num_stages:
+        if world_size != self.num_ranks:
+            what = (f"pipeline stages ({self.num_stages})" if self.lanes == 1 else
+                    f"GPUs of the plan ({self.num_stages} stages × {self.lanes} replicas)")
             raise ValueError(
-                f"world size ({world_size}) must equal the number of pipeline stages "
-                f"({self.num_stages}): launch with torchrun --nproc-per-node {self.num_stages}"
+                f"world size ({world_size}) must equal the number of {what}: launch with "
+                f"torchrun --nproc-per-node {self.num_ranks}"
             )
+        k, lane = self.position(rank)
+        example_args, example_kwargs = self.lane_share(
+            (example_args, example_kwargs), lane, microbatches=1, what="the example micro-batch")
         adapter, inputs, outputs = self.stage_module(
-            model, rank, device, *example_args, checkpoint=checkpoint, **example_kwargs
+            model, k, device, *example_args, checkpoint=checkpoint, **example_kwargs
         )
-        # one group per tied parameter, created in the same order on every rank
-        for copies in self.tied:
-            ranks = sorted(copies)
-            tied_group = dist.new_group(ranks)
-            if rank in copies:
-                adapter.tied.append((tied_group, adapter.stage.get_parameter(copies[rank])))
+        # every group, created in the same order on every rank (a collective call)
+        r = self.lanes
+        for copies in self.tied:  # one per tied parameter: its holders in every lane
+            tied_group = dist.new_group([j * r + i for j in sorted(copies) for i in range(r)])
+            if k in copies:
+                adapter.tied.append((tied_group, adapter.stage.get_parameter(copies[k])))
+        if r > 1:
+            if group is not None:
+                raise ValueError("a plan with replicated stages makes its own process groups, "
+                                 "one per lane: call pipeline_stage without group")
+            for i in range(r):  # lane i: stage j on rank j·r + i
+                lane_group = dist.new_group([j * r + i for j in range(self.num_stages)])
+                if i == lane:
+                    group = lane_group
+            for j in range(self.num_stages):  # stage j's replicas
+                replica_group = dist.new_group([j * r + i for i in range(r)])
+                if j == k:
+                    adapter.replica_group = replica_group
         return PipelineStage(
             adapter,
-            rank,
+            k,
             self.num_stages,
             torch.device(device),
             input_args=inputs,
             output_args=outputs,
             group=group,
         )
+
+    def lane_share(self, value: Any, lane: int, *, microbatches: int, what: str) -> Any:
+        """Lane ``lane``'s rows of ``value``: every tensor leaf with dim > 0 cut into
+        ``microbatches`` micro-batches along dim 0, each of them into r equal chunks
+        (``torch.tensor_split``, as the runner splits a replicated stage's inputs),
+        and chunk ``lane`` of each, concatenated. Other leaves pass whole."""
+        r = self.lanes
+        if r == 1:
+            return value
+
+        def share(x: Any) -> Any:
+            if not isinstance(x, torch.Tensor) or x.dim() == 0:
+                return x
+            if x.size(0) % (microbatches * r):
+                raise ValueError(
+                    f"{what} has {x.size(0)} rows along dim 0, which do not split into "
+                    f"{microbatches} micro-batches of {r} equal replica chunks; use a batch "
+                    f"size that is a multiple of {microbatches * r}"
+                )
+            return torch.cat([mb.tensor_split(r)[lane] for mb in x.tensor_split(microbatches)])
+
+        return pytree.tree_map(share, value)
 
     def build_schedule(
         self,
@@ -286,6 +361,7 @@ class DistributedPipeline:
                 stacklevel=2,
             )
             kind = "gpipe"
+        cast(StageAdapter, stage.submod).microbatches = m
         return classes[kind](stage, n_microbatches=m, loss_fn=loss_fn)
 
     # -------------------------------------------------------------- running
@@ -293,13 +369,19 @@ class DistributedPipeline:
     def train_step(
         self, schedule: Any, stage: PipelineStage, *args: Any, target: Any = None, **kwargs: Any
     ) -> torch.Tensor | None:
-        """Forward and backward of one mini-batch (M micro-batches): rank 0 feeds
-        ``args``/``kwargs``, the last rank ``target``; then tied gradients are summed.
-        Returns the mean loss on the last rank, None elsewhere. Zero grads before."""
+        """Forward and backward of one mini-batch (M micro-batches): the first stage
+        feeds ``args``/``kwargs``, the last ``target`` (each lane its share of every
+        micro-batch); then gradients are summed over tied copies and averaged over
+        replicas. Returns the mean loss on the last stage, None elsewhere. Zero
+        grads before."""
         adapter = stage.submod
         assert isinstance(adapter, StageAdapter)
+        lane = self.position(dist.get_rank())[1] if self.lanes > 1 else 0
+        m = adapter.microbatches
         feed: list[torch.Tensor] = []
         if stage.is_first:
+            args, kwargs = self.lane_share((args, kwargs), lane, microbatches=m,
+                                           what="the mini-batch")
             values = self.flatten_inputs(*args, **kwargs)
             for name, baked in adapter.constants.items():
                 if name in values and values[name] != baked:
@@ -310,33 +392,47 @@ class DistributedPipeline:
             feed = [values[name].to(stage.device) for name in adapter.receives]
         losses: list[torch.Tensor] = []
         if stage.is_last:
+            target = self.lane_share(target, lane, microbatches=m, what="the target")
             target = pytree.tree_map_only(torch.Tensor, lambda t: t.to(stage.device), target)
             schedule.step(*feed, target=target, losses=losses)
         else:
             schedule.step(*feed)
-        self.reduce_tied_grads(stage)
+        self.reduce_grads(stage)
         if not stage.is_last:
             return None
-        return torch.stack([loss.detach() for loss in losses]).mean()
+        loss = torch.stack([loss.detach() for loss in losses]).mean()
+        if adapter.replica_group is not None:
+            dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=adapter.replica_group)
+            loss /= self.lanes
+        return loss
 
-    @staticmethod
-    def reduce_tied_grads(stage: PipelineStage) -> None:
-        """Sum each tied parameter's gradient over the ranks holding a copy."""
+    def reduce_grads(self, stage: PipelineStage) -> None:
+        """Sum each tied parameter's gradient over the ranks holding a copy; with
+        replicated stages, average every gradient over its stage's replicas."""
         adapter = stage.submod
         assert isinstance(adapter, StageAdapter)
+        tied = {id(param) for _, param in adapter.tied}
         for tied_group, param in adapter.tied:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=tied_group)
+            param.grad /= self.lanes
+        if adapter.replica_group is None:
+            return
+        for param in adapter.stage.parameters():
+            if id(param) in tied or not param.requires_grad:
+                continue
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=adapter.replica_group)
+            param.grad /= self.lanes
 
     # -------------------------------------------------------------- internals
 
-    def _check_rank(self, rank: int) -> int:
-        if not 0 <= rank < self.num_stages:
-            raise ValueError(
-                f"rank {rank} has no stage: this package has stages 0..{self.num_stages - 1}"
-            )
-        return rank
+    def _check_stage(self, k: int) -> int:
+        if not 0 <= k < self.num_stages:
+            raise ValueError(f"no stage {k}: this package has stages 0..{self.num_stages - 1}")
+        return k
 
     def _example_values(
         self, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -552,7 +648,7 @@ def _train(
     for step in range(opts.steps):
         optimizer.zero_grad(set_to_none=True)
         loss = pipeline.train_step(schedule, stage, *args, target=target, **kwargs)
-        if loss is not None:
+        if loss is not None and rank % pipeline.lanes == 0:  # lane 0 speaks for all
             print(f"step {step}: loss {loss.item():.6f}", flush=True)
         if step == opts.steps - 1 and opts.save:
             rss["step"] = peak_rss_bytes()

@@ -468,16 +468,23 @@ def _string_constant(name: str, text: str | None) -> list[str]:
 
 
 def _distributed_limit(plan: Plan) -> str | None:
-    """Why ``distributed.py`` cannot run ``plan`` one stage per rank, or None."""
+    """Why ``distributed.py`` cannot run ``plan`` (r ranks per stage), or None."""
     if plan.virtual_stages > 1 or plan.schedule == "pipedream":
         what = "interleaved" if plan.virtual_stages > 1 else "pipedream"
-    elif any(stage.replicas > 1 for stage in plan.stages):
-        what = f"replicated ({plan.configuration})"
-    else:
-        return None
-    return (f"this plan's {what} stages run in runner.PipelineRunner (one process) only; "
-            f"for torchrun, split with --schedule 1f1b or gpipe and without --replicate "
-            f"or --virtual-stages")
+        return (f"this plan's {what} stages run in runner.PipelineRunner (one process) only; "
+                f"for torchrun, split with --schedule 1f1b or gpipe and without "
+                f"--virtual-stages")
+    if len({stage.replicas for stage in plan.stages}) > 1:
+        return (f"this plan's stages have different numbers of replicas "
+                f"({plan.configuration}), which torchrun's pipeline lanes cannot carry: run "
+                f"it in runner.PipelineRunner (one process), or split without --replicate")
+    return None
+
+
+def _lanes(plan: Plan) -> int:
+    """Replicas of every stage when they are all equal (torchrun's lanes), else 1."""
+    counts = {stage.replicas for stage in plan.stages}
+    return counts.pop() if len(counts) == 1 else 1
 
 
 def wires(graph: torch.fx.Graph, ios: list[StageIO]) -> list[tuple[str, ...]]:
@@ -553,6 +560,8 @@ def distributed_source(traced: Traced, plan: Plan, ios: list[StageIO]) -> str:
         f"SCHEDULE_KIND = {json.dumps(plan.schedule)}",
         "# UNSUPPORTED: why this plan cannot run here (None: it can)",
         *_string_constant("UNSUPPORTED", _distributed_limit(plan)),
+        "# LANES: replicas of every stage; rank j * LANES + l runs stage j in lane l",
+        f"LANES = {_lanes(plan)}",
         "# WIRES[k]: the values stage k receives, in this order; a value passes through",
         "# every stage between the one that makes it and the last one that reads it.",
         "WIRES = (",
@@ -563,7 +572,7 @@ def distributed_source(traced: Traced, plan: Plan, ios: list[StageIO]) -> str:
     header += [
         ")",
         "# TIED: parameters bound by several stages, stage -> name; their gradients are",
-        "# summed over exactly those ranks after backward.",
+        "# summed over exactly the ranks of those stages after backward.",
         "TIED = (" if tied else "TIED = ()",
     ]
     for group in tied:
@@ -580,13 +589,14 @@ def distributed_source(traced: Traced, plan: Plan, ios: list[StageIO]) -> str:
         "    microbatches=MICROBATCHES,",
         "    flatten_inputs=flatten_inputs,",
         "    build_output=build_output,",
+        "    lanes=LANES,",
         "    unsupported=UNSUPPORTED,",
         ")",
         "stage_module = PIPELINE.stage_module",
         "pipeline_stage = PIPELINE.pipeline_stage",
         "build_schedule = PIPELINE.build_schedule",
         "train_step = PIPELINE.train_step",
-        "reduce_tied_grads = PIPELINE.reduce_tied_grads",
+        "reduce_grads = PIPELINE.reduce_grads",
     ]
     parts = [
         '"""' + "\n".join(doc).replace('"""', "'''").rstrip() + '\n"""\n',
@@ -599,11 +609,14 @@ def distributed_source(traced: Traced, plan: Plan, ios: list[StageIO]) -> str:
 
 
 def launch_source(plan: Plan) -> str:
-    k = plan.num_stages
+    lanes = _lanes(plan)
+    per_process = ("one pipeline stage per process" if lanes == 1 else
+                   f"one pipeline stage per process, {lanes} processes per stage")
     return "\n".join([
-        f'"""Train {plan.model or "the model"} under torchrun, one pipeline stage per process:',
+        f'"""Train {plan.model or "the model"} under torchrun, {per_process}:',
         "",
-        f"    torchrun --nproc-per-node {k} train_torchrun.py --model model.py \\",
+        f"    torchrun --nproc-per-node {plan.num_stages * lanes} train_torchrun.py "
+        "--model model.py \\",
         "        [--checkpoint model.pt] [--steps N] [--lr LR] [--batch FILE] [--save DIR]",
         "",
         "gloo on the CPU, NCCL on GPUs; the loss is the model file's loss_fn. With",

@@ -18,9 +18,10 @@ from ._helpers import EXAMPLES, contiguous_plan, import_package, load, write_pac
 _names = itertools.count()
 
 
-def _package(tmp_path: Path, name: str, k: int, schedule: str = "gpipe") -> tuple:
+def _package(tmp_path: Path, name: str, k: int, schedule: str = "gpipe",
+             replicas: int = 1) -> tuple:
     source, traced = load(str(EXAMPLES / f"{name}.py"))
-    plan = contiguous_plan(traced.gm.graph, k, schedule=schedule)
+    plan = contiguous_plan(traced.gm.graph, k, schedule=schedule, replicas=replicas)
     write_package(tmp_path / "pkg", traced, plan)
     return source, import_package(tmp_path / "pkg", f"fxpipe_dist_err_{next(_names)}")
 
@@ -35,6 +36,25 @@ def test_world_size_must_equal_the_number_of_stages(gpt: tuple) -> None:
     with pytest.raises(ValueError, match=r"world size \(3\) must equal the number of pipeline "
                        r"stages \(2\): launch with torchrun --nproc-per-node 2"):
         package.pipeline_stage(source.model, 0, 3, "cpu", *source.args)
+
+
+def test_replicated_plan_needs_every_gpu_and_even_chunks(tmp_path: Path) -> None:
+    source, package = _package(tmp_path, "gpt", 2, "1f1b", replicas=2)
+    pipeline = package.distributed.PIPELINE
+    assert pipeline.lanes == 2 and pipeline.unsupported is None
+    with pytest.raises(ValueError, match=r"world size \(2\) must equal the number of GPUs of "
+                       r"the plan \(2 stages × 2 replicas\): launch with torchrun "
+                       r"--nproc-per-node 4"):
+        package.pipeline_stage(source.model, 0, 2, "cpu", *source.args)
+    assert [pipeline.position(rank) for rank in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    # lane 1 of M = 2 micro-batches of 4 rows: rows 2-3 of the first and 6-7 of the second
+    rows = torch.arange(8)
+    share = pipeline.lane_share(rows, 1, microbatches=2, what="the mini-batch")
+    assert share.tolist() == [2, 3, 6, 7]
+    with pytest.raises(ValueError, match="the mini-batch has 6 rows along dim 0, which do not "
+                       "split into 2 micro-batches of 2 equal replica chunks; use a batch size "
+                       "that is a multiple of 4"):
+        pipeline.lane_share(torch.zeros(6, 3), 0, microbatches=2, what="the mini-batch")
 
 
 def test_not_under_torchrun(gpt: tuple, monkeypatch: pytest.MonkeyPatch) -> None:

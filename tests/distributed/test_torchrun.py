@@ -16,18 +16,20 @@ from ._helpers import write_package as write
 
 _names = itertools.count()
 
-# (example, stages, schedule): GPT's tok_emb/lm_head weight is tied across the cut;
-# the U-Net's encoder-to-decoder skips cross it (with 3 stages a skip passes through
-# the middle stage).
-CASES = [("gpt", 2, "1f1b"), ("unet", 2, "gpipe")]
+# (example, stages, schedule, replicas of every stage): GPT's tok_emb/lm_head weight is
+# tied across the cut; the U-Net's encoder-to-decoder skips cross it (with 3 stages a
+# skip passes through the middle stage). "2-2": two lanes of two ranks, each lane
+# taking half of every micro-batch, gradients averaged over each stage's replicas
+# (the tied weight over all four of its copies).
+CASES = [("gpt", 2, "1f1b", 1), ("unet", 2, "gpipe", 1), ("gpt", 2, "1f1b", 2)]
 
 
-@pytest.mark.parametrize(("name", "k", "schedule"), CASES)
+@pytest.mark.parametrize(("name", "k", "schedule", "r"), CASES)
 def test_torchrun_matches_runner_and_model(tmp_path: Path, name: str, k: int,
-                                           schedule: str) -> None:
+                                           schedule: str, r: int) -> None:
     model_file = EXAMPLES / f"{name}.py"
     source, traced = load(str(model_file))
-    plan = contiguous_plan(traced.gm.graph, k, schedule=schedule, microbatches=2)
+    plan = contiguous_plan(traced.gm.graph, k, schedule=schedule, microbatches=2, replicas=r)
     files = write(tmp_path / "pkg", traced, plan)
     model = source.model
     torch.save(model.state_dict(), tmp_path / "model.pt")
@@ -37,15 +39,17 @@ def test_torchrun_matches_runner_and_model(tmp_path: Path, name: str, k: int,
     if name == "gpt":
         assert '{0: "tok_emb.weight", 1: "lm_head.weight"}' in files["distributed.py"]
 
-    result = torchrun(k, tmp_path / "pkg" / "train_torchrun.py", "--model", str(model_file),
+    assert f"torchrun --nproc-per-node {k * r} train_torchrun.py" in files["train_torchrun.py"]
+    result = torchrun(k * r, tmp_path / "pkg" / "train_torchrun.py", "--model", str(model_file),
                       "--checkpoint", str(tmp_path / "model.pt"), "--batch",
                       str(tmp_path / "batch.pt"), "--save", str(tmp_path / "out"), "--lr", "0")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
-    ranks = [torch.load(tmp_path / "out" / f"rank{r}.pt") for r in range(k)]
+    ranks = [torch.load(tmp_path / "out" / f"rank{rank}.pt") for rank in range(k * r)]
 
     # the single-process runner of the same package
     package = import_package(tmp_path / "pkg", f"fxpipe_dist_{next(_names)}")
     runner = package.PipelineRunner(package.build_stages(model))
+    assert runner.replicas == [r] * k
     model.zero_grad(set_to_none=True)
     runner_loss = runner.step(kwargs if kwargs else args, target, source.loss_fn)
     runner_grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
@@ -56,18 +60,21 @@ def test_torchrun_matches_runner_and_model(tmp_path: Path, name: str, k: int,
     model_grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
     model.zero_grad(set_to_none=True)
 
-    loss = ranks[-1]["loss"]
-    assert all(r["loss"] is None for r in ranks[:-1])
+    last = ranks[-r:]  # the last stage's replicas: the same loss, averaged over the lanes
+    assert all(saved["loss"] is None for saved in ranks[:-r])
+    loss = last[0]["loss"]
+    for saved in last[1:]:
+        torch.testing.assert_close(saved["loss"], loss, rtol=0, atol=0)
     close = {"rtol": 1e-4, "atol": 1e-5}
     torch.testing.assert_close(loss, model_loss.detach(), **close)
     torch.testing.assert_close(loss, torch.as_tensor(runner_loss), **close)
     seen = set()
-    for r, saved in enumerate(ranks):
-        assert saved["grads"], f"rank {r} saved no gradients"
+    for rank, saved in enumerate(ranks):
+        assert saved["grads"], f"rank {rank} saved no gradients"
         for key, grad in saved["grads"].items():
             seen.add(key)
             torch.testing.assert_close(grad, model_grads[key], **close,
-                                       msg=lambda m, key=key, r=r: f"rank {r} {key}: {m}")
+                                       msg=lambda m, key=key, rank=rank: f"rank {rank} {key}: {m}")
             torch.testing.assert_close(grad, runner_grads[key], **close,
-                                       msg=lambda m, key=key, r=r: f"rank {r} {key}: {m}")
+                                       msg=lambda m, key=key, rank=rank: f"rank {rank} {key}: {m}")
     assert seen == set(model_grads)  # every parameter lives on some rank
