@@ -4,7 +4,7 @@ This module is copied verbatim into every generated ``distributed.py``, between
 a generated header (the package's stage classes and the literal tables below)
 and a footer that binds them; it imports only torch and the standard library.
 
-# K: stages, r: replicas of every stage (LANES), K·r processes, M: micro-batches.
+# K: stages, r_j: replicas of stage j (REPLICAS), Σ r_j processes, M: micro-batches.
 
 torch's ``PipelineStage`` passes a flat tuple of tensors from stage k to stage
 k + 1 only. Each generated stage (inputs by name, a tuple of outputs) is
@@ -27,12 +27,13 @@ embedding reused as the LM head) live as one copy per rank; after backward
 ``train_step`` sums their gradients over a process group of exactly the ranks
 that hold a copy, so every copy sees the gradient of the unsplit model.
 
-Replicated stages (PipeDream's "2-2": ``LANES`` = r > 1 replicas of every
-stage): K·r ranks form r lanes, each a whole pipeline of K ranks on its own
-process group. Rank j·r + l runs stage j in lane l (the GPUs of stage j are
-j·r .. j·r + r - 1, as ``DEVICE_OF`` numbers them), and lane l takes chunk l of
-the r equal chunks of every micro-batch, as the single-process runner splits a
-replicated stage's micro-batch::
+Replicated stages (PipeDream's "2-2" or "1-1-2", ``REPLICAS``): stage j runs on
+r_j ranks, numbered as ``DEVICE_OF`` numbers its GPUs (stage j's first rank is
+r_0 + ... + r_{j-1}), and its replica i takes chunk i of the r_j equal chunks of
+every micro-batch, as the single-process runner splits a replicated stage's
+micro-batch. When every stage has the same r, the K·r ranks form r lanes, each a
+whole ``PipelineStage`` pipeline of K ranks on its own process group (rank j·r + l
+runs stage j in lane l)::
 
     lane 0 | rank 0 (stage 0) ──► rank 2 (stage 1)     chunk 0 of every micro-batch
     lane 1 | rank 1 (stage 0) ──► rank 3 (stage 1)     chunk 1
@@ -41,9 +42,23 @@ replicated stage's micro-batch::
 After backward every gradient is averaged over its stage's r replicas (a tied
 one over all its holders in all lanes, divided by r), and the last stage's loss
 over the lanes: with a loss that is a mean over the batch and equal chunks, the
-gradient of the whole micro-batch. Only plans whose stages all have the same
-number of replicas run here: the lanes carry whole micro-batch chunks from one
-rank to the next, which a "1-1-2" plan (one rank feeding two) does not fit.
+gradient of the whole micro-batch.
+
+Stages with different replica counts do not fit ``PipelineStage``, whose wires
+join one rank to one rank. A ``TableStage`` runs them instead: every rank walks
+the runner's ``SCHEDULE`` table and does its own stage's actions, sending each
+replica the rows of a value that it takes (``dist.isend``/``irecv``, the wires
+and adapters above), and sending gradients back the same way::
+
+    1-2, b = 4 rows:  stage 0 (rank 0) rows 0-3 ──┬─ rows 0-1 ─► stage 1 replica 0 (rank 1)
+                                                  └─ rows 2-3 ─► stage 1 replica 1 (rank 2)
+
+A tensor whose dim 0 is not the micro-batch's rows (a causal mask) goes whole
+from the producer's replica 0 to every replica, and their gradients for it are
+summed there. The last stage's replicas divide their chunk's loss by r, so the
+gradients summed over each stage's replicas (and over all copies of a tied
+parameter) are the whole micro-batch's. Each send matches a receive at a later
+tick of the table, so no rank waits on one that waits on it.
 
 Memory: with ``checkpoint``, ``pipeline_stage`` allocates only the rank's own
 stage (parameters and buffers still on ``meta`` become empty tensors on
@@ -189,13 +204,19 @@ class DistributedPipeline:
         microbatches: int,
         flatten_inputs: Callable[..., dict[str, Any]],
         build_output: Callable[[dict[str, Any]], Any],
-        lanes: int = 1,
+        replicas: Sequence[int] = (),
+        table: Sequence[Sequence[tuple[int, str, int]]] = (),
         unsupported: str | None = None,
     ) -> None:
         assert len(wires) == len(stage_classes), (len(wires), len(stage_classes))
-        assert lanes >= 1, lanes
         self.unsupported = unsupported  # why this plan cannot run under torchrun
-        self.lanes = lanes  # replicas of every stage: r pipelines side by side
+        self.replicas = tuple(replicas) or (1,) * len(stage_classes)
+        assert len(self.replicas) == len(stage_classes) and min(self.replicas) >= 1
+        # the same r on every stage: r PipelineStage pipelines side by side, else TableStage
+        self.uniform = len(set(self.replicas)) == 1
+        self.lanes = self.replicas[0] if self.uniform else 1
+        self.first_rank = [sum(self.replicas[:j]) for j in range(len(self.replicas))]
+        self.table = [tuple(tick) for tick in table]  # the runner's SCHEDULE (TableStage)
         self.stage_classes = list(stage_classes)
         self.wires = [tuple(w) for w in wires]
         self.tied = [dict(group) for group in tied]
@@ -210,15 +231,17 @@ class DistributedPipeline:
 
     @property
     def num_ranks(self) -> int:
-        return self.num_stages * self.lanes
+        return sum(self.replicas)
 
     def position(self, rank: int) -> tuple[int, int]:
-        """(stage, lane) of ``rank``: rank j·r + l runs stage j in lane l."""
+        """(stage, replica) of ``rank``: stage j's replicas are ranks first_rank[j] + i
+        (with the same r everywhere, rank j·r + l runs stage j in lane l)."""
         if not 0 <= rank < self.num_ranks:
             raise ValueError(
                 f"rank {rank} has no stage: this package runs on ranks 0..{self.num_ranks - 1}"
             )
-        return divmod(rank, self.lanes)
+        j = max(j for j, first in enumerate(self.first_rank) if first <= rank)
+        return j, rank - self.first_rank[j]
 
     # -------------------------------------------------------------- building
 
@@ -269,20 +292,24 @@ class DistributedPipeline:
         checkpoint: str | Path | Mapping[str, torch.Tensor] | None = None,
         group: Any = None,
         **example_kwargs: Any,
-    ) -> PipelineStage:
-        """This rank's ``PipelineStage`` (collective: every rank calls it, in the
-        same order). ``example_args``/``example_kwargs``: ONE micro-batch, as the
-        model's forward takes it. ``group``: the pipeline's process group (default:
-        the whole job); with replicated stages fxpipe makes one per lane."""
+    ) -> "PipelineStage | TableStage":
+        """This rank's ``PipelineStage``, or ``TableStage`` for uneven replicas
+        (collective: every rank calls it, in the same order). ``example_args`` /
+        ``example_kwargs``: ONE micro-batch, as the model's forward takes it.
+        ``group``: the pipeline's process group (default: the whole job); with
+        replicated stages fxpipe makes one per lane."""
         if self.unsupported:
             raise ValueError(self.unsupported)
         if world_size != self.num_ranks:
-            what = (f"pipeline stages ({self.num_stages})" if self.lanes == 1 else
-                    f"GPUs of the plan ({self.num_stages} stages × {self.lanes} replicas)")
+            what = (f"pipeline stages ({self.num_stages})" if self.num_ranks == self.num_stages
+                    else f"GPUs of the plan ({'-'.join(map(str, self.replicas))})")
             raise ValueError(
                 f"world size ({world_size}) must equal the number of {what}: launch with "
                 f"torchrun --nproc-per-node {self.num_ranks}"
             )
+        if not self.uniform:
+            return self._table_stage(model, rank, device, example_args, example_kwargs,
+                                     checkpoint)
         k, lane = self.position(rank)
         example_args, example_kwargs = self.lane_share(
             (example_args, example_kwargs), lane, microbatches=1, what="the example micro-batch")
@@ -291,10 +318,7 @@ class DistributedPipeline:
         )
         # every group, created in the same order on every rank (a collective call)
         r = self.lanes
-        for copies in self.tied:  # one per tied parameter: its holders in every lane
-            tied_group = dist.new_group([j * r + i for j in sorted(copies) for i in range(r)])
-            if k in copies:
-                adapter.tied.append((tied_group, adapter.stage.get_parameter(copies[k])))
+        self._make_groups(adapter, k)
         if r > 1:
             if group is not None:
                 raise ValueError("a plan with replicated stages makes its own process groups, "
@@ -303,10 +327,6 @@ class DistributedPipeline:
                 lane_group = dist.new_group([j * r + i for j in range(self.num_stages)])
                 if i == lane:
                     group = lane_group
-            for j in range(self.num_stages):  # stage j's replicas
-                replica_group = dist.new_group([j * r + i for i in range(r)])
-                if j == k:
-                    adapter.replica_group = replica_group
         return PipelineStage(
             adapter,
             k,
@@ -316,6 +336,41 @@ class DistributedPipeline:
             output_args=outputs,
             group=group,
         )
+
+    def _make_groups(self, adapter: StageAdapter, k: int) -> None:
+        """The process groups of tied copies (all their holders' ranks) and of each
+        replicated stage's ranks, created in the same order on every rank."""
+        def ranks(j: int) -> list[int]:
+            return list(range(self.first_rank[j], self.first_rank[j] + self.replicas[j]))
+
+        for copies in self.tied:
+            tied_group = dist.new_group([rank for j in sorted(copies) for rank in ranks(j)])
+            if k in copies:
+                adapter.tied.append((tied_group, adapter.stage.get_parameter(copies[k])))
+        for j in range(self.num_stages):
+            if self.replicas[j] > 1:
+                replica_group = dist.new_group(ranks(j))
+                if j == k:
+                    adapter.replica_group = replica_group
+
+    def _table_stage(self, model: nn.Module, rank: int, device: torch.device | str,
+                     example_args: tuple[Any, ...], example_kwargs: dict[str, Any],
+                     checkpoint: str | Path | Mapping[str, torch.Tensor] | None) -> "TableStage":
+        """This rank's replica of its stage, for a plan with uneven replicas."""
+        k, replica = self.position(rank)
+        rows = _batch_rows((example_args, example_kwargs))
+        if rows is None or any(rows % r for r in self.replicas):
+            raise ValueError(
+                f"the example micro-batch has {rows} rows along dim 0, which do not split "
+                f"into equal chunks for every stage's replicas "
+                f"({'-'.join(map(str, self.replicas))}); use a micro-batch size that is a "
+                f"multiple of each"
+            )
+        adapter, inputs, outputs = self.stage_module(
+            model, k, device, *example_args, checkpoint=checkpoint, **example_kwargs
+        )
+        self._make_groups(adapter, k)
+        return TableStage(self, adapter, k, replica, torch.device(device), inputs, outputs, rows)
 
     def lane_share(self, value: Any, lane: int, *, microbatches: int, what: str) -> Any:
         """Lane ``lane``'s rows of ``value``: every tensor leaf with dim > 0 cut into
@@ -341,7 +396,7 @@ class DistributedPipeline:
 
     def build_schedule(
         self,
-        stage: PipelineStage,
+        stage: "PipelineStage | TableStage",
         loss_fn: Callable[[Any, Any], torch.Tensor] | None,
         *,
         microbatches: int | None = None,
@@ -351,6 +406,13 @@ class DistributedPipeline:
         Gradients are divided by M, as the single-process runner does."""
         kind = schedule or self.schedule
         m = microbatches or self.microbatches
+        if isinstance(stage, TableStage):
+            if m != self.microbatches or kind != self.schedule:
+                raise ValueError(
+                    f"a plan with unevenly replicated stages runs its own schedule table "
+                    f"({self.schedule}, M = {self.microbatches}); split again to change it"
+                )
+            return TableSchedule(stage, self.table, m, loss_fn)
         classes = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
         if kind not in classes:
             raise ValueError(f"unknown schedule {kind!r}; use one of {sorted(classes)}")
@@ -367,7 +429,8 @@ class DistributedPipeline:
     # -------------------------------------------------------------- running
 
     def train_step(
-        self, schedule: Any, stage: PipelineStage, *args: Any, target: Any = None, **kwargs: Any
+        self, schedule: Any, stage: "PipelineStage | TableStage", *args: Any, target: Any = None,
+        **kwargs: Any,
     ) -> torch.Tensor | None:
         """Forward and backward of one mini-batch (M micro-batches): the first stage
         feeds ``args``/``kwargs``, the last ``target`` (each lane its share of every
@@ -376,6 +439,11 @@ class DistributedPipeline:
         grads before."""
         adapter = stage.submod
         assert isinstance(adapter, StageAdapter)
+        if isinstance(schedule, TableSchedule):
+            if stage.is_first:
+                _check_constants(adapter, self.flatten_inputs(*args, **kwargs))
+            return schedule.step(args, kwargs, target)
+        assert isinstance(stage, PipelineStage)
         lane = self.position(dist.get_rank())[1] if self.lanes > 1 else 0
         m = adapter.microbatches
         feed: list[torch.Tensor] = []
@@ -383,12 +451,7 @@ class DistributedPipeline:
             args, kwargs = self.lane_share((args, kwargs), lane, microbatches=m,
                                            what="the mini-batch")
             values = self.flatten_inputs(*args, **kwargs)
-            for name, baked in adapter.constants.items():
-                if name in values and values[name] != baked:
-                    raise ValueError(
-                        f"graph input {name!r} is {values[name]!r} but the stages were built "
-                        f"with {baked!r} (non-tensor inputs are baked in at pipeline_stage)"
-                    )
+            _check_constants(adapter, values)
             feed = [values[name].to(stage.device) for name in adapter.receives]
         losses: list[torch.Tensor] = []
         if stage.is_last:
@@ -406,17 +469,20 @@ class DistributedPipeline:
             loss /= self.lanes
         return loss
 
-    def reduce_grads(self, stage: PipelineStage) -> None:
+    def reduce_grads(self, stage: "PipelineStage | TableStage") -> None:
         """Sum each tied parameter's gradient over the ranks holding a copy; with
         replicated stages, average every gradient over its stage's replicas."""
         adapter = stage.submod
         assert isinstance(adapter, StageAdapter)
+        # lanes: each replica's loss is its chunk's mean, so the sum over replicas is
+        # divided by r; TableStage divides the loss by r itself
+        r = self.lanes
         tied = {id(param) for _, param in adapter.tied}
         for tied_group, param in adapter.tied:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=tied_group)
-            param.grad /= self.lanes
+            param.grad /= r
         if adapter.replica_group is None:
             return
         for param in adapter.stage.parameters():
@@ -425,7 +491,7 @@ class DistributedPipeline:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=adapter.replica_group)
-            param.grad /= self.lanes
+            param.grad /= r
 
     # -------------------------------------------------------------- internals
 
@@ -475,6 +541,246 @@ class DistributedPipeline:
                     "cut the model where no such value crosses"
                 )
         return tuple(tensors), constants
+
+
+# ---------------------------------------------------------------------------- uneven replicas
+
+
+class TableStage:
+    """One rank's replica of a stage in a plan whose stages have different replica
+    counts (see the module docstring): its adapter, where it sits, and the example
+    tensors of one whole micro-batch (``rows`` along dim 0) that it receives and
+    sends, which fix the shapes of what travels."""
+
+    def __init__(self, pipeline: DistributedPipeline, adapter: StageAdapter, stage_index: int,
+                 replica: int, device: torch.device, receives: tuple[torch.Tensor, ...],
+                 sends: tuple[torch.Tensor, ...], rows: int) -> None:
+        self.pipeline = pipeline
+        self.submod = adapter  # named as on PipelineStage, so train scripts read both alike
+        self.stage_index = stage_index
+        self.replica = replica
+        self.device = device
+        self.receives = receives
+        self.sends = sends
+        self.rows = rows
+        self.is_first = stage_index == 0
+        self.is_last = stage_index == pipeline.num_stages - 1
+
+    def chunk(self, j: int, i: int) -> tuple[int, int]:
+        """Rows [lo, hi) of a micro-batch that replica i of stage j takes."""
+        size = self.rows // self.pipeline.replicas[j]
+        return i * size, (i + 1) * size
+
+    def rank_of(self, j: int, i: int) -> int:
+        return self.pipeline.first_rank[j] + i
+
+    def batched(self, example: torch.Tensor) -> bool:
+        return example.dim() > 0 and example.size(0) == self.rows
+
+    def peers(self, j: int) -> list[tuple[int, int, int]]:
+        """(replica of stage j, lo, hi): the rows this replica shares with each of
+        stage j's replicas, in row order."""
+        lo, hi = self.chunk(self.stage_index, self.replica)
+        shared = []
+        for i in range(self.pipeline.replicas[j]):
+            a, b = self.chunk(j, i)
+            if max(lo, a) < min(hi, b):
+                shared.append((i, max(lo, a), min(hi, b)))
+        return shared
+
+
+class TableSchedule:
+    """The runner's schedule table run on ``TableStage``s with point-to-point sends
+    (see the module docstring); ``step`` is one mini-batch of M micro-batches."""
+
+    def __init__(self, stage: TableStage, table: Sequence[Sequence[tuple[int, str, int]]],
+                 microbatches: int, loss_fn: Callable[[Any, Any], torch.Tensor] | None) -> None:
+        self.stage = stage
+        self.actions = [(kind, m) for tick in table for j, kind, m in tick
+                        if j == stage.stage_index]
+        self.microbatches = microbatches
+        self.loss_fn = loss_fn
+        # (isend work, the tensor it sends): waited at the end of the step
+        self.pending: list[tuple[Any, torch.Tensor]] = []
+
+    def step(self, args: tuple[Any, ...], kwargs: dict[str, Any], target: Any
+             ) -> torch.Tensor | None:
+        stage, m_count = self.stage, self.microbatches
+        lo, hi = stage.chunk(stage.stage_index, stage.replica)
+        feeds: list[dict[str, Any]] = []
+        if stage.is_first:
+            values = stage.pipeline.flatten_inputs(*args, **kwargs)
+            feeds = [_rows_of(v, lo, hi, stage.rows) for v in _micro_batches(values, m_count)]
+        targets = []
+        if stage.is_last:
+            if self.loss_fn is None:
+                raise ValueError("the last stage needs loss_fn: build_schedule(stage, loss_fn)")
+            targets = [_rows_of(t, lo, hi, stage.rows) for t in _micro_batches(target, m_count)]
+        saved: dict[int, tuple[list[Any], Any]] = {}
+        total = torch.zeros((), device=stage.device)
+        for kind, m in self.actions:
+            if kind == "F":
+                saved[m] = self._forward(m, feeds[m] if feeds else None,
+                                         targets[m] if targets else None)
+                if stage.is_last:
+                    total += saved[m][1].detach()
+            else:
+                self._backward(m, *saved.pop(m))
+        for work, _ in self.pending:
+            work.wait()
+        self.pending.clear()
+        stage.pipeline.reduce_grads(stage)
+        if not stage.is_last:
+            return None
+        group = stage.submod.replica_group
+        if group is not None:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        return total
+
+    # ---------------------------------------------------------------- one action
+
+    def _forward(self, m: int, feed: dict[str, Any] | None, target: Any
+                 ) -> tuple[list[Any], Any]:
+        stage = self.stage
+        adapter = stage.submod
+        if feed is not None:
+            flat = [feed[name].to(stage.device) for name in adapter.receives]
+        else:
+            flat = [self._receive(m, i, x) for i, x in enumerate(stage.receives)]
+        leaves = [x.detach().requires_grad_(ex.requires_grad)
+                  for x, ex in zip(flat, stage.receives, strict=True)] if feed is None else flat
+        out = adapter(*leaves)
+        if stage.is_last:
+            target = pytree.tree_map_only(torch.Tensor, lambda t: t.to(stage.device), target)
+            assert self.loss_fn is not None
+            r = stage.pipeline.replicas[stage.stage_index]
+            return leaves, self.loss_fn(out, target) / (self.microbatches * r)
+        for i, (y, ex) in enumerate(zip(out, stage.sends, strict=True)):
+            self._send(m, i, y, ex)
+        return leaves, out
+
+    def _backward(self, m: int, leaves: list[Any], out: Any) -> None:
+        stage = self.stage
+        if stage.is_last:
+            out.backward()
+        else:
+            grads = [self._receive_grad(m, i, ex) for i, ex in enumerate(stage.sends)]
+            pairs = [(y, g) for y, g in zip(out, grads, strict=True)
+                     if g is not None and y.requires_grad]
+            if pairs:
+                torch.autograd.backward([y for y, _ in pairs], [g for _, g in pairs])
+        if stage.is_first:
+            return
+        for i, (x, ex) in enumerate(zip(leaves, stage.receives, strict=True)):
+            if ex.requires_grad:
+                grad = x.grad if x.grad is not None else torch.zeros_like(x)
+                self._send_grad(m, i, grad, ex)
+
+    # ---------------------------------------------------------------- messages
+    # A message's tag: (micro-batch, value, direction), unique between two ranks.
+
+    @staticmethod
+    def _tag(m: int, i: int, count: int, backward: bool) -> int:
+        return (m * count + i) * 2 + int(backward)
+
+    def _send(self, m: int, i: int, y: torch.Tensor, example: torch.Tensor) -> None:
+        """Value i of micro-batch m to the next stage's replicas: the rows each takes,
+        or (not batched) all of it from replica 0 to every replica."""
+        stage, j = self.stage, self.stage.stage_index + 1
+        tag = self._tag(m, i, len(stage.sends), backward=False)
+        lo = stage.chunk(stage.stage_index, stage.replica)[0]
+        if stage.batched(example):
+            for peer, a, b in stage.peers(j):
+                self._isend(y[a - lo:b - lo], stage.rank_of(j, peer), tag)
+        elif stage.replica == 0:
+            for peer in range(stage.pipeline.replicas[j]):
+                self._isend(y, stage.rank_of(j, peer), tag)
+
+    def _receive(self, m: int, i: int, example: torch.Tensor) -> torch.Tensor:
+        """Value i of micro-batch m from the previous stage's replicas (this replica's rows)."""
+        stage, j = self.stage, self.stage.stage_index - 1
+        tag = self._tag(m, i, len(stage.receives), backward=False)
+        if not stage.batched(example):
+            return self._recv(example.shape, example, stage.rank_of(j, 0), tag)
+        parts = [self._recv((b - a, *example.shape[1:]), example, stage.rank_of(j, peer), tag)
+                 for peer, a, b in stage.peers(j)]
+        return torch.cat(parts)
+
+    def _send_grad(self, m: int, i: int, grad: torch.Tensor, example: torch.Tensor) -> None:
+        """The gradient of received value i back to the replicas it came from."""
+        stage, j = self.stage, self.stage.stage_index - 1
+        tag = self._tag(m, i, len(stage.receives), backward=True)
+        lo = stage.chunk(stage.stage_index, stage.replica)[0]
+        if not stage.batched(example):
+            self._isend(grad, stage.rank_of(j, 0), tag)
+            return
+        for peer, a, b in stage.peers(j):
+            self._isend(grad[a - lo:b - lo], stage.rank_of(j, peer), tag)
+
+    def _receive_grad(self, m: int, i: int, example: torch.Tensor) -> torch.Tensor | None:
+        """The gradient of sent value i from the next stage's replicas (None: it has
+        none); a value sent whole gets the sum of every replica's gradient."""
+        if not example.requires_grad:
+            return None
+        stage, j = self.stage, self.stage.stage_index + 1
+        tag = self._tag(m, i, len(stage.sends), backward=True)
+        if stage.batched(example):
+            rows = stage.rows // stage.pipeline.replicas[stage.stage_index]
+            parts = [self._recv((b - a, *example.shape[1:]), example, stage.rank_of(j, peer), tag)
+                     for peer, a, b in stage.peers(j)]
+            assert sum(p.size(0) for p in parts) == rows
+            return torch.cat(parts)
+        if stage.replica != 0:  # replica 0 sent it, so its gradient goes there
+            return torch.zeros(example.shape, dtype=example.dtype, device=stage.device)
+        replicas = range(stage.pipeline.replicas[j])
+        return torch.stack([self._recv(example.shape, example, stage.rank_of(j, peer), tag)
+                            for peer in replicas]).sum(0)
+
+    def _isend(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
+        tensor = tensor.detach().contiguous()
+        self.pending.append((dist.isend(tensor, dst=dst, tag=tag), tensor))
+
+    def _recv(self, shape: Sequence[int], example: torch.Tensor, src: int, tag: int
+              ) -> torch.Tensor:
+        buffer = torch.empty(tuple(shape), dtype=example.dtype, device=self.stage.device)
+        dist.recv(buffer, src=src, tag=tag)
+        return buffer
+
+
+def _check_constants(adapter: StageAdapter, values: Mapping[str, Any]) -> None:
+    """A graph input baked into the stages must keep the value it was built with."""
+    for name, baked in adapter.constants.items():
+        if name in values and values[name] != baked:
+            raise ValueError(
+                f"graph input {name!r} is {values[name]!r} but the stages were built "
+                f"with {baked!r} (non-tensor inputs are baked in at pipeline_stage)"
+            )
+
+
+def _batch_rows(value: Any) -> int | None:
+    """Dim 0 of the first tensor leaf of ``value`` with dim > 0: its batch size."""
+    for x in pytree.tree_leaves(value):
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            return int(x.size(0))
+    return None
+
+
+def _micro_batches(value: Any, m: int) -> list[Any]:
+    """``value`` cut into m micro-batches: tensor leaves with dim > 0 along dim 0."""
+    leaves, spec = pytree.tree_flatten(value)
+    columns = [x.tensor_split(m) if isinstance(x, torch.Tensor) and x.dim() > 0 else [x] * m
+               for x in leaves]
+    return [pytree.tree_unflatten([c[i] for c in columns], spec) for i in range(m)]
+
+
+def _rows_of(value: Any, lo: int, hi: int, rows: int) -> Any:
+    """Rows [lo, hi) of every tensor leaf whose dim 0 is the micro-batch's ``rows``."""
+    def cut(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.size(0) == rows:
+            return x[lo:hi]
+        return x
+
+    return pytree.tree_map(cut, value)
 
 
 def _is_constant(value: Any) -> bool:
@@ -648,7 +954,7 @@ def _train(
     for step in range(opts.steps):
         optimizer.zero_grad(set_to_none=True)
         loss = pipeline.train_step(schedule, stage, *args, target=target, **kwargs)
-        if loss is not None and rank % pipeline.lanes == 0:  # lane 0 speaks for all
+        if loss is not None and pipeline.position(rank)[1] == 0:  # replica 0 speaks
             print(f"step {step}: loss {loss.item():.6f}", flush=True)
         if step == opts.steps - 1 and opts.save:
             rss["step"] = peak_rss_bytes()

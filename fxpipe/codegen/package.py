@@ -474,17 +474,7 @@ def _distributed_limit(plan: Plan) -> str | None:
         return (f"this plan's {what} stages run in runner.PipelineRunner (one process) only; "
                 f"for torchrun, split with --schedule 1f1b or gpipe and without "
                 f"--virtual-stages")
-    if len({stage.replicas for stage in plan.stages}) > 1:
-        return (f"this plan's stages have different numbers of replicas "
-                f"({plan.configuration}), which torchrun's pipeline lanes cannot carry: run "
-                f"it in runner.PipelineRunner (one process), or split without --replicate")
     return None
-
-
-def _lanes(plan: Plan) -> int:
-    """Replicas of every stage when they are all equal (torchrun's lanes), else 1."""
-    counts = {stage.replicas for stage in plan.stages}
-    return counts.pop() if len(counts) == 1 else 1
 
 
 def wires(graph: torch.fx.Graph, ios: list[StageIO]) -> list[tuple[str, ...]]:
@@ -553,15 +543,13 @@ def distributed_source(traced: Traced, plan: Plan, ios: list[StageIO]) -> str:
     wire_table = wires(traced.gm.graph, ios)
     tied = tied_parameters(traced.gm, ios)
     header = [
-        "from .runner import MICROBATCHES, build_output, flatten_inputs",
+        "from .runner import MICROBATCHES, REPLICAS, SCHEDULE, build_output, flatten_inputs",
         *(f"from .stage{j} import Stage{j}" for j in range(k)),
         "",
         f"STAGE_CLASSES = {_tuple(f'Stage{j}' for j in range(k))}",
         f"SCHEDULE_KIND = {json.dumps(plan.schedule)}",
         "# UNSUPPORTED: why this plan cannot run here (None: it can)",
         *_string_constant("UNSUPPORTED", _distributed_limit(plan)),
-        "# LANES: replicas of every stage; rank j * LANES + l runs stage j in lane l",
-        f"LANES = {_lanes(plan)}",
         "# WIRES[k]: the values stage k receives, in this order; a value passes through",
         "# every stage between the one that makes it and the last one that reads it.",
         "WIRES = (",
@@ -589,7 +577,8 @@ def distributed_source(traced: Traced, plan: Plan, ios: list[StageIO]) -> str:
         "    microbatches=MICROBATCHES,",
         "    flatten_inputs=flatten_inputs,",
         "    build_output=build_output,",
-        "    lanes=LANES,",
+        "    replicas=REPLICAS,",
+        "    table=SCHEDULE,",
         "    unsupported=UNSUPPORTED,",
         ")",
         "stage_module = PIPELINE.stage_module",
@@ -609,13 +598,12 @@ def distributed_source(traced: Traced, plan: Plan, ios: list[StageIO]) -> str:
 
 
 def launch_source(plan: Plan) -> str:
-    lanes = _lanes(plan)
-    per_process = ("one pipeline stage per process" if lanes == 1 else
-                   f"one pipeline stage per process, {lanes} processes per stage")
+    per_process = ("one pipeline stage per process" if plan.num_devices == plan.num_stages
+                   else f"one stage replica per process ({plan.configuration})")
     return "\n".join([
         f'"""Train {plan.model or "the model"} under torchrun, {per_process}:',
         "",
-        f"    torchrun --nproc-per-node {plan.num_stages * lanes} train_torchrun.py "
+        f"    torchrun --nproc-per-node {plan.num_devices} train_torchrun.py "
         "--model model.py \\",
         "        [--checkpoint model.pt] [--steps N] [--lr LR] [--batch FILE] [--save DIR]",
         "",

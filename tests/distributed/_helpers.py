@@ -27,10 +27,11 @@ def load(model: str) -> tuple[ModelSource, Traced]:
 
 def contiguous_plan(
     graph: torch.fx.Graph, num_stages: int, *, schedule: str = "1f1b", microbatches: int = 2,
-    replicas: int = 1,
+    replicas: tuple[int, ...] | None = None,
 ) -> Plan:
-    """The graph's ops (a topological order) in K near-equal contiguous chunks, each
-    stage on ``replicas`` GPUs; a get_attr node goes with its first user."""
+    """The graph's ops (a topological order) in K near-equal contiguous chunks, stage k
+    on ``replicas[k]`` GPUs (default 1); a get_attr node goes with its first user."""
+    replicas = replicas or (1,) * num_stages
     ops = [n for n in graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
     stage_of = {node.name: i * num_stages // len(ops) for i, node in enumerate(ops)}
     for node in graph.nodes:
@@ -39,7 +40,7 @@ def contiguous_plan(
     order = [n.name for n in graph.nodes if n.name in stage_of]
     stages = tuple(
         StagePlan(index=k, nodes=tuple(n for n in order if stage_of[n] == k), recompute=False,
-                  replicas=replicas)
+                  replicas=replicas[k])
         for k in range(num_stages)
     )
     return Plan(

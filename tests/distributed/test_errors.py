@@ -19,7 +19,7 @@ _names = itertools.count()
 
 
 def _package(tmp_path: Path, name: str, k: int, schedule: str = "gpipe",
-             replicas: int = 1) -> tuple:
+             replicas: tuple[int, ...] | None = None) -> tuple:
     source, traced = load(str(EXAMPLES / f"{name}.py"))
     plan = contiguous_plan(traced.gm.graph, k, schedule=schedule, replicas=replicas)
     write_package(tmp_path / "pkg", traced, plan)
@@ -39,12 +39,11 @@ def test_world_size_must_equal_the_number_of_stages(gpt: tuple) -> None:
 
 
 def test_replicated_plan_needs_every_gpu_and_even_chunks(tmp_path: Path) -> None:
-    source, package = _package(tmp_path, "gpt", 2, "1f1b", replicas=2)
+    source, package = _package(tmp_path, "gpt", 2, "1f1b", replicas=(2, 2))
     pipeline = package.distributed.PIPELINE
-    assert pipeline.lanes == 2 and pipeline.unsupported is None
+    assert pipeline.lanes == 2 and pipeline.uniform and pipeline.unsupported is None
     with pytest.raises(ValueError, match=r"world size \(2\) must equal the number of GPUs of "
-                       r"the plan \(2 stages × 2 replicas\): launch with torchrun "
-                       r"--nproc-per-node 4"):
+                       r"the plan \(2-2\): launch with torchrun --nproc-per-node 4"):
         package.pipeline_stage(source.model, 0, 2, "cpu", *source.args)
     assert [pipeline.position(rank) for rank in range(4)] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     # lane 1 of M = 2 micro-batches of 4 rows: rows 2-3 of the first and 6-7 of the second
@@ -55,6 +54,18 @@ def test_replicated_plan_needs_every_gpu_and_even_chunks(tmp_path: Path) -> None
                        "split into 2 micro-batches of 2 equal replica chunks; use a batch size "
                        "that is a multiple of 4"):
         pipeline.lane_share(torch.zeros(6, 3), 0, microbatches=2, what="the mini-batch")
+
+
+def test_uneven_replicas_need_rows_that_split_and_the_planned_table(tmp_path: Path) -> None:
+    source, package = _package(tmp_path, "gpt", 2, "1f1b", replicas=(1, 3))
+    pipeline = package.distributed.PIPELINE
+    assert not pipeline.uniform and pipeline.unsupported is None
+    assert [pipeline.position(rank) for rank in range(4)] == [(0, 0), (1, 0), (1, 1), (1, 2)]
+    # the example micro-batch has 2 rows: not three equal chunks
+    with pytest.raises(ValueError, match=r"the example micro-batch has 2 rows along dim 0, "
+                       r"which do not split into equal chunks for every stage's replicas "
+                       r"\(1-3\); use a micro-batch size that is a multiple of each"):
+        package.pipeline_stage(source.model, 1, 4, "cpu", *source.args)
 
 
 def test_not_under_torchrun(gpt: tuple, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -16,20 +16,30 @@ from ._helpers import write_package as write
 
 _names = itertools.count()
 
-# (example, stages, schedule, replicas of every stage): GPT's tok_emb/lm_head weight is
-# tied across the cut; the U-Net's encoder-to-decoder skips cross it (with 3 stages a
-# skip passes through the middle stage). "2-2": two lanes of two ranks, each lane
-# taking half of every micro-batch, gradients averaged over each stage's replicas
-# (the tied weight over all four of its copies).
-CASES = [("gpt", 2, "1f1b", 1), ("unet", 2, "gpipe", 1), ("gpt", 2, "1f1b", 2)]
+# (example, schedule, replicas per stage): GPT's tok_emb/lm_head weight is tied across
+# the cut; the U-Net's encoder-to-decoder skips cross it (with 3 stages a skip passes
+# through the middle stage). "2-2": two PipelineStage lanes of two ranks, each lane
+# taking half of every micro-batch, gradients averaged over each stage's replicas (the
+# tied weight over all four of its copies). "1-2" and "1-2-1": uneven replicas on the
+# schedule table, one rank sending each replica its rows (and the U-Net's skips whole
+# rows through the replicated middle stage).
+CASES = [
+    ("gpt", "1f1b", (1, 1)),
+    ("unet", "gpipe", (1, 1)),
+    ("gpt", "1f1b", (2, 2)),
+    ("gpt", "1f1b", (1, 2)),
+    ("unet", "1f1b", (1, 2, 1)),
+]
 
 
-@pytest.mark.parametrize(("name", "k", "schedule", "r"), CASES)
-def test_torchrun_matches_runner_and_model(tmp_path: Path, name: str, k: int,
-                                           schedule: str, r: int) -> None:
+@pytest.mark.parametrize(("name", "schedule", "replicas"), CASES)
+def test_torchrun_matches_runner_and_model(tmp_path: Path, name: str, schedule: str,
+                                           replicas: tuple[int, ...]) -> None:
     model_file = EXAMPLES / f"{name}.py"
     source, traced = load(str(model_file))
-    plan = contiguous_plan(traced.gm.graph, k, schedule=schedule, microbatches=2, replicas=r)
+    k, n = len(replicas), sum(replicas)
+    plan = contiguous_plan(traced.gm.graph, k, schedule=schedule, microbatches=2,
+                           replicas=replicas)
     files = write(tmp_path / "pkg", traced, plan)
     model = source.model
     torch.save(model.state_dict(), tmp_path / "model.pt")
@@ -39,17 +49,17 @@ def test_torchrun_matches_runner_and_model(tmp_path: Path, name: str, k: int,
     if name == "gpt":
         assert '{0: "tok_emb.weight", 1: "lm_head.weight"}' in files["distributed.py"]
 
-    assert f"torchrun --nproc-per-node {k * r} train_torchrun.py" in files["train_torchrun.py"]
-    result = torchrun(k * r, tmp_path / "pkg" / "train_torchrun.py", "--model", str(model_file),
+    assert f"torchrun --nproc-per-node {n} train_torchrun.py" in files["train_torchrun.py"]
+    result = torchrun(n, tmp_path / "pkg" / "train_torchrun.py", "--model", str(model_file),
                       "--checkpoint", str(tmp_path / "model.pt"), "--batch",
                       str(tmp_path / "batch.pt"), "--save", str(tmp_path / "out"), "--lr", "0")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
-    ranks = [torch.load(tmp_path / "out" / f"rank{rank}.pt") for rank in range(k * r)]
+    ranks = [torch.load(tmp_path / "out" / f"rank{rank}.pt") for rank in range(n)]
 
     # the single-process runner of the same package
     package = import_package(tmp_path / "pkg", f"fxpipe_dist_{next(_names)}")
     runner = package.PipelineRunner(package.build_stages(model))
-    assert runner.replicas == [r] * k
+    assert runner.replicas == list(replicas)
     model.zero_grad(set_to_none=True)
     runner_loss = runner.step(kwargs if kwargs else args, target, source.loss_fn)
     runner_grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
@@ -60,7 +70,8 @@ def test_torchrun_matches_runner_and_model(tmp_path: Path, name: str, k: int,
     model_grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
     model.zero_grad(set_to_none=True)
 
-    last = ranks[-r:]  # the last stage's replicas: the same loss, averaged over the lanes
+    r = replicas[-1]
+    last = ranks[-r:]  # the last stage's replicas: the same loss, over the whole micro-batches
     assert all(saved["loss"] is None for saved in ranks[:-r])
     loss = last[0]["loss"]
     for saved in last[1:]:
