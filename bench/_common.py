@@ -48,12 +48,13 @@ class Generated:
 
 def split_and_load(model: nn.Module, micro: tuple[Any, ...], *, stages: int, microbatches: int,
                    schedule: str = "1f1b", device: str = "h100",
-                   memory_limit: float = float("inf")) -> Generated:
-    """Trace ``model`` on one micro-batch, plan it with the roofline of ``device``,
-    write the output folder and import its package."""
+                   memory_limit: float = float("inf"), measure: bool = False) -> Generated:
+    """Trace ``model`` on one micro-batch, plan it with the roofline of ``device`` (with
+    ``measure``: every node timed where the model and ``micro`` are), write the output
+    folder and import its package."""
     traced = trace(model, micro)
     target = get_device(device)
-    analyze(traced, device=target)
+    analyze(traced, device=target, measure=measure)
     options = SplitOptions(gpus=stages, device=target, memory_limit=memory_limit,
                            microbatches=microbatches, schedule=Schedule(schedule))
     plan = plan_split(traced, label=type(model).__name__, options=options)

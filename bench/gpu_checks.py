@@ -10,7 +10,9 @@ vocab 50257, tied LM head) with micro-batches of 2 × 1024 tokens.
    forward + backward timed with CUDA events against the sums of the nodes.
 2. ``stages``: fxpipe splits the float32 model into 4 stages (1F1B, M = 4) with
    the roofline; each generated stage's forward and backward timed alone with
-   CUDA events against the plan's prediction.
+   CUDA events against the plan's prediction. Then the same with a plan made from
+   CUDA-event node times (``fxpipe split --measure``): which plan's slowest stage
+   is faster in fact.
 3. ``streams``: the generated runner with every stage on cuda:0, each on its own
    stream: loss and gradients against the unsplit model doing the same M
    micro-batches (``loss / M``, ``backward()``), and the step time of each,
@@ -298,6 +300,15 @@ def summary(results: dict[str, Any]) -> str:
         lines.append(f"| {row['stage']} | {row['planned_forward_s'] * 1e3:.2f} / "
                      f"{row['forward_s'] * 1e3:.2f} ms | {row['planned_backward_s'] * 1e3:.2f} / "
                      f"{row['backward_s'] * 1e3:.2f} ms |")
+    for key, title in (("stages", "roofline plan"), ("measured_plan_stages", "measured plan")):
+        rows = results.get(key)
+        if rows:
+            slowest = max(r["forward_s"] + r["backward_s"] for r in rows)
+            planned = max(r["planned_forward_s"] + r["planned_backward_s"] for r in rows)
+            lines.append(f"{title}: slowest stage measured {slowest * 1e3:.2f} ms "
+                         f"(planned {planned * 1e3:.2f} ms); stage times "
+                         + ", ".join(f"{(r['forward_s'] + r['backward_s']) * 1e3:.2f}"
+                                     for r in rows) + " ms")
     s = results["streams"]
     lines += ["", f"streams: {s['streams']} stage streams; loss {s['loss']:.6f} vs unsplit "
               f"{s['unsplit_loss']:.6f}; max relative gradient error "
@@ -356,6 +367,11 @@ def main() -> None:
     if "stages" in parts:
         print("stage times", flush=True)
         results["stages"] = time_stages(gen, model, micro.to(dev))
+        if dev != "cpu":
+            print("stage times of a plan from measured node times", flush=True)
+            by_events = split_and_load(model, (micro.to(dev),), stages=args.stages,
+                                       microbatches=m, device=row, measure=True)
+            results["measured_plan_stages"] = time_stages(by_events, model, micro.to(dev))
     if "streams" in parts:
         print("runner on streams", flush=True)
         results["streams"] = check_streams(gpt, gen, model, idx.to(dev), target.to(dev), dev,
