@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fxpipe.codegen import load_package
 from fxpipe.compiler import SplitOptions, analyze, output_files, plan_split
 from fxpipe.cost_models import get_device
 from fxpipe.frontend import Traced, trace
@@ -60,14 +61,7 @@ def split_and_load(model: nn.Module, micro: tuple[Any, ...], *, stages: int, mic
     plan = plan_split(traced, label=type(model).__name__, options=options)
     folder = Path(tempfile.mkdtemp(prefix="fxpipe-bench-")) / "pipe"
     write_folder(folder, output_files(traced, plan, label=type(model).__name__))
-    name = f"fxpipe_bench_{id(folder)}"
-    spec = importlib.util.spec_from_file_location(
-        name, folder / "__init__.py", submodule_search_locations=[str(folder)]
-    )
-    assert spec is not None and spec.loader is not None
-    package = importlib.util.module_from_spec(spec)
-    sys.modules[name] = package
-    spec.loader.exec_module(package)
+    package = load_package(folder)
     return Generated(traced, plan, package, folder)
 
 

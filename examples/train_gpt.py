@@ -11,29 +11,15 @@ leaves in the model's own parameters the gradients the whole mini-batch gives.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
+from fxpipe.codegen import load_package
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpt  # the bundled example model, beside this file
-
-
-def load_package(folder: str) -> ModuleType:
-    """Import the package ``fxpipe split --out FOLDER`` wrote, wherever it is."""
-    path = Path(folder).resolve()
-    spec = importlib.util.spec_from_file_location(
-        path.name, path / "__init__.py", submodule_search_locations=[str(path)]
-    )
-    if spec is None or spec.loader is None:
-        raise SystemExit(f"{folder}: no generated package here; run fxpipe split --out {folder}")
-    package = importlib.util.module_from_spec(spec)
-    sys.modules[path.name] = package
-    spec.loader.exec_module(package)
-    return package
 
 
 def mini_batch(step: int, microbatches: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,7 +51,10 @@ def main() -> None:
     else:
         # The few lines that switch to the pipeline: stages bind the model's own parameters,
         # so the optimizer, checkpoints and the rest of the loop stay as they are.
-        pipe = load_package(args.pipeline)
+        try:
+            pipe = load_package(args.pipeline)  # the folder fxpipe split --out wrote
+        except ValueError as error:
+            raise SystemExit(f"train_gpt: error: {error}") from None
         runner = pipe.PipelineRunner(pipe.build_stages(model))
         microbatches = pipe.PLAN["microbatches"]
 

@@ -1,6 +1,13 @@
 """Plan + graph -> Python source: stage modules, a runner, a package."""
 
 from fxpipe.codegen.checkpoint import merge_stage_state_dicts, split_state_dict
+from fxpipe.codegen.load import load_package
 from fxpipe.codegen.package import generate, schedule_table
 
-__all__ = ["generate", "merge_stage_state_dicts", "schedule_table", "split_state_dict"]
+__all__ = [
+    "generate",
+    "load_package",
+    "merge_stage_state_dicts",
+    "schedule_table",
+    "split_state_dict",
+]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import itertools
-import sys
 import types
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from fxpipe.codegen import generate
+from fxpipe.codegen import generate, load_package
 from fxpipe.frontend import ModelSource, Traced, load_model_file, trace
 from fxpipe.partition.plan import Plan
 
@@ -42,15 +41,7 @@ def write_package(directory: Path, traced: Traced, plan: Plan) -> dict[str, str]
 
 def import_package(directory: Path) -> types.ModuleType:
     """Import a generated package from ``directory`` under a fresh module name."""
-    name = f"fxpipe_generated_{next(_counter)}"
-    spec = importlib.util.spec_from_file_location(
-        name, directory / "__init__.py", submodule_search_locations=[str(directory)]
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_package(directory)
 
 
 def import_file(path: Path) -> types.ModuleType:

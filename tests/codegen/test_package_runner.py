@@ -58,3 +58,16 @@ def test_runner_matches_the_model(
     assert sorted(pipeline_grads) == sorted(model_grads)
     for key, value in model_grads.items():
         torch.testing.assert_close(pipeline_grads[key], value, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def test_load_package_names_a_folder_without_one(tmp_path: Path) -> None:
+    from fxpipe.codegen import load_package
+
+    with pytest.raises(ValueError, match=rf"^{tmp_path}: no generated package here \(no "
+                       rf"__init__.py\); run fxpipe split MODEL --out {tmp_path} first$"):
+        load_package(tmp_path)
+    _, graph = traced("mlp")
+    write_package(tmp_path / "pkg", graph, contiguous_plan(graph.gm.graph, 2))
+    first, second = load_package(tmp_path / "pkg"), load_package(tmp_path / "pkg")
+    assert first is not second and first.__name__ != second.__name__  # never collide
+    assert first.PLAN == second.PLAN and first.PLAN["num_stages"] == 2

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch.utils import _pytree as pytree
 
-from fxpipe.codegen import generate
+from fxpipe.codegen import generate, load_package
 from fxpipe.frontend import ModelSource, Traced, load_model_file, trace
 from fxpipe.partition.plan import Estimate, Plan, SolverReport, StagePlan
 
@@ -90,13 +90,4 @@ def torchrun(nproc: int, script: Path, *args: str, timeout: float = TORCHRUN_TIM
 
 def import_package(directory: Path, name: str) -> object:
     """Import a generated package from ``directory`` as ``name``."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        name, directory / "__init__.py", submodule_search_locations=[str(directory)]
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_package(directory, name)
