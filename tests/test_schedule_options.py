@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from codegen._models import import_package
+from distributed._helpers import torchrun
 
 from fxpipe import cli
 
@@ -118,6 +119,38 @@ def test_replicated_split_beats_every_unreplicated_one_and_keeps_gradients(
     torch.testing.assert_close(loss, want.detach(), rtol=1e-12, atol=1e-12)
     for name, p in model.named_parameters():
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_replicated_plan_trains_under_torchrun(dominant: Path, tmp_path: Path) -> None:
+    """The solver's uneven plan (1-1-2), one process per GPU under a real torchrun:
+    the loss and every rank's gradients are the unsplit model's."""
+    plan = split(dominant, "--gpus", "4", "--microbatches", "4", "--replicate", "rep_torchrun")
+    replicas = [s["replicas"] for s in plan["stages"]]
+    namespace: dict[str, object] = {}
+    exec(textwrap.dedent(DOMINANT), namespace)
+    model = namespace["build_model"]()  # type: ignore[operator]
+    torch.save(model.state_dict(), tmp_path / "model.pt")
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(4 * 8, 512, 64, generator=g), torch.randn(4 * 8, 512, 64, generator=g)
+    torch.save({"args": (x,), "kwargs": {}, "target": y}, tmp_path / "batch.pt")
+
+    package = dominant / "rep_torchrun"
+    result = torchrun(sum(replicas), package / "train_torchrun.py", "--model",
+                      str(dominant / "model.py"), "--checkpoint", str(tmp_path / "model.pt"),
+                      "--batch", str(tmp_path / "batch.pt"), "--save", str(tmp_path / "out"),
+                      "--lr", "0")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
+    ranks = [torch.load(tmp_path / "out" / f"rank{r}.pt") for r in range(sum(replicas))]
+    want = namespace["loss_fn"](model(x), y)  # type: ignore[operator]
+    want.backward()
+    close = {"rtol": 1e-4, "atol": 1e-6}
+    torch.testing.assert_close(ranks[-1]["loss"], want.detach(), **close)
+    seen = set()
+    for saved in ranks:
+        for name, grad in saved["grads"].items():
+            seen.add(name)
+            torch.testing.assert_close(grad, model.get_parameter(name).grad, **close)
+    assert seen == {name for name, _ in model.named_parameters()}
 
 
 @pytest.mark.parametrize(

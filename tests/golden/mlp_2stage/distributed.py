@@ -975,9 +975,12 @@ def _train(
         args, kwargs = pytree.tree_map_only(torch.Tensor, repeat, (args, kwargs))
         example_target = getattr(build, "example_target", module.example_target)
         target = pytree.tree_map_only(torch.Tensor, repeat, example_target())
-    optimizer = torch.optim.SGD(stage.submod.parameters(), lr=opts.lr)
+    trained = [p for p in stage.submod.parameters() if p.requires_grad]
+    # a stage of parameter-free ops (a softmax mixing layer) has nothing to update
+    optimizer = torch.optim.SGD(trained, lr=opts.lr) if trained else None
     for step in range(opts.steps):
-        optimizer.zero_grad(set_to_none=True)
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
         loss = pipeline.train_step(schedule, stage, *args, target=target, **kwargs)
         if loss is not None and pipeline.position(rank)[1] == 0:  # replica 0 speaks
             print(f"step {step}: loss {loss.item():.6f}", flush=True)
@@ -989,7 +992,8 @@ def _train(
             Path(opts.save).mkdir(parents=True, exist_ok=True)
             torch.save({"loss": loss, "grads": grads, "rss": rss},
                        Path(opts.save) / f"rank{rank}.pt")
-        optimizer.step()
+        if optimizer is not None:
+            optimizer.step()
     print(f"rank {rank}: peak RSS {peak_rss_bytes() / 2**20:.0f} MiB", flush=True)
 
 
