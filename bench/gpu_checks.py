@@ -316,12 +316,14 @@ def summary(results: dict[str, Any]) -> str:
               f"unsplit {s['unsplit_s'] * 1e3:.1f} ms, per-round ratio {s['paired_ratio']:.3f}"]
     if results.get("memory"):
         lines += ["", "| stage | plan: params+grads+optimizer | plan: activations+received"
-                  "+workspace | plan total | measured static | measured peak | peak / plan |",
+                  "+outputs+loss+workspace | plan total | measured static | measured peak "
+                  "| peak / plan |",
                   "|---:|---:|---:|---:|---:|---:|---:|"]
         for row in results["memory"]:
             p = row["planned"]
             static = p["params"] + p["grads"] + p["optimizer"]
-            dynamic = p["activations"] + p["received"] + p["workspace"] + p["stashed"]
+            dynamic = (p["activations"] + p["received"] + p.get("outputs", 0) + p.get("loss", 0)
+                       + p["workspace"] + p["stashed"])
             lines.append(f"| {row['stage']} | {static / MiB:.0f} MiB | {dynamic / MiB:.0f} MiB | "
                          f"{row['planned_total'] / MiB:.0f} MiB | "
                          f"{row['static_bytes'] / MiB:.0f} MiB | {row['peak_bytes'] / MiB:.0f} MiB"

@@ -14,8 +14,9 @@ order of the co-location groups, so they are valid pipelines:
                       and memory ignored, as there).
 
 ``interval_dp`` is DESIGN's O(K n^2) warm start: the best contiguous split of the
-order with cut communication and memory included (replicated tied parameters left
-out; ``evaluate`` has the last word).
+order with cut communication and memory (the kinds of ``evaluate``: received and
+sent values, the loss) included (replicated tied parameters left out; ``evaluate``
+has the last word).
 """
 
 from __future__ import annotations
@@ -127,7 +128,9 @@ def interval_dp(c: Coarsening) -> tuple[int, ...] | None:
     """Coarse assignment: best contiguous split of ``c``'s order, None if none fits.
 
     Legend: n coarse nodes in order, a..c a block [a, c), cut[i] the cost of cutting
-    before item i (values whose producer and readers lie on both sides).
+    before item i (values whose producer and readers lie on both sides), sent[a] the
+    bytes of values produced in [a, end) and read at or after ``end`` (the block's
+    outputs), R the returned bytes.
     """
     p = c.problem
     n, K = c.num_coarse, p.num_stages
@@ -135,15 +138,17 @@ def interval_dp(c: Coarsening) -> tuple[int, ...] | None:
     t = np.zeros(n + 1)
     params = np.zeros(n + 1)
     act = np.zeros(n + 1)
+    ret = np.zeros(n + 1)
     for v, node in enumerate(p.nodes):
         g = c.group_of[v]
         t[g + 1] += node.forward_s + node.backward_s
         params[g + 1] += node.param_bytes * (1 + grad_f + opt_f)
         act[g + 1] += node.activation_bytes
+        ret[g + 1] += node.output_bytes if node.returned else 0
     for tied in p.tied:
         params[min(c.group_of[v] for v in tied.nodes) + 1] += tied.param_bytes * (
             1 + grad_f + opt_f)
-    T, P, A = np.cumsum(t), np.cumsum(params), np.cumsum(act)
+    T, P, A, R = np.cumsum(t), np.cumsum(params), np.cumsum(act), np.cumsum(ret)
 
     cut_time = np.zeros(n + 2)
     cut_bytes = np.zeros(n + 2)
@@ -163,6 +168,13 @@ def interval_dp(c: Coarsening) -> tuple[int, ...] | None:
     cut_b = np.cumsum(cut_bytes)[: n + 1]
     cut[0] = cut[n] = 0.0
     cut_b[0] = cut_b[n] = 0.0
+    # Values kept for a later stage: (producer, last reader) of the non-returned ones
+    # (returned ones are in R wherever their readers are), released as ``end`` passes them.
+    sends = sorted((hi, c.group_of[v], p.nodes[v].output_bytes) for v, (_, hi) in span.items()
+                   if hi > c.group_of[v] and not p.nodes[v].returned)
+    alive = np.zeros(n + 1)  # alive[a]: bytes produced in a and read at or after ``end``
+    for _, a, size in sends:
+        alive[a] += size
 
     inf = float("inf")
     best = np.full((K, n + 1), inf)
@@ -170,16 +182,24 @@ def interval_dp(c: Coarsening) -> tuple[int, ...] | None:
     limit = p.memory_limit
     gap = 0 if p.allow_empty_stages else 1
     flights = stage_flights(p)
-    for j in range(K):
-        f = flights[j]
-        keep = 1 if p.recompute else f
-        for end in range(n + 1):
+    released = 0
+    for end in range(n + 1):
+        while released < len(sends) and sends[released][0] < end:
+            _, a, size = sends[released]
+            alive[a] -= size
+            released += 1
+        produced = np.concatenate(([0.0], np.cumsum(alive[:end])))  # produced[a]: [0, a)
+        for j in range(K):
+            f = flights[j]
+            keep = 1 if p.recompute else f
             starts = np.arange(0, end - gap + 1) if j > 0 else np.array([0])
             if starts.size == 0 or (j == 0 and end < gap):
                 continue
+            sent = produced[end] - produced[starts] + R[end] - R[starts]
+            loss = p.loss_saved_bytes * keep + p.loss_grad_bytes if j == K - 1 else 0
             load = T[end] - T[starts] + cut[starts] + cut[end]
             memory = (P[end] - P[starts] + (A[end] - A[starts]) * keep + cut_b[starts] * f
-                      + p.workspace_bytes)
+                      + sent * (f + 1) + loss + p.workspace_bytes)
             load = np.where(memory <= limit, load, inf)
             if end == starts[0] == 0 and j == 0 and not p.allow_empty_stages:
                 load[:] = inf

@@ -8,7 +8,8 @@ levels are built:
                   tied groups under ``TiedPolicy.COLOCATE``), cycles those create
                   with the ordering edges (their nodes are forced onto one stage),
                   and -- where empty stages are allowed -- cost-free leaves (a node
-                  with no time, memory or parameters whose only neighbour is one group).
+                  with no time, memory or parameters, not returned, whose only
+                  neighbour is one group).
 ``coarsen``       on top of that, fuses chains: u -> w merges when w's only ordering
                   predecessor is u or u's only successor is w (so no cycle can form),
                   while the merged time stays under ``cap`` (~ total / (4K): uncapped
@@ -92,6 +93,7 @@ class Coarsening:
                 comm_s=max(n.comm_s for n in fine),
                 module=fine[0].module,
                 members=self.members(g),
+                returned=any(n.returned for n in fine),
             ))
         edges = {(self.group_of[e.src], self.group_of[e.dst]) for e in p.edges}
         ordered = set(self.order_edges)
@@ -105,6 +107,8 @@ class Coarsening:
             state_factor=p.state_factor,
             recompute=p.recompute,
             workspace_bytes=p.workspace_bytes,
+            loss_saved_bytes=p.loss_saved_bytes,
+            loss_grad_bytes=p.loss_grad_bytes,
             comm=p.comm,
             allow_empty_stages=p.allow_empty_stages,
         )
@@ -247,7 +251,9 @@ def _merge_free_leaves(problem: Problem, uf: _UnionFind) -> None:
     """A group with no cost whose every edge leads to one other group goes with that group.
 
     Exact: on its neighbour's stage it moves nothing; anywhere else it can only add
-    communication. Only used when stages may be empty (else it might be needed to fill one).
+    communication, and memory for the value sent. Not a returned node: the stage that
+    produces a returned value keeps it per micro-batch in flight, fewer on a later stage.
+    Only used when stages may be empty (else it might be needed to fill one).
     """
     n = len(problem.nodes)
     tied_nodes = {v for t in problem.tied for v in t.nodes}
@@ -270,7 +276,7 @@ def _merge_free_leaves(problem: Problem, uf: _UnionFind) -> None:
                 continue
             nodes = [problem.nodes[v] for v in vs]
             if any(x.forward_s or x.backward_s or x.param_bytes or x.activation_bytes
-                   for x in nodes):
+                   or x.returned for x in nodes):
                 continue
             (other,) = neighbours[r]
             if uf.find(other) != other or uf.find(r) != r:

@@ -25,13 +25,25 @@ Per stage j, for one micro-batch:
                     are the received values below
         received    bytes of values it receives (NEIGHBOUR: also the ones it passes on)
                     * in_flight(j)
+        outputs     bytes of the values its own nodes produce that a later stage reads or
+                    that the model returns (``Node.returned``), * (in_flight(j) + 1): the
+                    runner keeps every value a stage sends, and the model's output, until
+                    that micro-batch's backward (it calls autograd.backward(outputs, grads)),
+                    and during a backward their gradients arrive (one micro-batch's worth).
+                    A value stage j only passes on (NEIGHBOUR) is in received, not here.
+                    With recompute the same: the forward runs under no_grad but the runner
+                    still keeps its outputs for the later stages until the backward, which
+                    recomputes them in their place.
+        loss        last stage only: Problem.loss_saved_bytes * in_flight(K-1) (the runner
+                    computes each micro-batch's loss right after its forward; with recompute
+                    in its backward, so once) + Problem.loss_grad_bytes
         stashed     PipeDream weight stashing: a copy of the parameters per micro-batch
                     in flight (params * in_flight(j))
         workspace   Problem.workspace_bytes
 
 Replicated stage j (r_j GPUs, ``replicas``): each replica computes 1/r_j of every
-micro-batch, so forward_s, backward_s, activations and received are divided by r_j
-(the figures are per replica); comm_s adds the ring all-reduce over r_j of the
+micro-batch, so forward_s, backward_s, activations, received, outputs and loss are
+divided by r_j (the figures are per replica); comm_s adds the ring all-reduce over r_j of the
 gradients of its nodes' own parameters (``allreduce_s``); parameters, gradients and
 optimizer state are whole on every replica. Sends and receives are not divided
 (conservative: a stage of one GPU next to two replicas still moves the whole
@@ -176,6 +188,7 @@ def evaluate(problem: Problem, stage_of: Sequence[int],
     own_params = [0] * K  # parameters of its nodes (not tied ones): all-reduced when replicated
     activations = [0] * K
     received = [0] * K  # bytes of one micro-batch's received values
+    kept = [0] * K  # bytes of one micro-batch's values sent to a later stage or returned
 
     for v, node in enumerate(problem.nodes):
         j = stage_of[v]
@@ -187,10 +200,12 @@ def evaluate(problem: Problem, stage_of: Sequence[int],
 
     readers = consumers(problem)
     for v, node in enumerate(problem.nodes):
-        if not readers[v]:
-            continue
         s = stage_of[v]
         read_on = {stage_of[w] for w in readers[v]}
+        if node.returned or max(read_on, default=s) > s:
+            kept[s] += node.output_bytes
+        if not readers[v]:
+            continue
         if problem.comm is Comm.NEIGHBOUR:
             lo, hi = min(read_on | {s}), max(read_on | {s})
             for b in range(lo, hi):  # boundary b sits between stage b and b + 1
@@ -223,13 +238,16 @@ def evaluate(problem: Problem, stage_of: Sequence[int],
     stages = []
     for j in range(K):
         r = reps[j]
-        saved = activations[j] if problem.recompute else activations[j] * flight[j]
+        keep = 1 if problem.recompute else flight[j]
+        loss = problem.loss_saved_bytes * keep + problem.loss_grad_bytes if j == K - 1 else 0
         memory = StageMemory(
             params=params[j],
             grads=round(params[j] * grad_factor),
             optimizer=round(params[j] * optimizer_factor),
-            activations=-(-saved // r),
+            activations=-(-activations[j] * keep // r),
             received=-(-received[j] * flight[j] // r),
+            outputs=-(-kept[j] * (flight[j] + 1) // r),
+            loss=-(-loss // r),
             stashed=params[j] * flight[j] if stashing else 0,
             workspace=problem.workspace_bytes,
         )

@@ -15,6 +15,9 @@ Variables
     DIRECT transport:
       r[k,j]  = [stage j receives them]       >= x[w,j] - x[g,j]
       o[k,j]  = [stage j sends them]          >= x[g,j] - x[w,j]
+    either transport, when memory is limited or minimised:
+      e[k,j]  = [stage j produces them and a later stage reads them] >= x[g,j] - d[w,j]
+                for w in W (stage j keeps them until the backward: StageMemory.outputs)
     tied parameter G (replicated): u[G,j] = [stage j holds a copy], m[G] = [more than one
       copy], a[G,j] = [stage j all-reduces]
     replicated stages (N GPUs > K stages): y[j,r] = [stage j runs on r GPUs], r = 1..N-K+1,
@@ -158,8 +161,10 @@ class StageModel:
         params = [0] * G  # own parameter bytes (all-reduced when the stage is replicated)
         held = [0] * G  # parameter bytes held, colocated tied ones included (stashed copies)
         act = [0] * G
+        returned = [0] * G  # bytes of the model's output it produces
         for v, node in enumerate(p.nodes):
             g = group_of[v]
+            returned[g] += node.output_bytes if node.returned else 0
             secs[g] += node.forward_s + node.backward_s
             param_state[g] += node.param_bytes * state
             params[g] += node.param_bytes
@@ -176,7 +181,9 @@ class StageModel:
         t = [round(s * self.scale) for s in secs]
         mem = [round(b) for b in param_state]
 
-        # Value classes: values produced in group g and read by groups W (unordered: Wu).
+        # Value classes: values produced in group g and read by groups W (unordered: Wu);
+        # per class its transfer time, its bytes and the bytes of those not returned (the
+        # returned ones are kept by their producer wherever their readers are: ``returned``).
         readers: list[dict[int, bool]] = [{} for _ in p.nodes]
         for e in p.edges:
             if e.data and group_of[e.dst] != group_of[e.src]:
@@ -188,9 +195,10 @@ class StageModel:
                 continue
             W = tuple(sorted(readers[v]))
             Wu = tuple(w for w in W if not readers[v][w])
-            acc = classes.setdefault((group_of[v], W, Wu), [0.0, 0.0])
+            acc = classes.setdefault((group_of[v], W, Wu), [0.0, 0.0, 0.0])
             acc[0] += node.comm_s
             acc[1] += node.output_bytes
+            acc[2] += 0 if node.returned else node.output_bytes
         # Rounded coefficients in one row (a row: one GPU; interleaved, v stage modules).
         self._rounding_terms = (2 if self.replicating else 1) * G + 4 * p.virtual_stages * len(
             classes) + len(replicated) + 1
@@ -203,7 +211,7 @@ class StageModel:
         hint_valid = hint is not None and not self.replicating and self._hint_is_valid(hint)
         if hint is not None and hint_valid and objective == "time":
             self.upper_ticks = self._hint_time_ticks(hint, t, classes, replicated, mem, act, flight,
-                                                     held, on_device)
+                                                     held, returned, on_device)
         if upper_s is not None and objective == "time":
             # strictly below the best so far, less the rounding margin of the scaled rows
             cap = math.floor(upper_s * self.scale - self._rounding_terms * 0.5)
@@ -250,7 +258,7 @@ class StageModel:
         recv_terms: list[Terms] = [[] for _ in all_stages]
 
         # Communication, per value class k = (g, W, Wu) with transfer ticks c and bytes s.
-        for (g, W, Wu), (comm_s, out_bytes) in classes.items():
+        for (g, W, Wu), (comm_s, out_bytes, _) in classes.items():
             c, s = round(comm_s * self.scale), round(out_bytes)
             if p.comm is Comm.NEIGHBOUR:
                 cu = [self._at_least([[(1, self.d[g][b]), (-1, self.d[w][b])] for w in W],
@@ -272,6 +280,19 @@ class StageModel:
                                        f"o[{g},{j}]")
                     time_terms[j] += [(c, r), (c, o)]
                     recv_terms[j].append((s, r))
+
+        # Values a stage keeps for a later stage until their backward (only where memory
+        # counts): (bytes, e[k,j]) per stage j; its producer g on j and a reader w after j.
+        limited = p.memory_limit != float("inf")
+        sent_terms: list[Terms] = [[] for _ in all_stages]
+        if limited or objective == "memory":
+            for (g, W, _), (_, _, sent_bytes) in classes.items():
+                if not sent_bytes:
+                    continue
+                for j in boundaries:
+                    kept = self._at_least(
+                        [[*self._x(g, j), (-1, self.d[w][j])] for w in W], f"e[{g},{j}]")
+                    sent_terms[j].append((round(sent_bytes), kept))
 
         # Replicated tied parameters: a copy (memory) on every holder, an all-reduce on
         # each holder when there is more than one.
@@ -304,12 +325,18 @@ class StageModel:
                 (round(fixed * self.scale), 1)]
 
         def memory(j: int, r: int) -> Terms:
-            """Stage j's bytes on each of r replicas (activations and received / r)."""
+            """Stage j's bytes on each of r replicas (activations, received, outputs and
+            loss / r)."""
             keep = 1 if p.recompute else flight[j]
-            per_group = [((mem[g] + -(-act[g] * keep // r) + held[g] * flight[j] * stash) * c, v)
+            outs = flight[j] + 1  # kept per micro-batch in flight, + one of their gradients
+            per_group = [((mem[g] + -(-act[g] * keep // r) + held[g] * flight[j] * stash
+                           + -(-returned[g] * outs // r)) * c, v)
                          for g in range(G) for c, v in self._x(g, j)]
             received = [(-(-s * flight[j] // r), v) for s, v in recv_terms[j]]
-            return per_group + received + tied_mem[j] + [(p.workspace_bytes, 1)]
+            sent = [(-(-s * outs // r), v) for s, v in sent_terms[j]]
+            loss = -(-self._loss_bytes(j, keep) // r)
+            return (per_group + received + sent + tied_mem[j]
+                    + [(p.workspace_bytes + loss, 1)])
 
         # Rows per GPU: a GPU's time and memory are the sums over its stage modules. With
         # replicas, a time row and a memory row per (stage j, replica count r) instead,
@@ -337,7 +364,6 @@ class StageModel:
                 holds: Terms = [tv for g in range(G) for tv in self._x(g, j)]
                 m.add(self._expr(holds) >= 1)
 
-        limited = p.memory_limit != float("inf")
         if objective == "time":
             # Each GPU fits in memory; the bottleneck T bounds every GPU's time.
             lower = max(-(-sum(t) // N), -(-max(t, default=0) // (N - K + 1 if self.replicating
@@ -420,6 +446,13 @@ class StageModel:
 
     # -- hints ---------------------------------------------------------------------------
 
+    def _loss_bytes(self, j: int, keep: int) -> int:
+        """The loss's bytes on stage j (the last one), ``keep`` micro-batches of its saved."""
+        p = self.problem
+        if j != self.num_stages - 1:
+            return 0
+        return p.loss_saved_bytes * keep + p.loss_grad_bytes
+
     def _hint_is_valid(self, hint: Sequence[int]) -> bool:
         c = self.coarsening
         if len(hint) != c.num_coarse or not all(0 <= s < self.num_stages for s in hint):
@@ -431,21 +464,26 @@ class StageModel:
     def _hint_time_ticks(self, hint: Sequence[int], t: list[int],
                          classes: dict[tuple[int, tuple[int, ...], tuple[int, ...]], list[float]],
                          replicated: list, mem: list[int], act: list[int], flight: list[int],
-                         held: list[int], on_device: list[list[int]]) -> int | None:
+                         held: list[int], returned: list[int], on_device: list[list[int]]
+                         ) -> int | None:
         """The hint's bottleneck in ticks as this model computes it (one GPU per stage),
         None if it does not fit."""
         p, K = self.problem, self.num_stages
         stash = p.schedule is Schedule.PIPEDREAM
         ticks = [0] * K
-        memory = [p.workspace_bytes] * K
+        memory = [p.workspace_bytes + self._loss_bytes(j, 1 if p.recompute else flight[j])
+                  for j in range(K)]
         for g, s in enumerate(hint):
             ticks[s] += t[g]
             memory[s] += mem[g] + act[g] * (1 if p.recompute else flight[s])
             memory[s] += held[g] * flight[s] if stash else 0
-        for (g, W, _), (comm_s, out_bytes) in classes.items():
+            memory[s] += returned[g] * (flight[s] + 1)
+        for (g, W, _), (comm_s, out_bytes, sent_bytes) in classes.items():
             c, b = round(comm_s * self.scale), round(out_bytes)
             s = hint[g]
             on = {hint[w] for w in W}
+            if max(on) > s:  # kept for a later stage until the backward
+                memory[s] += round(sent_bytes) * (flight[s] + 1)
             if p.comm is Comm.NEIGHBOUR:
                 lo, hi = min(on | {s}), max(on | {s})
                 for bd in range(lo, hi):

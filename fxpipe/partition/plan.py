@@ -26,12 +26,16 @@ class StageMemory:
     received: int = 0  # inputs received from other stages, times micro-batches in flight
     workspace: int = 0
     stashed: int = 0  # weight stashing: a parameter copy per micro-batch in flight
+    # values it sends to later stages or returns, kept per micro-batch in flight until that
+    # micro-batch's backward, plus one micro-batch of their gradients
+    outputs: int = 0
+    loss: int = 0  # the loss on the last stage: what it saves for backward + its gradient
 
     @property
     def total(self) -> int:
         return (
             self.params + self.grads + self.optimizer + self.activations + self.received
-            + self.stashed + self.workspace
+            + self.outputs + self.loss + self.stashed + self.workspace
         )
 
 

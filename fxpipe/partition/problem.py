@@ -73,6 +73,9 @@ class Node:
     comm_s: float = 0.0  # time to move its output across one boundary (bytes/bw + latency)
     module: str = ""  # top-level block it belongs to, for the layer-count baseline and display
     members: tuple[str, ...] = ()  # fine-graph node names merged into it (empty: just `name`)
+    # Its value is (part of) the model's output: the runner keeps it until the micro-batch's
+    # backward and the loss reads it. A coarse node is returned if any member is.
+    returned: bool = False
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,11 @@ class Problem:
     state_factor: float = 4.0
     recompute: bool = False  # keep only stage inputs per micro-batch, recompute in backward
     workspace_bytes: int = 0  # reserved per device (CUDA context, allocator slack)
+    # The loss, computed on the last stage for every micro-batch: bytes it saves for backward
+    # (kept per micro-batch in flight there) and bytes its backward allocates for one
+    # micro-batch (the gradient of its input). See ``fxpipe.lower`` for the default.
+    loss_saved_bytes: int = 0
+    loss_grad_bytes: int = 0
     comm: Comm = Comm.NEIGHBOUR
     tied: tuple[TiedGroup, ...] = ()
     tied_policy: TiedPolicy = TiedPolicy.REPLICATE

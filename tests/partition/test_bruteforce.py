@@ -51,8 +51,9 @@ def problems(draw: st.DrawFn, layout: str = "one per GPU") -> Problem:
             backward_s=draw(st.integers(0, 9)) * MS,
             param_bytes=draw(st.integers(0, 5)) * 100,
             activation_bytes=draw(st.integers(0, 3)) * 10,
-            output_bytes=draw(st.integers(0, 3)) * 10,
+            output_bytes=draw(st.sampled_from([0, 10, 30, 200])),
             comm_s=draw(st.integers(0, 4)) * MS,
+            returned=draw(st.integers(0, 3)) == 0,
         )
         for i in range(n)
     )
@@ -81,6 +82,8 @@ def problems(draw: st.DrawFn, layout: str = "one per GPU") -> Problem:
         state_factor=float(draw(st.integers(1, 4))),
         recompute=draw(st.booleans()),
         workspace_bytes=draw(st.integers(0, 2)) * 50,
+        loss_saved_bytes=draw(st.integers(0, 2)) * 10,
+        loss_grad_bytes=draw(st.integers(0, 2)) * 10,
         comm=draw(st.sampled_from(Comm)),
         tied=tied,
         tied_policy=draw(st.sampled_from(TiedPolicy)),

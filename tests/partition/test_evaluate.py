@@ -57,7 +57,10 @@ def test_memory_kinds_state_factor_and_in_flight() -> None:
     assert m0.activations == 15 * 2 and m1.activations == 1
     assert m1.received == (8 + 4) * 1
     assert m0.workspace == m1.workspace == 7
-    assert m0.total == 150 * 4 + 30 + 7
+    # stage 0 sends a and b to c: kept for 2 micro-batches, + one of their gradients
+    assert m0.outputs == (8 + 4) * (2 + 1) and m1.outputs == 0
+    assert m0.loss == m1.loss == 0
+    assert m0.total == 150 * 4 + 30 + 36 + 7
     assert ev.estimate.max_memory == m0.total
 
 
@@ -67,6 +70,53 @@ def test_recompute_keeps_one_micro_batch_of_activations() -> None:
     ev = evaluate(p, [0, 1, 1])
     assert ev.stages[1].memory.activations == 6  # b + c, once
     assert ev.stages[1].memory.received == 8 * 8  # a's value kept per micro-batch
+
+
+def kept_values(comm: Comm, **kwargs: object) -> Problem:
+    """a, e on stage 0; b, c on 1; d on 2.  a -> b, a -> d, b -> c, c -> d; d and e are
+    returned (e from stage 0, read by nothing)."""
+    nodes = (
+        Node("a", 1, 1, output_bytes=10),
+        Node("e", 1, 1, output_bytes=5, returned=True),
+        Node("b", 1, 1, output_bytes=20),
+        Node("c", 1, 1, output_bytes=30),
+        Node("d", 1, 1, output_bytes=40, returned=True),
+    )
+    edges = (Edge(0, 2), Edge(0, 4), Edge(2, 3), Edge(3, 4))
+    return Problem(nodes, edges, num_stages=3, microbatches=4, comm=comm,
+                   loss_saved_bytes=100, loss_grad_bytes=50, **kwargs)  # type: ignore[arg-type]
+
+
+SPLIT = (0, 0, 1, 1, 2)
+
+
+@pytest.mark.parametrize("comm", list(Comm))
+def test_outputs_and_loss_by_hand_1f1b(comm: Comm) -> None:
+    ev = evaluate(kept_values(comm), SPLIT)
+    # 1F1B, K=3, M=4: in flight 3, 2, 1. Kept: stage 0 a (read on 1, 2) and e (returned);
+    # stage 1 c (b is read on its own stage; a is passed on, in received); stage 2 d.
+    # Each x (in flight + 1 for their gradients).
+    assert [s.memory.outputs for s in ev.stages] == [(10 + 5) * 4, 30 * 3, 40 * 2]
+    # the loss on the last stage: saved x 1 in flight + its gradient
+    assert [s.memory.loss for s in ev.stages] == [0, 0, 100 + 50]
+    # NEIGHBOUR passes a on through stage 1: received there, not one of its outputs
+    assert [s.memory.received for s in ev.stages] == [0, 10 * 2, (10 + 30) * 1]
+    m = ev.stages[2].memory
+    assert m.total == m.received + m.outputs + m.loss == 40 + 80 + 150
+
+
+def test_outputs_and_loss_gpipe_recompute_and_replicas() -> None:
+    gpipe = evaluate(kept_values(Comm.NEIGHBOUR, schedule=Schedule.GPIPE), SPLIT)
+    assert [s.memory.outputs for s in gpipe.stages] == [15 * 5, 30 * 5, 40 * 5]
+    assert gpipe.stages[2].memory.loss == 100 * 4 + 50
+    # recompute: outputs still kept until the backward; the loss is computed there, once
+    again = evaluate(kept_values(Comm.NEIGHBOUR, schedule=Schedule.GPIPE, recompute=True), SPLIT)
+    assert [s.memory.outputs for s in again.stages] == [15 * 5, 30 * 5, 40 * 5]
+    assert again.stages[2].memory.loss == 100 + 50
+    # stage 0 on 2 GPUs, stage 2 on 2: each replica keeps half
+    replicated = evaluate(kept_values(Comm.NEIGHBOUR, num_devices=5), SPLIT, (2, 1, 2))
+    assert [s.memory.outputs for s in replicated.stages] == [15 * 4 // 2, 30 * 3, 40 * 2 // 2]
+    assert replicated.stages[2].memory.loss == 150 // 2
 
 
 def test_estimate_formulas() -> None:

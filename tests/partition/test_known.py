@@ -109,3 +109,33 @@ def test_reported_bound_is_never_below_the_trivial_one() -> None:
     assert result.report.bound >= trivial_bound(problem) * (1 - 1e-9)
     replicated = partition(problem, time_limit_s=10, replicate=True)
     assert replicated.report.bound >= 100 * MS / 4 * (1 - 1e-9)
+
+
+@pytest.mark.parametrize("returned", [False, True])
+def test_kept_outputs_move_the_cut(returned: bool) -> None:
+    # x (3 ms) -> y (2 ms) -> z (4 ms) on 2 GPUs, 1F1B, M = 4 (in flight 2, 1). The fastest
+    # split, x y | z (5 ms), sends y's 1000 bytes: stage 0 keeps them for 2 micro-batches
+    # plus one of their gradients, 3000 bytes, over the 1500-byte limit. Counting only
+    # what stage 1 receives (1000 x 1) it would fit. x | y z (6 ms) sends x's 1 byte.
+    # With z returned (10 bytes) and a loss, stage 1 of x | y z holds received 1, its
+    # output 10 x 2 and the loss 100 + 50: still within the limit.
+    nodes = (Node("x", 1 * MS, 2 * MS, output_bytes=1),
+             Node("y", 1 * MS, 1 * MS, output_bytes=1000),
+             Node("z", 2 * MS, 2 * MS, output_bytes=10, returned=returned))
+    loss = {"loss_saved_bytes": 100, "loss_grad_bytes": 50} if returned else {}
+    p = Problem(nodes, (Edge(0, 1), Edge(1, 2)), num_stages=2, microbatches=4,
+                memory_limit=1500, **loss)  # type: ignore[arg-type]
+    fast = evaluate(p, (0, 0, 1))
+    old = [s.memory.total - s.memory.outputs - s.memory.loss for s in fast.stages]
+    assert max(old) <= p.memory_limit < fast.estimate.max_memory
+    assert fast.stages[0].memory.outputs == 1000 * 3
+    result = partition(p, time_limit_s=10)
+    assert result.report.status == "OPTIMAL"
+    assert result.stage_of == (0, 1, 1)
+    assert result.report.objective == pytest.approx(6 * MS)
+    assert result.evaluation.estimate.fits
+    last = result.evaluation.stages[1].memory
+    assert (last.received, last.outputs, last.loss) == ((1, 20, 150) if returned else (1, 0, 0))
+    unlimited = partition(p.__class__(**{**p.__dict__, "memory_limit": float("inf")}),
+                          time_limit_s=10)
+    assert unlimited.stage_of == (0, 0, 1)
