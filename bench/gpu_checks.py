@@ -310,10 +310,11 @@ def summary(results: dict[str, Any]) -> str:
                          + ", ".join(f"{(r['forward_s'] + r['backward_s']) * 1e3:.2f}"
                                      for r in rows) + " ms")
     s = results["streams"]
-    lines += ["", f"streams: {s['streams']} stage streams; loss {s['loss']:.6f} vs unsplit "
-              f"{s['unsplit_loss']:.6f}; max relative gradient error "
-              f"{s['max_relative_grad_error']:.2e}; step {s['runner_s'] * 1e3:.1f} ms vs "
-              f"unsplit {s['unsplit_s'] * 1e3:.1f} ms, per-round ratio {s['paired_ratio']:.3f}"]
+    if s:
+            lines += ["", f"streams: {s['streams']} stage streams; loss {s['loss']:.6f} vs unsplit "
+                  f"{s['unsplit_loss']:.6f}; max relative gradient error "
+                  f"{s['max_relative_grad_error']:.2e}; step {s['runner_s'] * 1e3:.1f} ms vs "
+                  f"unsplit {s['unsplit_s'] * 1e3:.1f} ms, per-round ratio {s['paired_ratio']:.3f}"]
     if results.get("memory"):
         lines += ["", "| stage | plan: params+grads+optimizer | plan: activations+received"
                   "+outputs+loss+workspace | plan total | measured static | measured peak "
