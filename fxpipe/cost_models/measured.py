@@ -20,7 +20,8 @@ costs its dispatch and kernel rather than a synchronised round trip (timed one
 by one, GPT-2 small's nodes summed to 1.7× its whole step on an H100:
 BENCHMARKS.md). The backward differentiates ``repeats`` forwards on fresh copies
 in one ``torch.autograd.grad`` call (the module's parameters collect the sum of
-their gradients), so the engine's cost per call is paid once per bracket. The
+their gradients), so the engine's cost per call is paid once per bracket; a
+bracket holds ``repeats`` copies of the node's inputs and graphs at once. The
 caching allocator's figures for one more forward go into ``meta.MEASURED_MEMORY``:
 bytes still allocated after it returns (its outputs and what autograd saved)
 and the peak increase while it ran.
