@@ -13,6 +13,12 @@ its backward allocates one more (the gradient of log-softmax), each the size of 
 returned values. With the returned values kept until the backward and their gradient
 (``StageMemory.outputs``), that is 4 x the logits on the last stage, which is what
 an H100 measured for GPT-2 small (1F1B, 4 stages).
+
+A node's backward allocates gradients that live only while it runs (``Node.grad_bytes``:
+its output's, its inputs' and its parameters', those that require grad). The same H100
+run found ~300 MiB of them on the middle GPT-2 stages (a softmax over the attention
+scores: their gradient and its input's, 96 MiB each per micro-batch). A view's backward
+views its output's gradient, so it allocates no gradient for its input.
 """
 
 from __future__ import annotations
@@ -93,6 +99,7 @@ def lower(
                 backward_s=time.backward_s,
                 param_bytes=own,
                 activation_bytes=memory.saved_bytes,
+                grad_bytes=_grad_bytes(gm, node, reads[node.name], returned=node in returned),
                 output_bytes=memory.output_bytes,
                 comm_s=intra_node_time(memory.output_bytes, device),
                 module=_block(meta.MODULE.get(node).path, block_depth),
@@ -144,6 +151,27 @@ def lower(
         allreduce_latency_s=device.intra_node_latency,
     )
     return Lowered(problem, ops, {k: tuple(sorted(v)) for k, v in reads.items()})
+
+
+def _grad_bytes(gm: torch.fx.GraphModule, node: torch.fx.Node, params: dict[str, int], *,
+                returned: bool) -> int:
+    """Gradient bytes alive while ``node`` runs backward (see the module docstring): none
+    if its output needs no gradient; its output's unless returned (the loss's backward
+    makes that one, ``Problem.loss_grad_bytes``); its inputs' unless it is a view; and its
+    trainable parameters' (accumulating a micro-batch's into ``.grad`` needs a copy)."""
+    shape = meta.SHAPE.get(node)
+    if not shape.requires_grad:
+        return 0
+    total = 0 if returned else _grad_nbytes(shape)
+    if not _is_view(node):
+        total += sum(_grad_nbytes(meta.SHAPE.get(source)) for source in node.all_input_nodes
+                     if source.op != "get_attr")
+    total += sum(size for name, size in params.items() if gm.get_parameter(name).requires_grad)
+    return total
+
+
+def _grad_nbytes(value: meta.ValueInfo) -> int:
+    return sum(t.nbytes for t in value.tensors if t.requires_grad)
 
 
 def _block(path: str, depth: int) -> str:

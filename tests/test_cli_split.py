@@ -56,6 +56,16 @@ def test_plan_json_round_trips(gpt_split: Path) -> None:
 
     text = (gpt_split / "plan.json").read_text()
     assert Plan.from_json(text).to_json() == text
+    # the GPT's stages each hold a backward transient (its largest op's gradients) ...
+    plan = json.loads(text)
+    assert all(stage["memory"]["backward"] > 0 for stage in plan["stages"])
+    # ... and a plan.json written before that kind existed still loads, with none
+    for stage in plan["stages"]:
+        stage["memory"]["total"] -= stage["memory"].pop("backward")
+    older = Plan.from_dict(plan)
+    assert all(stage.memory.backward == 0 for stage in older.stages)
+    assert [s.memory.total for s in older.stages] == [s["memory"]["total"]
+                                                      for s in plan["stages"]]
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""lower(): which ops the model returns, and the loss's default memory."""
+"""lower(): which ops the model returns, the loss's default memory, backward gradients."""
 
 from __future__ import annotations
 
@@ -36,3 +36,38 @@ def test_returned_ops_and_default_loss_bytes() -> None:
     total = sum(returned.values())
     assert (p.loss_saved_bytes, p.loss_grad_bytes) == (total * LOSS_FACTORS[0],
                                                        total * LOSS_FACTORS[1])
+
+
+class Masked(nn.Module):
+    """A frozen layer, one that trains, a softmax, a view, and a mask needing no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Linear(8, 8).requires_grad_(False)
+        self.fc = nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = (self.frozen(x) > 0).float()
+        y = self.fc(x).softmax(-1)
+        return y.view(4, 4, 4) * mask.view(4, 4, 2).repeat(1, 1, 2)
+
+
+def test_grad_bytes_count_what_each_backward_allocates() -> None:
+    traced = trace(Masked(), (torch.randn(4, 8),))
+    device = get_device("h100")
+    analyze(traced, device=device)
+    p = lower(traced.gm, num_stages=1, device=device, memory_limit=float("inf"),
+              schedule=Schedule.ONE_F_ONE_B, microbatches=1).problem
+    grad = {n.name: n.grad_bytes for n in p.nodes}
+    value = 4 * 16 * 4  # bytes of every (4, 16) float value below
+    # no gradient flows through the mask, and the frozen layer's weights need none
+    assert grad["frozen"] == grad["gt"] == grad["float_1"] == grad["view_1"] == 0
+    assert grad["repeat"] == 0
+    # fc's output gradient and its parameters' (its input x needs none)
+    assert grad["fc"] == value + (16 * 8 + 16) * 4
+    # softmax: its output's gradient and its input's
+    assert grad["softmax"] == 2 * value
+    # a view's backward views its output's gradient: nothing for the input
+    assert grad["view"] == value
+    # the returned product: the loss's backward made its output's gradient; y's is new
+    assert grad["mul"] == value

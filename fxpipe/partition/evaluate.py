@@ -37,6 +37,10 @@ Per stage j, for one micro-batch:
         loss        last stage only: Problem.loss_saved_bytes * in_flight(K-1) (the runner
                     computes each micro-batch's loss right after its forward; with recompute
                     in its backward, so once) + Problem.loss_grad_bytes
+        backward    the largest ``Node.grad_bytes`` among its nodes: while a node runs its
+                    backward, its output's gradient and the gradients it makes for its
+                    inputs and parameters are alive at once (transient, one micro-batch;
+                    the gradients of what it received and sends are in received / outputs)
         stashed     PipeDream weight stashing: a copy of the parameters per micro-batch
                     in flight (params * in_flight(j))
         workspace   Problem.workspace_bytes
@@ -45,9 +49,10 @@ Replicated stage j (r_j GPUs, ``replicas``): each replica computes 1/r_j of ever
 micro-batch, so forward_s, backward_s, activations, received, outputs and loss are
 divided by r_j (the figures are per replica); comm_s adds the ring all-reduce over r_j of the
 gradients of its nodes' own parameters (``allreduce_s``); parameters, gradients and
-optimizer state are whole on every replica. Sends and receives are not divided
-(conservative: a stage of one GPU next to two replicas still moves the whole
-micro-batch through its link).
+optimizer state are whole on every replica, and so is backward (conservative: only its
+activation-gradient part shrinks with the replica's share of the micro-batch). Sends and
+receives are not divided (conservative: a stage of one GPU next to two replicas still
+moves the whole micro-batch through its link).
 
 Interleaved (v > 1): a GPU runs its v stage modules one after another, so the
 figures that decide the step are per GPU: its time is the sum of its modules' times
@@ -187,6 +192,7 @@ def evaluate(problem: Problem, stage_of: Sequence[int],
     params = [0] * K
     own_params = [0] * K  # parameters of its nodes (not tied ones): all-reduced when replicated
     activations = [0] * K
+    transient = [0] * K  # the largest gradients one of its nodes' backward has alive
     received = [0] * K  # bytes of one micro-batch's received values
     kept = [0] * K  # bytes of one micro-batch's values sent to a later stage or returned
 
@@ -197,6 +203,7 @@ def evaluate(problem: Problem, stage_of: Sequence[int],
         params[j] += node.param_bytes
         own_params[j] += node.param_bytes
         activations[j] += node.activation_bytes
+        transient[j] = max(transient[j], node.grad_bytes)
 
     readers = consumers(problem)
     for v, node in enumerate(problem.nodes):
@@ -248,6 +255,7 @@ def evaluate(problem: Problem, stage_of: Sequence[int],
             received=-(-received[j] * flight[j] // r),
             outputs=-(-kept[j] * (flight[j] + 1) // r),
             loss=-(-loss // r),
+            backward=transient[j],
             stashed=params[j] * flight[j] if stashing else 0,
             workspace=problem.workspace_bytes,
         )

@@ -30,12 +30,13 @@ class StageMemory:
     # micro-batch's backward, plus one micro-batch of their gradients
     outputs: int = 0
     loss: int = 0  # the loss on the last stage: what it saves for backward + its gradient
+    backward: int = 0  # gradients alive while its largest node runs backward (one micro-batch)
 
     @property
     def total(self) -> int:
         return (
             self.params + self.grads + self.optimizer + self.activations + self.received
-            + self.outputs + self.loss + self.stashed + self.workspace
+            + self.outputs + self.loss + self.backward + self.stashed + self.workspace
         )
 
 

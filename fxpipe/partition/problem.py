@@ -69,6 +69,10 @@ class Node:
     backward_s: float
     param_bytes: int = 0  # parameters owned (tied parameters: see TiedGroup, not here)
     activation_bytes: int = 0  # saved for backward per micro-batch in flight
+    # Gradients its backward allocates for one micro-batch: its output's (unless the model
+    # returns it: the loss's backward makes that one), its inputs' and its parameters'.
+    # Transient: a stage holds the largest of its nodes' at once (``StageMemory.backward``).
+    grad_bytes: int = 0
     output_bytes: int = 0  # bytes of the value it produces (received by later stages)
     comm_s: float = 0.0  # time to move its output across one boundary (bytes/bw + latency)
     module: str = ""  # top-level block it belongs to, for the layer-count baseline and display

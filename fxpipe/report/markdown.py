@@ -101,8 +101,8 @@ def render_report(plan: Plan) -> str:
         "1/r of every micro-batch; its comm includes the all-reduce of its gradients).",
         "",
         "| stage | GPUs | ops | params | fwd FLOPs | fwd | bwd | comm | params+grads+opt "
-        "| activations | received | outputs | loss | stashed | total memory |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| activations | received | outputs | loss | backward | stashed | total memory |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for stage in plan.stages:
         m = stage.memory
@@ -113,7 +113,7 @@ def render_report(plan: Plan) -> str:
             f"{_ms(stage.comm_s)} | {format_bytes(m.params + m.grads + m.optimizer)} | "
             f"{format_bytes(m.activations)} | {format_bytes(m.received)} | "
             f"{format_bytes(m.outputs)} | {format_bytes(m.loss)} | "
-            f"{format_bytes(m.stashed)} | {format_bytes(m.total)} |"
+            f"{format_bytes(m.backward)} | {format_bytes(m.stashed)} | {format_bytes(m.total)} |"
         )
     lines += [
         "",

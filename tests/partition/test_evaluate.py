@@ -119,6 +119,24 @@ def test_outputs_and_loss_gpipe_recompute_and_replicas() -> None:
     assert replicated.stages[2].memory.loss == 150 // 2
 
 
+def test_backward_transient_is_the_largest_node_once() -> None:
+    # a (grad 40) and b (grad 70) on stage 0, c (grad 25) on stage 1: a stage holds the
+    # largest of its nodes' backward gradients, once -- not per micro-batch in flight,
+    # not summed, and whole on each replica (its parameter part is not split)
+    nodes = tuple(Node(name, 1.0, 1.0, grad_bytes=g) for name, g in zip("abc", (40, 70, 25),
+                                                                       strict=True))
+    edges = (Edge(0, 1), Edge(1, 2))
+    for schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
+        ev = evaluate(Problem(nodes, edges, num_stages=2, microbatches=4, schedule=schedule),
+                      [0, 0, 1])
+        assert [s.memory.backward for s in ev.stages] == [70, 25]
+        assert [s.memory.total for s in ev.stages] == [70, 25]
+    replicated = evaluate(Problem(nodes, edges, num_stages=2, num_devices=3), [0, 0, 1], (2, 1))
+    assert [s.memory.backward for s in replicated.stages] == [70, 25]
+    moved = evaluate(Problem(nodes, edges, num_stages=2), [0, 1, 1])
+    assert [s.memory.backward for s in moved.stages] == [40, 70]
+
+
 def test_estimate_formulas() -> None:
     p = fan(Comm.DIRECT, num_stages=3, microbatches=5)
     ev = evaluate(p, [0, 1, 2])
