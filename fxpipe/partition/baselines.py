@@ -15,8 +15,8 @@ order of the co-location groups, so they are valid pipelines:
 
 ``interval_dp`` is DESIGN's O(K n^2) warm start: the best contiguous split of the
 order with cut communication and memory (the kinds of ``evaluate``: received and
-sent values, the loss) included (replicated tied parameters left out; ``evaluate``
-has the last word).
+sent values, the loss, the backward transient) included (replicated tied parameters
+left out; ``evaluate`` has the last word).
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def interval_dp(c: Coarsening) -> tuple[int, ...] | None:
     Legend: n coarse nodes in order, a..c a block [a, c), cut[i] the cost of cutting
     before item i (values whose producer and readers lie on both sides), sent[a] the
     bytes of values produced in [a, end) and read at or after ``end`` (the block's
-    outputs), R the returned bytes.
+    outputs), R the returned bytes, peak[a] the largest backward transient in [a, end).
     """
     p = c.problem
     n, K = c.num_coarse, p.num_stages
@@ -139,12 +139,14 @@ def interval_dp(c: Coarsening) -> tuple[int, ...] | None:
     params = np.zeros(n + 1)
     act = np.zeros(n + 1)
     ret = np.zeros(n + 1)
+    grad = np.zeros(n)
     for v, node in enumerate(p.nodes):
         g = c.group_of[v]
         t[g + 1] += node.forward_s + node.backward_s
         params[g + 1] += node.param_bytes * (1 + grad_f + opt_f)
         act[g + 1] += node.activation_bytes
         ret[g + 1] += node.output_bytes if node.returned else 0
+        grad[g] = max(grad[g], node.grad_bytes)
     for tied in p.tied:
         params[min(c.group_of[v] for v in tied.nodes) + 1] += tied.param_bytes * (
             1 + grad_f + opt_f)
@@ -189,6 +191,7 @@ def interval_dp(c: Coarsening) -> tuple[int, ...] | None:
             alive[a] -= size
             released += 1
         produced = np.concatenate(([0.0], np.cumsum(alive[:end])))  # produced[a]: [0, a)
+        peak = np.append(np.maximum.accumulate(grad[:end][::-1])[::-1], 0.0)
         for j in range(K):
             f = flights[j]
             keep = 1 if p.recompute else f
@@ -199,7 +202,7 @@ def interval_dp(c: Coarsening) -> tuple[int, ...] | None:
             loss = p.loss_saved_bytes * keep + p.loss_grad_bytes if j == K - 1 else 0
             load = T[end] - T[starts] + cut[starts] + cut[end]
             memory = (P[end] - P[starts] + (A[end] - A[starts]) * keep + cut_b[starts] * f
-                      + sent * (f + 1) + loss + p.workspace_bytes)
+                      + sent * (f + 1) + peak[starts] + loss + p.workspace_bytes)
             load = np.where(memory <= limit, load, inf)
             if end == starts[0] == 0 and j == 0 and not p.allow_empty_stages:
                 load[:] = inf

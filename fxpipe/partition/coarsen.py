@@ -8,8 +8,8 @@ levels are built:
                   tied groups under ``TiedPolicy.COLOCATE``), cycles those create
                   with the ordering edges (their nodes are forced onto one stage),
                   and -- where empty stages are allowed -- cost-free leaves (a node
-                  with no time, memory or parameters, not returned, whose only
-                  neighbour is one group).
+                  with no time, memory (backward transient included) or parameters,
+                  not returned, whose only neighbour is one group).
 ``coarsen``       on top of that, fuses chains: u -> w merges when w's only ordering
                   predecessor is u or u's only successor is w (so no cycle can form),
                   while the merged time stays under ``cap`` (~ total / (4K): uncapped
@@ -89,6 +89,7 @@ class Coarsening:
                 backward_s=sum(n.backward_s for n in fine),
                 param_bytes=sum(n.param_bytes for n in fine),
                 activation_bytes=sum(n.activation_bytes for n in fine),
+                grad_bytes=max(n.grad_bytes for n in fine),
                 output_bytes=max(n.output_bytes for n in fine),
                 comm_s=max(n.comm_s for n in fine),
                 module=fine[0].module,
@@ -276,7 +277,7 @@ def _merge_free_leaves(problem: Problem, uf: _UnionFind) -> None:
                 continue
             nodes = [problem.nodes[v] for v in vs]
             if any(x.forward_s or x.backward_s or x.param_bytes or x.activation_bytes
-                   or x.returned for x in nodes):
+                   or x.grad_bytes or x.returned for x in nodes):
                 continue
             (other,) = neighbours[r]
             if uf.find(other) != other or uf.find(r) != r:

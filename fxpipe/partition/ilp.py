@@ -18,6 +18,8 @@ Variables
     either transport, when memory is limited or minimised:
       e[k,j]  = [stage j produces them and a later stage reads them] >= x[g,j] - d[w,j]
                 for w in W (stage j keeps them until the backward: StageMemory.outputs)
+      B[j]    = bytes of the largest backward transient on stage j >= grad[g] * x[g,j]
+                (an integer, StageMemory.backward; grad[g]: the largest of g's nodes')
     tied parameter G (replicated): u[G,j] = [stage j holds a copy], m[G] = [more than one
       copy], a[G,j] = [stage j all-reduces]
     replicated stages (N GPUs > K stages): y[j,r] = [stage j runs on r GPUs], r = 1..N-K+1,
@@ -27,8 +29,8 @@ Variables
     T = the bottleneck: the slowest stage, or the slowest GPU (the sum of its stage
       modules) when interleaved
 
-Indicators only have lower bounds: the objective and the memory rows never gain from
-setting one, so at an optimum they take their exact values, and the objective equals
+Indicators (and B) only have lower bounds: the objective and the memory rows never gain
+from raising one, so at an optimum they take their exact values, and the objective equals
 ``evaluate``'s bottleneck for the returned assignment (checked in tests/partition).
 
 Integer scaling: CP-SAT works on integers. Seconds are multiplied by a power of ten,
@@ -140,6 +142,7 @@ class StageModel:
         self.scale = ticks_per_second(coarsening)
         self.model = cp_model.CpModel()
         self._defs: list[tuple[cp_model.IntVar, list[Terms]]] = []  # aux var >= each Terms
+        self._int_bounds: dict[int, tuple[int, int]] = {}  # variable index -> domain, non-0/1
         all_stages = range(K)
         boundaries = range(K - 1)
         group_of = coarsening.group_of
@@ -162,6 +165,7 @@ class StageModel:
         held = [0] * G  # parameter bytes held, colocated tied ones included (stashed copies)
         act = [0] * G
         returned = [0] * G  # bytes of the model's output it produces
+        grad = [0] * G  # the largest backward transient of its nodes (Node.grad_bytes)
         for v, node in enumerate(p.nodes):
             g = group_of[v]
             returned[g] += node.output_bytes if node.returned else 0
@@ -169,6 +173,7 @@ class StageModel:
             param_state[g] += node.param_bytes * state
             params[g] += node.param_bytes
             act[g] += node.activation_bytes
+            grad[g] = max(grad[g], node.grad_bytes)
         replicated = []
         for tied in p.tied:
             holders = sorted({group_of[v] for v in tied.nodes})
@@ -211,7 +216,7 @@ class StageModel:
         hint_valid = hint is not None and not self.replicating and self._hint_is_valid(hint)
         if hint is not None and hint_valid and objective == "time":
             self.upper_ticks = self._hint_time_ticks(hint, t, classes, replicated, mem, act, flight,
-                                                     held, returned, on_device)
+                                                     held, returned, grad, on_device)
         if upper_s is not None and objective == "time":
             # strictly below the best so far, less the rounding margin of the scaled rows
             cap = math.floor(upper_s * self.scale - self._rounding_terms * 0.5)
@@ -293,6 +298,12 @@ class StageModel:
                     kept = self._at_least(
                         [[*self._x(g, j), (-1, self.d[w][j])] for w in W], f"e[{g},{j}]")
                     sent_terms[j].append((round(sent_bytes), kept))
+        # The largest backward transient on each stage (only where memory counts).
+        peak: list[Term] = [0] * K
+        if limited or objective == "memory":
+            peak = [self._max_of([[(grad[g] * c, v) for c, v in self._x(g, j)]
+                                  for g in range(G) if grad[g]], f"B[{j}]")
+                    for j in all_stages]
 
         # Replicated tied parameters: a copy (memory) on every holder, an all-reduce on
         # each holder when there is more than one.
@@ -326,7 +337,7 @@ class StageModel:
 
         def memory(j: int, r: int) -> Terms:
             """Stage j's bytes on each of r replicas (activations, received, outputs and
-            loss / r)."""
+            loss / r; the backward transient whole)."""
             keep = 1 if p.recompute else flight[j]
             outs = flight[j] + 1  # kept per micro-batch in flight, + one of their gradients
             per_group = [((mem[g] + -(-act[g] * keep // r) + held[g] * flight[j] * stash
@@ -336,7 +347,7 @@ class StageModel:
             sent = [(-(-s * outs // r), v) for s, v in sent_terms[j]]
             loss = -(-self._loss_bytes(j, keep) // r)
             return (per_group + received + sent + tied_mem[j]
-                    + [(p.workspace_bytes + loss, 1)])
+                    + [(1, peak[j]), (p.workspace_bytes + loss, 1)])
 
         # Rows per GPU: a GPU's time and memory are the sums over its stage modules. With
         # replicas, a time row and a memory row per (stage j, replica count r) instead,
@@ -385,8 +396,8 @@ class StageModel:
                         m.add(self._expr(gpu_memory) <= int(p.memory_limit))
             m.minimize(self.T)
         else:
-            upper = sum(abs(c) for gpu_memory in self.memory_terms for c, _ in gpu_memory)
-            self.T = m.new_int_var(0, upper, "memory")
+            upper = max(self._range(gpu_memory)[1] for gpu_memory in self.memory_terms)
+            self.T = m.new_int_var(0, max(0, upper), "memory")
             for gpu_memory in self.memory_terms:
                 m.add(self._expr(gpu_memory) <= self.T)
             m.minimize(self.T)
@@ -406,17 +417,16 @@ class StageModel:
     def _expr(terms: Terms) -> cp_model.LinearExprT:
         return sum((c * v for c, v in terms), 0)
 
-    @staticmethod
-    def _range(terms: Terms) -> tuple[int, int]:
+    def _range(self, terms: Terms) -> tuple[int, int]:
+        """The smallest and largest value ``terms`` can take."""
         lo = hi = 0
         for c, v in terms:
             if isinstance(v, int):
-                lo += c * v
-                hi += c * v
-            elif c > 0:
-                hi += c
+                least = most = v
             else:
-                lo += c
+                least, most = self._int_bounds.get(v.index, (0, 1))
+            lo += min(c * least, c * most)
+            hi += max(c * least, c * most)
         return lo, hi
 
     def _add_le(self, left: Terms, right: Terms) -> None:
@@ -444,6 +454,21 @@ class StageModel:
         self._defs.append((var, live))
         return var
 
+    def _max_of(self, rows: list[Terms], name: str) -> Term:
+        """A non-negative integer >= every row (a constant when the rows decide it)."""
+        ranges = [self._range(row) for row in rows]
+        least = max([0] + [lo for lo, _ in ranges])
+        most = max([least] + [hi for _, hi in ranges])
+        live = [row for row, (_, hi) in zip(rows, ranges, strict=True) if hi > least]
+        if not live:
+            return least
+        var = self.model.new_int_var(least, most, name)
+        self._int_bounds[var.index] = (least, most)
+        for row in live:
+            self.model.add(var >= self._expr(row))
+        self._defs.append((var, live))
+        return var
+
     # -- hints ---------------------------------------------------------------------------
 
     def _loss_bytes(self, j: int, keep: int) -> int:
@@ -464,8 +489,8 @@ class StageModel:
     def _hint_time_ticks(self, hint: Sequence[int], t: list[int],
                          classes: dict[tuple[int, tuple[int, ...], tuple[int, ...]], list[float]],
                          replicated: list, mem: list[int], act: list[int], flight: list[int],
-                         held: list[int], returned: list[int], on_device: list[list[int]]
-                         ) -> int | None:
+                         held: list[int], returned: list[int], grad: list[int],
+                         on_device: list[list[int]]) -> int | None:
         """The hint's bottleneck in ticks as this model computes it (one GPU per stage),
         None if it does not fit."""
         p, K = self.problem, self.num_stages
@@ -473,7 +498,9 @@ class StageModel:
         ticks = [0] * K
         memory = [p.workspace_bytes + self._loss_bytes(j, 1 if p.recompute else flight[j])
                   for j in range(K)]
+        peak = [0] * K
         for g, s in enumerate(hint):
+            peak[s] = max(peak[s], grad[g])
             ticks[s] += t[g]
             memory[s] += mem[g] + act[g] * (1 if p.recompute else flight[s])
             memory[s] += held[g] * flight[s] if stash else 0
@@ -507,7 +534,7 @@ class StageModel:
                 memory[j] += tied.param_bytes * flight[j] if stash else 0
                 if len(on) > 1:
                     ticks[j] += round(tied.allreduce_s * self.scale)
-        if max(sum(memory[j] for j in js) for js in on_device) > p.memory_limit:
+        if max(sum(memory[j] + peak[j] for j in js) for js in on_device) > p.memory_limit:
             return None
         return max(sum(ticks[j] for j in js) for js in on_device)
 
@@ -526,8 +553,9 @@ class StageModel:
                     values[var.index] = int(hint[g] <= j)
                     variables[var.index] = var
         for var, rows in self._defs:  # created after everything they read
+            least, _ = self._int_bounds.get(var.index, (0, 1))
             values[var.index] = max(
-                0, *(sum(c * self._value(v, values) for c, v in row) for row in rows))
+                least, *(sum(c * self._value(v, values) for c, v in row) for row in rows))
             variables[var.index] = var
         for index, value in values.items():
             self.model.add_hint(variables[index], value)

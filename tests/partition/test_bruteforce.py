@@ -51,6 +51,7 @@ def problems(draw: st.DrawFn, layout: str = "one per GPU") -> Problem:
             backward_s=draw(st.integers(0, 9)) * MS,
             param_bytes=draw(st.integers(0, 5)) * 100,
             activation_bytes=draw(st.integers(0, 3)) * 10,
+            grad_bytes=draw(st.sampled_from([0, 0, 40, 250])),
             output_bytes=draw(st.sampled_from([0, 10, 30, 200])),
             comm_s=draw(st.integers(0, 4)) * MS,
             returned=draw(st.integers(0, 3)) == 0,

@@ -98,3 +98,18 @@ def test_export_model(tmp_path: object) -> None:
     path = pathlib.Path(str(tmp_path)) / "model.pbtxt"
     StageModel(exact_groups(random_problem(0))).export_model(str(path))
     assert "variables" in path.read_text()
+
+
+@pytest.mark.parametrize("grad_bytes", [0, 100])
+def test_free_leaf_joins_its_neighbour_only_without_a_backward_transient(
+        grad_bytes: int) -> None:
+    # a -> b, and a cost-free leaf c reading a. Where stages may stay empty, c goes with
+    # a for free -- unless its backward holds gradients: then where it sits decides which
+    # stage's largest transient it raises, so the solver must place it.
+    nodes = (Node("a", 1e-3, 1e-3, grad_bytes=30), Node("b", 1e-3, 1e-3),
+             Node("c", 0.0, 0.0, grad_bytes=grad_bytes))
+    p = Problem(nodes, (Edge(0, 1), Edge(0, 2)), num_stages=2, allow_empty_stages=True)
+    exact = exact_groups(p)
+    assert (exact.group_of[2] == exact.group_of[0]) == (grad_bytes == 0)
+    coarse = coarsen(p, cap_s=1.0).coarse_problem()
+    assert max(n.grad_bytes for n in coarse.nodes) == max(30, grad_bytes)

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 import pytest
 
-from fxpipe.partition import Edge, Node, Problem, evaluate, partition, violations
+from fxpipe.partition import (
+    Edge,
+    InfeasibleMemoryError,
+    Node,
+    Problem,
+    evaluate,
+    exact_groups,
+    partition,
+    violations,
+)
+from fxpipe.partition.baselines import interval_dp
 
 MS = 1e-3
 GiB = 2**30
@@ -139,3 +149,30 @@ def test_kept_outputs_move_the_cut(returned: bool) -> None:
     unlimited = partition(p.__class__(**{**p.__dict__, "memory_limit": float("inf")}),
                           time_limit_s=10)
     assert unlimited.stage_of == (0, 0, 1)
+
+
+def test_backward_transient_moves_the_cut() -> None:
+    # x (3 ms) -> y (2 ms) -> z (4 ms) on 2 GPUs, 1500 bytes each. The fastest split,
+    # x y | z (5 ms), holds x's and y's 400 parameter bytes and, while y runs backward,
+    # its 800 gradient bytes: 1600. x | y z (6 ms) holds 400 + max(800, 400) = 1200
+    # there; summed instead of the largest it would be 1600 too, and nothing would fit.
+    nodes = (Node("x", 1 * MS, 2 * MS, param_bytes=400, grad_bytes=500),
+             Node("y", 1 * MS, 1 * MS, param_bytes=400, grad_bytes=800),
+             Node("z", 2 * MS, 2 * MS, grad_bytes=400))
+    p = Problem(nodes, (Edge(0, 1), Edge(1, 2)), num_stages=2, microbatches=4,
+                state_factor=1.0, memory_limit=1500)
+    fast = evaluate(p, (0, 0, 1))
+    assert [s.memory.backward for s in fast.stages] == [800, 400]
+    assert fast.estimate.max_memory == 1600
+    result = partition(p, time_limit_s=10)
+    assert result.report.status == "OPTIMAL"
+    assert result.stage_of == (0, 1, 1)
+    assert result.report.objective == pytest.approx(6 * MS)
+    assert [s.memory.total for s in result.evaluation.stages] == [900, 1200]
+    assert interval_dp(exact_groups(p)) == (0, 1, 1)  # the warm start counts it too
+    unlimited = partition(p.__class__(**{**p.__dict__, "memory_limit": float("inf")}),
+                          time_limit_s=10)
+    assert unlimited.stage_of == (0, 0, 1)
+    with pytest.raises(InfeasibleMemoryError) as tight:
+        partition(p.__class__(**{**p.__dict__, "memory_limit": 1100}), time_limit_s=10)
+    assert tight.value.needed == 1200
