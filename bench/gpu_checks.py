@@ -20,8 +20,11 @@ vocab 50257, tied LM head) with micro-batches of 2 × 1024 tokens.
 4. ``memory``: stage k alone on the GPU, every other stage on the CPU, one
    runner step and one Adam step after a warm-up step:
    ``torch.cuda.max_memory_allocated`` against the plan's memory of stage k.
+5. ``plan``: the plan's memory per stage by kind (also on the CPU: what part 4
+   measures against, e.g. after a change to the memory model).
 
     python bench/gpu_checks.py --out gpu-results
+    python bench/gpu_checks.py --parts plan --out plan-memory   # no GPU needed
 
 Writes ``gpu_checks.json`` and prints a Markdown summary. ``--small`` runs the
 same on the 4 × 128 test GPT (a smoke run, also on the CPU: parts 1–3 only).
@@ -280,8 +283,9 @@ def stage_memory(gpt: Any, cfg: Any, gen: Generated, k: int, idx: torch.Tensor,
 def summary(results: dict[str, Any]) -> str:
     lines = [f"device: {results['device']} (table row {results['row']}), "
              f"torch {results['torch']}", ""]
-    lines += ["| dtype | phase/ops | nodes | roofline | CUDA events | ratio p10 / median / p90 |",
-              "|---|---|---:|---:|---:|---|"]
+    if results["cost"]:
+        lines += ["| dtype | phase/ops | nodes | roofline | CUDA events "
+                  "| ratio p10 / median / p90 |", "|---|---|---:|---:|---:|---|"]
     for cost in results["cost"]:
         for key, row in cost["nodes"].items():
             q = row["ratio"]
@@ -294,8 +298,9 @@ def summary(results: dict[str, Any]) -> str:
                      f"{cost['whole_step_s'] * 1e3:.2f} ms; sum of nodes measured "
                      f"{cost['sum_measured_s'] * 1e3:.2f} ms, roofline "
                      f"{cost['sum_roofline_s'] * 1e3:.2f} ms")
-    lines += ["", "| stage | forward: plan / measured | backward: plan / measured |",
-              "|---:|---|---|"]
+    if results["stages"]:
+        lines += ["", "| stage | forward: plan / measured | backward: plan / measured |",
+                  "|---:|---|---|"]
     for row in results["stages"]:
         lines.append(f"| {row['stage']} | {row['planned_forward_s'] * 1e3:.2f} / "
                      f"{row['forward_s'] * 1e3:.2f} ms | {row['planned_backward_s'] * 1e3:.2f} / "
@@ -317,18 +322,27 @@ def summary(results: dict[str, Any]) -> str:
                   f"unsplit {s['unsplit_s'] * 1e3:.1f} ms, per-round ratio {s['paired_ratio']:.3f}"]
     if results.get("memory"):
         lines += ["", "| stage | plan: params+grads+optimizer | plan: activations+received"
-                  "+outputs+loss+workspace | plan total | measured static | measured peak "
+                  "+outputs+loss+backward+workspace | plan total | measured static | measured peak "
                   "| peak / plan |",
                   "|---:|---:|---:|---:|---:|---:|---:|"]
         for row in results["memory"]:
             p = row["planned"]
             static = p["params"] + p["grads"] + p["optimizer"]
             dynamic = (p["activations"] + p["received"] + p.get("outputs", 0) + p.get("loss", 0)
-                       + p["workspace"] + p["stashed"])
+                       + p.get("backward", 0) + p["workspace"] + p["stashed"])
             lines.append(f"| {row['stage']} | {static / MiB:.0f} MiB | {dynamic / MiB:.0f} MiB | "
                          f"{row['planned_total'] / MiB:.0f} MiB | "
                          f"{row['static_bytes'] / MiB:.0f} MiB | {row['peak_bytes'] / MiB:.0f} MiB"
                          f" | {row['peak_bytes'] / row['planned_total']:.2f} |")
+    if results.get("plan"):
+        kinds = ("activations", "received", "outputs", "loss", "backward")
+        lines += ["", "| stage | plan: params+grads+optimizer | " + " | ".join(kinds)
+                  + " | plan total |", "|---:|" + "---:|" * (len(kinds) + 2)]
+        for k, p in enumerate(results["plan"]):
+            static = p["params"] + p["grads"] + p["optimizer"]
+            lines.append(f"| {k} | {static / MiB:.0f} MiB | "
+                         + " | ".join(f"{p[kind] / MiB:.0f} MiB" for kind in kinds)
+                         + f" | {p['total'] / MiB:.0f} MiB |")
     return "\n".join(lines)
 
 
@@ -339,7 +353,7 @@ def main() -> None:
     parser.add_argument("--stages", type=int, default=4)
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--parts", default="cost,stages,streams,memory")
+    parser.add_argument("--parts", default="cost,stages,streams,memory,plan")
     args = parser.parse_args()
     parts = set(args.parts.split(","))
 
@@ -351,7 +365,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if dev != "cpu" else "cpu",
         "row": row, "torch": torch.__version__,
         "model": f"GPT {cfg.n_layer}x{cfg.n_embd}, micro-batch {cfg.batch_size}x{cfg.seq_len}",
-        "cost": [], "stages": [], "streams": {}, "memory": [],
+        "cost": [], "stages": [], "streams": {}, "memory": [], "plan": [],
     }
     if "cost" in parts:
         for dtype in (torch.float32, torch.bfloat16):
@@ -365,6 +379,8 @@ def main() -> None:
     gen = split_and_load(model, (micro,), stages=args.stages, microbatches=m,
                          device=row if row != "cpu" else "h100")
     print(f"plan: {[len(s.nodes) for s in gen.plan.stages]} ops per stage", flush=True)
+    if "plan" in parts:  # the plan's memory by kind: what part 4 measures against (any device)
+        results["plan"] = [{**vars(s.memory), "total": s.memory.total} for s in gen.plan.stages]
     idx, target = token_batch(cfg.vocab_size, cfg.batch_size * m, cfg.seq_len, seed=1)
     model.to(dev)
     if "stages" in parts:
