@@ -121,11 +121,23 @@ def test_replicated_split_beats_every_unreplicated_one_and_keeps_gradients(
         torch.testing.assert_close(grads[name], p.grad, rtol=1e-10, atol=1e-12)
 
 
-def test_replicated_plan_trains_under_torchrun(dominant: Path, tmp_path: Path) -> None:
-    """The solver's uneven plan (1-1-2), one process per GPU under a real torchrun:
-    the loss and every rank's gradients are the unsplit model's."""
-    plan = split(dominant, "--gpus", "4", "--microbatches", "4", "--replicate", "rep_torchrun")
-    replicas = [s["replicas"] for s in plan["stages"]]
+@pytest.mark.parametrize("flags", [["--gpus", "4", "--replicate"],
+                                   ["--gpus", "2", "--virtual-stages", "2"]],
+                         ids=["replicated", "interleaved"])
+def test_solver_plan_trains_under_torchrun(dominant: Path, tmp_path: Path,
+                                           flags: list[str]) -> None:
+    """The solver's plan, one process per GPU under a real torchrun: the uneven 1-1-2,
+    or 4 interleaved stages on 2 GPUs. The loss and every rank's gradients are the
+    unsplit model's."""
+    out = f"torchrun_{'_'.join(f.strip('-') for f in flags)}"
+    plan = split(dominant, "--microbatches", "4", *flags, out)
+    gpus = plan["num_stages"] // plan["virtual_stages"] if plan["virtual_stages"] > 1 else sum(
+        s["replicas"] for s in plan["stages"])
+    assert gpus == (2 if "--virtual-stages" in flags else 4)
+    if "--replicate" in flags:
+        assert max(s["replicas"] for s in plan["stages"]) > 1
+    else:
+        assert plan["num_stages"] == 4 and plan["schedule"] == "interleaved"
     namespace: dict[str, object] = {}
     exec(textwrap.dedent(DOMINANT), namespace)
     model = namespace["build_model"]()  # type: ignore[operator]
@@ -134,13 +146,13 @@ def test_replicated_plan_trains_under_torchrun(dominant: Path, tmp_path: Path) -
     x, y = torch.randn(4 * 8, 512, 64, generator=g), torch.randn(4 * 8, 512, 64, generator=g)
     torch.save({"args": (x,), "kwargs": {}, "target": y}, tmp_path / "batch.pt")
 
-    package = dominant / "rep_torchrun"
-    result = torchrun(sum(replicas), package / "train_torchrun.py", "--model",
+    package = dominant / out
+    result = torchrun(gpus, package / "train_torchrun.py", "--model",
                       str(dominant / "model.py"), "--checkpoint", str(tmp_path / "model.pt"),
                       "--batch", str(tmp_path / "batch.pt"), "--save", str(tmp_path / "out"),
                       "--lr", "0")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
-    ranks = [torch.load(tmp_path / "out" / f"rank{r}.pt") for r in range(sum(replicas))]
+    ranks = [torch.load(tmp_path / "out" / f"rank{r}.pt") for r in range(gpus)]
     want = namespace["loss_fn"](model(x), y)  # type: ignore[operator]
     want.backward()
     close = {"rtol": 1e-4, "atol": 1e-6}

@@ -350,7 +350,7 @@ def init_source(plan: Plan) -> str:
         "from torch import nn",
         "",
         "from . import distributed, runner",
-        "from .distributed import build_schedule, pipeline_stage, train_step",
+        "from .distributed import build_schedule, pipeline_stage, pipeline_stages, train_step",
         "from .runner import (",
         "    DEVICE_OF,",
         "    MICROBATCHES,",
@@ -373,6 +373,7 @@ def init_source(plan: Plan) -> str:
         '    "build_stages",',
         '    "distributed",',
         '    "pipeline_stage",',
+        '    "pipeline_stages",',
         '    "stage_devices",',
         '    "train_step",',
         "]",
@@ -469,11 +470,10 @@ def _string_constant(name: str, text: str | None) -> list[str]:
 
 def _distributed_limit(plan: Plan) -> str | None:
     """Why ``distributed.py`` cannot run ``plan`` (r ranks per stage), or None."""
-    if plan.virtual_stages > 1 or plan.schedule == "pipedream":
-        what = "interleaved" if plan.virtual_stages > 1 else "pipedream"
-        return (f"this plan's {what} stages run in runner.PipelineRunner (one process) only; "
-                f"for torchrun, split with --schedule 1f1b or gpipe and without "
-                f"--virtual-stages")
+    if plan.schedule == "pipedream":
+        return ("this plan's pipedream stages (weight stashing) run in runner.PipelineRunner "
+                "(one process) only; for torchrun, split with --schedule 1f1b, gpipe or "
+                "interleaved")
     return None
 
 
@@ -548,6 +548,8 @@ def distributed_source(traced: Traced, plan: Plan, ios: list[StageIO]) -> str:
         "",
         f"STAGE_CLASSES = {_tuple(f'Stage{j}' for j in range(k))}",
         f"SCHEDULE_KIND = {json.dumps(plan.schedule)}",
+        "# VIRTUAL_STAGES: stages per rank (interleaved: stage k on rank k % (K / v))",
+        f"VIRTUAL_STAGES = {plan.virtual_stages}",
         "# UNSUPPORTED: why this plan cannot run here (None: it can)",
         *_string_constant("UNSUPPORTED", _distributed_limit(plan)),
         "# WIRES[k]: the values stage k receives, in this order; a value passes through",
@@ -580,9 +582,11 @@ def distributed_source(traced: Traced, plan: Plan, ios: list[StageIO]) -> str:
         "    replicas=REPLICAS,",
         "    table=SCHEDULE,",
         "    unsupported=UNSUPPORTED,",
+        "    virtual_stages=VIRTUAL_STAGES,",
         ")",
         "stage_module = PIPELINE.stage_module",
         "pipeline_stage = PIPELINE.pipeline_stage",
+        "pipeline_stages = PIPELINE.pipeline_stages",
         "build_schedule = PIPELINE.build_schedule",
         "train_step = PIPELINE.train_step",
         "reduce_grads = PIPELINE.reduce_grads",
@@ -598,8 +602,13 @@ def distributed_source(traced: Traced, plan: Plan, ios: list[StageIO]) -> str:
 
 
 def launch_source(plan: Plan) -> str:
-    per_process = ("one pipeline stage per process" if plan.num_devices == plan.num_stages
-                   else f"one stage replica per process ({plan.configuration})")
+    if plan.virtual_stages > 1:
+        per_process = (f"{plan.virtual_stages} interleaved pipeline stages per process "
+                       f"(stage k on rank k % {plan.num_devices})")
+    elif plan.num_devices == plan.num_stages:
+        per_process = "one pipeline stage per process"
+    else:
+        per_process = f"one stage replica per process ({plan.configuration})"
     return "\n".join([
         f'"""Train {plan.model or "the model"} under torchrun, {per_process}:',
         "",

@@ -27,10 +27,11 @@ def load(model: str) -> tuple[ModelSource, Traced]:
 
 def contiguous_plan(
     graph: torch.fx.Graph, num_stages: int, *, schedule: str = "1f1b", microbatches: int = 2,
-    replicas: tuple[int, ...] | None = None,
+    replicas: tuple[int, ...] | None = None, virtual_stages: int = 1,
 ) -> Plan:
     """The graph's ops (a topological order) in K near-equal contiguous chunks, stage k
-    on ``replicas[k]`` GPUs (default 1); a get_attr node goes with its first user."""
+    on ``replicas[k]`` GPUs (default 1), or interleaved (``virtual_stages`` > 1: stage k
+    on GPU k % (K / v)); a get_attr node goes with its first user."""
     replicas = replicas or (1,) * num_stages
     ops = [n for n in graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
     stage_of = {node.name: i * num_stages // len(ops) for i, node in enumerate(ops)}
@@ -51,6 +52,7 @@ def contiguous_plan(
         solver=SolverReport("hand-written", "HEURISTIC", 0.0, 0.0, 0.0),
         estimate=Estimate(0.0, 0.0, 0.0, 0, True),
         model="test",
+        virtual_stages=virtual_stages,
     )
 
 

@@ -19,9 +19,10 @@ _names = itertools.count()
 
 
 def _package(tmp_path: Path, name: str, k: int, schedule: str = "gpipe",
-             replicas: tuple[int, ...] | None = None) -> tuple:
+             replicas: tuple[int, ...] | None = None, virtual_stages: int = 1) -> tuple:
     source, traced = load(str(EXAMPLES / f"{name}.py"))
-    plan = contiguous_plan(traced.gm.graph, k, schedule=schedule, replicas=replicas)
+    plan = contiguous_plan(traced.gm.graph, k, schedule=schedule, replicas=replicas,
+                           virtual_stages=virtual_stages)
     write_package(tmp_path / "pkg", traced, plan)
     return source, import_package(tmp_path / "pkg", f"fxpipe_dist_err_{next(_names)}")
 
@@ -54,6 +55,28 @@ def test_replicated_plan_needs_every_gpu_and_even_chunks(tmp_path: Path) -> None
                        "split into 2 micro-batches of 2 equal replica chunks; use a batch size "
                        "that is a multiple of 4"):
         pipeline.lane_share(torch.zeros(6, 3), 0, microbatches=2, what="the mini-batch")
+
+
+def test_interleaved_plan_gives_each_rank_its_stages(tmp_path: Path) -> None:
+    source, package = _package(tmp_path, "gpt", 6, "interleaved", virtual_stages=3)
+    pipeline = package.distributed.PIPELINE
+    assert pipeline.unsupported is None and pipeline.num_ranks == 2
+    assert [pipeline.stages_of(rank) for rank in range(2)] == [(0, 2, 4), (1, 3, 5)]
+    assert [pipeline.ranks_of(j) for j in range(6)] == [(0,), (1,), (0,), (1,), (0,), (1,)]
+    with pytest.raises(ValueError, match=r"world size \(6\) must equal the number of GPUs of "
+                       r"the plan \(2, each running 3 of its 6 stages\): launch with torchrun "
+                       r"--nproc-per-node 2"):
+        package.pipeline_stages(source.model, 0, 6, "cpu", *source.args)
+    with pytest.raises(ValueError, match="this plan is interleaved: every rank runs 3 stages; "
+                       "call pipeline_stages for the list of them"):
+        package.pipeline_stage(source.model, 0, 2, "cpu", *source.args)
+
+
+def test_pipedream_plan_is_refused_under_torchrun(tmp_path: Path) -> None:
+    source, package = _package(tmp_path, "gpt", 2, "pipedream")
+    with pytest.raises(ValueError, match=r"this plan's pipedream stages \(weight stashing\) run "
+                       r"in runner.PipelineRunner \(one process\) only"):
+        package.pipeline_stages(source.model, 0, 2, "cpu", *source.args)
 
 
 def test_uneven_replicas_need_rows_that_split_and_the_planned_table(tmp_path: Path) -> None:

@@ -22,13 +22,19 @@ _names = itertools.count()
 # taking half of every micro-batch, gradients averaged over each stage's replicas (the
 # tied weight over all four of its copies). "1-2" and "1-2-1": uneven replicas on the
 # schedule table, one rank sending each replica its rows (and the U-Net's skips whole
-# rows through the replicated middle stage).
+# rows through the replicated middle stage). "interleaved": 4 stages on 2 ranks (rank 0
+# runs stages 0 and 2), torch's ScheduleInterleaved1F1B; the GPT's tied weight is on
+# ranks 0 and 1, the U-Net's skips go from rank 0 through rank 1 back to rank 0. Two
+# stages on one rank: the tied weight's two copies there become one.
 CASES = [
     ("gpt", "1f1b", (1, 1)),
     ("unet", "gpipe", (1, 1)),
     ("gpt", "1f1b", (2, 2)),
     ("gpt", "1f1b", (1, 2)),
     ("unet", "1f1b", (1, 2, 1)),
+    ("gpt", "interleaved", (1, 1, 1, 1)),
+    ("unet", "interleaved", (1, 1, 1, 1)),
+    ("gpt", "interleaved", (1, 1)),
 ]
 
 
@@ -37,9 +43,10 @@ def test_torchrun_matches_runner_and_model(tmp_path: Path, name: str, schedule: 
                                            replicas: tuple[int, ...]) -> None:
     model_file = EXAMPLES / f"{name}.py"
     source, traced = load(str(model_file))
-    k, n = len(replicas), sum(replicas)
+    v = 2 if schedule == "interleaved" else 1
+    k, n = len(replicas), sum(replicas) // v
     plan = contiguous_plan(traced.gm.graph, k, schedule=schedule, microbatches=2,
-                           replicas=replicas)
+                           replicas=replicas, virtual_stages=v)
     files = write(tmp_path / "pkg", traced, plan)
     model = source.model
     torch.save(model.state_dict(), tmp_path / "model.pt")
@@ -47,7 +54,8 @@ def test_torchrun_matches_runner_and_model(tmp_path: Path, name: str, schedule: 
         source.target)
     torch.save({"args": args, "kwargs": kwargs, "target": target}, tmp_path / "batch.pt")
     if name == "gpt":
-        assert '{0: "tok_emb.weight", 1: "lm_head.weight"}' in files["distributed.py"]
+        head = k - 1  # the LM head's stage
+        assert f'{{0: "tok_emb.weight", {head}: "lm_head.weight"}}' in files["distributed.py"]
 
     assert f"torchrun --nproc-per-node {n} train_torchrun.py" in files["train_torchrun.py"]
     result = torchrun(n, tmp_path / "pkg" / "train_torchrun.py", "--model", str(model_file),
@@ -71,7 +79,7 @@ def test_torchrun_matches_runner_and_model(tmp_path: Path, name: str, schedule: 
     model.zero_grad(set_to_none=True)
 
     r = replicas[-1]
-    last = ranks[-r:]  # the last stage's replicas: the same loss, over the whole micro-batches
+    last = ranks[-r:]  # the last stage's ranks: the same loss, over the whole micro-batches
     assert all(saved["loss"] is None for saved in ranks[:-r])
     loss = last[0]["loss"]
     for saved in last[1:]:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from . import distributed, runner
-from .distributed import build_schedule, pipeline_stage, train_step
+from .distributed import build_schedule, pipeline_stage, pipeline_stages, train_step
 from .runner import (
     DEVICE_OF,
     MICROBATCHES,
@@ -41,6 +41,7 @@ __all__ = [
     "build_stages",
     "distributed",
     "pipeline_stage",
+    "pipeline_stages",
     "stage_devices",
     "train_step",
 ]

@@ -64,6 +64,16 @@ gradients summed over each stage's replicas (and over all copies of a tied
 parameter) are the whole micro-batch's. Each send matches a receive at a later
 tick of the table, so no rank waits on one that waits on it.
 
+Interleaved plans (Megatron-LM, ``VIRTUAL_STAGES`` = v > 1): the K·v stages run on
+K ranks, stage j on rank j % K, as the single-process runner puts stage j on GPU
+j % K. ``pipeline_stages`` gives each rank its v ``PipelineStage`` objects and
+``build_schedule`` torch's ``ScheduleInterleaved1F1B`` over them; the wires are the
+same (stage j sends to stage j + 1, now on the next rank). A tied parameter held by
+two stages of one rank is one copy there, summed over the ranks that hold it::
+
+    rank 0: stage 0, stage 2        stage 0 ──► stage 1 ──► stage 2 ──► stage 3
+    rank 1: stage 1, stage 3        (rank 0)    (rank 1)    (rank 0)    (rank 1)
+
 Memory: with ``checkpoint``, ``pipeline_stage`` allocates only the rank's own
 stage (parameters and buffers still on ``meta`` become empty tensors on
 ``device``, then get their values from the checkpoint by their original key
@@ -79,6 +89,9 @@ checkpoints).
                            checkpoint="model.pt")
     schedule = build_schedule(stage, loss_fn)
     loss = train_step(schedule, stage, *mini_batch, target=target)   # last rank: loss
+
+(``pipeline_stages`` instead of ``pipeline_stage`` gives a list of the rank's stages
+for any plan, one unless interleaved; the other calls take the list as well.)
 """
 
 import argparse
@@ -95,7 +108,12 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
 from torch.utils import _pytree as pytree
 
 from .runner import MICROBATCHES, REPLICAS, SCHEDULE, build_output, flatten_inputs
@@ -104,6 +122,8 @@ from .stage1 import Stage1
 
 STAGE_CLASSES = (Stage0, Stage1)
 SCHEDULE_KIND = "1f1b"
+# VIRTUAL_STAGES: stages per rank (interleaved: stage k on rank k % (K / v))
+VIRTUAL_STAGES = 1
 # UNSUPPORTED: why this plan cannot run here (None: it can)
 UNSUPPORTED = None
 # WIRES[k]: the values stage k receives, in this order; a value passes through
@@ -232,11 +252,16 @@ class DistributedPipeline:
         replicas: Sequence[int] = (),
         table: Sequence[Sequence[tuple[int, str, int]]] = (),
         unsupported: str | None = None,
+        virtual_stages: int = 1,
     ) -> None:
         assert len(wires) == len(stage_classes), (len(wires), len(stage_classes))
         self.unsupported = unsupported  # why this plan cannot run under torchrun
         self.replicas = tuple(replicas) or (1,) * len(stage_classes)
         assert len(self.replicas) == len(stage_classes) and min(self.replicas) >= 1
+        # interleaved: v stages per rank, stage j on rank j % num_ranks; never replicated
+        self.virtual_stages = virtual_stages
+        assert len(stage_classes) % virtual_stages == 0
+        assert virtual_stages == 1 or max(self.replicas) == 1
         # the same r on every stage: r PipelineStage pipelines side by side, else TableStage
         self.uniform = len(set(self.replicas)) == 1
         self.lanes = self.replicas[0] if self.uniform else 1
@@ -256,17 +281,33 @@ class DistributedPipeline:
 
     @property
     def num_ranks(self) -> int:
-        return sum(self.replicas)
+        return sum(self.replicas) // self.virtual_stages
 
     def position(self, rank: int) -> tuple[int, int]:
         """(stage, replica) of ``rank``: stage j's replicas are ranks first_rank[j] + i
-        (with the same r everywhere, rank j·r + l runs stage j in lane l)."""
+        (with the same r everywhere, rank j·r + l runs stage j in lane l). Interleaved:
+        (the rank's first stage, 0)."""
         if not 0 <= rank < self.num_ranks:
             raise ValueError(
                 f"rank {rank} has no stage: this package runs on ranks 0..{self.num_ranks - 1}"
             )
+        if self.virtual_stages > 1:
+            return rank, 0
         j = max(j for j, first in enumerate(self.first_rank) if first <= rank)
         return j, rank - self.first_rank[j]
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The stages ``rank`` runs: one, or v when interleaved (rank, rank + K, ...)."""
+        first = self.position(rank)[0]
+        if self.virtual_stages == 1:
+            return (first,)
+        return tuple(range(first, self.num_stages, self.num_ranks))
+
+    def ranks_of(self, stage: int) -> tuple[int, ...]:
+        """The ranks that run ``stage``: its replicas, or its one rank when interleaved."""
+        if self.virtual_stages > 1:
+            return (stage % self.num_ranks,)
+        return tuple(range(self.first_rank[stage], self.first_rank[stage] + self.replicas[stage]))
 
     # -------------------------------------------------------------- building
 
@@ -323,15 +364,11 @@ class DistributedPipeline:
         ``example_kwargs``: ONE micro-batch, as the model's forward takes it.
         ``group``: the pipeline's process group (default: the whole job); with
         replicated stages fxpipe makes one per lane."""
-        if self.unsupported:
-            raise ValueError(self.unsupported)
-        if world_size != self.num_ranks:
-            what = (f"pipeline stages ({self.num_stages})" if self.num_ranks == self.num_stages
-                    else f"GPUs of the plan ({'-'.join(map(str, self.replicas))})")
+        self._check_launch(world_size)
+        if self.virtual_stages > 1:
             raise ValueError(
-                f"world size ({world_size}) must equal the number of {what}: launch with "
-                f"torchrun --nproc-per-node {self.num_ranks}"
-            )
+                f"this plan is interleaved: every rank runs {self.virtual_stages} stages; "
+                f"call pipeline_stages for the list of them")
         if not self.uniform:
             return self._table_stage(model, rank, device, example_args, example_kwargs,
                                      checkpoint)
@@ -343,7 +380,7 @@ class DistributedPipeline:
         )
         # every group, created in the same order on every rank (a collective call)
         r = self.lanes
-        self._make_groups(adapter, k)
+        self._make_groups({k: adapter})
         if r > 1:
             if group is not None:
                 raise ValueError("a plan with replicated stages makes its own process groups, "
@@ -362,21 +399,66 @@ class DistributedPipeline:
             group=group,
         )
 
-    def _make_groups(self, adapter: StageAdapter, k: int) -> None:
-        """The process groups of tied copies (all their holders' ranks) and of each
-        replicated stage's ranks, created in the same order on every rank."""
-        def ranks(j: int) -> list[int]:
-            return list(range(self.first_rank[j], self.first_rank[j] + self.replicas[j]))
+    def pipeline_stages(
+        self,
+        model: nn.Module,
+        rank: int,
+        world_size: int,
+        device: torch.device | str,
+        *example_args: Any,
+        checkpoint: str | Path | Mapping[str, torch.Tensor] | None = None,
+        group: Any = None,
+        **example_kwargs: Any,
+    ) -> "list[PipelineStage | TableStage]":
+        """This rank's stages as a list (collective, like ``pipeline_stage``): the one
+        ``pipeline_stage`` gives, or the v ``PipelineStage`` objects of an interleaved
+        plan, stage j on rank j % K."""
+        if self.virtual_stages == 1:
+            return [self.pipeline_stage(model, rank, world_size, device, *example_args,
+                                        checkpoint=checkpoint, group=group, **example_kwargs)]
+        self._check_launch(world_size)
+        built = {k: self.stage_module(model, k, device, *example_args, checkpoint=checkpoint,
+                                      **example_kwargs) for k in self.stages_of(rank)}
+        self._make_groups({k: adapter for k, (adapter, _, _) in built.items()})
+        return [PipelineStage(adapter, k, self.num_stages, torch.device(device),
+                              input_args=inputs, output_args=outputs, group=group)
+                for k, (adapter, inputs, outputs) in built.items()]
 
+    def _check_launch(self, world_size: int) -> None:
+        if self.unsupported:
+            raise ValueError(self.unsupported)
+        if world_size != self.num_ranks:
+            if self.virtual_stages > 1:
+                what = (f"GPUs of the plan ({self.num_ranks}, each running "
+                        f"{self.virtual_stages} of its {self.num_stages} stages)")
+            elif self.num_ranks == self.num_stages:
+                what = f"pipeline stages ({self.num_stages})"
+            else:
+                what = f"GPUs of the plan ({'-'.join(map(str, self.replicas))})"
+            raise ValueError(
+                f"world size ({world_size}) must equal the number of {what}: launch with "
+                f"torchrun --nproc-per-node {self.num_ranks}"
+            )
+
+    def _make_groups(self, adapters: Mapping[int, StageAdapter]) -> None:
+        """The process groups of tied copies (all their holders' ranks) and of each
+        replicated stage's ranks, created in the same order on every rank. ``adapters``:
+        this rank's stages by index; a tied parameter two of them hold becomes one copy."""
         for copies in self.tied:
-            tied_group = dist.new_group([rank for j in sorted(copies) for rank in ranks(j)])
-            if k in copies:
-                adapter.tied.append((tied_group, adapter.stage.get_parameter(copies[k])))
+            tied_group = dist.new_group(sorted({rank for j in copies
+                                                for rank in self.ranks_of(j)}))
+            held = [k for k in sorted(adapters) if k in copies]
+            if not held:
+                continue
+            param = adapters[held[0]].stage.get_parameter(copies[held[0]])
+            for k in held:
+                _rebind(adapters[k].stage, adapters[k].stage.get_parameter(copies[k]), param)
+                adapters[k].tied.append((tied_group, param))
         for j in range(self.num_stages):
             if self.replicas[j] > 1:
-                replica_group = dist.new_group(ranks(j))
-                if j == k:
-                    adapter.replica_group = replica_group
+                replica_group = dist.new_group(list(self.ranks_of(j)))
+                if j in adapters:
+                    adapters[j].replica_group = replica_group
 
     def _table_stage(self, model: nn.Module, rank: int, device: torch.device | str,
                      example_args: tuple[Any, ...], example_kwargs: dict[str, Any],
@@ -394,7 +476,7 @@ class DistributedPipeline:
         adapter, inputs, outputs = self.stage_module(
             model, k, device, *example_args, checkpoint=checkpoint, **example_kwargs
         )
-        self._make_groups(adapter, k)
+        self._make_groups({k: adapter})
         return TableStage(self, adapter, k, replica, torch.device(device), inputs, outputs, rows)
 
     def lane_share(self, value: Any, lane: int, *, microbatches: int, what: str) -> Any:
@@ -421,16 +503,32 @@ class DistributedPipeline:
 
     def build_schedule(
         self,
-        stage: "PipelineStage | TableStage",
+        stage: "PipelineStage | TableStage | Sequence[PipelineStage | TableStage]",
         loss_fn: Callable[[Any, Any], torch.Tensor] | None,
         *,
         microbatches: int | None = None,
         schedule: str | None = None,
     ) -> Any:
-        """The plan's schedule as torch's: gpipe -> ScheduleGPipe, 1f1b -> Schedule1F1B.
-        Gradients are divided by M, as the single-process runner does."""
+        """The plan's schedule as torch's: gpipe -> ScheduleGPipe, 1f1b -> Schedule1F1B,
+        interleaved -> ScheduleInterleaved1F1B over the rank's stages. Gradients are
+        divided by M, as the single-process runner does."""
         kind = schedule or self.schedule
         m = microbatches or self.microbatches
+        if isinstance(stage, Sequence) and self.virtual_stages > 1:
+            if kind != "interleaved" or m % self.num_ranks:
+                raise ValueError(
+                    f"an interleaved plan runs interleaved 1F1B with a multiple of "
+                    f"{self.num_ranks} micro-batches (got {kind}, M = {m}); split again "
+                    f"to change it")
+            stages = [cast(PipelineStage, s) for s in stage]
+            for s in stages:
+                cast(StageAdapter, s.submod).microbatches = m
+            # torch divides each stage's gradients by M; a tied copy two of this rank's
+            # stages share would be divided twice, so train_step divides once instead
+            return ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss_fn,
+                                           scale_grads=False)
+        if isinstance(stage, Sequence):
+            (stage,) = stage
         if isinstance(stage, TableStage):
             if m != self.microbatches or kind != self.schedule:
                 raise ValueError(
@@ -454,69 +552,86 @@ class DistributedPipeline:
     # -------------------------------------------------------------- running
 
     def train_step(
-        self, schedule: Any, stage: "PipelineStage | TableStage", *args: Any, target: Any = None,
-        **kwargs: Any,
+        self, schedule: Any, stage: "PipelineStage | TableStage | Sequence[PipelineStage]",
+        *args: Any, target: Any = None, **kwargs: Any,
     ) -> torch.Tensor | None:
         """Forward and backward of one mini-batch (M micro-batches): the first stage
         feeds ``args``/``kwargs``, the last ``target`` (each lane its share of every
         micro-batch); then gradients are summed over tied copies and averaged over
-        replicas. Returns the mean loss on the last stage, None elsewhere. Zero
-        grads before."""
-        adapter = stage.submod
-        assert isinstance(adapter, StageAdapter)
+        replicas. Returns the mean loss on the last stage's rank, None elsewhere. Zero
+        grads before. ``stage``: this rank's stage, or the list ``pipeline_stages`` gave."""
         if isinstance(schedule, TableSchedule):
-            if stage.is_first:
-                _check_constants(adapter, self.flatten_inputs(*args, **kwargs))
+            (table_stage,) = stage if isinstance(stage, Sequence) else (stage,)
+            assert isinstance(table_stage, TableStage)
+            if table_stage.is_first:
+                _check_constants(table_stage.submod, self.flatten_inputs(*args, **kwargs))
             return schedule.step(args, kwargs, target)
-        assert isinstance(stage, PipelineStage)
+        stages = [cast(PipelineStage, s)
+                  for s in (stage if isinstance(stage, Sequence) else (stage,))]
+        first = next((s for s in stages if s.is_first), None)
+        last = next((s for s in stages if s.is_last), None)
         lane = self.position(dist.get_rank())[1] if self.lanes > 1 else 0
-        m = adapter.microbatches
+        m = cast(StageAdapter, stages[0].submod).microbatches
         feed: list[torch.Tensor] = []
-        if stage.is_first:
+        if first is not None:
+            adapter = cast(StageAdapter, first.submod)
             args, kwargs = self.lane_share((args, kwargs), lane, microbatches=m,
                                            what="the mini-batch")
             values = self.flatten_inputs(*args, **kwargs)
             _check_constants(adapter, values)
-            feed = [values[name].to(stage.device) for name in adapter.receives]
+            feed = [values[name].to(first.device) for name in adapter.receives]
         losses: list[torch.Tensor] = []
-        if stage.is_last:
+        if last is not None:
             target = self.lane_share(target, lane, microbatches=m, what="the target")
-            target = pytree.tree_map_only(torch.Tensor, lambda t: t.to(stage.device), target)
+            target = pytree.tree_map_only(torch.Tensor, lambda t: t.to(last.device), target)
             schedule.step(*feed, target=target, losses=losses)
         else:
             schedule.step(*feed)
-        self.reduce_grads(stage)
-        if not stage.is_last:
+        if isinstance(schedule, ScheduleInterleaved1F1B):
+            for param in {id(p): p for s in stages for p in s.submod.parameters()}.values():
+                if param.grad is not None:
+                    param.grad /= m
+        self.reduce_grads(stages)
+        if last is None:
             return None
         loss = torch.stack([loss.detach() for loss in losses]).mean()
-        if adapter.replica_group is not None:
-            dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=adapter.replica_group)
+        replica_group = cast(StageAdapter, last.submod).replica_group
+        if replica_group is not None:
+            dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=replica_group)
             loss /= self.lanes
         return loss
 
-    def reduce_grads(self, stage: "PipelineStage | TableStage") -> None:
-        """Sum each tied parameter's gradient over the ranks holding a copy; with
-        replicated stages, average every gradient over its stage's replicas."""
-        adapter = stage.submod
-        assert isinstance(adapter, StageAdapter)
+    def reduce_grads(
+        self, stage: "PipelineStage | TableStage | Sequence[PipelineStage | TableStage]",
+    ) -> None:
+        """Sum each tied parameter's gradient over the ranks holding a copy (once per
+        rank, however many of its stages use it); with replicated stages, average every
+        gradient over its stage's replicas."""
+        adapters = [cast(StageAdapter, s.submod)
+                    for s in (stage if isinstance(stage, Sequence) else (stage,))]
         # lanes: each replica's loss is its chunk's mean, so the sum over replicas is
         # divided by r; TableStage divides the loss by r itself
         r = self.lanes
-        tied = {id(param) for _, param in adapter.tied}
-        for tied_group, param in adapter.tied:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=tied_group)
-            param.grad /= r
-        if adapter.replica_group is None:
-            return
-        for param in adapter.stage.parameters():
-            if id(param) in tied or not param.requires_grad:
+        tied: set[int] = set()
+        for adapter in adapters:
+            for tied_group, param in adapter.tied:
+                if id(param) in tied:
+                    continue
+                tied.add(id(param))
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=tied_group)
+                param.grad /= r
+        for adapter in adapters:
+            if adapter.replica_group is None:
                 continue
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=adapter.replica_group)
-            param.grad /= r
+            for param in adapter.stage.parameters():
+                if id(param) in tied or not param.requires_grad:
+                    continue
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=adapter.replica_group)
+                param.grad /= r
 
     # -------------------------------------------------------------- internals
 
@@ -835,6 +950,14 @@ def _load_state(
     return torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=True)
 
 
+def _rebind(module: nn.Module, old: nn.Parameter, new: nn.Parameter) -> None:
+    """Every place ``module`` holds the parameter ``old`` holds ``new`` instead."""
+    for submodule in module.modules():
+        for key, param in submodule._parameters.items():
+            if param is old:
+                submodule._parameters[key] = new
+
+
 def _materialize(
     stage: nn.Module,
     device: torch.device,
@@ -961,11 +1084,11 @@ def _train(
     else:
         model = build()
     rss["built"] = peak_rss_bytes()
-    stage = pipeline.pipeline_stage(
+    stages = pipeline.pipeline_stages(
         model, rank, world_size, device, *args, checkpoint=opts.checkpoint, **kwargs
     )
     rss["loaded"] = peak_rss_bytes()
-    schedule = pipeline.build_schedule(stage, loss_fn)
+    schedule = pipeline.build_schedule(stages, loss_fn)
     if opts.batch:
         batch = torch.load(opts.batch, weights_only=False)
         args, kwargs, target = batch["args"], batch["kwargs"], batch["target"]
@@ -975,18 +1098,20 @@ def _train(
         args, kwargs = pytree.tree_map_only(torch.Tensor, repeat, (args, kwargs))
         example_target = getattr(build, "example_target", module.example_target)
         target = pytree.tree_map_only(torch.Tensor, repeat, example_target())
-    trained = [p for p in stage.submod.parameters() if p.requires_grad]
+    trained = list({id(p): p for stage in stages for p in stage.submod.parameters()
+                    if p.requires_grad}.values())
     # a stage of parameter-free ops (a softmax mixing layer) has nothing to update
     optimizer = torch.optim.SGD(trained, lr=opts.lr) if trained else None
     for step in range(opts.steps):
         if optimizer is not None:
             optimizer.zero_grad(set_to_none=True)
-        loss = pipeline.train_step(schedule, stage, *args, target=target, **kwargs)
+        loss = pipeline.train_step(schedule, stages, *args, target=target, **kwargs)
         if loss is not None and pipeline.position(rank)[1] == 0:  # replica 0 speaks
             print(f"step {step}: loss {loss.item():.6f}", flush=True)
         if step == opts.steps - 1 and opts.save:
             rss["step"] = peak_rss_bytes()
             grads = {name: p.grad.detach().cpu().clone()
+                     for stage in stages
                      for name, p in cast(nn.Module, stage.submod.stage).named_parameters(
                          remove_duplicate=False) if p.grad is not None}
             Path(opts.save).mkdir(parents=True, exist_ok=True)
@@ -1008,9 +1133,11 @@ PIPELINE = DistributedPipeline(
     replicas=REPLICAS,
     table=SCHEDULE,
     unsupported=UNSUPPORTED,
+    virtual_stages=VIRTUAL_STAGES,
 )
 stage_module = PIPELINE.stage_module
 pipeline_stage = PIPELINE.pipeline_stage
+pipeline_stages = PIPELINE.pipeline_stages
 build_schedule = PIPELINE.build_schedule
 train_step = PIPELINE.train_step
 reduce_grads = PIPELINE.reduce_grads
