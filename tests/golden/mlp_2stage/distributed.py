@@ -20,7 +20,10 @@ and its last reader, so the stages in between pass it along::
 
     stage 0 ──(x1, x2)──► stage 1 ──(x1, y)──► stage 2      x1: made by 0, read by 2
 
-The last stage returns the model's output (``build_output``) for ``loss_fn``.
+The last stage returns the model's output (``build_output``) for ``loss_fn``;
+torch's schedules take only tensors from a stage, so an output with structure (a
+Hugging Face model's dict) leaves the stage as its tensor leaves and ``loss_fn``
+gets it rebuilt.
 Values that are not tensors (``x.size(1)``, a float keyword argument) cannot
 travel; they are read from the example micro-batch and baked into the
 adapters as constants (micro-batch shapes are fixed by the static metadata
@@ -220,6 +223,10 @@ class StageAdapter(nn.Module):
         self.tied: list[tuple[Any, nn.Parameter]] = []  # (process group, this rank's copy)
         self.replica_group: Any = None  # the ranks running this stage (replicated stages)
         self.microbatches = 1  # per step, set by build_schedule
+        # last stage with a structured output: its leaves (None where a tensor goes) and
+        # structure; it returns only the tensors, ``rebuild_output`` puts them back
+        self.output_leaves: list[Any] | None = None
+        self.output_spec: Any = None
 
     def forward(self, *flat: torch.Tensor) -> Any:
         values: dict[str, Any] = dict(self.constants)
@@ -228,8 +235,29 @@ class StageAdapter(nn.Module):
         outputs = self.stage(**{name: values[name] for name in names})
         values.update(zip(cast(tuple[str, ...], self.stage.OUTPUTS), outputs, strict=True))
         if self.sends is None:
-            return self.build_output(values)
-        return tuple(values[name] for name in self.sends)
+            output = self.build_output(values)
+            if self.output_leaves is None:
+                return output
+            return tuple(x for x in pytree.tree_leaves(output) if isinstance(x, torch.Tensor))
+        # sends need contiguous memory (a transposed view may be one of the values)
+        return tuple(values[name].contiguous() for name in self.sends)
+
+    def flatten_output(self, example: Any) -> None:
+        """From now on return the tensor leaves of an output that is more than a tensor
+        or a tuple of tensors (``example``: one micro-batch's output)."""
+        if isinstance(example, torch.Tensor) or (
+                isinstance(example, tuple) and all(isinstance(x, torch.Tensor) for x in example)):
+            return
+        leaves, self.output_spec = pytree.tree_flatten(example)
+        self.output_leaves = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+
+    def rebuild_output(self, tensors: Any) -> Any:
+        """The model's output from what ``forward`` returned."""
+        if self.output_leaves is None:
+            return tensors
+        given = iter(tensors if isinstance(tensors, tuple) else (tensors,))
+        leaves = [next(given) if x is None else x for x in self.output_leaves]
+        return pytree.tree_unflatten(leaves, self.output_spec)
 
 
 # ---------------------------------------------------------------------------- pipeline
@@ -341,6 +369,7 @@ class DistributedPipeline:
 
         inputs = tuple(example(examples[name]) for name in receives)
         if last:
+            adapter.flatten_output(examples["__output__"])
             leaves = [v for v in pytree.tree_leaves(examples["__output__"])
                       if isinstance(v, torch.Tensor)]
             outputs = tuple(example(v) for v in leaves)
@@ -525,7 +554,8 @@ class DistributedPipeline:
                 cast(StageAdapter, s.submod).microbatches = m
             # torch divides each stage's gradients by M; a tied copy two of this rank's
             # stages share would be divided twice, so train_step divides once instead
-            return ScheduleInterleaved1F1B(stages, n_microbatches=m, loss_fn=loss_fn,
+            return ScheduleInterleaved1F1B(stages, n_microbatches=m,
+                                           loss_fn=_on_model_output(stages, loss_fn),
                                            scale_grads=False)
         if isinstance(stage, Sequence):
             (stage,) = stage
@@ -547,7 +577,7 @@ class DistributedPipeline:
             )
             kind = "gpipe"
         cast(StageAdapter, stage.submod).microbatches = m
-        return classes[kind](stage, n_microbatches=m, loss_fn=loss_fn)
+        return classes[kind](stage, n_microbatches=m, loss_fn=_on_model_output([stage], loss_fn))
 
     # -------------------------------------------------------------- running
 
@@ -794,7 +824,8 @@ class TableSchedule:
             target = pytree.tree_map_only(torch.Tensor, lambda t: t.to(stage.device), target)
             assert self.loss_fn is not None
             r = stage.pipeline.replicas[stage.stage_index]
-            return leaves, self.loss_fn(out, target) / (self.microbatches * r)
+            loss = self.loss_fn(adapter.rebuild_output(out), target)
+            return leaves, loss / (self.microbatches * r)
         for i, (y, ex) in enumerate(zip(out, stage.sends, strict=True)):
             self._send(m, i, y, ex)
         return leaves, out
@@ -887,6 +918,16 @@ class TableSchedule:
         return buffer
 
 
+def _on_model_output(stages: Sequence[Any], loss_fn: Callable[[Any, Any], torch.Tensor] | None
+                     ) -> Callable[[Any, Any], torch.Tensor] | None:
+    """``loss_fn`` for torch's schedules, which hand it the last stage's tensors: on the
+    model's output rebuilt from them (``StageAdapter.rebuild_output``)."""
+    last = next((cast(StageAdapter, s.submod) for s in stages if s.is_last), None)
+    if loss_fn is None or last is None or last.output_leaves is None:
+        return loss_fn
+    return lambda output, target: loss_fn(last.rebuild_output(output), target)
+
+
 def _check_constants(adapter: StageAdapter, values: Mapping[str, Any]) -> None:
     """A graph input baked into the stages must keep the value it was built with."""
     for name, baked in adapter.constants.items():
@@ -937,8 +978,11 @@ def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def _fake_like(t: torch.Tensor) -> torch.Tensor:
-    # called inside FakeTensorMode: a fake CPU tensor of t's shape, whatever t's device
+    # called inside FakeTensorMode: a fake CPU tensor of t's shape, whatever t's device;
+    # a Parameter stays one (exported stages read theirs with get_parameter)
     out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+    if isinstance(t, nn.Parameter):
+        return nn.Parameter(out, requires_grad=t.requires_grad)
     return out.requires_grad_(t.requires_grad) if t.is_floating_point() else out
 
 
