@@ -591,13 +591,12 @@ class DistributedPipeline:
         replicas. Returns the mean loss on the last stage's rank, None elsewhere. Zero
         grads before. ``stage``: this rank's stage, or the list ``pipeline_stages`` gave."""
         if isinstance(schedule, TableSchedule):
-            (table_stage,) = stage if isinstance(stage, Sequence) else (stage,)
+            (table_stage,) = _as_list(stage)
             assert isinstance(table_stage, TableStage)
             if table_stage.is_first:
                 _check_constants(table_stage.submod, self.flatten_inputs(*args, **kwargs))
             return schedule.step(args, kwargs, target)
-        stages = [cast(PipelineStage, s)
-                  for s in (stage if isinstance(stage, Sequence) else (stage,))]
+        stages = [cast(PipelineStage, s) for s in _as_list(stage)]
         first = next((s for s in stages if s.is_first), None)
         last = next((s for s in stages if s.is_last), None)
         lane = self.position(dist.get_rank())[1] if self.lanes > 1 else 0
@@ -637,8 +636,7 @@ class DistributedPipeline:
         """Sum each tied parameter's gradient over the ranks holding a copy (once per
         rank, however many of its stages use it); with replicated stages, average every
         gradient over its stage's replicas."""
-        adapters = [cast(StageAdapter, s.submod)
-                    for s in (stage if isinstance(stage, Sequence) else (stage,))]
+        adapters = [cast(StageAdapter, s.submod) for s in _as_list(stage)]
         # lanes: each replica's loss is its chunk's mean, so the sum over replicas is
         # divided by r; TableStage divides the loss by r itself
         r = self.lanes
@@ -916,6 +914,11 @@ class TableSchedule:
         buffer = torch.empty(tuple(shape), dtype=example.dtype, device=self.stage.device)
         dist.recv(buffer, src=src, tag=tag)
         return buffer
+
+
+def _as_list(stage: Any) -> list[Any]:
+    """A rank's stages: ``stage`` itself when ``pipeline_stages`` gave a list, else [stage]."""
+    return list(stage) if isinstance(stage, Sequence) else [stage]
 
 
 def _on_model_output(stages: Sequence[Any], loss_fn: Callable[[Any, Any], torch.Tensor] | None
