@@ -17,6 +17,7 @@ from __future__ import annotations
 import ast
 import json
 import math
+import textwrap
 from importlib import resources
 from typing import Any
 
@@ -609,8 +610,9 @@ def launch_source(plan: Plan) -> str:
         per_process = "one pipeline stage per process"
     else:
         per_process = f"one stage replica per process ({plan.configuration})"
+    title = f'"""Train {plan.model or "the model"} under torchrun, {per_process}:'
     return "\n".join([
-        f'"""Train {plan.model or "the model"} under torchrun, {per_process}:',
+        *textwrap.wrap(title, width=88, break_long_words=False, break_on_hyphens=False),
         "",
         f"    torchrun --nproc-per-node {plan.num_devices} train_torchrun.py "
         "--model model.py \\",

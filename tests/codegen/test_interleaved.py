@@ -132,7 +132,10 @@ def test_interleaved_package_is_ruff_clean_and_byte_identical(tmp_path: Path) ->
     header = first["runner.py"]
     assert "DEVICE_OF = (0, 1, 0, 1)\nNUM_GPUS = 2\n" in header
     assert "#     gpu 0 | F0a F1a F0b F1b F2a B0b F3a" in header  # the picture, per GPU
-    write_package(tmp_path / "pkg", *_interleaved(model, example))
+    traced, plan = _interleaved(model, example)
+    # a model label as the CLI writes it: the launch script's title wraps under the limit
+    write_package(tmp_path / "pkg", traced,
+                  dataclasses.replace(plan, model="examples/skip_net.py:build_model"))
     result = subprocess.run([*RUFF, str(tmp_path / "pkg")], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
