@@ -70,6 +70,12 @@ def test_interleaved_plan_gives_each_rank_its_stages(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="this plan is interleaved: every rank runs 3 stages; "
                        "call pipeline_stages for the list of them"):
         package.pipeline_stage(source.model, 0, 2, "cpu", *source.args)
+    # the check comes before any stage is needed
+    with pytest.raises(ValueError, match=r"an interleaved plan runs interleaved 1F1B with a "
+                       r"multiple of 2 micro-batches \(got interleaved, M = 3\)"):
+        package.build_schedule([None] * 3, None, microbatches=3)
+    with pytest.raises(ValueError, match=r"\(got 1f1b, M = 2\)"):
+        package.build_schedule([None] * 3, None, schedule="1f1b")
 
 
 def test_pipedream_plan_is_refused_under_torchrun(tmp_path: Path) -> None:
