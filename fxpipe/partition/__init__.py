@@ -7,7 +7,8 @@ figures, all scored by the one cost model in ``evaluate``.
 
 from fxpipe.partition.baselines import BASELINES, baselines, interval_dp
 from fxpipe.partition.coarsen import Coarsening, coarsen, exact_groups
-from fxpipe.partition.evaluate import Evaluation, StageCost, evaluate, violations
+from fxpipe.partition.cost import StageCost, StageSums, choose_recompute, stage_cost
+from fxpipe.partition.evaluate import Evaluation, evaluate, violations
 from fxpipe.partition.ilp import IlpResult, StageModel
 from fxpipe.partition.plan import Estimate, Plan, SolverReport, StageMemory, StagePlan
 from fxpipe.partition.problem import (
@@ -15,6 +16,7 @@ from fxpipe.partition.problem import (
     Edge,
     Node,
     Problem,
+    Recompute,
     Schedule,
     TiedGroup,
     TiedPolicy,
@@ -43,16 +45,19 @@ __all__ = [
     "Partition",
     "Plan",
     "Problem",
+    "Recompute",
     "Schedule",
     "SolverReport",
     "StageCost",
     "StageMemory",
     "StageModel",
     "StagePlan",
+    "StageSums",
     "TiedGroup",
     "TiedPolicy",
     "TooManyStagesError",
     "baselines",
+    "choose_recompute",
     "coarsen",
     "evaluate",
     "exact_groups",
@@ -61,5 +66,6 @@ __all__ = [
     "interval_dp",
     "parse_bytes",
     "partition",
+    "stage_cost",
     "violations",
 ]

@@ -13,10 +13,14 @@ order of the co-location groups, so they are valid pipelines:
                       that minimises the slowest stage's compute time (communication
                       and memory ignored, as there).
 
+The baselines' recompute choice is ``evaluate``'s (``Problem.recompute``; under AUTO
+each baseline's cut recomputes on exactly the stages that do not fit otherwise), so they
+are compared with the solver on the same terms.
+
 ``interval_dp`` is DESIGN's O(K n^2) warm start: the best contiguous split of the
-order with cut communication and memory (the kinds of ``evaluate``: received and
-sent values, the loss, the backward transient) included (replicated tied parameters
-left out; ``evaluate`` has the last word).
+order with cut communication and memory (the stage cost formula of ``cost``: received
+and sent values, the loss, the backward transient, recompute per stage) included
+(replicated tied parameters left out; ``evaluate`` has the last word).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from fxpipe.partition.coarsen import Coarsening, exact_groups
-from fxpipe.partition.evaluate import state_split
+from fxpipe.partition.cost import memory_parts, recompute_options
 from fxpipe.partition.problem import Problem, stage_flights
 
 __all__ = ["BASELINES", "baselines", "interval_dp", "linear_partition"]
@@ -130,12 +134,14 @@ def interval_dp(c: Coarsening) -> tuple[int, ...] | None:
     Legend: n coarse nodes in order, a..c a block [a, c), cut[i] the cost of cutting
     before item i (values whose producer and readers lie on both sides), sent[a] the
     bytes of values produced in [a, end) and read at or after ``end`` (the block's
-    outputs), R the returned bytes, peak[a] the largest backward transient in [a, end).
+    outputs), R the returned bytes, peak[a] the largest backward transient in [a, end),
+    F the forward time a recomputing stage pays again. Each block takes the fastest
+    recompute choice the policy allows that fits.
     """
     p = c.problem
     n, K = c.num_coarse, p.num_stages
-    grad_f, opt_f = state_split(p.state_factor)
     t = np.zeros(n + 1)
+    fwd = np.zeros(n + 1)
     params = np.zeros(n + 1)
     act = np.zeros(n + 1)
     ret = np.zeros(n + 1)
@@ -143,14 +149,14 @@ def interval_dp(c: Coarsening) -> tuple[int, ...] | None:
     for v, node in enumerate(p.nodes):
         g = c.group_of[v]
         t[g + 1] += node.forward_s + node.backward_s
-        params[g + 1] += node.param_bytes * (1 + grad_f + opt_f)
+        fwd[g + 1] += node.forward_s
+        params[g + 1] += node.param_bytes
         act[g + 1] += node.activation_bytes
         ret[g + 1] += node.output_bytes if node.returned else 0
         grad[g] = max(grad[g], node.grad_bytes)
     for tied in p.tied:
-        params[min(c.group_of[v] for v in tied.nodes) + 1] += tied.param_bytes * (
-            1 + grad_f + opt_f)
-    T, P, A, R = np.cumsum(t), np.cumsum(params), np.cumsum(act), np.cumsum(ret)
+        params[min(c.group_of[v] for v in tied.nodes) + 1] += tied.param_bytes
+    T, F, P, A, R = (np.cumsum(x) for x in (t, fwd, params, act, ret))
 
     cut_time = np.zeros(n + 2)
     cut_bytes = np.zeros(n + 2)
@@ -184,6 +190,7 @@ def interval_dp(c: Coarsening) -> tuple[int, ...] | None:
     limit = p.memory_limit
     gap = 0 if p.allow_empty_stages else 1
     flights = stage_flights(p)
+    options = recompute_options(p)
     released = 0
     for end in range(n + 1):
         while released < len(sends) and sends[released][0] < end:
@@ -194,16 +201,20 @@ def interval_dp(c: Coarsening) -> tuple[int, ...] | None:
         peak = np.append(np.maximum.accumulate(grad[:end][::-1])[::-1], 0.0)
         for j in range(K):
             f = flights[j]
-            keep = 1 if p.recompute else f
             starts = np.arange(0, end - gap + 1) if j > 0 else np.array([0])
             if starts.size == 0 or (j == 0 and end < gap):
                 continue
             sent = produced[end] - produced[starts] + R[end] - R[starts]
-            loss = p.loss_saved_bytes * keep + p.loss_grad_bytes if j == K - 1 else 0
-            load = T[end] - T[starts] + cut[starts] + cut[end]
-            memory = (P[end] - P[starts] + (A[end] - A[starts]) * keep + cut_b[starts] * f
-                      + sent * (f + 1) + peak[starts] + loss + p.workspace_bytes)
-            load = np.where(memory <= limit, load, inf)
+            load = np.full(starts.shape, inf)
+            for recompute in reversed(options):  # the faster choice last: it wins where both fit
+                memory = sum(memory_parts(
+                    p, j, flight=f, params=P[end] - P[starts], activations=A[end] - A[starts],
+                    received=cut_b[starts], kept=sent, transient=peak[starts],
+                    recompute=recompute).values())
+                seconds = T[end] - T[starts] + cut[starts] + cut[end]
+                if recompute:
+                    seconds = seconds + F[end] - F[starts]
+                load = np.where(memory <= limit, seconds, load)
             if end == starts[0] == 0 and j == 0 and not p.allow_empty_stages:
                 load[:] = inf
             if j > 0:

@@ -26,7 +26,7 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fxpipe.partition.evaluate import state_split
+from fxpipe.partition.cost import state_split
 from fxpipe.partition.problem import Edge, Node, Problem, TiedPolicy
 
 __all__ = ["Coarsening", "coarsen", "exact_groups"]

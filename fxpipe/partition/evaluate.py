@@ -4,9 +4,10 @@ Every figure fxpipe reports -- the ILP's result and every baseline -- comes from
 ``evaluate``, so they are comparable, and the ILP's objective equals ``evaluate``'s
 bottleneck for the assignment it returns (tests/partition check this).
 
-Per stage j, for one micro-batch:
+Per stage j, for one micro-batch, ``evaluate`` sums its nodes into ``StageSums`` and
+prices them with the one stage cost formula (``fxpipe.partition.cost``); what it adds is
+where values travel:
 
-    forward_s, backward_s  sum over its nodes
     comm_s                 send + receive time, by ``Problem.comm``:
         NEIGHBOUR  a value produced on stage s and read on stages C spans the stages
                    lo = min(s, C) .. hi = max(s, C); it crosses boundaries lo .. hi-1, and
@@ -15,35 +16,15 @@ Per stage j, for one micro-batch:
                    own stage, and once to every other stage that reads it.
                + all-reduce of a replicated tied parameter, on each stage holding a copy,
                  when more than one stage holds one.
-    memory (StageMemory)
-        params      parameter bytes of its nodes (+ tied parameters, see TiedPolicy)
-        grads       params * clamp(state_factor - 1, 0, 1)
-        optimizer   params * max(state_factor - 2, 0)
-                    (so params + grads + optimizer = params * state_factor for factor >= 1)
-        activations activation_bytes * in_flight(j); with recompute only one micro-batch's
-                    activations (the peak while recomputing), the inputs kept per micro-batch
-                    are the received values below
-        received    bytes of values it receives (NEIGHBOUR: also the ones it passes on)
-                    * in_flight(j)
-        outputs     bytes of the values its own nodes produce that a later stage reads or
-                    that the model returns (``Node.returned``), * (in_flight(j) + 1): the
-                    runner keeps every value a stage sends, and the model's output, until
-                    that micro-batch's backward (it calls autograd.backward(outputs, grads)),
-                    and during a backward their gradients arrive (one micro-batch's worth).
-                    A value stage j only passes on (NEIGHBOUR) is in received, not here.
-                    With recompute the same: the forward runs under no_grad but the runner
-                    still keeps its outputs for the later stages until the backward, which
-                    recomputes them in their place.
-        loss        last stage only: Problem.loss_saved_bytes * in_flight(K-1) (the runner
-                    computes each micro-batch's loss right after its forward; with recompute
-                    in its backward, so once) + Problem.loss_grad_bytes
-        backward    the largest ``Node.grad_bytes`` among its nodes: while a node runs its
-                    backward, its output's gradient and the gradients it makes for its
-                    inputs and parameters are alive at once (transient, one micro-batch;
-                    the gradients of what it received and sends are in received / outputs)
-        stashed     PipeDream weight stashing: a copy of the parameters per micro-batch
-                    in flight (params * in_flight(j))
-        workspace   Problem.workspace_bytes
+    received   bytes of values it receives (NEIGHBOUR: also the ones it passes on)
+    kept       bytes of the values its own nodes produce that a later stage reads or that
+               the model returns (``Node.returned``): the runner keeps every value a stage
+               sends, and the model's output, until that micro-batch's backward. A value
+               stage j only passes on (NEIGHBOUR) is in received, not here.
+    params     its nodes' parameters, + tied parameters (see TiedPolicy)
+
+Which stages recompute: given (``recompute``), or by ``Problem.recompute``
+(``choose_recompute``: under AUTO, exactly the stages that do not fit otherwise).
 
 Replicated stage j (r_j GPUs, ``replicas``): each replica computes 1/r_j of every
 micro-batch, so forward_s, backward_s, activations, received, outputs and loss are
@@ -72,37 +53,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fxpipe.partition.plan import Estimate, StageMemory
-from fxpipe.partition.problem import (
-    Comm,
-    Problem,
-    Schedule,
-    TiedPolicy,
-    allreduce_s,
-    stage_flights,
+from fxpipe.partition.cost import (
+    StageCost,
+    StageSums,
+    choose_recompute,
+    stage_cost,
+    state_split,
 )
+from fxpipe.partition.plan import Estimate
+from fxpipe.partition.problem import Comm, Problem, TiedPolicy, stage_flights
 
 __all__ = [
     "Evaluation",
     "StageCost",
     "evaluate",
+    "stage_sums",
     "state_split",
     "step_estimate",
     "violations",
 ]
-
-
-@dataclass(frozen=True)
-class StageCost:
-    forward_s: float
-    backward_s: float
-    comm_s: float
-    memory: StageMemory
-    replicas: int = 1
-
-    @property
-    def time_s(self) -> float:
-        return self.forward_s + self.backward_s + self.comm_s
 
 
 @dataclass(frozen=True)
@@ -116,13 +85,13 @@ class Evaluation:
         return tuple(s.replicas for s in self.stages)
 
     @property
+    def recompute(self) -> tuple[bool, ...]:
+        """Per stage: whether it recomputes its forward in the backward."""
+        return tuple(s.recompute for s in self.stages)
+
+    @property
     def bottleneck_s(self) -> float:
         return self.estimate.bottleneck_s
-
-
-def state_split(state_factor: float) -> tuple[float, float]:
-    """(gradient, optimizer) bytes per parameter byte for ``Problem.state_factor``."""
-    return min(1.0, max(0.0, state_factor - 1.0)), max(0.0, state_factor - 2.0)
 
 
 def consumers(problem: Problem) -> list[list[int]]:
@@ -176,25 +145,44 @@ def violations(problem: Problem, stage_of: Sequence[int],
 
 
 def evaluate(problem: Problem, stage_of: Sequence[int],
-             replicas: Sequence[int] | None = None) -> Evaluation:
+             replicas: Sequence[int] | None = None,
+             recompute: Sequence[bool] | None = None) -> Evaluation:
     """Cost of putting node v on stage ``stage_of[v]``, stage j on ``replicas[j]`` GPUs
-    (default one each; see the module docstring)."""
+    (default one each) and recomputing where ``recompute[j]`` (default: as
+    ``Problem.recompute`` says; see the module docstring)."""
     K = problem.num_stages
     assert len(stage_of) == len(problem.nodes), (len(stage_of), len(problem.nodes))
     assert all(0 <= s < K for s in stage_of)
     stage_of = tuple(stage_of)
     reps = _replicas(problem, replicas)
     flight = stage_flights(problem)
+    sums = stage_sums(problem, stage_of)
 
+    def priced(choice: Sequence[bool]) -> list[StageCost]:
+        return [stage_cost(problem, j, sums[j], flight=flight[j], recompute=choice[j],
+                           replicas=reps[j]) for j in range(K)]
+
+    if recompute is None:
+        recompute = choose_recompute(problem, priced([False] * K), priced([True] * K))
+    assert len(recompute) == K, (len(recompute), K)
+    stages = priced(recompute)
+    return Evaluation(stage_of=stage_of, stages=tuple(stages),
+                      estimate=step_estimate(problem, stages))
+
+
+def stage_sums(problem: Problem, stage_of: Sequence[int]) -> list[StageSums]:
+    """Per stage, its nodes' sums for one micro-batch, with where values travel (see the
+    module docstring)."""
+    K = problem.num_stages
     forward = [0.0] * K
     backward = [0.0] * K
     comm = [0.0] * K
     params = [0] * K
-    own_params = [0] * K  # parameters of its nodes (not tied ones): all-reduced when replicated
+    own_params = [0] * K
     activations = [0] * K
-    transient = [0] * K  # the largest gradients one of its nodes' backward has alive
-    received = [0] * K  # bytes of one micro-batch's received values
-    kept = [0] * K  # bytes of one micro-batch's values sent to a later stage or returned
+    transient = [0] * K
+    received = [0] * K
+    kept = [0] * K
 
     for v, node in enumerate(problem.nodes):
         j = stage_of[v]
@@ -240,29 +228,10 @@ def evaluate(problem: Problem, stage_of: Sequence[int],
             if len(holders) > 1:
                 comm[j] += group.allreduce_s
 
-    grad_factor, optimizer_factor = state_split(problem.state_factor)
-    stashing = problem.schedule is Schedule.PIPEDREAM
-    stages = []
-    for j in range(K):
-        r = reps[j]
-        keep = 1 if problem.recompute else flight[j]
-        loss = problem.loss_saved_bytes * keep + problem.loss_grad_bytes if j == K - 1 else 0
-        memory = StageMemory(
-            params=params[j],
-            grads=round(params[j] * grad_factor),
-            optimizer=round(params[j] * optimizer_factor),
-            activations=-(-activations[j] * keep // r),
-            received=-(-received[j] * flight[j] // r),
-            outputs=-(-kept[j] * (flight[j] + 1) // r),
-            loss=-(-loss // r),
-            backward=transient[j],
-            stashed=params[j] * flight[j] if stashing else 0,
-            workspace=problem.workspace_bytes,
-        )
-        stages.append(StageCost(forward[j] / r, backward[j] / r,
-                                comm[j] + allreduce_s(problem, own_params[j], r), memory, r))
-    return Evaluation(stage_of=stage_of, stages=tuple(stages),
-                      estimate=step_estimate(problem, stages))
+    return [StageSums(forward_s=forward[j], backward_s=backward[j], comm_s=comm[j],
+                      params=params[j], own_params=own_params[j],
+                      activations=activations[j], transient=transient[j],
+                      received=received[j], kept=kept[j]) for j in range(K)]
 
 
 def step_estimate(problem: Problem, stages: Sequence[StageCost]) -> Estimate:

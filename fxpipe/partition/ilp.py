@@ -22,6 +22,13 @@ Variables
                 (an integer, StageMemory.backward; grad[g]: the largest of g's nodes')
     tied parameter G (replicated): u[G,j] = [stage j holds a copy], m[G] = [more than one
       copy], a[G,j] = [stage j all-reduces]
+    recompute chosen per stage (Problem.recompute AUTO, where memory counts):
+      z[j]    = [stage j recomputes: keeps one micro-batch's activations, runs its
+                forward again in the backward]
+      A[j]    = bytes of its saved activations and loss >= those kept for its micro-batches
+                in flight (where not z[j]) or for one (where z[j])
+      R[j]    = ticks of its forward run again >= its forward (where z[j])
+      (under NONE or ALL, or with nothing to gain, z[j] is a constant and A, R are terms)
     replicated stages (N GPUs > K stages): y[j,r] = [stage j runs on r GPUs], r = 1..N-K+1,
       one r per stage, sum_j sum_r r * y[j,r] = N; stage j's time and memory rows hold
       only where y[j,r] (CP-SAT enforcement literals), with compute and activations / r
@@ -29,9 +36,10 @@ Variables
     T = the bottleneck: the slowest stage, or the slowest GPU (the sum of its stage
       modules) when interleaved
 
-Indicators (and B) only have lower bounds: the objective and the memory rows never gain
+Indicators (and B, A, R) only have lower bounds: the objective and the memory rows never gain
 from raising one, so at an optimum they take their exact values, and the objective equals
-``evaluate``'s bottleneck for the returned assignment (checked in tests/partition).
+``evaluate``'s bottleneck for the returned assignment and the memory rows equal the stage
+cost formula (``fxpipe.partition.cost``) for any assignment (checked in tests/partition).
 
 Integer scaling: CP-SAT works on integers. Seconds are multiplied by a power of ten,
 ``ticks_per_second``, chosen so that the whole graph's time is at most 1e9 ticks
@@ -54,9 +62,11 @@ import numpy as np
 from ortools.sat.python import cp_model
 
 from fxpipe.partition.coarsen import Coarsening
-from fxpipe.partition.evaluate import state_split
+from fxpipe.partition.cost import recompute_options, state_split
+from fxpipe.partition.evaluate import evaluate
 from fxpipe.partition.problem import (
     Comm,
+    Recompute,
     Schedule,
     TiedPolicy,
     allreduce_s,
@@ -68,6 +78,7 @@ __all__ = ["IlpResult", "StageModel", "ticks_per_second"]
 
 Term = int | cp_model.IntVar
 Terms = list[tuple[int, Term]]  # sum of coefficient * (variable or constant)
+Literals = list[tuple[cp_model.IntVar, bool]]  # (0/1 variable, the value that enforces a row)
 
 # At most ~1e9 ticks in all, so a coefficient squared stays below 2^63: with coefficients
 # of ~1e11 CP-SAT 9.15's presolve (probing, inclusion) proved a 15 ms split "OPTIMAL"
@@ -86,6 +97,7 @@ class IlpResult:
     wall_s: float
     num_nodes: int  # coarse nodes the model had
     replicas: tuple[int, ...] | None = None  # GPUs per stage when the model chose them
+    recompute: tuple[bool, ...] | None = None  # per stage, as the model chose (z[j])
 
     @property
     def has_solution(self) -> bool:
@@ -95,7 +107,9 @@ class IlpResult:
 def ticks_per_second(coarsening: Coarsening) -> int:
     """A power of ten that makes the graph's total time at most TARGET_TICKS ticks."""
     p = coarsening.problem
-    total = sum(n.forward_s + n.backward_s + 4 * n.comm_s for n in p.nodes)
+    again = p.recompute is not Recompute.NONE  # a recomputed forward runs twice
+    total = sum(n.forward_s * (2 if again else 1) + n.backward_s + 4 * n.comm_s
+                for n in p.nodes)
     total += sum(t.allreduce_s for t in p.tied) * p.num_stages
     if p.replicates:  # the largest all-reduce a replicated stage could pay
         total += allreduce_s(p, sum(n.param_bytes for n in p.nodes), p.devices)
@@ -143,6 +157,9 @@ class StageModel:
         self.model = cp_model.CpModel()
         self._defs: list[tuple[cp_model.IntVar, list[Terms]]] = []  # aux var >= each Terms
         self._int_bounds: dict[int, tuple[int, int]] = {}  # variable index -> domain, non-0/1
+        # aux var >= each Terms whose literals (variable, value that enforces it) all hold
+        self._enforced: list[tuple[cp_model.IntVar, list[tuple[Terms, Literals]]]] = []
+        self._hint_recompute: tuple[bool, ...] | None = None
         all_stages = range(K)
         boundaries = range(K - 1)
         group_of = coarsening.group_of
@@ -160,6 +177,7 @@ class StageModel:
         grad_f, opt_f = state_split(p.state_factor)
         state = 1.0 + grad_f + opt_f
         secs = [0.0] * G
+        fwd = [0.0] * G  # forward seconds: run again by a recomputing stage
         param_state = [0.0] * G
         params = [0] * G  # own parameter bytes (all-reduced when the stage is replicated)
         held = [0] * G  # parameter bytes held, colocated tied ones included (stashed copies)
@@ -170,6 +188,7 @@ class StageModel:
             g = group_of[v]
             returned[g] += node.output_bytes if node.returned else 0
             secs[g] += node.forward_s + node.backward_s
+            fwd[g] += node.forward_s
             param_state[g] += node.param_bytes * state
             params[g] += node.param_bytes
             act[g] += node.activation_bytes
@@ -204,9 +223,18 @@ class StageModel:
             acc[0] += node.comm_s
             acc[1] += node.output_bytes
             acc[2] += 0 if node.returned else node.output_bytes
+        # Recompute: the choices the policy leaves, narrowed to those that can matter
+        # (without a memory limit recomputing only costs time; minimising memory, it only
+        # saves bytes).
+        limited = p.memory_limit != float("inf")
+        options = recompute_options(p)
+        if objective == "memory":
+            options = (max(options),)
+        elif not limited:
+            options = (min(options),)
         # Rounded coefficients in one row (a row: one GPU; interleaved, v stage modules).
-        self._rounding_terms = (2 if self.replicating else 1) * G + 4 * p.virtual_stages * len(
-            classes) + len(replicated) + 1
+        self._rounding_terms = ((2 if self.replicating else 1) + (1 if True in options else 0)
+                                ) * G + 4 * p.virtual_stages * len(classes) + len(replicated) + 1
 
         # Stage ranges from the upper bound: a node whose ancestors cost more than
         # (j+1)*UB cannot sit on stages <= j; one whose descendants cost more than
@@ -215,8 +243,7 @@ class StageModel:
         self.upper_ticks: int | None = None
         hint_valid = hint is not None and not self.replicating and self._hint_is_valid(hint)
         if hint is not None and hint_valid and objective == "time":
-            self.upper_ticks = self._hint_time_ticks(hint, t, classes, replicated, mem, act, flight,
-                                                     held, returned, grad, on_device)
+            self.upper_ticks = self._hint_upper_ticks(hint)
         if upper_s is not None and objective == "time":
             # strictly below the best so far, less the rounding margin of the scaled rows
             cap = math.floor(upper_s * self.scale - self._rounding_terms * 0.5)
@@ -288,7 +315,6 @@ class StageModel:
 
         # Values a stage keeps for a later stage until their backward (only where memory
         # counts): (bytes, e[k,j]) per stage j; its producer g on j and a reader w after j.
-        limited = p.memory_limit != float("inf")
         sent_terms: list[Terms] = [[] for _ in all_stages]
         if limited or objective == "memory":
             for (g, W, _), (_, _, sent_bytes) in classes.items():
@@ -335,19 +361,29 @@ class StageModel:
             return [(ticks[g] * c, v) for g in range(G) for c, v in self._x(g, j)] + [
                 (round(fixed * self.scale), 1)]
 
+        def saved(j: int, r: int, recompute: bool) -> Terms:
+            """Stage j's saved activations and loss on each of r replicas: for its
+            micro-batches in flight, or for one when it recomputes."""
+            keep = 1 if recompute else flight[j]
+            return [(-(-act[g] * keep // r) * c, v) for g in range(G) if act[g]
+                    for c, v in self._x(g, j)] + [(-(-self._loss_bytes(j, keep) // r), 1)]
+
+        def again(j: int, r: int) -> Terms:
+            """Stage j's forward, run again in its backward when it recomputes."""
+            ticks = [round(fwd[g] / r * self.scale) for g in range(G)]
+            return [(ticks[g] * c, v) for g in range(G) if ticks[g] for c, v in self._x(g, j)]
+
         def memory(j: int, r: int) -> Terms:
-            """Stage j's bytes on each of r replicas (activations, received, outputs and
-            loss / r; the backward transient whole)."""
-            keep = 1 if p.recompute else flight[j]
+            """Stage j's bytes on each of r replicas but its saved activations and loss
+            (received, outputs / r; the backward transient whole)."""
             outs = flight[j] + 1  # kept per micro-batch in flight, + one of their gradients
-            per_group = [((mem[g] + -(-act[g] * keep // r) + held[g] * flight[j] * stash
+            per_group = [((mem[g] + held[g] * flight[j] * stash
                            + -(-returned[g] * outs // r)) * c, v)
                          for g in range(G) for c, v in self._x(g, j)]
             received = [(-(-s * flight[j] // r), v) for s, v in recv_terms[j]]
             sent = [(-(-s * outs // r), v) for s, v in sent_terms[j]]
-            loss = -(-self._loss_bytes(j, keep) // r)
             return (per_group + received + sent + tied_mem[j]
-                    + [(1, peak[j]), (p.workspace_bytes + loss, 1)])
+                    + [(1, peak[j]), (p.workspace_bytes, 1)])
 
         # Rows per GPU: a GPU's time and memory are the sums over its stage modules. With
         # replicas, a time row and a memory row per (stage j, replica count r) instead,
@@ -355,19 +391,54 @@ class StageModel:
         self.time_terms: list[Terms] = []
         self.memory_terms: list[Terms] = []
         self.y: list[dict[int, Term]] = []
+        sharing: list[dict[int, Term]] = [{1: 1} for _ in all_stages]  # r -> y[j,r]
         if self.replicating:
             # y[j,r]: stage j on r GPUs; every stage gets one r, and they add up to N.
-            options = range(1, N - K + 2)
             for j in all_stages:
-                self.y.append({r: m.new_bool_var(f"y[{j},{r}]") for r in options})
+                self.y.append({r: m.new_bool_var(f"y[{j},{r}]") for r in range(1, N - K + 2)})
                 m.add_exactly_one(self.y[j].values())
             m.add(sum(r * y for row in self.y for r, y in row.items()) == N)
-            enforced = [(y, compute(j, r) + time_terms[j], memory(j, r))
+            sharing = self.y
+
+        # z[j]: stage j recomputes (a constant where the policy or the problem decides);
+        # A[j] its saved bytes and R[j] its forward run again, each at least what the
+        # choice (and its replica count) implies.
+        self.z: list[Term] = [m.new_bool_var(f"z[{j}]") if len(options) > 1
+                              else int(options[0]) for j in all_stages]
+        kept_terms: list[Terms] = []  # per stage: saved activations and loss, bytes
+        again_terms: list[Terms] = []  # per stage: the forward run again, ticks
+        for j in all_stages:
+            z = self.z[j]
+            if isinstance(z, int):  # decided: the terms themselves, per replica count
+                kept_terms.append([])
+                again_terms.append([])
+                continue
+            kept_rows = [(saved(j, r, choice), [(y, True), (z, choice)])
+                         for r, y in sharing[j].items() for choice in (False, True)]
+            again_rows = [(again(j, r), [(y, True), (z, True)]) for r, y in sharing[j].items()]
+            kept_terms.append([(1, self._max_where(kept_rows, f"A[{j}]"))])
+            again_terms.append([(1, self._max_where(again_rows, f"R[{j}]"))])
+
+        def recomputed(j: int, r: int) -> tuple[Terms, Terms]:
+            """Stage j's (saved bytes, forward run again) on r replicas."""
+            z = self.z[j]
+            if isinstance(z, int):
+                return saved(j, r, bool(z)), again(j, r) if z else []
+            return kept_terms[j], again_terms[j]
+
+        def stage_time(j: int, r: int) -> Terms:
+            return compute(j, r) + time_terms[j] + recomputed(j, r)[1]
+
+        def stage_memory(j: int, r: int) -> Terms:
+            return memory(j, r) + recomputed(j, r)[0]
+
+        if self.replicating:
+            enforced = [(y, stage_time(j, r), stage_memory(j, r))
                         for j in all_stages for r, y in self.y[j].items()]
         else:
-            self.time_terms = [[tv for j in js for tv in compute(j, 1) + time_terms[j]]
-                               for js in on_device]
-            self.memory_terms = [[tv for j in js for tv in memory(j, 1)] for js in on_device]
+            self.time_terms = [[tv for j in js for tv in stage_time(j, 1)] for js in on_device]
+            self.memory_terms = [[tv for j in js for tv in stage_memory(j, 1)]
+                                 for js in on_device]
 
         # Every stage holds a node (unless empty stages are allowed).
         if not p.allow_empty_stages:
@@ -469,6 +540,25 @@ class StageModel:
         self._defs.append((var, live))
         return var
 
+    def _max_where(self, rows: list[tuple[Terms, list[tuple[Term, bool]]]], name: str) -> Term:
+        """A non-negative integer >= each row whose literals (a 0/1 variable or constant,
+        and the value that enforces the row) all hold."""
+        live: list[tuple[Terms, Literals]] = []
+        for row, literals in rows:
+            if any(isinstance(v, int) and bool(v) != want for v, want in literals):
+                continue  # never enforced
+            live.append((row, [(v, want) for v, want in literals
+                               if isinstance(v, cp_model.IntVar)]))
+        most = max([0] + [self._range(row)[1] for row, _ in live])
+        var = self.model.new_int_var(0, most, name)
+        self._int_bounds[var.index] = (0, most)
+        for row, enforcing in live:
+            constraint = self.model.add(var >= self._expr(row))
+            if enforcing:
+                constraint.only_enforce_if([v if want else v.Not() for v, want in enforcing])
+        self._enforced.append((var, live))
+        return var
+
     # -- hints ---------------------------------------------------------------------------
 
     def _loss_bytes(self, j: int, keep: int) -> int:
@@ -486,77 +576,68 @@ class StageModel:
             return False
         return self.problem.allow_empty_stages or len(set(hint)) == self.num_stages
 
-    def _hint_time_ticks(self, hint: Sequence[int], t: list[int],
-                         classes: dict[tuple[int, tuple[int, ...], tuple[int, ...]], list[float]],
-                         replicated: list, mem: list[int], act: list[int], flight: list[int],
-                         held: list[int], returned: list[int], grad: list[int],
-                         on_device: list[list[int]]) -> int | None:
-        """The hint's bottleneck in ticks as this model computes it (one GPU per stage),
-        None if it does not fit."""
-        p, K = self.problem, self.num_stages
-        stash = p.schedule is Schedule.PIPEDREAM
-        ticks = [0] * K
-        memory = [p.workspace_bytes + self._loss_bytes(j, 1 if p.recompute else flight[j])
-                  for j in range(K)]
-        peak = [0] * K
-        for g, s in enumerate(hint):
-            peak[s] = max(peak[s], grad[g])
-            ticks[s] += t[g]
-            memory[s] += mem[g] + act[g] * (1 if p.recompute else flight[s])
-            memory[s] += held[g] * flight[s] if stash else 0
-            memory[s] += returned[g] * (flight[s] + 1)
-        for (g, W, _), (comm_s, out_bytes, sent_bytes) in classes.items():
-            c, b = round(comm_s * self.scale), round(out_bytes)
-            s = hint[g]
-            on = {hint[w] for w in W}
-            if max(on) > s:  # kept for a later stage until the backward
-                memory[s] += round(sent_bytes) * (flight[s] + 1)
-            if p.comm is Comm.NEIGHBOUR:
-                lo, hi = min(on | {s}), max(on | {s})
-                for bd in range(lo, hi):
-                    ticks[bd] += c
-                    ticks[bd + 1] += c
-                for j in range(lo, hi + 1):
-                    if j != s:
-                        memory[j] += b * flight[j]
-            else:
-                others = on - {s}
-                if others:
-                    ticks[s] += c
-                for j in others:
-                    ticks[j] += c
-                    memory[j] += b * flight[j]
-        grad_f, opt_f = state_split(p.state_factor)
-        for tied, holders in replicated:
-            on = {hint[h] for h in holders}
-            for j in on:
-                memory[j] += round(tied.param_bytes * (1 + grad_f + opt_f))
-                memory[j] += tied.param_bytes * flight[j] if stash else 0
-                if len(on) > 1:
-                    ticks[j] += round(tied.allreduce_s * self.scale)
-        if max(sum(memory[j] + peak[j] for j in js) for js in on_device) > p.memory_limit:
+    def _hint_upper_ticks(self, hint: Sequence[int]) -> int | None:
+        """An upper bound in ticks on the hint's bottleneck as this model computes it (one
+        GPU per stage): the stage cost formula's, through ``evaluate``, plus the rounding
+        margin of the scaled rows; None if it does not fit. Keeps its recompute choice."""
+        evaluation = evaluate(self.problem, self.coarsening.expand(hint))
+        self._hint_recompute = evaluation.recompute
+        if not evaluation.estimate.fits:
             return None
-        return max(sum(ticks[j] for j in js) for js in on_device)
+        return math.ceil(evaluation.bottleneck_s * self.scale + self._rounding_terms * 0.5)
 
     def _value(self, term: Term, values: dict[int, int]) -> int:
         return term if isinstance(term, int) else values[term.index]
 
-    def _add_hints(self, hint: Sequence[int]) -> None:
-        """Hint every variable: d from the assignment, indicators from their definitions."""
-        if self.replicating or not self._hint_is_valid(hint):
-            return
+    def _values(self, assignment: Sequence[int], recompute: Sequence[bool],
+                ) -> tuple[dict[int, int], dict[int, cp_model.IntVar]]:
+        """Every variable's value (by index) at a coarse assignment and recompute choice:
+        d from the assignment, z from the choice, the others at the least their rows allow."""
         values: dict[int, int] = {}
         variables: dict[int, cp_model.IntVar] = {}
         for g, row in enumerate(self.d):
             for j, var in enumerate(row):
                 if not isinstance(var, int):
-                    values[var.index] = int(hint[g] <= j)
+                    values[var.index] = int(assignment[g] <= j)
                     variables[var.index] = var
+        for j, z in enumerate(self.z):
+            if not isinstance(z, int):
+                values[z.index] = int(recompute[j])
+                variables[z.index] = z
         for var, rows in self._defs:  # created after everything they read
             least, _ = self._int_bounds.get(var.index, (0, 1))
             values[var.index] = max(
                 least, *(sum(c * self._value(v, values) for c, v in row) for row in rows))
             variables[var.index] = var
+        for var, enforced in self._enforced:  # read only d and z
+            values[var.index] = max([0] + [
+                sum(c * self._value(v, values) for c, v in row) for row, literals in enforced
+                if all(values[lit.index] == want for lit, want in literals)])
+            variables[var.index] = var
+        return values, variables
+
+    def rows_at(self, assignment: Sequence[int], recompute: Sequence[bool],
+                ) -> tuple[list[int], list[int]]:
+        """Each GPU's time row (ticks) and memory row (bytes) at a coarse assignment and
+        recompute choice: the linear form of the stage cost formula, which tests hold
+        against ``evaluate``. One GPU per stage (not replicated) only."""
+        assert not self.replicating
+        values, _ = self._values(assignment, recompute)
+
+        def at(rows: list[Terms]) -> list[int]:
+            return [sum(c * self._value(v, values) for c, v in row) for row in rows]
+
+        return at(self.time_terms), at(self.memory_terms)
+
+    def _add_hints(self, hint: Sequence[int]) -> None:
+        """Hint every variable: d from the assignment, z from ``evaluate``'s recompute
+        choice for it, indicators from their definitions."""
+        if self.replicating or not self._hint_is_valid(hint):
+            return
+        recompute = self._hint_recompute
+        if recompute is None:
+            recompute = evaluate(self.problem, self.coarsening.expand(hint)).recompute
+        values, variables = self._values(hint, recompute)
         for index, value in values.items():
             self.model.add_hint(variables[index], value)
         rows = self.time_terms if self.objective == "time" else self.memory_terms
@@ -595,5 +676,8 @@ class StageModel:
         objective = solver.objective_value / unit
         bound = max(0.0, solver.best_objective_bound / unit - margin)
         replicas = tuple(next(r for r, y in row.items() if solver.value(y)) for row in self.y)
+        recompute = tuple(bool(self._value(z, {}) if isinstance(z, int) else solver.value(z))
+                          for z in self.z)
         return IlpResult(name, coarse, self.coarsening.expand(coarse), objective,
-                         min(bound, objective), wall, self.num_nodes, replicas or None)
+                         min(bound, objective), wall, self.num_nodes, replicas or None,
+                         recompute)

@@ -33,6 +33,7 @@ __all__ = [
     "Edge",
     "Node",
     "Problem",
+    "Recompute",
     "Schedule",
     "TiedGroup",
     "TiedPolicy",
@@ -53,6 +54,15 @@ class Schedule(str, Enum):
 class Comm(str, Enum):
     NEIGHBOUR = "neighbour"  # torch.distributed.pipelining: bytes cross every boundary between
     DIRECT = "direct"  # one send from the producer to every stage that reads it
+
+
+class Recompute(str, Enum):
+    """Which stages keep only their received values per micro-batch and run their forward
+    again in the backward (activation re-materialization)."""
+
+    AUTO = "auto"  # the solver chooses per stage: the fastest split that fits
+    ALL = "all"  # every stage recomputes
+    NONE = "none"  # every stage keeps its activations for every micro-batch in flight
 
 
 class TiedPolicy(str, Enum):
@@ -113,7 +123,9 @@ class Problem:
     # Bytes of parameter state per byte of parameter: 1 (weights) + gradients + optimizer
     # state (fp32 Adam: 1 + 1 + 2 = 4; SGD with momentum: 3; plain SGD: 2; inference: 1).
     state_factor: float = 4.0
-    recompute: bool = False  # keep only stage inputs per micro-batch, recompute in backward
+    # Keep only stage inputs per micro-batch and recompute in backward: on no stage, on
+    # every stage, or on the stages the solver chooses (see ``fxpipe.partition.cost``).
+    recompute: Recompute = Recompute.NONE
     workspace_bytes: int = 0  # reserved per device (CUDA context, allocator slack)
     # The loss, computed on the last stage for every micro-batch: bytes it saves for backward
     # (kept per micro-batch in flight there) and bytes its backward allocates for one
@@ -162,6 +174,7 @@ class Problem:
         if self.num_devices and self.num_devices < self.num_stages // v:
             raise ValueError(
                 f"{self.num_devices} GPUs cannot run {self.num_stages // v} stages.")
+        assert isinstance(self.recompute, Recompute), self.recompute
         n = len(self.nodes)
         for e in self.edges:
             assert 0 <= e.src < n and 0 <= e.dst < n and e.src != e.dst, e

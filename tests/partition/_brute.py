@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
-from fxpipe.partition import Problem, evaluate, violations
+from fxpipe.partition import Problem, Recompute, evaluate, violations
 
 
 def valid_splits(problem: Problem) -> Iterator[tuple[int, ...]]:
@@ -57,18 +58,29 @@ def compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
             yield (first, *rest)
 
 
+def recompute_choices(problem: Problem) -> list[tuple[bool, ...]]:
+    """Every per-stage recompute choice ``problem.recompute`` allows (AUTO: all 2^K)."""
+    K = problem.num_stages
+    if problem.recompute is Recompute.AUTO:
+        return list(itertools.product((False, True), repeat=K))
+    return [(problem.recompute is Recompute.ALL,) * K]
+
+
 def brute_force(problem: Problem) -> tuple[float | None, float | None, bool]:
     """(best bottleneck among splits that fit, least max-memory of any split, any valid split);
-    a replicated problem tries every split with every way to share the GPUs among stages."""
+    a replicated problem tries every split with every way to share the GPUs among stages,
+    and every problem every recompute choice its policy allows (not ``evaluate``'s own)."""
     best_time: float | None = None
     least_memory: float | None = None
     any_valid = False
     sharing: list[tuple[int, ...] | None] = [None]
     if problem.replicates:
         sharing = list(compositions(problem.devices, problem.num_stages))
-    for stage_of, replicas in ((s, r) for s in valid_splits(problem) for r in sharing):
+    choices = recompute_choices(problem)
+    for stage_of, replicas, recompute in (
+            (s, r, c) for s in valid_splits(problem) for r in sharing for c in choices):
         any_valid = True
-        estimate = evaluate(problem, stage_of, replicas).estimate
+        estimate = evaluate(problem, stage_of, replicas, recompute).estimate
         if least_memory is None or estimate.max_memory < least_memory:
             least_memory = estimate.max_memory
         if estimate.fits and (best_time is None or estimate.bottleneck_s < best_time):

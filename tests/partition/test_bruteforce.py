@@ -14,6 +14,7 @@ from fxpipe.partition import (
     InfeasibleMemoryError,
     Node,
     Problem,
+    Recompute,
     Schedule,
     StageModel,
     TiedGroup,
@@ -25,7 +26,7 @@ from fxpipe.partition import (
     violations,
 )
 
-from ._brute import brute_force
+from ._brute import brute_force, valid_splits
 
 MS = 1e-3
 
@@ -81,7 +82,7 @@ def problems(draw: st.DrawFn, layout: str = "one per GPU") -> Problem:
         schedule=schedule,
         microbatches=draw(st.integers(1, 4)) * (K // v),
         state_factor=float(draw(st.integers(1, 4))),
-        recompute=draw(st.booleans()),
+        recompute=draw(st.sampled_from(Recompute)),
         workspace_bytes=draw(st.integers(0, 2)) * 50,
         loss_saved_bytes=draw(st.integers(0, 2)) * 10,
         loss_grad_bytes=draw(st.integers(0, 2)) * 10,
@@ -140,6 +141,37 @@ def test_model_objective_equals_evaluate(problem: Problem) -> None:
     assert result.status == "OPTIMAL"
     assert result.objective == pytest.approx(evaluate(problem, result.stage_of).bottleneck_s,
                                              abs=1e-12)
+    # with the recompute choice the model made (it may recompute a stage off the critical
+    # path), and evaluate's own (the fewest stages): the same bottleneck
+    assert result.recompute is not None
+    ours = evaluate(problem, result.stage_of, recompute=result.recompute)
+    assert ours.estimate.fits
+    assert result.objective == pytest.approx(ours.bottleneck_s, abs=1e-12)
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(problems(), problems(layout="interleaved")), st.data())
+def test_model_rows_equal_the_stage_cost_formula(problem: Problem, data: st.DataObject) -> None:
+    """For any valid split and any recompute choice, each GPU's linear memory row is
+    evaluate()'s memory to the byte, and its time row evaluate()'s time up to the rounding
+    margin of the scaled rows: the CP-SAT rows are the stage cost formula."""
+    problem = replace(problem, recompute=Recompute.AUTO,  # z[j] variables, all rows
+                      memory_limit=10**12)
+    splits = list(valid_splits(problem))
+    if not splits:
+        return
+    split = data.draw(st.sampled_from(splits))
+    choice = data.draw(st.tuples(*[st.booleans()] * problem.num_stages))
+    exact = exact_groups(problem)
+    model = StageModel(exact)
+    times, memories = model.rows_at(exact.restrict(split), choice)
+    evaluation = evaluate(problem, split, recompute=choice)
+    on = [[s for j, s in enumerate(evaluation.stages) if problem.device_of(j) == d]
+          for d in range(problem.devices)]
+    assert memories == [sum(s.memory.total for s in held) for held in on]
+    margin = model._rounding_terms * 0.5 / model.scale
+    for ticks, held in zip(times, on, strict=True):
+        assert ticks / model.scale == pytest.approx(sum(s.time_s for s in held), abs=margin)
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -227,3 +259,32 @@ def test_regression_presolve_with_large_coefficients() -> None:
     replicated = StageModel(exact_groups(one)).solve(time_limit_s=20, workers=1)
     assert replicated.status == "OPTIMAL"
     assert replicated.objective == pytest.approx(1 * MS)
+
+
+def test_auto_recomputes_the_early_stages_where_none_does_not_fit() -> None:
+    """Eight equal layers on 4 stages, 1F1B with 8 micro-batches: stage j holds 4 - j of
+    them. In 250 bytes no split fits without recompute (stage 0 holds 4 x 100 bytes for
+    even one layer); with AUTO the first stages recompute, the last never does (it holds
+    one micro-batch either way), and the answer is the brute-force optimum over splits
+    and recompute choices -- faster than recomputing everywhere."""
+    nodes = tuple(Node(f"l{i}", 1 * MS, 2 * MS, activation_bytes=100, output_bytes=1)
+                  for i in range(8))
+    chain = Problem(nodes, tuple(Edge(i, i + 1) for i in range(7)), num_stages=4,
+                    microbatches=8, memory_limit=250)
+    with pytest.raises(InfeasibleMemoryError):
+        partition(replace(chain, recompute=Recompute.NONE), time_limit_s=20, workers=1)
+    auto = partition(replace(chain, recompute=Recompute.AUTO), time_limit_s=20, workers=1)
+    everywhere = partition(replace(chain, recompute=Recompute.ALL), time_limit_s=20, workers=1)
+    recompute = auto.evaluation.recompute
+    assert recompute[:2] == (True, True) and recompute[3] is False
+    assert auto.report.status == "OPTIMAL"
+    best, _, _ = brute_force(replace(chain, recompute=Recompute.AUTO))
+    assert auto.report.objective == pytest.approx(best, abs=1e-12)
+    assert auto.evaluation.estimate.iteration_s < everywhere.evaluation.estimate.iteration_s
+    # the baselines take the same choice: each cut recomputes where it does not fit
+    for name, split in auto.baseline_splits.items():
+        chosen = evaluate(auto.problem, split)
+        assert auto.baselines[name] == chosen.estimate
+        plain = evaluate(auto.problem, split, recompute=(False,) * 4)
+        for j, stage in enumerate(plain.stages):
+            assert chosen.recompute[j] == (stage.memory.total > chain.memory_limit)

@@ -9,6 +9,7 @@ from fxpipe.partition import (
     Edge,
     Node,
     Problem,
+    Recompute,
     Schedule,
     TiedGroup,
     TiedPolicy,
@@ -66,10 +67,49 @@ def test_memory_kinds_state_factor_and_in_flight() -> None:
 
 def test_recompute_keeps_one_micro_batch_of_activations() -> None:
     p = fan(Comm.NEIGHBOUR, num_stages=2, microbatches=8, schedule=Schedule.GPIPE,
-            recompute=True)
+            recompute=Recompute.ALL)
     ev = evaluate(p, [0, 1, 1])
+    assert ev.recompute == (True, True)
     assert ev.stages[1].memory.activations == 6  # b + c, once
     assert ev.stages[1].memory.received == 8 * 8  # a's value kept per micro-batch
+    # and pays its forward (b + c: 3 s) again in the backward
+    assert ev.stages[1].forward_s == 3.0
+    assert ev.stages[1].backward_s == 3.0 + 3.0
+
+
+def test_recompute_given_per_stage() -> None:
+    p = fan(Comm.NEIGHBOUR, num_stages=2, microbatches=8, schedule=Schedule.GPIPE)
+    ev = evaluate(p, [0, 1, 1], recompute=(True, False))
+    assert ev.recompute == (True, False)
+    assert [s.memory.activations for s in ev.stages] == [10, 6 * 8]
+    assert [s.backward_s for s in ev.stages] == [2.0 + 1.0, 3.0]
+    assert evaluate(p, [0, 1, 1]).recompute == (False, False)  # the policy: none
+
+
+def chain_1f1b(limit: float) -> Problem:
+    """Four equal layers, 1F1B over 4 stages and 8 micro-batches: stage j holds 4 - j."""
+    nodes = tuple(Node(f"l{i}", 1.0, 2.0, activation_bytes=100, output_bytes=1)
+                  for i in range(4))
+    edges = tuple(Edge(i, i + 1) for i in range(3))
+    return Problem(nodes, edges, num_stages=4, microbatches=8, memory_limit=limit,
+                   recompute=Recompute.AUTO)
+
+
+def test_auto_recomputes_exactly_the_stages_that_do_not_fit() -> None:
+    split = (0, 1, 2, 3)
+    plain = evaluate(chain_1f1b(float("inf")), split)
+    assert plain.recompute == (False,) * 4  # nothing to gain without a limit
+    held = [s.memory.total for s in plain.stages]
+    assert held == sorted(held, reverse=True)  # the first stages hold the most
+    limit = held[2]  # stages 2 and 3 fit as they are, 0 and 1 do not
+    ev = evaluate(chain_1f1b(limit), split)
+    assert ev.recompute == (True, True, False, False)
+    assert ev.estimate.fits
+    assert [s.time_s for s in ev.stages][:2] == [4.0 + plain.stages[0].comm_s,
+                                                 4.0 + plain.stages[1].comm_s]
+    # nothing fits even recomputed: recompute everywhere (the least memory it can show)
+    tight = evaluate(chain_1f1b(1), split)
+    assert tight.recompute == (True,) * 4 and not tight.estimate.fits
 
 
 def kept_values(comm: Comm, **kwargs: object) -> Problem:
@@ -110,7 +150,8 @@ def test_outputs_and_loss_gpipe_recompute_and_replicas() -> None:
     assert [s.memory.outputs for s in gpipe.stages] == [15 * 5, 30 * 5, 40 * 5]
     assert gpipe.stages[2].memory.loss == 100 * 4 + 50
     # recompute: outputs still kept until the backward; the loss is computed there, once
-    again = evaluate(kept_values(Comm.NEIGHBOUR, schedule=Schedule.GPIPE, recompute=True), SPLIT)
+    again = evaluate(kept_values(Comm.NEIGHBOUR, schedule=Schedule.GPIPE,
+                                 recompute=Recompute.ALL), SPLIT)
     assert [s.memory.outputs for s in again.stages] == [15 * 5, 30 * 5, 40 * 5]
     assert again.stages[2].memory.loss == 100 + 50
     # stage 0 on 2 GPUs, stage 2 on 2: each replica keeps half

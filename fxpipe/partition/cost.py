@@ -1,0 +1,170 @@
+"""The stage cost formula: what one stage costs per micro-batch, from its sums.
+
+Every place that prices a stage reads it from here: ``evaluate`` (every figure fxpipe
+reports), the interval DP warm start (vectorised over block starts) and the CP-SAT hint
+(through ``evaluate``). The CP-SAT rows are the same formula written as linear rows;
+tests/partition check them against it.
+
+Per stage j, for one micro-batch, from ``StageSums`` (sums over its nodes):
+
+    time        forward_s + backward_s + comm_s; a recomputed stage runs its forward
+                again in the backward (backward_s + forward_s)
+    memory (StageMemory)
+        params      parameter bytes held (its nodes' and its tied copies)
+        grads       params * clamp(state_factor - 1, 0, 1)
+        optimizer   params * max(state_factor - 2, 0)
+                    (so params + grads + optimizer = params * state_factor for factor >= 1)
+        activations activations * keep(j): the micro-batches in flight, or 1 when the stage
+                    recomputes (one micro-batch's activations while its backward reruns the
+                    forward; the inputs it keeps per micro-batch are ``received``)
+        received    received * in_flight(j)
+        outputs     kept * (in_flight(j) + 1): values sent on or returned, held until their
+                    micro-batch's backward, plus one micro-batch of their gradients (the same
+                    with recompute: the runner keeps what it sends until the backward)
+        loss        last stage only: loss_saved_bytes * keep(j) + loss_grad_bytes
+        backward    the largest backward transient of its nodes (one micro-batch)
+        stashed     PipeDream weight stashing: params * in_flight(j)
+        workspace   Problem.workspace_bytes
+
+A stage on r replicas (GPUs running it data-parallel) divides forward_s, backward_s,
+activations, received, outputs and loss by r (rounded up), and adds the ring all-reduce of
+its own parameters' gradients to its time.
+
+Recompute per stage (``Problem.recompute``): NONE and ALL decide it for every stage;
+AUTO recomputes on exactly the stages (the GPU's stage modules, when interleaved) that
+do not fit otherwise (``choose_recompute``), which for a fixed split is the fastest choice
+that fits: recomputing only ever adds time and removes memory.
+
+Legend: j a stage, r its replicas, K stages (see problem.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from fxpipe.partition.plan import StageMemory
+from fxpipe.partition.problem import Problem, Recompute, Schedule, allreduce_s
+
+__all__ = [
+    "StageCost",
+    "StageSums",
+    "choose_recompute",
+    "memory_parts",
+    "recompute_options",
+    "stage_cost",
+    "state_split",
+]
+
+# A byte count: a number, or an array of them (the interval DP prices every block start at once).
+Amount = float | np.ndarray
+
+
+@dataclass(frozen=True)
+class StageSums:
+    """One stage's sums over its nodes for one micro-batch (before replicas divide them)."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    comm_s: float = 0.0  # sends, receives, and all-reduces of replicated tied parameters
+    params: int = 0  # parameter bytes held: its nodes' and its copies of tied ones
+    own_params: int = 0  # its nodes' own parameters: all-reduced when the stage is replicated
+    activations: int = 0  # saved for backward
+    transient: int = 0  # the largest gradients one of its nodes' backward has alive
+    received: int = 0  # values it receives (NEIGHBOUR: also the ones it passes on)
+    kept: int = 0  # values its nodes produce that a later stage reads or the model returns
+
+
+@dataclass(frozen=True)
+class StageCost:
+    forward_s: float
+    backward_s: float  # includes the recomputed forward when ``recompute``
+    comm_s: float
+    memory: StageMemory
+    replicas: int = 1
+    recompute: bool = False
+
+    @property
+    def time_s(self) -> float:
+        return self.forward_s + self.backward_s + self.comm_s
+
+
+def state_split(state_factor: float) -> tuple[float, float]:
+    """(gradient, optimizer) bytes per parameter byte for ``Problem.state_factor``."""
+    return min(1.0, max(0.0, state_factor - 1.0)), max(0.0, state_factor - 2.0)
+
+
+def _up(amount: Amount, replicas: int) -> Amount:
+    """``amount`` / ``replicas``, rounded up (a replica holds its share, whole bytes)."""
+    return -(-amount // replicas)
+
+
+def memory_parts(problem: Problem, j: int, *, flight: int, params: Amount, activations: Amount,
+                 received: Amount, kept: Amount, transient: Amount, recompute: bool,
+                 replicas: int = 1) -> dict[str, Amount]:
+    """Stage j's bytes by ``StageMemory`` field (grads and optimizer not yet rounded);
+    ``flight``: its micro-batches in flight (``stage_flights``)."""
+    keep = 1 if recompute else flight
+    loss = problem.loss_saved_bytes * keep + problem.loss_grad_bytes
+    grad_factor, optimizer_factor = state_split(problem.state_factor)
+    return {
+        "params": params,
+        "grads": params * grad_factor,
+        "optimizer": params * optimizer_factor,
+        "activations": _up(activations * keep, replicas),
+        "received": _up(received * flight, replicas),
+        "outputs": _up(kept * (flight + 1), replicas),
+        "loss": _up(loss, replicas) if j == problem.num_stages - 1 else 0 * params,
+        "backward": transient,
+        "stashed": params * flight if problem.schedule is Schedule.PIPEDREAM else 0 * params,
+        "workspace": problem.workspace_bytes + 0 * params,
+    }
+
+
+def stage_cost(problem: Problem, j: int, sums: StageSums, *, flight: int, recompute: bool,
+               replicas: int = 1) -> StageCost:
+    """Stage j's time and memory (see the module docstring)."""
+    parts = memory_parts(problem, j, flight=flight, params=sums.params,
+                         activations=sums.activations, received=sums.received,
+                         kept=sums.kept, transient=sums.transient, recompute=recompute,
+                         replicas=replicas)
+    memory = StageMemory(**{name: round(float(value)) for name, value in parts.items()})
+    backward_s = sums.backward_s + (sums.forward_s if recompute else 0.0)
+    return StageCost(sums.forward_s / replicas, backward_s / replicas,
+                     sums.comm_s + allreduce_s(problem, sums.own_params, replicas), memory,
+                     replicas, recompute)
+
+
+def recompute_options(problem: Problem) -> tuple[bool, ...]:
+    """The per-stage recompute choices ``problem.recompute`` allows."""
+    return {Recompute.NONE: (False,), Recompute.ALL: (True,),
+            Recompute.AUTO: (False, True)}[problem.recompute]
+
+
+def choose_recompute(problem: Problem, plain: Sequence[StageCost],
+                     recomputed: Sequence[StageCost]) -> tuple[bool, ...]:
+    """Per stage, whether it recomputes: given by the policy for NONE and ALL; for AUTO the
+    fastest choice that fits, per GPU (a GPU holds v stage modules when interleaved, which
+    share its memory and its time), preferring the fewest recomputed modules; where nothing
+    fits, recompute everywhere on that GPU (the least memory)."""
+    K = problem.num_stages
+    if problem.recompute is not Recompute.AUTO:
+        return (problem.recompute is Recompute.ALL,) * K
+    chosen = [False] * K
+    for d in range(K // problem.virtual_stages):
+        held = [j for j in range(K) if problem.device_of(j) == d]
+        best: tuple[bool, float, int, tuple[bool, ...]] | None = None
+        for choice in itertools.product((False, True), repeat=len(held)):
+            costs = [recomputed[j] if c else plain[j] for j, c in zip(held, choice, strict=True)]
+            fits = sum(c.memory.total for c in costs) <= problem.memory_limit
+            key = (not fits, sum(c.time_s for c in costs), sum(choice), choice)
+            if best is None or key < best:
+                best = key
+        assert best is not None
+        fits_nowhere = best[0]
+        for j, c in zip(held, best[3], strict=True):
+            chosen[j] = True if fits_nowhere else c
+    return tuple(chosen)
