@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 if TYPE_CHECKING:
-    from fxpipe.partition import Schedule
+    from fxpipe.partition import Recompute, Schedule
     from fxpipe.partition.plan import Plan
 
 __all__ = ["main"]
@@ -100,8 +100,12 @@ def _parser() -> argparse.ArgumentParser:
     split.add_argument("--optimizer", choices=("adam", "sgd", "sgd-momentum"), default="adam")
     split.add_argument(
         "--recompute",
-        action="store_true",
-        help="keep only stage inputs, recompute activations in backward",
+        nargs="?",
+        const="all",
+        default="auto",
+        metavar="{auto,all,none}",
+        help="stages that keep only their inputs and recompute activations in backward: "
+        "auto (default: the solver chooses per stage), all (also a bare --recompute), none",
     )
     split.add_argument("--time-limit", type=float, default=30.0, help="solver seconds")
     split.add_argument("--diagram", choices=("module", "op"), default="module")
@@ -232,6 +236,7 @@ def _run_split(args: argparse.Namespace) -> int:
     if args.time_limit <= 0:
         raise ValueError(f"--time-limit must be positive, got {args.time_limit}")
     schedule = _schedule(args, microbatches)
+    recompute = _recompute(args.recompute)
     device = get_device(args.device)
     limit = (
         float(parse_bytes(args.memory)) if args.memory is not None else float(device.memory_bytes)
@@ -243,7 +248,7 @@ def _run_split(args: argparse.Namespace) -> int:
         microbatches=microbatches,
         schedule=schedule,
         optimizer=args.optimizer,
-        recompute=args.recompute,
+        recompute=recompute,
         time_limit_s=args.time_limit,
         virtual_stages=args.virtual_stages,
         replicate=args.replicate,
@@ -304,6 +309,18 @@ def _schedule(args: argparse.Namespace, microbatches: int) -> Schedule:
             f"--schedule interleaved needs the micro-batches ({microbatches}) to be a multiple "
             f"of --gpus ({n}); use --microbatches {-(-microbatches // n) * n}")
     return Schedule(name)
+
+
+def _recompute(value: str) -> Recompute:
+    """--recompute's value (a bare --recompute means all)."""
+    from fxpipe.partition import Recompute
+
+    names = [r.value for r in Recompute]
+    if value not in names:
+        raise ValueError(
+            f"--recompute takes one of {', '.join(names)}, got {value!r} (a bare "
+            f"--recompute, after the model, means all)")
+    return Recompute(value)
 
 
 def _run_merge(args: argparse.Namespace) -> int:

@@ -26,7 +26,7 @@ from fxpipe.codegen.timeline import draw_timeline
 from fxpipe.cost_models import Device, analytic, measured
 from fxpipe.frontend import Traced
 from fxpipe.lower import lower
-from fxpipe.partition import Schedule, partition
+from fxpipe.partition import Recompute, Schedule, partition
 from fxpipe.partition.plan import Plan
 from fxpipe.passes import annotate_all
 from fxpipe.planning import build_plan
@@ -67,7 +67,7 @@ class SplitOptions:
     microbatches: int
     schedule: Schedule = Schedule.ONE_F_ONE_B
     optimizer: str = "adam"
-    recompute: bool = False
+    recompute: Recompute = Recompute.AUTO  # per stage: none, all, or chosen by the solver
     time_limit_s: float = 30.0
     virtual_stages: int = 1  # interleaved schedule: stage modules per GPU
     replicate: bool = False  # let the solver give a stage several GPUs ("2-1-1")

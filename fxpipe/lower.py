@@ -30,7 +30,15 @@ import torch.fx
 
 from fxpipe import meta
 from fxpipe.cost_models import Device, allreduce_time, intra_node_time
-from fxpipe.partition.problem import Edge, Node, Problem, Schedule, TiedGroup, TiedPolicy
+from fxpipe.partition.problem import (
+    Edge,
+    Node,
+    Problem,
+    Recompute,
+    Schedule,
+    TiedGroup,
+    TiedPolicy,
+)
 from fxpipe.passes.base import OP_NODES
 
 __all__ = ["LOSS_FACTORS", "OPTIMIZERS", "Lowered", "lower"]
@@ -59,7 +67,7 @@ def lower(
     schedule: Schedule,
     microbatches: int,
     optimizer: str = "adam",
-    recompute: bool = False,
+    recompute: Recompute = Recompute.AUTO,
     tied_policy: TiedPolicy = TiedPolicy.REPLICATE,
     block_depth: int = 1,
     virtual_stages: int = 1,

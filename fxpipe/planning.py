@@ -87,7 +87,7 @@ def build_plan(
                 backward_s=cost.backward_s,
                 comm_s=cost.comm_s,
                 memory=cost.memory,
-                recompute=problem.recompute,
+                recompute=cost.recompute,
                 replicas=cost.replicas,
             )
         )

@@ -86,6 +86,7 @@ def render_report(plan: Plan) -> str:
         f"{plan.microbatches} micro-batches per step, optimizer {plan.optimizer}, "
         f"memory limit {limit} per GPU",
         f"- schedule: {schedule}",
+        f"- recompute: {_recompute(plan)}",
         f"- traced with {plan.tracer}",
         f"- solver: {solver.method}, status {solver.status}, bottleneck "
         f"{_ms(solver.objective)}, bound {_ms(solver.bound)}, gap {solver.gap:.2%}, "
@@ -144,3 +145,16 @@ def render_report(plan: Plan) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _recompute(plan: Plan) -> str:
+    """Which stages run their forward again in the backward, keeping only their inputs."""
+    chosen = [stage.index for stage in plan.stages if stage.recompute]
+    if not chosen:
+        return "none (every stage keeps its activations for its micro-batches in flight)"
+    if len(chosen) == len(plan.stages):
+        return "every stage (each keeps its inputs and reruns its forward in the backward)"
+    listed = ", ".join(str(j) for j in chosen)
+    return (f"stages {listed} (they keep their inputs and rerun their forward in the "
+            f"backward; the others keep their activations)")
+

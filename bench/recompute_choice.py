@@ -1,0 +1,150 @@
+"""Recompute chosen per stage against recompute everywhere, on memory-bound LLMs.
+
+For each case (a transformers Llama shape on the meta device, one micro-batch of
+1 x SEQ tokens, float32, Adam, 1F1B with M = 4 x GPUs, the h100 table entry's 80 GiB)
+the model is traced and costed once, then planned three times, as
+
+    fxpipe split MODEL --gpus N --device h100 --recompute {none,all,auto}
+
+would (``plan_split``): the predicted iteration time of each, whether it fits, which
+stages ``auto`` recomputes, and each baseline's iteration time under ``all`` and under
+``auto`` (a baseline's cut with recompute on exactly the stages that do not fit
+otherwise). The goal: ``auto`` >= 1.15x faster than ``all`` wherever ``none`` does not
+fit. Prints a markdown table and the machine's load average.
+
+Cases: Llama-3-8B (32 layers, width 4096) on 8 GPUs at 4096 tokens; a Llama-3-70B
+shape (80 layers, width 8192, 64 heads, 8 KV heads, FFN 28672) on 16 and 32 GPUs at
+4096 and 8192 tokens.
+
+    python bench/recompute_choice.py [--only 8b 70b] [--time-limit 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+from fxpipe import cli
+from fxpipe.compiler import SplitOptions, plan_split
+from fxpipe.cost_models import get_device
+from fxpipe.partition import InfeasibleMemoryError, NoSolutionError, Recompute
+from fxpipe.partition.plan import Plan
+
+ROOT = Path(__file__).resolve().parents[1]
+BASELINES = ("uniform-layers", "parameters", "greedy-time")
+
+LLAMA = '''\
+"""transformers LlamaForCausalLM, {name} shape, on the meta device; 1 x {seq} tokens."""
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def build_model():
+    cfg = LlamaConfig(hidden_size={width}, intermediate_size={ffn}, num_hidden_layers={layers},
+                      num_attention_heads={heads}, num_key_value_heads=8, vocab_size=128256,
+                      max_position_embeddings={seq}, rope_theta=500000.0, use_cache=False,
+                      tie_word_embeddings=False)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    return model.train()
+
+
+def example_inputs():
+    g = torch.Generator().manual_seed(1)
+    return {{"input_ids": torch.randint(0, 128256, (1, {seq}), generator=g)}}
+'''
+
+SHAPES = {
+    "8b": dict(name="Llama-3-8B", width=4096, ffn=14336, layers=32, heads=32),
+    "70b": dict(name="Llama-3-70B", width=8192, ffn=28672, layers=80, heads=64),
+}
+CASES = [("8b", 4096, 8), ("70b", 4096, 16), ("70b", 4096, 32), ("70b", 8192, 16),
+         ("70b", 8192, 32)]
+
+
+def plan(traced: object, *, gpus: int, recompute: Recompute, time_limit: float,
+         ) -> tuple[Plan | None, float]:
+    """The plan (None if nothing fits) and the wall time of planning."""
+    device = get_device("h100")
+    options = SplitOptions(gpus=gpus, device=device, memory_limit=float(device.memory_bytes),
+                           microbatches=4 * gpus, recompute=recompute,
+                           time_limit_s=time_limit)
+    start = time.perf_counter()
+    try:
+        result = plan_split(traced, label="llama", options=options)  # type: ignore[arg-type]
+    except (InfeasibleMemoryError, NoSolutionError):
+        result = None
+    return result, time.perf_counter() - start
+
+
+def ms(plan: Plan | None) -> str:
+    return "does not fit" if plan is None else f"{plan.estimate.iteration_s * 1e3:.0f} ms"
+
+
+def baseline_ms(plan: Plan | None, name: str) -> str:
+    if plan is None or name not in plan.baselines:
+        return "-"
+    est = plan.baselines[name]
+    return f"{est.iteration_s * 1e3:.0f} ms" if est.fits else "does not fit"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", nargs="*", choices=sorted(SHAPES), default=sorted(SHAPES))
+    parser.add_argument("--time-limit", type=float, default=30.0)
+    args = parser.parse_args()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                            capture_output=True, text=True).stdout.strip()
+    print(f"commit {commit}, load average before {os.getloadavg()}, "
+          f"time limit {args.time_limit:g} s per plan\n")
+    rows = []
+    with tempfile.TemporaryDirectory() as folder:
+        traced_cache: dict[tuple[str, int], object] = {}
+        for shape, seq, gpus in CASES:
+            if shape not in args.only:
+                continue
+            key = (shape, seq)
+            if key not in traced_cache:
+                path = Path(folder) / f"llama_{shape}_{seq}.py"
+                path.write_text(textwrap.dedent(LLAMA.format(seq=seq, **SHAPES[shape])))
+                start = time.perf_counter()
+                traced_cache[key] = cli.analyze_model(str(path), device="h100", quiet=True)[1]
+                print(f"{SHAPES[shape]['name']} {seq} tokens: traced and costed in "
+                      f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
+            traced = traced_cache[key]
+            plans = {}
+            for policy in (Recompute.NONE, Recompute.ALL, Recompute.AUTO):
+                plans[policy], wall = plan(traced, gpus=gpus, recompute=policy,
+                                           time_limit=args.time_limit)
+                print(f"  {gpus} GPUs, --recompute {policy.value}: {ms(plans[policy])} "
+                      f"({wall:.1f} s)", file=sys.stderr)
+            auto, everywhere = plans[Recompute.AUTO], plans[Recompute.ALL]
+            speedup = ("-" if auto is None or everywhere is None else
+                       f"{everywhere.estimate.iteration_s / auto.estimate.iteration_s:.2f}x")
+            chosen = "-" if auto is None else ",".join(
+                str(s.index) for s in auto.stages if s.recompute) or "none"
+            status = "-" if auto is None else auto.solver.status
+            rows.append([f"{SHAPES[shape]['name']}", str(seq), str(gpus),
+                         ms(plans[Recompute.NONE]), ms(everywhere), ms(auto), speedup, chosen,
+                         status]
+                        + [f"{baseline_ms(everywhere, b)} / {baseline_ms(auto, b)}"
+                           for b in BASELINES])
+    header = ["model", "tokens", "GPUs", "none", "all", "auto", "all / auto",
+              "auto recomputes stages", "auto status"] + [
+        f"{b} (all / auto)" for b in BASELINES]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    print(f"\nload average after {os.getloadavg()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""--recompute: the flag's values, its one-line error, and a real model that fits under a
+memory limit only by recomputing on some stages, never on its last (which holds one
+micro-batch in 1F1B either way)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fxpipe import cli
+from fxpipe.compiler import SplitOptions, plan_split
+from fxpipe.cost_models import get_device
+from fxpipe.partition import InfeasibleMemoryError, Recompute
+from fxpipe.partition.plan import Plan
+from fxpipe.report import render_report
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT = str(ROOT / "examples" / "gpt.py")
+
+
+def test_recompute_values() -> None:
+    parser = cli._parser()
+    split = ["split", GPT, "--gpus", "2"]
+    assert parser.parse_args(split).recompute == "auto"  # the default
+    assert parser.parse_args([*split, "--recompute"]).recompute == "all"  # bare: as before
+    for name in ("auto", "all", "none"):
+        value = parser.parse_args([*split, "--recompute", name]).recompute
+        assert cli._recompute(value) is Recompute(name)
+
+
+def test_bad_recompute_value_is_one_line_error(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli.main(["split", GPT, "--gpus", "2", "--recompute", "sometimes",
+                     "--out", str(tmp_path / "out")])
+    assert code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1
+    assert lines[0].startswith("fxpipe: error: --recompute takes one of auto, all, none")
+    assert "'sometimes'" in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+def test_gpt_recomputes_where_it_must_and_the_plan_says_where() -> None:
+    _, traced = cli.analyze_model(GPT, device="h100", quiet=True)
+
+    def split(recompute: Recompute, limit: float) -> Plan:
+        options = SplitOptions(gpus=4, device=get_device("h100"), memory_limit=limit,
+                               microbatches=16, recompute=recompute, time_limit_s=20)
+        return plan_split(traced, label="gpt", options=options)
+
+    everywhere = split(Recompute.ALL, float("inf"))
+    assert all(stage.recompute for stage in everywhere.stages)
+    limit = float(everywhere.estimate.max_memory)
+    with pytest.raises(InfeasibleMemoryError):
+        split(Recompute.NONE, limit)
+    auto = split(Recompute.AUTO, limit)
+    flags = [stage.recompute for stage in auto.stages]
+    assert any(flags) and not flags[-1]
+    assert auto.estimate.fits
+    assert auto.estimate.iteration_s < everywhere.estimate.iteration_s
+    # plan.json and the report carry the choice
+    assert [s.recompute for s in Plan.from_json(auto.to_json()).stages] == flags
+    chosen = ", ".join(str(j) for j, flag in enumerate(flags) if flag)
+    assert f"- recompute: stages {chosen} (" in render_report(auto)
