@@ -16,7 +16,12 @@ Cases: Llama-3-8B (32 layers, width 4096) on 8 GPUs at 4096 tokens; a Llama-3-70
 shape (80 layers, width 8192, 64 heads, 8 KV heads, FFN 28672) on 16 and 32 GPUs at
 4096 and 8192 tokens.
 
-    python bench/recompute_choice.py [--only 8b 70b] [--time-limit 30]
+    python bench/recompute_choice.py [--only 8b 70b] [--cases 70b:4096:32 ...]
+                                     [--time-limit 30]
+
+Where ``all`` does not fit, ``auto`` cannot either (recomputing everywhere is the least
+memory any choice has), so it is not planned; at more tokens the same GPUs do not fit
+either (every kind of memory grows with the tokens or stays).
 """
 
 from __future__ import annotations
@@ -97,16 +102,24 @@ def baseline_ms(plan: Plan | None, name: str) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", choices=sorted(SHAPES), default=sorted(SHAPES))
+    parser.add_argument("--cases", nargs="*", default=None,
+                        help="SHAPE:TOKENS:GPUS, e.g. 70b:4096:32 (default: all listed)")
     parser.add_argument("--time-limit", type=float, default=30.0)
     args = parser.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                             capture_output=True, text=True).stdout.strip()
     print(f"commit {commit}, load average before {os.getloadavg()}, "
           f"time limit {args.time_limit:g} s per plan\n")
-    rows = []
+    header = ["model", "tokens", "GPUs", "none", "all", "auto", "all / auto",
+              "auto recomputes stages", "auto status"] + [
+        f"{b} (all / auto)" for b in BASELINES]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header), flush=True)
+    cases = CASES if args.cases is None else [
+        (shape, int(seq), int(gpus)) for shape, seq, gpus in (c.split(":") for c in args.cases)]
     with tempfile.TemporaryDirectory() as folder:
         traced_cache: dict[tuple[str, int], object] = {}
-        for shape, seq, gpus in CASES:
+        for shape, seq, gpus in cases:
             if shape not in args.only:
                 continue
             key = (shape, seq)
@@ -118,8 +131,11 @@ def main() -> int:
                 print(f"{SHAPES[shape]['name']} {seq} tokens: traced and costed in "
                       f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
             traced = traced_cache[key]
-            plans = {}
+            plans: dict[Recompute, Plan | None] = {}
             for policy in (Recompute.NONE, Recompute.ALL, Recompute.AUTO):
+                if policy is Recompute.AUTO and plans[Recompute.ALL] is None:
+                    plans[policy] = None  # the least memory does not fit: nothing does
+                    continue
                 plans[policy], wall = plan(traced, gpus=gpus, recompute=policy,
                                            time_limit=args.time_limit)
                 print(f"  {gpus} GPUs, --recompute {policy.value}: {ms(plans[policy])} "
@@ -130,18 +146,11 @@ def main() -> int:
             chosen = "-" if auto is None else ",".join(
                 str(s.index) for s in auto.stages if s.recompute) or "none"
             status = "-" if auto is None else auto.solver.status
-            rows.append([f"{SHAPES[shape]['name']}", str(seq), str(gpus),
-                         ms(plans[Recompute.NONE]), ms(everywhere), ms(auto), speedup, chosen,
-                         status]
-                        + [f"{baseline_ms(everywhere, b)} / {baseline_ms(auto, b)}"
-                           for b in BASELINES])
-    header = ["model", "tokens", "GPUs", "none", "all", "auto", "all / auto",
-              "auto recomputes stages", "auto status"] + [
-        f"{b} (all / auto)" for b in BASELINES]
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
+            row = [f"{SHAPES[shape]['name']}", str(seq), str(gpus),
+                   ms(plans[Recompute.NONE]), ms(everywhere), ms(auto), speedup, chosen,
+                   status] + [f"{baseline_ms(everywhere, b)} / {baseline_ms(auto, b)}"
+                              for b in BASELINES]
+            print("| " + " | ".join(row) + " |", flush=True)
     print(f"\nload average after {os.getloadavg()}")
     return 0
 
