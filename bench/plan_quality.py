@@ -36,6 +36,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from fxpipe.units import format_ms
+
 ROOT = Path(__file__).resolve().parents[1]
 BASELINES = ("uniform-layers", "parameters", "greedy-time")
 RTOL = 1e-9  # the ILP may tie a baseline; "worse" means worse beyond rounding
@@ -140,10 +142,6 @@ def split(spec: str, gpus: int) -> tuple[dict, float]:
         return json.loads((out / "plan.json").read_text()), wall
 
 
-def ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3f} ms"
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", type=int, nargs="+", default=[4, 8])
@@ -182,7 +180,7 @@ def main() -> int:
                 cells = [
                     label,
                     str(gpus),
-                    ms(ilp) + ("" if plan["estimate"]["fits"] else " (no fit)"),
+                    format_ms(ilp) + ("" if plan["estimate"]["fits"] else " (no fit)"),
                 ]
                 fitting = []
                 for name in BASELINES:
@@ -190,15 +188,15 @@ def main() -> int:
                     ratio = base["bottleneck_s"] / ilp
                     fits = base["fits"]
                     cells.append(
-                        f"{ms(base['bottleneck_s'])} ({ratio:.3f}×)"
+                        f"{format_ms(base['bottleneck_s'])} ({ratio:.3f}×)"
                         + ("" if fits else " **no fit**")
                     )
                     if fits:
                         fitting.append(ratio)
                         if base["bottleneck_s"] < ilp * (1 - RTOL):
                             violations.append(
-                                f"{label}, K={gpus}: ILP {ms(ilp)} worse than {name} "
-                                f"{ms(base['bottleneck_s'])} ({ratio:.4f}×)"
+                                f"{label}, K={gpus}: ILP {format_ms(ilp)} worse than {name} "
+                                f"{format_ms(base['bottleneck_s'])} ({ratio:.4f}×)"
                             )
                 cells.append(f"**{min(fitting):.3f}×**" if fitting else "none fits")
                 solver = plan["solver"]

@@ -13,7 +13,7 @@ import pydot
 import torch.fx
 
 from fxpipe import meta
-from fxpipe.partition.units import format_bytes
+from fxpipe.units import format_bytes, format_ms
 
 __all__ = ["partition_dot", "render_svg"]
 
@@ -63,7 +63,7 @@ def partition_dot(
     for (k, name), members in boxes.items():
         seconds = sum(meta.TIME.get(n).forward_s + meta.TIME.get(n).backward_s for n in members)
         detail = f"{len(members)} ops, " if level == "module" else ""
-        label = f"{name}\\n{detail}{seconds * 1e3:.3f} ms"
+        label = f"{name}\\n{detail}{format_ms(seconds)}"
         clusters[k].add_node(
             pydot.Node(ids[(k, name)], label=label, fillcolor=PALETTE[k % len(PALETTE)])
         )

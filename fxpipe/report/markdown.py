@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from fxpipe.partition.plan import Estimate, Plan
-from fxpipe.partition.units import format_bytes
+from fxpipe.units import format_bytes, format_count, format_ms
 
 __all__ = ["render_report", "summary_rows"]
 
@@ -18,14 +18,6 @@ SCHEDULES = {
 }
 
 
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3f} ms"
-
-
-def _flops(value: float) -> str:
-    return f"{value / 1e9:.2f} GFLOP"
-
-
 def summary_rows(plan: Plan) -> list[tuple[str, str, str, str, str]]:
     """(method, bottleneck, iteration, max memory, fits) for the plan and each baseline."""
     rows = [("fxpipe (" + plan.solver.method + ")", plan.estimate)]
@@ -33,8 +25,8 @@ def summary_rows(plan: Plan) -> list[tuple[str, str, str, str, str]]:
     return [
         (
             name,
-            _ms(e.bottleneck_s),
-            _ms(e.iteration_s),
+            format_ms(e.bottleneck_s),
+            format_ms(e.iteration_s),
             format_bytes(e.max_memory),
             "yes" if e.fits else "NO",
         )
@@ -89,11 +81,12 @@ def render_report(plan: Plan) -> str:
         f"- recompute: {_recompute(plan)}",
         f"- traced with {plan.tracer}",
         f"- solver: {solver.method}, status {solver.status}, bottleneck "
-        f"{_ms(solver.objective)}, bound {_ms(solver.bound)}, gap {solver.gap:.2%}, "
+        f"{format_ms(solver.objective)}, bound {format_ms(solver.bound)}, "
+        f"gap {solver.gap:.2%}, "
         f"on a graph of {solver.solved_nodes} nodes "
         f"(coarsened from {solver.graph_nodes})",
-        f"- predicted bottleneck {_ms(plan.estimate.bottleneck_s)}, iteration "
-        f"{_ms(plan.estimate.iteration_s)}, {bubble_text(plan)}, throughput "
+        f"- predicted bottleneck {format_ms(plan.estimate.bottleneck_s)}, iteration "
+        f"{format_ms(plan.estimate.iteration_s)}, {bubble_text(plan)}, throughput "
         f"{_throughput(plan, plan.estimate)}",
         "",
         "## Stages",
@@ -110,8 +103,9 @@ def render_report(plan: Plan) -> str:
         gpus = ", ".join(str(d) for d in plan.devices_of(stage.index))
         lines.append(
             f"| {stage.index} | {gpus} | {len(stage.nodes)} | {len(stage.parameters)} | "
-            f"{_flops(stage.flops_forward)} | {_ms(stage.forward_s)} | {_ms(stage.backward_s)} | "
-            f"{_ms(stage.comm_s)} | {format_bytes(m.params + m.grads + m.optimizer)} | "
+            f"{format_count(stage.flops_forward, 'FLOP')} | {format_ms(stage.forward_s)} | "
+            f"{format_ms(stage.backward_s)} | "
+            f"{format_ms(stage.comm_s)} | {format_bytes(m.params + m.grads + m.optimizer)} | "
             f"{format_bytes(m.activations)} | {format_bytes(m.received)} | "
             f"{format_bytes(m.outputs)} | {format_bytes(m.loss)} | "
             f"{format_bytes(m.backward)} | {format_bytes(m.stashed)} | {format_bytes(m.total)} |"
