@@ -8,6 +8,7 @@ figures, all scored by the one cost model in ``evaluate``.
 from fxpipe.partition.baselines import BASELINES, baselines, interval_dp
 from fxpipe.partition.coarsen import Coarsening, coarsen, exact_groups
 from fxpipe.partition.cost import StageCost, StageSums, choose_recompute, stage_cost
+from fxpipe.partition.errors import InfeasibleMemoryError, NoSolutionError, TooManyStagesError
 from fxpipe.partition.evaluate import Evaluation, evaluate, violations
 from fxpipe.partition.ilp import IlpResult, StageModel
 from fxpipe.partition.plan import Estimate, Plan, SolverReport, StageMemory, StagePlan
@@ -22,14 +23,7 @@ from fxpipe.partition.problem import (
     TiedPolicy,
     in_flight,
 )
-from fxpipe.partition.solve import (
-    InfeasibleMemoryError,
-    NoSolutionError,
-    Partition,
-    TooManyStagesError,
-    partition,
-)
-from fxpipe.partition.units import format_bytes, parse_bytes
+from fxpipe.partition.solve import Partition, partition
 
 __all__ = [
     "BASELINES",
@@ -61,10 +55,8 @@ __all__ = [
     "coarsen",
     "evaluate",
     "exact_groups",
-    "format_bytes",
     "in_flight",
     "interval_dp",
-    "parse_bytes",
     "partition",
     "stage_cost",
     "violations",

@@ -1,4 +1,5 @@
-"""The CP-SAT program: minimise the bottleneck stage time (DESIGN.md, "The partitioning problem").
+"""The CP-SAT program: minimise the bottleneck stage time (docs/design.md, "The
+partitioning problem").
 
 Legend: g a coarse node (a group of fine nodes that share a stage, see coarsen.py),
 j = 0..K-1 a stage, b = 0..K-2 the boundary between stage b and b + 1, k a value

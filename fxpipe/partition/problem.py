@@ -169,8 +169,7 @@ class Problem:
             n = self.num_stages // v
             raise ValueError(
                 f"Interleaved 1F1B needs the micro-batches ({self.microbatches}) to be a "
-                f"multiple of the GPUs ({n}): use --microbatches "
-                f"{-(-self.microbatches // n) * n}.")
+                f"multiple of the GPUs ({n}): use {-(-self.microbatches // n) * n} micro-batches.")
         if self.num_devices and self.num_devices < self.num_stages // v:
             raise ValueError(
                 f"{self.num_devices} GPUs cannot run {self.num_stages // v} stages.")

@@ -28,11 +28,11 @@ from fxpipe.partition.baselines import baselines as run_baselines
 from fxpipe.partition.baselines import interval_dp
 from fxpipe.partition.coarsen import Coarsening, exact_groups
 from fxpipe.partition.coarsen import coarsen as coarsen_graph
+from fxpipe.partition.errors import InfeasibleMemoryError, NoSolutionError, TooManyStagesError
 from fxpipe.partition.evaluate import Evaluation, evaluate, violations
 from fxpipe.partition.ilp import IlpResult, StageModel
 from fxpipe.partition.plan import Estimate, SolverReport
 from fxpipe.partition.problem import Problem
-from fxpipe.partition.units import format_bytes, format_bytes_up
 
 __all__ = [
     "InfeasibleMemoryError",
@@ -44,22 +44,6 @@ __all__ = [
 
 
 DP_MAX_NODES = 1000  # exact groups up to which the interval DP warm start runs anyway
-
-
-class TooManyStagesError(ValueError):
-    """More stages than nodes (or than groups of nodes that must stay together)."""
-
-
-class InfeasibleMemoryError(ValueError):
-    """No split fits the per-device memory limit; ``needed`` says what would."""
-
-    def __init__(self, message: str, *, needed: float) -> None:
-        super().__init__(message)
-        self.needed = needed
-
-
-class NoSolutionError(ValueError):
-    """The time limit ran out before any split that fits was found."""
 
 
 @dataclass(frozen=True)
@@ -78,20 +62,9 @@ def _check_stage_count(problem: Problem, exact: Coarsening) -> None:
     n, K = len(problem.nodes), problem.num_stages
     if problem.allow_empty_stages:
         return
-    v = problem.virtual_stages
-    if v > 1 and min(n, exact.num_coarse) < K:
-        raise TooManyStagesError(
-            f"Cannot cut {min(n, exact.num_coarse)} nodes into {K} stage modules "
-            f"({problem.devices} GPUs x {v} virtual stages); use fewer --gpus or "
-            f"--virtual-stages.")
-    if n < K:
-        raise TooManyStagesError(
-            f"Cannot cut {n} nodes into {K} stages; use --gpus {n} or fewer.")
-    if exact.num_coarse < K:
-        raise TooManyStagesError(
-            f"Cannot cut the model into {K} stages: its {n} nodes form only "
-            f"{exact.num_coarse} groups that must share a stage; use --gpus "
-            f"{exact.num_coarse} or fewer.")
+    if n < K or exact.num_coarse < K:
+        raise TooManyStagesError(stages=K, nodes=n, groups=exact.num_coarse,
+                                 devices=problem.devices, virtual_stages=problem.virtual_stages)
 
 
 def min_memory(problem: Problem, exact: Coarsening, *, time_limit_s: float, workers: int,
@@ -177,15 +150,10 @@ def partition(problem: Problem, *, time_limit_s: float = 30.0, coarsen: bool = T
         if result.status == "INFEASIBLE":
             needed = min_memory(problem, exact, time_limit_s=max(1.0, time_limit_s / 2),
                                 workers=workers)
-            K = problem.num_stages
-            raise InfeasibleMemoryError(
-                f"No split of the model onto {K} GPUs fits in "
-                f"{format_bytes(problem.memory_limit)} per GPU; the best split needs "
-                f"{format_bytes(needed)}. Use --memory {format_bytes_up(needed)} or more GPUs.",
-                needed=needed)
-        raise NoSolutionError(
-            f"No split that fits in {format_bytes(problem.memory_limit)} per GPU was found "
-            f"in {time_limit_s:g} s; raise --time-limit or the memory limit.")
+            raise InfeasibleMemoryError(devices=problem.devices,
+                                        limit=problem.memory_limit, needed=needed)
+        raise NoSolutionError(devices=problem.devices, time_limit_s=time_limit_s,
+                              limit=problem.memory_limit)
 
     evaluation = evaluate(problem, best)
     objective = evaluation.bottleneck_s
@@ -272,8 +240,7 @@ def _partition_replicated(problem: Problem, *, time_limit_s: float, coarsen: boo
                 phases=(*best.phases, result) if best is not None else (result,),
             )
     if best is None:
-        raise failure or NoSolutionError(
-            f"No split onto {N} GPUs was found in {time_limit_s:g} s; raise --time-limit.")
+        raise failure or NoSolutionError(devices=N, time_limit_s=time_limit_s, limit=None)
     objective = best.evaluation.bottleneck_s
     bound = min([objective, *bounds])
     bound = min(objective, max(bound, trivial_bound(replace(problem, num_stages=1,

@@ -1,0 +1,75 @@
+"""What the solver cannot do, as data: each error carries the figures a caller needs to
+advise the user (stages asked for and possible, bytes needed, the limit, the time limit).
+
+The messages speak the solver's terms (stages, GPUs, bytes, seconds); the CLI words the
+same figures with its flags (``--gpus``, ``--memory``, ``--time-limit``), so this layer
+knows nothing of how it is driven. All are ``ValueError``: the user asked for a split that
+cannot be had.
+"""
+
+from __future__ import annotations
+
+from fxpipe.units import format_bytes
+
+__all__ = ["InfeasibleMemoryError", "NoSolutionError", "TooManyStagesError"]
+
+
+class TooManyStagesError(ValueError):
+    """More stages than nodes, or than groups of nodes that must share a stage.
+
+    ``most`` is the largest stage count the graph allows: ``nodes`` when there are too
+    few nodes, else ``groups``. ``virtual_stages`` > 1: the stages are interleaved stage
+    modules, ``virtual_stages`` per GPU on ``devices`` GPUs.
+    """
+
+    def __init__(self, *, stages: int, nodes: int, groups: int, devices: int,
+                 virtual_stages: int = 1) -> None:
+        self.stages = stages
+        self.nodes = nodes
+        self.groups = groups
+        self.devices = devices
+        self.virtual_stages = virtual_stages
+        self.most = min(nodes, groups)
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        K, most = self.stages, self.most
+        if self.virtual_stages > 1:
+            return (f"Cannot cut {most} nodes into {K} stage modules ({self.devices} GPUs x "
+                    f"{self.virtual_stages} virtual stages); use fewer GPUs or virtual stages.")
+        if self.nodes < K:
+            return f"Cannot cut {self.nodes} nodes into {K} stages; use {most} stages or fewer."
+        return (f"Cannot cut the model into {K} stages: its {self.nodes} nodes form only "
+                f"{self.groups} groups that must share a stage; use {most} stages or fewer.")
+
+
+class InfeasibleMemoryError(ValueError):
+    """No split onto ``devices`` GPUs fits ``limit`` bytes per GPU; the best needs ``needed``
+    (a proved lower bound when the search for it ran out of time)."""
+
+    def __init__(self, *, devices: int, limit: float, needed: float) -> None:
+        self.devices = devices
+        self.limit = limit
+        self.needed = needed
+        super().__init__(
+            f"No split of the model onto {devices} GPUs fits in {format_bytes(limit)} per GPU; "
+            f"the best split needs {format_bytes(needed)}. Allow that much memory per GPU or "
+            f"use more GPUs.")
+
+
+class NoSolutionError(ValueError):
+    """The time limit (``time_limit_s``) ran out before any split was found. ``limit``:
+    the per-GPU memory every split had to fit, or None when memory was not the obstacle
+    (the replicated search, which tries every stage count)."""
+
+    def __init__(self, *, devices: int, time_limit_s: float, limit: float | None) -> None:
+        self.devices = devices
+        self.time_limit_s = time_limit_s
+        self.limit = limit
+        if limit is None:
+            message = (f"No split onto {devices} GPUs was found in {time_limit_s:g} s; "
+                       f"allow the solver more time.")
+        else:
+            message = (f"No split that fits in {format_bytes(limit)} per GPU was found in "
+                       f"{time_limit_s:g} s; allow the solver more time or more memory.")
+        super().__init__(message)
