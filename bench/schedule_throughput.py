@@ -28,11 +28,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fxpipe.compiler import SplitOptions, analyze, plan_split  # noqa: E402
+from fxpipe.compiler import SplitOptions, analyze_file, plan_split  # noqa: E402
 from fxpipe.cost_models import get_device  # noqa: E402
-from fxpipe.frontend import load_model_file, trace_source  # noqa: E402
 from fxpipe.partition import Schedule  # noqa: E402
-from fxpipe.partition.units import format_bytes  # noqa: E402
+from fxpipe.units import format_bytes  # noqa: E402
 
 MODELS = {
     "GPT-2 small (tied head)": "examples/gpt.py:build_gpt2_small",
@@ -66,8 +65,7 @@ def main() -> int:
     for label, spec in MODELS.items():
         if args.only and label not in args.only:
             continue
-        traced = trace_source(load_model_file(str(ROOT / spec)))
-        analyze(traced, device=device)
+        _, traced = analyze_file(str(ROOT / spec), device=device)
         for name, schedule, v, replicate in LAYOUTS:
             options = SplitOptions(
                 gpus=args.gpus, device=device, memory_limit=float(device.memory_bytes),

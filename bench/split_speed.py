@@ -155,9 +155,8 @@ def phases_child(spec: str, gpus: int, profile: int) -> None:
     mark("import torch")
     from contextlib import contextmanager
 
-    from fxpipe.compiler import SplitOptions, analyze, output_files, plan_split
+    from fxpipe.compiler import SplitOptions, analyze_file, output_files, plan_split
     from fxpipe.cost_models import get_device
-    from fxpipe.frontend import load_model_file, trace_source
     from fxpipe.output import write_folder
     from fxpipe.partition import Schedule
 
@@ -170,11 +169,7 @@ def phases_child(spec: str, gpus: int, profile: int) -> None:
         mark(label)
 
     device = get_device("h100")
-    source = load_model_file(spec)
-    mark("load: import model file, build on meta")
-    traced = trace_source(source)
-    mark(f"trace ({traced.tracer})")
-    analyze(traced, device=device, progress=phase)
+    source, traced = analyze_file(spec, device=device, progress=phase)
     options = SplitOptions(gpus=gpus, device=device, memory_limit=float(device.memory_bytes),
                            microbatches=4 * gpus, schedule=Schedule("1f1b"))
     plan = plan_split(traced, label=source.label, options=options, progress=phase)

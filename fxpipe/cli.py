@@ -37,7 +37,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # every user mistake fxpipe detects is a ValueError subclass
         if os.environ.get("FXPIPE_DEBUG"):
             raise
-        message = " ".join(str(exc).split())
+        message = " ".join(_worded(exc).split())
         print(f"fxpipe: error: {message}", file=sys.stderr)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
@@ -155,31 +155,26 @@ def _step(label: str, quiet: bool) -> Iterator[None]:
 def analyze_model(
     spec: str, *, device: str, measure: bool = False, quiet: bool = False
 ) -> tuple[Any, Any]:
-    """Load, trace and annotate a model file: (ModelSource, Traced) with costed nodes."""
-    from fxpipe.compiler import analyze
+    """The driver's load → trace → analyze, with a spinner per phase and what it learnt
+    (the tracer, its notes) printed: on a terminal beside the progress, in a pipe on
+    stdout, so stderr holds only errors."""
+    from fxpipe.compiler import analyze_file
     from fxpipe.cost_models import get_device
-    from fxpipe.frontend import load_model_file, trace_source
 
     target = get_device(device)  # an unknown device fails before any slow work
-    with _step(f"loading {spec}", quiet):
-        source = load_model_file(spec)
-    with _step("tracing", quiet):
-        traced = trace_source(source)
-    if not quiet:
-        how = traced.tracer
-        if traced.fallback_reason:
-            how += f" (symbolic_trace failed: {traced.fallback_reason})"
-        # On a terminal beside the progress; in a pipe on stdout, so stderr holds only errors.
-        say = err.print if err.is_terminal else print
-        say(f"  traced with {how}; {len(traced.gm.graph.nodes)} nodes")
-        for note in traced.notes:
-            say(f"  note: {note}")
-    analyze(traced, device=target, measure=measure, progress=lambda label: _step(label, quiet))
-    return source, traced
+    say = err.print if err.is_terminal else print
+
+    def notify(line: str) -> None:
+        if not quiet:
+            say(f"  {line}")
+
+    return analyze_file(spec, device=target, measure=measure,
+                        progress=lambda label: _step(label, quiet), notify=notify)
 
 
 def _run_profile(args: argparse.Namespace) -> int:
     from fxpipe.profile import summarize
+    from fxpipe.units import format_bytes, format_count, format_seconds
 
     _, traced = analyze_model(args.model, device=args.device, measure=args.measure, quiet=args.json)
     if args.depth is not None and args.depth < 1:
@@ -199,12 +194,12 @@ def _run_profile(args: argparse.Namespace) -> int:
     table = Table(title=f"{args.model} on {args.device} (one micro-batch)")
     columns: list[tuple[str, Callable[[Any], str]]] = [
         ("ops", lambda r: str(r.nodes)),
-        ("fwd FLOPs", lambda r: _si(r.flops_forward)),
-        ("bwd FLOPs", lambda r: _si(r.flops_backward)),
-        ("params", lambda r: _bytes(r.param_bytes)),
-        ("activations", lambda r: _bytes(r.activation_bytes)),
-        ("fwd time", lambda r: _seconds(r.forward_s)),
-        ("bwd time", lambda r: _seconds(r.backward_s)),
+        ("fwd FLOPs", lambda r: format_count(r.flops_forward)),
+        ("bwd FLOPs", lambda r: format_count(r.flops_backward)),
+        ("params", lambda r: format_bytes(r.param_bytes)),
+        ("activations", lambda r: format_bytes(r.activation_bytes)),
+        ("fwd time", lambda r: format_seconds(r.forward_s)),
+        ("bwd time", lambda r: format_seconds(r.backward_s)),
     ]
     table.add_column(args.by)
     for title, _ in columns:
@@ -223,9 +218,8 @@ def _run_split(args: argparse.Namespace) -> int:
     from fxpipe.compiler import SplitOptions, output_files, plan_split
     from fxpipe.cost_models import get_device
     from fxpipe.output import write_folder
-    from fxpipe.partition import parse_bytes
-    from fxpipe.partition.units import format_bytes
     from fxpipe.report import summary_rows
+    from fxpipe.units import format_bytes, parse_bytes
 
     # Every flag is checked before any slow work.
     if args.gpus < 1:
@@ -364,26 +358,35 @@ def _run_merge(args: argparse.Namespace) -> int:
     return 0
 
 
-def _si(value: float) -> str:
-    for unit, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(value) >= scale:
-            return f"{value / scale:.2f} {unit}"
-    return f"{value:.0f}"
+def _worded(exc: ValueError) -> str:
+    """The message for the user of this command: the solver's errors carry their figures
+    (stages, bytes, seconds) and are worded here with the flags that change them."""
+    from fxpipe.partition import InfeasibleMemoryError, NoSolutionError, TooManyStagesError
+    from fxpipe.units import format_bytes, format_bytes_up
 
-
-def _bytes(value: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(value) >= scale:
-            return f"{value / scale:.2f} {unit}"
-    return f"{value:.0f} B"
-
-
-def _seconds(value: float) -> str:
-    if value >= 1:
-        return f"{value:.2f} s"
-    if value >= 1e-3:
-        return f"{value * 1e3:.2f} ms"
-    return f"{value * 1e6:.1f} µs"
+    if isinstance(exc, TooManyStagesError):
+        if exc.virtual_stages > 1:
+            return (f"Cannot cut {exc.most} nodes into {exc.stages} stage modules "
+                    f"({exc.devices} GPUs x {exc.virtual_stages} virtual stages); use fewer "
+                    f"--gpus or --virtual-stages.")
+        if exc.nodes < exc.stages:
+            return (f"Cannot cut {exc.nodes} nodes into {exc.stages} stages; use --gpus "
+                    f"{exc.most} or fewer.")
+        return (f"Cannot cut the model into {exc.stages} stages: its {exc.nodes} nodes form "
+                f"only {exc.groups} groups that must share a stage; use --gpus {exc.most} or "
+                f"fewer.")
+    if isinstance(exc, InfeasibleMemoryError):
+        return (f"No split of the model onto {exc.devices} GPUs fits in "
+                f"{format_bytes(exc.limit)} per GPU; the best split needs "
+                f"{format_bytes(exc.needed)}. Use --memory {format_bytes_up(exc.needed)} or more "
+                f"GPUs.")
+    if isinstance(exc, NoSolutionError):
+        if exc.limit is None:
+            return (f"No split onto {exc.devices} GPUs was found in {exc.time_limit_s:g} s; "
+                    f"raise --time-limit.")
+        return (f"No split that fits in {format_bytes(exc.limit)} per GPU was found in "
+                f"{exc.time_limit_s:g} s; raise --time-limit or the memory limit.")
+    return str(exc)
 
 
 if __name__ == "__main__":

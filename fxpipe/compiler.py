@@ -1,45 +1,72 @@
 """The compiler's phases end to end, as library calls.
 
-    traced = frontend.trace_source(load_model_file("model.py"))
-    analyze(traced, device=get_device("h100"))            # passes + a cost model
-    plan = plan_split(traced, label="model.py", options=SplitOptions(gpus=8, ...))
-    files = output_files(traced, plan, label="model.py")  # plan.json, stages, diagrams
+    source, traced = analyze_file("model.py", device=get_device("h100"))  # load, trace,
+                                                          # passes + a cost model
+    plan = plan_split(traced, label=source.label, options=SplitOptions(gpus=8, ...))
+    files = output_files(traced, plan, label=source.label)  # plan.json, stages, diagrams
 
 The CLI, the benchmarks and the tests all drive fxpipe through these calls, so
-the sequence frontend → passes → cost models → lower → partition → codegen is
-written once. ``progress`` wraps each slow phase (the CLI shows a spinner).
+the sequence frontend → passes → cost models → lower → partition → codegen / report
+is written once (``analyze`` alone for a model already traced in memory). ``progress``
+wraps each slow phase (the CLI shows a spinner); ``notify`` receives what a person may
+want to know on the way (which tracer captured the model, its notes).
 """
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Literal
 
 import torch
 
 from fxpipe.codegen import generate, schedule_table
-from fxpipe.codegen.timeline import draw_timeline
 from fxpipe.cost_models import Device, analytic, measured
-from fxpipe.frontend import Traced
+from fxpipe.frontend import ModelSource, Traced, load_model_file, trace_source
 from fxpipe.lower import lower
 from fxpipe.partition import Recompute, Schedule, partition
 from fxpipe.partition.plan import Plan
 from fxpipe.passes import annotate_all
 from fxpipe.planning import build_plan
 from fxpipe.profile import auto_depth
-from fxpipe.report import partition_dot, render_report, render_svg
+from fxpipe.report import partition_dot, render_report, render_svg, schedule_svg
 
-__all__ = ["SplitOptions", "analyze", "output_files", "plan_split"]
+__all__ = ["SplitOptions", "analyze", "analyze_file", "output_files", "plan_split"]
 
 Progress = Callable[[str], AbstractContextManager[object]]
 
 
 def _silent(label: str) -> AbstractContextManager[object]:
     return nullcontext()
+
+
+def _ignore(line: str) -> None:
+    pass
+
+
+def analyze_file(
+    spec: str,
+    *,
+    device: Device,
+    measure: bool = False,
+    progress: Progress = _silent,
+    notify: Callable[[str], None] = _ignore,
+) -> tuple[ModelSource, Traced]:
+    """Load a model file (``model.py`` or ``model.py:FACTORY``), trace it and ``analyze``
+    it: the model as the file builds it, and its graph with every node costed."""
+    with progress(f"loading {spec}"):
+        source = load_model_file(spec)
+    with progress("tracing"):
+        traced = trace_source(source)
+    how = traced.tracer
+    if traced.fallback_reason:
+        how += f" (symbolic_trace failed: {traced.fallback_reason})"
+    notify(f"traced with {how}; {len(traced.gm.graph.nodes)} nodes")
+    for note in traced.notes:
+        notify(f"note: {note}")
+    analyze(traced, device=device, measure=measure, progress=progress)
+    return source, traced
 
 
 def analyze(
@@ -136,26 +163,8 @@ def output_files(
         svg = render_svg(dot)
         if svg is not None:
             files["partition.svg"] = svg
-        files["schedule.svg"] = schedule_svg(plan)
+        files["schedule.svg"] = schedule_svg(plan, schedule_table(plan))
     with progress("writing the stage modules"):
         files.update(generate(traced, plan))
     return files
 
-
-def schedule_svg(plan: Plan) -> bytes:
-    """The plan's schedule as a Gantt chart with predicted times (schedule.svg).
-
-    Each stage's communication is split evenly between its forward (activations out)
-    and its backward (gradients back).
-    """
-    schedule = schedule_table(plan)
-    forward = [s.forward_s + s.comm_s / 2 for s in plan.stages]
-    backward = [s.backward_s + s.comm_s / 2 for s in plan.stages]
-    devices = None
-    if plan.virtual_stages > 1:  # one row per GPU, its stage modules in turn
-        devices = [plan.devices_of(j)[0] for j in range(plan.num_stages)]
-    with tempfile.TemporaryDirectory() as scratch:
-        path = Path(scratch) / "schedule.svg"
-        title = f"{plan.model}: {plan.schedule}, K={plan.num_stages}, M={plan.microbatches}"
-        draw_timeline(schedule, forward, backward, path, title=title, devices=devices)
-        return path.read_bytes()

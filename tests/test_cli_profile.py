@@ -174,3 +174,26 @@ def test_by_op() -> None:
     table = fxpipe(GPT, "--by", "op")
     assert table.returncode == 0, table.stderr
     assert "Linear" in table.stdout and "total" in table.stdout
+
+
+def test_table_prints_the_json_figures_in_the_shared_format() -> None:
+    """The table and --json describe one analysis; every figure of the total row is the
+    JSON value through fxpipe.units, the format split, report.md and the diagrams use."""
+    from fxpipe.units import format_bytes, format_count, format_seconds
+
+    total = json.loads(fxpipe(GPT, "--json").stdout)["total"]
+    table = fxpipe(GPT)
+    assert table.returncode == 0, table.stderr
+    # on a pipe the progress goes nowhere and what the driver learnt goes to stdout
+    assert "traced with symbolic_trace" in table.stdout
+    row = next(line for line in table.stdout.splitlines() if "total" in line)
+    cells = [cell.strip() for cell in row.split("│")[1:-1]]
+    assert cells[1:] == [
+        str(total["nodes"]),
+        format_count(total["flops_forward"]),
+        format_count(total["flops_backward"]),
+        format_bytes(total["param_bytes"]),
+        format_bytes(total["activation_bytes"]),
+        format_seconds(total["forward_s"]),
+        format_seconds(total["backward_s"]),
+    ]

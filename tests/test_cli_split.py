@@ -114,3 +114,26 @@ def test_existing_foreign_folder_is_not_replaced(tmp_path: Path) -> None:
     assert again.returncode == 0, again.stderr
     assert json.loads((tmp_path / "out" / "plan.json").read_text())["num_stages"] == 3
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no staging folders left behind
+
+
+def test_solver_errors_are_worded_with_the_flags(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The solver says "allow the solver more time"; the command names the flag that does."""
+    from fxpipe import cli, compiler
+    from fxpipe.partition import NoSolutionError
+
+    def out_of_time(problem: object, *, time_limit_s: float, replicate: bool) -> None:
+        limit = None if replicate else 2**30
+        raise NoSolutionError(devices=2, time_limit_s=time_limit_s, limit=limit)
+
+    monkeypatch.setattr(compiler, "partition", out_of_time)
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["split", MLP, "--gpus", "2", "--time-limit", "0.5"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "fxpipe: error: No split that fits in 1.0 GiB per GPU was found in 0.5 s; raise "
+        "--time-limit or the memory limit.")
+    assert cli.main(["split", MLP, "--gpus", "2", "--replicate"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "fxpipe: error: No split onto 2 GPUs was found in 30 s; raise --time-limit.")
+    assert not (tmp_path / "fxpipe-out").exists()

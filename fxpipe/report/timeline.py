@@ -15,13 +15,16 @@ order); the chart then has a row per GPU and labels each box with the
 micro-batch and the chunk letter, as ``fxpipe.schedules.render_ascii`` does.
 
 The SVG is deterministic (fixed ``svg.hashsalt``, no date), so a committed
-chart diffs cleanly.
+chart diffs cleanly. ``schedule_svg`` draws a plan's chart (schedule.svg of the output
+folder).
 """
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import matplotlib
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -29,8 +32,12 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from fxpipe.schedules import chunk_label
+from fxpipe.units import format_seconds
 
-__all__ = ["action_times", "bubble_fraction", "draw_timeline"]
+if TYPE_CHECKING:
+    from fxpipe.partition.plan import Plan
+
+__all__ = ["action_times", "bubble_fraction", "draw_timeline", "schedule_svg"]
 
 # K: number of stages, j: a stage, d: a device, m: a micro-batch.
 
@@ -145,7 +152,7 @@ def draw_timeline(
     ax.set_ylim(num_rows - 0.5, -0.5)  # row 0 on top
     ax.set_xlim(0, makespan * scale if makespan > 0 else 1)
     ax.set_xlabel(f"predicted time ({unit})")
-    ax.set_title(f"{title}  (step {makespan * scale:.3g} {unit}, bubble {bubble:.0%})",
+    ax.set_title(f"{title}  (step {format_seconds(makespan)}, bubble {bubble:.0%})",
                  fontsize=9)
     ax.legend(handles=[Patch(color=_COLOURS["F"], label="forward"),
                        Patch(color=_COLOURS["B"], label="backward")],
@@ -154,3 +161,22 @@ def draw_timeline(
     with matplotlib.rc_context({"svg.hashsalt": "fxpipe", "svg.fonttype": "none"}):
         fig.savefig(Path(path), format="svg", metadata={"Date": None})
     return makespan
+
+
+def schedule_svg(plan: Plan, schedule: Sequence[Sequence[Action]]) -> bytes:
+    """The plan's schedule (its clock-tick table, ``schedule``) as a Gantt chart with the
+    plan's predicted times: schedule.svg.
+
+    Each stage's communication is split evenly between its forward (activations out)
+    and its backward (gradients back).
+    """
+    forward = [s.forward_s + s.comm_s / 2 for s in plan.stages]
+    backward = [s.backward_s + s.comm_s / 2 for s in plan.stages]
+    devices = None
+    if plan.virtual_stages > 1:  # one row per GPU, its stage modules in turn
+        devices = [plan.devices_of(j)[0] for j in range(plan.num_stages)]
+    with tempfile.TemporaryDirectory() as scratch:
+        path = Path(scratch) / "schedule.svg"
+        title = f"{plan.model}: {plan.schedule}, K={plan.num_stages}, M={plan.microbatches}"
+        draw_timeline(schedule, forward, backward, path, title=title, devices=devices)
+        return path.read_bytes()

@@ -2,7 +2,7 @@ import itertools
 
 import pytest
 
-from fxpipe.codegen.timeline import action_times, bubble_fraction, draw_timeline
+from fxpipe.report.timeline import action_times, bubble_fraction, draw_timeline
 from fxpipe.schedules import gpipe, interleaved_1f1b, interleaved_devices, one_f_one_b
 
 # K: GPUs, v: virtual stages per GPU, M: micro-batches; balanced stages take t forward
