@@ -1,6 +1,6 @@
 """Load the user's model file and trace the model into an FX graph.
 
-The model file contract (DESIGN.md): the file defines ``build_model()`` and
+The model file contract (docs/design.md): the file defines ``build_model()`` and
 ``example_inputs()`` (one micro-batch, a tuple of positional inputs or a dict
 of keyword inputs), optionally ``loss_fn(output, target)`` and
 ``example_target()``. ``path.py:make_gpt`` names another factory.

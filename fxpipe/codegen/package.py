@@ -1,4 +1,4 @@
-"""A traced graph and a plan as an importable Python package (DESIGN.md, the output contract).
+"""A traced graph and a plan as an importable Python package (docs/design.md, the output contract).
 
     files = generate(traced, plan)     # relative file name -> text
     stage0.py ... stage{K-1}.py        # class Stage{k}(nn.Module), see stages.py
@@ -47,7 +47,8 @@ def generate(traced: Traced, plan: Plan) -> dict[str, str]:
     files["runner.py"] = runner_source(traced, plan)
     files["__init__.py"] = init_source(plan)
     files["plan.json"] = plan.to_json()
-    # issue 5: the same stages on torch.distributed.pipelining (see the section below)
+    # the same stages one per process on torch.distributed.pipelining, for pipelines
+    # that outgrow one host (see the section below)
     files["distributed.py"] = distributed_source(traced, plan, ios)
     files["train_torchrun.py"] = launch_source(plan)
     return dict(sorted(files.items()))
@@ -449,7 +450,8 @@ def init_source(plan: Plan) -> str:
 
 
 # ---------------------------------------------------------------------------- distributed.py
-# issue 5: the stages one per process on torch.distributed.pipelining. The runtime is
+# The stages one per process on torch.distributed.pipelining, for pipelines that outgrow
+# one host (torchrun, one rank per stage). The runtime is
 # fxpipe/codegen/distributed.py, copied verbatim between a generated header (the tables
 # below) and a footer that binds them.
 
