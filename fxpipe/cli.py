@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
+from fxpipe.units import format_seconds
+
 if TYPE_CHECKING:
     from fxpipe.partition import Recompute, Schedule
     from fxpipe.partition.plan import Plan
@@ -149,7 +151,7 @@ def _step(label: str, quiet: bool) -> Iterator[None]:
             yield
     PHASES[label] = time.perf_counter() - start
     if not quiet and err.is_terminal:
-        err.print(f"[green]✓[/] {label} ({PHASES[label]:.1f} s)")
+        err.print(f"[green]✓[/] {label} ({format_seconds(PHASES[label])})")
 
 
 def analyze_model(
@@ -174,7 +176,7 @@ def analyze_model(
 
 def _run_profile(args: argparse.Namespace) -> int:
     from fxpipe.profile import summarize
-    from fxpipe.units import format_bytes, format_count, format_seconds
+    from fxpipe.units import format_bytes, format_count
 
     _, traced = analyze_model(args.model, device=args.device, measure=args.measure, quiet=args.json)
     if args.depth is not None and args.depth < 1:
@@ -270,7 +272,7 @@ def _run_split(args: argparse.Namespace) -> int:
     Console(width=None if sys.stdout.isatty() else 160).print(table)
     solver = plan.solver
     print(
-        f"solver {solver.status}, gap {solver.gap:.2%}, {solver.wall_s:.2f} s; "
+        f"solver {solver.status}, gap {solver.gap:.2%}, {format_seconds(solver.wall_s)}; "
         f"wrote {out}/ ({', '.join(sorted(files))})"
     )
     return 0
