@@ -197,7 +197,7 @@ def check_streams(gpt: Any, gen: Generated, model: nn.Module, idx: torch.Tensor,
     num_stages = len(gen.plan.stages)
     m = gen.plan.microbatches
     runner = package.PipelineRunner(package.build_stages(model), devices=[dev] * num_stages)
-    streams = {id(s) for s in runner._streams if s is not None}
+    streams = {id(s) for s in runner.streams.compute if s is not None}
 
     def accumulate() -> float:
         total = torch.zeros((), device=idx.device)

@@ -33,7 +33,7 @@ from _common import (
     token_batch,
 )
 
-from fxpipe.codegen.runtime import PipelineRunner
+from fxpipe.runtime import PipelineRunner
 from fxpipe.schedules import gpipe, one_f_one_b
 
 

@@ -13,7 +13,6 @@ nodes, which read best in generated code) and falls back to
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import inspect
 import os
 import sys
@@ -30,6 +29,7 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from fxpipe.metadevice import MetaRunner, named_state
+from fxpipe.runtime.loading import NotPythonError, import_file
 
 __all__ = [
     "ModelFileError",
@@ -124,23 +124,19 @@ def load_model_file(spec: str) -> ModelSource:
 
 def _import_file(path: Path) -> types.ModuleType:
     name = f"fxpipe_user_{path.stem}_{abs(hash(path.resolve())) % 10**8}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ModelFileError(f"{path}: cannot be imported as Python; give a .py file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
     try:
-        spec.loader.exec_module(module)
+        return import_file(path, name)
     except SyntaxError as exc:
         raise ModelFileError(
             f"{path}:{exc.lineno}: syntax error: {exc.msg}; fix the file and run again"
         ) from None
+    except NotPythonError as exc:
+        raise ModelFileError(str(exc)) from None
     except Exception as exc:
         raise ModelFileError(
             f"{_where(path, exc)}: importing the file raised {_one_line(exc)}; fix the file "
             "and run again"
         ) from None
-    return module
 
 
 def _find_function(

@@ -42,7 +42,9 @@ K = 2, v = 2, M = 4::
 
 A GPU runs one action at a time, so a tick holds at most one action per GPU.
 
-Dependencies every valid schedule keeps (checked by ``validate``):
+Dependencies every valid schedule keeps (``fxpipe.runtime.schedule``, the one
+statement of them that the runner checks too; ``validate`` adds one action per
+GPU per tick):
 F(j, m) after F(j - 1, m); B(K - 1, m) after F(K - 1, m); B(j, m) after
 B(j + 1, m) and after F(j, m); "after" meaning in a strictly earlier tick.
 For an interleaved table j is the virtual stage (K * v of them).
@@ -51,6 +53,8 @@ For an interleaved table j is the virtual stage (K * v of them).
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+from fxpipe.runtime.schedule import Action, check_schedule, dependencies
 
 __all__ = [
     "Action",
@@ -69,7 +73,6 @@ __all__ = [
 # v: virtual stages (model chunks) per GPU, j: a stage, d: a GPU, c: a chunk,
 # m: a micro-batch.
 
-Action = tuple[int, str, int]  # (stage, "F" | "B", microbatch)
 Schedule = list[tuple[Action, ...]]  # one tuple of concurrent actions per clock tick
 
 
@@ -78,17 +81,6 @@ def _check_sizes(num_stages: int, microbatches: int) -> None:
         raise ValueError(f"Number of stages ({num_stages}) must be at least 1.")
     if microbatches < 1:
         raise ValueError(f"Number of micro-batches ({microbatches}) must be at least 1.")
-
-
-def _deps(action: Action, num_stages: int) -> list[Action]:
-    """The actions that must finish in an earlier tick before ``action`` runs."""
-    j, kind, m = action
-    if kind == "F":
-        return [(j - 1, "F", m)] if j > 0 else []
-    deps = [(j, "F", m)]
-    if j < num_stages - 1:
-        deps.append((j + 1, "B", m))
-    return deps
 
 
 def _to_ticks(orders: list[list[Action]], num_stages: int) -> Schedule:
@@ -105,7 +97,7 @@ def _to_ticks(orders: list[list[Action]], num_stages: int) -> Schedule:
             d
             for d, order in enumerate(orders)
             if cursor[d] < len(order)
-            and all(dep in done for dep in _deps(order[cursor[d]], num_stages))
+            and all(dep in done for dep in dependencies(order[cursor[d]], num_stages))
         ]
         assert ready, f"schedule deadlocks after {len(ticks)} ticks"
         tick = tuple(orders[d][cursor[d]] for d in ready)
@@ -211,29 +203,13 @@ def validate(
     exactly once, each device at most once per tick, and keeps every dependency.
     ``devices[j]`` is stage j's device; by default every stage has its own."""
     device_of = _device_list(devices, num_stages)
-    tick_of: dict[Action, int] = {}
     for t, tick in enumerate(schedule):
-        for action in tick:
-            j, kind, m = action
-            assert 0 <= j < num_stages, f"tick {t}: stage {j} outside 0..{num_stages - 1}"
-            assert kind in ("F", "B"), f"tick {t}: unknown action kind {kind!r}"
-            assert 0 <= m < microbatches, f"tick {t}: micro-batch {m} outside 0..{microbatches - 1}"
-            assert action not in tick_of, (
-                f"tick {t}: {action} already ran in tick {tick_of[action]}"
-            )
-            tick_of[action] = t
-        busy = [device_of[a[0]] for a in tick]
+        busy = [device_of[a[0]] for a in tick if 0 <= a[0] < num_stages]
         assert len(busy) == len(set(busy)), f"tick {t}: a device runs twice: {tick}"
-    expected = {
-        (j, kind, m) for j in range(num_stages) for kind in ("F", "B") for m in range(microbatches)
-    }
-    missing = sorted(expected - tick_of.keys())
-    assert not missing, f"actions never run: {missing}"
-    for action, t in tick_of.items():
-        for dep in _deps(action, num_stages):
-            assert tick_of[dep] < t, (
-                f"{action} in tick {t} does not come after {dep} (tick {tick_of[dep]})"
-            )
+    try:
+        check_schedule(schedule, num_stages, microbatches)
+    except ValueError as error:  # a table fxpipe built: an internal invariant
+        raise AssertionError(str(error)) from None
 
 
 def peak_in_flight(schedule: Sequence[Sequence[Action]], num_stages: int) -> list[int]:

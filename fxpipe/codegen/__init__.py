@@ -1,8 +1,7 @@
 """Plan + graph -> Python source: stage modules, a runner, a package."""
 
-from fxpipe.codegen.checkpoint import merge_stage_state_dicts, split_state_dict
-from fxpipe.codegen.load import load_package
 from fxpipe.codegen.package import generate, schedule_table
+from fxpipe.runtime import load_package, merge_stage_state_dicts, split_state_dict
 
 __all__ = [
     "generate",

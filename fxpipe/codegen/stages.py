@@ -235,8 +235,6 @@ def stage_source(gm: torch.fx.GraphModule, io: StageIO) -> str:
         '"""',
         "",
         *imports,
-        "",
-        "",
         *_bind_helper(),
     ]
     for body in bodies:
@@ -252,7 +250,7 @@ def stage_source(gm: torch.fx.GraphModule, io: StageIO) -> str:
         "        super().__init__()",
     ]
     for path in paths:
-        lines += wrap_line(f'        _bind(self, model, "{path}")', LINE_LENGTH)
+        lines += wrap_line(f'        bind(self, model, "{path}")', LINE_LENGTH)
     for init in inits:
         lines.append(f"        {init}")
     lines += ["", *forward_lines]
@@ -278,24 +276,9 @@ def _tuple_attr(name: str, values: tuple[str, ...]) -> list[str]:
 
 
 def _bind_helper() -> list[str]:
-    return [
-        "def _bind(stage: nn.Module, model: nn.Module, path: str) -> None:",
-        '    """Put the model\'s own object at ``path`` into ``stage`` under the same name."""',
-        '    *parents, leaf = path.split(".")',
-        "    source, target = model, stage",
-        "    for name in parents:",
-        "        source = source.get_submodule(name)",
-        "        if name not in target._modules:",
-        "            target.add_module(name, nn.Module())",
-        "        target = target.get_submodule(name)",
-        "    if leaf in source._parameters:",
-        "        target.register_parameter(leaf, source._parameters[leaf])",
-        "    elif leaf in source._buffers:",
-        "        persistent = leaf not in source._non_persistent_buffers_set",
-        "        target.register_buffer(leaf, source._buffers[leaf], persistent=persistent)",
-        "    else:",
-        "        target.add_module(leaf, source.get_submodule(leaf))",
-    ]
+    """The import of the runtime's ``bind``, which every stage uses to hold the model's
+    own parameters, buffers and modules under their original names."""
+    return ["", "from .runtime import bind"]
 
 
 _FREE = re.compile(r"^(?P<stmt>.*?);  (?P<dead>(?:[A-Za-z_]\w* = )+)None$")

@@ -31,6 +31,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from fxpipe.runtime.schedule import Action, dependencies
 from fxpipe.schedules import chunk_label
 from fxpipe.units import format_seconds
 
@@ -40,8 +41,6 @@ if TYPE_CHECKING:
 __all__ = ["action_times", "bubble_fraction", "draw_timeline", "schedule_svg"]
 
 # K: number of stages, j: a stage, d: a device, m: a micro-batch.
-
-Action = tuple[int, str, int]  # (stage, "F" | "B", microbatch)
 
 _COLOURS = {"F": "#4c72b0", "B": "#dd8452"}
 
@@ -66,13 +65,13 @@ def action_times(
     times: dict[Action, tuple[float, float]] = {}
     for tick in schedule:
         for action in tick:
-            j, kind, m = action
+            j, kind, _ = action
             if not 0 <= j < num_stages:
                 raise ValueError(
                     f"Schedule action {action} names stage {j}, but times were given "
                     f"for {num_stages} stages."
                 )
-            deps = [(j - 1, "F", m)] if kind == "F" else [(j, "F", m), (j + 1, "B", m)]
+            deps = dependencies(action, num_stages)
             start = max([device_free[device_of[j]]] + [times[d][1] for d in deps if d in times])
             end = start + (forward_s[j] if kind == "F" else backward_s[j])
             times[action] = (start, end)

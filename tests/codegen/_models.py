@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import importlib.util
 import itertools
 import types
 from pathlib import Path
@@ -15,6 +14,7 @@ from torch.utils import _pytree as pytree
 from fxpipe.codegen import generate, load_package
 from fxpipe.frontend import ModelSource, Traced, load_model_file, trace
 from fxpipe.partition.plan import Plan
+from fxpipe.runtime.loading import import_file as import_file_by_path
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SYMBOLIC = ["mlp", "resnet", "unet", "gpt", "llama"]
@@ -35,6 +35,7 @@ def write_package(directory: Path, traced: Traced, plan: Plan) -> dict[str, str]
     files = generate(traced, plan)
     directory.mkdir(parents=True, exist_ok=True)
     for name, text in files.items():
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
         (directory / name).write_text(text, encoding="utf-8")
     return files
 
@@ -46,12 +47,7 @@ def import_package(directory: Path) -> types.ModuleType:
 
 def import_file(path: Path) -> types.ModuleType:
     """Import one generated file on its own, outside its package."""
-    name = f"fxpipe_generated_file_{next(_counter)}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return import_file_by_path(path, f"fxpipe_generated_file_{next(_counter)}")
 
 
 def run_stages(package: types.ModuleType, stages: list[torch.nn.Module], args: tuple[Any, ...],

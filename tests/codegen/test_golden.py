@@ -15,11 +15,10 @@ import torch
 from torch import nn
 
 from fxpipe.codegen import generate
-from fxpipe.codegen.package import runner_header, runtime_parts
 from fxpipe.frontend import Traced, trace
 from fxpipe.partition.plan import Plan
 
-from ._models import import_file, import_package, write_package
+from ._models import import_package, write_package
 from ._plans import contiguous_plan
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "mlp_2stage"
@@ -51,12 +50,10 @@ def _tiny() -> tuple[TinyMLP, Traced, Plan]:
 
 
 def _golden_view(traced: Traced, plan: Plan) -> dict[str, str]:
-    """The generated files, with runner.py cut to its generated header (the runtime
-    below it is another module's text and has its own tests)."""
-    files = generate(traced, plan)
-    del files["runner.py"]
-    files["runner_header.py.txt"] = runner_header(traced, plan) + "\n"
-    return files
+    """The generated files without the runtime copy (fxpipe/runtime's own text, with
+    its own tests; ``test_runtime_copy_is_byte_identical`` checks the copy)."""
+    return {name: text for name, text in generate(traced, plan).items()
+            if not name.startswith("runtime/")}
 
 
 def test_matches_golden_files() -> None:
@@ -81,13 +78,30 @@ def test_byte_identical_run_to_run() -> None:
     assert generate(traced, plan) == generate(traced_again, plan_again)
 
 
-def test_runner_is_header_plus_runtime_verbatim() -> None:
+def test_runtime_copy_is_byte_identical() -> None:
+    """The package carries every module of fxpipe/runtime unchanged, and nothing else
+    under runtime/."""
+    import fxpipe.runtime
+
     _, traced, plan = _tiny()
-    runner = generate(traced, plan)["runner.py"]
-    docstring, imports, rest = runtime_parts()
-    assert runner.endswith(rest.rstrip("\n") + "\n")
-    assert imports in runner and docstring.strip() in runner
-    assert runner_header(traced, plan) in runner
+    files = generate(traced, plan)
+    source = Path(fxpipe.runtime.__file__).parent
+    copied = {name.removeprefix("runtime/"): text for name, text in files.items()
+              if name.startswith("runtime/")}
+    assert sorted(copied) == sorted(p.name for p in source.glob("*.py"))
+    for name, text in copied.items():
+        assert text.encode("utf-8") == (source / name).read_bytes(), name
+
+
+def test_generated_files_are_small() -> None:
+    """Generate data and stage classes: what is not a stage class or the runtime copy
+    is the plan's data and a thin binding, not the runtime spliced in."""
+    _, traced, plan = _tiny()
+    files = generate(traced, plan)
+    for name in ("runner.py", "distributed.py", "__init__.py", "train_torchrun.py"):
+        assert files[name].count("\n") < 150, name
+    assert "class PipelineRunner(runtime.PipelineRunner)" in files["runner.py"]
+    assert "def _bind" not in files["stage0.py"]
 
 
 def test_generated_files_pass_ruff(tmp_path: Path) -> None:
@@ -97,11 +111,14 @@ def test_generated_files_pass_ruff(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-@pytest.mark.parametrize("name", ["stage0.py", "stage1.py", "runner.py"])
-def test_files_import_on_their_own(tmp_path: Path, name: str) -> None:
+@pytest.mark.parametrize("name", ["stage0", "stage1", "runner", "distributed"])
+def test_files_import_within_the_package(tmp_path: Path, name: str) -> None:
+    """Each generated module imports with only its package's runtime copy."""
     _, traced, plan = _tiny()
     write_package(tmp_path / "tiny", traced, plan)
-    module = import_file(tmp_path / "tiny" / name)
+    package = import_package(tmp_path / "tiny")
+    module = getattr(package, name, None) or __import__(f"{package.__name__}.{name}",
+                                                        fromlist=["_"])
     if name.startswith("stage"):
         assert isinstance(getattr(module, f"Stage{name[5]}").INPUTS, tuple)
 

@@ -60,6 +60,7 @@ def write_package(directory: Path, traced: Traced, plan: Plan) -> dict[str, str]
     files = generate(traced, plan)
     directory.mkdir(parents=True, exist_ok=True)
     for name, text in files.items():
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
         (directory / name).write_text(text, encoding="utf-8")
     return files
 

@@ -8,7 +8,6 @@ partition, plan, generate) and check the transparency rule on the generated pack
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import sys
 import types
@@ -26,6 +25,7 @@ from fxpipe.frontend import Traced, trace
 from fxpipe.lower import lower
 from fxpipe.partition import Schedule
 from fxpipe.partition.coarsen import exact_groups
+from fxpipe.runtime.loading import import_file
 
 from .models import ModelSpec, build_model, example_inputs, output_leaves
 
@@ -72,6 +72,7 @@ def split(case: Case, directory: Path) -> tuple[Traced, types.ModuleType, int]:
     plan = plan_split(traced, label="fuzz", options=replace(options, gpus=k))
     directory.mkdir(parents=True, exist_ok=True)
     for name, text in generate(traced, plan).items():
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
         (directory / name).write_text(text, encoding="utf-8")
     return traced, _import_package(directory), k
 
@@ -124,13 +125,8 @@ def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _import_package(directory: Path) -> types.ModuleType:
     name = f"fxpipe_fuzz_{next(_counter)}"
-    spec = importlib.util.spec_from_file_location(
-        name, directory / "__init__.py", submodule_search_locations=[str(directory)])
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
     try:
-        spec.loader.exec_module(module)
+        module = import_file(directory / "__init__.py", name, package=True)
     finally:
         # Keep sys.modules small across a thousand examples.
         for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fxpipe.codegen.runtime import PipelineRunner
+from fxpipe.runtime import PipelineRunner
 from fxpipe.schedules import gpipe, one_f_one_b
 
 BATCH = 8
@@ -249,7 +249,7 @@ def test_cuda_streams_equal_cpu(schedule_fn: Any, recompute: bool) -> None:
     model.cuda()
     dev = [torch.device("cuda", 0)] * 3
     pipe = runner(stages, schedule_fn, 4, recompute, devices=dev)
-    assert len({s.cuda_stream for s in pipe._streams}) == 3
+    assert len({s.cuda_stream for s in pipe.streams.compute}) == 3
     out = pipe.forward(x.cuda())
     loss = pipe.step((x.cuda(),), y.cuda(), loss_fn)
     torch.cuda.synchronize()
@@ -260,40 +260,49 @@ def test_cuda_streams_equal_cpu(schedule_fn: Any, recompute: bool) -> None:
         torch.testing.assert_close(p.grad.cpu(), cpu_grads[name], rtol=1e-10, atol=1e-12)
 
 
-def test_runtime_runs_when_copied_after_a_generated_header(tmp_path: Any) -> None:
-    """runner.py = generated header + runtime.py verbatim: it must import and run."""
-    import importlib.util
+def test_runtime_runs_as_a_copied_package_without_fxpipe(tmp_path: Any) -> None:
+    """A generated package carries fxpipe/runtime as a copy: that copy must import and
+    run on its own, with nothing of fxpipe importable."""
+    import shutil
+    import subprocess
+    import sys
     from pathlib import Path
 
-    import fxpipe.codegen.runtime as runtime
+    import fxpipe.runtime
 
-    header = (
-        '"""Generated header."""\n\n'
-        "from typing import Any\n\n"
-        f"SCHEDULE = {gpipe(3, 2)!r}\n"
-        "MICROBATCHES = 2\n"
-        "RECOMPUTE = (False, True, False)\n"
-        "GRAPH_INPUTS = ('x', 'scale')\n\n\n"
-        "def flatten_inputs(x: Any, scale: int = 2) -> dict[str, Any]:\n"
-        "    return {'x': x, 'scale': scale}\n\n\n"
-        "def build_output(values: dict[str, Any]) -> Any:\n"
-        "    return {'logits': values['logits'], 'hidden': values['h1']}\n\n\n"
-    )
-    path = tmp_path / "runner.py"
-    path.write_text(header + Path(runtime.__file__).read_text())
-    spec = importlib.util.spec_from_file_location("generated_runner", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    shutil.copytree(Path(fxpipe.runtime.__file__).parent, tmp_path / "copied_runtime",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    script = f"""
+import sys
+sys.path = [p for p in sys.path if p not in ("", {str(Path.cwd())!r})]
+sys.path.insert(0, {str(tmp_path)!r})
+import torch
+import copied_runtime
+import copied_runtime.launch  # the torchrun modules too
+from copied_runtime.schedule import check_schedule
 
-    model, stages = make(torch.float64)
-    x, y = data(torch.float64)
-    ref_loss, ref_grads = reference_grads(model, x, y, 2)
-    pipe = module.PipelineRunner(
-        stages, schedule=module.SCHEDULE, microbatches=module.MICROBATCHES,
-        flatten_inputs=module.flatten_inputs, build_output=module.build_output,
-        recompute=module.RECOMPUTE,
-    )
-    torch.testing.assert_close(pipe.step((x,), y, loss_fn), ref_loss, rtol=1e-12, atol=1e-12)
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.grad, ref_grads[name], rtol=1e-12, atol=1e-12)
+SCHEDULE = [((0, "F", 0),), ((1, "F", 0),), ((1, "B", 0),), ((0, "B", 0),)]
+check_schedule(SCHEDULE, 2, 1)
+
+class Double(torch.nn.Module):
+    INPUTS, OUTPUTS = ("x",), ("y",)
+    def forward(self, x):
+        return (x * 2,)
+
+class Sum(torch.nn.Module):
+    INPUTS, OUTPUTS = ("y",), ("z",)
+    def forward(self, y):
+        return (y.sum(1),)
+
+runner = copied_runtime.PipelineRunner(
+    [Double(), Sum()], schedule=SCHEDULE, microbatches=1,
+    flatten_inputs=lambda x: {{"x": x}}, build_output=lambda values: values["z"],
+)
+out = runner.forward(torch.ones(2, 3))
+assert out.tolist() == [6.0, 6.0], out
+assert not [m for m in sys.modules if m.split(".")[0] == "fxpipe"]
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env={"PATH": "/usr/bin:/bin"})
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

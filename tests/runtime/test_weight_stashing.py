@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fxpipe.codegen.runtime import PipelineRunner
+from fxpipe.runtime import PipelineRunner
 from fxpipe.schedules import gpipe, one_f_one_b
 
 from . import test_runtime

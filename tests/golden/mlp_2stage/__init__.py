@@ -7,16 +7,13 @@
 PLAN is plan.json as a dict.
 """
 
-from __future__ import annotations
-
 import json
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
 from torch import nn
 
-from . import distributed, runner
+from . import distributed, runner, runtime
 from .distributed import build_schedule, pipeline_stage, pipeline_stages, train_step
 from .runner import (
     DEVICE_OF,
@@ -26,88 +23,46 @@ from .runner import (
     REPLICAS,
     SCHEDULE,
     WEIGHT_STASHING,
+    PipelineRunner,
     build_output,
     flatten_inputs,
+    stage_devices,
 )
+from .runtime.devices import Device
 from .stage0 import Stage0
 from .stage1 import Stage1
 
 __all__ = [
     "DEVICE_OF",
+    "MICROBATCHES",
+    "NUM_GPUS",
     "PLAN",
+    "RECOMPUTE",
+    "REPLICAS",
     "SCHEDULE",
+    "WEIGHT_STASHING",
     "PipelineRunner",
+    "build_output",
     "build_schedule",
     "build_stages",
     "distributed",
+    "flatten_inputs",
     "pipeline_stage",
     "pipeline_stages",
+    "runner",
     "stage_devices",
     "train_step",
 ]
 
 PLAN = json.loads(Path(__file__).with_name("plan.json").read_text(encoding="utf-8"))
+STAGE_CLASSES = (Stage0, Stage1)
 
 
 def build_stages(
-    model: nn.Module, devices: Sequence[torch.device | str | int] | None = None
+    model: nn.Module, devices: Sequence[Device] | None = None
 ) -> list[nn.Module]:
     """One module per stage, bound to ``model``'s own parameters and buffers;
     with ``devices`` (one per stage, or one per GPU), stage k is moved to its
     device (see ``stage_devices``)."""
-    stages: list[nn.Module] = [Stage0(model), Stage1(model)]
-    if devices is None:
-        return stages
-    placed = stage_devices(devices)
-    return [
-        stage.to(device[0] if isinstance(device, list) else device)  # replicas: first
-        for stage, device in zip(stages, placed, strict=True)
-    ]
-
-
-def stage_devices(
-    devices: Sequence[torch.device | str | int],
-) -> list[torch.device | str | int | list[torch.device | str | int]]:
-    """One device per stage: ``devices`` as given when there is one per stage;
-    when there is one per GPU (NUM_GPUS), stage k's is ``devices[DEVICE_OF[k]]``,
-    or the list of its REPLICAS[k] GPUs from there for a replicated stage."""
-    if len(devices) == len(DEVICE_OF):
-        return list(devices)
-    if len(devices) == NUM_GPUS:
-        return [
-            devices[gpu] if count == 1 else list(devices[gpu : gpu + count])
-            for gpu, count in zip(DEVICE_OF, REPLICAS, strict=True)
-        ]
-    raise ValueError(
-        f"got {len(devices)} devices for {len(DEVICE_OF)} stages on {NUM_GPUS} GPUs; "
-        "pass one per stage or one per GPU"
-    )
-
-
-class PipelineRunner(runner.PipelineRunner):
-    """The runtime's PipelineRunner with this package's schedule, micro-batches,
-    recompute flags, replicas, weight stashing and input/output mapping as
-    defaults; ``devices`` as for ``build_stages``: one per stage, or one per GPU."""
-
-    def __init__(
-        self,
-        stages: Sequence[nn.Module],
-        devices: Sequence[torch.device | str | int] | None = None,
-        *,
-        schedule: Sequence[Sequence[tuple[int, str, int]]] = SCHEDULE,
-        microbatches: int = MICROBATCHES,
-        recompute: Sequence[bool] = RECOMPUTE,
-        replicas: Sequence[int] = REPLICAS,
-        weight_stashing: bool = WEIGHT_STASHING,
-    ) -> None:
-        super().__init__(
-            stages,
-            None if devices is None else stage_devices(devices),
-            schedule=schedule,
-            microbatches=microbatches,
-            flatten_inputs=flatten_inputs,
-            build_output=build_output,
-            recompute=recompute,
-            replicas=replicas,
-            weight_stashing=weight_stashing,
-        )
+    stages = [stage(model) for stage in STAGE_CLASSES]
+    return stages if devices is None else runtime.place_stages(stages, stage_devices(devices))

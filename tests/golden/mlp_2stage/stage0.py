@@ -7,23 +7,7 @@ Returns: (relu, relu_1).
 import torch
 from torch import nn
 
-
-def _bind(stage: nn.Module, model: nn.Module, path: str) -> None:
-    """Put the model's own object at ``path`` into ``stage`` under the same name."""
-    *parents, leaf = path.split(".")
-    source, target = model, stage
-    for name in parents:
-        source = source.get_submodule(name)
-        if name not in target._modules:
-            target.add_module(name, nn.Module())
-        target = target.get_submodule(name)
-    if leaf in source._parameters:
-        target.register_parameter(leaf, source._parameters[leaf])
-    elif leaf in source._buffers:
-        persistent = leaf not in source._non_persistent_buffers_set
-        target.register_buffer(leaf, source._buffers[leaf], persistent=persistent)
-    else:
-        target.add_module(leaf, source.get_submodule(leaf))
+from .runtime import bind
 
 
 class Stage0(nn.Module):
@@ -32,8 +16,8 @@ class Stage0(nn.Module):
 
     def __init__(self, model: nn.Module) -> None:
         super().__init__()
-        _bind(self, model, "fc1")
-        _bind(self, model, "fc2")
+        bind(self, model, "fc1")
+        bind(self, model, "fc2")
 
     def forward(self, x):
         """Returns (relu, relu_1)."""

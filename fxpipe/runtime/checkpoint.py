@@ -7,8 +7,6 @@ parameter appears under each of its names (``tok_emb.weight`` in stage 0,
 ``lm_head.weight`` in the last stage); copies must agree.
 """
 
-from __future__ import annotations
-
 from collections.abc import Mapping, Sequence
 
 import torch

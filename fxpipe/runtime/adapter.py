@@ -1,0 +1,189 @@
+"""A generated stage as torch.distributed.pipelining wants it.
+
+torch's ``PipelineStage`` passes a flat tuple of tensors from stage k to stage
+k + 1 only. Each generated stage (inputs by name, a tuple of outputs) is
+wrapped in a ``StageAdapter`` whose forward takes and returns flat tuples in
+the order of the ``WIRES`` table: ``WIRES[k]`` names the values stage k
+receives (``WIRES[0]``: the graph inputs any stage reads). A value that skips
+stages (a U-Net skip, an attention mask) is in every wire between its producer
+and its last reader, so the stages in between pass it along::
+
+    stage 0 ──(x1, x2)──► stage 1 ──(x1, y)──► stage 2      x1: made by 0, read by 2
+
+The last stage returns the model's output (``build_output``) for ``loss_fn``;
+torch's schedules take only tensors from a stage, so an output with structure (a
+Hugging Face model's dict) leaves the stage as its tensor leaves and ``loss_fn``
+gets it rebuilt.
+Values that are not tensors (``x.size(1)``, a float keyword argument) cannot
+travel; they are read from the example micro-batch and baked into the
+adapters as constants (micro-batch shapes are fixed by the static metadata
+anyway), and ``train_step`` checks that a baked graph input keeps its value.
+"""
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, cast
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+__all__ = [
+    "StageAdapter",
+    "check_constants",
+    "example_values",
+    "is_constant",
+    "on_model_output",
+    "split_wire",
+]
+
+
+class StageAdapter(nn.Module):
+    """A generated stage as torch's pipelining wants it: a flat tuple of tensors
+    in (``receives``), a flat tuple out (``sends``), or the model's output at the
+    last stage. ``constants`` are the non-tensor values baked in."""
+
+    def __init__(
+        self,
+        stage: nn.Module,
+        receives: Sequence[str],
+        sends: Sequence[str] | None,
+        constants: Mapping[str, Any],
+        build_output: Callable[[dict[str, Any]], Any],
+    ) -> None:
+        super().__init__()
+        self.stage = stage
+        self.receives = tuple(receives)
+        self.sends = None if sends is None else tuple(sends)
+        self.constants = dict(constants)
+        self.build_output = build_output
+        self.tied: list[tuple[Any, nn.Parameter]] = []  # (process group, this rank's copy)
+        self.replica_group: Any = None  # the ranks running this stage (replicated stages)
+        self.microbatches = 1  # per step, set by build_schedule
+        # last stage with a structured output: its leaves (None where a tensor goes) and
+        # structure; it returns only the tensors, ``rebuild_output`` puts them back
+        self.output_leaves: list[Any] | None = None
+        self.output_spec: Any = None
+
+    def forward(self, *flat: torch.Tensor) -> Any:
+        values: dict[str, Any] = dict(self.constants)
+        values.update(zip(self.receives, flat, strict=True))
+        names = cast(tuple[str, ...], self.stage.INPUTS)
+        outputs = self.stage(**{name: values[name] for name in names})
+        values.update(zip(cast(tuple[str, ...], self.stage.OUTPUTS), outputs, strict=True))
+        if self.sends is None:
+            output = self.build_output(values)
+            if self.output_leaves is None:
+                return output
+            return tuple(x for x in pytree.tree_leaves(output) if isinstance(x, torch.Tensor))
+        # sends need contiguous memory (a transposed view may be one of the values)
+        return tuple(values[name].contiguous() for name in self.sends)
+
+    def flatten_output(self, example: Any) -> None:
+        """From now on return the tensor leaves of an output that is more than a tensor
+        or a tuple of tensors (``example``: one micro-batch's output)."""
+        if isinstance(example, torch.Tensor) or (
+                isinstance(example, tuple) and all(isinstance(x, torch.Tensor) for x in example)):
+            return
+        leaves, self.output_spec = pytree.tree_flatten(example)
+        self.output_leaves = [None if isinstance(x, torch.Tensor) else x for x in leaves]
+
+    def rebuild_output(self, tensors: Any) -> Any:
+        """The model's output from what ``forward`` returned."""
+        if self.output_leaves is None:
+            return tensors
+        given = iter(tensors if isinstance(tensors, tuple) else (tensors,))
+        leaves = [next(given) if x is None else x for x in self.output_leaves]
+        return pytree.tree_unflatten(leaves, self.output_spec)
+
+
+def example_values(
+    stage_classes: Sequence[Callable[[nn.Module], nn.Module]],
+    flatten_inputs: Callable[..., dict[str, Any]],
+    build_output: Callable[[dict[str, Any]], Any],
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> dict[str, Any]:
+    """Every wire value of one micro-batch as a fake tensor (shape, dtype,
+    requires_grad; nothing allocated), running all stages under FakeTensorMode."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    stages = [cls(model) for cls in stage_classes]
+    values: dict[str, Any] = {}
+    with mode, torch.enable_grad():
+        fake = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
+        values.update(flatten_inputs(*fake[0], **fake[1]))
+        for stage in stages:
+            state = {name: _fake_like(t) for name, t in _named_tensors(stage)}
+            inputs = {name: values[name] for name in cast(tuple[str, ...], stage.INPUTS)}
+            outputs = torch.func.functional_call(stage, state, (), inputs)
+            values.update(zip(cast(tuple[str, ...], stage.OUTPUTS), outputs, strict=True))
+        values["__output__"] = build_output(values)
+    return values
+
+
+def split_wire(wire: Sequence[str], k: int, examples: dict[str, Any]
+               ) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """``wire`` (WIRES[k]) as (tensor names, baked constants)."""
+    tensors: list[str] = []
+    constants: dict[str, Any] = {}
+    for name in wire:
+        value = examples[name]
+        if isinstance(value, torch.Tensor):
+            tensors.append(name)
+        elif is_constant(value):
+            constants[name] = value
+        else:
+            raise ValueError(
+                f"{name!r} reaches stage {k} from an earlier stage but is a "
+                f"{type(value).__name__}, neither a tensor nor a constant: "
+                "torch.distributed.pipelining passes only tensors between stages; "
+                "cut the model where no such value crosses"
+            )
+    return tuple(tensors), constants
+
+
+def on_model_output(stages: Sequence[Any], loss_fn: Callable[[Any, Any], torch.Tensor] | None
+                    ) -> Callable[[Any, Any], torch.Tensor] | None:
+    """``loss_fn`` for torch's schedules, which hand it the last stage's tensors: on the
+    model's output rebuilt from them (``StageAdapter.rebuild_output``)."""
+    last = next((cast(StageAdapter, s.submod) for s in stages if s.is_last), None)
+    if loss_fn is None or last is None or last.output_leaves is None:
+        return loss_fn
+    return lambda output, target: loss_fn(last.rebuild_output(output), target)
+
+
+def check_constants(adapter: StageAdapter, values: Mapping[str, Any]) -> None:
+    """A graph input baked into the stages must keep the value it was built with."""
+    for name, baked in adapter.constants.items():
+        if name in values and values[name] != baked:
+            raise ValueError(
+                f"graph input {name!r} is {values[name]!r} but the stages were built "
+                f"with {baked!r} (non-tensor inputs are baked in at pipeline_stage)"
+            )
+
+
+def is_constant(value: Any) -> bool:
+    """Whether ``value`` can be baked into an adapter: None, a number, a string, a
+    dtype or device, or a tuple or list of them."""
+    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
+        return True
+    if isinstance(value, (tuple, list)):
+        return all(is_constant(v) for v in value)
+    return False
+
+
+def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    named = list(module.named_parameters(remove_duplicate=False))
+    return named + list(module.named_buffers(remove_duplicate=False))
+
+
+def _fake_like(t: torch.Tensor) -> torch.Tensor:
+    # called inside FakeTensorMode: a fake CPU tensor of t's shape, whatever t's device;
+    # a Parameter stays one (exported stages read theirs with get_parameter)
+    out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+    if isinstance(t, nn.Parameter):
+        return nn.Parameter(out, requires_grad=t.requires_grad)
+    return out.requires_grad_(t.requires_grad) if t.is_floating_point() else out
+

@@ -1,0 +1,153 @@
+"""The torchrun entry point of a generated package: join the job, build this
+rank's stages, and train N steps of the model file's ``loss_fn``.
+
+    torchrun --nproc-per-node N train_torchrun.py --model model.py [--checkpoint model.pt]
+
+gloo on the CPU, NCCL on GPUs (one GPU per local rank).
+"""
+
+import argparse
+import os
+import resource
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from .loading import import_file
+from .materialize import parameters_on_meta
+from .pipelining import DistributedPipeline
+
+__all__ = ["init_distributed", "main", "peak_rss_bytes"]
+
+
+def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device]:
+    """Join the torchrun job: (rank, world size, this rank's device). gloo on the
+    CPU, NCCL on GPUs (one GPU per local rank)."""
+    missing = [name for name in ("RANK", "WORLD_SIZE") if name not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"not launched under torchrun ({' and '.join(missing)} unset): run "
+            "`torchrun --nproc-per-node N train_torchrun.py ...` with N the plan's GPUs"
+        )
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        dist.init_process_group(backend or ("nccl" if device.type == "cuda" else "gloo"))
+    return rank, world_size, device
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size so far (Linux reports KiB)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+def _load_model_file(spec: str) -> tuple[Any, Callable[[], nn.Module]]:
+    """``model.py`` or ``model.py:factory``: the imported file and its factory."""
+    path, _, factory = spec.partition(":")
+    file = Path(path).resolve()
+    if not file.is_file():
+        raise FileNotFoundError(f"model file {path} not found")
+    sys.path.insert(0, str(file.parent))
+    module = import_file(file, f"_model_{file.stem}")
+    build = getattr(module, factory or "build_model", None)
+    if build is None:
+        raise ValueError(f"{path} has no factory {factory or 'build_model'}()")
+    return module, build
+
+
+def main(pipeline: DistributedPipeline, argv: Sequence[str] | None = None) -> int:
+    """The launch script: N training steps of the model file's loss_fn under torchrun."""
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("--model", required=True, help="model.py or model.py:factory")
+    parser.add_argument("--checkpoint", help="torch.save'd state_dict of the whole model; "
+                        "without it every rank builds the model for real")
+    parser.add_argument("--batch", help="torch.save'd {'args', 'kwargs', 'target'} mini-batch; "
+                        "default: the example micro-batch repeated M times")
+    parser.add_argument("--steps", type=int, default=1)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--save", help="directory for rank{k}.pt: loss, grads, peak RSS")
+    opts = parser.parse_args(argv)
+
+    try:
+        rank, world_size, device = init_distributed()
+    except RuntimeError as error:
+        print(f"train_torchrun: error: {error}", file=sys.stderr)
+        return 2
+    try:
+        _train(pipeline, opts, rank, world_size, device)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"train_torchrun: error: rank {rank}: {error}", file=sys.stderr)
+        return 2
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+def _train(
+    pipeline: DistributedPipeline,
+    opts: argparse.Namespace,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+) -> None:
+    module, build = _load_model_file(opts.model)
+    example = getattr(build, "example_inputs", module.example_inputs)()
+    args, kwargs = (((), example) if isinstance(example, Mapping)
+                    else (tuple(example), {}))
+    loss_fn = getattr(module, "loss_fn", None)
+    if loss_fn is None:
+        raise ValueError(f"{opts.model} defines no loss_fn(output, target)")
+    rss = {"start": peak_rss_bytes()}
+    if opts.checkpoint:
+        with parameters_on_meta():
+            model = build()
+    else:
+        model = build()
+    rss["built"] = peak_rss_bytes()
+    stages = pipeline.pipeline_stages(
+        model, rank, world_size, device, *args, checkpoint=opts.checkpoint, **kwargs
+    )
+    rss["loaded"] = peak_rss_bytes()
+    schedule = pipeline.build_schedule(stages, loss_fn)
+    if opts.batch:
+        batch = torch.load(opts.batch, weights_only=False)
+        args, kwargs, target = batch["args"], batch["kwargs"], batch["target"]
+    else:
+        m = pipeline.microbatches
+        repeat = lambda t: torch.cat([t] * m) if t.dim() else t  # noqa: E731
+        args, kwargs = pytree.tree_map_only(torch.Tensor, repeat, (args, kwargs))
+        example_target = getattr(build, "example_target", module.example_target)
+        target = pytree.tree_map_only(torch.Tensor, repeat, example_target())
+    trained = list({id(p): p for stage in stages for p in stage.submod.parameters()
+                    if p.requires_grad}.values())
+    # a stage of parameter-free ops (a softmax mixing layer) has nothing to update
+    optimizer = torch.optim.SGD(trained, lr=opts.lr) if trained else None
+    for step in range(opts.steps):
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
+        loss = pipeline.train_step(schedule, stages, *args, target=target, **kwargs)
+        if loss is not None and pipeline.position(rank)[1] == 0:  # replica 0 speaks
+            print(f"step {step}: loss {loss.item():.6f}", flush=True)
+        if step == opts.steps - 1 and opts.save:
+            rss["step"] = peak_rss_bytes()
+            grads = {name: p.grad.detach().cpu().clone()
+                     for stage in stages
+                     for name, p in cast(nn.Module, stage.submod.stage).named_parameters(
+                         remove_duplicate=False) if p.grad is not None}
+            Path(opts.save).mkdir(parents=True, exist_ok=True)
+            torch.save({"loss": loss, "grads": grads, "rss": rss},
+                       Path(opts.save) / f"rank{rank}.pt")
+        if optimizer is not None:
+            optimizer.step()
+    print(f"rank {rank}: peak RSS {peak_rss_bytes() / 2**20:.0f} MiB", flush=True)

@@ -1,0 +1,158 @@
+"""Split a mini-batch into micro-batches and replica chunks, and merge them back.
+
+The one owner of batch splitting for the single-process runner, the torchrun
+pipeline and its uneven-replica schedule: every split is ``torch.tensor_split``
+along dim 0 of the tensor leaves of a pytree, and every merge its inverse.
+
+# m: micro-batches, r: replicas of a stage.
+
+A value's *batched* leaves are the tensors with dim > 0 (micro-batches) or whose
+dim 0 equals the batch size being split (replicas); every other leaf (0-dim
+tensors, non-tensors, a causal mask of shape (1, 1, T, T)) goes whole to every
+part.
+"""
+
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+__all__ = [
+    "batch_size",
+    "chunk_sizes",
+    "concat",
+    "lane_share",
+    "merge_leaves",
+    "merge_replicas",
+    "rows_of",
+    "split_leaves",
+    "split_microbatches",
+    "split_replicas",
+]
+
+
+def split_leaves(value: Any, n: int, splits: Callable[[torch.Tensor], bool]) -> list[Any]:
+    """``n`` trees shaped like ``value``: the tensor leaves ``splits`` accepts cut along
+    dim 0 into n chunks (``torch.tensor_split``), every other leaf whole in each."""
+    leaves, spec = pytree.tree_flatten(value)
+    columns = [torch.tensor_split(x, n, dim=0) if isinstance(x, torch.Tensor) and splits(x)
+               else [x] * n for x in leaves]
+    return [pytree.tree_unflatten([c[i] for c in columns], spec) for i in range(n)]
+
+
+def merge_leaves(trees: list[Any], merge: Callable[[list[Any]], Any]) -> Any:
+    """One tree from ``trees`` of one structure: each leaf is ``merge`` of that leaf's
+    values in every tree, in order (the inverse of ``split_leaves``)."""
+    flat = [pytree.tree_flatten(tree) for tree in trees]
+    leaves0, spec = flat[0]
+    return pytree.tree_unflatten(
+        [merge([leaves[i] for leaves, _ in flat]) for i in range(len(leaves0))], spec)
+
+
+def split_microbatches(value: Any, num_mb: int, what: str | None = None) -> list[Any]:
+    """Split every tensor leaf of ``value`` with dim > 0 along dim 0 into ``num_mb``
+    chunks; 0-dim tensors and non-tensors go to every micro-batch unchanged. With
+    ``what`` (for messages), a batch smaller than ``num_mb`` is an error and one that
+    is not a multiple of it a warning."""
+    if what is not None:
+        for x in pytree.tree_leaves(value):
+            if isinstance(x, torch.Tensor) and x.dim() > 0:
+                _check_divisible(x.size(0), num_mb, what)
+    return split_leaves(value, num_mb, lambda x: x.dim() > 0)
+
+
+def _check_divisible(size: int, num_mb: int, what: str) -> None:
+    if size < num_mb:
+        raise ValueError(
+            f"The {what} has batch size {size}, fewer than the {num_mb} "
+            f"micro-batches: pass a mini-batch of at least {num_mb} samples."
+        )
+    if size % num_mb:
+        warnings.warn(
+            f"The {what} has batch size {size}, not a multiple of {num_mb} "
+            f"micro-batches: micro-batches differ in size, and a batch-mean loss "
+            f"no longer equals the unsplit model's.",
+            stacklevel=5,
+        )
+
+
+def concat(outputs: list[Any]) -> Any:
+    """One output from per-micro-batch outputs: tensor leaves concatenated along
+    dim 0 (0-dim tensors stacked), other leaves taken from micro-batch 0."""
+
+    def merge(parts: list[Any]) -> Any:
+        if not isinstance(parts[0], torch.Tensor):
+            return parts[0]
+        return torch.cat(parts, dim=0) if parts[0].dim() > 0 else torch.stack(parts)
+
+    return merge_leaves(outputs, merge)
+
+
+def batch_size(value: Any) -> int | None:
+    """Dim 0 of the first tensor leaf of ``value`` with dim > 0: its batch size
+    (None without one)."""
+    for x in pytree.tree_leaves(value):
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            return int(x.size(0))
+    return None
+
+
+def chunk_sizes(batch: int, r: int) -> list[int]:
+    """The sizes ``torch.tensor_split`` gives ``batch`` samples split ``r`` ways."""
+    q, rest = divmod(batch, r)
+    return [q + 1 if i < rest else q for i in range(r)]
+
+
+def split_replicas(inputs: Any, batch: int, r: int) -> list[Any]:
+    """One copy of ``inputs`` per replica: tensor leaves with dim 0 == ``batch`` split
+    into r chunks along dim 0, every other leaf passed whole to each replica."""
+    return split_leaves(inputs, r, lambda x: x.dim() > 0 and x.size(0) == batch)
+
+
+def merge_replicas(outputs: list[Any], sizes: list[int]) -> Any:
+    """The replicas' outputs as one (the inverse of ``split_replicas``): a tensor leaf
+    whose dim 0 is each replica's chunk size is concatenated along dim 0, any other
+    leaf taken from replica 0."""
+
+    def merge(parts: list[Any]) -> Any:
+        batched = all(isinstance(t, torch.Tensor) and t.dim() > 0 and t.size(0) == size
+                      for t, size in zip(parts, sizes, strict=True))
+        return torch.cat(parts, dim=0) if batched else parts[0]
+
+    return merge_leaves(outputs, merge)
+
+
+def rows_of(value: Any, lo: int, hi: int, rows: int) -> Any:
+    """Rows [lo, hi) of every tensor leaf whose dim 0 is the micro-batch's ``rows``
+    (one replica's equal chunk), every other leaf whole."""
+    def cut(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.size(0) == rows:
+            return x[lo:hi]
+        return x
+
+    return pytree.tree_map(cut, value)
+
+
+def lane_share(value: Any, lane: int, lanes: int, *, microbatches: int, what: str) -> Any:
+    """Lane ``lane``'s rows of ``value``: every tensor leaf with dim > 0 cut into
+    ``microbatches`` micro-batches along dim 0, each of them into ``lanes`` equal
+    chunks (as ``split_replicas`` splits a replicated stage's inputs), and chunk
+    ``lane`` of each, concatenated. Other leaves pass whole."""
+    if lanes == 1:
+        return value
+
+    def share(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            return x
+        if x.size(0) % (microbatches * lanes):
+            raise ValueError(
+                f"{what} has {x.size(0)} rows along dim 0, which do not split into "
+                f"{microbatches} micro-batches of {lanes} equal replica chunks; use a batch "
+                f"size that is a multiple of {microbatches * lanes}"
+            )
+        parts = split_microbatches(x, microbatches)
+        return torch.cat([split_replicas(mb, mb.size(0), lanes)[lane] for mb in parts])
+
+    return pytree.tree_map(share, value)

@@ -1,0 +1,369 @@
+"""Run the generated stages one per process on torch.distributed.pipelining.
+
+# K: stages, r_j: replicas of stage j (REPLICAS), Σ r_j processes, M: micro-batches.
+
+A ``DistributedPipeline`` holds a package's stage classes, wires (adapter.py)
+and tied parameters (grads.py); the generated ``distributed.py`` makes one and
+exports its methods as module functions. Which rank runs which stage is
+ranks.py. Each rank's stage is a torch ``PipelineStage`` around a
+``StageAdapter``, driven by torch's schedules: gpipe -> ``ScheduleGPipe``, 1f1b
+-> ``Schedule1F1B``, interleaved -> ``ScheduleInterleaved1F1B`` over the rank's
+v stages. When every stage has the same r, each of the r lanes is a whole
+``PipelineStage`` pipeline on its own process group; stages with different
+replica counts run the runner's schedule table instead (table.py).
+
+Memory: with ``checkpoint``, ``pipeline_stage`` allocates only the rank's own
+stage (materialize.py), so no rank holds the whole model::
+
+    rank, world_size, device = init_distributed()
+    with parameters_on_meta():
+        model = build_model()
+    stage = pipeline_stage(model, rank, world_size, device, *example_microbatch,
+                           checkpoint="model.pt")
+    schedule = build_schedule(stage, loss_fn)
+    loss = train_step(schedule, stage, *mini_batch, target=target)   # last rank: loss
+
+(``pipeline_stages`` instead of ``pipeline_stage`` gives a list of the rank's stages
+for any plan, one unless interleaved; the other calls take the list as well.)
+"""
+
+import warnings
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+from torch.utils import _pytree as pytree
+
+from .adapter import StageAdapter, check_constants, example_values, on_model_output, split_wire
+from .grads import reduce_grads
+from .materialize import load_state, materialize, rebind
+from .microbatch import batch_size, lane_share
+from .ranks import RankLayout
+from .table import TableSchedule, TableStage
+
+__all__ = ["DistributedPipeline"]
+
+
+class DistributedPipeline(RankLayout):
+    """The package's stages, wires and tied parameters on ranks laid out as
+    ``RankLayout`` says; the generated ``distributed.py`` makes one and exports its
+    methods as module functions."""
+
+    def __init__(
+        self,
+        *,
+        stage_classes: Sequence[Callable[[nn.Module], nn.Module]],
+        wires: Sequence[Sequence[str]],
+        tied: Sequence[Mapping[int, str]],
+        schedule: str,
+        microbatches: int,
+        flatten_inputs: Callable[..., dict[str, Any]],
+        build_output: Callable[[dict[str, Any]], Any],
+        replicas: Sequence[int] = (),
+        table: Sequence[Sequence[tuple[int, str, int]]] = (),
+        unsupported: str | None = None,
+        virtual_stages: int = 1,
+    ) -> None:
+        assert len(wires) == len(stage_classes), (len(wires), len(stage_classes))
+        super().__init__(len(stage_classes), replicas, virtual_stages)
+        self.unsupported = unsupported  # why this plan cannot run under torchrun
+        self.table = [tuple(tick) for tick in table]  # the runner's SCHEDULE (TableStage)
+        self.stage_classes = list(stage_classes)
+        self.wires = [tuple(w) for w in wires]
+        self.tied = [dict(group) for group in tied]
+        self.schedule = schedule
+        self.microbatches = microbatches
+        self.flatten_inputs = flatten_inputs
+        self.build_output = build_output
+
+    # -------------------------------------------------------------- building
+
+    def stage_module(
+        self,
+        model: nn.Module,
+        stage_index: int,
+        device: torch.device | str,
+        *example_args: Any,
+        checkpoint: str | Path | Mapping[str, torch.Tensor] | None = None,
+        **example_kwargs: Any,
+    ) -> tuple[StageAdapter, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """Stage ``stage_index`` of ``model`` as a ``StageAdapter`` on ``device``, with
+        the example tensors (inputs, outputs) of one micro-batch. No process group
+        needed. Parameters and buffers still on ``meta`` are materialized and
+        loaded from ``checkpoint`` (a state_dict or a ``torch.save`` file of one,
+        memory-mapped); nothing outside this stage is allocated."""
+        k = self._check_stage(stage_index)
+        device = torch.device(device)
+        examples = example_values(self.stage_classes, self.flatten_inputs, self.build_output,
+                                  model, example_args, example_kwargs)
+        receives, constants = split_wire(self.wires[k], k, examples)
+        last = k == self.num_stages - 1
+        sends = None if last else split_wire(self.wires[k + 1], k + 1, examples)[0]
+        stage = self.stage_classes[k](model)
+        materialize(stage, device, load_state(checkpoint), k)
+        adapter = StageAdapter(stage, receives, sends, constants, self.build_output)
+
+        def example(value: Any) -> torch.Tensor:
+            out = torch.empty(value.shape, dtype=value.dtype, device=device)
+            return out.requires_grad_(value.requires_grad)
+
+        inputs = tuple(example(examples[name]) for name in receives)
+        if last:
+            adapter.flatten_output(examples["__output__"])
+            leaves = [v for v in pytree.tree_leaves(examples["__output__"])
+                      if isinstance(v, torch.Tensor)]
+            outputs = tuple(example(v) for v in leaves)
+        else:
+            outputs = tuple(example(examples[name]) for name in sends or ())
+        return adapter, inputs, outputs
+
+    def pipeline_stage(
+        self,
+        model: nn.Module,
+        rank: int,
+        world_size: int,
+        device: torch.device | str,
+        *example_args: Any,
+        checkpoint: str | Path | Mapping[str, torch.Tensor] | None = None,
+        group: Any = None,
+        **example_kwargs: Any,
+    ) -> "PipelineStage | TableStage":
+        """This rank's ``PipelineStage``, or ``TableStage`` for uneven replicas
+        (collective: every rank calls it, in the same order). ``example_args`` /
+        ``example_kwargs``: ONE micro-batch, as the model's forward takes it.
+        ``group``: the pipeline's process group (default: the whole job); with
+        replicated stages fxpipe makes one per lane."""
+        self._check_launch(world_size)
+        if self.virtual_stages > 1:
+            raise ValueError(
+                f"this plan is interleaved: every rank runs {self.virtual_stages} stages; "
+                f"call pipeline_stages for the list of them")
+        if not self.uniform:
+            return self._table_stage(model, rank, device, example_args, example_kwargs,
+                                     checkpoint)
+        k, lane = self.position(rank)
+        example_args, example_kwargs = self.lane_share(
+            (example_args, example_kwargs), lane, microbatches=1, what="the example micro-batch")
+        adapter, inputs, outputs = self.stage_module(
+            model, k, device, *example_args, checkpoint=checkpoint, **example_kwargs
+        )
+        # every group, created in the same order on every rank (a collective call)
+        r = self.lanes
+        self._make_groups({k: adapter})
+        if r > 1:
+            if group is not None:
+                raise ValueError("a plan with replicated stages makes its own process groups, "
+                                 "one per lane: call pipeline_stage without group")
+            for i in range(r):  # lane i: stage j on rank j·r + i
+                lane_group = dist.new_group([j * r + i for j in range(self.num_stages)])
+                if i == lane:
+                    group = lane_group
+        return PipelineStage(
+            adapter,
+            k,
+            self.num_stages,
+            torch.device(device),
+            input_args=inputs,
+            output_args=outputs,
+            group=group,
+        )
+
+    def pipeline_stages(
+        self,
+        model: nn.Module,
+        rank: int,
+        world_size: int,
+        device: torch.device | str,
+        *example_args: Any,
+        checkpoint: str | Path | Mapping[str, torch.Tensor] | None = None,
+        group: Any = None,
+        **example_kwargs: Any,
+    ) -> "list[PipelineStage | TableStage]":
+        """This rank's stages as a list (collective, like ``pipeline_stage``): the one
+        ``pipeline_stage`` gives, or the v ``PipelineStage`` objects of an interleaved
+        plan, stage j on rank j % K."""
+        if self.virtual_stages == 1:
+            return [self.pipeline_stage(model, rank, world_size, device, *example_args,
+                                        checkpoint=checkpoint, group=group, **example_kwargs)]
+        self._check_launch(world_size)
+        built = {k: self.stage_module(model, k, device, *example_args, checkpoint=checkpoint,
+                                      **example_kwargs) for k in self.stages_of(rank)}
+        self._make_groups({k: adapter for k, (adapter, _, _) in built.items()})
+        return [PipelineStage(adapter, k, self.num_stages, torch.device(device),
+                              input_args=inputs, output_args=outputs, group=group)
+                for k, (adapter, inputs, outputs) in built.items()]
+
+    def _check_launch(self, world_size: int) -> None:
+        if self.unsupported:
+            raise ValueError(self.unsupported)
+        self.check_world_size(world_size)
+
+    def _make_groups(self, adapters: Mapping[int, StageAdapter]) -> None:
+        """The process groups of tied copies (all their holders' ranks) and of each
+        replicated stage's ranks, created in the same order on every rank. ``adapters``:
+        this rank's stages by index; a tied parameter two of them hold becomes one copy."""
+        for copies in self.tied:
+            tied_group = dist.new_group(sorted({rank for j in copies
+                                                for rank in self.ranks_of(j)}))
+            held = [k for k in sorted(adapters) if k in copies]
+            if not held:
+                continue
+            param = adapters[held[0]].stage.get_parameter(copies[held[0]])
+            for k in held:
+                rebind(adapters[k].stage, adapters[k].stage.get_parameter(copies[k]), param)
+                adapters[k].tied.append((tied_group, param))
+        for j in range(self.num_stages):
+            if self.replicas[j] > 1:
+                replica_group = dist.new_group(list(self.ranks_of(j)))
+                if j in adapters:
+                    adapters[j].replica_group = replica_group
+
+    def _table_stage(self, model: nn.Module, rank: int, device: torch.device | str,
+                     example_args: tuple[Any, ...], example_kwargs: dict[str, Any],
+                     checkpoint: str | Path | Mapping[str, torch.Tensor] | None) -> "TableStage":
+        """This rank's replica of its stage, for a plan with uneven replicas."""
+        k, replica = self.position(rank)
+        rows = batch_size((example_args, example_kwargs))
+        if rows is None or any(rows % r for r in self.replicas):
+            raise ValueError(
+                f"the example micro-batch has {rows} rows along dim 0, which do not split "
+                f"into equal chunks for every stage's replicas "
+                f"({'-'.join(map(str, self.replicas))}); use a micro-batch size that is a "
+                f"multiple of each"
+            )
+        adapter, inputs, outputs = self.stage_module(
+            model, k, device, *example_args, checkpoint=checkpoint, **example_kwargs
+        )
+        self._make_groups({k: adapter})
+        return TableStage(self, adapter, k, replica, torch.device(device), inputs, outputs, rows)
+
+    def lane_share(self, value: Any, lane: int, *, microbatches: int, what: str) -> Any:
+        """Lane ``lane``'s rows of ``value`` (see ``microbatch.lane_share``)."""
+        return lane_share(value, lane, self.lanes, microbatches=microbatches, what=what)
+
+    def build_schedule(
+        self,
+        stage: "PipelineStage | TableStage | Sequence[PipelineStage | TableStage]",
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+        *,
+        microbatches: int | None = None,
+        schedule: str | None = None,
+    ) -> Any:
+        """The plan's schedule as torch's: gpipe -> ScheduleGPipe, 1f1b -> Schedule1F1B,
+        interleaved -> ScheduleInterleaved1F1B over the rank's stages. Gradients are
+        divided by M, as the single-process runner does."""
+        kind = schedule or self.schedule
+        m = microbatches or self.microbatches
+        if isinstance(stage, Sequence) and self.virtual_stages > 1:
+            if kind != "interleaved" or m % self.num_ranks:
+                raise ValueError(
+                    f"an interleaved plan runs interleaved 1F1B with a multiple of "
+                    f"{self.num_ranks} micro-batches (got {kind}, M = {m}); split again "
+                    f"to change it")
+            stages = [cast(PipelineStage, s) for s in stage]
+            for s in stages:
+                cast(StageAdapter, s.submod).microbatches = m
+            # torch divides each stage's gradients by M; a tied copy two of this rank's
+            # stages share would be divided twice, so train_step divides once instead
+            return ScheduleInterleaved1F1B(stages, n_microbatches=m,
+                                           loss_fn=on_model_output(stages, loss_fn),
+                                           scale_grads=False)
+        if isinstance(stage, Sequence):
+            (stage,) = stage
+        if isinstance(stage, TableStage):
+            if m != self.microbatches or kind != self.schedule:
+                raise ValueError(
+                    f"a plan with unevenly replicated stages runs its own schedule table "
+                    f"({self.schedule}, M = {self.microbatches}); split again to change it"
+                )
+            return TableSchedule(stage, self.table, m, loss_fn)
+        classes = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+        if kind not in classes:
+            raise ValueError(f"unknown schedule {kind!r}; use one of {sorted(classes)}")
+        if kind == "1f1b" and m < self.num_stages:
+            warnings.warn(
+                f"torch's Schedule1F1B needs at least as many micro-batches ({m}) as stages "
+                f"({self.num_stages}); running ScheduleGPipe, which gives the same gradients",
+                stacklevel=2,
+            )
+            kind = "gpipe"
+        cast(StageAdapter, stage.submod).microbatches = m
+        return classes[kind](stage, n_microbatches=m, loss_fn=on_model_output([stage], loss_fn))
+
+    # -------------------------------------------------------------- running
+
+    def train_step(
+        self, schedule: Any, stage: "PipelineStage | TableStage | Sequence[PipelineStage]",
+        *args: Any, target: Any = None, **kwargs: Any,
+    ) -> torch.Tensor | None:
+        """Forward and backward of one mini-batch (M micro-batches): the first stage
+        feeds ``args``/``kwargs``, the last ``target`` (each lane its share of every
+        micro-batch); then gradients are summed over tied copies and averaged over
+        replicas. Returns the mean loss on the last stage's rank, None elsewhere. Zero
+        grads before. ``stage``: this rank's stage, or the list ``pipeline_stages`` gave."""
+        if isinstance(schedule, TableSchedule):
+            (table_stage,) = _as_list(stage)
+            assert isinstance(table_stage, TableStage)
+            if table_stage.is_first:
+                check_constants(table_stage.submod, self.flatten_inputs(*args, **kwargs))
+            return schedule.step(args, kwargs, target)
+        stages = [cast(PipelineStage, s) for s in _as_list(stage)]
+        first = next((s for s in stages if s.is_first), None)
+        last = next((s for s in stages if s.is_last), None)
+        lane = self.position(dist.get_rank())[1] if self.lanes > 1 else 0
+        m = cast(StageAdapter, stages[0].submod).microbatches
+        feed: list[torch.Tensor] = []
+        if first is not None:
+            adapter = cast(StageAdapter, first.submod)
+            args, kwargs = self.lane_share((args, kwargs), lane, microbatches=m,
+                                           what="the mini-batch")
+            values = self.flatten_inputs(*args, **kwargs)
+            check_constants(adapter, values)
+            feed = [values[name].to(first.device) for name in adapter.receives]
+        losses: list[torch.Tensor] = []
+        if last is not None:
+            target = self.lane_share(target, lane, microbatches=m, what="the target")
+            target = pytree.tree_map_only(torch.Tensor, lambda t: t.to(last.device), target)
+            schedule.step(*feed, target=target, losses=losses)
+        else:
+            schedule.step(*feed)
+        if isinstance(schedule, ScheduleInterleaved1F1B):
+            for param in {id(p): p for s in stages for p in s.submod.parameters()}.values():
+                if param.grad is not None:
+                    param.grad /= m
+        self.reduce_grads(stages)
+        if last is None:
+            return None
+        loss = torch.stack([loss.detach() for loss in losses]).mean()
+        replica_group = cast(StageAdapter, last.submod).replica_group
+        if replica_group is not None:
+            dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=replica_group)
+            loss /= self.lanes
+        return loss
+
+    def reduce_grads(
+        self, stage: "PipelineStage | TableStage | Sequence[PipelineStage | TableStage]",
+    ) -> None:
+        """Sum each tied parameter's gradient over the ranks holding a copy (once per
+        rank, however many of its stages use it); with replicated stages, average every
+        gradient over its stage's replicas."""
+        reduce_grads([cast(StageAdapter, s.submod) for s in _as_list(stage)], self.lanes)
+
+    def _check_stage(self, k: int) -> int:
+        if not 0 <= k < self.num_stages:
+            raise ValueError(f"no stage {k}: this package has stages 0..{self.num_stages - 1}")
+        return k
+
+
+def _as_list(stage: Any) -> list[Any]:
+    """A rank's stages: ``stage`` itself when ``pipeline_stages`` gave a list, else [stage]."""
+    return list(stage) if isinstance(stage, Sequence) else [stage]

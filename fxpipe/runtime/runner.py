@@ -1,0 +1,381 @@
+"""Run pipeline stage modules on a clock-tick schedule, in one process.
+
+# K: stages, M: micro-batches, j/k: a stage, m: a micro-batch.
+
+The schedule (see schedule.py) is a list of ticks of ``(stage, "F" | "B", m)``
+actions; the runner executes them in order. How a step moves values between
+stages is drawn in values.py, how they cross devices in stream.py, replicated
+stages in replicas.py, tied parameters in devices.py and weight stashing in
+stashing.py.
+
+On the CPU (``devices=None``) the ticks run in order on one thread. On CUDA
+every stage runs on its device on its own compute stream.
+
+``step`` accumulates into ``.grad`` exactly as ``loss.backward()`` would: call
+``optimizer.zero_grad()`` before it. Gradients equal the unsplit model's over
+the mini-batch when ``loss_fn`` is a mean over the batch and the micro-batches
+are equal-sized (the mini-batch size is a multiple of M).
+"""
+
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from .devices import Device, device_copies, replica_devices
+from .microbatch import chunk_sizes, concat, merge_replicas, split_microbatches, split_replicas
+from .recompute import rng_restored, rng_state
+from .replicas import batch_sizes, check_replicas
+from .schedule import Action, check_schedule
+from .stashing import Stash, WeightStashes, check_optimizers, check_unshared
+from .stream import Streams
+from .values import GRAPH_INPUT, OnDemand, StepState, Wiring, sum_grads
+
+__all__ = ["PipelineRunner"]
+
+
+class PipelineRunner:
+    """Execute ``stages`` (modules with ``INPUTS``/``OUTPUTS`` name tuples whose
+    forward takes inputs by name and returns a tuple in ``OUTPUTS`` order) on a
+    clock-tick ``schedule`` of ``microbatches`` micro-batches.
+
+    ``replicas[k]`` (default 1) runs stage k data-parallel on that many chunks of
+    every micro-batch, and ``devices[k]`` may then list one device per replica;
+    ``weight_stashing`` makes ``step`` update every stage after each of its
+    backwards with the optimizers it is given (see stashing.py)."""
+
+    def __init__(
+        self,
+        stages: Sequence[nn.Module],
+        devices: Sequence[Device | Sequence[Device]] | None = None,
+        *,
+        schedule: Sequence[Sequence[Action]],
+        microbatches: int,
+        flatten_inputs: Callable[..., dict[str, Any]],
+        build_output: Callable[[dict[str, Any]], Any],
+        recompute: Sequence[bool] | None = None,
+        replicas: Sequence[int] | None = None,
+        weight_stashing: bool = False,
+    ) -> None:
+        num_stages = len(stages)
+        _check_sizes(num_stages, microbatches, devices, recompute)
+        replicas = [1] * num_stages if replicas is None else replicas
+        check_replicas(replicas, num_stages)
+        self.stages = list(stages)
+        self.schedule = [tuple((int(j), str(kind), int(m)) for j, kind, m in tick)
+                         for tick in schedule]
+        self.microbatches = microbatches
+        self.flatten_inputs = flatten_inputs
+        self.build_output = build_output
+        self.recompute = [bool(r) for r in recompute or [False] * num_stages]
+        self.replicas = [int(r) for r in replicas]
+        self.weight_stashing = bool(weight_stashing)
+        check_schedule(self.schedule, num_stages, microbatches)
+        if self.weight_stashing:
+            check_unshared(self.stages)
+        self.wiring = Wiring(self.stages)
+
+        # devices[k]: stage k's own device (its replica 0's); replica_devices[k][i]: replica i's
+        self.devices: list[torch.device] | None = None
+        self.replica_devices: list[list[torch.device]] | None = None
+        if devices is not None:
+            self.replica_devices = [
+                replica_devices(k, d, r)
+                for k, (d, r) in enumerate(zip(devices, self.replicas, strict=True))
+            ]
+            self.devices = [devs[0] for devs in self.replica_devices]
+        self.streams = Streams(self.devices, num_stages)
+        # (k, i) -> Parameters and buffers of stage k copied to replica i's device, bound for
+        # one step/forward by device_copies (absent: replica i runs on the stage's device)
+        self._bound: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+
+    # ------------------------------------------------------------------ API
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Inference on a mini-batch: split it into M micro-batches, run every
+        stage forward under ``no_grad`` and concatenate the outputs along dim 0."""
+        values = self._split(self.flatten_inputs(*args, **kwargs))
+        batch = batch_sizes(values, self.stages, self.replicas)
+        last = len(self.stages) - 1
+        events: list[dict[int, Any]] = [{} for _ in range(self.microbatches)]
+        outputs = []
+        with torch.no_grad(), self._device_copies(), self.streams.joined():
+            for tick in self.schedule:
+                for k, kind, m in tick:
+                    if kind == "F":
+                        self._forward(k, values[m], grad=False, events=events[m],
+                                      batch=batch[m])
+            for m in range(self.microbatches):
+                with self.streams.on(last):
+                    outputs.append(self.build_output(self._lazy(values[m], last, False, events[m])))
+                values[m] = {}
+            with self.streams.on(last):
+                return concat(outputs)
+
+    __call__ = forward
+
+    def step(self, inputs: Any, target: Any, loss_fn: Callable[[Any, Any], torch.Tensor], *,
+             optimizers: Sequence[torch.optim.Optimizer | None] | None = None) -> Any:
+        """Forward and backward of the mini-batch ``inputs`` (a tuple of positional
+        arguments or a dict of keyword arguments) against ``target``; gradients
+        accumulate into the stages' parameters. Returns the mean loss, detached.
+
+        With ``weight_stashing``, ``optimizers`` (one per stage, over that stage's
+        parameters; None for a stage without trainable parameters) update each stage
+        after every micro-batch's backward instead."""
+        check_optimizers(self.stages, self.weight_stashing, optimizers)
+        if isinstance(inputs, Mapping):
+            flat = self.flatten_inputs(**inputs)
+        elif isinstance(inputs, tuple | list):
+            flat = self.flatten_inputs(*inputs)
+        else:
+            flat = self.flatten_inputs(inputs)
+        values = self._split(flat)
+        state = StepState(
+            values=values,
+            targets=split_microbatches(target, self.microbatches, "target"),
+            loss_fn=loss_fn,
+            batch=batch_sizes(values, self.stages, self.replicas),
+            # the live Parameters, before _device_copies binds copies in their place
+            stashes=(WeightStashes(self.stages, optimizers or ())
+                     if self.weight_stashing else None),
+        )
+        with self._device_copies(), self.streams.joined():
+            for tick in self.schedule:
+                for k, kind, m in tick:
+                    if kind == "F":
+                        self._train_forward(k, m, state)
+                    else:
+                        self._backward(k, m, state)
+            total = state.total_loss
+        assert total is not None
+        return total / self.microbatches if self.weight_stashing else total
+
+    # ------------------------------------------------------------ internals
+
+    def _split(self, flat: dict[str, Any]) -> list[dict[str, Any]]:
+        per_name = {name: split_microbatches(v, self.microbatches, f"input {name!r}")
+                    for name, v in flat.items()}
+        return [{name: chunks[m] for name, chunks in per_name.items()}
+                for m in range(self.microbatches)]
+
+    def _device_copies(self) -> contextlib.AbstractContextManager[None]:
+        if self.devices is None or self.replica_devices is None:
+            return contextlib.nullcontext()
+        return device_copies(self.stages, self.devices, self.replica_devices, self._bound)
+
+    def _receive(self, value: Any, producer: int, k: int, event: Any, grad: bool) -> Any:
+        """``value`` (made by ``producer``, -1 for a graph input) as stage k sees it:
+        on k's device, ordered after ``event``; stage outputs become detached leaves
+        with the producer's requires_grad when ``grad`` (a recomputed producer ran
+        under no_grad, so every floating-point leaf of it may need a gradient)."""
+        leaves, spec = pytree.tree_flatten(value)
+        if not any(isinstance(x, torch.Tensor) for x in leaves):
+            return value
+        dev = self.streams.device(k)
+        out = []
+        for x in leaves:
+            if isinstance(x, torch.Tensor):
+                if producer != GRAPH_INPUT:
+                    x = self.streams.move(x, producer, k, event)
+                    if grad:
+                        needs_grad = x.requires_grad or (
+                            self.recompute[producer] and (x.is_floating_point() or x.is_complex())
+                        )
+                        x = x.detach().requires_grad_(needs_grad)
+                elif dev is not None and x.device != dev:
+                    x = x.to(dev)  # a graph input: differentiable, on k's stream
+            out.append(x)
+        return pytree.tree_unflatten(out, spec)
+
+    def _get(self, values: Mapping[str, Any], name: str, k: int, grad: bool,
+             events: Mapping[int, Any]) -> Any:
+        """The value ``name`` as stage k receives it."""
+        if name not in values:
+            raise KeyError(
+                f"Stage {k} reads {name!r}, which no earlier stage produced and "
+                f"flatten_inputs did not return (it has {sorted(values)})."
+            )
+        p = self.wiring.producer_of(name)
+        if p == k:
+            return values[name]  # the last stage's own outputs, read by the loss
+        return self._receive(values[name], p, k, events.get(p), grad)
+
+    def _lazy(self, values: Mapping[str, Any], k: int, grad: bool,
+              events: Mapping[int, Any]) -> OnDemand:
+        """A dict for ``build_output`` that receives a value on stage k's device
+        only when it is read (so unread activations never move)."""
+        return OnDemand(values, lambda name: self._get(values, name, k, grad, events))
+
+    def _run_stage(self, k: int, inputs: dict[str, Any], batch: int | None,
+                   stash: Stash | None) -> tuple[Any, ...]:
+        """Stage k on one micro-batch of ``batch`` samples: whole, or split along
+        dim 0 among its replicas and concatenated back (see replicas.py)."""
+        r = self.replicas[k]
+        if r == 1:
+            return self._run_replica(k, 0, inputs, stash)
+        assert batch is not None and batch >= r, (k, batch, r)  # checked by batch_sizes
+        chunks = split_replicas(inputs, batch, r)
+        outputs = [self._run_replica(k, i, chunk, stash) for i, chunk in enumerate(chunks)]
+        return tuple(merge_replicas(outputs, chunk_sizes(batch, r)))
+
+    def _run_replica(self, k: int, i: int, inputs: dict[str, Any],
+                     stash: Stash | None) -> tuple[Any, ...]:
+        """Replica i of stage k on its inputs: the module itself, or with the
+        stashed Parameters and/or the copies bound on replica i's device."""
+        stage = self.stages[k]
+        bound = self._bound.get((k, i))
+        if bound is None:
+            params = stash
+        else:  # replica i on another device than the stage's: inputs and weights go there
+            dev = self.replica_devices[k][i] if self.replica_devices is not None else None
+            inputs = _to_device(inputs, dev)
+            params = bound if stash is None else {
+                **bound, **{name: t.to(dev) for name, t in stash.items()}
+            }
+        if params is None:
+            outputs = stage(**inputs)
+        else:
+            outputs = torch.func.functional_call(stage, params, (), inputs)
+        expected = self.wiring.outputs[k]
+        if not isinstance(outputs, tuple) or len(outputs) != len(expected):
+            got = f"a tuple of {len(outputs)}" if isinstance(outputs, tuple) else type(outputs)
+            raise TypeError(
+                f"Stage {k} returned {got}, expected a tuple of its {len(expected)} "
+                f"OUTPUTS {expected}."
+            )
+        if bound is not None:
+            outputs = _to_device(outputs, self.streams.device(k))
+        return outputs
+
+    def _forward(self, k: int, values: dict[str, Any], grad: bool, events: dict[int, Any],
+                 batch: int | None, stash: Stash | None = None) -> tuple[dict[str, Any], Any]:
+        """Stage k's forward on one micro-batch's ``values``; records its event."""
+        with self.streams.on(k):
+            inputs = {name: self._get(values, name, k, grad, events)
+                      for name in self.wiring.inputs[k]}
+            outputs = self._run_stage(k, inputs, batch, stash)
+            values.update(zip(self.wiring.outputs[k], outputs, strict=True))
+        events[k] = self.streams.record(k)
+        return inputs, outputs
+
+    def _train_forward(self, k: int, m: int, state: StepState) -> None:
+        values = state.values[m]
+        events = state.fwd_events[m]
+        stash = None
+        if state.stashes is not None:
+            with self.streams.on(k):
+                stash = state.stashes.stash(k, self.streams.device(k))
+        if self.recompute[k]:
+            rng = rng_state(self.streams.device(k))
+            with torch.no_grad():
+                inputs, _ = self._forward(k, values, True, events, state.batch[m], stash)
+            state.saved[(k, m)] = (inputs, None, rng, stash)
+        else:
+            inputs, outputs = self._forward(k, values, True, events, state.batch[m], stash)
+            state.saved[(k, m)] = (inputs, outputs, None, stash)
+        if k == len(self.stages) - 1 and not self.recompute[k]:
+            state.losses[m] = self._loss(k, m, state)
+
+    def _loss(self, k: int, m: int, state: StepState) -> tuple[torch.Tensor, dict[str, Any]]:
+        """loss_fn(build_output(values of m), target of m) / M on the last stage (not
+        divided with weight stashing); returns it with the values build_output read
+        (leaves for earlier stages')."""
+        values = state.values[m]
+        with self.streams.on(k):
+            out_in = self._lazy(values, k, True, state.fwd_events[m])
+            target = _to_device(state.targets[m], self.streams.device(k))
+            loss = state.loss_fn(self.build_output(out_in), target)
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                raise TypeError(f"loss_fn must return a scalar tensor, got {loss!r}.")
+            if not self.weight_stashing:  # with it every micro-batch is its own update
+                loss = loss / self.microbatches
+            total = loss.detach()
+            state.total_loss = total if state.total_loss is None else state.total_loss + total
+        return loss, out_in
+
+    def _backward(self, k: int, m: int, state: StepState) -> None:
+        inputs, outputs, rng, stash = state.saved.pop((k, m))
+        values = state.values[m]
+        with self.streams.on(k):
+            if self.recompute[k]:
+                with torch.enable_grad(), rng_restored(self.streams.device(k), rng):
+                    outputs = self._run_stage(k, inputs, state.batch[m], stash)
+                values.update(zip(self.wiring.outputs[k], outputs, strict=True))
+            tensors, grads, loss_inputs = self._output_grads(k, m, outputs, state)
+            if tensors:
+                torch.autograd.backward(tensors, grads)
+            done = self.streams.record(k)
+            for name, leaf_value in [*inputs.items(), *dict.items(loss_inputs)]:
+                p = self.wiring.producer_of(name)
+                if p in (GRAPH_INPUT, k):
+                    continue
+                leaf_grads = [x.grad if isinstance(x, torch.Tensor) else None
+                              for x in pytree.tree_leaves(leaf_value)]
+                if all(g is None for g in leaf_grads):
+                    continue
+                state.grads[m].setdefault(name, []).append(
+                    self.streams.send_grads(leaf_grads, p, done)
+                )
+            if stash is not None:
+                assert state.stashes is not None
+                state.stashes.update(k, stash)
+        for name in self.wiring.outputs[k]:  # no later stage reads them any more
+            values.pop(name, None)
+        state.fwd_events[m].pop(k, None)
+
+    def _output_grads(self, k: int, m: int, outputs: Any, state: StepState
+                      ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], dict[str, Any]]:
+        """What B(k, m) differentiates: (tensors, their gradients, the values the loss
+        read): the loss on the last stage, and each output with the gradients its
+        consumers sent, summed."""
+        tensors: list[torch.Tensor] = []
+        grads: list[torch.Tensor | None] = []
+        loss_inputs: dict[str, Any] = {}
+        if k == len(self.stages) - 1:
+            if self.recompute[k]:
+                with torch.enable_grad():
+                    state.losses[m] = self._loss(k, m, state)
+            loss, loss_inputs = state.losses.pop(m)
+            tensors.append(loss)
+            grads.append(None)
+        for name, out in zip(self.wiring.outputs[k], outputs, strict=True):
+            contributions = state.grads[m].pop(name, [])
+            for _g, event in contributions:
+                self.streams.wait(k, event)
+            summed = sum_grads([g for g, _e in contributions])
+            if summed is None:
+                continue
+            for t, g in zip(pytree.tree_leaves(out), summed, strict=True):
+                if isinstance(t, torch.Tensor) and t.requires_grad and g is not None:
+                    tensors.append(t)
+                    grads.append(g)
+        return tensors, grads, loss_inputs
+
+
+def _check_sizes(num_stages: int, microbatches: int, devices: Sequence[Any] | None,
+                 recompute: Sequence[bool] | None) -> None:
+    if num_stages < 1:
+        raise ValueError("PipelineRunner needs at least one stage.")
+    if microbatches < 1:
+        raise ValueError(f"Number of micro-batches ({microbatches}) must be at least 1.")
+    if devices is not None and len(devices) != num_stages:
+        raise ValueError(
+            f"Got {len(devices)} devices for {num_stages} stages: pass one device per "
+            f"stage (or devices=None to run every stage on the CPU in order)."
+        )
+    if recompute is not None and len(recompute) != num_stages:
+        raise ValueError(
+            f"recompute has {len(recompute)} entries for {num_stages} stages: pass one "
+            f"bool per stage."
+        )
+
+
+def _to_device(value: Any, dev: torch.device | None) -> Any:
+    """``value`` with its tensor leaves copied to ``dev`` (differentiably)."""
+    if dev is None:
+        return value
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(dev), value)

@@ -1,0 +1,62 @@
+"""The dependencies of a clock-tick schedule, and the check that a table keeps them.
+
+# K: stages, M: micro-batches, j: a stage, m: a micro-batch.
+
+A schedule is a list of clock ticks, each a tuple of ``(stage, "F" | "B", m)``
+actions that may run at the same time. 1F1B with K = 3, M = 4::
+
+    stage 0 | F0 F1 F2 .. .. B0 F3 B1 .. B2 .. B3
+    stage 1 | .. F0 F1 .. B0 F2 B1 F3 B2 .. B3 ..
+    stage 2 | .. .. F0 B0 F1 B1 F2 B2 F3 B3 .. ..
+              ── tick ──►      Fm: forward of micro-batch m, Bm: its backward
+
+F(j, m) runs after F(j - 1, m); B(j, m) after F(j, m) and B(j + 1, m), "after"
+meaning in a strictly earlier tick. This module is the one statement of that
+rule: the runner checks its table with it, and the compiler builds, validates
+and times its tables with it.
+"""
+
+from collections.abc import Sequence
+
+__all__ = ["Action", "check_schedule", "dependencies"]
+
+Action = tuple[int, str, int]  # (stage, "F" | "B", microbatch)
+
+
+def dependencies(action: Action, num_stages: int) -> list[Action]:
+    """The actions that must finish in an earlier tick before ``action`` runs."""
+    j, kind, m = action
+    if kind == "F":
+        return [(j - 1, "F", m)] if j > 0 else []
+    deps = [(j, "F", m)]
+    if j < num_stages - 1:
+        deps.append((j + 1, "B", m))
+    return deps
+
+
+def check_schedule(schedule: Sequence[Sequence[Action]], num_stages: int, num_mb: int) -> None:
+    """Raise ValueError unless the schedule runs each (stage, F/B, m) once, in
+    dependency order."""
+    done: set[Action] = set()
+    for t, tick in enumerate(schedule):
+        this_tick: set[Action] = set()
+        for action in tick:
+            j, kind, m = action
+            if not (0 <= j < num_stages and kind in ("F", "B") and 0 <= m < num_mb):
+                raise ValueError(
+                    f"Schedule tick {t} has {action}, outside {num_stages} stages x "
+                    f"{num_mb} micro-batches: regenerate the schedule for this runner."
+                )
+            if action in done or action in this_tick:
+                raise ValueError(f"Schedule runs {action} twice (again in tick {t}).")
+            this_tick.add(action)
+            missing = [d for d in dependencies(action, num_stages) if d not in done]
+            if missing:
+                raise ValueError(f"Schedule tick {t} runs {action} before {missing}.")
+        done.update(this_tick)
+    expected = num_stages * num_mb * 2
+    if len(done) != expected:
+        raise ValueError(
+            f"Schedule has {len(done)} actions, expected {expected} "
+            f"({num_stages} stages x {num_mb} micro-batches x forward and backward)."
+        )

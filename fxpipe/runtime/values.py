@@ -1,0 +1,124 @@
+"""The values of a pipeline step: which stage makes and reads each, and what a
+step keeps per micro-batch.
+
+How a step moves data::
+
+    values[m]: name -> value          (graph inputs, split along dim 0, and every
+         │                              stage output of micro-batch m)
+         ├─► F(k, m): inputs = detached leaves of values[m][name] for name in INPUTS,
+         │            requires_grad copied from the producer; outputs -> values[m]
+         │            (k = K - 1: loss_m = loss_fn(build_output(values[m]), target_m) / M)
+         └─◄ B(k, m): torch.autograd.backward(outputs that require grad, their grads)
+                      (k = K - 1: the loss); the grads of k's input leaves are
+                      added to grads[m][name] of the producer, summed over consumers
+"""
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from .stashing import Stash, WeightStashes
+
+__all__ = ["GRAPH_INPUT", "OnDemand", "StepState", "Wiring", "sum_grads"]
+
+GRAPH_INPUT = -1  # producer index of a value that comes from the caller
+
+
+class Wiring:
+    """Each stage's INPUTS and OUTPUTS names, and the stage that produces each value;
+    checks that every value has one producer, earlier than its readers."""
+
+    def __init__(self, stages: Sequence[nn.Module]) -> None:
+        self.inputs: list[tuple[str, ...]] = []
+        self.outputs: list[tuple[str, ...]] = []
+        self.producer: dict[str, int] = {}
+        for k, stage in enumerate(stages):
+            try:
+                ins = tuple(getattr(stage, "INPUTS"))  # noqa: B009 (class attributes, not Tensors)
+                outs = tuple(getattr(stage, "OUTPUTS"))  # noqa: B009
+            except AttributeError:
+                raise TypeError(
+                    f"Stage {k} ({type(stage).__name__}) has no INPUTS/OUTPUTS class "
+                    f"attributes: stages must name the values they read and produce."
+                ) from None
+            self.inputs.append(ins)
+            self.outputs.append(outs)
+            for name in outs:
+                if name in self.producer:
+                    raise ValueError(
+                        f"Value {name!r} is produced by stage {self.producer[name]} and "
+                        f"stage {k}: every value must have one producer."
+                    )
+                self.producer[name] = k
+        for k, ins in enumerate(self.inputs):
+            for name in ins:
+                p = self.producer_of(name)
+                if p >= k:
+                    raise ValueError(
+                        f"Stage {k} reads {name!r}, produced by stage {p}: a stage can only "
+                        f"read values of earlier stages or graph inputs."
+                    )
+
+    def producer_of(self, name: str) -> int:
+        return self.producer.get(name, GRAPH_INPUT)
+
+
+class OnDemand(dict[str, Any]):
+    """A dict whose entries are fetched from ``source`` by ``fetch`` on first read
+    (``d[name]``, ``d.get(name)``, ``name in d``); iterating it shows only the
+    entries read so far."""
+
+    def __init__(self, source: Mapping[str, Any], fetch: Callable[[str], Any]) -> None:
+        super().__init__()
+        self._source = source
+        self._fetch = fetch
+
+    def __missing__(self, name: str) -> Any:
+        value = self._fetch(name)
+        self[name] = value
+        return value
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._source
+
+    def get(self, name: str, default: Any = None) -> Any:
+        return self[name] if name in self._source else default
+
+
+class StepState:
+    """Everything one ``step`` keeps per micro-batch."""
+
+    def __init__(self, values: list[dict[str, Any]], targets: list[Any],
+                 loss_fn: Callable[[Any, Any], torch.Tensor], batch: list[int | None],
+                 stashes: WeightStashes | None) -> None:
+        num_mb = len(values)
+        self.values = values  # m -> name -> value
+        self.targets = targets
+        self.loss_fn = loss_fn
+        self.batch = batch  # m -> batch size (split among a replicated stage's replicas)
+        # m -> name -> [(per-leaf grads from one consumer, event to wait for)]
+        self.grads: list[dict[str, list[tuple[list[torch.Tensor | None], Any]]]] = [
+            {} for _ in range(num_mb)
+        ]
+        self.fwd_events: list[dict[int, Any]] = [{} for _ in range(num_mb)]  # m -> k -> event
+        # (k, m) -> (input leaves, outputs or None when recomputed, RNG state or None,
+        #            the stashed weights F(k, m) used or None)
+        self.saved: dict[tuple[int, int], tuple[dict[str, Any], Any, Any, Stash | None]] = {}
+        self.losses: dict[int, tuple[torch.Tensor, dict[str, Any]]] = {}
+        self.total_loss: torch.Tensor | None = None
+        self.stashes = stashes  # weight stashing's versions, None without it
+
+
+def sum_grads(contributions: list[list[torch.Tensor | None]]) -> list[torch.Tensor | None] | None:
+    """Per-leaf sum of the gradients each consumer sent for one value."""
+    if not contributions:
+        return None
+    total = list(contributions[0])
+    for grads in contributions[1:]:
+        for i, g in enumerate(grads):
+            if g is not None:
+                acc = total[i]
+                total[i] = g if acc is None else acc + g
+    return total
