@@ -1,0 +1,57 @@
+"""fxpipe.runtime.microbatch: the one owner of batch splitting, and its inverses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fxpipe.runtime.microbatch import (
+    batch_size,
+    chunk_sizes,
+    concat,
+    lane_share,
+    merge_replicas,
+    rows_of,
+    split_microbatches,
+    split_replicas,
+)
+
+
+def test_split_then_concat_is_the_identity() -> None:
+    value = {"x": torch.arange(12.0).reshape(6, 2), "scale": 2.0, "step": torch.tensor(3)}
+    parts = split_microbatches(value, 3)
+    assert [p["x"].shape[0] for p in parts] == [2, 2, 2]
+    assert all(p["scale"] == 2.0 and p["step"] is value["step"] for p in parts)
+    merged = concat(parts)
+    torch.testing.assert_close(merged["x"], value["x"])
+    assert merged["scale"] == 2.0
+    torch.testing.assert_close(merged["step"], torch.tensor([3, 3, 3]))  # 0-dim: stacked
+
+
+def test_split_checks_the_batch_when_named() -> None:
+    with pytest.raises(ValueError, match="batch size 2, fewer than the 3 micro-batches"):
+        split_microbatches(torch.zeros(2, 4), 3, "input 'x'")
+    with pytest.warns(UserWarning, match="not a multiple of 2"):
+        split_microbatches(torch.zeros(5, 4), 2, "input 'x'")
+
+
+def test_replicas_split_only_batched_leaves_and_merge_back() -> None:
+    mask = torch.ones(1, 1, 5, 5)  # dim 0 is not the batch: whole to every replica
+    x = torch.arange(10.0).reshape(5, 2)
+    parts = split_replicas({"x": x, "mask": mask}, 5, 2)
+    assert [p["x"].shape[0] for p in parts] == chunk_sizes(5, 2) == [3, 2]
+    assert all(p["mask"] is mask for p in parts)
+    merged = merge_replicas([(p["x"], p["mask"]) for p in parts], chunk_sizes(5, 2))
+    torch.testing.assert_close(merged[0], x)
+    assert merged[1] is mask
+
+
+def test_batch_size_rows_and_lanes() -> None:
+    x = torch.arange(8.0).reshape(8, 1)
+    assert batch_size((3.0, torch.tensor(1), x)) == 8 and batch_size((1.0,)) is None
+    torch.testing.assert_close(rows_of({"x": x}, 2, 4, 8)["x"], x[2:4])
+    # lane 1 of 2 over 2 micro-batches of 4 rows: rows 2-3 of each micro-batch
+    torch.testing.assert_close(lane_share(x, 1, 2, microbatches=2, what="x"),
+                               x[[2, 3, 6, 7]])
+    with pytest.raises(ValueError, match="multiple of 4"):
+        lane_share(torch.zeros(6, 1), 0, 2, microbatches=2, what="the mini-batch")
