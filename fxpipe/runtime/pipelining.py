@@ -269,7 +269,7 @@ class DistributedPipeline(RankLayout):
                     f"an interleaved plan runs interleaved 1F1B with a multiple of "
                     f"{self.num_ranks} micro-batches (got {kind}, M = {m}); split again "
                     f"to change it")
-            stages = [cast(PipelineStage, s) for s in stage]
+            stages: list[Any] = [cast(PipelineStage, s) for s in stage]
             for s in stages:
                 cast(StageAdapter, s.submod).microbatches = m
             # torch divides each stage's gradients by M; a tied copy two of this rank's
@@ -302,7 +302,8 @@ class DistributedPipeline(RankLayout):
     # -------------------------------------------------------------- running
 
     def train_step(
-        self, schedule: Any, stage: "PipelineStage | TableStage | Sequence[PipelineStage]",
+        self, schedule: Any,
+        stage: "PipelineStage | TableStage | Sequence[PipelineStage | TableStage]",
         *args: Any, target: Any = None, **kwargs: Any,
     ) -> torch.Tensor | None:
         """Forward and backward of one mini-batch (M micro-batches): the first stage
