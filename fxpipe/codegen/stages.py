@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import ast
 import builtins
-import io
 import math
 import re
 import textwrap
-import tokenize
 import types
 from dataclasses import dataclass
 
@@ -33,12 +31,10 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from fxpipe import meta
+from fxpipe.codegen.wrap import LINE_LENGTH, wrap_line
 from fxpipe.partition.plan import Plan
 
 __all__ = ["LINE_LENGTH", "PlanError", "StageIO", "stage_io", "stage_source", "wrap_line"]
-
-LINE_LENGTH = 100  # the runtime copied into runner.py is written to 100 columns
-
 
 class PlanError(ValueError):
     """The plan does not fit the traced graph."""
@@ -466,80 +462,7 @@ def _isort_key(name: str) -> tuple[int, str]:
     return kind, name.lower()
 
 
-# ---------------------------------------------------------------------------- wrapping
-
-
-def wrap_line(line: str, limit: int = LINE_LENGTH) -> list[str]:
-    """Split a too-long line at the top-level commas of its last bracket pair.
-
-    ``x = f(a, b, c)`` becomes ``x = f(`` / one argument per line / ``)``; a line
-    that stays too long after that is marked ``# noqa: E501``.
-    """
-    if len(line) <= limit:
-        return [line]
-    indent = line[: len(line) - len(line.lstrip())]
-    try:
-        tokens = list(tokenize.generate_tokens(io.StringIO(line.strip() + "\n").readline))
-    except (tokenize.TokenError, SyntaxError):
-        return [line + "  # noqa: E501"]
-    text = line.strip()
-    # the opening bracket whose partner closes the statement
-    depth = 0
-    opens: list[int] = []
-    pairs: dict[int, int] = {}
-    offsets = _offsets(text)
-    for token in tokens:
-        if token.type != tokenize.OP:
-            continue
-        at = offsets[token.start[0] - 1] + token.start[1]
-        if token.string in "([{":
-            opens.append(at)
-            depth += 1
-        elif token.string in ")]}":
-            pairs[opens.pop()] = at
-            depth -= 1
-    end = len(text.rstrip(":").rstrip()) - 1
-    if text.endswith(":"):
-        end = len(text) - 2
-    start = next((o for o, c in pairs.items() if c == end), None)
-    if start is None:
-        return [line + "  # noqa: E501"]
-    # top-level commas inside (start, end)
-    commas = []
-    depth = 0
-    for token in tokens:
-        at = offsets[token.start[0] - 1] + token.start[1]
-        if not start < at < end or token.type != tokenize.OP:
-            continue
-        if token.string in "([{":
-            depth += 1
-        elif token.string in ")]}":
-            depth -= 1
-        elif token.string == "," and depth == 0:
-            commas.append(at)
-    parts = []
-    begin = start + 1
-    for comma in [*commas, end]:
-        part = text[begin:comma].strip()
-        if part:
-            parts.append(part)
-        begin = comma + 1
-    if not parts:
-        return [line + "  # noqa: E501"]
-    inner = indent + "    "
-    lines = [indent + text[: start + 1]]
-    for part in parts:
-        piece = f"{inner}{part},"
-        lines.append(piece if len(piece) <= limit else piece + "  # noqa: E501")
-    lines.append(indent + text[end:])
-    return lines
-
-
-def _offsets(text: str) -> list[int]:
-    offsets = [0]
-    for row in text.splitlines(keepends=True):
-        offsets.append(offsets[-1] + len(row))
-    return offsets
+# ---------------------------------------------------------------------------- words
 
 
 def _wrap_words(text: str, limit: int) -> list[str]:

@@ -1,0 +1,81 @@
+"""Generated code means what the graph means: models whose stage lines are long
+enough to wrap, functions marked with ``torch.fx.wrap``, constants that
+``torch.export`` lifts. Each is split and compared with the unsplit model (outputs
+and gradients, float64)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from fxpipe.frontend import trace
+
+from ._models import grads, import_package, leaves, run_stages, write_package
+from ._plans import contiguous_plan
+
+
+def _assert_transparent(tmp_path: Path, model: nn.Module, args: tuple, k: int = 2) -> dict:
+    """Split ``model`` into ``k`` stages, run them in sequence, compare with the model;
+    returns the generated files."""
+    model = model.double()
+    args = tuple(a.double() if a.is_floating_point() else a for a in args)
+    tr = trace(model, args)
+    plan = contiguous_plan(tr.gm.graph, k)
+    files = write_package(tmp_path / "pkg", tr, plan)
+    package = import_package(tmp_path / "pkg")
+    stages = package.build_stages(model)
+
+    model.zero_grad(set_to_none=True)
+    got = run_stages(package, stages, args, {})
+    sum(leaf.sum() for leaf in leaves(got)).backward()
+    split_grads = grads(model)
+    model.zero_grad(set_to_none=True)
+    want = model(*args)
+    sum(leaf.sum() for leaf in leaves(want)).backward()
+    model_grads = grads(model)
+    model.zero_grad(set_to_none=True)
+
+    for a, b in zip(leaves(got), leaves(want), strict=True):
+        assert a.shape == b.shape and torch.equal(a, b)
+    assert sorted(split_grads) == sorted(model_grads)
+    for key, value in model_grads.items():
+        assert torch.equal(split_grads[key], value), key
+    return files
+
+
+class _Backbone(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.final_layer_normalization_of_the_encoder_stack_out = nn.LayerNorm(6)
+
+
+class ClsPooling(nn.Module):
+    """A CLS-token pooling ``h[:, 0]`` read from a module with a long dotted name: the
+    index line is longer than the line length."""
+
+    def __init__(self, index: tuple) -> None:
+        super().__init__()
+        self.index = index
+        self.vision_transformer_backbone = _Backbone()
+        self.embed = nn.Linear(4, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        h = self.vision_transformer_backbone.final_layer_normalization_of_the_encoder_stack_out(h)
+        return self.head(h[self.index])
+
+
+@pytest.mark.parametrize(
+    "index", [(slice(None), 0), (1, 0)], ids=["cls-token", "integers-only"]
+)
+def test_a_wrapped_index_selects_the_same_elements(tmp_path: Path, index: tuple) -> None:
+    torch.manual_seed(0)
+    files = _assert_transparent(tmp_path, ClsPooling(index), (torch.randn(3, 5, 4),))
+    text = files["stage0.py"] + files["stage1.py"]
+    long_name = "vision_transformer_backbone_final_layer_normalization_of_the_encoder_stack_out"
+    assert f"{long_name}[" in text  # the line that has to wrap is there
+    assert all(len(line) <= 100 or line.endswith("# noqa: E501") for line in text.splitlines())
