@@ -79,3 +79,56 @@ def test_a_wrapped_index_selects_the_same_elements(tmp_path: Path, index: tuple)
     long_name = "vision_transformer_backbone_final_layer_normalization_of_the_encoder_stack_out"
     assert f"{long_name}[" in text  # the line that has to wrap is there
     assert all(len(line) <= 100 or line.endswith("# noqa: E501") for line in text.splitlines())
+
+
+MODEL_FILE = '''
+import torch
+from torch import nn
+
+from tests.codegen._wrapped import Residual
+
+
+@torch.fx.wrap
+def drop_path(x, p: float, training: bool):
+    if not training or p == 0.0:
+        return x
+    keep = torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)
+    return x * keep / (1.0 - p)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(4, 6)
+        self.block = Residual(6, 0.5)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = drop_path(self.embed(x), 0.25, self.training)
+        h = self.block(torch.relu(h))
+        return self.head(drop_path(h, 0.5, self.training))
+
+
+def build_model():
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(3, 4),)
+'''
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_functions_marked_with_fx_wrap_are_called_by_name(tmp_path: Path, k: int) -> None:
+    from fxpipe.frontend import load_model_file
+
+    (tmp_path / "model.py").write_text(MODEL_FILE, encoding="utf-8")
+    source = load_model_file(str(tmp_path / "model.py"))
+    files = _assert_transparent(tmp_path, source.model, source.args, k)
+    text = "".join(v for name, v in files.items() if name.startswith("stage"))
+    assert "torch.fx._symbolic_trace.wrap" not in text
+    # the node is named scaled_residual too: the library function is called by its path
+    assert "\nimport tests.codegen._wrapped\n" in text
+    assert "= tests.codegen._wrapped.scaled_residual(" in text
+    assert "self.drop_path(" in text
+    assert "self.drop_path = sys.modules[type(model).__module__].drop_path" in text
