@@ -132,3 +132,47 @@ def test_functions_marked_with_fx_wrap_are_called_by_name(tmp_path: Path, k: int
     assert "= tests.codegen._wrapped.scaled_residual(" in text
     assert "self.drop_path(" in text
     assert "self.drop_path = sys.modules[type(model).__module__].drop_path" in text
+
+
+def test_constants_lifted_by_export_are_ops_of_the_stage(tmp_path: Path) -> None:
+    """Falcon's attention builds ``torch.tensor([-2])`` in forward; export lifts it to
+    an attribute that is neither a parameter nor a buffer. The pipeline trains it
+    transparently: loss, outputs and gradients of ``step`` equal the model's."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.FalconConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        new_decoder_architecture=False, multi_query=True, alibi=False, use_cache=False,
+    )
+    model = transformers.FalconForCausalLM(config).double()
+    inputs = {"input_ids": torch.randint(0, 64, (2, 6))}
+    tr = trace(model, (), inputs)
+    assert tr.tracer == "export"
+    assert not any("lifted_tensor" in str(n.target) for n in tr.gm.graph.nodes)
+    plan = contiguous_plan(tr.gm.graph, 3, schedule="1f1b", microbatches=2)
+    files = write_package(tmp_path / "pkg", tr, plan)
+    assert "torch.tensor([-2], dtype=torch.int64, device=stage_device)" in "".join(files.values())
+    package = import_package(tmp_path / "pkg")
+    runner = package.PipelineRunner(package.build_stages(model))
+
+    def loss_fn(output: dict, target: object) -> torch.Tensor:
+        return output["logits"].pow(2).mean()
+
+    batch = {"input_ids": torch.randint(0, 64, (4, 6))}
+    model.zero_grad(set_to_none=True)
+    loss = runner.step(batch, None, loss_fn)
+    pipeline_grads = grads(model)
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        pipeline_out = runner.forward(**batch)
+    want = model(**batch)
+    want_loss = loss_fn(want, None)
+    want_loss.backward()
+    model_grads = grads(model)
+    model.zero_grad(set_to_none=True)
+
+    torch.testing.assert_close(torch.as_tensor(loss), want_loss.detach())
+    torch.testing.assert_close(pipeline_out["logits"], want["logits"].detach())
+    assert sorted(pipeline_grads) == sorted(model_grads)
+    for key, value in model_grads.items():
+        torch.testing.assert_close(pipeline_grads[key], value, msg=lambda m, key=key: f"{key}: {m}")
