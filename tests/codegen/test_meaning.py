@@ -13,7 +13,7 @@ from torch import nn
 
 from fxpipe.frontend import trace
 
-from ._models import grads, import_package, leaves, run_stages, write_package
+from ._models import grads, import_package, leaves, ruff, run_stages, write_package
 from ._plans import contiguous_plan
 
 
@@ -25,6 +25,7 @@ def _assert_transparent(tmp_path: Path, model: nn.Module, args: tuple, k: int = 
     tr = trace(model, args)
     plan = contiguous_plan(tr.gm.graph, k)
     files = write_package(tmp_path / "pkg", tr, plan)
+    assert ruff(tmp_path / "pkg") == ""
     package = import_package(tmp_path / "pkg")
     stages = package.build_stages(model)
 
@@ -152,6 +153,7 @@ def test_constants_lifted_by_export_are_ops_of_the_stage(tmp_path: Path) -> None
     plan = contiguous_plan(tr.gm.graph, 3, schedule="1f1b", microbatches=2)
     files = write_package(tmp_path / "pkg", tr, plan)
     assert "torch.tensor([-2], dtype=torch.int64, device=stage_device)" in "".join(files.values())
+    assert ruff(tmp_path / "pkg") == ""
     package = import_package(tmp_path / "pkg")
     runner = package.PipelineRunner(package.build_stages(model))
 
