@@ -238,6 +238,7 @@ def trace(
     gm = program.module()
     assert isinstance(gm, torch.fx.GraphModule)
     _drop_export_checks(gm)
+    _inline_lifted_constants(gm)
     flat = tuple(pytree.tree_leaves((args, kwargs)))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     assert len(flat) == len(placeholders), (len(flat), len(placeholders))
@@ -285,6 +286,47 @@ def _drop_export_checks(gm: torch.fx.GraphModule) -> None:
                 gm.delete_submodule("_guards_fn")
     # A tied parameter appears once per name; only the one export reads has users.
     gm.graph.eliminate_dead_code()
+    gm.recompile()
+
+
+_LIFTED_LIMIT = 64  # elements: a constant up to this size reads well as a literal
+
+
+def _inline_lifted_constants(gm: torch.fx.GraphModule) -> None:
+    """Tensors that forward creates from Python values (``torch.tensor([-2])``) are
+    lifted by export into attributes that are neither parameters nor buffers, which
+    no stage can bind from the model. Each read becomes the op that makes the
+    tensor, ``torch.tensor(values, dtype=..., device=...)``, an ordinary op of the
+    stage that reads it (the code generator moves ``device`` to the stage's);
+    export's ``lift_fresh_copy`` of it, a copy of a fresh tensor, goes with it."""
+    state = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+    state |= {name for name, _ in gm.named_buffers(remove_duplicate=False)}
+    for node in list(gm.graph.nodes):
+        if node.op != "get_attr" or str(node.target) in state:
+            continue
+        owner, _, leaf = str(node.target).rpartition(".")
+        value = getattr(gm.get_submodule(owner), leaf)
+        if not isinstance(value, torch.Tensor):
+            continue
+        if value.is_meta or value.numel() > _LIFTED_LIMIT:
+            raise TraceError(
+                f"torch.export lifted a constant tensor {node.target} of shape "
+                f"{tuple(value.shape)} that forward creates; fxpipe writes such constants "
+                f"as literals up to {_LIFTED_LIMIT} elements: register it as a buffer "
+                "(self.register_buffer) in __init__ instead"
+            )
+        with gm.graph.inserting_before(node):
+            literal = gm.graph.call_function(
+                torch.tensor, (value.tolist(),), {"dtype": value.dtype, "device": value.device}
+            )
+        literal.meta = dict(node.meta)
+        for user in list(node.users):
+            if user.target is torch.ops.aten.lift_fresh_copy.default:
+                user.replace_all_uses_with(literal)
+                gm.graph.erase_node(user)
+        node.replace_all_uses_with(literal)
+        gm.graph.erase_node(node)
+        delattr(gm.get_submodule(owner), leaf)
     gm.recompile()
 
 

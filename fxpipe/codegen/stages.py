@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import ast
 import builtins
+import inspect
 import io
 import math
 import re
+import sys
 import textwrap
 import tokenize
 import types
@@ -33,12 +35,10 @@ import torch.fx
 from torch.utils import _pytree as pytree
 
 from fxpipe import meta
+from fxpipe.codegen.wrap import LINE_LENGTH, wrap_line
 from fxpipe.partition.plan import Plan
 
 __all__ = ["LINE_LENGTH", "PlanError", "StageIO", "stage_io", "stage_source", "wrap_line"]
-
-LINE_LENGTH = 100  # the runtime copied into runner.py is written to 100 columns
-
 
 class PlanError(ValueError):
     """The plan does not fit the traced graph."""
@@ -137,10 +137,29 @@ def _sub_graph(graph: torch.fx.Graph, io: StageIO) -> torch.fx.Graph:
     sub.output(tuple(env[by_name[name]] for name in io.outputs))
     for node in sub.nodes:
         node.type = None  # no annotations: they would need the types importable
+        node.kwargs = _public_kwargs(node)
         if node.op not in ("output",):
             assert node.name in by_name, f"fx renamed a value: {node.name}"
     _follow_stage_device(sub, by_name)
     return sub
+
+
+def _public_kwargs(node: torch.fx.Node) -> dict[str, torch.fx.node.Argument]:
+    """The node's keyword arguments without torch's private ones (``_stacklevel``) that
+    hold their default: a call a person writes, with the same meaning."""
+    private = [key for key in node.kwargs if key.startswith("_")]
+    if node.op != "call_function" or not private:
+        return dict(node.kwargs)
+    try:
+        parameters = inspect.signature(node.target).parameters  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return dict(node.kwargs)
+    kept = dict(node.kwargs)
+    for key in private:
+        default = parameters[key].default if key in parameters else inspect.Parameter.empty
+        if default is not inspect.Parameter.empty and kept[key] == default:
+            del kept[key]
+    return kept
 
 
 def _follow_stage_device(sub: torch.fx.Graph, by_name: dict[str, torch.fx.Node]) -> None:
@@ -210,6 +229,7 @@ def stage_source(gm: torch.fx.GraphModule, io: StageIO) -> str:
             paths.append(path)
 
     code = sub.python_code(root_module="self")
+    src, globals_, functions = _wrapped_functions(code.src, code.globals, gm, paths)
     readable = {}  # fx prints blocks.0.x as getattr(self.blocks, "0").x; say it by name
     for node in sub.nodes:
         if node.op == "get_attr":
@@ -218,11 +238,17 @@ def stage_source(gm: torch.fx.GraphModule, io: StageIO) -> str:
                 readable[node.name] = f'self.get_parameter("{node.target}")'
             elif isinstance(value, torch.Tensor):
                 readable[node.name] = f'self.get_buffer("{node.target}")'
-    forward_lines, names = _forward_lines(code.src, io, shapes, readable)
-    header_names = set(names)
+    renamed = {name: value for name, (value, _) in functions.items()}
+    forward_lines, names = _forward_lines(src, io, shapes, readable, renamed=renamed)
+    header_names = set(names) - set(functions)
+    header_names |= {own.rpartition(".")[0] or own for own, lookup in functions.values()
+                     if not lookup}
     for body in bodies:
         header_names |= _names_in(body)
-    imports = _imports(code.globals, header_names)
+    if any(lookup for _, lookup in functions.values()):
+        header_names.add("sys")
+        globals_["sys"] = sys
+    imports = _imports(globals_, header_names)
 
     k = io.index
     doc_in = ", ".join(io.inputs) or "nothing"
@@ -253,8 +279,65 @@ def stage_source(gm: torch.fx.GraphModule, io: StageIO) -> str:
         lines += wrap_line(f'        bind(self, model, "{path}")', LINE_LENGTH)
     for init in inits:
         lines.append(f"        {init}")
+    lookups = [(name, lookup) for name, (_, lookup) in sorted(functions.items()) if lookup]
+    if lookups:
+        lines.append("        # the model file's own functions that it marks with torch.fx.wrap")
+    for _, lookup in lookups:
+        lines += wrap_line(f"        {lookup}", LINE_LENGTH)
     lines += ["", *forward_lines]
     return "\n".join(lines).rstrip() + "\n"
+
+
+_WRAP = "torch.fx._symbolic_trace.wrap("
+
+
+def _wrapped_functions(
+    src: str, globals_: dict[str, object], gm: torch.fx.GraphModule, paths: list[str]
+) -> tuple[str, dict[str, object], dict[str, tuple[str, str]]]:
+    """Functions the model marks with ``torch.fx.wrap``, called by their own names.
+
+    fx prints them as ``torch.fx._symbolic_trace.wrap("pkg_mod_fn")`` above
+    ``forward`` and calls a global ``pkg_mod_fn``. A function of an importable module
+    is imported by its name; a function of the model file (which the package cannot
+    import: the file is loaded under a name of the user's choosing) is taken from the
+    module that defines the model's classes when the stage is built, as
+    ``self.fn``. Returns the source without the wrap lines, the globals to import,
+    and {fx's name: (the name the code uses, the line of ``__init__`` that binds it)}.
+    """
+    wrapped = [line for line in src.splitlines() if line.startswith(_WRAP)]
+    src = "\n".join(line for line in src.splitlines() if not line.startswith(_WRAP))
+    globals_ = dict(globals_)
+    functions: dict[str, tuple[str, str]] = {}
+    taken = set(_names_in(src)) | set(globals_) | set(builtins.__dict__)
+    roots = {path.split(".")[0] for path in paths}
+    for line in wrapped:
+        name = ast.literal_eval(line[len(_WRAP) : -1])
+        function = globals_.pop(name)
+        module, qualname = str(function.__module__), str(function.__qualname__)  # type: ignore[attr-defined]
+        if "." in qualname or "<" in qualname:
+            raise PlanError(
+                f"the model marks {module}.{qualname} with torch.fx.wrap, but a nested "
+                "function cannot be called from another file; define it at the top level"
+            )
+        if not module.startswith("fxpipe_user_"):
+            if qualname not in taken:  # from torchvision.ops.misc import drop_path
+                globals_[qualname] = function
+                functions[name] = (qualname, "")
+            else:  # a value has its name: import torchvision.ops.misc; call it by its path
+                globals_[module] = sys.modules[module]
+                functions[name] = (f"{module}.{qualname}", "")
+            continue
+        attribute = qualname if qualname not in roots else f"{qualname}_function"
+        owner = next(
+            (path for path, sub in gm.named_modules() if path and type(sub).__module__ == module),
+            "",
+        )
+        of = f'model.get_submodule("{owner}")' if owner else "model"
+        functions[name] = (
+            f"self.{attribute}",
+            f"self.{attribute} = sys.modules[type({of}).__module__].{qualname}",
+        )
+    return src, globals_, functions
 
 
 def _resolve(gm: torch.fx.GraphModule, target: str) -> object:
@@ -292,6 +375,7 @@ def _forward_lines(
     readable: dict[str, str] | None = None,
     *,
     indent: str = "    ",
+    renamed: dict[str, str] | None = None,
 ) -> tuple[list[str], set[str]]:
     """fx's ``forward`` re-indented into the class, frees as ``del``, long lines wrapped."""
     raw = [line for line in src.strip("\n").splitlines() if line.strip()]
@@ -313,6 +397,7 @@ def _forward_lines(
             "getattr(" in line or len(indent + line) > LINE_LENGTH
         ):
             line = f"    {assign['name']} = {readable[assign['name']]}"
+        line = _hand_written(line, renamed or {})
         comment = shapes.get(assign["name"], "") if assign else ""
         with_comment = f"{line}  # {comment}" if comment else line
         if len(indent + with_comment) <= LINE_LENGTH:
@@ -327,6 +412,85 @@ def _forward_lines(
             out += wrap_line(_del(indent, dead[:take]), LINE_LENGTH)
             dead = dead[take:]
     return out, _names_in(src.strip("\n"))
+
+
+def _hand_written(line: str, renamed: dict[str, str]) -> str:
+    """One statement of fx's code as a person writes it: ``self.get_submodule("blocks.0")``
+    for ``getattr(self.blocks, "0")``, ``dim=2`` for ``dim = 2``, globals in ``renamed``
+    by their new names."""
+    indent = line[: len(line) - len(line.lstrip())]
+    text = line.strip()
+    while True:
+        tree = ast.parse(text)
+        edit = next(
+            (
+                (node, _submodule(text, node))
+                for node in _innermost_first(tree)
+                if _submodule(text, node) is not None
+            ),
+            None,
+        )
+        if edit is None:
+            break
+        node, replacement = edit
+        text = _replace(text, node, str(replacement))
+    tree = ast.parse(text)
+    names = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id in renamed]
+    for node in sorted(names, key=lambda n: n.col_offset, reverse=True):
+        text = _replace(text, node, renamed[node.id])
+    return indent + _tight_keywords(text)
+
+
+def _innermost_first(tree: ast.AST) -> list[ast.AST]:
+    return sorted(ast.walk(tree), key=lambda n: getattr(n, "col_offset", 0), reverse=True)
+
+
+_SELF_PATH = re.compile(r'^self(?:\.get_submodule\("([\w.]+)"\))?((?:\.[A-Za-z_]\w*)*)$')
+
+
+def _submodule(text: str, node: ast.AST) -> str | None:
+    """``self.get_submodule("a.0")`` for ``getattr(self.a, "0")``; None for other nodes."""
+    if not (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "getattr"
+        and len(node.args) == 2
+        and not node.keywords
+        and isinstance(node.args[1], ast.Constant)
+        and isinstance(node.args[1].value, str)
+    ):
+        return None
+    owner = ast.get_source_segment(text, node.args[0]) or ""
+    match = _SELF_PATH.match(owner)
+    if match is None:
+        return None
+    path = ((match[1] or "") + match[2]).strip(".")
+    leaf = node.args[1].value
+    return f'self.get_submodule("{path}.{leaf}")' if path else f'self.get_submodule("{leaf}")'
+
+
+def _replace(text: str, node: ast.AST, replacement: str) -> str:
+    start = len(text.encode()[: node.col_offset].decode())  # type: ignore[attr-defined]
+    end = len(text.encode()[: node.end_col_offset].decode())  # type: ignore[attr-defined]
+    return text[:start] + replacement + text[end:]
+
+
+def _tight_keywords(text: str) -> str:
+    """``f(x, dim=2)`` for fx's ``f(x, dim = 2)``: the same tokens, PEP 8's spacing."""
+    tokens = list(tokenize.generate_tokens(io.StringIO(text).readline))
+    depth = 0
+    cuts: list[tuple[int, int]] = []  # spans of spaces to remove
+    for before, token, after in zip(tokens, tokens[1:], tokens[2:], strict=False):
+        if token.type == tokenize.OP and token.string in "([{":
+            depth += 1
+        elif token.type == tokenize.OP and token.string in ")]}":
+            depth -= 1
+        elif token.type == tokenize.OP and token.string == "=" and depth > 0:
+            cuts += [(before.end[1], token.start[1]), (token.end[1], after.start[1])]
+    for start, end in sorted(cuts, reverse=True):
+        assert not text[start:end].strip(), text
+        text = text[:start] + text[end:]
+    return text
 
 
 def _del(indent: str, names: list[str]) -> str:
@@ -425,7 +589,9 @@ def _imports(globals_: dict[str, object], used: set[str]) -> list[str]:
     return lines
 
 
-_STDLIB = {"builtins", "math", "operator", "types", "typing", "collections", "functools"}
+_STDLIB = {
+    "builtins", "collections", "functools", "math", "operator", "sys", "types", "typing"
+}
 
 
 def _isort(statements: set[str]) -> list[str]:
@@ -449,80 +615,7 @@ def _isort_key(name: str) -> tuple[int, str]:
     return kind, name.lower()
 
 
-# ---------------------------------------------------------------------------- wrapping
-
-
-def wrap_line(line: str, limit: int = LINE_LENGTH) -> list[str]:
-    """Split a too-long line at the top-level commas of its last bracket pair.
-
-    ``x = f(a, b, c)`` becomes ``x = f(`` / one argument per line / ``)``; a line
-    that stays too long after that is marked ``# noqa: E501``.
-    """
-    if len(line) <= limit:
-        return [line]
-    indent = line[: len(line) - len(line.lstrip())]
-    try:
-        tokens = list(tokenize.generate_tokens(io.StringIO(line.strip() + "\n").readline))
-    except (tokenize.TokenError, SyntaxError):
-        return [line + "  # noqa: E501"]
-    text = line.strip()
-    # the opening bracket whose partner closes the statement
-    depth = 0
-    opens: list[int] = []
-    pairs: dict[int, int] = {}
-    offsets = _offsets(text)
-    for token in tokens:
-        if token.type != tokenize.OP:
-            continue
-        at = offsets[token.start[0] - 1] + token.start[1]
-        if token.string in "([{":
-            opens.append(at)
-            depth += 1
-        elif token.string in ")]}":
-            pairs[opens.pop()] = at
-            depth -= 1
-    end = len(text.rstrip(":").rstrip()) - 1
-    if text.endswith(":"):
-        end = len(text) - 2
-    start = next((o for o, c in pairs.items() if c == end), None)
-    if start is None:
-        return [line + "  # noqa: E501"]
-    # top-level commas inside (start, end)
-    commas = []
-    depth = 0
-    for token in tokens:
-        at = offsets[token.start[0] - 1] + token.start[1]
-        if not start < at < end or token.type != tokenize.OP:
-            continue
-        if token.string in "([{":
-            depth += 1
-        elif token.string in ")]}":
-            depth -= 1
-        elif token.string == "," and depth == 0:
-            commas.append(at)
-    parts = []
-    begin = start + 1
-    for comma in [*commas, end]:
-        part = text[begin:comma].strip()
-        if part:
-            parts.append(part)
-        begin = comma + 1
-    if not parts:
-        return [line + "  # noqa: E501"]
-    inner = indent + "    "
-    lines = [indent + text[: start + 1]]
-    for part in parts:
-        piece = f"{inner}{part},"
-        lines.append(piece if len(piece) <= limit else piece + "  # noqa: E501")
-    lines.append(indent + text[end:])
-    return lines
-
-
-def _offsets(text: str) -> list[int]:
-    offsets = [0]
-    for row in text.splitlines(keepends=True):
-        offsets.append(offsets[-1] + len(row))
-    return offsets
+# ---------------------------------------------------------------------------- words
 
 
 def _wrap_words(text: str, limit: int) -> list[str]:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import itertools
+import subprocess
+import sys
 import types
 from pathlib import Path
 from typing import Any
@@ -12,6 +14,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fxpipe.codegen import generate, load_package
+from fxpipe.codegen.stages import LINE_LENGTH
 from fxpipe.frontend import ModelSource, Traced, load_model_file, trace
 from fxpipe.partition.plan import Plan
 from fxpipe.runtime.loading import import_file as import_file_by_path
@@ -22,6 +25,22 @@ EXPORTED = ["hf_gpt2", "hf_llama", "hf_bert", "hf_t5", "hf_vit"]
 MODELS = SYMBOLIC + EXPORTED
 
 _counter = itertools.count()
+
+# The rule set generated files are held to, at the package's own line length (A: no name
+# shadows a builtin).
+RUFF = [
+    sys.executable, "-m", "ruff", "check", "--isolated", "--no-cache",
+    "--select", "E,F,W,I,B,UP,SIM,RUF,A", "--line-length", str(LINE_LENGTH),
+    "--target-version", "py310",
+]
+
+
+def ruff(path: Path) -> str:
+    """ruff's complaints about the files under ``path``; empty when it passes. Run from
+    ``path``, as a package on its own: a module of this repository that a stage
+    imports (tests.codegen._wrapped) is a third-party import there."""
+    done = subprocess.run([*RUFF, "."], capture_output=True, text=True, cwd=path)
+    return "" if done.returncode == 0 else done.stdout + done.stderr
 
 
 @functools.cache

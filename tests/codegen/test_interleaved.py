@@ -5,7 +5,6 @@ K * v = 4 stage modules for K = 2 GPUs and v = 2 chunks each (GPU 0 runs stages 
 from __future__ import annotations
 
 import dataclasses
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -18,9 +17,8 @@ from fxpipe.frontend import Traced, trace
 from fxpipe.partition.plan import Plan
 from fxpipe.schedules import interleaved_1f1b
 
-from ._models import grads, import_package, write_package
+from ._models import grads, import_package, ruff, write_package
 from ._plans import contiguous_plan
-from .test_golden import RUFF
 
 # K: GPUs, v: virtual stages per GPU, M: micro-batches.
 K, V, M = 2, 2, 4
@@ -136,8 +134,7 @@ def test_interleaved_package_is_ruff_clean_and_byte_identical(tmp_path: Path) ->
     # a model label as the CLI writes it: the launch script's title wraps under the limit
     write_package(tmp_path / "pkg", traced,
                   dataclasses.replace(plan, model="examples/skip_net.py:build_model"))
-    result = subprocess.run([*RUFF, str(tmp_path / "pkg")], capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert ruff(tmp_path / "pkg") == ""
 
 
 def test_micro_batches_not_a_multiple_of_the_gpus_is_a_plan_error() -> None:

@@ -1,0 +1,180 @@
+"""Generated code means what the graph means: models whose stage lines are long
+enough to wrap, functions marked with ``torch.fx.wrap``, constants that
+``torch.export`` lifts. Each is split and compared with the unsplit model (outputs
+and gradients, float64)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from fxpipe.frontend import trace
+
+from ._models import grads, import_package, leaves, ruff, run_stages, write_package
+from ._plans import contiguous_plan
+
+
+def _assert_transparent(tmp_path: Path, model: nn.Module, args: tuple, k: int = 2) -> dict:
+    """Split ``model`` into ``k`` stages, run them in sequence, compare with the model;
+    returns the generated files."""
+    model = model.double()
+    args = tuple(a.double() if a.is_floating_point() else a for a in args)
+    tr = trace(model, args)
+    plan = contiguous_plan(tr.gm.graph, k)
+    files = write_package(tmp_path / "pkg", tr, plan)
+    assert ruff(tmp_path / "pkg") == ""
+    package = import_package(tmp_path / "pkg")
+    stages = package.build_stages(model)
+
+    model.zero_grad(set_to_none=True)
+    got = run_stages(package, stages, args, {})
+    sum(leaf.sum() for leaf in leaves(got)).backward()
+    split_grads = grads(model)
+    model.zero_grad(set_to_none=True)
+    want = model(*args)
+    sum(leaf.sum() for leaf in leaves(want)).backward()
+    model_grads = grads(model)
+    model.zero_grad(set_to_none=True)
+
+    for a, b in zip(leaves(got), leaves(want), strict=True):
+        assert a.shape == b.shape and torch.equal(a, b)
+    assert sorted(split_grads) == sorted(model_grads)
+    for key, value in model_grads.items():
+        assert torch.equal(split_grads[key], value), key
+    return files
+
+
+class _Backbone(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.final_layer_normalization_of_the_encoder_stack_out = nn.LayerNorm(6)
+
+
+class ClsPooling(nn.Module):
+    """A CLS-token pooling ``h[:, 0]`` read from a module with a long dotted name: the
+    index line is longer than the line length."""
+
+    def __init__(self, index: tuple) -> None:
+        super().__init__()
+        self.index = index
+        self.vision_transformer_backbone = _Backbone()
+        self.embed = nn.Linear(4, 6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        h = self.vision_transformer_backbone.final_layer_normalization_of_the_encoder_stack_out(h)
+        return self.head(h[self.index])
+
+
+@pytest.mark.parametrize(
+    "index", [(slice(None), 0), (1, 0)], ids=["cls-token", "integers-only"]
+)
+def test_a_wrapped_index_selects_the_same_elements(tmp_path: Path, index: tuple) -> None:
+    torch.manual_seed(0)
+    files = _assert_transparent(tmp_path, ClsPooling(index), (torch.randn(3, 5, 4),))
+    text = files["stage0.py"] + files["stage1.py"]
+    long_name = "vision_transformer_backbone_final_layer_normalization_of_the_encoder_stack_out"
+    assert f"{long_name}[" in text  # the line that has to wrap is there
+    assert all(len(line) <= 100 or line.endswith("# noqa: E501") for line in text.splitlines())
+
+
+MODEL_FILE = '''
+import torch
+from torch import nn
+
+from tests.codegen._wrapped import Residual
+
+
+@torch.fx.wrap
+def drop_path(x, p: float, training: bool):
+    if not training or p == 0.0:
+        return x
+    keep = torch.ones(x.shape[0], 1, dtype=x.dtype, device=x.device)
+    return x * keep / (1.0 - p)
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Linear(4, 6)
+        self.block = Residual(6, 0.5)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = drop_path(self.embed(x), 0.25, self.training)
+        h = self.block(torch.relu(h))
+        return self.head(drop_path(h, 0.5, self.training))
+
+
+def build_model():
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(3, 4),)
+'''
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_functions_marked_with_fx_wrap_are_called_by_name(tmp_path: Path, k: int) -> None:
+    from fxpipe.frontend import load_model_file
+
+    (tmp_path / "model.py").write_text(MODEL_FILE, encoding="utf-8")
+    source = load_model_file(str(tmp_path / "model.py"))
+    files = _assert_transparent(tmp_path, source.model, source.args, k)
+    text = "".join(v for name, v in files.items() if name.startswith("stage"))
+    assert "torch.fx._symbolic_trace.wrap" not in text
+    # the node is named scaled_residual too: the library function is called by its path
+    assert "\nimport tests.codegen._wrapped\n" in text
+    assert "= tests.codegen._wrapped.scaled_residual(" in text
+    assert "self.drop_path(" in text
+    assert "self.drop_path = sys.modules[type(model).__module__].drop_path" in text
+
+
+def test_constants_lifted_by_export_are_ops_of_the_stage(tmp_path: Path) -> None:
+    """Falcon's attention builds ``torch.tensor([-2])`` in forward; export lifts it to
+    an attribute that is neither a parameter nor a buffer. The pipeline trains it
+    transparently: loss, outputs and gradients of ``step`` equal the model's."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.FalconConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+        new_decoder_architecture=False, multi_query=True, alibi=False, use_cache=False,
+    )
+    model = transformers.FalconForCausalLM(config).double()
+    inputs = {"input_ids": torch.randint(0, 64, (2, 6))}
+    tr = trace(model, (), inputs)
+    assert tr.tracer == "export"
+    assert not any("lifted_tensor" in str(n.target) for n in tr.gm.graph.nodes)
+    plan = contiguous_plan(tr.gm.graph, 3, schedule="1f1b", microbatches=2)
+    files = write_package(tmp_path / "pkg", tr, plan)
+    assert "torch.tensor([-2], dtype=torch.int64, device=stage_device)" in "".join(files.values())
+    assert ruff(tmp_path / "pkg") == ""
+    package = import_package(tmp_path / "pkg")
+    runner = package.PipelineRunner(package.build_stages(model))
+
+    def loss_fn(output: dict, target: object) -> torch.Tensor:
+        return output["logits"].pow(2).mean()
+
+    batch = {"input_ids": torch.randint(0, 64, (4, 6))}
+    model.zero_grad(set_to_none=True)
+    loss = runner.step(batch, None, loss_fn)
+    pipeline_grads = grads(model)
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        pipeline_out = runner.forward(**batch)
+    want = model(**batch)
+    want_loss = loss_fn(want, None)
+    want_loss.backward()
+    model_grads = grads(model)
+    model.zero_grad(set_to_none=True)
+
+    torch.testing.assert_close(torch.as_tensor(loss), want_loss.detach())
+    torch.testing.assert_close(pipeline_out["logits"], want["logits"].detach())
+    assert sorted(pipeline_grads) == sorted(model_grads)
+    for key, value in model_grads.items():
+        torch.testing.assert_close(pipeline_grads[key], value, msg=lambda m, key=key: f"{key}: {m}")
