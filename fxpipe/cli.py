@@ -59,6 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     _model_argument(profile)
     profile.add_argument("--device", default="h100", help="device table entry (default h100)")
+    _precision_argument(profile)
     profile.add_argument("--by", choices=("module", "op"), default="module")
     profile.add_argument("--depth", type=int, default=None, help="module nesting level to show")
     profile.add_argument(
@@ -99,6 +100,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="let a stage run data-parallel on several GPUs (PipeDream's 2-1-1)",
     )
+    _precision_argument(split)
     split.add_argument("--optimizer", choices=("adam", "sgd", "sgd-momentum"), default="adam")
     split.add_argument(
         "--recompute",
@@ -137,6 +139,16 @@ def _model_argument(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _precision_argument(parser: argparse.ArgumentParser) -> None:
+    # Checked by fxpipe.precision.parse_precision (a one-line error), not by argparse choices.
+    parser.add_argument(
+        "--precision",
+        default=None,
+        help="32-true, bf16-mixed, bf16-true, 16-mixed or 16-true, as Lightning names them "
+        "(default: the model's parameter dtype)",
+    )
+
+
 PHASES: dict[str, float] = {}  # step label -> wall seconds of this run, for timing.json
 
 
@@ -155,22 +167,29 @@ def _step(label: str, quiet: bool) -> Iterator[None]:
 
 
 def analyze_model(
-    spec: str, *, device: str, measure: bool = False, quiet: bool = False
+    spec: str,
+    *,
+    device: str,
+    precision: str | None = None,
+    measure: bool = False,
+    quiet: bool = False,
 ) -> tuple[Any, Any]:
     """The driver's load → trace → analyze, with a spinner per phase and what it learnt
     (the tracer, its notes) printed: on a terminal beside the progress, in a pipe on
     stdout, so stderr holds only errors."""
     from fxpipe.compiler import analyze_file
     from fxpipe.cost_models import get_device
+    from fxpipe.precision import parse_precision
 
     target = get_device(device)  # an unknown device fails before any slow work
+    chosen = parse_precision(precision) if precision is not None else None
     say = err.print if err.is_terminal else print
 
     def notify(line: str) -> None:
         if not quiet:
             say(f"  {line}")
 
-    return analyze_file(spec, device=target, measure=measure,
+    return analyze_file(spec, device=target, precision=chosen, measure=measure,
                         progress=lambda label: _step(label, quiet), notify=notify)
 
 
@@ -178,7 +197,8 @@ def _run_profile(args: argparse.Namespace) -> int:
     from fxpipe.profile import summarize
     from fxpipe.units import format_bytes, format_count
 
-    _, traced = analyze_model(args.model, device=args.device, measure=args.measure, quiet=args.json)
+    _, traced = analyze_model(args.model, device=args.device, precision=args.precision,
+                              measure=args.measure, quiet=args.json)
     if args.depth is not None and args.depth < 1:
         raise ValueError(f"--depth must be at least 1, got {args.depth}")
     rows, total = summarize(traced.gm, by=args.by, depth=args.depth)
@@ -220,6 +240,7 @@ def _run_split(args: argparse.Namespace) -> int:
     from fxpipe.compiler import SplitOptions, output_files, plan_split
     from fxpipe.cost_models import get_device
     from fxpipe.output import write_folder
+    from fxpipe.precision import parse_precision
     from fxpipe.report import summary_rows
     from fxpipe.units import format_bytes, parse_bytes
 
@@ -233,6 +254,7 @@ def _run_split(args: argparse.Namespace) -> int:
         raise ValueError(f"--time-limit must be positive, got {args.time_limit}")
     schedule = _schedule(args, microbatches)
     recompute = _recompute(args.recompute)
+    precision = parse_precision(args.precision) if args.precision is not None else None
     device = get_device(args.device)
     limit = (
         float(parse_bytes(args.memory)) if args.memory is not None else float(device.memory_bytes)
@@ -248,9 +270,12 @@ def _run_split(args: argparse.Namespace) -> int:
         time_limit_s=args.time_limit,
         virtual_stages=args.virtual_stages,
         replicate=args.replicate,
+        precision=precision,
     )
 
-    source, traced = analyze_model(args.model, device=args.device, measure=args.measure)
+    source, traced = analyze_model(
+        args.model, device=args.device, precision=args.precision, measure=args.measure
+    )
     def progress(label: str) -> AbstractContextManager[None]:
         return _step(label, False)
 

@@ -24,11 +24,13 @@ import torch
 from fxpipe.codegen import generate, schedule_table
 from fxpipe.cost_models import Device, analytic, measured
 from fxpipe.frontend import ModelSource, Traced, load_model_file, trace_source
+from fxpipe.kernels import Execution
 from fxpipe.lower import lower
 from fxpipe.partition import Recompute, Schedule, partition
 from fxpipe.partition.plan import Plan
 from fxpipe.passes import annotate_all
 from fxpipe.planning import build_plan
+from fxpipe.precision import Precision, default_precision
 from fxpipe.profile import auto_depth
 from fxpipe.report import partition_dot, render_report, render_svg, schedule_svg
 
@@ -49,6 +51,7 @@ def analyze_file(
     spec: str,
     *,
     device: Device,
+    precision: Precision | None = None,
     measure: bool = False,
     progress: Progress = _silent,
     notify: Callable[[str], None] = _ignore,
@@ -65,16 +68,29 @@ def analyze_file(
     notify(f"traced with {how}; {len(traced.gm.graph.nodes)} nodes")
     for note in traced.notes:
         notify(f"note: {note}")
-    analyze(traced, device=device, measure=measure, progress=progress)
+    analyze(traced, device=device, precision=precision, measure=measure, progress=progress)
     return source, traced
 
 
 def analyze(
-    traced: Traced, *, device: Device, measure: bool = False, progress: Progress = _silent
+    traced: Traced,
+    *,
+    device: Device,
+    precision: Precision | None = None,
+    measure: bool = False,
+    progress: Progress = _silent,
 ) -> Traced:
-    """Annotate every node: shapes, modules, FLOPs, bytes, and time (roofline or measured)."""
+    """Annotate every node: shapes, modules, FLOPs, bytes, and time (roofline or measured).
+
+    The graph is analysed as ``device`` runs it (its fused attention kernels) at
+    ``precision`` (default: the model's parameter dtype)."""
+    execution = Execution(
+        kernels="cpu" if device.kernels == "cpu" else "cuda",
+        flash_attention=device.flash_attention,
+        precision=precision,
+    )
     with progress("shapes, FLOPs and bytes"):
-        annotate_all(traced.gm, *traced.flat_inputs)
+        annotate_all(traced.gm, *traced.flat_inputs, execution=execution)
     if measure:
         on_cuda = any(isinstance(v, torch.Tensor) and v.is_cuda for v in traced.flat_inputs)
         kind: Literal["cpu", "cuda"] = "cuda" if on_cuda else "cpu"
@@ -98,6 +114,7 @@ class SplitOptions:
     time_limit_s: float = 30.0
     virtual_stages: int = 1  # interleaved schedule: stage modules per GPU
     replicate: bool = False  # let the solver give a stage several GPUs ("2-1-1")
+    precision: Precision | None = None  # None: the model's parameter dtype; as analyze() used
 
 
 def plan_split(
@@ -133,6 +150,7 @@ def plan_split(
         tracer=traced.tracer,
         device=options.device.name,
         optimizer=options.optimizer,
+        precision=(options.precision or default_precision(traced.gm)).value,
         notes=notes,
     )
 

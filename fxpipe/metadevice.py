@@ -3,26 +3,44 @@
 Analyses swap every parameter and buffer of the module for a meta tensor of the
 same shape, dtype and ``requires_grad`` for the duration of a run, so a 70B
 model is analysed on a laptop and a real model is never touched.
+
+The run follows the target (``fxpipe.kernels.Execution``): fused attention as its device
+runs it, and its precision. ``*-true`` casts floating state and inputs to that dtype.
+``*-mixed`` runs under ``torch.autocast``, which has no meta dispatch key: those runs use
+fake CPU tensors (``FakeTensorMode``, storage-less like meta ones) under CPU autocast, so
+autograd saves what autocast really makes, the weight copies included.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
+
+from fxpipe import kernels
+from fxpipe.kernels import Execution
 
 __all__ = ["MetaRunner", "inputs_to_meta", "named_state", "on_meta", "to_meta"]
 
 
-def to_meta(tensor: torch.Tensor) -> torch.Tensor:
-    """A storage-less copy of ``tensor`` on the meta device, ``requires_grad`` kept."""
-    copy = torch.empty_like(tensor, device="meta")
-    return copy.requires_grad_(tensor.requires_grad) if copy.is_floating_point() else copy
+def to_meta(
+    tensor: torch.Tensor, *, dtype: torch.dtype | None = None, device: str = "meta"
+) -> torch.Tensor:
+    """A storage-less copy of ``tensor`` (``requires_grad`` kept): on the meta device, or
+    a fake ``device`` tensor inside a ``FakeTensorMode``; floating ones cast to ``dtype``."""
+    floating = tensor.is_floating_point()
+    cast = dtype if dtype is not None and floating else tensor.dtype
+    if device == "meta":
+        copy = torch.empty_like(tensor, dtype=cast, device="meta")
+    else:
+        copy = torch.empty(tensor.shape, dtype=cast, device=device)
+    return copy.requires_grad_(tensor.requires_grad) if floating else copy
 
 
 def named_state(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -33,31 +51,41 @@ def named_state(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 @contextmanager
-def on_meta(module: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
-    """Swap the module's state for meta tensors; yields name -> meta tensor.
+def on_meta(
+    module: torch.nn.Module, *, dtype: torch.dtype | None = None, device: str = "meta"
+) -> Iterator[dict[str, torch.Tensor]]:
+    """Swap the module's state for storage-less copies (``to_meta``); yields name -> copy.
 
-    Tied parameters stay tied: one meta tensor serves every name of one original.
+    Tied parameters stay tied: one copy serves every name of one original.
     """
     by_identity: dict[int, torch.Tensor] = {}
     state: dict[str, torch.Tensor] = {}
     for name, tensor in named_state(module):
         if id(tensor) not in by_identity:
-            by_identity[id(tensor)] = to_meta(tensor)
+            by_identity[id(tensor)] = to_meta(tensor, dtype=dtype, device=device)
         state[name] = by_identity[id(tensor)]
     with _reparametrize_module(module, state, tie_weights=True):
         yield state
 
 
-def inputs_to_meta(values: Any) -> Any:
-    """Every tensor leaf of ``values`` moved to meta (requires_grad kept)."""
-    return pytree.tree_map_only(torch.Tensor, to_meta, values)
+def inputs_to_meta(
+    values: Any, *, dtype: torch.dtype | None = None, device: str = "meta"
+) -> Any:
+    """Every tensor leaf of ``values`` made storage-less (``to_meta``)."""
+    return pytree.tree_map_only(
+        torch.Tensor, lambda t: to_meta(t, dtype=dtype, device=device), values
+    )
 
 
-def _device_to_meta(value: Any) -> Any:
+def _storageless(value: torch.Tensor) -> bool:
+    return value.is_meta or is_fake(value)
+
+
+def _device_to(value: Any, device: str) -> Any:
     if isinstance(value, torch.device):
-        return torch.device("meta")
-    if isinstance(value, torch.Tensor) and not value.is_meta:
-        return to_meta(value)  # a constant the graph holds (a mask, a position table)
+        return torch.device(device)
+    if isinstance(value, torch.Tensor) and not _storageless(value):
+        return to_meta(value, device=device)  # a constant the graph holds (a mask, a table)
     return value
 
 
@@ -79,27 +107,40 @@ class MetaRunner(torch.fx.Interpreter):
     meta, and ``.cpu()`` / ``.cuda()`` / ``.to("cpu")`` stay on meta.
     """
 
-    def __init__(self, gm: torch.fx.GraphModule) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, execution: Execution | None = None) -> None:
         super().__init__(gm, garbage_collect_values=True)
         self.meta_state: dict[str, torch.Tensor] = {}
+        self.execution = execution if execution is not None else Execution()
+        precision = self.execution.precision
+        self.autocast = precision.dtype if precision is not None and precision.mixed else None
+        self.cast = precision.dtype if precision is not None and not precision.mixed else None
+        self.device = "cpu" if self.autocast is not None else "meta"  # fake CPU, see above
 
     def run_on_meta(self, *flat_inputs: Any) -> Any:
         """Run once; grad mode is on inside and restored after, even on failure."""
-        with torch.enable_grad(), on_meta(self.module) as state:
-            self.meta_state = state  # qualified name -> the meta tensor standing in for it
-            return self.run(*inputs_to_meta(flat_inputs))
+        with ExitStack() as stack:
+            stack.enter_context(torch.enable_grad())
+            if self.autocast is not None:
+                stack.enter_context(FakeTensorMode())
+                stack.enter_context(torch.autocast("cpu", dtype=self.autocast))
+            state = stack.enter_context(on_meta(self.module, dtype=self.cast, device=self.device))
+            self.meta_state = state  # qualified name -> the tensor standing in for it
+            inputs = inputs_to_meta(flat_inputs, dtype=self.cast, device=self.device)
+            return self.run(*inputs)
 
     def fetch_args_kwargs_from_env(self, n: torch.fx.Node) -> tuple[Any, dict[str, Any]]:
         args, kwargs = super().fetch_args_kwargs_from_env(n)
-        args, kwargs = pytree.tree_map(_device_to_meta, (tuple(args), dict(kwargs)))
+        args, kwargs = pytree.tree_map(
+            lambda v: _device_to(v, self.device), (tuple(args), dict(kwargs))
+        )
         if n.op == "call_method" and n.target == "to":
-            args = tuple("meta" if _is_device_name(a) else a for a in args)
+            args = tuple(self.device if _is_device_name(a) else a for a in args)
         if isinstance(kwargs.get("device"), str):
-            kwargs["device"] = "meta"
+            kwargs["device"] = self.device
         return args, kwargs
 
     def get_attr(self, target: Any, args: Any, kwargs: Any) -> Any:
-        return _device_to_meta(super().get_attr(target, args, kwargs))
+        return _device_to(super().get_attr(target, args, kwargs), self.device)
 
     def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
         if target is torch.ops.higher_order.wrap_with_set_grad_enabled:
@@ -107,7 +148,9 @@ class MetaRunner(torch.fx.Interpreter):
             # interpreted here so its device literals map to meta too.
             enabled, body, *inputs = args
             with torch.set_grad_enabled(enabled):
-                return MetaRunner(body).run(*inputs)
+                return MetaRunner(body, self.execution).run(*inputs)
+        if target in kernels.SDPA_TARGETS:
+            return kernels.scaled_dot_product_attention(self.execution, *args, **kwargs)
         return super().call_function(target, args, kwargs)
 
     def call_method(self, target: Any, args: Any, kwargs: Any) -> Any:

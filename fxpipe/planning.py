@@ -42,6 +42,7 @@ def build_plan(
     tracer: str,
     device: str,
     optimizer: str,
+    precision: str = "32-true",
     notes: Sequence[str] = (),
 ) -> Plan:
     """``problem``: the one solved (``lowered.problem``, or it with the stage count a
@@ -108,6 +109,7 @@ def build_plan(
         device=device,
         memory_limit=problem.memory_limit,
         optimizer=optimizer,
+        precision=precision,
         tied=tied,
         baselines=dict(baselines),
         notes=tuple(notes),

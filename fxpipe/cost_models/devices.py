@@ -47,6 +47,10 @@ class Device:
     inter_node_bandwidth: float  # B/s one direction, to a peer in another host (NIC per device)
     inter_node_latency: float  # s
     launch_overhead: float  # s added to every kernel that does any work
+    # Whose fused kernels run attention (fxpipe.kernels): "cuda" or "cpu"; and whether the
+    # GPU has FlashAttention (compute capability 8.0 or later) or only memory-efficient.
+    kernels: str = "cuda"
+    flash_attention: bool = True
 
     def peak_flops(self, dtype: str, *, allow_tf32: bool = False) -> float:
         """Peak FLOP/s for ``dtype`` (a torch dtype name such as "float32").
@@ -172,6 +176,7 @@ DEVICES: dict[str, Device] = {
         inter_node_bandwidth=12.5 * GB,
         inter_node_latency=_IB_LATENCY,
         launch_overhead=_GPU_LAUNCH,
+        flash_attention=False,  # Volta (sm70): PyTorch's flash kernels need sm80
     ),
     # NVIDIA L4 Tensor Core GPU datasheet, dense figures: FP32 30.3 TF, TF32 TC 120/2,
     # BF16/FP16 TC 242/2 (FP64 not listed: runs at 1/64 of FP32, left to the fallback
@@ -215,6 +220,7 @@ DEVICES: dict[str, Device] = {
         inter_node_bandwidth=12.5 * GB,
         inter_node_latency=20e-6,
         launch_overhead=2e-6,  # eager PyTorch dispatch on the CPU, not a datasheet figure
+        kernels="cpu",
     ),
 }
 

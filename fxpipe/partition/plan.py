@@ -107,6 +107,7 @@ class Plan:
     device: str = ""
     memory_limit: float = float("inf")
     optimizer: str = "adam"
+    precision: str = "32-true"  # Lightning's name: 32-true, bf16-mixed, bf16-true, 16-mixed
     tied: dict[str, str] = field(default_factory=dict)  # parameter -> "colocated"/"replicated"
     baselines: dict[str, Estimate] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
@@ -181,6 +182,7 @@ class Plan:
             device=data.get("device", ""),
             memory_limit=float("inf") if limit is None else float(limit),
             optimizer=data.get("optimizer", "adam"),
+            precision=data.get("precision", "32-true"),
             tied={str(k): str(v) for k, v in data.get("tied", {}).items()},
             baselines={k: Estimate(**v) for k, v in data.get("baselines", {}).items()},
             notes=tuple(data.get("notes", ())),

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch.fx
 
+from fxpipe.kernels import Execution
 from fxpipe.passes.base import AnalysisError
 from fxpipe.passes.flops import annotate_flops
 from fxpipe.passes.memory import annotate_memory
@@ -22,10 +23,13 @@ __all__ = [
 ]
 
 
-def annotate_all(gm: torch.fx.GraphModule, *flat_inputs: Any) -> torch.fx.GraphModule:
-    """Shapes, modules, FLOPs and bytes: every record the cost models need."""
-    annotate_shapes(gm, *flat_inputs)
+def annotate_all(
+    gm: torch.fx.GraphModule, *flat_inputs: Any, execution: Execution | None = None
+) -> torch.fx.GraphModule:
+    """Shapes, modules, FLOPs and bytes: every record the cost models need, as
+    ``execution`` runs the graph (default: a GPU's fused kernels, the model's precision)."""
+    annotate_shapes(gm, *flat_inputs, execution=execution)
     annotate_modules(gm)
-    annotate_flops(gm, *flat_inputs)
-    annotate_memory(gm, *flat_inputs)
+    annotate_flops(gm, *flat_inputs, execution=execution)
+    annotate_memory(gm, *flat_inputs, execution=execution)
     return gm

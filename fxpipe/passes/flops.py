@@ -15,7 +15,8 @@ import torch
 import torch.fx
 from torch.utils.flop_counter import FlopCounterMode
 
-from fxpipe import meta
+from fxpipe import kernels, meta
+from fxpipe.kernels import Execution
 from fxpipe.passes.base import OP_NODES, MetaInterpreter, grad_outputs_of
 
 __all__ = ["annotate_flops"]
@@ -28,14 +29,14 @@ class _FlopCount(MetaInterpreter):
         if n.op not in OP_NODES:
             meta.FLOPS.set(n, meta.FlopInfo(0, 0))
             return super().execute(n)
-        with FlopCounterMode(display=False) as forward:
+        with FlopCounterMode(display=False, custom_mapping=kernels.FLOP_FORMULAS) as forward:
             result, leaves = self.run_op_detached(n)
         outputs = grad_outputs_of(result)
         backward = 0
         # FlopCounterMode counts matmul, convolution and attention ops; the backward of a
         # node that has none of them in its forward has none either, so it is not run.
         if outputs and leaves and forward.get_total_flops() > 0:
-            with FlopCounterMode(display=False) as counter:
+            with FlopCounterMode(display=False, custom_mapping=kernels.FLOP_FORMULAS) as counter:
                 torch.autograd.grad(
                     outputs,
                     leaves,
@@ -47,7 +48,9 @@ class _FlopCount(MetaInterpreter):
         return result
 
 
-def annotate_flops(gm: torch.fx.GraphModule, *flat_inputs: Any) -> torch.fx.GraphModule:
+def annotate_flops(
+    gm: torch.fx.GraphModule, *flat_inputs: Any, execution: Execution | None = None
+) -> torch.fx.GraphModule:
     """Fill ``meta.FLOPS`` on every node (placeholders and attributes count zero)."""
-    _FlopCount(gm).analyze(*flat_inputs)
+    _FlopCount(gm, execution).analyze(*flat_inputs)
     return gm

@@ -17,6 +17,7 @@ import torch
 import torch.fx
 
 from fxpipe import meta
+from fxpipe.kernels import Execution
 from fxpipe.metadevice import named_state
 from fxpipe.passes.base import OP_NODES, MetaInterpreter, tensor_leaves
 
@@ -30,8 +31,8 @@ def _nbytes(t: torch.Tensor) -> int:
 class _MemoryCount(MetaInterpreter):
     pass_name = "memory accounting"
 
-    def __init__(self, gm: torch.fx.GraphModule) -> None:
-        super().__init__(gm)
+    def __init__(self, gm: torch.fx.GraphModule, execution: Execution | None) -> None:
+        super().__init__(gm, execution)
         self.parameter_names = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
         # Every name of a tensor -> the first name it has (tied parameters share one).
         first: dict[int, str] = {}
@@ -93,9 +94,11 @@ class _MemoryCount(MetaInterpreter):
         )
 
 
-def annotate_memory(gm: torch.fx.GraphModule, *flat_inputs: Any) -> torch.fx.GraphModule:
+def annotate_memory(
+    gm: torch.fx.GraphModule, *flat_inputs: Any, execution: Execution | None = None
+) -> torch.fx.GraphModule:
     """Fill ``meta.BYTES`` on every node."""
-    counter = _MemoryCount(gm)
+    counter = _MemoryCount(gm, execution)
     counter.analyze(*flat_inputs)
     for node, owned in counter.owned.items():
         saved = counter.intermediate.get(node, 0)

@@ -8,6 +8,7 @@ import torch
 import torch.fx
 
 from fxpipe import meta
+from fxpipe.kernels import Execution
 from fxpipe.passes.base import MetaInterpreter, tensor_leaves
 
 __all__ = ["annotate_shapes", "value_info"]
@@ -35,7 +36,9 @@ class _ShapeProp(MetaInterpreter):
         meta.SHAPE.set(node, value_info(result))
 
 
-def annotate_shapes(gm: torch.fx.GraphModule, *flat_inputs: Any) -> torch.fx.GraphModule:
+def annotate_shapes(
+    gm: torch.fx.GraphModule, *flat_inputs: Any, execution: Execution | None = None
+) -> torch.fx.GraphModule:
     """Fill ``meta.SHAPE`` on every node by running ``gm`` once on meta tensors."""
-    _ShapeProp(gm).analyze(*flat_inputs)
+    _ShapeProp(gm, execution).analyze(*flat_inputs)
     return gm

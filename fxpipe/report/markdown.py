@@ -76,7 +76,7 @@ def render_report(plan: Plan) -> str:
         "",
         f"- {_layout(plan)} on {plan.device}, {plan.schedule} schedule, "
         f"{plan.microbatches} micro-batches per step, optimizer {plan.optimizer}, "
-        f"memory limit {limit} per GPU",
+        f"precision {plan.precision}, memory limit {limit} per GPU",
         f"- schedule: {schedule}",
         f"- recompute: {_recompute(plan)}",
         f"- traced with {plan.tracer}",

@@ -1,0 +1,175 @@
+"""Ops whose meta-device path differs from the kernel the target device runs.
+
+``scaled_dot_product_attention`` on the meta device takes the math path: it materialises
+the (heads × seq × seq) scores and softmax, and autograd saves them. A GPU runs a fused
+kernel (FlashAttention, memory-efficient) and so does the CPU (its flash kernel): they save
+q, k, v, the output and a log-sum-exp per query row, nothing quadratic, and their backward
+recomputes the scores. So the analysis calls the fused op the target would pick; its
+autograd formula then saves exactly what the device's does (shapes from its meta kernel)
+and ``FlopCounterMode`` counts its FLOPs, the backward's recomputation included. Attention
+written out by hand (matmul, softmax) is left alone: the device runs it as written.
+
+Which backend, for the call's dtype, shapes and mask:
+
+- ``cpu``: PyTorch is asked (``torch._fused_sdp_choice``) on tiny CPU tensors with the
+  call's dtype, batch-free heads and head dims, causal flag and mask kind.
+- ``cuda`` (no GPU here to ask): PyTorch's order, flash, then memory-efficient, then
+  math, under the constraints ``sdp_utils.cpp`` checks that a plan can see: flash needs
+  float16/bfloat16, no explicit mask, equal head dims of at most 256 and a GPU of
+  compute capability 8.0 or later (``Execution.flash_attention``); memory-efficient takes
+  float32 too and a mask, not grouped-query heads; float64 runs the math path.
+
+A boolean mask is turned into an additive float mask of the query's dtype first, as both
+devices do, and the fused kernels keep that copy for backward (an L×L tensor per call).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.backends.cuda import SDPBackend
+from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
+
+from fxpipe.precision import Precision
+
+__all__ = ["FLOP_FORMULAS", "SDPA_TARGETS", "Execution", "attention_backend",
+           "scaled_dot_product_attention"]
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Execution:
+    """How the target runs the graph, where that changes what the analysis must count."""
+
+    kernels: Literal["cuda", "cpu"] = "cuda"  # whose fused kernels (attention) run the ops
+    flash_attention: bool = True  # a GPU with FlashAttention kernels (compute capability 8+)
+    precision: Precision | None = None  # None: as the model's parameters are
+
+
+# The call targets of scaled_dot_product_attention in symbolic_trace and torch.export graphs.
+SDPA_TARGETS = frozenset(
+    {F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default}
+)
+
+Backend = Literal["cpu-flash", "flash", "efficient", "math"]
+
+
+def scaled_dot_product_attention(
+    execution: Execution,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` as the target's fused kernel runs it."""
+    device_type = query.device.type
+    # Autocast casts SDPA's inputs; a direct call of the fused op would not (the meta device
+    # has no autocast: fxpipe's autocast runs are on fake CPU tensors).
+    if device_type != "meta" and torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        query, key, value = (t.to(dtype) for t in (query, key, value))
+    backend = attention_backend(execution, query, key, value, attn_mask, is_causal, enable_gqa)
+    if backend == "math":
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+        )
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill(
+            attn_mask.logical_not(), float("-inf")
+        )
+    if backend == "cpu-flash":
+        out = aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+        )
+    elif backend == "flash":
+        out = aten._scaled_dot_product_flash_attention(
+            query, key, value, dropout_p, is_causal, False, scale=scale
+        )
+    else:
+        needs_lse = any(t.requires_grad for t in (query, key, value))
+        out = aten._scaled_dot_product_efficient_attention(
+            query, key, value, attn_mask, needs_lse, dropout_p, is_causal, scale=scale
+        )
+    result: torch.Tensor = out[0]
+    return result
+
+
+def attention_backend(
+    execution: Execution,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    enable_gqa: bool,
+) -> Backend:
+    """The kernel the target device runs this call with (see the module docstring)."""
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        return "math"  # the fused kernels take (batch, heads, seq, head_dim) only
+    if execution.kernels == "cpu":
+        return "cpu-flash" if _cpu_choice(query, key, value, attn_mask, is_causal,
+                                          enable_gqa) else "math"
+    dtype = query.dtype
+    head_dims = {query.shape[-1], key.shape[-1], value.shape[-1]}
+    grouped = query.shape[1] != key.shape[1]
+    if (execution.flash_attention and dtype in (torch.float16, torch.bfloat16)
+            and attn_mask is None and len(head_dims) == 1 and max(head_dims) <= 256):
+        return "flash"
+    if dtype in (torch.float16, torch.bfloat16, torch.float32) and not grouped:
+        return "efficient"
+    return "math"
+
+
+def _cpu_choice(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    is_causal: bool,
+    enable_gqa: bool,
+) -> bool:
+    """Whether PyTorch's CPU dispatcher picks its flash kernel for a call like this one."""
+
+    def tiny(t: torch.Tensor) -> torch.Tensor:
+        *lead, seq, last = t.shape
+        shape = [1 if i == 0 else d for i, d in enumerate(lead)] + [min(seq, 4), last]
+        return torch.zeros(shape, dtype=t.dtype, requires_grad=t.requires_grad)
+
+    with unset_fake_temporarily():  # real tensors, even inside a fake-tensor analysis run
+        mask = None
+        if attn_mask is not None:
+            *lead, rows, cols = attn_mask.shape
+            shape = [1 if len(lead) == 2 and i == 0 else d for i, d in enumerate(lead)]  # batch
+            mask = torch.zeros([*shape, min(rows, 4), min(cols, 4)], dtype=attn_mask.dtype)
+        choice = torch._fused_sdp_choice(
+            tiny(query), tiny(key), tiny(value), mask, 0.0, is_causal, enable_gqa=enable_gqa
+        )
+    return bool(choice == SDPBackend.FLASH_ATTENTION.value)
+
+
+def _forward_flops(query_shape: Any, key_shape: Any, value_shape: Any, *args: Any,
+                   out_shape: Any = None, **kwargs: Any) -> int:
+    return int(sdpa_flop_count(query_shape, key_shape, value_shape))
+
+
+def _backward_flops(grad_out_shape: Any, query_shape: Any, key_shape: Any, value_shape: Any,
+                    *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
+    return int(sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape))
+
+
+# FLOP formulas for fused ops torch.utils.flop_counter does not know: the CPU flash kernel
+# does the work of the GPU ones (its backward recomputes the scores too).
+FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default: _forward_flops,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _backward_flops,
+}

@@ -1,0 +1,72 @@
+"""Training precision, by the names Lightning gives it.
+
+    64-true     everything float64
+    32-true     everything float32
+    bf16-true   everything bfloat16: parameters, gradients, optimizer state, activations
+    16-true     everything float16
+    bf16-mixed  torch.autocast(dtype=torch.bfloat16): float32 parameters, gradients and
+                optimizer state; matmuls, activations and sent tensors in bfloat16, plus
+                the bfloat16 weight copies autocast makes and backward keeps
+    16-mixed    the same with float16 (and a GradScaler, which costs no memory to speak of)
+
+A plan is made for one precision: the analysis passes run the graph as that precision
+runs it (``fxpipe.metadevice.Execution``), so bytes, FLOP/s and sent tensors follow.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+import torch
+
+__all__ = ["Precision", "default_precision", "parse_precision"]
+
+
+class Precision(str, Enum):
+    TRUE_64 = "64-true"
+    TRUE_32 = "32-true"
+    BF16_MIXED = "bf16-mixed"
+    BF16_TRUE = "bf16-true"
+    MIXED_16 = "16-mixed"
+    TRUE_16 = "16-true"
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype matmuls run in and activations are kept in."""
+        return _DTYPES[self]
+
+    @property
+    def mixed(self) -> bool:
+        """True when parameters stay float32 and autocast picks each op's dtype."""
+        return self.value.endswith("-mixed")
+
+
+_DTYPES = {
+    Precision.TRUE_64: torch.float64,
+    Precision.TRUE_32: torch.float32,
+    Precision.BF16_MIXED: torch.bfloat16,
+    Precision.BF16_TRUE: torch.bfloat16,
+    Precision.MIXED_16: torch.float16,
+    Precision.TRUE_16: torch.float16,
+}
+
+
+def parse_precision(name: str) -> Precision:
+    """The ``Precision`` called ``name``; a ValueError naming the valid ones otherwise."""
+    try:
+        return Precision(name.strip().lower())
+    except ValueError:
+        valid = ", ".join(p.value for p in Precision)
+        raise ValueError(f"Unknown precision {name!r}; use one of {valid}.") from None
+
+
+def default_precision(module: torch.nn.Module) -> Precision:
+    """The precision a model trains in when none is asked for: its parameters' dtype
+    (the first floating one), ``32-true`` for float32 or a model without parameters."""
+    for tensor in module.parameters():
+        if tensor.is_floating_point():
+            for precision in (Precision.TRUE_64, Precision.BF16_TRUE, Precision.TRUE_16):
+                if tensor.dtype == precision.dtype:
+                    return precision
+            return Precision.TRUE_32
+    return Precision.TRUE_32
