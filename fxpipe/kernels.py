@@ -170,6 +170,6 @@ def _backward_flops(grad_out_shape: Any, query_shape: Any, key_shape: Any, value
 # FLOP formulas for fused ops torch.utils.flop_counter does not know: the CPU flash kernel
 # does the work of the GPU ones (its backward recomputes the scores too).
 FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
-    aten._scaled_dot_product_flash_attention_for_cpu.default: _forward_flops,
-    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _backward_flops,
+    aten._scaled_dot_product_flash_attention_for_cpu: _forward_flops,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward: _backward_flops,
 }

@@ -137,3 +137,21 @@ def test_solver_errors_are_worded_with_the_flags(
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "fxpipe: error: No split onto 2 GPUs was found in 30 s; raise --time-limit.")
     assert not (tmp_path / "fxpipe-out").exists()
+
+
+@pytest.mark.parametrize("command", ["split", "profile"])
+def test_bad_precision_is_one_line_naming_the_valid_ones(command: str, tmp_path: Path) -> None:
+    extra = ["--gpus", "2"] if command == "split" else []
+    result = fxpipe(command, MLP, *extra, "--precision", "fp8", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.count("\n") == 1, result.stderr
+    assert "32-true, bf16-mixed, bf16-true, 16-mixed" in result.stderr
+    assert not (tmp_path / "fxpipe-out").exists()
+
+
+def test_precision_is_recorded_in_plan_and_report(tmp_path: Path) -> None:
+    result = fxpipe("split", MLP, "--gpus", "2", "--precision", "bf16-mixed", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "fxpipe-out"
+    assert json.loads((out / "plan.json").read_text())["precision"] == "bf16-mixed"
+    assert "precision bf16-mixed" in (out / "report.md").read_text()

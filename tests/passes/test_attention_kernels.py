@@ -1,0 +1,136 @@
+"""scaled_dot_product_attention as each target runs it: backend, saved bytes, FLOPs.
+
+Legend: b batch, h heads, s sequence length, d head dim. Scores q·kᵀ and the weighted sum
+of values cost 2·b·h·s²·d each forward. The math backward does four such matmuls; the
+fused kernels' backward recomputes the scores first, five.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fxpipe import meta
+from fxpipe.frontend import trace
+from fxpipe.kernels import Execution, attention_backend
+from fxpipe.passes import annotate_all
+from fxpipe.precision import Precision, default_precision, parse_precision
+
+B, H, S, D = 2, 4, 256, 32
+MATMUL = 2 * B * H * S * S * D  # FLOPs of one (b·h) × s × s × d matmul
+
+
+class Attention(nn.Module):
+    def __init__(self, causal: bool = True, mask: bool = False) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(H * D, 3 * H * D)
+        self.causal = causal
+        if mask:
+            self.register_buffer("mask", torch.ones(S, S, dtype=torch.bool).tril())
+        else:
+            self.mask = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(B, S, 3, H, D).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=self.mask, is_causal=self.causal and self.mask is None
+        )
+
+
+def sdpa_node(module: nn.Module, execution: Execution, dtype: torch.dtype = torch.float32):
+    traced = trace(module.to(dtype), (torch.randn(B, S, H * D, dtype=dtype),))
+    annotate_all(traced.gm, *traced.flat_inputs, execution=execution)
+    (node,) = [n for n in traced.gm.graph.nodes if "scaled_dot_product" in str(n.target)]
+    return node
+
+
+@pytest.mark.parametrize("kernels", ["cpu", "cuda"])
+def test_fused_attention_flops_count_the_backward_recomputation(kernels: str) -> None:
+    flops = meta.FLOPS.get(sdpa_node(Attention(), Execution(kernels)))  # type: ignore[arg-type]
+    assert flops.forward == 2 * MATMUL
+    assert flops.backward == 5 * MATMUL
+
+
+def test_math_path_attention_flops() -> None:
+    # float64 has no fused GPU kernel: the math path, whose backward does not recompute.
+    flops = meta.FLOPS.get(sdpa_node(Attention(), Execution("cuda"), torch.float64))
+    assert flops.forward == 2 * MATMUL
+    assert flops.backward == 4 * MATMUL
+
+
+def test_fused_attention_saves_nothing_quadratic() -> None:
+    node = sdpa_node(Attention(), Execution("cpu"))
+    memory = meta.BYTES.get(node)
+    lse = B * H * S * 4
+    assert memory.saved_bytes == memory.output_bytes + lse
+    math = meta.BYTES.get(sdpa_node(Attention(), Execution("cuda"), torch.float64))
+    assert math.saved_bytes >= B * H * S * S * 8  # the scores
+
+
+def test_cpu_saved_bytes_match_the_real_kernel() -> None:
+    """The CPU rule, from the fused op's meta kernel, against autograd on real tensors."""
+    module = Attention(mask=True)
+    node = sdpa_node(module, Execution("cpu"))
+    q, k, v = (torch.randn(B, H, S, D, requires_grad=True) for _ in range(3))
+    inputs = {id(t) for t in (q, k, v)}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in inputs:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        F.scaled_dot_product_attention(q, k, v, attn_mask=module.mask)
+    assert meta.BYTES.get(node).saved_bytes == sum(saved.values())
+
+
+def test_backend_choice() -> None:
+    q = torch.empty(B, H, S, D, device="meta")
+    bf16 = q.to(torch.bfloat16)
+    mask = torch.empty(S, S, dtype=torch.bool, device="meta")
+    gpu, volta = Execution("cuda"), Execution("cuda", flash_attention=False)
+    assert attention_backend(gpu, bf16, bf16, bf16, None, True, False) == "flash"
+    assert attention_backend(gpu, q, q, q, None, True, False) == "efficient"
+    assert attention_backend(gpu, bf16, bf16, bf16, mask, False, False) == "efficient"
+    assert attention_backend(volta, bf16, bf16, bf16, None, True, False) == "efficient"
+    f64 = q.to(torch.float64)
+    assert attention_backend(gpu, f64, f64, f64, None, True, False) == "math"
+    assert attention_backend(Execution("cpu"), q, q, q, mask, False, False) == "cpu-flash"
+
+
+def test_bf16_mixed_keeps_fp32_parameters_and_bf16_activations() -> None:
+    module = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    x = (torch.randn(8, 64),)
+    by_precision = {}
+    for precision in (Precision.TRUE_32, Precision.BF16_MIXED, Precision.BF16_TRUE):
+        traced = trace(module, x)
+        annotate_all(traced.gm, *traced.flat_inputs, execution=Execution("cpu", precision=precision))
+        nodes = [n for n in traced.gm.graph.nodes if meta.BYTES.has(n)]
+        by_precision[precision] = (
+            sum(meta.BYTES.get(n).param_bytes for n in nodes),
+            sum(meta.BYTES.get(n).saved_bytes for n in nodes),
+            meta.SHAPE.get(nodes[-2]).tensors[0].dtype,
+        )
+    fp32 = by_precision[Precision.TRUE_32]
+    mixed = by_precision[Precision.BF16_MIXED]
+    bf16 = by_precision[Precision.BF16_TRUE]
+    assert mixed[0] == fp32[0] and bf16[0] * 2 == fp32[0]
+    assert mixed[2] == bf16[2] == "bfloat16"
+    # float32: the ReLU's output (the first Linear's input needs no gradient, so it keeps
+    # no weight, and the model input is no activation). Under autocast: that output in
+    # bf16, the input cast to bf16 that the first Linear keeps for its weight gradient,
+    # and the bf16 copy of the second Linear's weight that its input gradient needs.
+    assert fp32[1] == 8 * 64 * 4
+    assert mixed[1] == 8 * 64 * 2 + 8 * 64 * 2 + 64 * 64 * 2
+    assert bf16[1] * 2 == fp32[1]
+
+
+def test_precision_names() -> None:
+    assert parse_precision("bf16-mixed") is Precision.BF16_MIXED
+    with pytest.raises(ValueError, match="32-true, bf16-mixed, bf16-true, 16-mixed"):
+        parse_precision("fp8")
+    assert default_precision(nn.Linear(2, 2)) is Precision.TRUE_32
+    assert default_precision(nn.Linear(2, 2).to(torch.bfloat16)) is Precision.BF16_TRUE
