@@ -107,7 +107,8 @@ def test_bf16_mixed_keeps_fp32_parameters_and_bf16_activations() -> None:
     by_precision = {}
     for precision in (Precision.TRUE_32, Precision.BF16_MIXED, Precision.BF16_TRUE):
         traced = trace(module, x)
-        annotate_all(traced.gm, *traced.flat_inputs, execution=Execution("cpu", precision=precision))
+        execution = Execution("cpu", precision=precision)
+        annotate_all(traced.gm, *traced.flat_inputs, execution=execution)
         nodes = [n for n in traced.gm.graph.nodes if meta.BYTES.has(n)]
         by_precision[precision] = (
             sum(meta.BYTES.get(n).param_bytes for n in nodes),
