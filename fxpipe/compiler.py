@@ -14,6 +14,7 @@ want to know on the way (which tracer captured the model, its notes).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -92,6 +93,12 @@ def analyze(
     with progress("shapes, FLOPs and bytes"):
         annotate_all(traced.gm, *traced.flat_inputs, execution=execution)
     if measure:
+        if precision is not None and precision is not default_precision(traced.gm):
+            warnings.warn(
+                f"--measure times every node at the model's own dtype, not at precision "
+                f"{precision.value}; the bytes follow {precision.value}, the times do not",
+                stacklevel=2,
+            )
         on_cuda = any(isinstance(v, torch.Tensor) and v.is_cuda for v in traced.flat_inputs)
         kind: Literal["cpu", "cuda"] = "cuda" if on_cuda else "cpu"
         with progress(f"timing every node ({kind})"):
