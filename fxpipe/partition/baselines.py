@@ -128,8 +128,13 @@ def baselines(problem: Problem, c: Coarsening | None = None) -> dict[str, tuple[
     return {name: f(problem, c) for name, f in BASELINES.items()}
 
 
-def interval_dp(c: Coarsening) -> tuple[int, ...] | None:
+def interval_dp(c: Coarsening, *, upper_s: float = float("inf")) -> tuple[int, ...] | None:
     """Coarse assignment: best contiguous split of ``c``'s order, None if none fits.
+
+    ``upper_s``: a bottleneck some split reaches (a baseline's). A block whose compute alone
+    exceeds it is in no better split, so each block's start is searched only back to where
+    the compute passes it: O(K n * n/K) rather than O(K n^2) when the stages balance,
+    and the same answer whenever the best split is at most ``upper_s`` (None otherwise).
 
     Legend: n coarse nodes in order, a..c a block [a, c), cut[i] the cost of cutting
     before item i (values whose producer and readers lie on both sides), sent[a] the
@@ -199,9 +204,12 @@ def interval_dp(c: Coarsening) -> tuple[int, ...] | None:
             released += 1
         produced = np.concatenate(([0.0], np.cumsum(alive[:end])))  # produced[a]: [0, a)
         peak = np.append(np.maximum.accumulate(grad[:end][::-1])[::-1], 0.0)
+        # No block whose compute alone exceeds upper_s: starts from the first that fits.
+        first = int(np.searchsorted(T, T[end] - upper_s * (1 + 1e-9), side="left"))
         for j in range(K):
             f = flights[j]
-            starts = np.arange(0, end - gap + 1) if j > 0 else np.array([0])
+            starts = (np.arange(min(first, max(0, end - gap)), end - gap + 1) if j > 0
+                      else np.array([0]))
             if starts.size == 0 or (j == 0 and end < gap):
                 continue
             sent = produced[end] - produced[starts] + R[end] - R[starts]

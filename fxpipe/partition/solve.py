@@ -119,11 +119,13 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
         if ev.estimate.fits and not violations(problem, s)
     ]
 
+    # The best baseline bounds every block the interval DP needs to try (see interval_dp).
+    upper = min((c[0] for c in candidates), default=float("inf"))
     phases: list[IlpResult] = []
     level = _coarse_level(problem, exact) if coarsen else exact
     coarse_nodes = level.num_coarse
     if level.num_coarse < exact.num_coarse:
-        hint = interval_dp(level)
+        hint = interval_dp(level, upper_s=upper)
         result = StageModel(level, hint=hint).solve(
             work_limit=work_limit * COARSE_SHARE, time_limit_s=_left(deadline),
             workers=workers)
@@ -131,11 +133,14 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
         if result.stage_of is not None:  # fits and is valid by construction
             candidates.append((evaluate(problem, result.stage_of).bottleneck_s,
                                result.stage_of))
-    if not phases or phases[-1].stage_of is None or exact.num_coarse <= DP_MAX_NODES:
+    upper = min((c[0] for c in candidates), default=float("inf"))
+    if (not phases or phases[-1].stage_of is None or exact.num_coarse <= DP_MAX_NODES
+            or upper < float("inf")):
         # The DP over the exact groups' order: often a better warm start than the coarse
-        # answer (ResNet-50: 264.8 vs 312.7), but O(K n^2), so skipped on big graphs
-        # that already have a coarse answer.
-        dp = interval_dp(exact)
+        # answer (ResNet-50: 264.8 vs 312.7). O(K n^2) with nothing to bound its blocks,
+        # so then skipped on big graphs that already have a coarse answer; O(n^2) or
+        # less with an upper bound (see interval_dp).
+        dp = interval_dp(exact, upper_s=upper)
         if dp is not None:
             split = exact.expand(dp)
             if not violations(problem, split):
