@@ -26,6 +26,7 @@ and sent values, the loss, the backward transient, recompute per stage) included
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -194,7 +195,7 @@ def interval_dp(c: Coarsening, *, upper_s: float = float("inf")) -> tuple[int, .
     back = np.zeros((K, n + 1), dtype=np.int64)
     limit = p.memory_limit
     gap = 0 if p.allow_empty_stages else 1
-    flights = stage_flights(p)
+    flights = np.array(stage_flights(p), dtype=np.int64)[:, None]  # (K, 1)
     options = recompute_options(p)
     released = 0
     for end in range(n + 1):
@@ -205,30 +206,35 @@ def interval_dp(c: Coarsening, *, upper_s: float = float("inf")) -> tuple[int, .
         produced = np.concatenate(([0.0], np.cumsum(alive[:end])))  # produced[a]: [0, a)
         peak = np.append(np.maximum.accumulate(grad[:end][::-1])[::-1], 0.0)
         # No block whose compute alone exceeds upper_s: starts from the first that fits.
+        if end < gap:
+            continue
         first = int(np.searchsorted(T, T[end] - upper_s * (1 + 1e-9), side="left"))
-        for j in range(K):
-            f = flights[j]
-            starts = (np.arange(min(first, max(0, end - gap)), end - gap + 1) if j > 0
-                      else np.array([0]))
-            if starts.size == 0 or (j == 0 and end < gap):
-                continue
-            sent = produced[end] - produced[starts] + R[end] - R[starts]
-            load = np.full(starts.shape, inf)
-            for recompute in reversed(options):  # the faster choice last: it wins where both fit
-                memory = sum(memory_parts(
-                    p, j, flight=f, params=P[end] - P[starts], activations=A[end] - A[starts],
-                    received=cut_b[starts], kept=sent, transient=peak[starts],
-                    recompute=recompute).values())
-                seconds = T[end] - T[starts] + cut[starts] + cut[end]
-                if recompute:
-                    seconds = seconds + F[end] - F[starts]
-                load = np.where(memory <= limit, seconds, load)
-            if end == starts[0] == 0 and j == 0 and not p.allow_empty_stages:
-                load[:] = inf
-            if j > 0:
-                load = np.maximum(load, best[j - 1][starts])
-            i = int(np.argmin(load))
-            best[j][end], back[j][end] = load[i], starts[i]
+        starts = np.arange(min(first, end - gap), end - gap + 1)
+        sent = produced[end] - produced[starts] + R[end] - R[starts]
+        # Every stage at once: row j of these (K, starts) arrays is stage j's block
+        # [start, end); the loss is the last stage's alone.
+        load = np.full((K, starts.size), inf)
+        block: dict[str, Any] = {"params": P[end] - P[starts], "activations": A[end] - A[starts],
+                                 "received": cut_b[starts], "kept": sent,
+                                 "transient": peak[starts]}
+        for recompute in reversed(options):  # the faster choice last: it wins where both fit
+            # j = -1: no stage's loss (every row); then the last row with its loss
+            rows = np.broadcast_to(sum(memory_parts(
+                p, -1, flight=flights, recompute=recompute, **block).values()), load.shape).copy()
+            rows[K - 1] = sum(memory_parts(p, K - 1, flight=int(flights[K - 1, 0]),
+                                           recompute=recompute, **block).values())
+            seconds = T[end] - T[starts] + cut[starts] + cut[end]
+            if recompute:
+                seconds = seconds + F[end] - F[starts]
+            load = np.where(rows <= limit, seconds, load)
+        if end == 0 and not p.allow_empty_stages:
+            load[0] = inf
+        # stage 0 starts at 0; stage j > 0 after the best split of [0, start) into j stages
+        best[0, end], back[0, end] = (load[0, 0] if starts[0] == 0 else inf), 0
+        if K > 1:
+            load = np.maximum(load[1:], best[:-1, starts])
+            i = np.argmin(load, axis=1)
+            best[1:, end], back[1:, end] = load[np.arange(K - 1), i], starts[i]
     if best[K - 1][n] == inf:
         return None
     stage = [0] * n
