@@ -195,7 +195,7 @@ def interval_dp(c: Coarsening, *, upper_s: float = float("inf")) -> tuple[int, .
     back = np.zeros((K, n + 1), dtype=np.int64)
     limit = p.memory_limit
     gap = 0 if p.allow_empty_stages else 1
-    flights = np.array(stage_flights(p), dtype=np.int64)[:, None]  # (K, 1)
+    flights: Any = np.array(stage_flights(p), dtype=np.int64)[:, None]  # (K, 1)
     options = recompute_options(p)
     released = 0
     for end in range(n + 1):
@@ -219,10 +219,11 @@ def interval_dp(c: Coarsening, *, upper_s: float = float("inf")) -> tuple[int, .
                                  "transient": peak[starts]}
         for recompute in reversed(options):  # the faster choice last: it wins where both fit
             # j = -1: no stage's loss (every row); then the last row with its loss
-            rows = np.broadcast_to(sum(memory_parts(
-                p, -1, flight=flights, recompute=recompute, **block).values()), load.shape).copy()
-            rows[K - 1] = sum(memory_parts(p, K - 1, flight=int(flights[K - 1, 0]),
-                                           recompute=recompute, **block).values())
+            every: Any = memory_parts(p, -1, flight=flights, recompute=recompute, **block)
+            last: Any = memory_parts(p, K - 1, flight=int(flights[K - 1, 0]),
+                                     recompute=recompute, **block)
+            rows = np.broadcast_to(sum(every.values()), load.shape).copy()
+            rows[K - 1] = sum(last.values())
             seconds = T[end] - T[starts] + cut[starts] + cut[end]
             if recompute:
                 seconds = seconds + F[end] - F[starts]
