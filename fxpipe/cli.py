@@ -111,7 +111,14 @@ def _parser() -> argparse.ArgumentParser:
         help="stages that keep only their inputs and recompute activations in backward: "
         "auto (default: the solver chooses per stage), all (also a bare --recompute), none",
     )
-    split.add_argument("--time-limit", type=float, default=30.0, help="solver seconds")
+    split.add_argument(
+        "--work-limit", type=float, default=10.0,
+        help="solver work in CP-SAT deterministic time (about seconds on a quiet machine); "
+        "the same model and flags give the same plan at any machine load")
+    split.add_argument(
+        "--time-limit", type=float, default=120.0,
+        help="wall-clock safety net in seconds; when it stops the solver first, the plan "
+        "says so and may differ run to run")
     split.add_argument("--diagram", choices=("module", "op"), default="module")
     split.add_argument(
         "--measure",
@@ -252,6 +259,8 @@ def _run_split(args: argparse.Namespace) -> int:
         raise ValueError(f"--microbatches must be at least 1, got {microbatches}")
     if args.time_limit <= 0:
         raise ValueError(f"--time-limit must be positive, got {args.time_limit}")
+    if args.work_limit <= 0:
+        raise ValueError(f"--work-limit must be positive, got {args.work_limit}")
     schedule = _schedule(args, microbatches)
     recompute = _recompute(args.recompute)
     precision = parse_precision(args.precision) if args.precision is not None else None
@@ -268,6 +277,7 @@ def _run_split(args: argparse.Namespace) -> int:
         optimizer=args.optimizer,
         recompute=recompute,
         time_limit_s=args.time_limit,
+        work_limit=args.work_limit,
         virtual_stages=args.virtual_stages,
         replicate=args.replicate,
         precision=precision,

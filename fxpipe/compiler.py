@@ -29,6 +29,7 @@ from fxpipe.kernels import Execution
 from fxpipe.lower import lower
 from fxpipe.partition import Recompute, Schedule, partition
 from fxpipe.partition.plan import Plan
+from fxpipe.partition.solve import WORK_LIMIT
 from fxpipe.passes import annotate_all
 from fxpipe.planning import build_plan
 from fxpipe.precision import Precision, default_precision
@@ -118,7 +119,8 @@ class SplitOptions:
     schedule: Schedule = Schedule.ONE_F_ONE_B
     optimizer: str = "adam"
     recompute: Recompute = Recompute.AUTO  # per stage: none, all, or chosen by the solver
-    time_limit_s: float = 30.0
+    time_limit_s: float = 120.0  # wall-clock safety net (the work limit normally stops first)
+    work_limit: float = WORK_LIMIT  # CP-SAT deterministic time: the same plan at any load
     virtual_stages: int = 1  # interleaved schedule: stage modules per GPU
     replicate: bool = False  # let the solver give a stage several GPUs ("2-1-1")
     precision: Precision | None = None  # None: the model's parameter dtype; as analyze() used
@@ -142,9 +144,15 @@ def plan_split(
         block_depth=auto_depth(traced.gm),
     )
     with progress(f"solving ({len(lowered.problem.nodes)} nodes onto {options.gpus} GPUs)"):
-        result = partition(lowered.problem, time_limit_s=options.time_limit_s,
+        result = partition(lowered.problem, work_limit=options.work_limit,
+                           time_limit_s=options.time_limit_s,
                            replicate=options.replicate)
     notes = list(traced.notes)
+    if result.report.wall_clock_stopped:
+        notes.append(
+            f"The solver was stopped by the wall-clock limit (--time-limit "
+            f"{options.time_limit_s:g} s) before its work limit; the plan may differ run to "
+            f"run. Raise --time-limit, or lower --work-limit, for a reproducible plan.")
     if traced.fallback_reason:
         notes.append(f"symbolic_trace failed ({traced.fallback_reason}); used torch.export")
     return build_plan(

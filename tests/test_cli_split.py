@@ -123,7 +123,8 @@ def test_solver_errors_are_worded_with_the_flags(
     from fxpipe import cli, compiler
     from fxpipe.partition import NoSolutionError
 
-    def out_of_time(problem: object, *, time_limit_s: float, replicate: bool) -> None:
+    def out_of_time(problem: object, *, work_limit: float, time_limit_s: float,
+                    replicate: bool) -> None:
         limit = None if replicate else 2**30
         raise NoSolutionError(devices=2, time_limit_s=time_limit_s, limit=limit)
 
@@ -135,7 +136,7 @@ def test_solver_errors_are_worded_with_the_flags(
         "--time-limit or the memory limit.")
     assert cli.main(["split", MLP, "--gpus", "2", "--replicate"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "fxpipe: error: No split onto 2 GPUs was found in 30 s; raise --time-limit.")
+        "fxpipe: error: No split onto 2 GPUs was found in 120 s; raise --time-limit.")
     assert not (tmp_path / "fxpipe-out").exists()
 
 

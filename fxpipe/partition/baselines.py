@@ -26,6 +26,7 @@ and sent values, the loss, the backward transient, recompute per stage) included
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -128,8 +129,13 @@ def baselines(problem: Problem, c: Coarsening | None = None) -> dict[str, tuple[
     return {name: f(problem, c) for name, f in BASELINES.items()}
 
 
-def interval_dp(c: Coarsening) -> tuple[int, ...] | None:
+def interval_dp(c: Coarsening, *, upper_s: float = float("inf")) -> tuple[int, ...] | None:
     """Coarse assignment: best contiguous split of ``c``'s order, None if none fits.
+
+    ``upper_s``: a bottleneck some split reaches (a baseline's). A block whose compute alone
+    exceeds it is in no better split, so each block's start is searched only back to where
+    the compute passes it: O(K n * n/K) rather than O(K n^2) when the stages balance,
+    and the same answer whenever the best split is at most ``upper_s`` (None otherwise).
 
     Legend: n coarse nodes in order, a..c a block [a, c), cut[i] the cost of cutting
     before item i (values whose producer and readers lie on both sides), sent[a] the
@@ -189,7 +195,7 @@ def interval_dp(c: Coarsening) -> tuple[int, ...] | None:
     back = np.zeros((K, n + 1), dtype=np.int64)
     limit = p.memory_limit
     gap = 0 if p.allow_empty_stages else 1
-    flights = stage_flights(p)
+    flights: Any = np.array(stage_flights(p), dtype=np.int64)[:, None]  # (K, 1)
     options = recompute_options(p)
     released = 0
     for end in range(n + 1):
@@ -199,28 +205,37 @@ def interval_dp(c: Coarsening) -> tuple[int, ...] | None:
             released += 1
         produced = np.concatenate(([0.0], np.cumsum(alive[:end])))  # produced[a]: [0, a)
         peak = np.append(np.maximum.accumulate(grad[:end][::-1])[::-1], 0.0)
-        for j in range(K):
-            f = flights[j]
-            starts = np.arange(0, end - gap + 1) if j > 0 else np.array([0])
-            if starts.size == 0 or (j == 0 and end < gap):
-                continue
-            sent = produced[end] - produced[starts] + R[end] - R[starts]
-            load = np.full(starts.shape, inf)
-            for recompute in reversed(options):  # the faster choice last: it wins where both fit
-                memory = sum(memory_parts(
-                    p, j, flight=f, params=P[end] - P[starts], activations=A[end] - A[starts],
-                    received=cut_b[starts], kept=sent, transient=peak[starts],
-                    recompute=recompute).values())
-                seconds = T[end] - T[starts] + cut[starts] + cut[end]
-                if recompute:
-                    seconds = seconds + F[end] - F[starts]
-                load = np.where(memory <= limit, seconds, load)
-            if end == starts[0] == 0 and j == 0 and not p.allow_empty_stages:
-                load[:] = inf
-            if j > 0:
-                load = np.maximum(load, best[j - 1][starts])
-            i = int(np.argmin(load))
-            best[j][end], back[j][end] = load[i], starts[i]
+        # No block whose compute alone exceeds upper_s: starts from the first that fits.
+        if end < gap:
+            continue
+        first = int(np.searchsorted(T, T[end] - upper_s * (1 + 1e-9), side="left"))
+        starts = np.arange(min(first, end - gap), end - gap + 1)
+        sent = produced[end] - produced[starts] + R[end] - R[starts]
+        # Every stage at once: row j of these (K, starts) arrays is stage j's block
+        # [start, end); the loss is the last stage's alone.
+        load = np.full((K, starts.size), inf)
+        block: dict[str, Any] = {"params": P[end] - P[starts], "activations": A[end] - A[starts],
+                                 "received": cut_b[starts], "kept": sent,
+                                 "transient": peak[starts]}
+        for recompute in reversed(options):  # the faster choice last: it wins where both fit
+            # j = -1: no stage's loss (every row); then the last row with its loss
+            every: Any = memory_parts(p, -1, flight=flights, recompute=recompute, **block)
+            last: Any = memory_parts(p, K - 1, flight=int(flights[K - 1, 0]),
+                                     recompute=recompute, **block)
+            rows = np.broadcast_to(sum(every.values()), load.shape).copy()
+            rows[K - 1] = sum(last.values())
+            seconds = T[end] - T[starts] + cut[starts] + cut[end]
+            if recompute:
+                seconds = seconds + F[end] - F[starts]
+            load = np.where(rows <= limit, seconds, load)
+        if end == 0 and not p.allow_empty_stages:
+            load[0] = inf
+        # stage 0 starts at 0; stage j > 0 after the best split of [0, start) into j stages
+        best[0, end], back[0, end] = (load[0, 0] if starts[0] == 0 else inf), 0
+        if K > 1:
+            load = np.maximum(load[1:], best[:-1, starts])
+            i = np.argmin(load, axis=1)
+            best[1:, end], back[1:, end] = load[np.arange(K - 1), i], starts[i]
     if best[K - 1][n] == inf:
         return None
     stage = [0] * n

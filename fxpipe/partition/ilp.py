@@ -99,6 +99,7 @@ class IlpResult:
     num_nodes: int  # coarse nodes the model had
     replicas: tuple[int, ...] | None = None  # GPUs per stage when the model chose them
     recompute: tuple[bool, ...] | None = None  # per stage, as the model chose (z[j])
+    wall_clock_stopped: bool = False  # the wall-clock safety net, not the work limit, ended it
 
     @property
     def has_solution(self) -> bool:
@@ -487,18 +488,31 @@ class StageModel:
 
     @staticmethod
     def _expr(terms: Terms) -> cp_model.LinearExprT:
-        return sum((c * v for c, v in terms), 0)
+        # One weighted sum rather than a chain of additions: building the model of a
+        # 5,000-node graph took longer than solving it.
+        constant = sum(c * v for c, v in terms if isinstance(v, int))
+        live = [(c, v) for c, v in terms if not isinstance(v, int)]
+        if not live:
+            return constant
+        return cp_model.LinearExpr.weighted_sum([v for _, v in live],
+                                                [c for c, _ in live]) + constant
 
     def _range(self, terms: Terms) -> tuple[int, int]:
         """The smallest and largest value ``terms`` can take."""
         lo = hi = 0
+        bounds = self._int_bounds
         for c, v in terms:
             if isinstance(v, int):
-                least = most = v
+                lo += c * v
+                hi += c * v
+                continue
+            least, most = bounds.get(v.index, (0, 1)) if bounds else (0, 1)
+            if c >= 0:
+                lo += c * least
+                hi += c * most
             else:
-                least, most = self._int_bounds.get(v.index, (0, 1))
-            lo += min(c * least, c * most)
-            hi += max(c * least, c * most)
+                lo += c * most
+                hi += c * least
         return lo, hi
 
     def _add_le(self, left: Terms, right: Terms) -> None:
@@ -653,23 +667,34 @@ class StageModel:
         """Write the model (text proto if ``path`` ends in .txt / .pbtxt) for debugging."""
         self.model.export_to_file(path)
 
-    def solve(self, *, time_limit_s: float = 30.0, workers: int = 2, log: bool = False
-              ) -> IlpResult:
+    def solve(self, *, work_limit: float = 10.0, time_limit_s: float = 30.0, workers: int = 2,
+              log: bool = False) -> IlpResult:
+        """Solve within ``work_limit`` units of CP-SAT's deterministic time (roughly seconds on
+        a quiet machine), so that the answer is the same however loaded the machine is;
+        ``time_limit_s`` of wall clock is a safety net, and ``IlpResult.wall_clock_stopped``
+        says when it fired (the answer may then differ from run to run)."""
         solver = cp_model.CpSolver()
+        solver.parameters.max_deterministic_time = max(0.001, work_limit)
         solver.parameters.max_time_in_seconds = max(0.01, time_limit_s)
         solver.parameters.num_workers = workers
-        # Workers interleaved in one deterministic order: the same problem gives the same
-        # split on every run (plan.json and the generated stages are reproducible).
+        # Workers interleaved in one deterministic order, stopped by deterministic time and
+        # seeded alike: the same problem gives the same split on every run, at any load
+        # (plan.json and the generated stages are reproducible).
         solver.parameters.interleave_search = True
+        solver.parameters.random_seed = 0
         solver.parameters.log_search_progress = log
         start = time.perf_counter()
         status = solver.solve(self.model)
         wall = time.perf_counter() - start
+        # Neither proved nor out of work: the wall clock stopped it.
+        wall_clock = (status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE)
+                      and solver.deterministic_time < solver.parameters.max_deterministic_time)
         name = solver.status_name(status)
         unit = self.scale if self.objective == "time" else 1
         margin = self._rounding_terms * 0.5 / unit if self.objective == "time" else 0.0
         if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            return IlpResult(name, None, None, math.inf, 0.0, wall, self.num_nodes)
+            return IlpResult(name, None, None, math.inf, 0.0, wall, self.num_nodes,
+                             wall_clock_stopped=wall_clock)
         coarse = tuple(
             sum(1 for v in row[:-1] if (v if isinstance(v, int) else solver.value(v)) == 0)
             for row in self.d
@@ -681,4 +706,4 @@ class StageModel:
                           for z in self.z)
         return IlpResult(name, coarse, self.coarsening.expand(coarse), objective,
                          min(bound, objective), wall, self.num_nodes, replicas or None,
-                         recompute)
+                         recompute, wall_clock_stopped=wall_clock)

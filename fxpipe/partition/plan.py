@@ -74,6 +74,9 @@ class SolverReport:
     wall_s: float = 0.0  # not in plan.json, which is reproducible: see Plan.to_dict
     solved_nodes: int = 0  # nodes of the (coarsened) graph the solver saw
     graph_nodes: int = 0  # nodes of the fine graph
+    # The wall-clock safety net, not the deterministic work limit, stopped the search: the
+    # answer may differ run to run (not in plan.json; the plan's notes say so instead).
+    wall_clock_stopped: bool = False
 
     @property
     def gap(self) -> float:
@@ -144,6 +147,7 @@ class Plan:
         # The same model and flags give a byte-identical plan.json; wall time differs from
         # run to run, so the CLI writes it to timing.json instead.
         del data["solver"]["wall_s"]
+        del data["solver"]["wall_clock_stopped"]
         for stage, raw in zip(self.stages, data["stages"], strict=True):
             raw["time_s"] = stage.time_s
             raw["memory"]["total"] = stage.memory.total

@@ -44,6 +44,8 @@ __all__ = [
 
 
 DP_MAX_NODES = 1000  # exact groups up to which the interval DP warm start runs anyway
+WORK_LIMIT = 10.0  # CP-SAT deterministic time for one partition (about seconds when quiet)
+COARSE_SHARE = 0.25  # of the work limit, for the solve on the capped coarse graph
 
 
 @dataclass(frozen=True)
@@ -67,14 +69,14 @@ def _check_stage_count(problem: Problem, exact: Coarsening) -> None:
                                  devices=problem.devices, virtual_stages=problem.virtual_stages)
 
 
-def min_memory(problem: Problem, exact: Coarsening, *, time_limit_s: float, workers: int,
-               ) -> float:
+def min_memory(problem: Problem, exact: Coarsening, *, work_limit: float, time_limit_s: float,
+               workers: int) -> float:
     """The smallest per-device memory any valid split needs (a proved lower bound if the
-    time ran out: the message then errs on the side of too little)."""
+    work ran out: the message then errs on the side of too little)."""
     hint = interval_dp(Coarsening(_unlimited(problem), exact.group_of, exact.groups,
                                   exact.order_edges))
     model = StageModel(exact, objective="memory", hint=hint)
-    result = model.solve(time_limit_s=time_limit_s, workers=workers)
+    result = model.solve(work_limit=work_limit, time_limit_s=time_limit_s, workers=workers)
     if result.stage_of is not None:
         return float(evaluate(problem, result.stage_of).estimate.max_memory)
     return result.bound
@@ -84,8 +86,8 @@ def _unlimited(problem: Problem) -> Problem:
     return replace(problem, memory_limit=float("inf"))
 
 
-def partition(problem: Problem, *, time_limit_s: float = 30.0, coarsen: bool = True,
-              workers: int = 2, replicate: bool = False) -> Partition:
+def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s: float = 120.0,
+              coarsen: bool = True, workers: int = 2, replicate: bool = False) -> Partition:
     """Split ``problem`` into ``problem.num_stages`` pipeline stages, minimising the
     bottleneck stage time within the memory limit.
 
@@ -93,12 +95,18 @@ def partition(problem: Problem, *, time_limit_s: float = 30.0, coarsen: bool = T
     stages K <= N = ``problem.devices``, the N GPUs shared among them (PipeDream's
     replicated stages); the answer's ``problem`` has the K chosen.
 
+    ``work_limit`` bounds the CP-SAT search in its deterministic time (about seconds on a
+    quiet machine), shared among the solves in fixed proportions, so the same problem
+    gives the same answer on a quiet and on a loaded machine. ``time_limit_s`` of wall
+    clock is a safety net; when it fires the report says so
+    (``SolverReport.wall_clock_stopped``) and the answer may differ from run to run.
+
     Raises ``TooManyStagesError`` / ``InfeasibleMemoryError`` / ``NoSolutionError``
     (all ``ValueError``) with a one-sentence message for the user.
     """
     if replicate or problem.replicates:
-        return _partition_replicated(problem, time_limit_s=time_limit_s, coarsen=coarsen,
-                                     workers=workers)
+        return _partition_replicated(problem, work_limit=work_limit, time_limit_s=time_limit_s,
+                                     coarsen=coarsen, workers=workers)
     start = time.perf_counter()
     deadline = start + time_limit_s
     exact = exact_groups(problem)
@@ -111,22 +119,28 @@ def partition(problem: Problem, *, time_limit_s: float = 30.0, coarsen: bool = T
         if ev.estimate.fits and not violations(problem, s)
     ]
 
+    # The best baseline bounds every block the interval DP needs to try (see interval_dp).
+    upper = min((c[0] for c in candidates), default=float("inf"))
     phases: list[IlpResult] = []
     level = _coarse_level(problem, exact) if coarsen else exact
     coarse_nodes = level.num_coarse
     if level.num_coarse < exact.num_coarse:
-        hint = interval_dp(level)
-        budget = max(0.05, (deadline - time.perf_counter()) / 3)
-        result = StageModel(level, hint=hint).solve(time_limit_s=budget, workers=workers)
+        hint = interval_dp(level, upper_s=upper)
+        result = StageModel(level, hint=hint).solve(
+            work_limit=work_limit * COARSE_SHARE, time_limit_s=_left(deadline),
+            workers=workers)
         phases.append(result)
         if result.stage_of is not None:  # fits and is valid by construction
             candidates.append((evaluate(problem, result.stage_of).bottleneck_s,
                                result.stage_of))
-    if not phases or phases[-1].stage_of is None or exact.num_coarse <= DP_MAX_NODES:
+    upper = min((c[0] for c in candidates), default=float("inf"))
+    if (not phases or phases[-1].stage_of is None or exact.num_coarse <= DP_MAX_NODES
+            or upper < float("inf")):
         # The DP over the exact groups' order: often a better warm start than the coarse
-        # answer (ResNet-50: 264.8 vs 312.7), but O(K n^2), so skipped on big graphs
-        # that already have a coarse answer.
-        dp = interval_dp(exact)
+        # answer (ResNet-50: 264.8 vs 312.7). O(K n^2) with nothing to bound its blocks,
+        # so then skipped on big graphs that already have a coarse answer; O(n^2) or
+        # less with an upper bound (see interval_dp).
+        dp = interval_dp(exact, upper_s=upper)
         if dp is not None:
             split = exact.expand(dp)
             if not violations(problem, split):
@@ -137,8 +151,8 @@ def partition(problem: Problem, *, time_limit_s: float = 30.0, coarsen: bool = T
 
     hint = exact.restrict(best) if best is not None else None
     model = StageModel(exact, hint=hint)
-    result = model.solve(time_limit_s=max(0.05, deadline - time.perf_counter()),
-                         workers=workers)
+    result = model.solve(work_limit=work_limit * (1 - COARSE_SHARE if phases else 1),
+                         time_limit_s=_left(deadline), workers=workers)
     phases.append(result)
 
     if result.stage_of is not None:
@@ -148,8 +162,8 @@ def partition(problem: Problem, *, time_limit_s: float = 30.0, coarsen: bool = T
 
     if best is None:
         if result.status == "INFEASIBLE":
-            needed = min_memory(problem, exact, time_limit_s=max(1.0, time_limit_s / 2),
-                                workers=workers)
+            needed = min_memory(problem, exact, work_limit=work_limit,
+                                time_limit_s=max(1.0, time_limit_s / 2), workers=workers)
             raise InfeasibleMemoryError(devices=problem.devices,
                                         limit=problem.memory_limit, needed=needed)
         raise NoSolutionError(devices=problem.devices, time_limit_s=time_limit_s,
@@ -174,6 +188,7 @@ def partition(problem: Problem, *, time_limit_s: float = 30.0, coarsen: bool = T
         wall_s=time.perf_counter() - start,
         solved_nodes=exact.num_coarse,
         graph_nodes=len(problem.nodes),
+        wall_clock_stopped=any(phase.wall_clock_stopped for phase in phases),
     )
     return Partition(
         stage_of=tuple(best),
@@ -187,12 +202,17 @@ def partition(problem: Problem, *, time_limit_s: float = 30.0, coarsen: bool = T
     )
 
 
+def _left(deadline: float) -> float:
+    """Wall-clock seconds left before ``deadline`` (the safety net), at least a little."""
+    return max(0.05, deadline - time.perf_counter())
+
+
 def _coarse_level(problem: Problem, exact: Coarsening) -> Coarsening:
     return coarsen_graph(problem, base=exact)
 
 
-def _partition_replicated(problem: Problem, *, time_limit_s: float, coarsen: bool,
-                          workers: int) -> Partition:
+def _partition_replicated(problem: Problem, *, work_limit: float, time_limit_s: float,
+                          coarsen: bool, workers: int) -> Partition:
     """The best of: one stage per GPU, and K = N-1 .. 1 stages with replicas (see the
     module docstring). The bound is the smallest any stage count could still reach."""
     start = time.perf_counter()
@@ -202,8 +222,8 @@ def _partition_replicated(problem: Problem, *, time_limit_s: float, coarsen: boo
     best: Partition | None = None
     failure: ValueError | None = None
     try:
-        best = partition(one_each, time_limit_s=time_limit_s / 2, coarsen=coarsen,
-                         workers=workers)
+        best = partition(one_each, work_limit=work_limit / 2, time_limit_s=time_limit_s / 2,
+                         coarsen=coarsen, workers=workers)
     except ValueError as exc:  # too few nodes or too little memory for N stages
         failure = exc
     # proved: every stage count so far is settled (its optimum found, or none exists)
@@ -212,15 +232,18 @@ def _partition_replicated(problem: Problem, *, time_limit_s: float, coarsen: boo
     else:
         proved = isinstance(failure, TooManyStagesError | InfeasibleMemoryError)
     bounds = [best.report.bound] if best is not None else []
+    wall_clock = best is not None and best.report.wall_clock_stopped
     counts = range(N - 1, 0, -1)
-    for done, K in enumerate(counts):
+    for K in counts:
         sub = replace(problem, num_stages=K, num_devices=N)
         exact = exact_groups(sub)
         if exact.num_coarse < K and not sub.allow_empty_stages:
             continue
         upper = best.evaluation.bottleneck_s if best is not None else None
-        budget = max(0.05, (deadline - time.perf_counter()) / (len(counts) - done))
-        result = StageModel(exact, upper_s=upper).solve(time_limit_s=budget, workers=workers)
+        result = StageModel(exact, upper_s=upper).solve(
+            work_limit=work_limit / 2 / len(counts), time_limit_s=_left(deadline),
+            workers=workers)
+        wall_clock |= result.wall_clock_stopped
         if result.status == "INFEASIBLE":
             continue  # nothing with K stages beats the best so far (or fits)
         proved &= result.status == "OPTIMAL"
@@ -247,7 +270,7 @@ def _partition_replicated(problem: Problem, *, time_limit_s: float, coarsen: boo
                                                             num_devices=N))))
     report = replace(best.report, status="OPTIMAL" if proved else "FEASIBLE",
                      objective=objective, bound=objective if proved else bound,
-                     wall_s=time.perf_counter() - start)
+                     wall_s=time.perf_counter() - start, wall_clock_stopped=wall_clock)
     return replace(best, report=report)
 
 

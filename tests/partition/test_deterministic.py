@@ -1,0 +1,54 @@
+"""The same problem gives the same answer at any machine load: the search is bounded by
+CP-SAT's deterministic time, not by the wall clock."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from fxpipe.partition import Partition, partition
+from tests.partition.test_coarsen import random_problem
+
+
+@contextmanager
+def busy_machine() -> Iterator[None]:
+    """Every core kept busy by spinning child processes for the duration."""
+    spin = [sys.executable, "-c", "while True: pass"]
+    children = [subprocess.Popen(spin) for _ in range(os.cpu_count() or 2)]
+    try:
+        yield
+    finally:
+        for child in children:
+            child.kill()
+            child.wait()
+
+
+def answer(result: Partition) -> tuple[object, ...]:
+    report = result.report
+    return (result.stage_of, report.status, report.objective, report.bound,
+            report.wall_clock_stopped, tuple(phase.status for phase in result.phases))
+
+
+@pytest.mark.parametrize("work_limit", [0.001, 1.0])
+def test_same_answer_on_a_quiet_and_a_busy_machine(work_limit: float) -> None:
+    # 0.001: the work limit stops the search before it proves anything (the answer is
+    # wherever the search had got to); 1.0: it proves the optimum.
+    problem = random_problem(3, n=600, K=16)
+    quiet = partition(problem, work_limit=work_limit, coarsen=False)
+    with busy_machine():
+        busy = partition(problem, work_limit=work_limit, coarsen=False)
+    assert not quiet.report.wall_clock_stopped
+    assert quiet.report.status == ("FEASIBLE" if work_limit < 0.01 else "OPTIMAL")
+    assert answer(busy) == answer(quiet)
+
+
+def test_the_wall_clock_safety_net_is_reported() -> None:
+    problem = random_problem(3, n=600, K=16)
+    result = partition(problem, work_limit=1000.0, time_limit_s=0.01, coarsen=False)
+    assert result.report.wall_clock_stopped
+    assert result.report.status == "FEASIBLE"
