@@ -23,8 +23,8 @@ from fxpipe.compiler import SplitOptions, analyze, output_files, plan_split
 from fxpipe.cost_models import get_device
 from fxpipe.frontend import Traced, trace
 from fxpipe.output import write_folder
-from fxpipe.partition import Schedule
-from fxpipe.partition.plan import Plan
+from fxpipe.plan import Plan
+from fxpipe.schedules import ScheduleKind
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -57,7 +57,7 @@ def split_and_load(model: nn.Module, micro: tuple[Any, ...], *, stages: int, mic
     target = get_device(device)
     analyze(traced, device=target, measure=measure)
     options = SplitOptions(gpus=stages, device=target, memory_limit=memory_limit,
-                           microbatches=microbatches, schedule=Schedule(schedule))
+                           microbatches=microbatches, schedule=ScheduleKind(schedule))
     plan = plan_split(traced, label=type(model).__name__, options=options)
     folder = Path(tempfile.mkdtemp(prefix="fxpipe-bench-")) / "pipe"
     write_folder(folder, output_files(traced, plan, label=type(model).__name__))

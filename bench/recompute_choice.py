@@ -39,7 +39,7 @@ from fxpipe import cli
 from fxpipe.compiler import SplitOptions, plan_split
 from fxpipe.cost_models import get_device
 from fxpipe.partition import InfeasibleMemoryError, NoSolutionError, Recompute
-from fxpipe.partition.plan import Plan
+from fxpipe.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[1]
 BASELINES = ("uniform-layers", "parameters", "greedy-time")

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from fxpipe.compiler import SplitOptions, analyze_file, plan_split  # noqa: E402
 from fxpipe.cost_models import get_device  # noqa: E402
-from fxpipe.partition import Schedule  # noqa: E402
+from fxpipe.schedules import ScheduleKind  # noqa: E402
 from fxpipe.units import format_bytes  # noqa: E402
 
 MODELS = {
@@ -39,12 +39,12 @@ MODELS = {
 }
 # (label, schedule, virtual stages, replicate)
 LAYOUTS = [
-    ("gpipe", Schedule.GPIPE, 1, False),
-    ("1f1b", Schedule.ONE_F_ONE_B, 1, False),
-    ("pipedream (weight stashing)", Schedule.PIPEDREAM, 1, False),
-    ("interleaved v=2", Schedule.INTERLEAVED, 2, False),
-    ("interleaved v=4", Schedule.INTERLEAVED, 4, False),
-    ("1f1b + replicated stages", Schedule.ONE_F_ONE_B, 1, True),
+    ("gpipe", ScheduleKind.GPIPE, 1, False),
+    ("1f1b", ScheduleKind.ONE_F_ONE_B, 1, False),
+    ("pipedream (weight stashing)", ScheduleKind.PIPEDREAM, 1, False),
+    ("interleaved v=2", ScheduleKind.INTERLEAVED, 2, False),
+    ("interleaved v=4", ScheduleKind.INTERLEAVED, 4, False),
+    ("1f1b + replicated stages", ScheduleKind.ONE_F_ONE_B, 1, True),
 ]
 
 

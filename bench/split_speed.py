@@ -174,7 +174,7 @@ def phases_child(spec: str, gpus: int, recompute: bool, profile: int) -> None:
     from fxpipe.compiler import SplitOptions, analyze_file, output_files, plan_split
     from fxpipe.cost_models import get_device
     from fxpipe.output import write_folder
-    from fxpipe.partition import Schedule
+    from fxpipe.schedules import ScheduleKind
 
     mark("import fxpipe (+ ortools, rich)")
 
@@ -187,7 +187,7 @@ def phases_child(spec: str, gpus: int, recompute: bool, profile: int) -> None:
     device = get_device("h100")
     source, traced = analyze_file(spec, device=device, progress=phase)
     options = SplitOptions(gpus=gpus, device=device, memory_limit=float(device.memory_bytes),
-                           microbatches=4 * gpus, schedule=Schedule("1f1b"),
+                           microbatches=4 * gpus, schedule=ScheduleKind("1f1b"),
                            recompute=recompute)
     plan = plan_split(traced, label=source.label, options=options, progress=phase)
     mark("lower + build plan")

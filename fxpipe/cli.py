@@ -14,11 +14,12 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
+from fxpipe.schedules import KINDS, ScheduleKind
 from fxpipe.units import format_seconds
 
 if TYPE_CHECKING:
-    from fxpipe.partition import Recompute, Schedule
-    from fxpipe.partition.plan import Plan
+    from fxpipe.partition import Recompute
+    from fxpipe.plan import Plan
 
 __all__ = ["main"]
 
@@ -84,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     split.add_argument(
         "--schedule",
-        choices=("gpipe", "1f1b", "interleaved", "pipedream"),
+        choices=tuple(kind.value for kind in KINDS),
         default=None,
         help="pipeline schedule (default 1f1b; interleaved with --virtual-stages; pipedream: "
         "1F1B with an update per micro-batch and weight stashing)",
@@ -320,18 +321,19 @@ def _replication(plan: Plan) -> str:
     return f" ({plan.configuration} on {plan.num_devices} GPUs)"
 
 
-def _schedule(args: argparse.Namespace, microbatches: int) -> Schedule:
+def _schedule(args: argparse.Namespace, microbatches: int) -> ScheduleKind:
     """--schedule, --virtual-stages and --replicate, checked together."""
-    from fxpipe.partition import Schedule
-
     v = args.virtual_stages
     if v < 1:
         raise ValueError(f"--virtual-stages must be at least 1, got {v}")
-    name = args.schedule or ("interleaved" if v > 1 else "1f1b")
-    if name == "interleaved" and v == 1:
-        raise ValueError("--schedule interleaved needs --virtual-stages 2 or more")
-    if v > 1 and name != "interleaved":
-        raise ValueError(f"--virtual-stages {v} needs --schedule interleaved, not {name}")
+    if args.schedule:
+        kind = ScheduleKind(args.schedule)
+    else:
+        kind = ScheduleKind.INTERLEAVED if v > 1 else ScheduleKind.ONE_F_ONE_B
+    if kind.spec.interleaved and v == 1:
+        raise ValueError(f"--schedule {kind.value} needs --virtual-stages 2 or more")
+    if v > 1 and not kind.spec.interleaved:
+        raise ValueError(f"--virtual-stages {v} needs --schedule interleaved, not {kind.value}")
     if v > 1 and args.replicate:
         raise ValueError("--replicate and --virtual-stages cannot be combined; pick one")
     if v > 1 and microbatches % args.gpus:
@@ -339,7 +341,7 @@ def _schedule(args: argparse.Namespace, microbatches: int) -> Schedule:
         raise ValueError(
             f"--schedule interleaved needs the micro-batches ({microbatches}) to be a multiple "
             f"of --gpus ({n}); use --microbatches {-(-microbatches // n) * n}")
-    return Schedule(name)
+    return kind
 
 
 def _recompute(value: str) -> Recompute:

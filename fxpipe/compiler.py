@@ -22,19 +22,20 @@ from typing import Literal
 
 import torch
 
-from fxpipe.codegen import generate, schedule_table
+from fxpipe.codegen import generate
 from fxpipe.cost_models import Device, analytic, measured
 from fxpipe.frontend import ModelSource, Traced, load_model_file, trace_source
 from fxpipe.kernels import Execution
 from fxpipe.lower import lower
-from fxpipe.partition import Recompute, Schedule, partition
-from fxpipe.partition.plan import Plan
+from fxpipe.partition import Recompute, partition
 from fxpipe.partition.solve import WORK_LIMIT
 from fxpipe.passes import annotate_all
+from fxpipe.plan import Plan
 from fxpipe.planning import build_plan
 from fxpipe.precision import Precision, default_precision
 from fxpipe.profile import auto_depth
 from fxpipe.report import partition_dot, render_report, render_svg, schedule_svg
+from fxpipe.schedules import ScheduleKind, schedule_table
 
 __all__ = ["SplitOptions", "analyze", "analyze_file", "output_files", "plan_split"]
 
@@ -116,7 +117,7 @@ class SplitOptions:
     device: Device
     memory_limit: float  # bytes per GPU
     microbatches: int
-    schedule: Schedule = Schedule.ONE_F_ONE_B
+    schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B
     optimizer: str = "adam"
     recompute: Recompute = Recompute.AUTO  # per stage: none, all, or chosen by the solver
     time_limit_s: float = 120.0  # wall-clock safety net (the work limit normally stops first)

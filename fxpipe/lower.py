@@ -30,16 +30,9 @@ import torch.fx
 
 from fxpipe import meta
 from fxpipe.cost_models import Device, allreduce_time, intra_node_time
-from fxpipe.partition.problem import (
-    Edge,
-    Node,
-    Problem,
-    Recompute,
-    Schedule,
-    TiedGroup,
-    TiedPolicy,
-)
+from fxpipe.partition.problem import Edge, Node, Problem, Recompute, TiedGroup, TiedPolicy
 from fxpipe.passes.base import OP_NODES
+from fxpipe.schedules import ScheduleKind
 
 __all__ = ["LOSS_FACTORS", "OPTIMIZERS", "Lowered", "lower"]
 
@@ -64,7 +57,7 @@ def lower(
     num_stages: int,
     device: Device,
     memory_limit: float,
-    schedule: Schedule,
+    schedule: ScheduleKind,
     microbatches: int,
     optimizer: str = "adam",
     recompute: Recompute = Recompute.AUTO,

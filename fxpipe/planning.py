@@ -14,8 +14,8 @@ import torch.fx
 from fxpipe import meta
 from fxpipe.lower import Lowered
 from fxpipe.partition.evaluate import Evaluation
-from fxpipe.partition.plan import Estimate, Plan, SolverReport, StagePlan
 from fxpipe.partition.problem import Problem
+from fxpipe.plan import Estimate, Plan, SolverReport, StagePlan
 
 __all__ = ["build_plan", "stage_of_nodes"]
 

@@ -1,6 +1,14 @@
-"""Pipeline schedules as clock-tick tables.
+"""Pipeline schedules: the kinds fxpipe knows, and each as a clock-tick table.
 
-A schedule is a list of clock ticks; each tick is a tuple of the actions that
+This module owns the schedule kinds. ``KINDS`` holds, per ``ScheduleKind``, its
+name (the CLI's ``--schedule`` choices and plan.json's ``schedule``), its tick
+table builder, its in-flight rule (micro-batches each stage module holds at its
+peak, which the solver's memory model reads), its bubble formula, whether it
+stashes weights, whether it interleaves, and the torch.distributed.pipelining
+schedule the torchrun pipeline runs it on. A new kind is one ``KINDS`` entry
+plus its table builder and its in-flight rule.
+
+A table is a list of clock ticks; each tick is a tuple of the actions that
 run concurrently in it, one per device at most. An action is
 ``(stage, "F" | "B", microbatch)``. The runner executes the ticks in order, so
 a table is both the plan and the program.
@@ -52,20 +60,32 @@ For an interleaved table j is the virtual stage (K * v of them).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING
 
 from fxpipe.runtime.schedule import Action, check_schedule, dependencies
 
+if TYPE_CHECKING:
+    from fxpipe.plan import Plan
+
 __all__ = [
+    "KINDS",
     "Action",
-    "Schedule",
+    "KindSpec",
+    "ScheduleKind",
+    "Table",
     "chunk_label",
     "gpipe",
     "interleaved_1f1b",
     "interleaved_devices",
+    "kind_of",
     "one_f_one_b",
     "peak_in_flight",
     "render_ascii",
+    "schedule_table",
     "validate",
 ]
 
@@ -73,7 +93,7 @@ __all__ = [
 # v: virtual stages (model chunks) per GPU, j: a stage, d: a GPU, c: a chunk,
 # m: a micro-batch.
 
-Schedule = list[tuple[Action, ...]]  # one tuple of concurrent actions per clock tick
+Table = list[tuple[Action, ...]]  # one tuple of concurrent actions per clock tick
 
 
 def _check_sizes(num_stages: int, microbatches: int) -> None:
@@ -83,14 +103,14 @@ def _check_sizes(num_stages: int, microbatches: int) -> None:
         raise ValueError(f"Number of micro-batches ({microbatches}) must be at least 1.")
 
 
-def _to_ticks(orders: list[list[Action]], num_stages: int) -> Schedule:
+def _to_ticks(orders: list[list[Action]], num_stages: int) -> Table:
     """Pack per-device action orders into ticks: each tick, every device whose next
     action has its dependencies done runs it (unit time per action, one action per
     device per tick). ``orders[d]`` is device d's queue; without interleaving the
     devices are the stages."""
     done: set[Action] = set()
     cursor = [0] * len(orders)
-    ticks: Schedule = []
+    ticks: Table = []
     remaining = sum(len(o) for o in orders)
     while remaining:
         ready = [
@@ -109,7 +129,7 @@ def _to_ticks(orders: list[list[Action]], num_stages: int) -> Schedule:
     return ticks
 
 
-def gpipe(num_stages: int, microbatches: int) -> Schedule:
+def gpipe(num_stages: int, microbatches: int) -> Table:
     """Fill-drain: all forwards of all micro-batches, then all backwards."""
     _check_sizes(num_stages, microbatches)
     all_mb = range(microbatches)
@@ -120,7 +140,7 @@ def gpipe(num_stages: int, microbatches: int) -> Schedule:
     return _to_ticks(orders, num_stages)
 
 
-def one_f_one_b(num_stages: int, microbatches: int) -> Schedule:
+def one_f_one_b(num_stages: int, microbatches: int) -> Table:
     """1F1B with a flush at the end of the step (PipeDream-flush / Megatron-LM)."""
     _check_sizes(num_stages, microbatches)
     orders: list[list[Action]] = []
@@ -139,7 +159,7 @@ def interleaved_devices(num_devices: int, virtual_stages: int) -> tuple[int, ...
     return tuple(j % num_devices for j in range(num_devices * virtual_stages))
 
 
-def interleaved_1f1b(num_devices: int, virtual_stages: int, microbatches: int) -> Schedule:
+def interleaved_1f1b(num_devices: int, virtual_stages: int, microbatches: int) -> Table:
     """Megatron-LM's interleaved 1F1B over K GPUs with v model chunks each; actions name
     the virtual stage c * K + d (see ``interleaved_devices``). With v = 1 it is
     ``one_f_one_b`` (Megatron then runs its schedule without interleaving)."""
@@ -279,3 +299,157 @@ def render_ascii(
             lines.insert(0, f"{'tick'.ljust(label)} | {start}")
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
+
+
+# ---------------------------------------------------------------------------- the kinds
+
+
+class ScheduleKind(str, Enum):
+    """A schedule by name; ``KINDS[kind]`` (or ``kind.spec``) says how it behaves."""
+
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"
+    PIPEDREAM = "pipedream"
+
+    @property
+    def spec(self) -> KindSpec:
+        return KINDS[self]
+
+
+@dataclass(frozen=True)
+class KindSpec:
+    """How one schedule kind behaves. In the callables K counts stage modules (N * v
+    of them on N GPUs when interleaved, see ``interleaved_devices``), v is the virtual
+    stages per GPU (1 unless interleaved) and M the micro-batches."""
+
+    # one line for report.md; {v}: stage modules per GPU, {n}: GPUs
+    summary: str
+    # (K, v, M) -> the clock-tick table over the K stage modules
+    table: Callable[[int, int, int], Table]
+    # (K, v, M) -> per stage module, the micro-batches whose activations it holds at its
+    # peak: the solver's memory model multiplies saved activations by it
+    flights: Callable[[int, int, int], tuple[int, ...]]
+    # (P, v, M) -> idle share of the whole step, P pipeline positions (stages, or GPUs
+    # when interleaved), with the formula as text (report.md)
+    bubble_fraction: Callable[[int, int, int], float]
+    bubble_formula: str
+    # (P, v, M) -> idle time over the ideal (bubble-free) time, and its formula
+    bubble_ratio: Callable[[int, int, int], float]
+    bubble_ratio_formula: str
+    # PipeDream: an update after every micro-batch's backward, a stashed weight copy per
+    # micro-batch in flight (the runner's WEIGHT_STASHING; memory: params * in flight)
+    stashes_weights: bool = False
+    # v > 1 stage modules per GPU; the only kind that takes --virtual-stages
+    interleaved: bool = False
+    # the torch.distributed.pipelining class the torchrun pipeline runs it with; None:
+    # the single-process runner only
+    torch_class: str | None = None
+
+
+def _flush_bubble(positions: int, virtual_stages: int, microbatches: int) -> float:
+    """(K - 1) / (v*M + K - 1): fill and drain of a schedule that flushes every step."""
+    return (positions - 1) / (virtual_stages * microbatches + positions - 1)
+
+
+def _flush_ratio(positions: int, virtual_stages: int, microbatches: int) -> float:
+    """(K - 1) / (v*M): Megatron-LM's bubble, over the ideal time."""
+    return (positions - 1) / (virtual_stages * microbatches)
+
+
+_FLUSH_BUBBLE = "(K − 1) / (v·M + K − 1)"
+_FLUSH_RATIO = "(K − 1) / (v·M)"
+
+
+def _all_in_flight(num_stages: int, virtual_stages: int, microbatches: int) -> tuple[int, ...]:
+    """Fill-drain: every stage holds all M micro-batches before its first backward."""
+    return (microbatches,) * num_stages
+
+
+def _warmup_in_flight(num_stages: int, virtual_stages: int, microbatches: int,
+                      ) -> tuple[int, ...]:
+    """1F1B: stage j runs min(M, K - j) forwards before its first backward."""
+    return tuple(min(microbatches, num_stages - j) for j in range(num_stages))
+
+
+@functools.cache
+def _interleaved_in_flight(num_stages: int, virtual_stages: int, microbatches: int,
+                           ) -> tuple[int, ...]:
+    """Read off the table itself (Megatron-LM's warm-up of (N - d - 1) * 2 + (v - 1) * N
+    forwards on GPU d) rather than a closed form: a different count per virtual stage."""
+    return tuple(peak_in_flight(_interleaved_table(num_stages, virtual_stages, microbatches),
+                                num_stages))
+
+
+def _interleaved_table(num_stages: int, virtual_stages: int, microbatches: int) -> Table:
+    return interleaved_1f1b(num_stages // virtual_stages, virtual_stages, microbatches)
+
+
+KINDS: dict[ScheduleKind, KindSpec] = {
+    ScheduleKind.GPIPE: KindSpec(
+        summary="GPipe fill-drain: all forwards, then all backwards",
+        table=lambda k, v, m: gpipe(k, m),
+        flights=_all_in_flight,
+        bubble_fraction=_flush_bubble,
+        bubble_formula=_FLUSH_BUBBLE,
+        bubble_ratio=_flush_ratio,
+        bubble_ratio_formula=_FLUSH_RATIO,
+        torch_class="ScheduleGPipe",
+    ),
+    ScheduleKind.ONE_F_ONE_B: KindSpec(
+        summary="1F1B with a flush at the end of the step (PipeDream-flush, Megatron-LM)",
+        table=lambda k, v, m: one_f_one_b(k, m),
+        flights=_warmup_in_flight,
+        bubble_fraction=_flush_bubble,
+        bubble_formula=_FLUSH_BUBBLE,
+        bubble_ratio=_flush_ratio,
+        bubble_ratio_formula=_FLUSH_RATIO,
+        torch_class="Schedule1F1B",
+    ),
+    ScheduleKind.INTERLEAVED: KindSpec(
+        summary="Megatron-LM's interleaved 1F1B: {v} stage modules per GPU, stage j on "
+        "GPU j mod {n}",
+        table=_interleaved_table,
+        flights=_interleaved_in_flight,
+        bubble_fraction=_flush_bubble,
+        bubble_formula=_FLUSH_BUBBLE,
+        bubble_ratio=_flush_ratio,
+        bubble_ratio_formula=_FLUSH_RATIO,
+        interleaved=True,
+        torch_class="ScheduleInterleaved1F1B",
+    ),
+    ScheduleKind.PIPEDREAM: KindSpec(
+        summary="PipeDream's 1F1B with weight stashing: each stage updates its weights "
+        "after every micro-batch's backward, and a micro-batch's backward uses the weights "
+        "its forward used (one stashed copy per micro-batch in flight)",
+        table=lambda k, v, m: one_f_one_b(k, m),  # 1F1B's order, stashed weights
+        flights=_warmup_in_flight,
+        bubble_fraction=_flush_bubble,
+        bubble_formula=_FLUSH_BUBBLE,
+        bubble_ratio=_flush_ratio,
+        bubble_ratio_formula=_FLUSH_RATIO,
+        stashes_weights=True,
+    ),
+}
+
+
+def kind_of(name: str) -> ScheduleKind:
+    """The kind called ``name`` (plan.json's ``schedule``)."""
+    try:
+        return ScheduleKind(name)
+    except ValueError:
+        names = [kind.value for kind in ScheduleKind]
+        choices = ", ".join(repr(n) for n in names[:-1]) + f" or {names[-1]!r}"
+        raise ValueError(f"unknown schedule {name!r}; use {choices}") from None
+
+
+def schedule_table(plan: Plan) -> Table:
+    """The plan's schedule as a clock-tick table over its stage modules."""
+    k, v = plan.num_stages, plan.virtual_stages
+    spec = kind_of(plan.schedule).spec
+    if spec.interleaved and plan.num_devices * v != k:
+        raise ValueError(
+            f"an interleaved plan on {plan.num_devices} GPUs with {v} virtual stages each "
+            f"has {plan.num_devices * v} stages, not {k}"
+        )
+    return spec.table(k, v, plan.microbatches)

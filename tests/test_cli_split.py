@@ -52,7 +52,7 @@ def test_split_writes_plan_report_and_diagram(gpt_split: Path) -> None:
 
 
 def test_plan_json_round_trips(gpt_split: Path) -> None:
-    from fxpipe.partition.plan import Plan
+    from fxpipe.plan import Plan
 
     text = (gpt_split / "plan.json").read_text()
     assert Plan.from_json(text).to_json() == text

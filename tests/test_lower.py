@@ -9,7 +9,7 @@ from fxpipe.compiler import analyze
 from fxpipe.cost_models import get_device
 from fxpipe.frontend import trace
 from fxpipe.lower import LOSS_FACTORS, lower
-from fxpipe.partition import Schedule
+from fxpipe.schedules import ScheduleKind
 
 
 class TwoHeads(nn.Module):
@@ -28,7 +28,7 @@ def test_returned_ops_and_default_loss_bytes() -> None:
     device = get_device("h100")
     analyze(traced, device=device)
     lowered = lower(traced.gm, num_stages=2, device=device, memory_limit=float("inf"),
-                    schedule=Schedule.ONE_F_ONE_B, microbatches=2)
+                    schedule=ScheduleKind.ONE_F_ONE_B, microbatches=2)
     p = lowered.problem
     returned = {n.name: n.output_bytes for n in p.nodes if n.returned}
     assert returned == {"head": 4 * 5 * 4, "relu": 4 * 16 * 4}
@@ -57,7 +57,7 @@ def test_grad_bytes_count_what_each_backward_allocates() -> None:
     device = get_device("h100")
     analyze(traced, device=device)
     p = lower(traced.gm, num_stages=1, device=device, memory_limit=float("inf"),
-              schedule=Schedule.ONE_F_ONE_B, microbatches=1).problem
+              schedule=ScheduleKind.ONE_F_ONE_B, microbatches=1).problem
     grad = {n.name: n.grad_bytes for n in p.nodes}
     value = 4 * 16 * 4  # bytes of every (4, 16) float value below
     # no gradient flows through the mask, and the frozen layer's weights need none

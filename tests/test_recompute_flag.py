@@ -12,7 +12,7 @@ from fxpipe import cli
 from fxpipe.compiler import SplitOptions, plan_split
 from fxpipe.cost_models import get_device
 from fxpipe.partition import InfeasibleMemoryError, Recompute
-from fxpipe.partition.plan import Plan
+from fxpipe.plan import Plan
 from fxpipe.report import render_report
 
 ROOT = Path(__file__).resolve().parents[1]

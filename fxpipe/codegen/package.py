@@ -37,7 +37,7 @@ from fxpipe.codegen.stages import (
     wrap_line,
 )
 from fxpipe.frontend import Traced
-from fxpipe.partition.plan import Plan
+from fxpipe.plan import Plan
 
 __all__ = ["generate", "runner_header", "runtime_files", "tied_parameters", "wires"]
 
@@ -142,7 +142,7 @@ def runner_header(traced: Traced, plan: Plan) -> str:
     device_of = [plan.devices_of(j)[0] for j in range(k)]
     interleaved = plan.schedule == "interleaved"
     try:
-        table = schedule_table(plan)
+        table = schedules.schedule_table(plan)
     except ValueError as err:
         raise PlanError(str(err)) from None
     picture = schedules.render_ascii(table, k, width=LINE_LENGTH - len("#     "),
@@ -184,26 +184,6 @@ def runner_header(traced: Traced, plan: Plan) -> str:
     ]
     lines += [*flatten_inputs_lines(traced), "", "", *build_output_lines(traced)]
     return "\n".join(lines)
-
-
-def schedule_table(plan: Plan) -> schedules.Schedule:
-    """The plan's schedule as a clock-tick table over its stage modules."""
-    k, m = plan.num_stages, plan.microbatches
-    if plan.schedule == "gpipe":
-        return schedules.gpipe(k, m)
-    if plan.schedule in ("1f1b", "pipedream"):  # PipeDream: 1F1B's order, stashed weights
-        return schedules.one_f_one_b(k, m)
-    if plan.schedule == "interleaved":
-        gpus, v = plan.num_devices, plan.virtual_stages
-        if gpus * v != k:
-            raise PlanError(
-                f"an interleaved plan on {gpus} GPUs with {v} virtual stages each has "
-                f"{gpus * v} stages, not {k}"
-            )
-        return schedules.interleaved_1f1b(gpus, v, m)
-    raise PlanError(
-        f"unknown schedule {plan.schedule!r}; use 'gpipe', '1f1b', 'interleaved' or 'pipedream'"
-    )
 
 
 # ---------------------------------------------------------------------------- __init__.py

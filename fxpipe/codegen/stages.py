@@ -36,7 +36,7 @@ from torch.utils import _pytree as pytree
 
 from fxpipe import meta
 from fxpipe.codegen.wrap import LINE_LENGTH, wrap_line
-from fxpipe.partition.plan import Plan
+from fxpipe.plan import Plan
 
 __all__ = ["LINE_LENGTH", "PlanError", "StageIO", "stage_io", "stage_source", "wrap_line"]
 

@@ -11,17 +11,14 @@ from fxpipe.partition.cost import StageCost, StageSums, choose_recompute, stage_
 from fxpipe.partition.errors import InfeasibleMemoryError, NoSolutionError, TooManyStagesError
 from fxpipe.partition.evaluate import Evaluation, evaluate, violations
 from fxpipe.partition.ilp import IlpResult, StageModel
-from fxpipe.partition.plan import Estimate, Plan, SolverReport, StageMemory, StagePlan
 from fxpipe.partition.problem import (
     Comm,
     Edge,
     Node,
     Problem,
     Recompute,
-    Schedule,
     TiedGroup,
     TiedPolicy,
-    in_flight,
 )
 from fxpipe.partition.solve import Partition, partition
 
@@ -30,22 +27,16 @@ __all__ = [
     "Coarsening",
     "Comm",
     "Edge",
-    "Estimate",
     "Evaluation",
     "IlpResult",
     "InfeasibleMemoryError",
     "NoSolutionError",
     "Node",
     "Partition",
-    "Plan",
     "Problem",
     "Recompute",
-    "Schedule",
-    "SolverReport",
     "StageCost",
-    "StageMemory",
     "StageModel",
-    "StagePlan",
     "StageSums",
     "TiedGroup",
     "TiedPolicy",
@@ -55,7 +46,6 @@ __all__ = [
     "coarsen",
     "evaluate",
     "exact_groups",
-    "in_flight",
     "interval_dp",
     "partition",
     "stage_cost",

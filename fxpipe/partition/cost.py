@@ -46,8 +46,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fxpipe.partition.plan import StageMemory
-from fxpipe.partition.problem import Problem, Recompute, Schedule, allreduce_s
+from fxpipe.partition.problem import Problem, Recompute, allreduce_s
+from fxpipe.plan import StageMemory
 
 __all__ = [
     "StageCost",
@@ -119,7 +119,7 @@ def memory_parts(problem: Problem, j: int, *, flight: int, params: Amount, activ
         "outputs": _up(kept * (flight + 1), replicas),
         "loss": _up(loss, replicas) if j == problem.num_stages - 1 else 0 * params,
         "backward": transient,
-        "stashed": params * flight if problem.schedule is Schedule.PIPEDREAM else 0 * params,
+        "stashed": params * flight if problem.schedule.spec.stashes_weights else 0 * params,
         "workspace": problem.workspace_bytes + 0 * params,
     }
 

@@ -44,6 +44,7 @@ GPU's time per micro-batch, T_d each GPU's):
     iteration_s      M * T + (sum_d T_d - T) / v     (fill, steady state, drain)
     bubble_fraction  (K - 1) / (v*M + K - 1)          idle share of the whole step
     bubble_ratio     (K - 1) / (v*M)                  idle time over the ideal time
+(the schedule kind's formulas, ``fxpipe.schedules.KINDS``; these are every kind's today)
 
 Legend: n nodes, K stages, M micro-batches, s/t/j stages (see problem.py).
 """
@@ -60,8 +61,8 @@ from fxpipe.partition.cost import (
     stage_cost,
     state_split,
 )
-from fxpipe.partition.plan import Estimate
 from fxpipe.partition.problem import Comm, Problem, TiedPolicy, stage_flights
+from fxpipe.plan import Estimate
 
 __all__ = [
     "Evaluation",
@@ -248,8 +249,8 @@ def step_estimate(problem: Problem, stages: Sequence[StageCost]) -> Estimate:
     return Estimate(
         bottleneck_s=bottleneck,
         iteration_s=M * bottleneck + (sum(times) - bottleneck) / v,
-        bubble_fraction=(K - 1) / (v * M + K - 1),
+        bubble_fraction=problem.schedule.spec.bubble_fraction(K, v, M),
         max_memory=max_memory,
         fits=max_memory <= problem.memory_limit,
-        bubble_ratio=(K - 1) / (v * M),
+        bubble_ratio=problem.schedule.spec.bubble_ratio(K, v, M),
     )

@@ -68,7 +68,6 @@ from fxpipe.partition.evaluate import evaluate
 from fxpipe.partition.problem import (
     Comm,
     Recompute,
-    Schedule,
     TiedPolicy,
     allreduce_s,
     allreduce_terms,
@@ -169,7 +168,7 @@ class StageModel:
         N = p.devices
         self.replicating = p.replicates
         assert not (self.replicating and objective == "memory"), "memory objective: one per GPU"
-        stash = p.schedule is Schedule.PIPEDREAM  # a weight copy per micro-batch in flight
+        stash = p.schedule.spec.stashes_weights  # a weight copy per micro-batch in flight
         # Pipeline position d (a GPU, or a replicated stage's GPUs) runs the stage modules
         # on_device[d]: one each unless interleaved.
         on_device = [[j for j in all_stages if p.device_of(j) == d]

@@ -22,11 +22,10 @@ Three ways stages map onto GPUs:
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from enum import Enum
 
-from fxpipe import schedules
+from fxpipe.schedules import ScheduleKind
 
 __all__ = [
     "Comm",
@@ -34,21 +33,12 @@ __all__ = [
     "Node",
     "Problem",
     "Recompute",
-    "Schedule",
     "TiedGroup",
     "TiedPolicy",
     "allreduce_s",
     "allreduce_terms",
-    "in_flight",
     "stage_flights",
 ]
-
-
-class Schedule(str, Enum):
-    GPIPE = "gpipe"  # fill-drain: all M forwards, then all M backwards
-    ONE_F_ONE_B = "1f1b"  # PipeDream-flush: at most K - j micro-batches in flight at stage j
-    INTERLEAVED = "interleaved"  # Megatron-LM: v stage modules per GPU, 1F1B over all of them
-    PIPEDREAM = "pipedream"  # 1F1B order, an update per micro-batch, weights stashed per m
 
 
 class Comm(str, Enum):
@@ -118,7 +108,7 @@ class Problem:
     edges: tuple[Edge, ...]
     num_stages: int
     memory_limit: float = float("inf")  # bytes per device
-    schedule: Schedule = Schedule.ONE_F_ONE_B
+    schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B
     microbatches: int = 1
     # Bytes of parameter state per byte of parameter: 1 (weights) + gradients + optimizer
     # state (fp32 Adam: 1 + 1 + 2 = 4; SGD with momentum: 3; plain SGD: 2; inference: 1).
@@ -159,7 +149,7 @@ class Problem:
             raise ValueError(
                 f"Number of stages ({self.num_stages}) must be a multiple of the virtual "
                 f"stages per GPU ({v}).")
-        if (v > 1) != (self.schedule is Schedule.INTERLEAVED):
+        if (v > 1) != self.schedule.spec.interleaved:
             raise ValueError(
                 f"Virtual stages ({v}) need the interleaved schedule and the interleaved "
                 f"schedule needs virtual stages (got {self.schedule.value}).")
@@ -209,31 +199,8 @@ def allreduce_s(problem: Problem, nbytes: float, replicas: int) -> float:
     return per_byte * nbytes + fixed
 
 
-def in_flight(schedule: Schedule, microbatches: int, num_stages: int, stage: int) -> int:
-    """Micro-batches whose activations stage ``stage`` holds at its peak (GPipe: all M;
-    1F1B and PipeDream: min(M, K - j)). Interleaved: see ``stage_flights``."""
-    if schedule is Schedule.GPIPE:
-        return microbatches
-    if schedule is Schedule.INTERLEAVED:
-        raise ValueError("in_flight of an interleaved schedule needs stage_flights(problem)")
-    return min(microbatches, num_stages - stage)
-
-
 def stage_flights(problem: Problem) -> tuple[int, ...]:
-    """Per stage module, the micro-batches whose activations it holds at its peak.
-
-    Interleaved 1F1B holds a different number per virtual stage; it is read off the
-    schedule itself (Megatron-LM's warm-up of (N - d - 1) * 2 + (v - 1) * N forwards on
-    GPU d) rather than a closed form.
-    """
-    K, M = problem.num_stages, problem.microbatches
-    if problem.schedule is Schedule.INTERLEAVED:
-        return _interleaved_flights(problem.devices, problem.virtual_stages, M)
-    return tuple(in_flight(problem.schedule, M, K, j) for j in range(K))
-
-
-@functools.cache
-def _interleaved_flights(num_devices: int, virtual_stages: int, microbatches: int,
-                         ) -> tuple[int, ...]:
-    table = schedules.interleaved_1f1b(num_devices, virtual_stages, microbatches)
-    return tuple(schedules.peak_in_flight(table, num_devices * virtual_stages))
+    """Per stage module, the micro-batches whose activations it holds at its peak: the
+    schedule kind's in-flight rule (``fxpipe.schedules.KINDS``)."""
+    return problem.schedule.spec.flights(
+        problem.num_stages, problem.virtual_stages, problem.microbatches)

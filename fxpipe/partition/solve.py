@@ -31,8 +31,8 @@ from fxpipe.partition.coarsen import coarsen as coarsen_graph
 from fxpipe.partition.errors import InfeasibleMemoryError, NoSolutionError, TooManyStagesError
 from fxpipe.partition.evaluate import Evaluation, evaluate, violations
 from fxpipe.partition.ilp import IlpResult, StageModel
-from fxpipe.partition.plan import Estimate, SolverReport
 from fxpipe.partition.problem import Problem
+from fxpipe.plan import Estimate, SolverReport
 
 __all__ = [
     "InfeasibleMemoryError",

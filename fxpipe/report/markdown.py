@@ -2,20 +2,11 @@
 
 from __future__ import annotations
 
-from fxpipe.partition.plan import Estimate, Plan
+from fxpipe.plan import Estimate, Plan
+from fxpipe.schedules import kind_of
 from fxpipe.units import format_bytes, format_count, format_ms
 
 __all__ = ["render_report", "summary_rows"]
-
-SCHEDULES = {
-    "gpipe": "GPipe fill-drain: all forwards, then all backwards",
-    "1f1b": "1F1B with a flush at the end of the step (PipeDream-flush, Megatron-LM)",
-    "interleaved": "Megatron-LM's interleaved 1F1B: {v} stage modules per GPU, stage j on "
-    "GPU j mod {n}",
-    "pipedream": "PipeDream's 1F1B with weight stashing: each stage updates its weights "
-    "after every micro-batch's backward, and a micro-batch's backward uses the weights its "
-    "forward used (one stashed copy per micro-batch in flight)",
-}
 
 
 def summary_rows(plan: Plan) -> list[tuple[str, str, str, str, str]]:
@@ -41,18 +32,17 @@ def _throughput(plan: Plan, estimate: Estimate) -> str:
 
 
 def bubble_text(plan: Plan) -> str:
-    """The predicted bubble with the formula it comes from, for this plan's schedule.
-
-    K pipeline positions (stages; GPUs when interleaved), v stage modules per GPU, M
-    micro-batches: (K - 1) / (v*M + K - 1) of the whole step, and (K - 1) / (v*M) of
-    the ideal (bubble-free) time, Megatron-LM's definition.
+    """The predicted bubble with the formulas the schedule kind gives it (K pipeline
+    positions: stages, GPUs when interleaved; v stage modules per GPU; M micro-batches):
+    its share of the whole step, and of the ideal (bubble-free) time.
     """
     v, M = plan.virtual_stages, plan.microbatches
     K = plan.num_devices if v > 1 else plan.num_stages
     e = plan.estimate
+    spec = kind_of(plan.schedule).spec
     return (
-        f"bubble {e.bubble_fraction:.1%} of the step = (K − 1) / (v·M + K − 1) with K={K}, "
-        f"v={v}, M={M}; {e.bubble_ratio:.1%} of the ideal time = (K − 1) / (v·M)"
+        f"bubble {e.bubble_fraction:.1%} of the step = {spec.bubble_formula} with K={K}, "
+        f"v={v}, M={M}; {e.bubble_ratio:.1%} of the ideal time = {spec.bubble_ratio_formula}"
     )
 
 
@@ -69,7 +59,7 @@ def _layout(plan: Plan) -> str:
 def render_report(plan: Plan) -> str:
     limit = "none" if plan.memory_limit == float("inf") else format_bytes(plan.memory_limit)
     solver = plan.solver
-    schedule = SCHEDULES.get(plan.schedule, plan.schedule).format(
+    schedule = kind_of(plan.schedule).spec.summary.format(
         v=plan.virtual_stages, n=plan.num_devices)
     lines = [
         f"# fxpipe plan: {plan.model}",

@@ -36,7 +36,7 @@ from fxpipe.schedules import chunk_label
 from fxpipe.units import format_seconds
 
 if TYPE_CHECKING:
-    from fxpipe.partition.plan import Plan
+    from fxpipe.plan import Plan
 
 __all__ = ["action_times", "bubble_fraction", "draw_timeline", "schedule_svg"]
 

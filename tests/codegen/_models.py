@@ -16,7 +16,7 @@ from torch.utils import _pytree as pytree
 from fxpipe.codegen import generate, load_package
 from fxpipe.codegen.stages import LINE_LENGTH
 from fxpipe.frontend import ModelSource, Traced, load_model_file, trace
-from fxpipe.partition.plan import Plan
+from fxpipe.plan import Plan
 from fxpipe.runtime.loading import import_file as import_file_by_path
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.fx
 
-from fxpipe.partition.plan import Estimate, Plan, SolverReport, StagePlan
+from fxpipe.plan import Estimate, Plan, SolverReport, StagePlan
 
 # K: number of stages, M: number of micro-batches.
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from fxpipe.codegen import generate
 from fxpipe.frontend import Traced, trace
-from fxpipe.partition.plan import Plan
+from fxpipe.plan import Plan
 
 from ._models import MODELS, import_package, ruff, traced, write_package
 from ._plans import contiguous_plan

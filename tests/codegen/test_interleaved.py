@@ -14,7 +14,7 @@ from torch import nn
 from fxpipe.codegen import generate
 from fxpipe.codegen.stages import PlanError
 from fxpipe.frontend import Traced, trace
-from fxpipe.partition.plan import Plan
+from fxpipe.plan import Plan
 from fxpipe.schedules import interleaved_1f1b
 
 from ._models import grads, import_package, ruff, write_package

@@ -13,7 +13,7 @@ from torch.utils import _pytree as pytree
 
 from fxpipe.codegen import generate, load_package
 from fxpipe.frontend import ModelSource, Traced, load_model_file, trace
-from fxpipe.partition.plan import Estimate, Plan, SolverReport, StagePlan
+from fxpipe.plan import Estimate, Plan, SolverReport, StagePlan
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"

@@ -23,9 +23,9 @@ from fxpipe.compiler import SplitOptions, analyze, plan_split
 from fxpipe.cost_models import get_device
 from fxpipe.frontend import Traced, trace
 from fxpipe.lower import lower
-from fxpipe.partition import Schedule
 from fxpipe.partition.coarsen import exact_groups
 from fxpipe.runtime.loading import import_file
+from fxpipe.schedules import ScheduleKind
 
 from .models import ModelSpec, build_model, example_inputs, output_leaves
 
@@ -62,7 +62,7 @@ def split(case: Case, directory: Path) -> tuple[Traced, types.ModuleType, int]:
     analyze(traced, device=device)
     plan_recompute = case.recompute if isinstance(case.recompute, bool) else False
     options = SplitOptions(gpus=case.stages, device=device, memory_limit=float("inf"),
-                           microbatches=case.microbatches, schedule=Schedule(case.schedule),
+                           microbatches=case.microbatches, schedule=ScheduleKind(case.schedule),
                            recompute=plan_recompute, time_limit_s=10)
     # Ask for no more stages than the model has groups of ops that may be cut apart.
     probe = lower(traced.gm, num_stages=1, device=device, memory_limit=float("inf"),

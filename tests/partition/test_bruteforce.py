@@ -15,7 +15,6 @@ from fxpipe.partition import (
     Node,
     Problem,
     Recompute,
-    Schedule,
     StageModel,
     TiedGroup,
     TiedPolicy,
@@ -25,6 +24,7 @@ from fxpipe.partition import (
     partition,
     violations,
 )
+from fxpipe.schedules import ScheduleKind
 
 from ._brute import brute_force, valid_splits
 
@@ -37,9 +37,9 @@ def problems(draw: st.DrawFn, layout: str = "one per GPU") -> Problem:
     modules) or "replicated" (N GPUs > K stages)."""
     K = draw(st.integers(1, 4))
     v, devices = 1, 0
-    schedule = draw(st.sampled_from([s for s in Schedule if s is not Schedule.INTERLEAVED]))
+    schedule = draw(st.sampled_from([s for s in ScheduleKind if s is not ScheduleKind.INTERLEAVED]))
     if layout == "interleaved":
-        v, schedule = 2, Schedule.INTERLEAVED
+        v, schedule = 2, ScheduleKind.INTERLEAVED
         K = 2 * draw(st.integers(1, 2))
     elif layout == "replicated":
         K = draw(st.integers(1, 3))
@@ -247,14 +247,14 @@ def test_regression_presolve_with_large_coefficients() -> None:
     nodes = tuple(Node(f"n{i}", 0.0, b * MS, comm_s=c * MS) for i, (b, c) in enumerate(costs))
     edges = (Edge(0, 1, ordered=False), Edge(0, 2), Edge(1, 4), Edge(3, 4), Edge(0, 5),
              Edge(4, 5))
-    problem = Problem(nodes=nodes, edges=edges, num_stages=2, schedule=Schedule.GPIPE,
+    problem = Problem(nodes=nodes, edges=edges, num_stages=2, schedule=ScheduleKind.GPIPE,
                       microbatches=2, state_factor=1.0, tied_policy=TiedPolicy.COLOCATE)
     result = partition(problem, time_limit_s=20, workers=1)
     assert result.report.objective == pytest.approx(14 * MS)
     assert result.stage_of == (0, 1, 0, 0, 1, 1)
 
     one = Problem(nodes=(Node("n0", 0.0, 1 * MS, param_bytes=100),), edges=(), num_stages=2,
-                  schedule=Schedule.GPIPE, microbatches=2, state_factor=1.0,
+                  schedule=ScheduleKind.GPIPE, microbatches=2, state_factor=1.0,
                   allow_empty_stages=True, num_devices=3, allreduce_bandwidth=1e5)
     replicated = StageModel(exact_groups(one)).solve(time_limit_s=20, workers=1)
     assert replicated.status == "OPTIMAL"

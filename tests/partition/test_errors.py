@@ -11,10 +11,10 @@ from fxpipe.partition import (
     Node,
     NoSolutionError,
     Problem,
-    Schedule,
     TooManyStagesError,
     partition,
 )
+from fxpipe.schedules import ScheduleKind
 
 GiB = 2**30
 
@@ -43,7 +43,7 @@ def test_more_stages_than_colocated_groups() -> None:
 
 
 def test_more_stage_modules_than_nodes() -> None:
-    p = chain(3, num_stages=4, virtual_stages=2, schedule=Schedule.INTERLEAVED, microbatches=2)
+    p = chain(3, num_stages=4, virtual_stages=2, schedule=ScheduleKind.INTERLEAVED, microbatches=2)
     with pytest.raises(TooManyStagesError) as info:
         partition(p)
     e = info.value

@@ -10,12 +10,12 @@ from fxpipe.partition import (
     Node,
     Problem,
     Recompute,
-    Schedule,
     TiedGroup,
     TiedPolicy,
     evaluate,
     violations,
 )
+from fxpipe.schedules import ScheduleKind
 
 
 def fan(comm: Comm, **kwargs: object) -> Problem:
@@ -30,7 +30,7 @@ def fan(comm: Comm, **kwargs: object) -> Problem:
 
 
 def test_neighbour_comm_charges_each_boundary_crossed() -> None:
-    p = fan(Comm.NEIGHBOUR, num_stages=3, microbatches=4, schedule=Schedule.GPIPE)
+    p = fan(Comm.NEIGHBOUR, num_stages=3, microbatches=4, schedule=ScheduleKind.GPIPE)
     ev = evaluate(p, [0, 1, 2])
     # a crosses boundaries 0 and 1 (read on 1 and 2): 1 s on stages 0,1 and 1,2.
     # b crosses boundary 1: 0.5 s on stages 1, 2.
@@ -66,7 +66,7 @@ def test_memory_kinds_state_factor_and_in_flight() -> None:
 
 
 def test_recompute_keeps_one_micro_batch_of_activations() -> None:
-    p = fan(Comm.NEIGHBOUR, num_stages=2, microbatches=8, schedule=Schedule.GPIPE,
+    p = fan(Comm.NEIGHBOUR, num_stages=2, microbatches=8, schedule=ScheduleKind.GPIPE,
             recompute=Recompute.ALL)
     ev = evaluate(p, [0, 1, 1])
     assert ev.recompute == (True, True)
@@ -78,7 +78,7 @@ def test_recompute_keeps_one_micro_batch_of_activations() -> None:
 
 
 def test_recompute_given_per_stage() -> None:
-    p = fan(Comm.NEIGHBOUR, num_stages=2, microbatches=8, schedule=Schedule.GPIPE)
+    p = fan(Comm.NEIGHBOUR, num_stages=2, microbatches=8, schedule=ScheduleKind.GPIPE)
     ev = evaluate(p, [0, 1, 1], recompute=(True, False))
     assert ev.recompute == (True, False)
     assert [s.memory.activations for s in ev.stages] == [10, 6 * 8]
@@ -146,11 +146,11 @@ def test_outputs_and_loss_by_hand_1f1b(comm: Comm) -> None:
 
 
 def test_outputs_and_loss_gpipe_recompute_and_replicas() -> None:
-    gpipe = evaluate(kept_values(Comm.NEIGHBOUR, schedule=Schedule.GPIPE), SPLIT)
+    gpipe = evaluate(kept_values(Comm.NEIGHBOUR, schedule=ScheduleKind.GPIPE), SPLIT)
     assert [s.memory.outputs for s in gpipe.stages] == [15 * 5, 30 * 5, 40 * 5]
     assert gpipe.stages[2].memory.loss == 100 * 4 + 50
     # recompute: outputs still kept until the backward; the loss is computed there, once
-    again = evaluate(kept_values(Comm.NEIGHBOUR, schedule=Schedule.GPIPE,
+    again = evaluate(kept_values(Comm.NEIGHBOUR, schedule=ScheduleKind.GPIPE,
                                  recompute=Recompute.ALL), SPLIT)
     assert [s.memory.outputs for s in again.stages] == [15 * 5, 30 * 5, 40 * 5]
     assert again.stages[2].memory.loss == 100 + 50
@@ -167,7 +167,7 @@ def test_backward_transient_is_the_largest_node_once() -> None:
     nodes = tuple(Node(name, 1.0, 1.0, grad_bytes=g) for name, g in zip("abc", (40, 70, 25),
                                                                        strict=True))
     edges = (Edge(0, 1), Edge(1, 2))
-    for schedule in (Schedule.GPIPE, Schedule.ONE_F_ONE_B):
+    for schedule in (ScheduleKind.GPIPE, ScheduleKind.ONE_F_ONE_B):
         ev = evaluate(Problem(nodes, edges, num_stages=2, microbatches=4, schedule=schedule),
                       [0, 0, 1])
         assert [s.memory.backward for s in ev.stages] == [70, 25]

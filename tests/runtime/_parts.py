@@ -19,7 +19,7 @@ from codegen._models import import_package, write_package
 from torch import nn
 
 from fxpipe.frontend import trace
-from fxpipe.partition.plan import Estimate, Plan, SolverReport, StagePlan
+from fxpipe.plan import Estimate, Plan, SolverReport, StagePlan
 
 T, D, HEADS, VOCAB = 5, 8, 2, 11
 
