@@ -1,8 +1,9 @@
 """Turn a stage assignment of the lowered problem into a ``Plan`` over the fine graph.
 
 Applies the solver's answer to the graph: which fine nodes each stage runs, the
-values it receives and sends, the parameters it holds and the costs the shared
-evaluation predicts. The solver never sees the graph; codegen never sees the solver.
+values it receives and sends (the cut, ``fxpipe.cut``), the parameters it holds and
+the costs the shared evaluation predicts. The solver never sees the graph; codegen
+never sees the solver.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Mapping, Sequence
 import torch.fx
 
 from fxpipe import meta
+from fxpipe.cut import cut_stages
 from fxpipe.lower import Lowered
 from fxpipe.partition.evaluate import Evaluation
 from fxpipe.partition.problem import Problem
@@ -53,23 +55,14 @@ def build_plan(
     for node in graph_nodes:
         if node in stages:
             by_stage[stages[node]].append(node)
+    cut = (
+        cut_stages(lowered.ops[0].graph, {n.name: k for n, k in stages.items()},
+                   problem.num_stages)
+        if lowered.ops else []
+    )
 
     stage_plans = []
     for k, members in enumerate(by_stage):
-        inside = set(members)
-        inputs = [
-            n
-            for n in graph_nodes
-            if n not in inside and n.op != "get_attr" and any(u in inside for u in n.users)
-        ]
-        outputs = [
-            n
-            for n in members
-            if n.op != "get_attr"
-            and any(
-                u not in inside and (u.op == "output" or stages.get(u, -1) > k) for u in n.users
-            )
-        ]
         params = sorted(
             {name for n in members if n.op != "get_attr" for name in lowered.params.get(n.name, ())}
         )
@@ -79,8 +72,8 @@ def build_plan(
             StagePlan(
                 index=k,
                 nodes=tuple(n.name for n in members),
-                inputs=tuple(n.name for n in inputs),
-                outputs=tuple(n.name for n in outputs),
+                inputs=cut[k].inputs if cut else (),
+                outputs=cut[k].outputs if cut else (),
                 parameters=tuple(params),
                 flops_forward=sum(f.forward for f in flops),
                 flops_backward=sum(f.backward for f in flops),

@@ -31,11 +31,11 @@ from fxpipe.codegen.signature import build_output_lines, flatten_inputs_lines, t
 from fxpipe.codegen.stages import (
     LINE_LENGTH,
     PlanError,
-    StageIO,
     stage_io,
     stage_source,
     wrap_line,
 )
+from fxpipe.cut import StageIO
 from fxpipe.frontend import Traced
 from fxpipe.plan import Plan
 

@@ -28,7 +28,6 @@ import sys
 import textwrap
 import tokenize
 import types
-from dataclasses import dataclass
 
 import torch
 import torch.fx
@@ -36,29 +35,21 @@ from torch.utils import _pytree as pytree
 
 from fxpipe import meta
 from fxpipe.codegen.wrap import LINE_LENGTH, wrap_line
+from fxpipe.cut import StageIO, cut_stages
 from fxpipe.plan import Plan
 
-__all__ = ["LINE_LENGTH", "PlanError", "StageIO", "stage_io", "stage_source", "wrap_line"]
+__all__ = ["LINE_LENGTH", "PlanError", "stage_io", "stage_source", "wrap_line"]
 
 class PlanError(ValueError):
     """The plan does not fit the traced graph."""
-
-
-@dataclass(frozen=True)
-class StageIO:
-    """The values one stage exchanges with the others, by node name, in graph order."""
-
-    index: int
-    nodes: tuple[str, ...]  # the ops it runs (get_attr nodes it reads included)
-    inputs: tuple[str, ...]
-    outputs: tuple[str, ...]
 
 
 # ---------------------------------------------------------------------------- the cut
 
 
 def stage_io(graph: torch.fx.Graph, plan: Plan) -> list[StageIO]:
-    """Check ``plan`` against ``graph`` and name what every stage receives and sends."""
+    """Check ``plan`` against ``graph``, then cut it (``fxpipe.cut``): what every stage
+    runs, receives and sends."""
     stage_of = plan.stage_of()
     ops = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
     names = {n.name for n in ops}
@@ -84,43 +75,7 @@ def stage_io(graph: torch.fx.Graph, plan: Plan) -> list[StageIO]:
                     f"(stage {stage_of[arg.name]}): stage indices must never decrease along "
                     "an edge"
                 )
-
-    def home(node: torch.fx.Node) -> int:
-        # -1: a graph input; get_attr nodes live in every stage that reads them
-        return -1 if node.op == "placeholder" else stage_of[node.name]
-
-    result = []
-    output = graph.output_node()
-    for k in range(plan.num_stages):
-        runs = [
-            n.name
-            for n in ops
-            if (n.op == "get_attr" and any(_stage(u, stage_of) == k for u in n.users))
-            or (n.op != "get_attr" and stage_of[n.name] == k)
-            or (n.op == "get_attr" and not n.users and stage_of[n.name] == k)
-        ]
-        inside = set(runs)
-        inputs = [
-            n.name
-            for n in graph.nodes
-            if n.op != "get_attr"
-            and n.name not in inside
-            and n.op != "output"
-            and any(u.name in inside and u.op != "get_attr" for u in n.users)
-        ]
-        outputs = [
-            n.name
-            for n in ops
-            if n.name in inside
-            and home(n) == k
-            and any(u is output or (u.op != "output" and stage_of[u.name] > k) for u in n.users)
-        ]
-        result.append(StageIO(k, tuple(runs), tuple(inputs), tuple(outputs)))
-    return result
-
-
-def _stage(node: torch.fx.Node, stage_of: dict[str, int]) -> int:
-    return -2 if node.op == "output" else stage_of[node.name]
+    return cut_stages(graph, stage_of, plan.num_stages)
 
 
 def _sub_graph(graph: torch.fx.Graph, io: StageIO) -> torch.fx.Graph:

@@ -1,0 +1,78 @@
+"""The stage cut: what each stage of a plan runs, receives and sends, computed once.
+
+torch.fx's ``split_module`` style: each part's inputs and outputs are computed at the
+boundary, here, and everything downstream reads them. ``fxpipe.planning`` records
+them in the plan (``StagePlan.inputs`` / ``outputs``, plan.json); codegen cuts the
+traced graph with the same function, so a hand-written plan needs only its nodes.
+
+    nodes    the ops the stage runs: its own, plus every get_attr it reads
+    inputs   values it receives: graph inputs or earlier stages' outputs
+    outputs  values it makes that a later stage reads or the model returns
+
+get_attr nodes (parameters, buffers) are never communicated: every stage that reads
+one binds it, so they are neither inputs nor outputs. All three lists are node names
+in graph order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch.fx
+
+__all__ = ["StageIO", "cut_stages"]
+
+
+@dataclass(frozen=True)
+class StageIO:
+    """The values one stage exchanges with the others, by node name, in graph order."""
+
+    index: int
+    nodes: tuple[str, ...]  # the ops it runs (get_attr nodes it reads included)
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+
+
+def cut_stages(
+    graph: torch.fx.Graph, stage_of: Mapping[str, int], num_stages: int
+) -> list[StageIO]:
+    """Every stage's ``StageIO``. ``stage_of`` maps every op (neither placeholder nor
+    output) to its stage, stage indices never decreasing along an edge; a get_attr
+    node's own stage only matters when nothing reads it."""
+    ops = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    output = graph.output_node()
+
+    def reads(node: torch.fx.Node, k: int) -> bool:
+        # a get_attr node belongs to every stage that reads it
+        return any(u.op != "output" and stage_of[u.name] == k for u in node.users)
+
+    result = []
+    for k in range(num_stages):
+        runs = [
+            n
+            for n in ops
+            if (n.op == "get_attr" and (reads(n, k) or (not n.users and stage_of[n.name] == k)))
+            or (n.op != "get_attr" and stage_of[n.name] == k)
+        ]
+        inside = set(runs)
+        inputs = [
+            n
+            for n in graph.nodes
+            if n.op not in ("get_attr", "output")
+            and n not in inside
+            and any(u in inside and u.op != "get_attr" for u in n.users)
+        ]
+        outputs = [
+            n
+            for n in runs
+            if n.op != "get_attr"
+            and any(u is output or (u.op != "output" and stage_of[u.name] > k) for u in n.users)
+        ]
+        result.append(StageIO(
+            k,
+            tuple(n.name for n in runs),
+            tuple(n.name for n in inputs),
+            tuple(n.name for n in outputs),
+        ))
+    return result
