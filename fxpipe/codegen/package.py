@@ -135,12 +135,21 @@ class PipelineRunner(runtime.PipelineRunner):
 '''
 
 
+def _spec(plan: Plan) -> schedules.KindSpec:
+    """How the plan's schedule kind behaves (``fxpipe.schedules.KINDS``)."""
+    try:
+        return schedules.kind_of(plan.schedule).spec
+    except ValueError as err:
+        raise PlanError(str(err)) from None
+
+
 def runner_header(traced: Traced, plan: Plan) -> str:
     """SCHEDULE, MICROBATCHES, RECOMPUTE, REPLICAS, WEIGHT_STASHING, DEVICE_OF, NUM_GPUS,
     GRAPH_INPUTS, flatten_inputs, build_output."""
     k, m = plan.num_stages, plan.microbatches
     device_of = [plan.devices_of(j)[0] for j in range(k)]
-    interleaved = plan.schedule == "interleaved"
+    spec = _spec(plan)
+    interleaved = spec.interleaved
     try:
         table = schedules.schedule_table(plan)
     except ValueError as err:
@@ -174,7 +183,7 @@ def runner_header(traced: Traced, plan: Plan) -> str:
         "# REPLICAS[k]: how many data-parallel replicas split each micro-batch of stage k;",
         "# WEIGHT_STASHING: PipeDream's update after every micro-batch, with stashed weights",
         f"REPLICAS = {tuple_literal(str(s.replicas) for s in plan.stages)}",
-        f"WEIGHT_STASHING = {plan.schedule == 'pipedream'}",
+        f"WEIGHT_STASHING = {spec.stashes_weights}",
         "# DEVICE_OF[k]: the GPU (0 .. NUM_GPUS - 1) that runs stage k",
         f"DEVICE_OF = {tuple_literal(str(d) for d in device_of)}",
         f"NUM_GPUS = {plan.num_devices}",
@@ -257,20 +266,19 @@ def build_stages(
     return stages if devices is None else runtime.place_stages(stages, stage_devices(devices))
 '''
 
-_USAGE = {
-    "pipedream": [
-        "    optimizers = [torch.optim.SGD(s.parameters(), lr=0.1) for s in stages]",
-        "    loss = runner.step(inputs, target, loss_fn, optimizers=optimizers)",
-        "",
-        "PipeDream's weight stashing: every stage updates its weights after each",
-        "micro-batch's backward with its own optimizer (see runtime/stashing.py).",
-    ],
-}
+_USAGE = ["    loss = runner.step(inputs, target, loss_fn)"]
+_STASHING_USAGE = [
+    "    optimizers = [torch.optim.SGD(s.parameters(), lr=0.1) for s in stages]",
+    "    loss = runner.step(inputs, target, loss_fn, optimizers=optimizers)",
+    "",
+    "PipeDream's weight stashing: every stage updates its weights after each",
+    "micro-batch's backward with its own optimizer (see runtime/stashing.py).",
+]
 
 
 def init_source(plan: Plan) -> str:
     k = plan.num_stages
-    usage = _USAGE.get(plan.schedule, ["    loss = runner.step(inputs, target, loss_fn)"])
+    usage = _STASHING_USAGE if _spec(plan).stashes_weights else _USAGE
     return _INIT.format(
         title=f"{plan.model or 'The model'} cut into {k} pipeline stages by fxpipe.",
         usage="\n".join(usage) + "\n",
@@ -302,12 +310,16 @@ def _string_constant(name: str, text: str | None) -> list[str]:
 
 
 def _distributed_limit(plan: Plan) -> str | None:
-    """Why ``distributed.py`` cannot run ``plan`` (r ranks per stage), or None."""
-    if plan.schedule == "pipedream":
-        return ("this plan's pipedream stages (weight stashing) run in runner.PipelineRunner "
-                "(one process) only; for torchrun, split with --schedule 1f1b, gpipe or "
-                "interleaved")
-    return None
+    """Why ``distributed.py`` cannot run ``plan``, or None: its schedule kind has no
+    torch.distributed.pipelining class to run on."""
+    spec = _spec(plan)
+    if spec.torch_class is not None:
+        return None
+    why = " (weight stashing)" if spec.stashes_weights else ""
+    names = [kind.value for kind, other in schedules.KINDS.items() if other.torch_class]
+    return (f"this plan's {plan.schedule} stages{why} run in runner.PipelineRunner (one "
+            f"process) only; for torchrun, split with --schedule {', '.join(names[:-1])} or "
+            f"{names[-1]}")
 
 
 def wires(graph: torch.fx.Graph, ios: list[StageIO]) -> list[tuple[str, ...]]:
