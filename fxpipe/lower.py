@@ -111,6 +111,7 @@ def lower(
     edges = sorted(
         {(index[node], index[user]) for node in ops for user in node.users if user in index}
     )
+    order_edges, fused = _in_place_order(gm, ops, index)
     tied = tuple(
         TiedGroup(
             name=name,
@@ -130,11 +131,13 @@ def lower(
         tuple(sorted(index[n] for n in (node, *chain)))
         for node in ops
         if (chain := _mutated_chain(gm, node, index))
-    )
+    ) + fused
     returned_bytes = sum(n.output_bytes for n in nodes if n.returned)
     problem = Problem(
         nodes=tuple(nodes),
-        edges=tuple(Edge(src, dst) for src, dst in edges),
+        edges=tuple(Edge(src, dst) for src, dst in edges)
+        + tuple(Edge(src, dst, data=False) for src, dst in order_edges if (src, dst) not in
+                set(edges)),
         num_stages=num_stages,
         memory_limit=memory_limit,
         schedule=schedule,
@@ -193,6 +196,62 @@ _VIEW_NAMES = frozenset({
     "flatten", "chunk", "split", "tensor_split", "unbind", "diagonal", "as_strided", "unfold",
     "movedim", "moveaxis", "contiguous", "getitem", "real", "imag", "view_as_real",
 })
+
+
+def _in_place_order(
+    gm: torch.fx.GraphModule, ops: tuple[torch.fx.Node, ...], index: dict[torch.fx.Node, int]
+) -> tuple[list[tuple[int, int]], tuple[tuple[int, ...], ...]]:
+    """Ordering edges and fused groups that keep every in-place op where the graph has it
+    relative to the other readers of the storage it writes.
+
+    The graph has no edge between ``x.mul_(2)`` and a later ``l1(x)`` (both read ``x``),
+    nor between an earlier reader of ``h`` and ``h.relu_()``, so without these a cut could
+    move a reader to the wrong side of the write. A reader of the old value (before the
+    op in graph order) gets an edge to the op: it runs in the same or an earlier stage.
+    A reader of the new value gets an edge from the op; when the storage is a graph
+    input it is fused with the op instead, because the runner hands every stage the
+    input as the caller passed it, not as another stage mutated it. Readers are the
+    users of the storage's base and of every view or in-place result of it.
+    """
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    edges: set[tuple[int, int]] = set()
+    fused: list[tuple[int, ...]] = []
+    for op in ops:
+        base = _mutated_input(gm, op)
+        if base is None:
+            continue
+        while _is_view(base) and base.args and isinstance(base.args[0], torch.fx.Node):
+            base = base.args[0]
+        aliases = _aliases(gm, base)
+        readers = {user for alias in aliases for user in alias.users
+                   if user in index and user is not op}
+        readers.update(alias for alias in aliases if alias in index and alias is not op)
+        after: list[int] = []
+        for reader in sorted(readers, key=position.__getitem__):
+            if position[reader] < position[op]:
+                edges.add((index[reader], index[op]))
+            elif base.op == "placeholder":
+                after.append(index[reader])
+            else:
+                edges.add((index[op], index[reader]))
+        if after:
+            fused.append(tuple(sorted({index[op], *after})))
+    return sorted(edges), tuple(fused)
+
+
+def _aliases(gm: torch.fx.GraphModule, base: torch.fx.Node) -> list[torch.fx.Node]:
+    """``base`` and the nodes whose value shares its storage: views of it and the results
+    of in-place ops on it, transitively."""
+    found = [base]
+    seen = {base}
+    for node in found:
+        for user in node.users:
+            shares = user.args and user.args[0] is node and (
+                _is_view(user) or _mutated_input(gm, user) is node)
+            if shares and user not in seen:
+                seen.add(user)
+                found.append(user)
+    return found
 
 
 def _mutated_chain(
