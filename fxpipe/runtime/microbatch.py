@@ -51,16 +51,25 @@ def merge_leaves(trees: list[Any], merge: Callable[[list[Any]], Any]) -> Any:
         [merge([leaves[i] for leaves, _ in flat]) for i in range(len(leaves0))], spec)
 
 
-def split_microbatches(value: Any, num_mb: int, what: str | None = None) -> list[Any]:
+def split_microbatches(value: Any, num_mb: int, what: str | None = None, *,
+                       copy: bool = False) -> list[Any]:
     """Split every tensor leaf of ``value`` with dim > 0 along dim 0 into ``num_mb``
     chunks; 0-dim tensors and non-tensors go to every micro-batch unchanged. With
     ``what`` (for messages), a batch smaller than ``num_mb`` is an error and one that
-    is not a multiple of it a warning."""
+    is not a multiple of it a warning.
+
+    With ``copy``, every micro-batch gets its own copy of the tensor leaves: chunks of
+    one tensor share its version counter, so a model that writes its input in place
+    (``x.mul_(2)``) would bump the counter of every micro-batch's chunk and break the
+    backward of those already saved."""
     if what is not None:
         for x in pytree.tree_leaves(value):
             if isinstance(x, torch.Tensor) and x.dim() > 0:
                 _check_divisible(x.size(0), num_mb, what)
-    return split_leaves(value, num_mb, lambda x: x.dim() > 0)
+    parts = split_leaves(value, num_mb, lambda x: x.dim() > 0)
+    if copy and num_mb > 1:
+        parts = [pytree.tree_map_only(torch.Tensor, torch.clone, part) for part in parts]
+    return parts
 
 
 def _check_divisible(size: int, num_mb: int, what: str) -> None:

@@ -157,7 +157,8 @@ class PipelineRunner:
     # ------------------------------------------------------------ internals
 
     def _split(self, flat: dict[str, Any]) -> list[dict[str, Any]]:
-        per_name = {name: split_microbatches(v, self.microbatches, f"input {name!r}")
+        per_name = {name: split_microbatches(v, self.microbatches, f"input {name!r}",
+                                             copy=True)
                     for name, v in flat.items()}
         return [{name: chunks[m] for name, chunks in per_name.items()}
                 for m in range(self.microbatches)]

@@ -99,7 +99,8 @@ class TableSchedule:
         feeds: list[dict[str, Any]] = []
         if stage.is_first:
             values = stage.pipeline.flatten_inputs(*args, **kwargs)
-            feeds = [rows_of(v, lo, hi, stage.rows) for v in split_microbatches(values, m_count)]
+            feeds = [rows_of(v, lo, hi, stage.rows)
+                     for v in split_microbatches(values, m_count, copy=True)]
         targets = []
         if stage.is_last:
             if self.loss_fn is None:

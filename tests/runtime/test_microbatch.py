@@ -28,6 +28,17 @@ def test_split_then_concat_is_the_identity() -> None:
     torch.testing.assert_close(merged["step"], torch.tensor([3, 3, 3]))  # 0-dim: stacked
 
 
+def test_split_with_copy_gives_each_microbatch_its_own_version_counter() -> None:
+    x = torch.arange(6.0).reshape(6, 1)
+    shared = split_microbatches(x, 3)
+    shared[1].mul_(2)  # chunks of one tensor: a write to one bumps them all
+    assert shared[0]._version == shared[2]._version == 1
+    own = split_microbatches({"x": torch.arange(6.0).reshape(6, 1)}, 3, copy=True)
+    own[1]["x"].mul_(2)
+    assert [p["x"]._version for p in own] == [0, 1, 0]
+    torch.testing.assert_close(own[2]["x"], torch.tensor([[4.0], [5.0]]))
+
+
 def test_split_checks_the_batch_when_named() -> None:
     with pytest.raises(ValueError, match="batch size 2, fewer than the 3 micro-batches"):
         split_microbatches(torch.zeros(2, 4), 3, "input 'x'")
