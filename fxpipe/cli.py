@@ -9,7 +9,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from rich.console import Console
 from rich.table import Table
@@ -24,32 +24,73 @@ if TYPE_CHECKING:
 __all__ = ["main"]
 
 EXIT_USER_ERROR = 2
+EXIT_INTERNAL_ERROR = 1
 
 err = Console(stderr=True, highlight=False)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command; every way it ends is one line on stderr and an exit status:
+    0 done, 2 a mistake fxpipe detected, 130/143 SIGINT/SIGTERM, 1 a bug in fxpipe."""
+    from fxpipe.signals import Interrupted, handle_signals
+
+    debug = bool(os.environ.get("FXPIPE_DEBUG"))
+    try:
+        with handle_signals(_stop_searches):
+            return _main(argv)
+    except ValueError as exc:  # every user mistake fxpipe detects is a ValueError subclass
+        if debug:
+            raise
+        message = " ".join(_worded(exc).split())
+        print(f"fxpipe: error: {message}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except (Interrupted, KeyboardInterrupt) as exc:
+        which = exc.name if isinstance(exc, Interrupted) else "SIGINT"
+        notes = getattr(exc, "__notes__", [])
+        outcome = "; ".join(notes) or "nothing was written, a previous --out is as it was"
+        print(f"fxpipe: interrupted by {which}; {outcome}", file=sys.stderr)
+        return exc.exit_code if isinstance(exc, Interrupted) else 130
+    except Exception as exc:
+        if debug:
+            raise
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        print(
+            f"fxpipe: internal error: {type(exc).__name__}: {first}; this is a bug in fxpipe, "
+            "not in your model: please report it with the traceback FXPIPE_DEBUG=1 prints",
+            file=sys.stderr,
+        )
+        return EXIT_INTERNAL_ERROR
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     if not hasattr(args, "run"):
         parser.print_help()
         return EXIT_USER_ERROR
-    try:
-        code: int = args.run(args)
-        return code
-    except ValueError as exc:  # every user mistake fxpipe detects is a ValueError subclass
-        if os.environ.get("FXPIPE_DEBUG"):
-            raise
-        message = " ".join(_worded(exc).split())
-        print(f"fxpipe: error: {message}", file=sys.stderr)
-        return EXIT_USER_ERROR
-    except KeyboardInterrupt:
-        print("fxpipe: interrupted; nothing was written", file=sys.stderr)
-        return 130
+    code: int = args.run(args)
+    return code
+
+
+def _stop_searches() -> None:
+    """On SIGINT/SIGTERM, from the signal watcher thread: stop a CP-SAT search in
+    progress, so the signal is handled now rather than when the time limit runs out."""
+    ilp = sys.modules.get("fxpipe.partition.ilp")
+    if ilp is not None:
+        ilp.stop_searches()
+
+
+class UsageError(ValueError):
+    """The command line does not parse: one line and a pointer to --help."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message}; see '{self.prog} --help'")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="fxpipe",
         description="A pipeline-parallelism compiler for PyTorch.",
     )

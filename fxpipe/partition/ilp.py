@@ -74,7 +74,7 @@ from fxpipe.partition.problem import (
     stage_flights,
 )
 
-__all__ = ["IlpResult", "StageModel", "ticks_per_second"]
+__all__ = ["IlpResult", "StageModel", "stop_searches", "ticks_per_second"]
 
 Term = int | cp_model.IntVar
 Terms = list[tuple[int, Term]]  # sum of coefficient * (variable or constant)
@@ -85,6 +85,15 @@ Literals = list[tuple[cp_model.IntVar, bool]]  # (0/1 variable, the value that e
 # where a 14 ms one fits, and proved a feasible replicated model INFEASIBLE; both
 # solve right at 1e9 (tests/partition/test_bruteforce.py keeps those cases).
 TARGET_TICKS = 1e9
+
+_RUNNING: set[cp_model.CpSolver] = set()  # searches in progress, for stop_searches
+
+
+def stop_searches() -> None:
+    """Stop every search in progress; each returns its best solution so far. Safe from
+    another thread (a signal watcher): CP-SAT's stop is thread-safe."""
+    for solver in list(_RUNNING):
+        solver.stop_search()
 
 
 @dataclass(frozen=True)
@@ -676,6 +685,9 @@ class StageModel:
         solver.parameters.max_deterministic_time = max(0.001, work_limit)
         solver.parameters.max_time_in_seconds = max(0.01, time_limit_s)
         solver.parameters.num_workers = workers
+        # CP-SAT's own SIGINT catching swallows Ctrl-C and leaves SIGINT at the default
+        # afterwards; the caller stops a search with ``stop_searches`` (fxpipe.signals).
+        solver.parameters.catch_sigint_signal = False
         # Workers interleaved in one deterministic order, stopped by deterministic time and
         # seeded alike: the same problem gives the same split on every run, at any load
         # (plan.json and the generated stages are reproducible).
@@ -683,7 +695,11 @@ class StageModel:
         solver.parameters.random_seed = 0
         solver.parameters.log_search_progress = log
         start = time.perf_counter()
-        status = solver.solve(self.model)
+        _RUNNING.add(solver)
+        try:
+            status = solver.solve(self.model)
+        finally:
+            _RUNNING.discard(solver)
         wall = time.perf_counter() - start
         # Neither proved nor out of work: the wall clock stopped it.
         wall_clock = (status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE)
