@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext, redirect_stdout
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from rich.console import Console
@@ -25,6 +26,9 @@ __all__ = ["main"]
 
 EXIT_USER_ERROR = 2
 EXIT_INTERNAL_ERROR = 1
+# runner.py lists every action of the schedule (2 x M x K) and schedule.svg draws them:
+# 10,000 micro-batches on 4 GPUs took 7 minutes and wrote a 46 MB drawing.
+MAX_MICROBATCHES = 1024
 
 err = Console(stderr=True, highlight=False)
 
@@ -64,7 +68,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _main(argv: Sequence[str] | None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # found by the top-level parser, but the command's --help lists the flags
+        prog = f"fxpipe {args.command}" if getattr(args, "command", None) else "fxpipe"
+        raise UsageError(f"unrecognized arguments: {' '.join(extra)}; see '{prog} --help'")
     if not hasattr(args, "run"):
         parser.print_help()
         return EXIT_USER_ERROR
@@ -94,7 +101,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="fxpipe",
         description="A pipeline-parallelism compiler for PyTorch.",
     )
-    commands = parser.add_subparsers(title="commands")
+    commands = parser.add_subparsers(title="commands", dest="command")
 
     profile = commands.add_parser(
         "profile", help="trace a model and show what every module or op costs"
@@ -222,10 +229,13 @@ def analyze_model(
     precision: str | None = None,
     measure: bool = False,
     quiet: bool = False,
+    solvable: bool = False,
 ) -> tuple[Any, Any]:
     """The driver's load → trace → analyze, with a spinner per phase and what it learnt
     (the tracer, its notes) printed: on a terminal beside the progress, in a pipe on
-    stdout, so stderr holds only errors."""
+    stdout, so stderr holds only errors. ``quiet``: nothing of that, and the model file's
+    own prints go to stderr (stdout carries JSON). ``solvable``: a graph too big to split
+    is refused right after tracing."""
     from fxpipe.compiler import analyze_file
     from fxpipe.cost_models import get_device
     from fxpipe.precision import parse_precision
@@ -238,8 +248,10 @@ def analyze_model(
         if not quiet:
             say(f"  {line}")
 
-    return analyze_file(spec, device=target, precision=chosen, measure=measure,
-                        progress=lambda label: _step(label, quiet), notify=notify)
+    with redirect_stdout(sys.stderr) if quiet else nullcontext():
+        return analyze_file(spec, device=target, precision=chosen, measure=measure,
+                            solvable=solvable, progress=lambda label: _step(label, quiet),
+                            notify=notify)
 
 
 def _run_profile(args: argparse.Namespace) -> int:
@@ -299,10 +311,16 @@ def _run_split(args: argparse.Namespace) -> int:
     microbatches = args.microbatches if args.microbatches is not None else 4 * args.gpus
     if microbatches < 1:
         raise ValueError(f"--microbatches must be at least 1, got {microbatches}")
-    if args.time_limit <= 0:
-        raise ValueError(f"--time-limit must be positive, got {args.time_limit}")
-    if args.work_limit <= 0:
-        raise ValueError(f"--work-limit must be positive, got {args.work_limit}")
+    if microbatches > MAX_MICROBATCHES:
+        raise ValueError(
+            f"--microbatches {microbatches} is more than {MAX_MICROBATCHES}: runner.py lists "
+            "every forward and backward of every micro-batch and schedule.svg draws them; "
+            f"use --microbatches {MAX_MICROBATCHES} or fewer (bigger micro-batches)")
+    if not math.isfinite(args.time_limit) or args.time_limit <= 0:
+        raise ValueError(
+            f"--time-limit must be a positive number of seconds, got {args.time_limit}")
+    if not math.isfinite(args.work_limit) or args.work_limit <= 0:  # nan <= 0 is False
+        raise ValueError(f"--work-limit must be a positive number, got {args.work_limit}")
     schedule = _schedule(args, microbatches)
     recompute = _recompute(args.recompute)
     precision = parse_precision(args.precision) if args.precision is not None else None
@@ -326,7 +344,8 @@ def _run_split(args: argparse.Namespace) -> int:
     )
 
     source, traced = analyze_model(
-        args.model, device=args.device, precision=args.precision, measure=args.measure
+        args.model, device=args.device, precision=args.precision, measure=args.measure,
+        solvable=True,
     )
     def progress(label: str) -> AbstractContextManager[None]:
         return _step(label, False)
@@ -441,10 +460,17 @@ def _run_merge(args: argparse.Namespace) -> int:
 def _worded(exc: ValueError) -> str:
     """The message for the user of this command: the solver's errors carry their figures
     (stages, bytes, seconds) and are worded here with the flags that change them."""
-    from fxpipe.partition import InfeasibleMemoryError, NoSolutionError, TooManyStagesError
+    from fxpipe.partition import (
+        InfeasibleMemoryError,
+        NoSolutionError,
+        PipedreamTieError,
+        TooManyStagesError,
+    )
     from fxpipe.units import format_bytes, format_bytes_up
 
     if isinstance(exc, TooManyStagesError):
+        if exc.nodes == 0:  # no stage count helps: the solver's words say what does
+            return str(exc)
         if exc.virtual_stages > 1:
             return (f"Cannot cut {exc.most} nodes into {exc.stages} stage modules "
                     f"({exc.devices} GPUs x {exc.virtual_stages} virtual stages); use fewer "
@@ -455,6 +481,11 @@ def _worded(exc: ValueError) -> str:
         return (f"Cannot cut the model into {exc.stages} stages: its {exc.nodes} nodes form "
                 f"only {exc.groups} groups that must share a stage; use --gpus {exc.most} or "
                 f"fewer.")
+    if isinstance(exc, PipedreamTieError):
+        return (f"--schedule pipedream updates each stage's own weights after every "
+                f"micro-batch, so the tied parameter {exc.name} keeps every op between its "
+                f"readers on one stage, {exc.share:.0%} of the model's time, and {exc.stages} "
+                "stages cannot balance; use --schedule 1f1b, or untie the parameter")
     if isinstance(exc, InfeasibleMemoryError):
         return (f"No split of the model onto {exc.devices} GPUs fits in "
                 f"{format_bytes(exc.limit)} per GPU; the best split needs "

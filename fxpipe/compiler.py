@@ -27,9 +27,18 @@ from fxpipe.cost_models import Device, analytic, measured
 from fxpipe.frontend import ModelSource, Traced, load_model_file, trace_source
 from fxpipe.kernels import Execution
 from fxpipe.lower import lower
-from fxpipe.partition import Recompute, partition
+from fxpipe.partition import (
+    PipedreamTieError,
+    Problem,
+    Recompute,
+    TiedPolicy,
+    check_size,
+    exact_groups,
+    partition,
+)
 from fxpipe.partition.solve import WORK_LIMIT
 from fxpipe.passes import annotate_all
+from fxpipe.passes.base import OP_NODES
 from fxpipe.plan import Plan
 from fxpipe.planning import build_plan
 from fxpipe.precision import Precision, default_precision
@@ -56,15 +65,21 @@ def analyze_file(
     device: Device,
     precision: Precision | None = None,
     measure: bool = False,
+    solvable: bool = False,
     progress: Progress = _silent,
     notify: Callable[[str], None] = _ignore,
 ) -> tuple[ModelSource, Traced]:
     """Load a model file (``model.py`` or ``model.py:FACTORY``), trace it and ``analyze``
-    it: the model as the file builds it, and its graph with every node costed."""
+    it: the model as the file builds it, and its graph with every node costed.
+
+    ``solvable``: the graph is to be split, so one too big for the solver is refused
+    right after tracing (``check_size``), before the passes spend minutes on it."""
     with progress(f"loading {spec}"):
         source = load_model_file(spec)
     with progress("tracing"):
         traced = trace_source(source)
+    if solvable:
+        check_size(sum(1 for n in traced.gm.graph.nodes if n.op in OP_NODES))
     how = traced.tracer
     if traced.fallback_reason:
         how += f" (symbolic_trace failed: {traced.fallback_reason})"
@@ -130,7 +145,11 @@ class SplitOptions:
 def plan_split(
     traced: Traced, *, label: str, options: SplitOptions, progress: Progress = _silent
 ) -> Plan:
-    """Cut an analysed model into ``options.gpus`` stages: lower, solve, apply to the graph."""
+    """Cut an analysed model into ``options.gpus`` stages: lower, solve, apply to the graph.
+
+    PipeDream's weight stashing updates each stage's own weights after every micro-batch,
+    so a parameter read by several ops (tied) stays on one stage under that schedule."""
+    pipedream = options.schedule is ScheduleKind.PIPEDREAM
     lowered = lower(
         traced.gm,
         num_stages=options.gpus * options.virtual_stages,
@@ -143,7 +162,10 @@ def plan_split(
         optimizer=options.optimizer,
         recompute=options.recompute,
         block_depth=auto_depth(traced.gm),
+        tied_policy=TiedPolicy.COLOCATE if pipedream else TiedPolicy.REPLICATE,
     )
+    if pipedream and lowered.problem.tied:
+        _check_pipedream_ties(lowered.problem)
     with progress(f"solving ({len(lowered.problem.nodes)} nodes onto {options.gpus} GPUs)"):
         result = partition(lowered.problem, work_limit=options.work_limit,
                            time_limit_s=options.time_limit_s,
@@ -169,6 +191,20 @@ def plan_split(
         precision=(options.precision or default_precision(traced.gm)).value,
         notes=notes,
     )
+
+
+def _check_pipedream_ties(problem: Problem) -> None:
+    """Refuse, with the reason, a tie that keeps more of the model on one stage than a
+    balanced split would give it (a GPT's embedding and LM head: nearly all of it)."""
+    exact = exact_groups(problem)
+    time = [n.forward_s + n.backward_s for n in problem.nodes]
+    total = sum(time) or 1.0
+    K = problem.num_stages
+    for tied in problem.tied:
+        group = exact.groups[exact.group_of[tied.nodes[0]]]
+        share = sum(time[v] for v in group) / total
+        if share > 1 / K or exact.num_coarse < K:
+            raise PipedreamTieError(name=tied.name, share=share, stages=K)
 
 
 def output_files(

@@ -132,6 +132,11 @@ def _import_file(path: Path) -> types.ModuleType:
         ) from None
     except NotPythonError as exc:
         raise ModelFileError(str(exc)) from None
+    except SystemExit as exc:
+        raise ModelFileError(
+            f"{_where(path, exc)}: the file called sys.exit({exc.code!r}) while fxpipe "
+            "imported it; put the script part under if __name__ == \"__main__\""
+        ) from None
     except Exception as exc:
         raise ModelFileError(
             f"{_where(path, exc)}: importing the file raised {_one_line(exc)}; fix the file "
@@ -154,6 +159,11 @@ def _find_function(
 def _call(function: Callable[[], Any], path: Path, name: str) -> Any:
     try:
         return function()
+    except SystemExit as exc:
+        raise ModelFileError(
+            f"{_where(path, exc)}: {name}() called sys.exit({exc.code!r}); return instead "
+            "of exiting"
+        ) from None
     except Exception as exc:
         raise ModelFileError(
             f"{_where(path, exc)}: {name}() raised {_one_line(exc)}; fix {name}() and run again"
@@ -226,6 +236,15 @@ def trace(
         with _quiet_stderr():  # a failing export dumps its partial graph on stderr
             program = torch.export.export(model, args, kwargs, strict=False)
     except Exception as exc:
+        failed = _eager_failure(model, args, kwargs)
+        if failed is not None:  # not a tracing problem: the inputs do not fit the model
+            error = TraceError(
+                f"{type(model).__name__} raised {_one_line(failed)} when run on the example "
+                "inputs; make example_inputs() return what forward expects for one "
+                "micro-batch (the number, shapes and dtypes of its arguments)"
+            )
+            error.__cause__ = failed
+            raise error from None
         error = TraceError(
             f"cannot trace {type(model).__name__}: symbolic_trace failed ({reason}) and "
             f"torch.export failed ({_one_line(exc)}); make forward free of data-dependent "
@@ -243,6 +262,19 @@ def trace(
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     assert len(flat) == len(placeholders), (len(flat), len(placeholders))
     return Traced(gm, "export", reason, flat, tuple(notes))
+
+
+def _eager_failure(
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Exception | None:
+    """What running the model itself on the example inputs raises, if anything: when both
+    tracers fail, this tells a model that cannot run on them from one they cannot capture."""
+    try:
+        with torch.no_grad():
+            model(*args, **kwargs)
+    except Exception as exc:
+        return exc
+    return None
 
 
 @contextmanager

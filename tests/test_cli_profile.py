@@ -197,3 +197,12 @@ def test_table_prints_the_json_figures_in_the_shared_format() -> None:
         format_seconds(total["forward_s"]),
         format_seconds(total["backward_s"]),
     ]
+
+
+def test_json_is_not_mixed_with_the_model_files_own_prints(tmp_path: Path) -> None:
+    text = model_with_forward('        print("in forward")\n        return self.lin(x)')
+    text = 'print("importing")\n' + text.replace("return M()", 'print("building")\n    return M()')
+    result = fxpipe(model_file(tmp_path, text), "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["rows"]
+    assert all(word in result.stderr for word in ("importing", "building", "in forward"))

@@ -7,6 +7,8 @@ appear verbatim in README.md, so the table and the tool cannot drift apart.
 
 from __future__ import annotations
 
+import os
+import stat
 import textwrap
 from pathlib import Path
 
@@ -28,6 +30,32 @@ def build_model():
 
 def example_inputs():
     return (torch.ones(4, 8),)
+"""
+
+
+TIED = """
+import torch
+
+
+class Tied(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(16, 8)
+        self.body = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+
+    def forward(self, tokens):
+        return self.head(torch.relu(self.body(self.embed(tokens))))
+
+
+def build_model():
+    return Tied()
+
+
+def example_inputs():
+    return (torch.zeros(4, 3, dtype=torch.long),)
 """
 
 
@@ -112,6 +140,35 @@ CASES: dict[str, tuple[dict[str, str], list[str]]] = {
         {**model(GOOD), "out/notes.txt": "mine"},
         ["split", "model.py", "--gpus", "2", "--out", "out"],
     ),
+    "model file calls sys.exit": (
+        model("import sys\n\nsys.exit(0)\n"), ["split", "model.py", "--gpus", "2"]
+    ),
+    "inputs of the wrong shape": (
+        model(GOOD.replace("torch.ones(4, 8)", "torch.ones(4, 7)")), ["profile", "model.py"]
+    ),
+    "a model with no ops": (
+        model(GOOD.replace("torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), "
+                           "torch.nn.Linear(8, 2))", "torch.nn.Identity()")),
+        ["split", "model.py", "--gpus", "2"],
+    ),
+    "more ops than the solver handles (limit lowered to 2 in the test)": (
+        model(GOOD), ["split", "model.py", "--gpus", "2"]
+    ),
+    "--microbatches absurdly high": (
+        model(GOOD), ["split", "model.py", "--gpus", "2", "--microbatches", "1000000000"]
+    ),
+    "--time-limit not a positive number": (
+        model(GOOD), ["split", "model.py", "--gpus", "2", "--time-limit", "nan"]
+    ),
+    "a flag fxpipe does not know": (
+        model(GOOD), ["split", "model.py", "--gpus", "2", "--nodes", "2"]
+    ),
+    "--out is the current folder": (
+        model(GOOD), ["split", "model.py", "--gpus", "2", "--out", ".", "--force"]
+    ),
+    "pipedream with a tied parameter": (
+        model(TIED), ["split", "model.py", "--gpus", "2", "--schedule", "pipedream"]
+    ),
     "merge: missing stage file": ({}, ["merge", "stage0.pt", "--out", "model.pt"]),
     "merge: copies of a key differ": (
         {"stage0.pt": "zeros", "stage1.pt": "ones"},
@@ -148,7 +205,46 @@ def test_each_error_is_one_line_exit_2_and_in_the_readme(
 ) -> None:
     files, argv = CASES[case]
     materialize(tmp_path, files)
+    if case.startswith("more ops than the solver handles"):
+        # The real limit takes a 20,000-op model, minutes to trace on a small machine.
+        monkeypatch.setattr("fxpipe.partition.solve.MAX_NODES", 2)
     line = printed_error(tmp_path, argv, capsys, monkeypatch)
     assert line.startswith("fxpipe: error: ")
     row = f"| {case} | `{line.removeprefix('fxpipe: error: ')}` |"
     assert row in README, f"README.md lacks the row:\n{row}"
+
+
+def test_an_internal_error_is_one_line_exit_1_and_a_traceback_under_debug(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
+        raise KeyError("lifted_tensor_0")
+
+    materialize(tmp_path, model(GOOD))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("fxpipe.compiler.generate", broken)
+    monkeypatch.delenv("FXPIPE_DEBUG", raising=False)
+    assert cli.main(["split", "model.py", "--gpus", "2"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["fxpipe: internal error: KeyError: 'lifted_tensor_0'; this is a bug in "
+                   "fxpipe, not in your model: please report it with the traceback "
+                   "FXPIPE_DEBUG=1 prints"]
+    assert "fxpipe: internal error: ...; this is a bug in fxpipe" in " ".join(README.split())
+    assert not (tmp_path / "fxpipe-out").exists()
+    monkeypatch.setenv("FXPIPE_DEBUG", "1")
+    with pytest.raises(KeyError, match="lifted_tensor_0"):
+        cli.main(["split", "model.py", "--gpus", "2"])
+
+
+def test_the_output_folder_honours_the_umask(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # mkdtemp makes the staging folder 0700; the folder fxpipe leaves is what mkdir makes.
+    materialize(tmp_path, model(GOOD))
+    monkeypatch.chdir(tmp_path)
+    previous = os.umask(0o022)
+    try:
+        assert cli.main(["split", "model.py", "--gpus", "2", "--out", "out"]) == 0
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE((tmp_path / "out").stat().st_mode) == 0o755

@@ -8,7 +8,13 @@ figures, all scored by the one cost model in ``evaluate``.
 from fxpipe.partition.baselines import BASELINES, baselines, interval_dp
 from fxpipe.partition.coarsen import Coarsening, coarsen, exact_groups
 from fxpipe.partition.cost import StageCost, StageSums, choose_recompute, stage_cost
-from fxpipe.partition.errors import InfeasibleMemoryError, NoSolutionError, TooManyStagesError
+from fxpipe.partition.errors import (
+    InfeasibleMemoryError,
+    NoSolutionError,
+    PipedreamTieError,
+    ProblemTooLargeError,
+    TooManyStagesError,
+)
 from fxpipe.partition.evaluate import Evaluation, evaluate, violations
 from fxpipe.partition.ilp import IlpResult, StageModel
 from fxpipe.partition.problem import (
@@ -20,10 +26,11 @@ from fxpipe.partition.problem import (
     TiedGroup,
     TiedPolicy,
 )
-from fxpipe.partition.solve import Partition, partition
+from fxpipe.partition.solve import MAX_NODES, Partition, check_size, partition
 
 __all__ = [
     "BASELINES",
+    "MAX_NODES",
     "Coarsening",
     "Comm",
     "Edge",
@@ -33,7 +40,9 @@ __all__ = [
     "NoSolutionError",
     "Node",
     "Partition",
+    "PipedreamTieError",
     "Problem",
+    "ProblemTooLargeError",
     "Recompute",
     "StageCost",
     "StageModel",
@@ -42,6 +51,7 @@ __all__ = [
     "TiedPolicy",
     "TooManyStagesError",
     "baselines",
+    "check_size",
     "choose_recompute",
     "coarsen",
     "evaluate",

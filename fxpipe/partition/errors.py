@@ -11,7 +11,13 @@ from __future__ import annotations
 
 from fxpipe.units import format_bytes
 
-__all__ = ["InfeasibleMemoryError", "NoSolutionError", "TooManyStagesError"]
+__all__ = [
+    "InfeasibleMemoryError",
+    "NoSolutionError",
+    "PipedreamTieError",
+    "ProblemTooLargeError",
+    "TooManyStagesError",
+]
 
 
 class TooManyStagesError(ValueError):
@@ -34,6 +40,9 @@ class TooManyStagesError(ValueError):
 
     def _message(self) -> str:
         K, most = self.stages, self.most
+        if self.nodes == 0:  # fewer stages would not help: there is nothing to cut
+            return ("The model has no operations to cut into stages (forward returns its "
+                    "inputs or constants); give it layers, or run it without a pipeline.")
         if self.virtual_stages > 1:
             return (f"Cannot cut {most} nodes into {K} stage modules ({self.devices} GPUs x "
                     f"{self.virtual_stages} virtual stages); use fewer GPUs or virtual stages.")
@@ -41,6 +50,37 @@ class TooManyStagesError(ValueError):
             return f"Cannot cut {self.nodes} nodes into {K} stages; use {most} stages or fewer."
         return (f"Cannot cut the model into {K} stages: its {self.nodes} nodes form only "
                 f"{self.groups} groups that must share a stage; use {most} stages or fewer.")
+
+
+class PipedreamTieError(ValueError):
+    """Under PipeDream's weight stashing the tied parameter ``name`` keeps every op
+    between its readers on one stage: ``share`` of the model's time, more than ``stages``
+    balanced stages would give one of them."""
+
+    def __init__(self, *, name: str, share: float, stages: int) -> None:
+        self.name = name
+        self.share = share
+        self.stages = stages
+        super().__init__(
+            f"PipeDream updates each stage's own weights after every micro-batch, so the "
+            f"tied parameter {name} keeps every op between its readers on one stage, "
+            f"{share:.0%} of the model's time, and {stages} stages cannot balance; use "
+            f"another schedule, or untie the parameter")
+
+
+class ProblemTooLargeError(ValueError):
+    """More nodes (``nodes``) than the solver's memory allows (``most``): its program
+    would need ``needs_bytes``, growing with the square of the node count."""
+
+    def __init__(self, *, nodes: int, most: int, needs_bytes: float) -> None:
+        self.nodes = nodes
+        self.most = most
+        self.needs_bytes = needs_bytes
+        super().__init__(
+            f"The model has {nodes:,} ops, more than the {most:,} the solver handles: its "
+            f"memory grows with the square of the op count ({nodes:,} ops would need "
+            f"{format_bytes(needs_bytes)}); plan a smaller model with the same blocks, e.g. "
+            f"fewer layers.")
 
 
 class InfeasibleMemoryError(ValueError):
