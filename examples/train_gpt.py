@@ -34,14 +34,16 @@ def mini_batch(step: int, microbatches: int) -> tuple[torch.Tensor, torch.Tensor
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--microbatches", type=int, default=4,
-                        help="micro-batches per mini-batch (the pipeline's plan decides it)")
+    parser.add_argument(
+        "--microbatches", type=int, default=None,
+        help="micro-batches per mini-batch (default: the pipeline plan's; without "
+        "--pipeline 16, what fxpipe split --gpus 4 plans), so both runs see the same data")
     parser.add_argument("--pipeline", default=None, help="folder written by fxpipe split")
     args = parser.parse_args()
 
     model = gpt.build_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    microbatches = args.microbatches
+    microbatches = args.microbatches or 16
 
     if args.pipeline is None:
         def train_step(inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -56,7 +58,11 @@ def main() -> None:
         except ValueError as error:
             raise SystemExit(f"train_gpt: error: {error}") from None
         runner = pipe.PipelineRunner(pipe.build_stages(model))
-        microbatches = pipe.PLAN["microbatches"]
+        planned = pipe.PLAN["microbatches"]
+        if args.microbatches not in (None, planned):
+            raise SystemExit(f"train_gpt: error: --microbatches {args.microbatches} differs "
+                             f"from the {planned} the plan was made for; drop the flag")
+        microbatches = planned
 
         def train_step(inputs: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             return runner.step((inputs,), target, gpt.loss_fn)

@@ -356,6 +356,9 @@ def _run_split(args: argparse.Namespace) -> int:
     files["timing.json"] = json.dumps(timing, indent=2) + "\n"
     out = Path(args.out)
     write_folder(out, files, force=args.force)
+    if "partition.svg" not in files:
+        print("  note: Graphviz's dot is not installed, so partition.svg was not drawn "
+              "(apt-get install graphviz); partition.dot holds the diagram")
 
     table = Table(
         title=f"{source.label}: {plan.num_stages} stages{_replication(plan)}, {plan.schedule}, "

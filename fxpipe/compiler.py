@@ -81,8 +81,8 @@ def analyze_file(
     if solvable:
         check_size(sum(1 for n in traced.gm.graph.nodes if n.op in OP_NODES))
     how = traced.tracer
-    if traced.fallback_reason:
-        how += f" (symbolic_trace failed: {traced.fallback_reason})"
+    if traced.fallback_reason:  # the normal path for Hugging Face models, not a failure
+        how = f"torch.export (symbolic_trace could not capture it: {traced.fallback_reason})"
     notify(f"traced with {how}; {len(traced.gm.graph.nodes)} nodes")
     for note in traced.notes:
         notify(f"note: {note}")
@@ -177,7 +177,8 @@ def plan_split(
             f"{options.time_limit_s:g} s) before its work limit; the plan may differ run to "
             f"run. Raise --time-limit, or lower --work-limit, for a reproducible plan.")
     if traced.fallback_reason:
-        notes.append(f"symbolic_trace failed ({traced.fallback_reason}); used torch.export")
+        notes.append(f"captured with torch.export, the usual path for Hugging Face models "
+                     f"(symbolic_trace could not: {traced.fallback_reason})")
     return build_plan(
         lowered,
         result.problem,
@@ -224,16 +225,13 @@ def output_files(
         depth=auto_depth(traced.gm),
         title=label,
     )
-    files: dict[str, str | bytes] = {
-        "plan.json": plan.to_json(),
-        "report.md": render_report(plan),
-        "partition.dot": dot,
-    }
+    files: dict[str, str | bytes] = {"plan.json": plan.to_json(), "partition.dot": dot}
     with progress("drawing the partition and the schedule"):
         svg = render_svg(dot)
         if svg is not None:
             files["partition.svg"] = svg
         files["schedule.svg"] = schedule_svg(plan, schedule_table(plan))
+    files["report.md"] = render_report(plan, svg=svg is not None)  # links what exists
     with progress("writing the stage modules"):
         files.update(generate(traced, plan))
     return files

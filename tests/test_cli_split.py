@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -48,6 +49,8 @@ def test_split_writes_plan_report_and_diagram(gpt_split: Path) -> None:
     assert "## Stages" in report and "uniform-layers" in report
     dot = (gpt_split / "partition.dot").read_text()
     assert all(f"cluster_stage{k}" in dot for k in range(4))
+    if shutil.which("dot") is None:
+        pytest.skip("Graphviz's dot is not installed: partition.svg is not drawn (CI has it)")
     assert (gpt_split / "partition.svg").read_bytes().lstrip().startswith(b"<?xml")
 
 

@@ -56,7 +56,8 @@ def _layout(plan: Plan) -> str:
     return f"{plan.num_stages} stages"
 
 
-def render_report(plan: Plan) -> str:
+def render_report(plan: Plan, *, svg: bool = True) -> str:
+    """report.md; ``svg``: partition.svg was drawn (Graphviz installed), so link it."""
     limit = "none" if plan.memory_limit == float("inf") else format_bytes(plan.memory_limit)
     solver = plan.solver
     schedule = kind_of(plan.schedule).spec.summary.format(
@@ -119,8 +120,10 @@ def render_report(plan: Plan) -> str:
         lines += ["", "## Notes", ""] + [f"- {note}" for note in plan.notes]
     lines += [
         "",
-        "The partition diagram is `partition.svg` (source `partition.dot`); the schedule's "
-        "timeline with these predicted times is `schedule.svg`:",
+        ("The partition diagram is `partition.svg` (source `partition.dot`)" if svg else
+         "The partition diagram's source is `partition.dot` (Graphviz was not installed to "
+         "draw it: `dot -Tsvg partition.dot -o partition.svg`)")
+        + "; the schedule's timeline with these predicted times is `schedule.svg`:",
         "",
         "![schedule](schedule.svg)",
         "",
