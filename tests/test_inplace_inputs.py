@@ -73,7 +73,8 @@ def _split(model: nn.Module, stages: int, directory: Path) -> Any:
     plan = plan_split(traced, label="inplace", options=options)
     assert plan.num_stages == stages
     directory.mkdir(parents=True, exist_ok=True)
-    for name, text in generate(traced, plan).items():
+    for name, text in generate(traced, plan).items():  # runtime/ is a folder of its own
+        (directory / name).parent.mkdir(parents=True, exist_ok=True)
         (directory / name).write_text(text, encoding="utf-8")
     return load_package(directory)
 
