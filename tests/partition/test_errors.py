@@ -10,7 +10,9 @@ from fxpipe.partition import (
     InfeasibleMemoryError,
     Node,
     NoSolutionError,
+    PipedreamTieError,
     Problem,
+    ProblemTooLargeError,
     TooManyStagesError,
     partition,
 )
@@ -77,3 +79,32 @@ def test_no_solution_carries_the_time_limit() -> None:
     anywhere = NoSolutionError(devices=4, time_limit_s=30, limit=None)
     assert str(anywhere) == "No split onto 4 GPUs was found in 30 s; allow the solver more time."
     assert isinstance(anywhere, ValueError)
+
+
+def test_no_nodes_at_all_is_not_a_stage_count_to_lower() -> None:
+    with pytest.raises(TooManyStagesError) as info:
+        partition(Problem((), (), num_stages=2))
+    assert (info.value.nodes, info.value.most) == (0, 0)
+    assert str(info.value) == (
+        "The model has no operations to cut into stages (forward returns its inputs or "
+        "constants); give it layers, or run it without a pipeline.")  # not "use 0 stages"
+
+
+def test_too_many_nodes_for_the_solver(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("fxpipe.partition.solve.MAX_NODES", 2)
+    with pytest.raises(ProblemTooLargeError) as info:
+        partition(chain(3, num_stages=2))
+    e = info.value
+    assert (e.nodes, e.most, e.needs_bytes) == (3, 2, 81)
+    assert str(e) == (
+        "The model has 3 ops, more than the 2 the solver handles: its memory grows with the "
+        "square of the op count (3 ops would need 81 B); plan a smaller model with the same "
+        "blocks, e.g. fewer layers.")
+    assert isinstance(e, ValueError) and "--" not in str(e)
+
+
+def test_pipedream_tie_carries_its_share() -> None:
+    e = PipedreamTieError(name="embed.weight", share=1.0, stages=2)
+    assert (e.name, e.share, e.stages) == ("embed.weight", 1.0, 2)
+    assert "100% of the model's time, and 2 stages cannot balance" in str(e)
+    assert isinstance(e, ValueError) and "--" not in str(e)
