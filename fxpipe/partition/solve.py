@@ -121,8 +121,8 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
     clock is a safety net; when it fires the report says so
     (``SolverReport.wall_clock_stopped``) and the answer may differ from run to run.
 
-    Raises ``TooManyStagesError`` / ``InfeasibleMemoryError`` / ``NoSolutionError``
-    (all ``ValueError``) with a one-sentence message for the user.
+    Raises ``ProblemTooLargeError`` / ``TooManyStagesError`` / ``InfeasibleMemoryError`` /
+    ``NoSolutionError`` (all ``ValueError``) with a one-sentence message for the user.
     """
     check_size(len(problem.nodes))
     if replicate or problem.replicates:
