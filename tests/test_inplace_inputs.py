@@ -21,7 +21,7 @@ from fxpipe.compiler import SplitOptions, analyze, plan_split
 from fxpipe.cost_models import get_device
 from fxpipe.frontend import trace
 from fxpipe.lower import lower
-from fxpipe.partition import Schedule
+from fxpipe.schedules import ScheduleKind
 
 M = 2  # micro-batches
 
@@ -69,7 +69,7 @@ def _split(model: nn.Module, stages: int, directory: Path) -> Any:
     device = get_device("h100")
     analyze(traced, device=device)
     options = SplitOptions(gpus=stages, device=device, memory_limit=float("inf"),
-                           microbatches=M, schedule=Schedule.GPIPE, time_limit_s=10)
+                           microbatches=M, schedule=ScheduleKind.GPIPE, time_limit_s=10)
     plan = plan_split(traced, label="inplace", options=options)
     assert plan.num_stages == stages
     directory.mkdir(parents=True, exist_ok=True)
@@ -115,7 +115,7 @@ def _lowered(model: nn.Module) -> Any:
     traced = trace(model.double(), (torch.randn(3, 8, dtype=torch.float64),))
     analyze(traced, device=device)
     return lower(traced.gm, num_stages=2, device=device, memory_limit=float("inf"),
-                 schedule=Schedule.GPIPE, microbatches=M).problem
+                 schedule=ScheduleKind.GPIPE, microbatches=M).problem
 
 
 def test_every_reader_of_a_mutated_input_is_fused_with_the_write() -> None:
