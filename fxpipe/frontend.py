@@ -8,6 +8,13 @@ of keyword inputs), optionally ``loss_fn(output, target)`` and
 Tracing tries ``torch.fx.symbolic_trace`` first (it keeps ``call_module``
 nodes, which read best in generated code) and falls back to
 ``torch.export.export(..., strict=False)``, which captures Hugging Face models.
+
+Training does not feed one shape forever (the last batch of an epoch is smaller,
+collators pad to the longest sequence), so the graph must compute sizes from its
+inputs. ``symbolic_trace`` keeps sizes symbolic by itself; ``torch.export`` is
+asked to with ``Dim.AUTO`` on every dimension of every input, and keeps symbolic
+the ones the model lets vary. Either way ``Traced.inputs`` records, per graph
+input, the traced shape and which dimensions are free (``InputShape``).
 """
 
 from __future__ import annotations
@@ -27,11 +34,13 @@ from typing import Any
 import torch
 import torch.fx
 from torch.utils import _pytree as pytree
+from torch.utils._sympy.numbers import int_oo
 
 from fxpipe.metadevice import MetaRunner, named_state
 from fxpipe.runtime.loading import NotPythonError, import_file
 
 __all__ = [
+    "InputShape",
     "ModelFileError",
     "ModelSource",
     "TraceError",
@@ -67,6 +76,19 @@ class ModelSource:
         return f"{self.path.name}:{self.factory}"
 
 
+@dataclass(frozen=True)
+class InputShape:
+    """The shape one graph input was traced at, and which of its dimensions may vary.
+
+    ``dynamic[i]`` is the range ``(low, high)`` assumed for dimension i (``high`` None:
+    unbounded), or None where the graph holds the traced size as a constant.
+    """
+
+    name: str  # the graph placeholder's name
+    shape: tuple[int, ...]
+    dynamic: tuple[tuple[int, int | None] | None, ...]
+
+
 @dataclass
 class Traced:
     """A traced model and the example inputs flattened in placeholder order."""
@@ -76,6 +98,7 @@ class Traced:
     fallback_reason: str | None  # why symbolic_trace was not used, if it was not
     flat_inputs: tuple[Any, ...]
     notes: tuple[str, ...] = ()
+    inputs: tuple[InputShape, ...] = ()  # one per tensor input, in placeholder order
 
 
 def load_model_file(spec: str) -> ModelSource:
@@ -227,14 +250,14 @@ def trace(
         gm = torch.fx.symbolic_trace(model)
         flat = _symbolic_inputs(model, gm, args, kwargs)
         _check_runs(gm, flat)
-        return Traced(gm, "symbolic_trace", None, flat, tuple(notes))
+        inputs = _probe_dynamic(gm, flat)
+        return Traced(gm, "symbolic_trace", None, flat, tuple(notes), inputs)
     except Exception as exc:
         reason = _one_line(exc)
         symbolic_error = exc
 
     try:
-        with _quiet_stderr():  # a failing export dumps its partial graph on stderr
-            program = torch.export.export(model, args, kwargs, strict=False)
+        program, note = _export(model, args, kwargs)
     except Exception as exc:
         failed = _eager_failure(model, args, kwargs)
         if failed is not None:  # not a tracing problem: the inputs do not fit the model
@@ -254,6 +277,8 @@ def trace(
         error.__cause__ = exc
         error.__context__ = symbolic_error
         raise error from None
+    if note:
+        notes.append(note)
     gm = program.module()
     assert isinstance(gm, torch.fx.GraphModule)
     _drop_export_checks(gm)
@@ -261,7 +286,8 @@ def trace(
     flat = tuple(pytree.tree_leaves((args, kwargs)))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     assert len(flat) == len(placeholders), (len(flat), len(placeholders))
-    return Traced(gm, "export", reason, flat, tuple(notes))
+    inputs = _exported_shapes(program, placeholders, flat)
+    return Traced(gm, "export", reason, flat, tuple(notes), inputs)
 
 
 def _eager_failure(
@@ -362,6 +388,110 @@ def _inline_lifted_constants(gm: torch.fx.GraphModule) -> None:
     gm.recompile()
 
 
+def _export(
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[torch.export.ExportedProgram, str | None]:
+    """``torch.export`` non-strict with every input dimension free (``Dim.AUTO``): export
+    keeps symbolic each dimension the model lets vary and specializes the others.
+
+    torch.export specializes a dimension of size 1 (its 0/1 rule), so an example batch
+    of one sample is traced as two (every leaf's dim 0 repeated); the costs are still
+    taken at the example's own shapes. A model that cannot be exported with free
+    dimensions is exported at the example's shapes, and the returned note says so.
+    """
+    attempts = [_widened(args, kwargs)] if _batch_of_one(args, kwargs) else []
+    attempts.append((args, kwargs))
+    for trace_args, trace_kwargs in attempts:
+        try:
+            with _quiet_stderr():  # a failing export dumps its partial graph on stderr
+                program = torch.export.export(
+                    model,
+                    trace_args,
+                    trace_kwargs,
+                    dynamic_shapes=_all_dims_auto(model, trace_args, trace_kwargs),
+                    strict=False,
+                )
+            return program, None
+        except Exception as exc:
+            reason = _one_line(exc)
+    with _quiet_stderr():
+        program = torch.export.export(model, args, kwargs, strict=False)
+    return program, (
+        f"torch.export could not keep input sizes symbolic ({reason}); the stages accept "
+        "the example's shapes only"
+    )
+
+
+def _all_dims_auto(
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """``dynamic_shapes`` for export: ``Dim.AUTO`` on every dimension of every tensor."""
+
+    def auto(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return {d: torch.export.Dim.AUTO for d in range(value.dim())} or None
+        return None
+
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    return {
+        name: pytree.tree_map(auto, value, is_leaf=lambda v: isinstance(v, torch.Tensor))
+        for name, value in bound.arguments.items()
+    }
+
+
+def _batch_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    return [
+        x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.dim() > 0
+    ]
+
+
+def _batch_of_one(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    leaves = _batch_leaves(args, kwargs)
+    return bool(leaves) and all(x.size(0) == 1 for x in leaves)
+
+
+def _widened(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The example with every batched leaf's single sample repeated: a batch of two."""
+    widened = pytree.tree_map_only(
+        torch.Tensor, lambda x: torch.cat([x, x]) if x.dim() > 0 else x, (args, kwargs)
+    )
+    return widened[0], widened[1]
+
+
+def _exported_shapes(
+    program: torch.export.ExportedProgram,
+    placeholders: list[torch.fx.Node],
+    flat: tuple[Any, ...],
+) -> tuple[InputShape, ...]:
+    """Each tensor input's traced shape and the range export assumed for its free dims.
+
+    The lower bound is lowered to the example's size where export's 0/1 rule excluded
+    it (a batch of one traced as two): the graph computes the same at that size.
+    """
+    by_name = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    user_inputs = program.graph_signature.user_inputs
+    assert len(user_inputs) == len(placeholders), (user_inputs, placeholders)
+    shapes = []
+    for node, user_input, value in zip(placeholders, user_inputs, flat, strict=True):
+        fake = by_name[str(user_input)].meta.get("val")
+        if not isinstance(value, torch.Tensor) or not isinstance(fake, torch.Tensor):
+            continue
+        dynamic: list[tuple[int, int | None] | None] = []
+        for size, traced in zip(value.shape, fake.shape, strict=True):
+            if isinstance(traced, int) or traced.node.expr.is_number:
+                dynamic.append(None)
+                continue
+            bounds = program.range_constraints.get(traced.node.expr)
+            low = int(bounds.lower) if bounds is not None else 1
+            high = bounds.upper if bounds is not None else None
+            high_int = int(high) if high is not None and high != int_oo else None
+            dynamic.append((min(low, int(size)), high_int))
+        shapes.append(InputShape(node.name, tuple(value.shape), tuple(dynamic)))
+    return tuple(shapes)
+
+
 def _model_device(model: torch.nn.Module) -> torch.device | None:
     for _, tensor in named_state(model):
         return tensor.device
@@ -388,3 +518,49 @@ def _symbolic_inputs(
 def _check_runs(gm: torch.fx.GraphModule, flat: tuple[Any, ...]) -> None:
     """Run the graph once on meta tensors: symbolic_trace can succeed on a graph that fails."""
     MetaRunner(gm).run_on_meta(*flat)
+
+
+def _probe_dynamic(gm: torch.fx.GraphModule, flat: tuple[Any, ...]) -> tuple[InputShape, ...]:
+    """Which input dimensions a symbolic_trace graph lets vary, learnt by running it on meta
+    tensors with each dimension doubled (every input that has that size at that index
+    together, so inputs that must agree, like ids and their mask, still do)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    tensors = [(i, x) for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+    # (dim index, size) -> the range assumed: unbounded where twice the size runs, up to
+    # the traced size where only half of it does (a model with a maximum length)
+    free: dict[tuple[int, int], tuple[int, int | None]] = {}
+    for key in sorted({(d, size) for _, x in tensors for d, size in enumerate(x.shape)}):
+        d, size = key
+        if _runs_resized(gm, flat, tensors, d, size, 2 * size):
+            free[key] = (1, None)
+        elif size > 1 and _runs_resized(gm, flat, tensors, d, size, size // 2):
+            free[key] = (1, size)
+    return tuple(
+        InputShape(
+            placeholders[i].name,
+            tuple(x.shape),
+            tuple(free.get((d, size)) for d, size in enumerate(x.shape)),
+        )
+        for i, x in tensors
+    )
+
+
+def _runs_resized(
+    gm: torch.fx.GraphModule,
+    flat: tuple[Any, ...],
+    tensors: list[tuple[int, torch.Tensor]],
+    dim: int,
+    size: int,
+    new_size: int,
+) -> bool:
+    probe = list(flat)
+    for i, x in tensors:
+        if x.dim() > dim and x.size(dim) == size:
+            shape = list(x.shape)
+            shape[dim] = new_size
+            probe[i] = torch.empty(shape, dtype=x.dtype, device="meta")
+    try:
+        MetaRunner(gm).run_on_meta(*probe)
+    except Exception:
+        return False
+    return True
