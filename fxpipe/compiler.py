@@ -39,7 +39,7 @@ from fxpipe.partition import (
 from fxpipe.partition.solve import WORK_LIMIT
 from fxpipe.passes import annotate_all
 from fxpipe.passes.base import OP_NODES
-from fxpipe.plan import Plan
+from fxpipe.plan import DynamicDim, Plan
 from fxpipe.planning import build_plan
 from fxpipe.precision import Precision, default_precision
 from fxpipe.profile import auto_depth
@@ -191,6 +191,7 @@ def plan_split(
         optimizer=options.optimizer,
         precision=(options.precision or default_precision(traced.gm)).value,
         notes=notes,
+        dynamic_dims=dynamic_dims(traced),
     )
 
 
@@ -206,6 +207,16 @@ def _check_pipedream_ties(problem: Problem) -> None:
         share = sum(time[v] for v in group) / total
         if share > 1 / K or exact.num_coarse < K:
             raise PipedreamTieError(name=tied.name, share=share, stages=K)
+
+
+def dynamic_dims(traced: Traced) -> list[DynamicDim]:
+    """The traced inputs' free dimensions, as the plan records them."""
+    return [
+        DynamicDim(shape.name, d, shape.shape[d], *free)
+        for shape in traced.inputs
+        for d, free in enumerate(shape.dynamic)
+        if free is not None
+    ]
 
 
 def output_files(

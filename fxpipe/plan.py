@@ -10,7 +10,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Estimate", "Plan", "SolverReport", "StageMemory", "StagePlan"]
+__all__ = ["DynamicDim", "Estimate", "Plan", "SolverReport", "StageMemory", "StagePlan"]
 
 PLAN_FORMAT = 1
 
@@ -98,6 +98,20 @@ class Estimate:
 
 
 @dataclass(frozen=True)
+class DynamicDim:
+    """A dimension of a graph input that the stages compute with, not a traced constant.
+
+    The plan is costed at the traced size; ``low``..``high`` is the range the tracer
+    assumed (``high`` None: unbounded)."""
+
+    input: str  # the graph input's name
+    dim: int
+    traced: int  # its size in the example the plan is costed at
+    low: int
+    high: int | None = None
+
+
+@dataclass(frozen=True)
 class Plan:
     num_stages: int  # stage modules (K * v for an interleaved schedule)
     schedule: str  # "gpipe", "1f1b", "interleaved" or "pipedream"
@@ -116,6 +130,9 @@ class Plan:
     notes: tuple[str, ...] = ()
     # Interleaved 1F1B: each GPU runs v stage modules; stage j runs on GPU j % (K / v).
     virtual_stages: int = 1
+    # the graph inputs' dimensions that may differ from the example's (every other one is
+    # fixed at its traced size)
+    dynamic_dims: tuple[DynamicDim, ...] = ()
 
     @property
     def num_devices(self) -> int:
@@ -191,6 +208,7 @@ class Plan:
             baselines={k: Estimate(**v) for k, v in data.get("baselines", {}).items()},
             notes=tuple(data.get("notes", ())),
             virtual_stages=int(data.get("virtual_stages", 1)),
+            dynamic_dims=tuple(DynamicDim(**d) for d in data.get("dynamic_dims", ())),
         )
 
     @classmethod

@@ -17,7 +17,7 @@ from fxpipe.cut import cut_stages
 from fxpipe.lower import Lowered
 from fxpipe.partition.evaluate import Evaluation
 from fxpipe.partition.problem import Problem
-from fxpipe.plan import Estimate, Plan, SolverReport, StagePlan
+from fxpipe.plan import DynamicDim, Estimate, Plan, SolverReport, StagePlan
 
 __all__ = ["build_plan", "stage_of_nodes"]
 
@@ -46,6 +46,7 @@ def build_plan(
     optimizer: str,
     precision: str = "32-true",
     notes: Sequence[str] = (),
+    dynamic_dims: Sequence[DynamicDim] = (),
 ) -> Plan:
     """``problem``: the one solved (``lowered.problem``, or it with the stage count a
     replicated split chose)."""
@@ -107,4 +108,5 @@ def build_plan(
         baselines=dict(baselines),
         notes=tuple(notes),
         virtual_stages=problem.virtual_stages,
+        dynamic_dims=tuple(dynamic_dims),
     )

@@ -46,7 +46,13 @@ def generate(traced: Traced, plan: Plan) -> dict[str, str]:
     """Relative file name -> text of the generated package for ``plan`` over ``traced``."""
     gm = traced.gm
     ios = stage_io(gm.graph, plan)
-    files = {f"stage{io.index}.py": stage_source(gm, io) for io in ios}
+    fixed = {
+        shape.name: tuple(None if free else size for size, free in zip(
+            shape.shape, shape.dynamic, strict=True))
+        for shape in traced.inputs
+        if not all(shape.dynamic)
+    }
+    files = {f"stage{io.index}.py": stage_source(gm, io, fixed) for io in ios}
     files["runner.py"] = runner_source(traced, plan)
     files["__init__.py"] = init_source(plan)
     files["plan.json"] = plan.to_json()

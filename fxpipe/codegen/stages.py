@@ -28,6 +28,7 @@ import sys
 import textwrap
 import tokenize
 import types
+from collections.abc import Mapping
 
 import torch
 import torch.fx
@@ -154,9 +155,20 @@ def _holds_device(value: object) -> bool:
 # ---------------------------------------------------------------------------- the source
 
 
-def stage_source(gm: torch.fx.GraphModule, io: StageIO) -> str:
-    """The text of ``stage{k}.py`` for one stage of ``gm``."""
+def stage_source(
+    gm: torch.fx.GraphModule,
+    io: StageIO,
+    fixed: Mapping[str, tuple[int | None, ...]] | None = None,
+) -> str:
+    """The text of ``stage{k}.py`` for one stage of ``gm``.
+
+    ``fixed``: graph input name -> the shape the graph was traced at, None where a
+    dimension may vary. The stage checks each such input it receives on entry, so a
+    shape the traced graph holds as a constant fails with one line naming both shapes
+    rather than deep inside an aten op.
+    """
     sub = _sub_graph(gm.graph, io)
+    checks = [(name, (fixed or {})[name]) for name in io.inputs if name in (fixed or {})]
     shapes = {n.name: _shape_comment(n) for n in gm.graph.nodes if meta.SHAPE.has(n)}
 
     bodies: list[str] = []  # classes of higher-order-op bodies
@@ -194,7 +206,10 @@ def stage_source(gm: torch.fx.GraphModule, io: StageIO) -> str:
             elif isinstance(value, torch.Tensor):
                 readable[node.name] = f'self.get_buffer("{node.target}")'
     renamed = {name: value for name, (value, _) in functions.items()}
-    forward_lines, names = _forward_lines(src, io, shapes, readable, renamed=renamed)
+    entry = [f'        check_shape("Stage{io.index}", "{name}", {name}, {shape!r})'
+             for name, shape in checks]
+    forward_lines, names = _forward_lines(src, io, shapes, readable, renamed=renamed,
+                                          entry=entry)
     header_names = set(names) - set(functions)
     header_names |= {own.rpartition(".")[0] or own for own, lookup in functions.values()
                      if not lookup}
@@ -216,7 +231,7 @@ def stage_source(gm: torch.fx.GraphModule, io: StageIO) -> str:
         '"""',
         "",
         *imports,
-        *_bind_helper(),
+        *_bind_helper(checks=bool(checks)),
     ]
     for body in bodies:
         lines += ["", "", body]
@@ -313,10 +328,11 @@ def _tuple_attr(name: str, values: tuple[str, ...]) -> list[str]:
     return [f"    {name} = (", *(f'        "{v}",' for v in values), "    )"]
 
 
-def _bind_helper() -> list[str]:
+def _bind_helper(*, checks: bool = False) -> list[str]:
     """The import of the runtime's ``bind``, which every stage uses to hold the model's
-    own parameters, buffers and modules under their original names."""
-    return ["", "from .runtime import bind"]
+    own parameters, buffers and modules under their original names (and ``check_shape``
+    where the stage checks a graph input's fixed dimensions)."""
+    return ["", "from .runtime import bind, check_shape" if checks else "from .runtime import bind"]
 
 
 _FREE = re.compile(r"^(?P<stmt>.*?);  (?P<dead>(?:[A-Za-z_]\w* = )+)None$")
@@ -331,6 +347,7 @@ def _forward_lines(
     *,
     indent: str = "    ",
     renamed: dict[str, str] | None = None,
+    entry: list[str] | None = None,
 ) -> tuple[list[str], set[str]]:
     """fx's ``forward`` re-indented into the class, frees as ``del``, long lines wrapped."""
     raw = [line for line in src.strip("\n").splitlines() if line.strip()]
@@ -341,6 +358,7 @@ def _forward_lines(
     if len(out[-1]) > LINE_LENGTH:
         out[-1:] = [f'{indent}    """Returns, in order:', *(f"{indent}    {o}" for o in io.outputs),
                     f'{indent}    """']
+    out += entry or []
     for line in raw[1:]:
         match = _FREE.match(line)
         dead: list[str] = []

@@ -71,6 +71,7 @@ def render_report(plan: Plan, *, svg: bool = True) -> str:
         f"- schedule: {schedule}",
         f"- recompute: {_recompute(plan)}",
         f"- traced with {plan.tracer}",
+        f"- input shapes: {_dynamic(plan)}",
         f"- solver: {solver.method}, status {solver.status}, bottleneck "
         f"{format_ms(solver.objective)}, bound {format_ms(solver.bound)}, "
         f"gap {solver.gap:.2%}, "
@@ -145,3 +146,18 @@ def _recompute(plan: Plan) -> str:
     return (f"stages {listed} (they keep their inputs and rerun their forward in the "
             f"backward; the others keep their activations)")
 
+
+
+def _dynamic(plan: Plan) -> str:
+    """Which input dimensions the stages accept at any size, and the costing shape."""
+    if not plan.dynamic_dims:
+        return "every dimension fixed at its traced size"
+    dims = ", ".join(
+        f"{d.input}[{d.dim}] (traced {d.traced}, "
+        f"{f'at least {d.low}' if d.high is None else f'{d.low} to {d.high}'})"
+        for d in plan.dynamic_dims
+    )
+    return (
+        f"dynamic {dims}; every other dimension fixed at its traced size; costs, memory "
+        "and the cut are computed at the traced shape"
+    )

@@ -14,6 +14,7 @@ runs without fxpipe installed. One idea per module:
     stashing.py     PipeDream's weight stashing
     recompute.py    the random state a recomputed forward replays
     binding.py      how a generated stage binds the model's own parameters
+    shapes.py       a stage's check of the input dimensions it was traced at
     checkpoint.py   stage state_dicts <-> one model checkpoint
     loading.py      importing a file or a package folder by path
     pipelining.py   DistributedPipeline: the stages under torchrun
@@ -34,11 +35,13 @@ from .devices import place_stages, stage_devices
 from .loading import import_file, load_package
 from .runner import PipelineRunner
 from .schedule import check_schedule, dependencies
+from .shapes import check_shape
 
 __all__ = [
     "PipelineRunner",
     "bind",
     "check_schedule",
+    "check_shape",
     "dependencies",
     "import_file",
     "load_package",
