@@ -12,7 +12,6 @@ tensors, non-tensors, a causal mask of shape (1, 1, T, T)) goes whole to every
 part.
 """
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +25,7 @@ __all__ = [
     "lane_share",
     "merge_leaves",
     "merge_replicas",
+    "microbatch_count",
     "rows_of",
     "split_leaves",
     "split_microbatches",
@@ -51,12 +51,23 @@ def merge_leaves(trees: list[Any], merge: Callable[[list[Any]], Any]) -> Any:
         [merge([leaves[i] for leaves, _ in flat]) for i in range(len(leaves0))], spec)
 
 
+def microbatch_count(value: Any, num_mb: int) -> int:
+    """How many micro-batches ``value`` makes: ``num_mb``, or its number of samples when
+    it has fewer (the last batch of an epoch), so that no micro-batch is empty."""
+    sizes = [x.size(0) for x in pytree.tree_leaves(value)
+             if isinstance(x, torch.Tensor) and x.dim() > 0]
+    if sizes and min(sizes) == 0:
+        raise ValueError("The mini-batch is empty (a tensor input has 0 rows along dim 0): "
+                         "pass at least one sample.")
+    return min([num_mb, *sizes])
+
+
 def split_microbatches(value: Any, num_mb: int, what: str | None = None, *,
                        copy: bool = False) -> list[Any]:
     """Split every tensor leaf of ``value`` with dim > 0 along dim 0 into ``num_mb``
-    chunks; 0-dim tensors and non-tensors go to every micro-batch unchanged. With
-    ``what`` (for messages), a batch smaller than ``num_mb`` is an error and one that
-    is not a multiple of it a warning.
+    chunks as evenly as ``torch.tensor_split`` does (sizes differ by at most one);
+    0-dim tensors and non-tensors go to every micro-batch unchanged. With ``what``
+    (for messages), a leaf with fewer than ``num_mb`` rows is an error.
 
     With ``copy``, every micro-batch gets its own copy of the tensor leaves: chunks of
     one tensor share its version counter, so a model that writes its input in place
@@ -64,27 +75,15 @@ def split_microbatches(value: Any, num_mb: int, what: str | None = None, *,
     backward of those already saved."""
     if what is not None:
         for x in pytree.tree_leaves(value):
-            if isinstance(x, torch.Tensor) and x.dim() > 0:
-                _check_divisible(x.size(0), num_mb, what)
+            if isinstance(x, torch.Tensor) and x.dim() > 0 and x.size(0) < num_mb:
+                raise ValueError(
+                    f"The {what} has batch size {x.size(0)}, fewer than the {num_mb} "
+                    f"micro-batches the inputs make: give it one row per sample."
+                )
     parts = split_leaves(value, num_mb, lambda x: x.dim() > 0)
     if copy and num_mb > 1:
         parts = [pytree.tree_map_only(torch.Tensor, torch.clone, part) for part in parts]
     return parts
-
-
-def _check_divisible(size: int, num_mb: int, what: str) -> None:
-    if size < num_mb:
-        raise ValueError(
-            f"The {what} has batch size {size}, fewer than the {num_mb} "
-            f"micro-batches: pass a mini-batch of at least {num_mb} samples."
-        )
-    if size % num_mb:
-        warnings.warn(
-            f"The {what} has batch size {size}, not a multiple of {num_mb} "
-            f"micro-batches: micro-batches differ in size, and a batch-mean loss "
-            f"no longer equals the unsplit model's.",
-            stacklevel=5,
-        )
 
 
 def concat(outputs: list[Any]) -> Any:

@@ -13,8 +13,11 @@ every stage runs on its device on its own compute stream.
 
 ``step`` accumulates into ``.grad`` exactly as ``loss.backward()`` would: call
 ``optimizer.zero_grad()`` before it. Gradients equal the unsplit model's over
-the mini-batch when ``loss_fn`` is a mean over the batch and the micro-batches
-are equal-sized (the mini-batch size is a multiple of M).
+the mini-batch when ``loss_fn`` is a mean over the samples: each micro-batch's
+loss is weighted by its share of the samples, so a mini-batch that is not a
+multiple of M (split as evenly as ``torch.tensor_split`` does) or has fewer
+than M samples (run as that many micro-batches, the schedule's actions for
+the missing ones skipped) gives the same gradients.
 """
 
 import contextlib
@@ -26,7 +29,14 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .devices import Device, device_copies, replica_devices
-from .microbatch import chunk_sizes, concat, merge_replicas, split_microbatches, split_replicas
+from .microbatch import (
+    chunk_sizes,
+    concat,
+    merge_replicas,
+    microbatch_count,
+    split_microbatches,
+    split_replicas,
+)
 from .recompute import rng_restored, rng_state
 from .replicas import batch_sizes, check_replicas
 from .schedule import Action, check_schedule
@@ -95,20 +105,22 @@ class PipelineRunner:
     # ------------------------------------------------------------------ API
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Inference on a mini-batch: split it into M micro-batches, run every
-        stage forward under ``no_grad`` and concatenate the outputs along dim 0."""
+        """Inference on a mini-batch: split it into M micro-batches (fewer if it has
+        fewer samples), run every stage forward under ``no_grad`` and concatenate the
+        outputs along dim 0."""
         values = self._split(self.flatten_inputs(*args, **kwargs))
+        num_mb = len(values)
         batch = batch_sizes(values, self.stages, self.replicas)
         last = len(self.stages) - 1
-        events: list[dict[int, Any]] = [{} for _ in range(self.microbatches)]
+        events: list[dict[int, Any]] = [{} for _ in range(num_mb)]
         outputs = []
         with torch.no_grad(), self._device_copies(), self.streams.joined():
             for tick in self.schedule:
                 for k, kind, m in tick:
-                    if kind == "F":
+                    if kind == "F" and m < num_mb:
                         self._forward(k, values[m], grad=False, events=events[m],
                                       batch=batch[m])
-            for m in range(self.microbatches):
+            for m in range(num_mb):
                 with self.streams.on(last):
                     outputs.append(self.build_output(self._lazy(values[m], last, False, events[m])))
                 values[m] = {}
@@ -134,9 +146,10 @@ class PipelineRunner:
         else:
             flat = self.flatten_inputs(inputs)
         values = self._split(flat)
+        num_mb = len(values)
         state = StepState(
             values=values,
-            targets=split_microbatches(target, self.microbatches, "target"),
+            targets=split_microbatches(target, num_mb, "target"),
             loss_fn=loss_fn,
             batch=batch_sizes(values, self.stages, self.replicas),
             # the live Parameters, before _device_copies binds copies in their place
@@ -146,22 +159,25 @@ class PipelineRunner:
         with self._device_copies(), self.streams.joined():
             for tick in self.schedule:
                 for k, kind, m in tick:
+                    if m >= num_mb:
+                        continue  # a mini-batch of fewer than M samples
                     if kind == "F":
                         self._train_forward(k, m, state)
                     else:
                         self._backward(k, m, state)
             total = state.total_loss
         assert total is not None
-        return total / self.microbatches if self.weight_stashing else total
+        return total
 
     # ------------------------------------------------------------ internals
 
     def _split(self, flat: dict[str, Any]) -> list[dict[str, Any]]:
-        per_name = {name: split_microbatches(v, self.microbatches, f"input {name!r}",
-                                             copy=True)
+        """The graph inputs of each micro-batch: M of them, or one per sample when the
+        mini-batch has fewer than M."""
+        num_mb = microbatch_count(flat, self.microbatches)
+        per_name = {name: split_microbatches(v, num_mb, f"input {name!r}", copy=True)
                     for name, v in flat.items()}
-        return [{name: chunks[m] for name, chunks in per_name.items()}
-                for m in range(self.microbatches)]
+        return [{name: chunks[m] for name, chunks in per_name.items()} for m in range(num_mb)]
 
     def _device_copies(self) -> contextlib.AbstractContextManager[None]:
         if self.devices is None or self.replica_devices is None:
@@ -282,9 +298,10 @@ class PipelineRunner:
             state.losses[m] = self._loss(k, m, state)
 
     def _loss(self, k: int, m: int, state: StepState) -> tuple[torch.Tensor, dict[str, Any]]:
-        """loss_fn(build_output(values of m), target of m) / M on the last stage (not
-        divided with weight stashing); returns it with the values build_output read
-        (leaves for earlier stages')."""
+        """loss_fn(build_output(values of m), target of m) on the last stage, weighted by
+        micro-batch m's share of the samples (1/M for equal micro-batches; not weighted
+        with weight stashing, where every micro-batch is its own update); returns it with
+        the values build_output read (leaves for earlier stages')."""
         values = state.values[m]
         with self.streams.on(k):
             out_in = self._lazy(values, k, True, state.fwd_events[m])
@@ -292,9 +309,10 @@ class PipelineRunner:
             loss = state.loss_fn(self.build_output(out_in), target)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 raise TypeError(f"loss_fn must return a scalar tensor, got {loss!r}.")
+            weighted = loss * _share(state.batch, m)
             if not self.weight_stashing:  # with it every micro-batch is its own update
-                loss = loss / self.microbatches
-            total = loss.detach()
+                loss = weighted
+            total = weighted.detach()  # the mini-batch's mean loss, summed over m
             state.total_loss = total if state.total_loss is None else state.total_loss + total
         return loss, out_in
 
@@ -355,6 +373,15 @@ class PipelineRunner:
                     tensors.append(t)
                     grads.append(g)
         return tensors, grads, loss_inputs
+
+
+def _share(batch: list[int | None], m: int) -> float:
+    """Micro-batch m's share of the mini-batch's samples (1/M without a batch dim)."""
+    sizes = [b for b in batch if b is not None]
+    size = batch[m]
+    if size is None or len(sizes) != len(batch):
+        return 1.0 / len(batch)
+    return size / sum(sizes)
 
 
 def _check_sizes(num_stages: int, microbatches: int, devices: Sequence[Any] | None,

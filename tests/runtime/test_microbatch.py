@@ -11,6 +11,7 @@ from fxpipe.runtime.microbatch import (
     concat,
     lane_share,
     merge_replicas,
+    microbatch_count,
     rows_of,
     split_microbatches,
     split_replicas,
@@ -41,9 +42,22 @@ def test_split_with_copy_gives_each_microbatch_its_own_version_counter() -> None
 
 def test_split_checks_the_batch_when_named() -> None:
     with pytest.raises(ValueError, match="batch size 2, fewer than the 3 micro-batches"):
-        split_microbatches(torch.zeros(2, 4), 3, "input 'x'")
-    with pytest.warns(UserWarning, match="not a multiple of 2"):
-        split_microbatches(torch.zeros(5, 4), 2, "input 'x'")
+        split_microbatches(torch.zeros(2, 4), 3, "target")
+
+
+def test_uneven_batches_split_as_evenly_as_tensor_split() -> None:
+    parts = split_microbatches(torch.arange(7.0).reshape(7, 1), 3, "input 'x'")
+    assert [p.shape[0] for p in parts] == [3, 2, 2]
+    torch.testing.assert_close(concat(parts), torch.arange(7.0).reshape(7, 1))
+
+
+def test_a_batch_smaller_than_m_makes_fewer_microbatches() -> None:
+    value = {"x": torch.zeros(2, 4), "mask": torch.zeros(2, 4), "scale": 1.0}
+    assert microbatch_count(value, 4) == 2
+    assert microbatch_count(value, 2) == 2
+    assert microbatch_count({"scale": 1.0}, 4) == 4  # nothing to split: M copies
+    with pytest.raises(ValueError, match="empty"):
+        microbatch_count(torch.zeros(0, 4), 2)
 
 
 def test_replicas_split_only_batched_leaves_and_merge_back() -> None:

@@ -214,12 +214,36 @@ def test_user_errors() -> None:
     with pytest.raises(ValueError, match="expected 12"):
         PipelineRunner(stages, schedule=gpipe(3, 1), microbatches=2,
                        flatten_inputs=flatten_inputs, build_output=build_output)
-    with pytest.raises(ValueError, match="batch size 8, fewer than the 16"):
-        runner(stages, gpipe, 16).step((x,), y, loss_fn)
     with pytest.raises(ValueError, match="earlier stages"):
         runner([stages[2], stages[1], stages[0]], gpipe, 1)
-    with pytest.warns(UserWarning, match="not a multiple"):
-        runner(stages, gpipe, 3).forward(x)
+    with pytest.raises(ValueError, match="batch size 3, fewer than the 4 micro-batches"):
+        runner(stages, gpipe, 4).step((x,), y[:3], loss_fn)
+
+
+# A mini-batch that is not a multiple of M (the last batch of an epoch) is split as
+# evenly as torch.tensor_split does, one smaller than M runs as that many micro-batches;
+# each micro-batch's loss weighs by its share of the samples, so both stay transparent.
+@pytest.mark.parametrize("schedule_fn", [gpipe, one_f_one_b])
+@pytest.mark.parametrize(("m", "rows"), [(3, 8), (4, 5), (4, 3), (16, 8), (2, 1)])
+@pytest.mark.parametrize("recompute", [False, True])
+def test_uneven_and_small_batches_equal_unsplit(schedule_fn: Any, m: int, rows: int,
+                                                recompute: bool) -> None:
+    model, stages = make(torch.float64)
+    x, y = data(torch.float64)
+    x, y = x[:rows], y[:rows]
+    ref_loss, ref_grads = reference_grads(model, x, y, 2)
+    pipe = runner(stages, schedule_fn, m, recompute)
+
+    loss = pipe.step((x,), y, loss_fn)
+
+    torch.testing.assert_close(loss, ref_loss, **TOL[torch.float64])
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name], **TOL[torch.float64])
+    with torch.no_grad():
+        ref = model(x, 2)
+    out = pipe.forward(x)
+    for key in ref:
+        torch.testing.assert_close(out[key], ref[key], **TOL[torch.float64])
 
 
 def test_explicit_cpu_devices_run_the_same() -> None:
