@@ -1,0 +1,144 @@
+"""Stages that take any batch size and sequence length the model takes.
+
+One split per example model (traced at its example micro-batch of B samples and T
+tokens), then ``step`` and ``forward`` at other shapes: micro-batches of 1 to 3B
+samples, sequences of T/4 to T tokens, and mini-batches of M + 1 and M - 1 samples
+(not a multiple of M, and fewer than M). Each must equal the unsplit model: outputs,
+loss and every gradient.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils import _pytree as pytree
+
+from fxpipe.compiler import dynamic_dims
+from fxpipe.frontend import InputShape
+
+from ._models import MODELS, grads, import_package, leaves, traced, write_package
+from ._plans import contiguous_plan
+
+M = 2  # micro-batches per step
+# (samples per micro-batch: an int, or a fraction of the traced micro-batch as a string;
+#  or a whole mini-batch of M + 1 / M - 1 samples; sequence length as a fraction of the
+#  traced one). The default suite takes three shapes per model; the slow one the grid.
+Shape = tuple[str, float]
+QUICK: list[Shape] = [("3B", 0.25), ("M+1", 0.5), ("M-1", 1.0)]
+GRID: list[Shape] = [(b, t) for b in ("1", "B", "3B") for t in (0.25, 0.5, 1.0)]
+GRID += [("M+1", 1.0), ("M-1", 0.25)]
+
+
+def mini_batch_rows(size: str, traced_rows: int) -> int:
+    """Samples in the mini-batch for a shape's ``size``."""
+    if size in ("M+1", "M-1"):
+        return M + 1 if size == "M+1" else M - 1
+    per_microbatch = {"1": 1, "B": traced_rows, "3B": 3 * traced_rows}[size]
+    return M * per_microbatch
+
+
+# models with a sequence dimension: (input index, dim) of the token dims that vary
+SEQUENCE_MODELS = {"gpt", "llama", "hf_gpt2", "hf_llama", "hf_bert", "hf_t5"}
+
+
+def resized(value: Any, rows: int, lengths: dict[int, int]) -> Any:
+    """``value`` with dim 0 cut or repeated to ``rows`` and every dim 1 whose size is a
+    key of ``lengths`` cut to its value: the example's own data, so ids stay valid."""
+
+    def resize(x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+            return x
+        x = x.repeat(-(-rows // x.size(0)), *[1] * (x.dim() - 1))[:rows]
+        if x.dim() > 1 and x.size(1) in lengths:
+            x = x[:, : lengths[x.size(1)]]
+        return x.clone()
+
+    return pytree.tree_map(resize, value)
+
+
+def sequence_lengths(shapes: tuple[InputShape, ...], fraction: float) -> dict[int, int]:
+    """Traced length -> the length to feed, for every token input's free dim 1."""
+    return {
+        shape.shape[1]: max(1, int(shape.shape[1] * fraction))
+        for shape in shapes
+        if len(shape.shape) == 2 and shape.dynamic[1] is not None
+    }
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_other_batches_and_sequences_are_transparent(tmp_path: Path, name: str) -> None:
+    check_shapes(tmp_path, name, QUICK)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", MODELS)
+def test_the_grid_of_batches_and_sequences_is_transparent(tmp_path: Path, name: str) -> None:
+    check_shapes(tmp_path, name, GRID)
+
+
+def check_shapes(tmp_path: Path, name: str, shapes: list[Shape]) -> None:
+    """One split of example ``name``, then step and forward at each of ``shapes``."""
+    source, tr = traced(name)
+    if name in SEQUENCE_MODELS:
+        assert sequence_lengths(tr.inputs, 1.0), f"{name}: no sequence dim is dynamic"
+    batched = [s for s in tr.inputs if s.shape]
+    assert batched and all(s.dynamic[0] is not None for s in batched), tr.inputs
+    plan = contiguous_plan(tr.gm.graph, 3, schedule="1f1b", microbatches=M, model=name)
+    write_package(tmp_path / "pkg", tr, plan)
+    package = import_package(tmp_path / "pkg")
+    model = source.model
+    runner = package.PipelineRunner(package.build_stages(model))
+    for size, fraction in shapes:
+        rows = mini_batch_rows(size, batched[0].shape[0])
+        lengths = sequence_lengths(tr.inputs, fraction) if name in SEQUENCE_MODELS else {}
+        args, kwargs, target = resized((source.args, source.kwargs, source.target), rows, lengths)
+        inputs = kwargs if kwargs else args
+        what = f"{name} at {rows} samples, lengths {lengths}"
+
+        model.zero_grad(set_to_none=True)
+        loss = runner.step(inputs, target, source.loss_fn)
+        pipeline_grads = grads(model)
+        model.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            got = runner.forward(*args, **kwargs)
+        want = model(*args, **kwargs)
+        want_loss = source.loss_fn(want, target)  # type: ignore[misc]
+        want_loss.backward()
+        model_grads = grads(model)
+        model.zero_grad(set_to_none=True)
+
+        # float32, summed in another order: the other transparency tests' tolerance
+        torch.testing.assert_close(torch.as_tensor(loss), want_loss.detach(),
+                                   msg=lambda m, what=what: f"{what}: loss: {m}")
+        for a, b in zip(leaves(got), leaves(want), strict=True):
+            assert a.shape == b.shape, what
+            torch.testing.assert_close(a, b.detach(), msg=lambda m, what=what: f"{what}: {m}")
+        assert sorted(pipeline_grads) == sorted(model_grads), what
+        for key, value in model_grads.items():
+            torch.testing.assert_close(pipeline_grads[key], value,
+                                       msg=lambda m, key=key, what=what: f"{what}: {key}: {m}")
+
+
+def test_a_fixed_dimension_fails_on_entry_naming_both_shapes(tmp_path: Path) -> None:
+    source, tr = traced("hf_vit")  # the image size is a constant of the exported graph
+    (pixels,) = tr.inputs
+    assert pixels.dynamic[0] is not None and pixels.dynamic[2:] == (None, None)
+    plan = contiguous_plan(tr.gm.graph, 2, microbatches=M, model="hf_vit")
+    write_package(tmp_path / "pkg", tr, plan)
+    package = import_package(tmp_path / "pkg")
+    runner = package.PipelineRunner(package.build_stages(source.model))
+    with pytest.raises(ValueError, match=r"Stage0 received 'pixel_values' of shape "
+                                         r"\(2, 3, 64, 64\).*traced with shape \(\*, 3, 32, 32\)"):
+        runner.forward(pixel_values=torch.zeros(4, 3, 64, 64))
+
+
+def test_the_plan_names_the_dynamic_dims() -> None:
+    _, tr = traced("hf_llama")
+    dims = {(d.input, d.dim): d for d in dynamic_dims(tr)}
+    assert set(dims) == {("input_ids", 0), ("input_ids", 1)}
+    batch, seq = dims["input_ids", 0], dims["input_ids", 1]
+    assert (batch.traced, seq.traced) == tr.inputs[0].shape
+    assert seq.low <= seq.traced // 4 and seq.high is None
