@@ -7,7 +7,7 @@ Returns: (relu, relu_1).
 import torch
 from torch import nn
 
-from .runtime import bind
+from .runtime import bind, check_shape
 
 
 class Stage0(nn.Module):
@@ -21,6 +21,7 @@ class Stage0(nn.Module):
 
     def forward(self, x):
         """Returns (relu, relu_1)."""
+        check_shape("Stage0", "x", x, (None, 4))
         fc1 = self.fc1(x)
         del x
         relu = torch.relu(fc1)
