@@ -59,6 +59,9 @@ class StageAdapter(nn.Module):
         self.tied: list[tuple[Any, nn.Parameter]] = []  # (process group, this rank's copy)
         self.replica_group: Any = None  # the ranks running this stage (replicated stages)
         self.microbatches = 1  # per step, set by build_schedule
+        # the shape of each received tensor in the example micro-batch it was built with:
+        # torch's PipelineStage sends and receives at these shapes (see check_feed)
+        self.input_shapes: tuple[tuple[int, ...], ...] = ()
         # last stage with a structured output: its leaves (None where a tensor goes) and
         # structure; it returns only the tensors, ``rebuild_output`` puts them back
         self.output_leaves: list[Any] | None = None
@@ -161,6 +164,24 @@ def check_constants(adapter: StageAdapter, values: Mapping[str, Any]) -> None:
             raise ValueError(
                 f"graph input {name!r} is {values[name]!r} but the stages were built "
                 f"with {baked!r} (non-tensor inputs are baked in at pipeline_stage)"
+            )
+
+
+def check_feed(adapter: StageAdapter, feed: Sequence[torch.Tensor], microbatches: int) -> None:
+    """The first stage's graph inputs must be ``microbatches`` micro-batches of the shape
+    the stages were built with: torch's ``PipelineStage`` allocates its send and receive
+    buffers at that shape, and sizes that cross stages as numbers are baked in with it,
+    so another shape would fail inside torch or compute with the old size."""
+    for name, x, shape in zip(adapter.receives, feed, adapter.input_shapes, strict=True):
+        want = (microbatches * shape[0], *shape[1:]) if shape else shape
+        if tuple(x.shape) != want:
+            raise ValueError(
+                f"graph input {name!r} has shape {tuple(x.shape)}, but under torchrun the "
+                f"stages were built for {microbatches} micro-batches of shape {shape}, "
+                f"{want} in all: torch.distributed.pipelining fixes the shapes stages send "
+                "and receive when pipeline_stage builds them; build the stages again with "
+                "an example micro-batch of the new shape, or pad the batch to the built one "
+                "(the single-process PipelineRunner takes any shape the model takes)"
             )
 
 

@@ -43,7 +43,14 @@ from torch.distributed.pipelining import (
 )
 from torch.utils import _pytree as pytree
 
-from .adapter import StageAdapter, check_constants, example_values, on_model_output, split_wire
+from .adapter import (
+    StageAdapter,
+    check_constants,
+    check_feed,
+    example_values,
+    on_model_output,
+    split_wire,
+)
 from .grads import reduce_grads
 from .materialize import load_state, materialize, rebind
 from .microbatch import batch_size, lane_share
@@ -117,6 +124,7 @@ class DistributedPipeline(RankLayout):
             return out.requires_grad_(value.requires_grad)
 
         inputs = tuple(example(examples[name]) for name in receives)
+        adapter.input_shapes = tuple(tuple(x.shape) for x in inputs)
         if last:
             adapter.flatten_output(examples["__output__"])
             leaves = [v for v in pytree.tree_leaves(examples["__output__"])
@@ -330,6 +338,8 @@ class DistributedPipeline(RankLayout):
             values = self.flatten_inputs(*args, **kwargs)
             check_constants(adapter, values)
             feed = [values[name].to(first.device) for name in adapter.receives]
+            if self.lanes == 1:
+                check_feed(adapter, feed, m)
         losses: list[torch.Tensor] = []
         if last is not None:
             target = self.lane_share(target, lane, microbatches=m, what="the target")
