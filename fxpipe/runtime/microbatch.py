@@ -27,6 +27,7 @@ __all__ = [
     "merge_replicas",
     "microbatch_count",
     "rows_of",
+    "sample_share",
     "split_leaves",
     "split_microbatches",
     "split_replicas",
@@ -60,6 +61,15 @@ def microbatch_count(value: Any, num_mb: int) -> int:
         raise ValueError("The mini-batch is empty (a tensor input has 0 rows along dim 0): "
                          "pass at least one sample.")
     return min([num_mb, *sizes])
+
+
+def sample_share(batch: list[int | None], m: int) -> float:
+    """Micro-batch m's share of the samples of micro-batches of ``batch`` samples each
+    (1/M without a batch dim): the weight of its loss in a per-sample mean."""
+    size = batch[m]
+    if size is None or None in batch:
+        return 1.0 / len(batch)
+    return size / sum(b for b in batch if b is not None)
 
 
 def split_microbatches(value: Any, num_mb: int, what: str | None = None, *,

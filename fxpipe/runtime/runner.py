@@ -34,6 +34,7 @@ from .microbatch import (
     concat,
     merge_replicas,
     microbatch_count,
+    sample_share,
     split_microbatches,
     split_replicas,
 )
@@ -105,9 +106,8 @@ class PipelineRunner:
     # ------------------------------------------------------------------ API
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Inference on a mini-batch: split it into M micro-batches (fewer if it has
-        fewer samples), run every stage forward under ``no_grad`` and concatenate the
-        outputs along dim 0."""
+        """Inference on a mini-batch: split it into M micro-batches (fewer if it has fewer
+        samples), run every stage forward under ``no_grad``, concatenate along dim 0."""
         values = self._split(self.flatten_inputs(*args, **kwargs))
         num_mb = len(values)
         batch = batch_sizes(values, self.stages, self.replicas)
@@ -172,8 +172,7 @@ class PipelineRunner:
     # ------------------------------------------------------------ internals
 
     def _split(self, flat: dict[str, Any]) -> list[dict[str, Any]]:
-        """The graph inputs of each micro-batch: M of them, or one per sample when the
-        mini-batch has fewer than M."""
+        """Each micro-batch's graph inputs: M, or one per sample when there are fewer."""
         num_mb = microbatch_count(flat, self.microbatches)
         per_name = {name: split_microbatches(v, num_mb, f"input {name!r}", copy=True)
                     for name, v in flat.items()}
@@ -309,7 +308,7 @@ class PipelineRunner:
             loss = state.loss_fn(self.build_output(out_in), target)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 raise TypeError(f"loss_fn must return a scalar tensor, got {loss!r}.")
-            weighted = loss * _share(state.batch, m)
+            weighted = loss * sample_share(state.batch, m)
             if not self.weight_stashing:  # with it every micro-batch is its own update
                 loss = weighted
             total = weighted.detach()  # the mini-batch's mean loss, summed over m
@@ -373,15 +372,6 @@ class PipelineRunner:
                     tensors.append(t)
                     grads.append(g)
         return tensors, grads, loss_inputs
-
-
-def _share(batch: list[int | None], m: int) -> float:
-    """Micro-batch m's share of the mini-batch's samples (1/M without a batch dim)."""
-    sizes = [b for b in batch if b is not None]
-    size = batch[m]
-    if size is None or len(sizes) != len(batch):
-        return 1.0 / len(batch)
-    return size / sum(sizes)
 
 
 def _check_sizes(num_stages: int, microbatches: int, devices: Sequence[Any] | None,

@@ -13,6 +13,7 @@ from fxpipe.runtime.microbatch import (
     merge_replicas,
     microbatch_count,
     rows_of,
+    sample_share,
     split_microbatches,
     split_replicas,
 )
@@ -80,3 +81,8 @@ def test_batch_size_rows_and_lanes() -> None:
                                x[[2, 3, 6, 7]])
     with pytest.raises(ValueError, match="multiple of 4"):
         lane_share(torch.zeros(6, 1), 0, 2, microbatches=2, what="the mini-batch")
+
+
+def test_a_microbatch_loss_weighs_by_its_samples() -> None:
+    assert [sample_share([3, 2, 2], m) for m in range(3)] == [3 / 7, 2 / 7, 2 / 7]
+    assert sample_share([None, None], 0) == 0.5  # no batch dim: 1/M
