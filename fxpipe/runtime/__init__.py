@@ -13,6 +13,7 @@ runs without fxpipe installed. One idea per module:
     replicas.py     data-parallel replicas of a stage in one process
     stashing.py     PipeDream's weight stashing
     recompute.py    the random state a recomputed forward replays
+    precision.py    the plan's precision: autocast per stage forward, a GradScaler
     binding.py      how a generated stage binds the model's own parameters
     checkpoint.py   stage state_dicts <-> one model checkpoint
     loading.py      importing a file or a package folder by path

@@ -12,7 +12,10 @@ On the CPU (``devices=None``) the ticks run in order on one thread. On CUDA
 every stage runs on its device on its own compute stream.
 
 ``step`` accumulates into ``.grad`` exactly as ``loss.backward()`` would: call
-``optimizer.zero_grad()`` before it. Gradients equal the unsplit model's over
+``optimizer.zero_grad()`` before it. ``precision`` (see precision.py) runs every stage
+forward, and the loss, under the plan's autocast; for ``16-mixed`` the loss is scaled by
+``runner.scaler`` before backward, so call ``runner.scaler.step(optimizer)`` and
+``runner.scaler.update()`` instead of ``optimizer.step()``. Gradients equal the unsplit model's over
 the mini-batch when ``loss_fn`` is a mean over the batch and the micro-batches
 are equal-sized (the mini-batch size is a multiple of M).
 """
@@ -27,6 +30,7 @@ from torch.utils import _pytree as pytree
 
 from .devices import Device, device_copies, replica_devices
 from .microbatch import chunk_sizes, concat, merge_replicas, split_microbatches, split_replicas
+from .precision import autocast, check_precision, grad_scaler, warn_uncast
 from .recompute import rng_restored, rng_state
 from .replicas import batch_sizes, check_replicas
 from .schedule import Action, check_schedule
@@ -59,6 +63,7 @@ class PipelineRunner:
         recompute: Sequence[bool] | None = None,
         replicas: Sequence[int] | None = None,
         weight_stashing: bool = False,
+        precision: str = "32-true",
     ) -> None:
         num_stages = len(stages)
         _check_sizes(num_stages, microbatches, devices, recompute)
@@ -73,6 +78,13 @@ class PipelineRunner:
         self.recompute = [bool(r) for r in recompute or [False] * num_stages]
         self.replicas = [int(r) for r in replicas]
         self.weight_stashing = bool(weight_stashing)
+        self.precision = check_precision(precision)
+        if self.weight_stashing and grad_scaler(self.precision, None) is not None:
+            raise ValueError(
+                "Weight stashing updates every stage inside step, where a GradScaler cannot "
+                "step: train 16-mixed with --schedule 1f1b or gpipe, or use bf16-mixed."
+            )
+        warn_uncast(self.stages, self.precision)
         check_schedule(self.schedule, num_stages, microbatches)
         if self.weight_stashing:
             check_unshared(self.stages)
@@ -88,6 +100,8 @@ class PipelineRunner:
             ]
             self.devices = [devs[0] for devs in self.replica_devices]
         self.streams = Streams(self.devices, num_stages)
+        # 16-mixed: scales the loss before backward; the caller steps and updates it
+        self.scaler = grad_scaler(self.precision, self.streams.device(num_stages - 1))
         # (k, i) -> Parameters and buffers of stage k copied to replica i's device, bound for
         # one step/forward by device_copies (absent: replica i runs on the stage's device)
         self._bound: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
@@ -216,12 +230,14 @@ class PipelineRunner:
         """Stage k on one micro-batch of ``batch`` samples: whole, or split along
         dim 0 among its replicas and concatenated back (see replicas.py)."""
         r = self.replicas[k]
-        if r == 1:
-            return self._run_replica(k, 0, inputs, stash)
-        assert batch is not None and batch >= r, (k, batch, r)  # checked by batch_sizes
-        chunks = split_replicas(inputs, batch, r)
-        outputs = [self._run_replica(k, i, chunk, stash) for i, chunk in enumerate(chunks)]
-        return tuple(merge_replicas(outputs, chunk_sizes(batch, r)))
+        # one autocast region per stage and micro-batch, the first run and a recompute alike
+        with autocast(self.precision, self.streams.device(k)):
+            if r == 1:
+                return self._run_replica(k, 0, inputs, stash)
+            assert batch is not None and batch >= r, (k, batch, r)  # checked by batch_sizes
+            chunks = split_replicas(inputs, batch, r)
+            outputs = [self._run_replica(k, i, chunk, stash) for i, chunk in enumerate(chunks)]
+            return tuple(merge_replicas(outputs, chunk_sizes(batch, r)))
 
     def _run_replica(self, k: int, i: int, inputs: dict[str, Any],
                      stash: Stash | None) -> tuple[Any, ...]:
@@ -286,7 +302,7 @@ class PipelineRunner:
         divided with weight stashing); returns it with the values build_output read
         (leaves for earlier stages')."""
         values = state.values[m]
-        with self.streams.on(k):
+        with self.streams.on(k), autocast(self.precision, self.streams.device(k)):
             out_in = self._lazy(values, k, True, state.fwd_events[m])
             target = _to_device(state.targets[m], self.streams.device(k))
             loss = state.loss_fn(self.build_output(out_in), target)
@@ -341,7 +357,7 @@ class PipelineRunner:
                 with torch.enable_grad():
                     state.losses[m] = self._loss(k, m, state)
             loss, loss_inputs = state.losses.pop(m)
-            tensors.append(loss)
+            tensors.append(loss if self.scaler is None else self.scaler.scale(loss))
             grads.append(None)
         for name, out in zip(self.wiring.outputs[k], outputs, strict=True):
             contributions = state.grads[m].pop(name, [])
