@@ -402,7 +402,14 @@ def distributed_source(traced: Traced, plan: Plan, ios: list[StageIO]) -> str:
     lines = [
         '"""' + "\n".join(doc).replace('"""', "'''") + '\n"""',
         "",
-        "from .runner import MICROBATCHES, REPLICAS, SCHEDULE, build_output, flatten_inputs",
+        "from .runner import (",
+        "    MICROBATCHES,",
+        "    PRECISION,",
+        "    REPLICAS,",
+        "    SCHEDULE,",
+        "    build_output,",
+        "    flatten_inputs,",
+        ")",
         "from .runtime.launch import init_distributed, main, peak_rss_bytes",
         "from .runtime.materialize import parameters_on_meta",
         "from .runtime.pipelining import DistributedPipeline",
@@ -467,6 +474,7 @@ _DISTRIBUTED_FOOTER = '''PIPELINE = DistributedPipeline(
     table=SCHEDULE,
     unsupported=UNSUPPORTED,
     virtual_stages=VIRTUAL_STAGES,
+    precision=PRECISION,
 )
 stage_module = PIPELINE.stage_module
 pipeline_stage = PIPELINE.pipeline_stage

@@ -118,3 +118,13 @@ def test_true_precision_warns_on_an_uncast_model(tmp_path: Path) -> None:
     package = _package(tmp_path, "mlp", "bf16-true", False)
     with pytest.warns(UserWarning, match=r"model\.to\(torch\.bfloat16\)"):
         package.PipelineRunner(package.build_stages(source.model))
+
+
+def test_torchrun_pipeline_says_it_runs_without_autocast(tmp_path: Path) -> None:
+    """Not yet under torchrun: building its schedule warns rather than train silently in
+    float32 (the single-process runner above is the one that trains mixed)."""
+    package = _package(tmp_path, "mlp", "bf16-mixed", False)
+    assert package.distributed.PIPELINE.precision == "bf16-mixed"
+    with pytest.warns(UserWarning, match="runs without autocast"), \
+            pytest.raises(ValueError):  # the warning comes first; no stage to schedule
+        package.distributed.build_schedule([], None)
