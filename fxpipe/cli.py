@@ -490,10 +490,16 @@ def _worded(exc: ValueError) -> str:
                 f"readers on one stage, {exc.share:.0%} of the model's time, and {exc.stages} "
                 "stages cannot balance; use --schedule 1f1b, or untie the parameter")
     if isinstance(exc, InfeasibleMemoryError):
+        fixes = [f"--memory {format_bytes_up(exc.needed)}"]
+        if exc.fits_on is not None:
+            fixes.append(f"--gpus {exc.fits_on}")
+        if exc.recompute is not None:
+            fixes.append(f"--recompute {exc.recompute}")
+        if len(fixes) == 1:
+            fixes.append("more --gpus")
         return (f"No split of the model onto {exc.devices} GPUs fits in "
                 f"{format_bytes(exc.limit)} per GPU; the best split needs "
-                f"{format_bytes(exc.needed)}. Use --memory {format_bytes_up(exc.needed)} or more "
-                f"GPUs.")
+                f"{format_bytes(exc.needed)}. Use {', '.join(fixes[:-1])} or {fixes[-1]}.")
     if isinstance(exc, NoSolutionError):
         if exc.limit is None:
             return (f"No split onto {exc.devices} GPUs was found in {exc.time_limit_s:g} s; "

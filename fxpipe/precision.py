@@ -12,13 +12,16 @@
 A plan is made for one precision: the analysis passes run the graph as that precision
 runs it (``fxpipe.kernels.Execution``), so bytes, FLOP/s and sent tensors follow.
 
-The generated runner must train the way the plan assumes (``plan.json``'s ``precision``):
+The generated runner trains the way the plan assumes (``plan.json``'s ``precision``,
+written into runner.py as ``PRECISION`` and applied by fxpipe/runtime/precision.py):
 for ``*-mixed``, each stage's forward under ``torch.autocast(device_type, dtype)`` (one
 autocast region per stage forward and micro-batch: autocast's weight copies are made per
 region and kept by backward, which is what the plan counts), backward outside it, float32
 parameters and optimizer, and a ``torch.amp.GradScaler`` for ``16-mixed``; for ``*-true``,
 the model and inputs cast to the dtype before the stages are built. Sent activations then
 have the autocast dtype, so receive buffers must be allocated from the plan's shapes.
+The single-process runner does all of this; under torchrun (``train_torchrun.py``) the
+autocast and the GradScaler are not applied yet.
 """
 
 from __future__ import annotations

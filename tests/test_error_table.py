@@ -32,6 +32,20 @@ def example_inputs():
     return (torch.ones(4, 8),)
 """
 
+# eight 256 x 256 layers: about 1 MiB each with gradients and Adam's state
+DEEP = """
+import torch
+
+
+def build_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
+
+
+def example_inputs():
+    return (torch.ones(4, 256),)
+"""
+
 
 TIED = """
 import torch
@@ -135,6 +149,9 @@ CASES: dict[str, tuple[dict[str, str], list[str]]] = {
     ),
     "memory no split fits": (
         model(GOOD), ["split", "model.py", "--gpus", "2", "--memory", "100B"]
+    ),
+    "memory fits on more GPUs": (
+        model(DEEP), ["split", "model.py", "--gpus", "2", "--memory", "3MiB"]
     ),
     "--out is someone else's folder": (
         {**model(GOOD), "out/notes.txt": "mine"},

@@ -3,7 +3,8 @@
     files = generate(traced, plan)     # relative file name -> text
     stage0.py ... stage{K-1}.py        # class Stage{k}(nn.Module), see stages.py
     runner.py                          # SCHEDULE, MICROBATCHES, RECOMPUTE, REPLICAS,
-                                       # DEVICE_OF, NUM_GPUS, GRAPH_INPUTS, flatten_inputs,
+                                       # PRECISION, DEVICE_OF, NUM_GPUS, GRAPH_INPUTS,
+                                       # flatten_inputs,
                                        # build_output, PipelineRunner bound to them
     distributed.py                     # WIRES, TIED, the torchrun pipeline over them
     __init__.py                        # build_stages, PipelineRunner, SCHEDULE, PLAN, ...
@@ -113,8 +114,8 @@ _RUNNER_FOOTER = '''def stage_devices(devices: Sequence[Device]) -> list[Device 
 
 class PipelineRunner(runtime.PipelineRunner):
     """The runtime's PipelineRunner with this plan's schedule, micro-batches,
-    recompute flags, replicas, weight stashing and input/output mapping as
-    defaults; ``devices`` as for ``build_stages``: one per stage, or one per GPU."""
+    recompute flags, replicas, weight stashing, precision and input/output mapping
+    as defaults; ``devices`` as for ``build_stages``: one per stage, or one per GPU."""
 
     def __init__(
         self,
@@ -126,6 +127,7 @@ class PipelineRunner(runtime.PipelineRunner):
         recompute: Sequence[bool] = RECOMPUTE,
         replicas: Sequence[int] = REPLICAS,
         weight_stashing: bool = WEIGHT_STASHING,
+        precision: str = PRECISION,
     ) -> None:
         super().__init__(
             stages,
@@ -137,6 +139,7 @@ class PipelineRunner(runtime.PipelineRunner):
             recompute=recompute,
             replicas=replicas,
             weight_stashing=weight_stashing,
+            precision=precision,
         )
 '''
 
@@ -150,8 +153,8 @@ def _spec(plan: Plan) -> schedules.KindSpec:
 
 
 def runner_header(traced: Traced, plan: Plan) -> str:
-    """SCHEDULE, MICROBATCHES, RECOMPUTE, REPLICAS, WEIGHT_STASHING, DEVICE_OF, NUM_GPUS,
-    GRAPH_INPUTS, flatten_inputs, build_output."""
+    """SCHEDULE, MICROBATCHES, RECOMPUTE, REPLICAS, WEIGHT_STASHING, PRECISION, DEVICE_OF,
+    NUM_GPUS, GRAPH_INPUTS, flatten_inputs, build_output."""
     k, m = plan.num_stages, plan.microbatches
     device_of = [plan.devices_of(j)[0] for j in range(k)]
     spec = _spec(plan)
@@ -190,6 +193,8 @@ def runner_header(traced: Traced, plan: Plan) -> str:
         "# WEIGHT_STASHING: PipeDream's update after every micro-batch, with stashed weights",
         f"REPLICAS = {tuple_literal(str(s.replicas) for s in plan.stages)}",
         f"WEIGHT_STASHING = {spec.stashes_weights}",
+        *_PRECISION_COMMENT[plan.precision.endswith("-mixed")],
+        f"PRECISION = {json.dumps(plan.precision)}",
         "# DEVICE_OF[k]: the GPU (0 .. NUM_GPUS - 1) that runs stage k",
         f"DEVICE_OF = {tuple_literal(str(d) for d in device_of)}",
         f"NUM_GPUS = {plan.num_devices}",
@@ -199,6 +204,14 @@ def runner_header(traced: Traced, plan: Plan) -> str:
     ]
     lines += [*flatten_inputs_lines(traced), "", "", *build_output_lines(traced)]
     return "\n".join(lines)
+
+
+_PRECISION_COMMENT = {
+    True: ["# PRECISION: every stage forward (and the loss) under torch.autocast at this",
+           "# dtype, backward outside; float32 parameters (runtime/precision.py)"],
+    False: ["# PRECISION: the dtype the plan assumes; for bf16-true or 16-true cast the model",
+            "# and inputs to it before build_stages (runtime/precision.py)"],
+}
 
 
 # ---------------------------------------------------------------------------- __init__.py
@@ -224,6 +237,7 @@ from .runner import (
     DEVICE_OF,
     MICROBATCHES,
     NUM_GPUS,
+    PRECISION,
     RECOMPUTE,
     REPLICAS,
     SCHEDULE,
@@ -241,6 +255,7 @@ __all__ = [
     "MICROBATCHES",
     "NUM_GPUS",
     "PLAN",
+    "PRECISION",
     "RECOMPUTE",
     "REPLICAS",
     "SCHEDULE",
@@ -393,7 +408,14 @@ def distributed_source(traced: Traced, plan: Plan, ios: list[StageIO]) -> str:
     lines = [
         '"""' + "\n".join(doc).replace('"""', "'''") + '\n"""',
         "",
-        "from .runner import MICROBATCHES, REPLICAS, SCHEDULE, build_output, flatten_inputs",
+        "from .runner import (",
+        "    MICROBATCHES,",
+        "    PRECISION,",
+        "    REPLICAS,",
+        "    SCHEDULE,",
+        "    build_output,",
+        "    flatten_inputs,",
+        ")",
         "from .runtime.launch import init_distributed, main, peak_rss_bytes",
         "from .runtime.materialize import parameters_on_meta",
         "from .runtime.pipelining import DistributedPipeline",
@@ -458,6 +480,7 @@ _DISTRIBUTED_FOOTER = '''PIPELINE = DistributedPipeline(
     table=SCHEDULE,
     unsupported=UNSUPPORTED,
     virtual_stages=VIRTUAL_STAGES,
+    precision=PRECISION,
 )
 stage_module = PIPELINE.stage_module
 pipeline_stage = PIPELINE.pipeline_stage

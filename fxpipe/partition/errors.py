@@ -84,17 +84,32 @@ class ProblemTooLargeError(ValueError):
 
 
 class InfeasibleMemoryError(ValueError):
-    """No split onto ``devices`` GPUs fits ``limit`` bytes per GPU; the best needs ``needed``
-    (a proved lower bound when the search for it ran out of time)."""
+    """No split onto ``devices`` GPUs fits ``limit`` bytes per GPU; the leanest split found
+    needs ``needed`` (the least any split needs when the search for it finished).
 
-    def __init__(self, *, devices: int, limit: float, needed: float) -> None:
+    What would fit instead, each found by a split that does: ``fits_on`` GPUs (None when
+    not searched or none found), ``recompute`` the recompute policy (None when it would
+    not help or is already allowed)."""
+
+    def __init__(self, *, devices: int, limit: float, needed: float,
+                 fits_on: int | None = None, recompute: str | None = None) -> None:
         self.devices = devices
         self.limit = limit
         self.needed = needed
+        self.fits_on = fits_on
+        self.recompute = recompute
+        fixes = [f"allow {format_bytes(needed)} per GPU"]
+        if fits_on is not None:
+            fixes.append(f"use {fits_on} GPUs")
+        if recompute is not None:
+            fixes.append(f"recompute ({recompute})")
         super().__init__(
             f"No split of the model onto {devices} GPUs fits in {format_bytes(limit)} per GPU; "
-            f"the best split needs {format_bytes(needed)}. Allow that much memory per GPU or "
-            f"use more GPUs.")
+            f"the best split needs {format_bytes(needed)}. To fit, {_either(fixes)}.")
+
+
+def _either(options: list[str]) -> str:
+    return options[0] if len(options) == 1 else ", ".join(options[:-1]) + " or " + options[-1]
 
 
 class NoSolutionError(ValueError):

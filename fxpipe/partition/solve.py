@@ -21,6 +21,7 @@ together, each asked only for splits faster than the best so far:
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field, replace
 
@@ -36,7 +37,7 @@ from fxpipe.partition.errors import (
 )
 from fxpipe.partition.evaluate import Evaluation, evaluate, violations
 from fxpipe.partition.ilp import IlpResult, StageModel
-from fxpipe.partition.problem import Problem
+from fxpipe.partition.problem import Problem, Recompute
 from fxpipe.plan import Estimate, SolverReport
 
 __all__ = [
@@ -91,15 +92,74 @@ def _check_stage_count(problem: Problem, exact: Coarsening) -> None:
 
 def min_memory(problem: Problem, exact: Coarsening, *, work_limit: float, time_limit_s: float,
                workers: int) -> float:
-    """The smallest per-device memory any valid split needs (a proved lower bound if the
-    work ran out: the message then errs on the side of too little)."""
+    """The per-device memory of the leanest valid split found: the smallest any split needs
+    when the memory solve finishes; else the least of what it and the time-optimal interval
+    DP split need, so that "allow that much memory" is always advice that works (the
+    proved bound of an unfinished solve may be 0 B)."""
     hint = interval_dp(Coarsening(_unlimited(problem), exact.group_of, exact.groups,
                                   exact.order_edges))
     model = StageModel(exact, objective="memory", hint=hint)
     result = model.solve(work_limit=work_limit, time_limit_s=time_limit_s, workers=workers)
-    if result.stage_of is not None:
-        return float(evaluate(problem, result.stage_of).estimate.max_memory)
-    return result.bound
+    found = [split for split in (result.stage_of, exact.expand(hint) if hint else None)
+             if split is not None]
+    if not found:
+        return result.bound
+    return min(float(evaluate(problem, split).estimate.max_memory) for split in found)
+
+
+def _infeasible(problem: Problem, exact: Coarsening, *, work_limit: float,
+                time_limit_s: float, workers: int) -> InfeasibleMemoryError:
+    """The error for a problem no split of fits: what the best split needs, and what would
+    fit instead (more GPUs, recompute), each checked by the interval DP: fast, and a split
+    it finds fits for sure."""
+    needed = min_memory(problem, exact, work_limit=work_limit,
+                        time_limit_s=max(1.0, time_limit_s / 2), workers=workers)
+    recompute = None
+    if problem.recompute is Recompute.NONE and _dp_fits(replace(problem,
+                                                               recompute=Recompute.AUTO)):
+        recompute = Recompute.AUTO.value
+    return InfeasibleMemoryError(devices=problem.devices, limit=problem.memory_limit,
+                                 needed=needed, fits_on=_fewest_gpus(problem),
+                                 recompute=recompute)
+
+
+def _dp_fits(problem: Problem) -> bool:
+    """Whether the interval DP finds a split of ``problem`` within its memory limit."""
+    exact = exact_groups(problem)
+    if exact.num_coarse < problem.num_stages:
+        return False
+    return interval_dp(coarsen_graph(problem, base=exact)) is not None
+
+
+def _fewest_gpus(problem: Problem) -> int | None:
+    """The fewest GPUs (one stage each) on which the interval DP finds a split that fits,
+    searched by doubling from what the parameters alone need, then bisecting; None when
+    even one GPU per node does not fit (or the plan is interleaved or replicated, where
+    the stage count is not the GPU count)."""
+    if problem.virtual_stages > 1 or problem.replicates:
+        return None
+    limit = problem.memory_limit - problem.workspace_bytes
+    if limit <= 0:
+        return None
+    most = exact_groups(problem).num_coarse
+
+    def fits(n: int) -> bool:
+        return _dp_fits(replace(problem, num_stages=n, num_devices=0))
+
+    state = max(1.0, problem.state_factor) * (
+        sum(n.param_bytes for n in problem.nodes) + sum(g.param_bytes for g in problem.tied))
+    lo = max(problem.devices, math.ceil(state / limit) - 1)  # lo does not fit (or is asked)
+    if lo >= most:
+        return None
+    hi = min(max(lo + 1, 2 * lo), most)
+    while not fits(hi):
+        if hi == most:
+            return None
+        lo, hi = hi, min(2 * hi, most)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
 
 
 def _unlimited(problem: Problem) -> Problem:
@@ -132,6 +192,10 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
     deadline = start + time_limit_s
     exact = exact_groups(problem)
     _check_stage_count(problem, exact)
+    if memory_floor(problem) > problem.memory_limit:
+        # Proved in no time: the full search would spend its time limit proving it again.
+        raise _infeasible(problem, exact, work_limit=work_limit, time_limit_s=time_limit_s,
+                          workers=workers)
 
     splits = run_baselines(problem, exact)
     scored = {name: evaluate(problem, s) for name, s in splits.items()}
@@ -183,10 +247,8 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
 
     if best is None:
         if result.status == "INFEASIBLE":
-            needed = min_memory(problem, exact, work_limit=work_limit,
-                                time_limit_s=max(1.0, time_limit_s / 2), workers=workers)
-            raise InfeasibleMemoryError(devices=problem.devices,
-                                        limit=problem.memory_limit, needed=needed)
+            raise _infeasible(problem, exact, work_limit=work_limit,
+                              time_limit_s=time_limit_s, workers=workers)
         raise NoSolutionError(devices=problem.devices, time_limit_s=time_limit_s,
                               limit=problem.memory_limit)
 
@@ -293,6 +355,17 @@ def _partition_replicated(problem: Problem, *, work_limit: float, time_limit_s: 
                      objective=objective, bound=objective if proved else bound,
                      wall_s=time.perf_counter() - start, wall_clock_stopped=wall_clock)
     return replace(best, report=report)
+
+
+def memory_floor(problem: Problem) -> float:
+    """Memory some GPU needs whatever the split: the parameters with their gradients and
+    optimizer state (``cost.py``: params x max(1, state_factor)), spread evenly over the
+    N GPUs or the largest node's alone, plus the workspace. Activations only add."""
+    per_byte = max(1.0, problem.state_factor)
+    sizes = [n.param_bytes for n in problem.nodes]
+    total = sum(sizes) + sum(g.param_bytes for g in problem.tied)
+    return problem.workspace_bytes + per_byte * max(total / problem.devices,
+                                                    max(sizes, default=0))
 
 
 def trivial_bound(problem: Problem) -> float:

@@ -13,6 +13,7 @@ runs without fxpipe installed. One idea per module:
     replicas.py     data-parallel replicas of a stage in one process
     stashing.py     PipeDream's weight stashing
     recompute.py    the random state a recomputed forward replays
+    precision.py    the plan's precision: autocast per stage forward, a GradScaler
     binding.py      how a generated stage binds the model's own parameters
     shapes.py       a stage's check of the input dimensions it was traced at
     checkpoint.py   stage state_dicts <-> one model checkpoint

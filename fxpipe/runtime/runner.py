@@ -17,7 +17,11 @@ the mini-batch when ``loss_fn`` is a mean over the samples: each micro-batch's
 loss is weighted by its share of the samples, so a mini-batch that is not a
 multiple of M (split as evenly as ``torch.tensor_split`` does) or has fewer
 than M samples (run as that many micro-batches, the schedule's actions for
-the missing ones skipped) gives the same gradients.
+the missing ones skipped) gives the same gradients. ``precision`` (see
+precision.py) runs every stage forward, and the loss, under the plan's autocast;
+for ``16-mixed`` the loss is scaled by ``runner.scaler`` before backward, so call
+``runner.scaler.step(optimizer)`` and ``runner.scaler.update()`` instead of
+``optimizer.step()``.
 """
 
 import contextlib
@@ -28,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .devices import Device, device_copies, replica_devices
+from .devices import Device, device_copies, replica_devices, to_device
 from .microbatch import (
     chunk_sizes,
     concat,
@@ -38,9 +42,10 @@ from .microbatch import (
     split_microbatches,
     split_replicas,
 )
+from .precision import autocast, check_precision, grad_scaler, warn_uncast
 from .recompute import rng_restored, rng_state
 from .replicas import batch_sizes, check_replicas
-from .schedule import Action, check_schedule
+from .schedule import Action, check_schedule, check_sizes
 from .stashing import Stash, WeightStashes, check_optimizers, check_unshared
 from .stream import Streams
 from .values import GRAPH_INPUT, OnDemand, StepState, Wiring, sum_grads
@@ -70,9 +75,10 @@ class PipelineRunner:
         recompute: Sequence[bool] | None = None,
         replicas: Sequence[int] | None = None,
         weight_stashing: bool = False,
+        precision: str = "32-true",
     ) -> None:
         num_stages = len(stages)
-        _check_sizes(num_stages, microbatches, devices, recompute)
+        check_sizes(num_stages, microbatches, devices, recompute)
         replicas = [1] * num_stages if replicas is None else replicas
         check_replicas(replicas, num_stages)
         self.stages = list(stages)
@@ -84,6 +90,13 @@ class PipelineRunner:
         self.recompute = [bool(r) for r in recompute or [False] * num_stages]
         self.replicas = [int(r) for r in replicas]
         self.weight_stashing = bool(weight_stashing)
+        self.precision = check_precision(precision)
+        if self.weight_stashing and grad_scaler(self.precision, None) is not None:
+            raise ValueError(
+                "Weight stashing updates every stage inside step, where a GradScaler cannot "
+                "step: train 16-mixed with --schedule 1f1b or gpipe, or use bf16-mixed."
+            )
+        warn_uncast(self.stages, self.precision)
         check_schedule(self.schedule, num_stages, microbatches)
         if self.weight_stashing:
             check_unshared(self.stages)
@@ -99,6 +112,8 @@ class PipelineRunner:
             ]
             self.devices = [devs[0] for devs in self.replica_devices]
         self.streams = Streams(self.devices, num_stages)
+        # 16-mixed: scales the loss before backward; the caller steps and updates it
+        self.scaler = grad_scaler(self.precision, self.streams.device(num_stages - 1))
         # (k, i) -> Parameters and buffers of stage k copied to replica i's device, bound for
         # one step/forward by device_copies (absent: replica i runs on the stage's device)
         self._bound: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
@@ -231,12 +246,14 @@ class PipelineRunner:
         """Stage k on one micro-batch of ``batch`` samples: whole, or split along
         dim 0 among its replicas and concatenated back (see replicas.py)."""
         r = self.replicas[k]
-        if r == 1:
-            return self._run_replica(k, 0, inputs, stash)
-        assert batch is not None and batch >= r, (k, batch, r)  # checked by batch_sizes
-        chunks = split_replicas(inputs, batch, r)
-        outputs = [self._run_replica(k, i, chunk, stash) for i, chunk in enumerate(chunks)]
-        return tuple(merge_replicas(outputs, chunk_sizes(batch, r)))
+        # one autocast region per stage and micro-batch, the first run and a recompute alike
+        with autocast(self.precision, self.streams.device(k)):
+            if r == 1:
+                return self._run_replica(k, 0, inputs, stash)
+            assert batch is not None and batch >= r, (k, batch, r)  # checked by batch_sizes
+            chunks = split_replicas(inputs, batch, r)
+            outputs = [self._run_replica(k, i, chunk, stash) for i, chunk in enumerate(chunks)]
+            return tuple(merge_replicas(outputs, chunk_sizes(batch, r)))
 
     def _run_replica(self, k: int, i: int, inputs: dict[str, Any],
                      stash: Stash | None) -> tuple[Any, ...]:
@@ -248,7 +265,7 @@ class PipelineRunner:
             params = stash
         else:  # replica i on another device than the stage's: inputs and weights go there
             dev = self.replica_devices[k][i] if self.replica_devices is not None else None
-            inputs = _to_device(inputs, dev)
+            inputs = to_device(inputs, dev)
             params = bound if stash is None else {
                 **bound, **{name: t.to(dev) for name, t in stash.items()}
             }
@@ -264,7 +281,7 @@ class PipelineRunner:
                 f"OUTPUTS {expected}."
             )
         if bound is not None:
-            outputs = _to_device(outputs, self.streams.device(k))
+            outputs = to_device(outputs, self.streams.device(k))
         return outputs
 
     def _forward(self, k: int, values: dict[str, Any], grad: bool, events: dict[int, Any],
@@ -302,9 +319,9 @@ class PipelineRunner:
         with weight stashing, where every micro-batch is its own update); returns it with
         the values build_output read (leaves for earlier stages')."""
         values = state.values[m]
-        with self.streams.on(k):
+        with self.streams.on(k), autocast(self.precision, self.streams.device(k)):
             out_in = self._lazy(values, k, True, state.fwd_events[m])
-            target = _to_device(state.targets[m], self.streams.device(k))
+            target = to_device(state.targets[m], self.streams.device(k))
             loss = state.loss_fn(self.build_output(out_in), target)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 raise TypeError(f"loss_fn must return a scalar tensor, got {loss!r}.")
@@ -358,7 +375,7 @@ class PipelineRunner:
                 with torch.enable_grad():
                     state.losses[m] = self._loss(k, m, state)
             loss, loss_inputs = state.losses.pop(m)
-            tensors.append(loss)
+            tensors.append(loss if self.scaler is None else self.scaler.scale(loss))
             grads.append(None)
         for name, out in zip(self.wiring.outputs[k], outputs, strict=True):
             contributions = state.grads[m].pop(name, [])
@@ -372,28 +389,3 @@ class PipelineRunner:
                     tensors.append(t)
                     grads.append(g)
         return tensors, grads, loss_inputs
-
-
-def _check_sizes(num_stages: int, microbatches: int, devices: Sequence[Any] | None,
-                 recompute: Sequence[bool] | None) -> None:
-    if num_stages < 1:
-        raise ValueError("PipelineRunner needs at least one stage.")
-    if microbatches < 1:
-        raise ValueError(f"Number of micro-batches ({microbatches}) must be at least 1.")
-    if devices is not None and len(devices) != num_stages:
-        raise ValueError(
-            f"Got {len(devices)} devices for {num_stages} stages: pass one device per "
-            f"stage (or devices=None to run every stage on the CPU in order)."
-        )
-    if recompute is not None and len(recompute) != num_stages:
-        raise ValueError(
-            f"recompute has {len(recompute)} entries for {num_stages} stages: pass one "
-            f"bool per stage."
-        )
-
-
-def _to_device(value: Any, dev: torch.device | None) -> Any:
-    """``value`` with its tensor leaves copied to ``dev`` (differentiably)."""
-    if dev is None:
-        return value
-    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(dev), value)

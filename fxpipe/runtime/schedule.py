@@ -17,8 +17,9 @@ and times its tables with it.
 """
 
 from collections.abc import Sequence
+from typing import Any
 
-__all__ = ["Action", "check_schedule", "dependencies"]
+__all__ = ["Action", "check_schedule", "check_sizes", "dependencies"]
 
 Action = tuple[int, str, int]  # (stage, "F" | "B", microbatch)
 
@@ -59,4 +60,23 @@ def check_schedule(schedule: Sequence[Sequence[Action]], num_stages: int, num_mb
         raise ValueError(
             f"Schedule has {len(done)} actions, expected {expected} "
             f"({num_stages} stages x {num_mb} micro-batches x forward and backward)."
+        )
+
+
+def check_sizes(num_stages: int, microbatches: int, devices: Sequence[Any] | None,
+                recompute: Sequence[bool] | None) -> None:
+    """The runner's stage count, micro-batches and per-stage settings, checked."""
+    if num_stages < 1:
+        raise ValueError("PipelineRunner needs at least one stage.")
+    if microbatches < 1:
+        raise ValueError(f"Number of micro-batches ({microbatches}) must be at least 1.")
+    if devices is not None and len(devices) != num_stages:
+        raise ValueError(
+            f"Got {len(devices)} devices for {num_stages} stages: pass one device per "
+            f"stage (or devices=None to run every stage on the CPU in order)."
+        )
+    if recompute is not None and len(recompute) != num_stages:
+        raise ValueError(
+            f"recompute has {len(recompute)} entries for {num_stages} stages: pass one "
+            f"bool per stage."
         )

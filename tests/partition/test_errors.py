@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from fxpipe.partition import (
@@ -13,9 +15,12 @@ from fxpipe.partition import (
     PipedreamTieError,
     Problem,
     ProblemTooLargeError,
+    Recompute,
     TooManyStagesError,
     partition,
 )
+from fxpipe.partition.coarsen import exact_groups
+from fxpipe.partition.solve import min_memory
 from fxpipe.schedules import ScheduleKind
 
 GiB = 2**30
@@ -64,10 +69,39 @@ def test_no_split_fits_memory_says_what_would() -> None:
         partition(p, time_limit_s=10)
     e = info.value
     assert (e.devices, e.limit, e.needed) == (4, 10 * GiB, 2 * size)
+    # one layer per GPU fits, and no fewer GPUs can hold 8 layers in 10 GiB each
+    assert (e.fits_on, e.recompute) == (8, None)
     assert str(e) == (
         "No split of the model onto 4 GPUs fits in 10.0 GiB per GPU; the best split needs "
-        "13.2 GiB. Allow that much memory per GPU or use more GPUs.")
+        "13.2 GiB. To fit, allow 13.2 GiB per GPU or use 8 GPUs.")
     assert "--" not in str(e)
+
+
+def test_no_split_fits_says_recompute_would() -> None:
+    # 4 layers keeping 3 GiB of activations per micro-batch, 4 in flight on stage 0 of
+    # 1F1B: 12 GiB without recompute; recomputing keeps only the 1 KiB received values.
+    nodes = tuple(Node(f"n{i}", 1, 1, activation_bytes=3 * GiB, output_bytes=1024)
+                  for i in range(4))
+    p = Problem(nodes, tuple(Edge(i, i + 1) for i in range(3)), num_stages=4,
+                memory_limit=8 * GiB, schedule=ScheduleKind.ONE_F_ONE_B, microbatches=8)
+    with pytest.raises(InfeasibleMemoryError) as info:
+        partition(p, time_limit_s=10)
+    assert info.value.recompute == "auto"
+    assert "or recompute (auto)." in str(info.value)
+    # and the same problem with the solver choosing recompute does fit
+    partition(replace(p, recompute=Recompute.AUTO), time_limit_s=10)
+
+
+def test_min_memory_is_a_split_that_fits_when_the_search_runs_out_of_time() -> None:
+    # With no time the memory program finds nothing and proves only 0 B; the answer is
+    # then the leanest split the interval DP found, never 0 B.
+    size = round(6.6 * GiB)
+    nodes = tuple(Node(f"n{i}", 1, 1, param_bytes=size, activation_bytes=1000 * i)
+                  for i in range(40))
+    p = Problem(nodes, tuple(Edge(i, i + 1) for i in range(39)), num_stages=4,
+                memory_limit=10 * GiB, state_factor=1.0)
+    needed = min_memory(p, exact_groups(p), work_limit=0.0, time_limit_s=0.0, workers=1)
+    assert 10 * size <= needed < 11 * size  # 40 layers on 4 GPUs: at least 10 on one
 
 
 def test_no_solution_carries_the_time_limit() -> None:

@@ -3,7 +3,14 @@ by fxpipe: what the plan decides (the values each stage receives, the tied
 parameters), bound to the runtime's DistributedPipeline (runtime/pipelining.py).
 """
 
-from .runner import MICROBATCHES, REPLICAS, SCHEDULE, build_output, flatten_inputs
+from .runner import (
+    MICROBATCHES,
+    PRECISION,
+    REPLICAS,
+    SCHEDULE,
+    build_output,
+    flatten_inputs,
+)
 from .runtime.launch import init_distributed, main, peak_rss_bytes
 from .runtime.materialize import parameters_on_meta
 from .runtime.pipelining import DistributedPipeline
@@ -56,6 +63,7 @@ PIPELINE = DistributedPipeline(
     table=SCHEDULE,
     unsupported=UNSUPPORTED,
     virtual_stages=VIRTUAL_STAGES,
+    precision=PRECISION,
 )
 stage_module = PIPELINE.stage_module
 pipeline_stage = PIPELINE.pipeline_stage

@@ -35,6 +35,9 @@ RECOMPUTE = (False, True)
 # WEIGHT_STASHING: PipeDream's update after every micro-batch, with stashed weights
 REPLICAS = (1, 1)
 WEIGHT_STASHING = False
+# PRECISION: the dtype the plan assumes; for bf16-true or 16-true cast the model
+# and inputs to it before build_stages (runtime/precision.py)
+PRECISION = "32-true"
 # DEVICE_OF[k]: the GPU (0 .. NUM_GPUS - 1) that runs stage k
 DEVICE_OF = (0, 1)
 NUM_GPUS = 2
@@ -60,8 +63,8 @@ def stage_devices(devices: Sequence[Device]) -> list[Device | list[Device]]:
 
 class PipelineRunner(runtime.PipelineRunner):
     """The runtime's PipelineRunner with this plan's schedule, micro-batches,
-    recompute flags, replicas, weight stashing and input/output mapping as
-    defaults; ``devices`` as for ``build_stages``: one per stage, or one per GPU."""
+    recompute flags, replicas, weight stashing, precision and input/output mapping
+    as defaults; ``devices`` as for ``build_stages``: one per stage, or one per GPU."""
 
     def __init__(
         self,
@@ -73,6 +76,7 @@ class PipelineRunner(runtime.PipelineRunner):
         recompute: Sequence[bool] = RECOMPUTE,
         replicas: Sequence[int] = REPLICAS,
         weight_stashing: bool = WEIGHT_STASHING,
+        precision: str = PRECISION,
     ) -> None:
         super().__init__(
             stages,
@@ -84,4 +88,5 @@ class PipelineRunner(runtime.PipelineRunner):
             recompute=recompute,
             replicas=replicas,
             weight_stashing=weight_stashing,
+            precision=precision,
         )
