@@ -21,7 +21,7 @@ the missing ones skipped) gives the same gradients.
 """
 
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .devices import Device, device_copies, replica_devices
+from .measure import Recorder, ReportCard
 from .microbatch import (
     chunk_sizes,
     concat,
@@ -102,6 +103,31 @@ class PipelineRunner:
         # (k, i) -> Parameters and buffers of stage k copied to replica i's device, bound for
         # one step/forward by device_copies (absent: replica i runs on the stage's device)
         self._bound: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self._recorder: Recorder | None = None  # while measure() is active
+
+    @contextlib.contextmanager
+    def measure(self, *, warmup: int = 1) -> Iterator[ReportCard]:
+        """Time every ``step`` run inside, after the first ``warmup``: each stage's
+        forward, backward and communication, its device's peak memory and the step
+        (see measure.py); ``card.save(path)`` writes them as ``measured.json``."""
+        first = self.devices[0] if self.devices else None
+        on_cuda = first is not None and first.type == "cuda"
+        card = ReportCard(len(self.stages), self.microbatches, warmup=warmup,
+                          device=torch.cuda.get_device_name(first) if on_cuda else "cpu",
+                          clock="cuda-events" if on_cuda else "wall")
+        self._recorder = Recorder(card, lambda k: self.streams.compute[k], self.devices)
+        try:
+            yield card
+        finally:
+            self._recorder = None
+
+    def _timed(self, k: int, kind: str) -> contextlib.AbstractContextManager[None]:
+        """A measured span of stage k while measuring; otherwise nothing."""
+        if self._recorder is None:
+            return contextlib.nullcontext()
+        if kind == "comm":
+            return self._recorder.span(k, kind)
+        return self._recorder.compute(k, kind)
 
     # ------------------------------------------------------------------ API
 
@@ -156,15 +182,18 @@ class PipelineRunner:
             stashes=(WeightStashes(self.stages, optimizers or ())
                      if self.weight_stashing else None),
         )
-        with self._device_copies(), self.streams.joined():
+        measuring = contextlib.nullcontext() if self._recorder is None else self._recorder.step()
+        with measuring, self._device_copies(), self.streams.joined():
             for tick in self.schedule:
                 for k, kind, m in tick:
                     if m >= num_mb:
                         continue  # a mini-batch of fewer than M samples
                     if kind == "F":
-                        self._train_forward(k, m, state)
+                        with self._timed(k, "forward"):
+                            self._train_forward(k, m, state)
                     else:
-                        self._backward(k, m, state)
+                        with self._timed(k, "backward"):
+                            self._backward(k, m, state)
             total = state.total_loss
         assert total is not None
         return total
@@ -218,7 +247,8 @@ class PipelineRunner:
         p = self.wiring.producer_of(name)
         if p == k:
             return values[name]  # the last stage's own outputs, read by the loss
-        return self._receive(values[name], p, k, events.get(p), grad)
+        with self._timed(k, "comm"):
+            return self._receive(values[name], p, k, events.get(p), grad)
 
     def _lazy(self, values: Mapping[str, Any], k: int, grad: bool,
               events: Mapping[int, Any]) -> OnDemand:
@@ -335,9 +365,9 @@ class PipelineRunner:
                               for x in pytree.tree_leaves(leaf_value)]
                 if all(g is None for g in leaf_grads):
                     continue
-                state.grads[m].setdefault(name, []).append(
-                    self.streams.send_grads(leaf_grads, p, done)
-                )
+                with self._timed(k, "comm"):
+                    sent = self.streams.send_grads(leaf_grads, p, done)
+                state.grads[m].setdefault(name, []).append(sent)
             if stash is not None:
                 assert state.stashes is not None
                 state.stashes.update(k, stash)
