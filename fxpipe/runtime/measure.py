@@ -215,7 +215,8 @@ class Recorder:
             yield
         finally:
             self.card.seen += 1
-        if not self.active:
+            measured, self.active = self.active, False  # forward() between steps: untimed
+        if not measured:
             return
         for dev in self.cuda:
             torch.cuda.synchronize(dev)

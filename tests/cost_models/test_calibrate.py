@@ -78,3 +78,21 @@ def test_a_stage_measured_twice_as_slow_gives_up_work() -> None:
     assert after.bottleneck_s < before.bottleneck_s
     # the slow stage's calibrated time is twice what the plan predicted for the same ops
     assert before.stages[slow].forward_s == pytest.approx(2 * plan.stages[slow].forward_s)
+
+
+def test_memory_factor_scales_saved_activations() -> None:
+    gm = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+    ops = [n for n in gm.graph.nodes if n.op == "call_module"]
+    for node in ops:
+        meta.TIME.set(node, meta.TimeInfo(1.0, 1.0, "analytic:test"))
+        meta.BYTES.set(node, meta.MemoryInfo(param_bytes=24, buffer_bytes=0, output_bytes=8,
+                                             saved_bytes=100))
+    a, b = (n.name for n in ops)
+    predicted = [StageFigures((a,), 1.0, 1.0, 1000.0), StageFigures((b,), 1.0, 1.0, None)]
+    measured = [StageFigures((a,), 1.0, 1.0, 1500.0), StageFigures((b,), 1.0, 1.0, None)]
+    fitted = fit(predicted, measured)
+    assert [f.memory for f in fitted.stages] == [1.5, None]
+    apply(gm, fitted)
+    saved = {n.name: meta.BYTES.get(n).saved_bytes for n in ops}
+    assert saved == {a: 150, b: 100}  # b's stage had no memory of its own measured
+    assert meta.BYTES.get(ops[0]).param_bytes == 24  # parameters are exact, never scaled
