@@ -40,7 +40,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["FORMAT", "VERSION", "ReportCard", "StageMeasure", "load_card"]
+__all__ = ["FORMAT", "VERSION", "Measured", "Recorder", "ReportCard", "StageMeasure",
+           "load_card", "timed"]
 
 FORMAT = "fxpipe-measured"
 VERSION = 1
@@ -179,12 +180,18 @@ def load_card(path: str | Path) -> Measured:
 
 
 class Recorder:
-    """Times the spans of one step for a ``ReportCard`` (used by the runner only)."""
+    """Times the spans of the runner's steps into its ``card``; ``devices``: one per stage
+    (None: the CPU), ``streams``: stage -> its CUDA compute stream (None on the CPU)."""
 
-    def __init__(self, card: ReportCard, streams: Callable[[int], Any],
-                 devices: Sequence[torch.device] | None) -> None:
-        self.card = card
-        self.stream_of = streams  # stage -> its CUDA stream, or None on the CPU
+    def __init__(self, num_stages: int, microbatches: int, warmup: int,
+                 devices: Sequence[torch.device] | None,
+                 streams: Callable[[int], Any]) -> None:
+        first = devices[0] if devices else None
+        on_cuda = first is not None and first.type == "cuda"
+        self.card = ReportCard(num_stages, microbatches, warmup=warmup,
+                               device=torch.cuda.get_device_name(first) if on_cuda else "cpu",
+                               clock="cuda-events" if on_cuda else "wall")
+        self.stream_of = streams
         self.cuda = sorted({d for d in devices or [] if d.type == "cuda"}, key=str)
         self.devices = devices
         self.active = False
@@ -259,6 +266,17 @@ class Recorder:
                 yield
         finally:
             self.open.pop()
+
+
+def timed(recorder: Recorder | None, k: int | None = None,
+          kind: str = "") -> contextlib.AbstractContextManager[None]:
+    """While measuring (``recorder`` not None): a whole step (``k`` None), or a span of
+    stage k's ``kind``; otherwise nothing."""
+    if recorder is None:
+        return contextlib.nullcontext()
+    if k is None:
+        return recorder.step()
+    return recorder.span(k, kind) if kind == "comm" else recorder.compute(k, kind)
 
 
 def _elapsed(start: Any, end: Any) -> float:

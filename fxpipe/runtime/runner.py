@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .devices import Device, device_copies, replica_devices
-from .measure import Recorder, ReportCard
+from .measure import Recorder, ReportCard, timed
 from .microbatch import (
     chunk_sizes,
     concat,
@@ -110,24 +110,12 @@ class PipelineRunner:
         """Time every ``step`` run inside, after the first ``warmup``: each stage's
         forward, backward and communication, its device's peak memory and the step
         (see measure.py); ``card.save(path)`` writes them as ``measured.json``."""
-        first = self.devices[0] if self.devices else None
-        on_cuda = first is not None and first.type == "cuda"
-        card = ReportCard(len(self.stages), self.microbatches, warmup=warmup,
-                          device=torch.cuda.get_device_name(first) if on_cuda else "cpu",
-                          clock="cuda-events" if on_cuda else "wall")
-        self._recorder = Recorder(card, lambda k: self.streams.compute[k], self.devices)
+        self._recorder = Recorder(len(self.stages), self.microbatches, warmup, self.devices,
+                                  lambda k: self.streams.compute[k])
         try:
-            yield card
+            yield self._recorder.card
         finally:
             self._recorder = None
-
-    def _timed(self, k: int, kind: str) -> contextlib.AbstractContextManager[None]:
-        """A measured span of stage k while measuring; otherwise nothing."""
-        if self._recorder is None:
-            return contextlib.nullcontext()
-        if kind == "comm":
-            return self._recorder.span(k, kind)
-        return self._recorder.compute(k, kind)
 
     # ------------------------------------------------------------------ API
 
@@ -182,17 +170,16 @@ class PipelineRunner:
             stashes=(WeightStashes(self.stages, optimizers or ())
                      if self.weight_stashing else None),
         )
-        measuring = contextlib.nullcontext() if self._recorder is None else self._recorder.step()
-        with measuring, self._device_copies(), self.streams.joined():
+        with timed(self._recorder), self._device_copies(), self.streams.joined():
             for tick in self.schedule:
                 for k, kind, m in tick:
                     if m >= num_mb:
                         continue  # a mini-batch of fewer than M samples
                     if kind == "F":
-                        with self._timed(k, "forward"):
+                        with timed(self._recorder, k, "forward"):
                             self._train_forward(k, m, state)
                     else:
-                        with self._timed(k, "backward"):
+                        with timed(self._recorder, k, "backward"):
                             self._backward(k, m, state)
             total = state.total_loss
         assert total is not None
@@ -247,7 +234,7 @@ class PipelineRunner:
         p = self.wiring.producer_of(name)
         if p == k:
             return values[name]  # the last stage's own outputs, read by the loss
-        with self._timed(k, "comm"):
+        with timed(self._recorder, k, "comm"):
             return self._receive(values[name], p, k, events.get(p), grad)
 
     def _lazy(self, values: Mapping[str, Any], k: int, grad: bool,
@@ -365,7 +352,7 @@ class PipelineRunner:
                               for x in pytree.tree_leaves(leaf_value)]
                 if all(g is None for g in leaf_grads):
                     continue
-                with self._timed(k, "comm"):
+                with timed(self._recorder, k, "comm"):
                     sent = self.streams.send_grads(leaf_grads, p, done)
                 state.grads[m].setdefault(name, []).append(sent)
             if stash is not None:
