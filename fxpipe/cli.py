@@ -194,6 +194,9 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("plan_dir", metavar="PLAN_DIR", help="folder fxpipe split wrote")
     report.add_argument("measured", metavar="MEASURED.json",
                         help="the report card runner.measure(...) saved")
+    report.add_argument("--model", default=None,
+                        help="the model file the plan was made from: re-plan it with the "
+                        "measurements and say whether a cut moves (nothing is written)")
     report.set_defaults(run=_run_report)
 
     merge = commands.add_parser(
@@ -424,7 +427,22 @@ def _card(plan_dir: str | None, measured: str) -> Any:
 def _run_report(args: argparse.Namespace) -> int:
     from fxpipe.report.card import render_card
 
-    print(render_card(_card(args.plan_dir, args.measured)), end="")
+    card = _card(args.plan_dir, args.measured)
+    print(render_card(card), end="")
+    if args.model is not None:
+        from fxpipe.compiler import options_of, plan_split
+
+        options = options_of(card.plan)
+        source, traced = analyze_model(args.model, device=options.device.name,
+                                       precision=card.plan.precision, quiet=True)
+        again = plan_split(traced, label=source.label, options=options, calibrate_from=card)
+        before, after = card.plan.stage_of(), again.stage_of()
+        moved = sum(before.get(name) != k for name, k in after.items())
+        verdict = (f"{moved} of {len(after)} nodes move to another stage" if moved
+                   else "no cut moves")
+        print(f"Re-planned {source.label} with these measurements: {verdict}; predicted "
+              f"bottleneck {format_seconds(again.estimate.bottleneck_s)} under the "
+              f"calibrated costs (`fxpipe split ... --calibrate` writes that plan).")
     return 0
 
 

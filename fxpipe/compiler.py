@@ -53,7 +53,7 @@ from fxpipe.report.card import Card
 from fxpipe.schedules import ScheduleKind, schedule_table
 from fxpipe.units import format_ms
 
-__all__ = ["SplitOptions", "analyze", "analyze_file", "output_files", "plan_split"]
+__all__ = ["SplitOptions", "analyze", "analyze_file", "options_of", "output_files", "plan_split"]
 
 Progress = Callable[[str], AbstractContextManager[object]]
 
@@ -147,6 +147,25 @@ class SplitOptions:
     virtual_stages: int = 1  # interleaved schedule: stage modules per GPU
     replicate: bool = False  # let the solver give a stage several GPUs ("2-1-1")
     precision: Precision | None = None  # None: the model's parameter dtype; as analyze() used
+
+
+def options_of(plan: Plan) -> SplitOptions:
+    """The options that re-make ``plan`` (recompute chosen per stage again; the memory
+    limit and device as the plan records them), to re-plan it with new costs."""
+    from fxpipe.cost_models import get_device
+    from fxpipe.precision import parse_precision
+
+    return SplitOptions(
+        gpus=plan.num_devices,
+        device=get_device(plan.device),
+        memory_limit=plan.memory_limit,
+        microbatches=plan.microbatches,
+        schedule=Schedule(plan.schedule),
+        optimizer=plan.optimizer,
+        virtual_stages=plan.virtual_stages,
+        replicate=any(stage.replicas > 1 for stage in plan.stages),
+        precision=parse_precision(plan.precision),
+    )
 
 
 def plan_split(

@@ -4,8 +4,8 @@ Per stage, predicted and measured forward, backward and communication seconds (p
 micro-batch) and memory, each with the ratio measured / predicted; the stage that is
 the real bottleneck (largest measured forward + backward + communication) and whether
 it is the one the plan expected. Whether a re-plan would move a cut needs the model's
-op costs, which plan.json does not hold: ``fxpipe split MODEL --calibrate
-measured.json`` re-plans and says.
+op costs, which plan.json does not hold: ``fxpipe report ... --model MODEL`` re-plans and
+says, ``fxpipe split MODEL --calibrate measured.json`` writes the re-made plan.
 """
 
 from __future__ import annotations
@@ -154,8 +154,8 @@ def render_card(card: Card) -> str:
         f"{card.measured_bottleneck}"
         + (" — the plan's choice holds." if card.holds
            else " — the plan's choice does not hold."),
-        "Whether a re-plan moves a cut: `fxpipe split MODEL --calibrate MEASURED.json` "
-        "re-plans with these measurements and says.",
+        "Whether a re-plan with these measurements moves a cut: add `--model MODEL`; "
+        "`fxpipe split MODEL --calibrate MEASURED.json` writes that plan.",
     ]
     if m.clock == "wall":
         lines.append("Measured on the CPU by wall clock: the ratios compare this machine "

@@ -115,6 +115,12 @@ def test_report_names_the_real_bottleneck(measured_plan: tuple[Path, Plan], tmp_
            "choice does not hold." in text
     assert "(×10.00)" in text and "Step: predicted" in text
 
+    # with the model, the report re-plans: a stage 10x slower than planned gives up work
+    assert main(["report", str(out), str(slow), "--model", MLP]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert re.fullmatch(r"Re-planned mlp\.py:build_model with these measurements: [1-9]\d* of "
+                        r"\d+ nodes move to another stage; predicted bottleneck .*", last), last
+
     even = tmp_path / "even.json"
     even.write_text(json.dumps(_synthetic(plan, [1.5] * K)))
     card = compare(plan, load_card(even))
