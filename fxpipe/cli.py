@@ -406,7 +406,7 @@ def _card(plan_dir: str | None, measured: str) -> Any:
     folder of ``measured``)."""
     from pathlib import Path
 
-    from fxpipe.partition.plan import Plan
+    from fxpipe.plan import Plan
     from fxpipe.report.card import compare
     from fxpipe.runtime.measure import load_card
 

@@ -160,7 +160,7 @@ def options_of(plan: Plan) -> SplitOptions:
         device=get_device(plan.device),
         memory_limit=plan.memory_limit,
         microbatches=plan.microbatches,
-        schedule=Schedule(plan.schedule),
+        schedule=ScheduleKind(plan.schedule),
         optimizer=plan.optimizer,
         virtual_stages=plan.virtual_stages,
         replicate=any(stage.replicas > 1 for stage in plan.stages),

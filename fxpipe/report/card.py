@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fxpipe.cost_models.calibrate import StageFigures
-from fxpipe.partition.plan import Plan
+from fxpipe.plan import Plan
 from fxpipe.runtime.measure import Measured
 from fxpipe.units import format_bytes, format_ms
 

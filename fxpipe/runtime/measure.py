@@ -40,8 +40,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["FORMAT", "VERSION", "Measured", "Recorder", "ReportCard", "StageMeasure",
-           "load_card", "timed"]
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "Measured",
+    "MeasuredSteps",
+    "Recorder",
+    "ReportCard",
+    "StageMeasure",
+    "load_card",
+    "timed",
+]
 
 FORMAT = "fxpipe-measured"
 VERSION = 1
@@ -268,15 +277,39 @@ class Recorder:
             self.open.pop()
 
 
+class MeasuredSteps:
+    """``PipelineRunner.measure``: the runner's steps timed into a report card."""
+
+    stages: Sequence[Any]
+    microbatches: int
+    devices: list[torch.device] | None
+    streams: Any
+    _recorder: Recorder | None = None  # while measure() is active
+
+    @contextlib.contextmanager
+    def measure(self, *, warmup: int = 1) -> Iterator[ReportCard]:
+        """Time every ``step`` run inside, after the first ``warmup``: each stage's
+        forward, backward and communication, its device's peak memory and the step;
+        ``card.save(path)`` writes them as ``measured.json``."""
+        self._recorder = Recorder(len(self.stages), self.microbatches, warmup, self.devices,
+                                  lambda k: self.streams.compute[k])
+        try:
+            yield self._recorder.card
+        finally:
+            self._recorder = None
+
+
 def timed(recorder: Recorder | None, k: int | None = None,
           kind: str = "") -> contextlib.AbstractContextManager[None]:
     """While measuring (``recorder`` not None): a whole step (``k`` None), or a span of
-    stage k's ``kind``; otherwise nothing."""
+    stage k's ``kind`` ("F" or "forward", "B" or "backward", "comm"); otherwise nothing."""
     if recorder is None:
         return contextlib.nullcontext()
     if k is None:
         return recorder.step()
-    return recorder.span(k, kind) if kind == "comm" else recorder.compute(k, kind)
+    if kind == "comm":
+        return recorder.span(k, kind)
+    return recorder.compute(k, {"F": "forward", "B": "backward"}.get(kind, kind))
 
 
 def _elapsed(start: Any, end: Any) -> float:

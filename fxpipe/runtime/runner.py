@@ -21,7 +21,7 @@ the missing ones skipped) gives the same gradients.
 """
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .devices import Device, device_copies, replica_devices
-from .measure import Recorder, ReportCard, timed
+from .measure import MeasuredSteps, timed
 from .microbatch import (
     chunk_sizes,
     concat,
@@ -49,7 +49,7 @@ from .values import GRAPH_INPUT, OnDemand, StepState, Wiring, sum_grads
 __all__ = ["PipelineRunner"]
 
 
-class PipelineRunner:
+class PipelineRunner(MeasuredSteps):
     """Execute ``stages`` (modules with ``INPUTS``/``OUTPUTS`` name tuples whose
     forward takes inputs by name and returns a tuple in ``OUTPUTS`` order) on a
     clock-tick ``schedule`` of ``microbatches`` micro-batches.
@@ -103,19 +103,6 @@ class PipelineRunner:
         # (k, i) -> Parameters and buffers of stage k copied to replica i's device, bound for
         # one step/forward by device_copies (absent: replica i runs on the stage's device)
         self._bound: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
-        self._recorder: Recorder | None = None  # while measure() is active
-
-    @contextlib.contextmanager
-    def measure(self, *, warmup: int = 1) -> Iterator[ReportCard]:
-        """Time every ``step`` run inside, after the first ``warmup``: each stage's
-        forward, backward and communication, its device's peak memory and the step
-        (see measure.py); ``card.save(path)`` writes them as ``measured.json``."""
-        self._recorder = Recorder(len(self.stages), self.microbatches, warmup, self.devices,
-                                  lambda k: self.streams.compute[k])
-        try:
-            yield self._recorder.card
-        finally:
-            self._recorder = None
 
     # ------------------------------------------------------------------ API
 
@@ -175,12 +162,8 @@ class PipelineRunner:
                 for k, kind, m in tick:
                     if m >= num_mb:
                         continue  # a mini-batch of fewer than M samples
-                    if kind == "F":
-                        with timed(self._recorder, k, "forward"):
-                            self._train_forward(k, m, state)
-                    else:
-                        with timed(self._recorder, k, "backward"):
-                            self._backward(k, m, state)
+                    with timed(self._recorder, k, kind):  # while measure() is active
+                        (self._train_forward if kind == "F" else self._backward)(k, m, state)
             total = state.total_loss
         assert total is not None
         return total

@@ -15,10 +15,11 @@ from fxpipe.compiler import SplitOptions, analyze, analyze_file, plan_split
 from fxpipe.cost_models import get_device
 from fxpipe.cost_models.calibrate import StageFigures, apply, fit
 from fxpipe.lower import lower
-from fxpipe.partition import Schedule, evaluate
+from fxpipe.partition import evaluate
 from fxpipe.profile import auto_depth
 from fxpipe.report.card import compare
 from fxpipe.runtime.measure import Measured, StageMeasure
+from fxpipe.schedules import ScheduleKind
 
 MLP = str(Path(__file__).resolve().parents[2] / "examples" / "mlp.py")
 
@@ -46,7 +47,7 @@ def test_factors_are_measured_over_predicted_and_follow_the_op() -> None:
 def test_a_stage_measured_twice_as_slow_gives_up_work() -> None:
     cpu = get_device("cpu")
     options = SplitOptions(gpus=3, device=cpu, memory_limit=float(cpu.memory_bytes),
-                           microbatches=4, schedule=Schedule.ONE_F_ONE_B)
+                           microbatches=4, schedule=ScheduleKind.ONE_F_ONE_B)
     source, traced = analyze_file(MLP, device=cpu)
     plan = plan_split(traced, label=source.label, options=options)
     slow = 1

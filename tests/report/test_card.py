@@ -15,7 +15,7 @@ from fxpipe.cli import main
 from fxpipe.compiler import SplitOptions, analyze_file, output_files, plan_split
 from fxpipe.cost_models import get_device
 from fxpipe.output import write_folder
-from fxpipe.partition.plan import Plan
+from fxpipe.plan import Plan
 from fxpipe.report.card import compare, render_card
 from fxpipe.runtime import load_card, load_package
 from fxpipe.runtime.measure import FORMAT, VERSION
