@@ -1,4 +1,5 @@
-"""The ``fxpipe`` command: ``profile`` a model, ``split`` it into pipeline stages."""
+"""The ``fxpipe`` command: ``profile`` a model, ``split`` it into pipeline stages, ``report``
+how a plan measured against its predictions, ``merge`` stage checkpoints."""
 
 from __future__ import annotations
 
@@ -174,11 +175,29 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="time every node on this machine instead of the roofline",
     )
+    split.add_argument(
+        "--calibrate",
+        metavar="MEASURED.json",
+        default=None,
+        help="re-plan with the stage times a training step measured (runner.measure); "
+        "the plan it measured is the plan.json beside it",
+    )
     split.add_argument("--out", default="fxpipe-out", help="output folder (default fxpipe-out)")
     split.add_argument(
         "--force", action="store_true", help="replace --out even if fxpipe did not write it"
     )
     split.set_defaults(run=_run_split)
+
+    report = commands.add_parser(
+        "report", help="a plan's predictions against what a training step measured"
+    )
+    report.add_argument("plan_dir", metavar="PLAN_DIR", help="folder fxpipe split wrote")
+    report.add_argument("measured", metavar="MEASURED.json",
+                        help="the report card runner.measure(...) saved")
+    report.add_argument("--model", default=None,
+                        help="the model file the plan was made from: re-plan it with the "
+                        "measurements and say whether a cut moves (nothing is written)")
+    report.set_defaults(run=_run_report)
 
     merge = commands.add_parser(
         "merge", help="merge the stages' saved state_dicts into one model checkpoint"
@@ -343,6 +362,8 @@ def _run_split(args: argparse.Namespace) -> int:
         precision=precision,
     )
 
+    card = _card(None, args.calibrate) if args.calibrate is not None else None
+
     source, traced = analyze_model(
         args.model, device=args.device, precision=args.precision, measure=args.measure,
         solvable=True,
@@ -350,8 +371,11 @@ def _run_split(args: argparse.Namespace) -> int:
     def progress(label: str) -> AbstractContextManager[None]:
         return _step(label, False)
 
-    plan = plan_split(traced, label=source.label, options=options, progress=progress)
+    plan = plan_split(traced, label=source.label, options=options, progress=progress,
+                      calibrate_from=card)
     files = output_files(traced, plan, label=source.label, diagram=args.diagram, progress=progress)
+    if args.calibrate is not None:  # kept with the plan it made (--out may be its folder)
+        files["calibrated_from.json"] = Path(args.calibrate).read_text()
     timing = {"solver_wall_s": plan.solver.wall_s, "phases_s": PHASES}
     files["timing.json"] = json.dumps(timing, indent=2) + "\n"
     out = Path(args.out)
@@ -374,6 +398,51 @@ def _run_split(args: argparse.Namespace) -> int:
         f"solver {solver.status}, gap {solver.gap:.2%}, {format_seconds(solver.wall_s)}; "
         f"wrote {out}/ ({', '.join(sorted(files))})"
     )
+    return 0
+
+
+def _card(plan_dir: str | None, measured: str) -> Any:
+    """The report card of ``measured`` against the plan.json in ``plan_dir`` (default: the
+    folder of ``measured``)."""
+    from pathlib import Path
+
+    from fxpipe.plan import Plan
+    from fxpipe.report.card import compare
+    from fxpipe.runtime.measure import load_card
+
+    card = load_card(measured)
+    folder = Path(plan_dir) if plan_dir is not None else Path(measured).parent
+    plan_file = folder / "plan.json"
+    if not plan_file.is_file():
+        raise ValueError(f"{plan_file}: no such file; pass the folder fxpipe split wrote "
+                         f"(the plan that was measured).")
+    try:
+        plan = Plan.from_json(plan_file.read_text())
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{plan_file}: not a plan fxpipe wrote ({type(exc).__name__}: {exc}); "
+                         f"run fxpipe split again.") from None
+    return compare(plan, card, source=str(measured))
+
+
+def _run_report(args: argparse.Namespace) -> int:
+    from fxpipe.report.card import render_card
+
+    card = _card(args.plan_dir, args.measured)
+    print(render_card(card), end="")
+    if args.model is not None:
+        from fxpipe.compiler import options_of, plan_split
+
+        options = options_of(card.plan)
+        source, traced = analyze_model(args.model, device=options.device.name,
+                                       precision=card.plan.precision, quiet=True)
+        again = plan_split(traced, label=source.label, options=options, calibrate_from=card)
+        before, after = card.plan.stage_of(), again.stage_of()
+        moved = sum(before.get(name) != k for name, k in after.items())
+        verdict = (f"{moved} of {len(after)} nodes move to another stage" if moved
+                   else "no cut moves")
+        print(f"Re-planned {source.label} with these measurements: {verdict}; predicted "
+              f"bottleneck {format_seconds(again.estimate.bottleneck_s)} under the "
+              f"calibrated costs (`fxpipe split ... --calibrate` writes that plan).")
     return 0
 
 

@@ -3,6 +3,8 @@
     source, traced = analyze_file("model.py", device=get_device("h100"))  # load, trace,
                                                           # passes + a cost model
     plan = plan_split(traced, label=source.label, options=SplitOptions(gpus=8, ...))
+    # or re-made from a training step's report card (see cost_models/calibrate.py):
+    plan = plan_split(traced, ..., calibrate_from=compare(old, load_card("measured.json")))
     files = output_files(traced, plan, label=source.label)  # plan.json, stages, diagrams
 
 The CLI, the benchmarks and the tests all drive fxpipe through these calls, so
@@ -23,18 +25,21 @@ from typing import Literal
 import torch
 
 from fxpipe.codegen import generate
-from fxpipe.cost_models import Device, analytic, measured
+from fxpipe.cost_models import Device, analytic, calibrate, measured
 from fxpipe.frontend import ModelSource, Traced, load_model_file, trace_source
 from fxpipe.kernels import Execution
-from fxpipe.lower import lower
+from fxpipe.lower import Lowered, lower
 from fxpipe.partition import (
+    Evaluation,
     PipedreamTieError,
     Problem,
     Recompute,
     TiedPolicy,
     check_size,
+    evaluate,
     exact_groups,
     partition,
+    violations,
 )
 from fxpipe.partition.solve import WORK_LIMIT
 from fxpipe.passes import annotate_all
@@ -44,9 +49,11 @@ from fxpipe.planning import build_plan
 from fxpipe.precision import Precision, default_precision
 from fxpipe.profile import auto_depth
 from fxpipe.report import partition_dot, render_report, render_svg, schedule_svg
+from fxpipe.report.card import Card
 from fxpipe.schedules import ScheduleKind, schedule_table
+from fxpipe.units import format_ms
 
-__all__ = ["SplitOptions", "analyze", "analyze_file", "output_files", "plan_split"]
+__all__ = ["SplitOptions", "analyze", "analyze_file", "options_of", "output_files", "plan_split"]
 
 Progress = Callable[[str], AbstractContextManager[object]]
 
@@ -142,14 +149,48 @@ class SplitOptions:
     precision: Precision | None = None  # None: the model's parameter dtype; as analyze() used
 
 
+def options_of(plan: Plan) -> SplitOptions:
+    """The options that re-make ``plan`` (recompute chosen per stage again; the memory
+    limit and device as the plan records them), to re-plan it with new costs."""
+    from fxpipe.cost_models import get_device
+    from fxpipe.precision import parse_precision
+
+    return SplitOptions(
+        gpus=plan.num_devices,
+        device=get_device(plan.device),
+        memory_limit=plan.memory_limit,
+        microbatches=plan.microbatches,
+        schedule=ScheduleKind(plan.schedule),
+        optimizer=plan.optimizer,
+        virtual_stages=plan.virtual_stages,
+        replicate=any(stage.replicas > 1 for stage in plan.stages),
+        precision=parse_precision(plan.precision),
+    )
+
+
 def plan_split(
-    traced: Traced, *, label: str, options: SplitOptions, progress: Progress = _silent
+    traced: Traced,
+    *,
+    label: str,
+    options: SplitOptions,
+    progress: Progress = _silent,
+    calibrate_from: Card | None = None,
 ) -> Plan:
     """Cut an analysed model into ``options.gpus`` stages: lower, solve, apply to the graph.
 
     PipeDream's weight stashing updates each stage's own weights after every micro-batch,
-    so a parameter read by several ops (tied) stays on one stage under that schedule."""
+    so a parameter read by several ops (tied) stays on one stage under that schedule.
+
+    ``calibrate_from``: a report card of an earlier plan of this model; its measured stage
+    times rescale the node costs (in place) before lowering, and the answer is never worse,
+    under those costs, than the measured plan's own cut."""
     pipedream = options.schedule is ScheduleKind.PIPEDREAM
+    notes: list[str] = []
+    if calibrate_from is not None:
+        forward, backward = calibrate_from.figures()
+        fitted = calibrate.fit(forward, backward)
+        new_ops = calibrate.apply(traced.gm, fitted)
+        notes.append(_calibration_note(calibrate_from, fitted, new_ops))
     lowered = lower(
         traced.gm,
         num_stages=options.gpus * options.virtual_stages,
@@ -170,7 +211,12 @@ def plan_split(
         result = partition(lowered.problem, work_limit=options.work_limit,
                            time_limit_s=options.time_limit_s,
                            replicate=options.replicate)
-    notes = list(traced.notes)
+    evaluation = result.evaluation
+    if calibrate_from is not None:
+        evaluation, line = _against_measured(lowered, result.problem, evaluation,
+                                             calibrate_from.plan)
+        notes.append(line)
+    notes = [*traced.notes, *notes]
     if result.report.wall_clock_stopped:
         notes.append(
             f"The solver was stopped by the wall-clock limit (--time-limit "
@@ -182,7 +228,7 @@ def plan_split(
     return build_plan(
         lowered,
         result.problem,
-        result.evaluation,
+        evaluation,
         result.report,
         baselines=result.baselines,
         model=label,
@@ -247,3 +293,50 @@ def output_files(
         files.update(generate(traced, plan))
     return files
 
+
+
+def _calibration_note(card: Card, fitted: calibrate.Calibration, new_ops: int) -> str:
+    def factors(values: list[float | None]) -> str:
+        return ", ".join("-" if v is None else f"×{v:.2f}" for v in values)
+
+    m = card.measured
+    line = (f"calibrated with a measurement on {m.device} ({m.steps} steps, {m.clock} clock): "
+            f"forward per stage {factors([f.forward for f in fitted.stages])}, backward "
+            f"{factors([f.backward for f in fitted.stages])}")
+    memory = [f.memory for f in fitted.stages]
+    if any(v is not None for v in memory):
+        line += f", activation memory {factors(memory)}"
+    else:
+        line += ", memory not calibrated (no per-stage peak measured)"
+    line += "; communication not calibrated"
+    if new_ops:
+        median = fitted.median
+        line += (f"; {new_ops} ops the measured plan did not have took the median factors "
+                 f"×{median.forward:.2f} forward, ×{median.backward:.2f} backward")
+    return line
+
+
+def _against_measured(lowered: Lowered, problem: Problem, evaluation: Evaluation,
+                      measured: Plan) -> tuple[Evaluation, str]:
+    """The solver's answer, or the measured plan's own cut where that scores better under
+    the calibrated costs (a time-limited solve can stop short of it); and a note saying
+    how the two compare and which ops moved."""
+    names = [op.name for op in lowered.ops]
+    old = measured.stage_of()
+    if measured.num_stages != problem.num_stages or any(n not in old for n in names):
+        return evaluation, ("the measured plan has other stages or ops than this one; its "
+                            "cut is not compared")
+    old_cut = tuple(old[n] for n in names)
+    previous = evaluate(problem, old_cut)
+    valid = previous.estimate.fits and not violations(problem, old_cut)
+    if valid and previous.bottleneck_s < evaluation.bottleneck_s:
+        evaluation = previous
+    moved = sum(a != b for a, b in zip(old_cut, evaluation.stage_of, strict=True))
+    line = (f"under the calibrated costs the measured plan's cut has a bottleneck of "
+            f"{format_ms(previous.bottleneck_s)}"
+            + ("" if valid else " (and does not fit)")
+            + f", this plan {format_ms(evaluation.bottleneck_s)}; ")
+    line += (f"{moved} of {len(names)} ops moved to another stage" if moved
+             else "the cut is unchanged")
+    assert not valid or evaluation.bottleneck_s <= previous.bottleneck_s
+    return evaluation, line

@@ -14,6 +14,7 @@ runs without fxpipe installed. One idea per module:
     stashing.py     PipeDream's weight stashing
     recompute.py    the random state a recomputed forward replays
     precision.py    the plan's precision: autocast per stage forward, a GradScaler
+    measure.py      the report card: each stage's measured times and memory (measured.json)
     binding.py      how a generated stage binds the model's own parameters
     shapes.py       a stage's check of the input dimensions it was traced at
     checkpoint.py   stage state_dicts <-> one model checkpoint
@@ -34,17 +35,20 @@ from .binding import bind
 from .checkpoint import merge_stage_state_dicts, split_state_dict
 from .devices import place_stages, stage_devices
 from .loading import import_file, load_package
+from .measure import ReportCard, load_card
 from .runner import PipelineRunner
 from .schedule import check_schedule, dependencies
 from .shapes import check_shape
 
 __all__ = [
     "PipelineRunner",
+    "ReportCard",
     "bind",
     "check_schedule",
     "check_shape",
     "dependencies",
     "import_file",
+    "load_card",
     "load_package",
     "merge_stage_state_dicts",
     "place_stages",

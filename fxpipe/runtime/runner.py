@@ -33,6 +33,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .devices import Device, device_copies, replica_devices, to_device
+from .measure import MeasuredSteps, timed
 from .microbatch import (
     chunk_sizes,
     concat,
@@ -53,7 +54,7 @@ from .values import GRAPH_INPUT, OnDemand, StepState, Wiring, sum_grads
 __all__ = ["PipelineRunner"]
 
 
-class PipelineRunner:
+class PipelineRunner(MeasuredSteps):
     """Execute ``stages`` (modules with ``INPUTS``/``OUTPUTS`` name tuples whose
     forward takes inputs by name and returns a tuple in ``OUTPUTS`` order) on a
     clock-tick ``schedule`` of ``microbatches`` micro-batches.
@@ -171,15 +172,13 @@ class PipelineRunner:
             stashes=(WeightStashes(self.stages, optimizers or ())
                      if self.weight_stashing else None),
         )
-        with self._device_copies(), self.streams.joined():
+        with timed(self._recorder), self._device_copies(), self.streams.joined():
             for tick in self.schedule:
                 for k, kind, m in tick:
                     if m >= num_mb:
                         continue  # a mini-batch of fewer than M samples
-                    if kind == "F":
-                        self._train_forward(k, m, state)
-                    else:
-                        self._backward(k, m, state)
+                    with timed(self._recorder, k, kind):  # while measure() is active
+                        (self._train_forward if kind == "F" else self._backward)(k, m, state)
             total = state.total_loss
         assert total is not None
         return total
@@ -233,7 +232,8 @@ class PipelineRunner:
         p = self.wiring.producer_of(name)
         if p == k:
             return values[name]  # the last stage's own outputs, read by the loss
-        return self._receive(values[name], p, k, events.get(p), grad)
+        with timed(self._recorder, k, "comm"):
+            return self._receive(values[name], p, k, events.get(p), grad)
 
     def _lazy(self, values: Mapping[str, Any], k: int, grad: bool,
               events: Mapping[int, Any]) -> OnDemand:
@@ -352,9 +352,9 @@ class PipelineRunner:
                               for x in pytree.tree_leaves(leaf_value)]
                 if all(g is None for g in leaf_grads):
                     continue
-                state.grads[m].setdefault(name, []).append(
-                    self.streams.send_grads(leaf_grads, p, done)
-                )
+                with timed(self._recorder, k, "comm"):
+                    sent = self.streams.send_grads(leaf_grads, p, done)
+                state.grads[m].setdefault(name, []).append(sent)
             if stash is not None:
                 assert state.stashes is not None
                 state.stashes.update(k, stash)

@@ -1,0 +1,107 @@
+"""Rescale a cost model's node times by what a training step measured.
+
+A plan predicts each stage's forward and backward seconds; a report card
+(``measured.json``, written by the runtime) measures them. The ratio measured /
+predicted of stage k, for forward and for backward, becomes the factor of every op the
+measured plan put on stage k. Ops are named as in ``plan.json``'s ``stages[].nodes``, so
+an op keeps its factor wherever the new plan puts it; an op the measured plan did not
+have takes the median factor. Memory: where every stage had a device of its own, the
+ratio of measured to predicted peak, over what varies with the split (everything but
+parameters, gradients, optimizer state and stashed weights), scales each op's saved
+activations likewise. Communication is bytes over link bandwidth and is not rescaled.
+
+Calibration rewrites ``meta.TIME`` (and ``meta.BYTES``) before ``lower``: the solver
+sees calibrated costs and nothing else changes.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch.fx
+
+from fxpipe import meta
+from fxpipe.passes.base import OP_NODES
+
+__all__ = ["Calibration", "StageFactors", "StageFigures", "apply", "fit"]
+
+
+@dataclass(frozen=True)
+class StageFigures:
+    """One stage of the measured plan: its op names and a figure pair per cost."""
+
+    nodes: tuple[str, ...]
+    forward_s: float
+    backward_s: float
+    # bytes that vary with the split: predicted total minus parameter state; None
+    # where the measurement has no memory of this stage alone
+    memory: float | None = None
+
+
+@dataclass(frozen=True)
+class StageFactors:
+    """measured / predicted of one stage (1.0 where nothing was predicted)."""
+
+    forward: float
+    backward: float
+    memory: float | None = None  # None: memory not calibrated
+
+
+@dataclass(frozen=True)
+class Calibration:
+    stages: tuple[StageFactors, ...]  # per stage of the measured plan
+    stage_of: dict[str, int]  # op name -> its stage in the measured plan
+    median: StageFactors  # for ops the measured plan did not have
+
+    def factors(self, name: str) -> StageFactors:
+        k = self.stage_of.get(name)
+        return self.median if k is None else self.stages[k]
+
+
+def fit(predicted: Sequence[StageFigures], measured: Sequence[StageFigures]) -> Calibration:
+    """Per-stage factors: ``measured[k]`` / ``predicted[k]`` (same stages, same order)."""
+    assert len(predicted) == len(measured), (len(predicted), len(measured))
+
+    def ratio(m: float | None, p: float | None) -> float | None:
+        if m is None or p is None or p <= 0 or m <= 0:
+            return None
+        return m / p
+
+    stages = []
+    for p, m in zip(predicted, measured, strict=True):
+        stages.append(StageFactors(
+            forward=ratio(m.forward_s, p.forward_s) or 1.0,
+            backward=ratio(m.backward_s, p.backward_s) or 1.0,
+            memory=ratio(m.memory, p.memory),
+        ))
+    memories = [s.memory for s in stages if s.memory is not None]
+    median = StageFactors(
+        forward=statistics.median(s.forward for s in stages),
+        backward=statistics.median(s.backward for s in stages),
+        memory=statistics.median(memories) if memories else None,
+    )
+    stage_of = {name: k for k, p in enumerate(predicted) for name in p.nodes}
+    return Calibration(stages=tuple(stages), stage_of=stage_of, median=median)
+
+
+def apply(gm: torch.fx.GraphModule, calibration: Calibration) -> int:
+    """Rescale every op's time (and saved bytes, where memory was calibrated); returns
+    how many ops the measured plan did not name (they took the median factor)."""
+    unknown = 0
+    for node in gm.graph.nodes:
+        if node.op not in OP_NODES:
+            continue
+        unknown += node.name not in calibration.stage_of
+        f = calibration.factors(node.name)
+        time = meta.TIME.get(node)
+        meta.TIME.set(node, meta.TimeInfo(
+            forward_s=time.forward_s * f.forward,
+            backward_s=time.backward_s * f.backward,
+            source=f"{time.source}+calibrated",
+        ))
+        if f.memory is not None and meta.BYTES.has(node):
+            info = meta.BYTES.get(node)
+            meta.BYTES.set(node, replace(info, saved_bytes=round(info.saved_bytes * f.memory)))
+    return unknown

@@ -1,0 +1,171 @@
+"""The report card: a plan's predictions next to what a training step measured.
+
+Per stage, predicted and measured forward, backward and communication seconds (per
+micro-batch) and memory, each with the ratio measured / predicted; the stage that is
+the real bottleneck (largest measured forward + backward + communication) and whether
+it is the one the plan expected. Whether a re-plan would move a cut needs the model's
+op costs, which plan.json does not hold: ``fxpipe report ... --model MODEL`` re-plans and
+says, ``fxpipe split MODEL --calibrate measured.json`` writes the re-made plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fxpipe.cost_models.calibrate import StageFigures
+from fxpipe.plan import Plan
+from fxpipe.runtime.measure import Measured
+from fxpipe.units import format_bytes, format_ms
+
+__all__ = ["Card", "StageRow", "compare", "render_card"]
+
+
+@dataclass(frozen=True)
+class StageRow:
+    index: int
+    predicted: tuple[float, float, float]  # forward, backward, comm seconds per micro-batch
+    measured: tuple[float, float, float]
+    predicted_memory: int
+    measured_memory: int | None
+    device: str  # where it was measured
+
+    @property
+    def predicted_s(self) -> float:
+        return sum(self.predicted)
+
+    @property
+    def measured_s(self) -> float:
+        return sum(self.measured)
+
+    @property
+    def ratios(self) -> tuple[float | None, float | None, float | None]:
+        f, b, c = (ratio(m, p) for m, p in zip(self.measured, self.predicted, strict=True))
+        return f, b, c
+
+    @property
+    def memory_ratio(self) -> float | None:
+        if self.measured_memory is None:
+            return None
+        return ratio(self.measured_memory, self.predicted_memory)
+
+
+@dataclass(frozen=True)
+class Card:
+    plan: Plan
+    measured: Measured
+    rows: tuple[StageRow, ...]
+
+    @property
+    def planned_bottleneck(self) -> int:
+        return max(self.rows, key=lambda r: r.predicted_s).index
+
+    @property
+    def measured_bottleneck(self) -> int:
+        return max(self.rows, key=lambda r: r.measured_s).index
+
+    @property
+    def holds(self) -> bool:
+        """The planned bottleneck is the measured one."""
+        return self.planned_bottleneck == self.measured_bottleneck
+
+    @property
+    def own_devices(self) -> bool:
+        """Every stage measured on a device of its own, so a peak is that stage's."""
+        devices = [r.device for r in self.rows]
+        return len(set(devices)) == len(devices)
+
+    def figures(self) -> tuple[list[StageFigures], list[StageFigures]]:
+        """(predicted, measured) per stage, for a calibration; memory only where a
+        measured peak is the stage's own, and only its part that varies with the split."""
+        predicted, measured = [], []
+        for row, stage in zip(self.rows, self.plan.stages, strict=True):
+            fixed = (stage.memory.params + stage.memory.grads + stage.memory.optimizer
+                     + stage.memory.stashed)
+            memory = row.measured_memory is not None and self.own_devices
+            predicted.append(StageFigures(stage.nodes, row.predicted[0], row.predicted[1],
+                                          stage.memory.total - fixed if memory else None))
+            measured.append(StageFigures(
+                stage.nodes, row.measured[0], row.measured[1],
+                float(row.measured_memory - fixed)
+                if memory and row.measured_memory is not None else None))
+        return predicted, measured
+
+
+def ratio(measured: float, predicted: float) -> float | None:
+    return measured / predicted if predicted > 0 else None
+
+
+def compare(plan: Plan, measured: Measured, *, source: str = "the measurement") -> Card:
+    """The plan's figures against ``measured``; a ValueError if they are not of one plan."""
+    if len(measured.stages) != plan.num_stages:
+        raise ValueError(
+            f"{source} has {len(measured.stages)} stages but the plan has {plan.num_stages}; "
+            f"measure the package this plan generated."
+        )
+    if measured.microbatches != plan.microbatches:
+        raise ValueError(
+            f"{source} ran {measured.microbatches} micro-batches per step but the plan has "
+            f"{plan.microbatches}; measure the package this plan generated."
+        )
+    rows = tuple(
+        StageRow(
+            index=stage.index,
+            predicted=(stage.forward_s, stage.backward_s, stage.comm_s),
+            measured=(m.forward_s, m.backward_s, m.comm_s),
+            predicted_memory=stage.memory.total,
+            measured_memory=m.peak_memory_bytes,
+            device=m.device,
+        )
+        for stage, m in zip(plan.stages, measured.stages, strict=True)
+    )
+    return Card(plan=plan, measured=measured, rows=rows)
+
+
+def render_card(card: Card) -> str:
+    """The report card as Markdown: a table per stage, then the verdict."""
+    m = card.measured
+    lines = [
+        f"# Report card: {card.plan.model or 'plan'} on {m.device}",
+        "",
+        f"Measured {m.steps} steps ({m.clock} clock), {m.microbatches} micro-batches each; "
+        f"times per micro-batch, ratio = measured / predicted.",
+        "",
+        "| stage | forward | backward | comm | memory | stage time |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in card.rows:
+        cells = [
+            _cell(format_ms(p), format_ms(x), r)
+            for p, x, r in zip(row.predicted, row.measured, row.ratios, strict=True)
+        ]
+        memory = (_cell(format_bytes(row.predicted_memory), format_bytes(row.measured_memory),
+                        row.memory_ratio)
+                  if row.measured_memory is not None
+                  else f"{format_bytes(row.predicted_memory)} → not measured")
+        total = _cell(format_ms(row.predicted_s), format_ms(row.measured_s),
+                      ratio(row.measured_s, row.predicted_s))
+        lines.append(f"| {row.index} | " + " | ".join([*cells, memory, total]) + " |")
+    predicted_step = card.plan.estimate.iteration_s
+    lines += [
+        "",
+        f"Step: predicted {format_ms(predicted_step)}, measured {format_ms(m.step_s)}"
+        + _times(ratio(m.step_s, predicted_step)) + ".",
+        f"Bottleneck: planned stage {card.planned_bottleneck}, measured stage "
+        f"{card.measured_bottleneck}"
+        + (" — the plan's choice holds." if card.holds
+           else " — the plan's choice does not hold."),
+        "Whether a re-plan with these measurements moves a cut: add `--model MODEL`; "
+        "`fxpipe split MODEL --calibrate MEASURED.json` writes that plan.",
+    ]
+    if m.clock == "wall":
+        lines.append("Measured on the CPU by wall clock: the ratios compare this machine "
+                     f"with the plan's device ({card.plan.device or 'unknown'}).")
+    return "\n".join(lines) + "\n"
+
+
+def _times(r: float | None) -> str:
+    return "" if r is None else f" (×{r:.2f})"
+
+
+def _cell(predicted: str, measured: str, r: float | None) -> str:
+    return f"{predicted} → {measured}{_times(r)}"

@@ -1,0 +1,318 @@
+"""A plan's report card: what each stage really costs in a training step.
+
+    with runner.measure(warmup=1) as card:
+        for batch, target in data:
+            runner.step(batch, target, loss_fn)
+    card.save("fxpipe-out/measured.json")
+
+For every step after the first ``warmup`` ones the runner times, per stage, its
+forwards, its backwards and its sends and receives (CUDA events on the stage's stream on
+a GPU, ``time.perf_counter`` on the CPU), and the step itself. A forward or backward span
+excludes the receives and sends nested in it, which count as communication. On CUDA the
+step synchronizes once at its end, and only while measuring, to read the events.
+
+``measured.json`` (``FORMAT``, ``VERSION``), every time in seconds:
+
+    {"format": "fxpipe-measured", "version": 1,
+     "device": "cpu" | "<CUDA device name>", "clock": "wall" | "cuda-events",
+     "microbatches": M, "warmup_steps": 1, "steps": N (steps measured),
+     "step_s": median wall time of a step,
+     "stages": [{"index": k, "forward_s": ..., "backward_s": ..., "comm_s": ...,
+                 "peak_memory_bytes": int | null, "device": "cpu" | "cuda:0"}, ...]}
+
+A stage's ``forward_s``, ``backward_s`` and ``comm_s`` are per micro-batch, like a plan's:
+the step's total for the stage divided by M, the median over the measured steps. A
+recomputed stage's backward includes its recomputed forward. ``peak_memory_bytes`` is
+``torch.cuda.max_memory_allocated`` of the stage's device over the measured steps (stages
+sharing a device share the figure); null on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "Measured",
+    "MeasuredSteps",
+    "Recorder",
+    "ReportCard",
+    "StageMeasure",
+    "load_card",
+    "timed",
+]
+
+FORMAT = "fxpipe-measured"
+VERSION = 1
+KINDS = ("forward", "backward", "comm")
+
+
+@dataclass(frozen=True)
+class StageMeasure:
+    """One stage's measured seconds per micro-batch, and its device's peak bytes."""
+
+    index: int
+    forward_s: float
+    backward_s: float
+    comm_s: float
+    peak_memory_bytes: int | None = None
+    device: str = "cpu"
+
+    @property
+    def time_s(self) -> float:
+        return self.forward_s + self.backward_s + self.comm_s
+
+
+class ReportCard:
+    """Measured steps of one runner; filled while ``PipelineRunner.measure`` is active."""
+
+    def __init__(self, num_stages: int, microbatches: int, *, warmup: int = 1,
+                 device: str = "cpu", clock: str = "wall") -> None:
+        if warmup < 0:
+            raise ValueError(f"warmup must be 0 or more steps, got {warmup}.")
+        self.num_stages = num_stages
+        self.microbatches = microbatches
+        self.warmup = warmup
+        self.device = device
+        self.clock = clock
+        self.seen = 0  # steps run, warm-up included
+        # per measured step: per stage, per kind, total seconds of the step
+        self.totals: list[list[dict[str, float]]] = []
+        self.step_times: list[float] = []
+        self.peak_memory: list[int | None] = [None] * num_stages
+        self.stage_devices: list[str] = ["cpu"] * num_stages
+
+    @property
+    def steps(self) -> int:
+        return len(self.step_times)
+
+    def add_step(self, totals: list[dict[str, float]], step_s: float) -> None:
+        assert len(totals) == self.num_stages, (len(totals), self.num_stages)
+        self.totals.append(totals)
+        self.step_times.append(step_s)
+
+    def stages(self) -> list[StageMeasure]:
+        if not self.totals:
+            raise ValueError(
+                f"No step was measured ({self.seen} run, {self.warmup} of warm-up); run more "
+                f"steps inside runner.measure(...) or lower warmup."
+            )
+        M = self.microbatches
+
+        def median(k: int, kind: str) -> float:
+            return statistics.median(step[k][kind] for step in self.totals) / M
+
+        return [StageMeasure(k, median(k, "forward"), median(k, "backward"), median(k, "comm"),
+                             self.peak_memory[k], self.stage_devices[k])
+                for k in range(self.num_stages)]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "version": VERSION,
+            "device": self.device,
+            "clock": self.clock,
+            "microbatches": self.microbatches,
+            "warmup_steps": self.warmup,
+            "steps": self.steps,
+            "step_s": statistics.median(self.step_times) if self.step_times else 0.0,
+            "stages": [
+                {"index": s.index, "forward_s": s.forward_s, "backward_s": s.backward_s,
+                 "comm_s": s.comm_s, "peak_memory_bytes": s.peak_memory_bytes,
+                 "device": s.device}
+                for s in self.stages()
+            ],
+        }
+
+    def save(self, path: str | Path) -> Path:
+        """Write ``measured.json`` (see the module docstring) to ``path``."""
+        path = Path(path)
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        return path
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A ``measured.json`` as read back."""
+
+    device: str
+    clock: str
+    microbatches: int
+    steps: int
+    step_s: float
+    stages: tuple[StageMeasure, ...]
+
+
+def load_card(path: str | Path) -> Measured:
+    """Read and check a ``measured.json``; a ValueError names what is wrong with it."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no such file; write one with runner.measure(...) and "
+                         f"card.save(path).")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path}: not JSON ({exc}); pass the file card.save wrote.") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise ValueError(f"{path}: not an fxpipe measurement (no \"format\": \"{FORMAT}\"); "
+                         f"pass the file card.save wrote.")
+    if data.get("version") != VERSION:
+        raise ValueError(f"{path}: measurement version {data.get('version')!r}, this fxpipe "
+                         f"reads version {VERSION}; measure again with this fxpipe's runtime.")
+    try:
+        stages = tuple(
+            StageMeasure(int(s["index"]), float(s["forward_s"]), float(s["backward_s"]),
+                         float(s["comm_s"]),
+                         None if s.get("peak_memory_bytes") is None
+                         else int(s["peak_memory_bytes"]), str(s.get("device", "cpu")))
+            for s in data["stages"]
+        )
+        measured = Measured(str(data["device"]), str(data["clock"]), int(data["microbatches"]),
+                            int(data["steps"]), float(data["step_s"]), stages)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ValueError(f"{path}: a field is missing or malformed ({exc!r}); pass the file "
+                         f"card.save wrote.") from None
+    if [s.index for s in stages] != list(range(len(stages))) or not stages:
+        raise ValueError(f"{path}: stages must be listed 0, 1, ... in order, got "
+                         f"{[s.index for s in stages]}.")
+    return measured
+
+
+class Recorder:
+    """Times the spans of the runner's steps into its ``card``; ``devices``: one per stage
+    (None: the CPU), ``streams``: stage -> its CUDA compute stream (None on the CPU)."""
+
+    def __init__(self, num_stages: int, microbatches: int, warmup: int,
+                 devices: Sequence[torch.device] | None,
+                 streams: Callable[[int], Any]) -> None:
+        first = devices[0] if devices else None
+        on_cuda = first is not None and first.type == "cuda"
+        self.card = ReportCard(num_stages, microbatches, warmup=warmup,
+                               device=torch.cuda.get_device_name(first) if on_cuda else "cpu",
+                               clock="cuda-events" if on_cuda else "wall")
+        self.stream_of = streams
+        self.cuda = sorted({d for d in devices or [] if d.type == "cuda"}, key=str)
+        self.devices = devices
+        self.active = False
+        self.start = 0.0
+        # (stage, kind, start, end) of this step's spans; kind "-forward" / "-backward" is
+        # a comm span nested in one, to take off it
+        self.spans: list[tuple[int, str, Any, Any]] = []
+        self.open: list[tuple[int, str]] = []  # forward / backward spans open, innermost last
+
+    def _now(self, k: int) -> Any:
+        stream = self.stream_of(k)
+        if stream is None:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        self.active = self.card.seen >= self.card.warmup
+        if self.active and self.card.steps == 0:
+            for dev in self.cuda:
+                torch.cuda.synchronize(dev)
+                torch.cuda.reset_peak_memory_stats(dev)
+        self.spans = []
+        self.start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.card.seen += 1
+            measured, self.active = self.active, False  # forward() between steps: untimed
+        if not measured:
+            return
+        for dev in self.cuda:
+            torch.cuda.synchronize(dev)
+        step_s = time.perf_counter() - self.start
+        totals = [dict.fromkeys(KINDS, 0.0) for _ in range(self.card.num_stages)]
+        for k, kind, start, end in self.spans:  # "-forward": comm nested in a forward
+            sign = -1.0 if kind.startswith("-") else 1.0
+            totals[k][kind.lstrip("-")] += sign * _elapsed(start, end)
+        for t in totals:
+            for kind in KINDS:
+                t[kind] = max(0.0, t[kind])
+        self.card.add_step(totals, step_s)
+        for k, dev in enumerate(self.devices or []):
+            self.card.stage_devices[k] = str(dev)
+            if dev.type == "cuda":
+                self.card.peak_memory[k] = int(torch.cuda.max_memory_allocated(dev))
+
+    @contextlib.contextmanager
+    def span(self, k: int, kind: str) -> Iterator[None]:
+        """Time ``kind`` ("forward", "backward" or "comm") of stage k; a comm span inside
+        stage k's open forward or backward is taken off that span."""
+        if not self.active:
+            yield
+            return
+        start = self._now(k)
+        yield
+        end = self._now(k)
+        self.spans.append((k, kind, start, end))
+        if kind == "comm":
+            outer = next((o for o in reversed(self.open) if o[0] == k), None)
+            if outer is not None:
+                self.spans.append((k, "-" + outer[1], start, end))
+
+    @contextlib.contextmanager
+    def compute(self, k: int, kind: str) -> Iterator[None]:
+        """A forward or backward span of stage k, which comm spans can nest in."""
+        self.open.append((k, kind))
+        try:
+            with self.span(k, kind):
+                yield
+        finally:
+            self.open.pop()
+
+
+class MeasuredSteps:
+    """``PipelineRunner.measure``: the runner's steps timed into a report card."""
+
+    stages: Sequence[Any]
+    microbatches: int
+    devices: list[torch.device] | None
+    streams: Any
+    _recorder: Recorder | None = None  # while measure() is active
+
+    @contextlib.contextmanager
+    def measure(self, *, warmup: int = 1) -> Iterator[ReportCard]:
+        """Time every ``step`` run inside, after the first ``warmup``: each stage's
+        forward, backward and communication, its device's peak memory and the step;
+        ``card.save(path)`` writes them as ``measured.json``."""
+        self._recorder = Recorder(len(self.stages), self.microbatches, warmup, self.devices,
+                                  lambda k: self.streams.compute[k])
+        try:
+            yield self._recorder.card
+        finally:
+            self._recorder = None
+
+
+def timed(recorder: Recorder | None, k: int | None = None,
+          kind: str = "") -> contextlib.AbstractContextManager[None]:
+    """While measuring (``recorder`` not None): a whole step (``k`` None), or a span of
+    stage k's ``kind`` ("F" or "forward", "B" or "backward", "comm"); otherwise nothing."""
+    if recorder is None:
+        return contextlib.nullcontext()
+    if k is None:
+        return recorder.step()
+    if kind == "comm":
+        return recorder.span(k, kind)
+    return recorder.compute(k, {"F": "forward", "B": "backward"}.get(kind, kind))
+
+
+def _elapsed(start: Any, end: Any) -> float:
+    if isinstance(start, float):
+        return float(end - start)
+    return float(start.elapsed_time(end)) / 1000.0  # CUDA events give milliseconds

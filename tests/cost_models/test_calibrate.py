@@ -1,0 +1,99 @@
+"""Calibration: per-stage factors fitted from a report card rescale node times, and a
+re-plan with them moves work away from the stage that measured slow."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.fx
+from torch import nn
+
+from fxpipe import meta
+from fxpipe.compiler import SplitOptions, analyze, analyze_file, plan_split
+from fxpipe.cost_models import get_device
+from fxpipe.cost_models.calibrate import StageFigures, apply, fit
+from fxpipe.lower import lower
+from fxpipe.partition import evaluate
+from fxpipe.profile import auto_depth
+from fxpipe.report.card import compare
+from fxpipe.runtime.measure import Measured, StageMeasure
+from fxpipe.schedules import ScheduleKind
+
+MLP = str(Path(__file__).resolve().parents[2] / "examples" / "mlp.py")
+
+
+def test_factors_are_measured_over_predicted_and_follow_the_op() -> None:
+    gm = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2)))
+    ops = [n for n in gm.graph.nodes if n.op == "call_module"]
+    for node in ops:
+        meta.TIME.set(node, meta.TimeInfo(1.0, 2.0, "analytic:test"))
+    a, b, c = (n.name for n in ops)
+    # the measured plan had a on stage 0 and b on stage 1; c is new
+    predicted = [StageFigures((a,), 1.0, 2.0), StageFigures((b,), 1.0, 2.0)]
+    measured = [StageFigures((a,), 3.0, 2.0), StageFigures((b,), 1.0, 8.0)]
+    fitted = fit(predicted, measured)
+    assert [(f.forward, f.backward) for f in fitted.stages] == [(3.0, 1.0), (1.0, 4.0)]
+    assert (fitted.median.forward, fitted.median.backward) == (2.0, 2.5)
+    assert apply(gm, fitted) == 1  # c took the median
+    times = {n.name: meta.TIME.get(n) for n in ops}
+    assert (times[a].forward_s, times[a].backward_s) == (3.0, 2.0)
+    assert (times[b].forward_s, times[b].backward_s) == (1.0, 8.0)
+    assert (times[c].forward_s, times[c].backward_s) == (2.0, 5.0)
+    assert times[c].source == "analytic:test+calibrated"
+
+
+def test_a_stage_measured_twice_as_slow_gives_up_work() -> None:
+    cpu = get_device("cpu")
+    options = SplitOptions(gpus=3, device=cpu, memory_limit=float(cpu.memory_bytes),
+                           microbatches=4, schedule=ScheduleKind.ONE_F_ONE_B)
+    source, traced = analyze_file(MLP, device=cpu)
+    plan = plan_split(traced, label=source.label, options=options)
+    slow = 1
+    measured = Measured("cpu", "wall", plan.microbatches, 2, plan.estimate.iteration_s, tuple(
+        StageMeasure(s.index, s.forward_s * (2 if s.index == slow else 1),
+                     s.backward_s * (2 if s.index == slow else 1), s.comm_s)
+        for s in plan.stages))
+
+    analyze(traced, device=cpu)  # fresh costs: calibration rescales them in place
+    again = plan_split(traced, label=source.label, options=options,
+                       calibrate_from=compare(plan, measured))
+
+    assert len(again.stages[slow].nodes) < len(plan.stages[slow].nodes)
+    assert set(again.stages[slow].nodes) < set(plan.stages[slow].nodes)
+    assert any("forward per stage ×1.00, ×2.00, ×1.00, backward ×1.00, ×2.00, ×1.00" in note
+               for note in again.notes)
+    assert any("ops moved to another stage" in note for note in again.notes)
+
+    # Under the calibrated costs (the graph now holds them) the new plan is no worse
+    # than the measured plan's cut, and strictly better here.
+    lowered = lower(traced.gm, num_stages=3, device=cpu, memory_limit=options.memory_limit,
+                    schedule=options.schedule, microbatches=options.microbatches,
+                    block_depth=auto_depth(traced.gm))
+    names = [op.name for op in lowered.ops]
+    old_cut, new_cut = plan.stage_of(), again.stage_of()
+    before = evaluate(lowered.problem, [old_cut[n] for n in names])
+    after = evaluate(lowered.problem, [new_cut[n] for n in names])
+    assert after.bottleneck_s == pytest.approx(again.estimate.bottleneck_s)
+    assert after.bottleneck_s < before.bottleneck_s
+    # the slow stage's calibrated time is twice what the plan predicted for the same ops
+    assert before.stages[slow].forward_s == pytest.approx(2 * plan.stages[slow].forward_s)
+
+
+def test_memory_factor_scales_saved_activations() -> None:
+    gm = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+    ops = [n for n in gm.graph.nodes if n.op == "call_module"]
+    for node in ops:
+        meta.TIME.set(node, meta.TimeInfo(1.0, 1.0, "analytic:test"))
+        meta.BYTES.set(node, meta.MemoryInfo(param_bytes=24, buffer_bytes=0, output_bytes=8,
+                                             saved_bytes=100))
+    a, b = (n.name for n in ops)
+    predicted = [StageFigures((a,), 1.0, 1.0, 1000.0), StageFigures((b,), 1.0, 1.0, None)]
+    measured = [StageFigures((a,), 1.0, 1.0, 1500.0), StageFigures((b,), 1.0, 1.0, None)]
+    fitted = fit(predicted, measured)
+    assert [f.memory for f in fitted.stages] == [1.5, None]
+    apply(gm, fitted)
+    saved = {n.name: meta.BYTES.get(n).saved_bytes for n in ops}
+    assert saved == {a: 150, b: 100}  # b's stage had no memory of its own measured
+    assert meta.BYTES.get(ops[0]).param_bytes == 24  # parameters are exact, never scaled
