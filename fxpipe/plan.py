@@ -50,7 +50,7 @@ class StagePlan:
     flops_forward: int = 0
     flops_backward: int = 0
     forward_s: float = 0.0
-    backward_s: float = 0.0
+    backward_s: float = 0.0  # input gradient (B) + weight gradient (W)
     comm_s: float = 0.0  # send + receive time per micro-batch
     memory: StageMemory = field(default_factory=StageMemory)
     recompute: bool = False
@@ -58,6 +58,12 @@ class StagePlan:
     # of every micro-batch, gradients all-reduced). forward_s/backward_s are per replica
     # (already divided by replicas); comm_s includes the all-reduce.
     replicas: int = 1
+    backward_weight_s: float = 0.0  # the weight-gradient (W) part of backward_s
+
+    @property
+    def backward_input_s(self) -> float:
+        """The input-gradient (B) part of backward_s, a recomputed forward included."""
+        return self.backward_s - self.backward_weight_s
 
     @property
     def time_s(self) -> float:
@@ -167,6 +173,7 @@ class Plan:
         del data["solver"]["wall_clock_stopped"]
         for stage, raw in zip(self.stages, data["stages"], strict=True):
             raw["time_s"] = stage.time_s
+            raw["backward_input_s"] = stage.backward_input_s
             raw["memory"]["total"] = stage.memory.total
         if self.memory_limit == float("inf"):
             data["memory_limit"] = None
@@ -180,6 +187,7 @@ class Plan:
         def stage(raw: dict[str, Any]) -> StagePlan:
             raw = dict(raw)
             raw.pop("time_s", None)
+            raw.pop("backward_input_s", None)
             memory = dict(raw.pop("memory", {}))
             memory.pop("total", None)
             tuples: dict[str, tuple[Any, ...]] = {

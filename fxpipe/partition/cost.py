@@ -76,6 +76,8 @@ class StageSums:
     transient: int = 0  # the largest gradients one of its nodes' backward has alive
     received: int = 0  # values it receives (NEIGHBOUR: also the ones it passes on)
     kept: int = 0  # values its nodes produce that a later stage reads or the model returns
+    backward_weight_s: float = 0.0  # the weight-gradient (W) part of backward_s
+    deferred: int = 0  # bytes W keeps from its micro-batch's B until it runs
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,11 @@ class StageCost:
     memory: StageMemory
     replicas: int = 1
     recompute: bool = False
+    backward_weight_s: float = 0.0  # the W part of backward_s (a recomputed forward is B's)
+
+    @property
+    def backward_input_s(self) -> float:
+        return self.backward_s - self.backward_weight_s
 
     @property
     def time_s(self) -> float:
@@ -135,7 +142,7 @@ def stage_cost(problem: Problem, j: int, sums: StageSums, *, flight: int, recomp
     backward_s = sums.backward_s + (sums.forward_s if recompute else 0.0)
     return StageCost(sums.forward_s / replicas, backward_s / replicas,
                      sums.comm_s + allreduce_s(problem, sums.own_params, replicas), memory,
-                     replicas, recompute)
+                     replicas, recompute, sums.backward_weight_s / replicas)
 
 
 def recompute_options(problem: Problem) -> tuple[bool, ...]:

@@ -177,6 +177,8 @@ def stage_sums(problem: Problem, stage_of: Sequence[int]) -> list[StageSums]:
     K = problem.num_stages
     forward = [0.0] * K
     backward = [0.0] * K
+    weight = [0.0] * K
+    deferred = [0] * K
     comm = [0.0] * K
     params = [0] * K
     own_params = [0] * K
@@ -189,6 +191,8 @@ def stage_sums(problem: Problem, stage_of: Sequence[int]) -> list[StageSums]:
         j = stage_of[v]
         forward[j] += node.forward_s
         backward[j] += node.backward_s
+        weight[j] += node.backward_weight_s
+        deferred[j] += node.deferred_bytes
         params[j] += node.param_bytes
         own_params[j] += node.param_bytes
         activations[j] += node.activation_bytes
@@ -232,7 +236,8 @@ def stage_sums(problem: Problem, stage_of: Sequence[int]) -> list[StageSums]:
     return [StageSums(forward_s=forward[j], backward_s=backward[j], comm_s=comm[j],
                       params=params[j], own_params=own_params[j],
                       activations=activations[j], transient=transient[j],
-                      received=received[j], kept=kept[j]) for j in range(K)]
+                      received=received[j], kept=kept[j], backward_weight_s=weight[j],
+                      deferred=deferred[j]) for j in range(K)]
 
 
 def step_estimate(problem: Problem, stages: Sequence[StageCost]) -> Estimate:

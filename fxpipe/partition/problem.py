@@ -66,7 +66,7 @@ class Node:
 
     name: str
     forward_s: float
-    backward_s: float
+    backward_s: float  # input gradient (B) + weight gradient (W)
     param_bytes: int = 0  # parameters owned (tied parameters: see TiedGroup, not here)
     activation_bytes: int = 0  # saved for backward per micro-batch in flight
     # Gradients its backward allocates for one micro-batch: its output's (unless the model
@@ -80,6 +80,16 @@ class Node:
     # Its value is (part of) the model's output: the runner keeps it until the micro-batch's
     # backward and the loss reads it. A coarse node is returned if any member is.
     returned: bool = False
+    # The weight-gradient (W) part of ``backward_s``: a zero-bubble schedule runs it apart
+    # from the input gradient (B), later, in the bubbles.
+    backward_weight_s: float = 0.0
+    # Bytes W keeps alive from its micro-batch's B until it runs: the saved inputs of the
+    # ops that have weight gradients (a linear's X, for dW = dY^T X).
+    deferred_bytes: int = 0
+
+    @property
+    def backward_input_s(self) -> float:
+        return self.backward_s - self.backward_weight_s
 
 
 @dataclass(frozen=True)
