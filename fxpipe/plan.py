@@ -31,12 +31,16 @@ class StageMemory:
     outputs: int = 0
     loss: int = 0  # the loss on the last stage: what it saves for backward + its gradient
     backward: int = 0  # gradients alive while its largest node runs backward (one micro-batch)
+    # zero-bubble schedules: what each waiting weight gradient (W) keeps alive after its
+    # micro-batch's input gradient ran, times the micro-batches whose W waits at the peak
+    deferred: int = 0
 
     @property
     def total(self) -> int:
         return (
             self.params + self.grads + self.optimizer + self.activations + self.received
             + self.outputs + self.loss + self.backward + self.stashed + self.workspace
+            + self.deferred
         )
 
 

@@ -536,6 +536,9 @@ class ScheduleKind(str, Enum):
     ONE_F_ONE_B = "1f1b"
     INTERLEAVED = "interleaved"
     PIPEDREAM = "pipedream"
+    ZB1P = "zb1p"
+    ZBV = "zbv"
+    DUALPIPEV = "dualpipev"
 
     @property
     def spec(self) -> KindSpec:
@@ -570,6 +573,13 @@ class KindSpec:
     # the torch.distributed.pipelining class the torchrun pipeline runs it with; None:
     # the single-process runner only
     torch_class: str | None = None
+    # each backward split into I (input gradient) and W (weight gradient), W deferred
+    splits_backward: bool = False
+    # two stage modules per GPU in a V: stage j and stage K - 1 - j on GPU j (v = 2)
+    v_placed: bool = False
+    # (K, v, M) -> per stage module, the micro-batches whose W waits at its peak, each
+    # keeping what it needs (``Node.deferred_bytes``)
+    deferred: Callable[[int, int, int], tuple[int, ...]] = lambda k, v, m: (0,) * k
 
 
 def _flush_bubble(positions: int, virtual_stages: int, microbatches: int) -> float:
@@ -656,6 +666,65 @@ KINDS: dict[ScheduleKind, KindSpec] = {
         stashes_weights=True,
     ),
 }
+
+
+def _zero_bubble_table(kind: str) -> Callable[[int, int, int], Table]:
+    def table(num_stages: int, virtual_stages: int, microbatches: int) -> Table:
+        if kind == "zb1p":
+            return zb1p(num_stages, microbatches)
+        if num_stages % 2:
+            raise ValueError(f"The {kind} schedule places two stage modules per GPU: it needs "
+                             f"an even number of stages, not {num_stages}.")
+        build = zbv if kind == "zbv" else dualpipev
+        return build(num_stages // 2, microbatches)
+    return table
+
+
+@functools.cache
+def _zero_bubble_peaks(kind: str, num_stages: int, microbatches: int,
+                       ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(activations in flight, weight gradients waiting) per stage module, at their peaks,
+    read off the table."""
+    table = _zero_bubble_table(kind)(num_stages, 1, microbatches)
+    return (tuple(peak_in_flight(table, num_stages)), tuple(peak_deferred(table, num_stages)))
+
+
+def _zero_bubble_fraction(chunks: int) -> Callable[[int, int, int], float]:
+    """With F = I = W, a GPU idles K - 1 ticks of 3 v M + K - 1 (see ``zb1p``, ``zbv``)."""
+    return lambda p, v, m: (p - 1) / (3 * chunks * m + p - 1)
+
+
+def _zero_bubble_ratio(chunks: int) -> Callable[[int, int, int], float]:
+    return lambda p, v, m: (p - 1) / (3 * chunks * m)
+
+
+_ZB_BUBBLE = "(K − 1)(T_F + T_B − T_W) per GPU, B the input gradient"
+_ZB_RATIO = "(K − 1)(T_F + T_B − T_W) / (M·(T_F + T_B + T_W))"
+for _name, _chunks, _summary, _torch in (
+    ("zb1p", 1, "ZB-H1 (Zero Bubble, Qi et al. 2024): 1F1B's order and activation memory, "
+     "each backward split into the input gradient (B, on the critical path) and the weight "
+     "gradient (W), the weight gradients deferred into the bubbles",
+     "ScheduleInterleavedZeroBubble"),
+    ("zbv", 2, "ZB-V: two stage modules per GPU in a V (stage j and stage {k1} - j on GPU "
+     "j), each backward split into B and W, the weight gradients filling the bubbles",
+     "ScheduleZBVZeroBubble"),
+    ("dualpipev", 2, "DeepSeek's DualPipe-V: the V placement of ZB-V, one chunk's forward "
+     "paired with the other's backward; priced as ZB-V (fxpipe does not generate the "
+     "overlapped forward-backward that would hide communication)", "ScheduleDualPipeV"),
+):
+    KINDS[ScheduleKind(_name)] = KindSpec(
+        summary=_summary,
+        table=_zero_bubble_table(_name),
+        flights=lambda k, v, m, name=_name: _zero_bubble_peaks(name, k, m)[0],
+        bubble_fraction=_zero_bubble_fraction(_chunks),
+        bubble_formula=_ZB_BUBBLE,
+        bubble_ratio=_zero_bubble_ratio(_chunks),
+        bubble_ratio_formula=_ZB_RATIO,
+        torch_class=_torch,
+        splits_backward=True,
+        v_placed=_chunks == 2,
+        deferred=lambda k, v, m, name=_name: _zero_bubble_peaks(name, k, m)[1],
+    )
 
 
 def kind_of(name: str) -> ScheduleKind:

@@ -83,7 +83,7 @@ def test_backward_splits_into_input_and_weight_parts_down_to_the_plan() -> None:
     device = get_device("h100")
     analyze(traced, device=device)
     p = lower(traced.gm, num_stages=2, device=device, memory_limit=float("inf"),
-              schedule=Schedule.ONE_F_ONE_B, microbatches=2).problem
+              schedule=ScheduleKind.ONE_F_ONE_B, microbatches=2).problem
     by_name = {n.name: n for n in p.nodes}
     head, body = by_name["head"], by_name["body"]
     assert 0 < head.backward_weight_s < head.backward_s
