@@ -146,10 +146,16 @@ class Plan:
 
     @property
     def num_devices(self) -> int:
-        """GPUs the plan uses: one per stage times its replicas, or K / v when interleaved."""
+        """GPUs the plan uses: one per stage times its replicas, or K / v when interleaved
+        or V-placed."""
         if self.virtual_stages > 1:
             return self.num_stages // self.virtual_stages
         return sum(stage.replicas for stage in self.stages)
+
+    @property
+    def v_placed(self) -> bool:
+        """ZB-V and DualPipeV: stage j and stage K - 1 - j on GPU j."""
+        return self.schedule in ("zbv", "dualpipev")
 
     @property
     def configuration(self) -> str:
@@ -158,6 +164,8 @@ class Plan:
 
     def devices_of(self, stage: int) -> tuple[int, ...]:
         """GPU indices (0 .. num_devices - 1) that run stage module ``stage``."""
+        if self.v_placed:
+            return (stage if stage < self.num_devices else self.num_stages - 1 - stage,)
         if self.virtual_stages > 1:
             return (stage % self.num_devices,)
         first = sum(s.replicas for s in self.stages[:stage])

@@ -3,10 +3,21 @@
 # K: stages, M: micro-batches, j/k: a stage, m: a micro-batch.
 
 The schedule (see schedule.py) is a list of ticks of ``(stage, "F" | "B", m)``
-actions; the runner executes them in order. How a step moves values between
-stages is drawn in values.py, how they cross devices in stream.py, replicated
-stages in replicas.py, tied parameters in devices.py and weight stashing in
-stashing.py.
+actions; the runner executes them in order. A zero-bubble table splits a backward
+into I and W::
+
+    B(k, m)  the whole backward: ``autograd.backward(outputs, grads)``
+    I(k, m)  the input gradient only, what stage k - 1 waits for:
+             ``autograd.backward(outputs, grads, inputs=<stage k's received leaves>,
+             retain_graph=True)``; the graph is kept for W
+    W(k, m)  the weight gradient, later: ``autograd.backward(outputs, grads,
+             inputs=<stage k's parameters>)``, accumulated into ``.grad``
+
+so I then W leave the same ``.grad`` as B (a tied parameter's copies each add theirs).
+
+How a step moves values between stages is drawn in values.py, how they cross
+devices in stream.py, replicated stages in replicas.py, tied parameters in
+devices.py and weight stashing in stashing.py.
 
 On the CPU (``devices=None``) the ticks run in order on one thread. On CUDA
 every stage runs on its device on its own compute stream.
@@ -87,6 +98,11 @@ class PipelineRunner:
         check_schedule(self.schedule, num_stages, microbatches)
         if self.weight_stashing:
             check_unshared(self.stages)
+        if any(kind == "W" for tick in self.schedule for _k, kind, _m in tick) and (
+                self.weight_stashing or any(r > 1 for r in self.replicas)):
+            raise ValueError(
+                "A schedule that splits backwards into I and W runs on unreplicated stages "
+                "without weight stashing: use replicas=None and weight_stashing=False.")
         self.wiring = Wiring(self.stages)
 
         # devices[k]: stage k's own device (its replica 0's); replica_devices[k][i]: replica i's
@@ -163,8 +179,10 @@ class PipelineRunner:
                         continue  # a mini-batch of fewer than M samples
                     if kind == "F":
                         self._train_forward(k, m, state)
+                    elif kind == "W":
+                        self._weight_backward(k, m, state)
                     else:
-                        self._backward(k, m, state)
+                        self._backward(k, m, state, inputs_only=kind == "I")
             total = state.total_loss
         assert total is not None
         return total
@@ -315,7 +333,10 @@ class PipelineRunner:
             state.total_loss = total if state.total_loss is None else state.total_loss + total
         return loss, out_in
 
-    def _backward(self, k: int, m: int, state: StepState) -> None:
+    def _backward(self, k: int, m: int, state: StepState, *, inputs_only: bool = False
+                  ) -> None:
+        """B(k, m), or with ``inputs_only`` I(k, m): the gradients of stage k's received
+        values only, the graph kept for W(k, m) (see the module docstring)."""
         inputs, outputs, rng, stash = state.saved.pop((k, m))
         values = state.values[m]
         with self.streams.on(k):
@@ -324,7 +345,15 @@ class PipelineRunner:
                     outputs = self._run_stage(k, inputs, state.batch[m], stash)
                 values.update(zip(self.wiring.outputs[k], outputs, strict=True))
             tensors, grads, loss_inputs = self._output_grads(k, m, outputs, state)
-            if tensors:
+            if inputs_only:
+                received = [x for name, value in [*inputs.items(), *dict.items(loss_inputs)]
+                            if self.wiring.producer_of(name) not in (GRAPH_INPUT, k)
+                            for x in pytree.tree_leaves(value)
+                            if isinstance(x, torch.Tensor) and x.requires_grad]
+                if tensors and received:
+                    torch.autograd.backward(tensors, grads, inputs=received, retain_graph=True)
+                state.deferred[(k, m)] = (tensors, grads)
+            elif tensors:
                 torch.autograd.backward(tensors, grads)
             done = self.streams.record(k)
             for name, leaf_value in [*inputs.items(), *dict.items(loss_inputs)]:
@@ -344,6 +373,16 @@ class PipelineRunner:
         for name in self.wiring.outputs[k]:  # no later stage reads them any more
             values.pop(name, None)
         state.fwd_events[m].pop(k, None)
+
+    def _weight_backward(self, k: int, m: int, state: StepState) -> None:
+        """W(k, m): the gradients of stage k's parameters from the graph I(k, m) kept,
+        accumulated into their ``.grad``; the graph is freed."""
+        tensors, grads = state.deferred.pop((k, m))
+        weights = [p for p in self.stages[k].parameters() if p.requires_grad]
+        if not (tensors and weights):
+            return
+        with self.streams.on(k):
+            torch.autograd.backward(tensors, grads, inputs=weights)
 
     def _output_grads(self, k: int, m: int, outputs: Any, state: StepState
                       ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], dict[str, Any]]:
