@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from fxpipe.compiler import SplitOptions, analyze_file, plan_split  # noqa: E402
 from fxpipe.cost_models import get_device  # noqa: E402
-from fxpipe.partition import Schedule  # noqa: E402
+from fxpipe.schedules import ScheduleKind  # noqa: E402
 from fxpipe.units import format_bytes  # noqa: E402
 
 MODELS = {
@@ -41,11 +41,11 @@ MODELS = {
 }
 # (label, schedule, virtual stages)
 LAYOUTS = [
-    ("1f1b", Schedule.ONE_F_ONE_B, 1),
-    ("interleaved v=2", Schedule.INTERLEAVED, 2),
-    ("zb1p", Schedule.ZB1P, 1),
-    ("zbv", Schedule.ZBV, 2),
-    ("dualpipev", Schedule.DUALPIPEV, 2),
+    ("1f1b", ScheduleKind.ONE_F_ONE_B, 1),
+    ("interleaved v=2", ScheduleKind.INTERLEAVED, 2),
+    ("zb1p", ScheduleKind.ZB1P, 1),
+    ("zbv", ScheduleKind.ZBV, 2),
+    ("dualpipev", ScheduleKind.DUALPIPEV, 2),
 ]
 
 
@@ -87,7 +87,7 @@ def main() -> int:
                     continue
                 e = plan.estimate
                 throughput = m / e.iteration_s
-                if schedule is Schedule.ONE_F_ONE_B:
+                if schedule is ScheduleKind.ONE_F_ONE_B:
                     base = throughput
                 gain = f"{throughput / base - 1:+.1%}" if base else "-"
                 print(
