@@ -689,6 +689,14 @@ def _zero_bubble_peaks(kind: str, num_stages: int, microbatches: int,
     return (tuple(peak_in_flight(table, num_stages)), tuple(peak_deferred(table, num_stages)))
 
 
+def _zero_bubble_flights(kind: str) -> Callable[[int, int, int], tuple[int, ...]]:
+    return lambda k, v, m: _zero_bubble_peaks(kind, k, m)[0]
+
+
+def _zero_bubble_deferred(kind: str) -> Callable[[int, int, int], tuple[int, ...]]:
+    return lambda k, v, m: _zero_bubble_peaks(kind, k, m)[1]
+
+
 def _zero_bubble_fraction(chunks: int) -> Callable[[int, int, int], float]:
     """With F = I = W, a GPU idles K - 1 ticks of 3 v M + K - 1 (see ``zb1p``, ``zbv``)."""
     return lambda p, v, m: (p - 1) / (3 * chunks * m + p - 1)
@@ -715,7 +723,7 @@ for _name, _chunks, _summary, _torch in (
     KINDS[ScheduleKind(_name)] = KindSpec(
         summary=_summary,
         table=_zero_bubble_table(_name),
-        flights=lambda k, v, m, name=_name: _zero_bubble_peaks(name, k, m)[0],
+        flights=_zero_bubble_flights(_name),
         bubble_fraction=_zero_bubble_fraction(_chunks),
         bubble_formula=_ZB_BUBBLE,
         bubble_ratio=_zero_bubble_ratio(_chunks),
@@ -723,7 +731,7 @@ for _name, _chunks, _summary, _torch in (
         torch_class=_torch,
         splits_backward=True,
         v_placed=_chunks == 2,
-        deferred=lambda k, v, m, name=_name: _zero_bubble_peaks(name, k, m)[1],
+        deferred=_zero_bubble_deferred(_name),
     )
 
 
