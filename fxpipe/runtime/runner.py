@@ -3,17 +3,9 @@
 # K: stages, M: micro-batches, j/k: a stage, m: a micro-batch.
 
 The schedule (see schedule.py) is a list of ticks of ``(stage, "F" | "B", m)``
-actions; the runner executes them in order. A zero-bubble table splits a backward
-into I and W::
-
-    B(k, m)  the whole backward: ``autograd.backward(outputs, grads)``
-    I(k, m)  the input gradient only, what stage k - 1 waits for:
-             ``autograd.backward(outputs, grads, inputs=<stage k's received leaves>,
-             retain_graph=True)``; the graph is kept for W
-    W(k, m)  the weight gradient, later: ``autograd.backward(outputs, grads,
-             inputs=<stage k's parameters>)``, accumulated into ``.grad``
-
-so I then W leave the same ``.grad`` as B (a tied parameter's copies each add theirs).
+actions; the runner executes them in order. A zero-bubble table splits B into I,
+``autograd.backward(..., inputs=<received leaves>, retain_graph=True)``, and W, later,
+``autograd.backward(..., inputs=<the stage's parameters>)``: the same ``.grad`` as B.
 
 How a step moves values between stages is drawn in values.py, how they cross
 devices in stream.py, replicated stages in replicas.py, tied parameters in
@@ -54,7 +46,7 @@ from .replicas import batch_sizes, check_replicas
 from .schedule import Action, check_schedule
 from .stashing import Stash, WeightStashes, check_optimizers, check_unshared
 from .stream import Streams
-from .values import GRAPH_INPUT, OnDemand, StepState, Wiring, sum_grads
+from .values import GRAPH_INPUT, OnDemand, StepState, Wiring, sum_grads, weight_backward
 
 __all__ = ["PipelineRunner"]
 
@@ -98,11 +90,10 @@ class PipelineRunner:
         check_schedule(self.schedule, num_stages, microbatches)
         if self.weight_stashing:
             check_unshared(self.stages)
-        if any(kind == "W" for tick in self.schedule for _k, kind, _m in tick) and (
-                self.weight_stashing or any(r > 1 for r in self.replicas)):
-            raise ValueError(
-                "A schedule that splits backwards into I and W runs on unreplicated stages "
-                "without weight stashing: use replicas=None and weight_stashing=False.")
+        if any(a[1] == "W" for t in self.schedule for a in t) and (
+                self.weight_stashing or max(self.replicas) > 1):
+            raise ValueError("A schedule with I and W actions needs replicas=None and "
+                             "weight_stashing=False.")
         self.wiring = Wiring(self.stages)
 
         # devices[k]: stage k's own device (its replica 0's); replica_devices[k][i]: replica i's
@@ -180,7 +171,8 @@ class PipelineRunner:
                     if kind == "F":
                         self._train_forward(k, m, state)
                     elif kind == "W":
-                        self._weight_backward(k, m, state)
+                        with self.streams.on(k):
+                            weight_backward(self.stages[k], *state.deferred.pop((k, m)))
                     else:
                         self._backward(k, m, state, inputs_only=kind == "I")
             total = state.total_loss
@@ -335,8 +327,7 @@ class PipelineRunner:
 
     def _backward(self, k: int, m: int, state: StepState, *, inputs_only: bool = False
                   ) -> None:
-        """B(k, m), or with ``inputs_only`` I(k, m): the gradients of stage k's received
-        values only, the graph kept for W(k, m) (see the module docstring)."""
+        """B(k, m), or I(k, m) with ``inputs_only`` (its graph kept for W(k, m))."""
         inputs, outputs, rng, stash = state.saved.pop((k, m))
         values = state.values[m]
         with self.streams.on(k):
@@ -346,10 +337,9 @@ class PipelineRunner:
                 values.update(zip(self.wiring.outputs[k], outputs, strict=True))
             tensors, grads, loss_inputs = self._output_grads(k, m, outputs, state)
             if inputs_only:
-                received = [x for name, value in [*inputs.items(), *dict.items(loss_inputs)]
+                received = [x for name, v in [*inputs.items(), *dict.items(loss_inputs)]
                             if self.wiring.producer_of(name) not in (GRAPH_INPUT, k)
-                            for x in pytree.tree_leaves(value)
-                            if isinstance(x, torch.Tensor) and x.requires_grad]
+                            for x in pytree.tree_leaves(v) if getattr(x, "requires_grad", 0)]
                 if tensors and received:
                     torch.autograd.backward(tensors, grads, inputs=received, retain_graph=True)
                 state.deferred[(k, m)] = (tensors, grads)
@@ -373,16 +363,6 @@ class PipelineRunner:
         for name in self.wiring.outputs[k]:  # no later stage reads them any more
             values.pop(name, None)
         state.fwd_events[m].pop(k, None)
-
-    def _weight_backward(self, k: int, m: int, state: StepState) -> None:
-        """W(k, m): the gradients of stage k's parameters from the graph I(k, m) kept,
-        accumulated into their ``.grad``; the graph is freed."""
-        tensors, grads = state.deferred.pop((k, m))
-        weights = [p for p in self.stages[k].parameters() if p.requires_grad]
-        if not (tensors and weights):
-            return
-        with self.streams.on(k):
-            torch.autograd.backward(tensors, grads, inputs=weights)
 
     def _output_grads(self, k: int, m: int, outputs: Any, state: StepState
                       ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], dict[str, Any]]:
