@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 __all__ = [
     "Device",
@@ -25,6 +26,7 @@ __all__ = [
     "place_stages",
     "replica_devices",
     "stage_devices",
+    "to_device",
 ]
 
 Device = torch.device | str | int
@@ -155,3 +157,10 @@ def place_stages(stages: Sequence[nn.Module],
         stage.to(device if isinstance(device, torch.device | str | int) else device[0])
         for stage, device in zip(stages, placed, strict=True)
     ]
+
+
+def to_device(value: Any, dev: torch.device | None) -> Any:
+    """``value`` with its tensor leaves copied to ``dev`` (differentiably)."""
+    if dev is None:
+        return value
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(dev), value)

@@ -3,13 +3,9 @@
 # K: stages, M: micro-batches, j/k: a stage, m: a micro-batch.
 
 The schedule (see schedule.py) is a list of ticks of ``(stage, "F" | "B", m)``
-actions; the runner executes them in order. A zero-bubble table splits B into I,
-``autograd.backward(..., inputs=<received leaves>, retain_graph=True)``, and W, later,
-``autograd.backward(..., inputs=<the stage's parameters>)``: the same ``.grad`` as B.
-
-How a step moves values between stages is drawn in values.py, how they cross
-devices in stream.py, replicated stages in replicas.py, tied parameters in
-devices.py and weight stashing in stashing.py.
+actions (I and W: a split B, split_backward.py), run in order. Values move between
+stages as values.py draws, across devices as stream.py; replicas.py, devices.py and
+stashing.py hold replicated stages, tied parameters and weight stashing.
 
 On the CPU (``devices=None``) the ticks run in order on one thread. On CUDA
 every stage runs on its device on its own compute stream.
@@ -31,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .devices import Device, device_copies, replica_devices
+from .devices import Device, device_copies, replica_devices, to_device
 from .microbatch import (
     chunk_sizes,
     concat,
@@ -44,9 +40,10 @@ from .microbatch import (
 from .recompute import rng_restored, rng_state
 from .replicas import batch_sizes, check_replicas
 from .schedule import Action, check_schedule
+from .split_backward import check_split, input_backward, weight_backward
 from .stashing import Stash, WeightStashes, check_optimizers, check_unshared
 from .stream import Streams
-from .values import GRAPH_INPUT, OnDemand, StepState, Wiring, sum_grads, weight_backward
+from .values import GRAPH_INPUT, OnDemand, StepState, Wiring, sum_grads
 
 __all__ = ["PipelineRunner"]
 
@@ -90,10 +87,7 @@ class PipelineRunner:
         check_schedule(self.schedule, num_stages, microbatches)
         if self.weight_stashing:
             check_unshared(self.stages)
-        if any(a[1] == "W" for t in self.schedule for a in t) and (
-                self.weight_stashing or max(self.replicas) > 1):
-            raise ValueError("A schedule with I and W actions needs replicas=None and "
-                             "weight_stashing=False.")
+        check_split(self.schedule, self.replicas, self.weight_stashing)
         self.wiring = Wiring(self.stages)
 
         # devices[k]: stage k's own device (its replica 0's); replica_devices[k][i]: replica i's
@@ -258,7 +252,7 @@ class PipelineRunner:
             params = stash
         else:  # replica i on another device than the stage's: inputs and weights go there
             dev = self.replica_devices[k][i] if self.replica_devices is not None else None
-            inputs = _to_device(inputs, dev)
+            inputs = to_device(inputs, dev)
             params = bound if stash is None else {
                 **bound, **{name: t.to(dev) for name, t in stash.items()}
             }
@@ -274,7 +268,7 @@ class PipelineRunner:
                 f"OUTPUTS {expected}."
             )
         if bound is not None:
-            outputs = _to_device(outputs, self.streams.device(k))
+            outputs = to_device(outputs, self.streams.device(k))
         return outputs
 
     def _forward(self, k: int, values: dict[str, Any], grad: bool, events: dict[int, Any],
@@ -314,7 +308,7 @@ class PipelineRunner:
         values = state.values[m]
         with self.streams.on(k):
             out_in = self._lazy(values, k, True, state.fwd_events[m])
-            target = _to_device(state.targets[m], self.streams.device(k))
+            target = to_device(state.targets[m], self.streams.device(k))
             loss = state.loss_fn(self.build_output(out_in), target)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 raise TypeError(f"loss_fn must return a scalar tensor, got {loss!r}.")
@@ -325,9 +319,7 @@ class PipelineRunner:
             state.total_loss = total if state.total_loss is None else state.total_loss + total
         return loss, out_in
 
-    def _backward(self, k: int, m: int, state: StepState, *, inputs_only: bool = False
-                  ) -> None:
-        """B(k, m), or I(k, m) with ``inputs_only`` (its graph kept for W(k, m))."""
+    def _backward(self, k: int, m: int, state: StepState, inputs_only: bool = False) -> None:
         inputs, outputs, rng, stash = state.saved.pop((k, m))
         values = state.values[m]
         with self.streams.on(k):
@@ -337,12 +329,8 @@ class PipelineRunner:
                 values.update(zip(self.wiring.outputs[k], outputs, strict=True))
             tensors, grads, loss_inputs = self._output_grads(k, m, outputs, state)
             if inputs_only:
-                received = [x for name, v in [*inputs.items(), *dict.items(loss_inputs)]
-                            if self.wiring.producer_of(name) not in (GRAPH_INPUT, k)
-                            for x in pytree.tree_leaves(v) if getattr(x, "requires_grad", 0)]
-                if tensors and received:
-                    torch.autograd.backward(tensors, grads, inputs=received, retain_graph=True)
-                state.deferred[(k, m)] = (tensors, grads)
+                named = [*inputs.items(), *dict.items(loss_inputs)]
+                state.deferred[(k, m)] = input_backward(self.wiring, k, named, tensors, grads)
             elif tensors:
                 torch.autograd.backward(tensors, grads)
             done = self.streams.record(k)
@@ -410,9 +398,3 @@ def _check_sizes(num_stages: int, microbatches: int, devices: Sequence[Any] | No
             f"bool per stage."
         )
 
-
-def _to_device(value: Any, dev: torch.device | None) -> Any:
-    """``value`` with its tensor leaves copied to ``dev`` (differentiably)."""
-    if dev is None:
-        return value
-    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(dev), value)

@@ -21,7 +21,7 @@ from torch import nn
 
 from .stashing import Stash, WeightStashes
 
-__all__ = ["GRAPH_INPUT", "OnDemand", "StepState", "Wiring", "sum_grads", "weight_backward"]
+__all__ = ["GRAPH_INPUT", "OnDemand", "StepState", "Wiring", "sum_grads"]
 
 GRAPH_INPUT = -1  # producer index of a value that comes from the caller
 
@@ -126,11 +126,3 @@ def sum_grads(contributions: list[list[torch.Tensor | None]]) -> list[torch.Tens
                 total[i] = g if acc is None else acc + g
     return total
 
-
-def weight_backward(stage: nn.Module, tensors: list[torch.Tensor],
-                    grads: list[torch.Tensor | None]) -> None:
-    """W: the gradients of ``stage``'s parameters from the graph its I kept (``tensors``
-    and their ``grads``, see ``StepState.deferred``), accumulated into ``.grad``."""
-    weights = [p for p in stage.parameters() if p.requires_grad]
-    if tensors and weights:
-        torch.autograd.backward(tensors, grads, inputs=weights)
