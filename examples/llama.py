@@ -59,6 +59,18 @@ LLAMA3_8B = LlamaConfig(
     batch_size=2,
     seq_len=512,
 )
+LLAMA3_70B = LlamaConfig(
+    vocab_size=128256,
+    dim=8192,
+    n_layers=80,
+    n_heads=64,
+    n_kv_heads=8,
+    ffn_dim=28672,
+    max_seq_len=8192,
+    rope_theta=500000.0,
+    batch_size=1,
+    seq_len=512,
+)
 
 
 class RMSNorm(nn.Module):
@@ -188,6 +200,16 @@ def build_llama3_8b() -> nn.Module:
     return _build(LLAMA3_8B, "meta")
 
 
+def build_llama3_70b() -> nn.Module:
+    """Llama-3-70B shape (80 layers, width 8192, 64 heads / 8 KV heads), on the meta device."""
+    return _build(LLAMA3_70B, "meta")
+
+
+def example_inputs_llama3_70b() -> tuple[torch.Tensor]:
+    """A (1, 512) micro-batch for ``build_llama3_70b``."""
+    return (_token_ids(LLAMA3_70B, seed=1, shift=0),)
+
+
 def _token_ids(cfg: LlamaConfig, seed: int, shift: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     high = min(cfg.vocab_size, SMALL.vocab_size)
@@ -221,3 +243,4 @@ def example_target_llama3_8b() -> torch.Tensor:
 # A frontend may prefer a factory's own micro-batch when it has one.
 build_llama3_8b.example_inputs = example_inputs_llama3_8b  # type: ignore[attr-defined]
 build_llama3_8b.example_target = example_target_llama3_8b  # type: ignore[attr-defined]
+build_llama3_70b.example_inputs = example_inputs_llama3_70b  # type: ignore[attr-defined]

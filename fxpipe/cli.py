@@ -137,7 +137,9 @@ def _parser() -> argparse.ArgumentParser:
         choices=tuple(kind.value for kind in KINDS),
         default=None,
         help="pipeline schedule (default 1f1b; interleaved with --virtual-stages; pipedream: "
-        "1F1B with an update per micro-batch and weight stashing)",
+        "1F1B with an update per micro-batch and weight stashing; zb1p, zbv, dualpipev: "
+        "zero bubble, the backward split into input and weight gradients, zbv and dualpipev "
+        "with two stage modules per GPU in a V)",
     )
     split.add_argument(
         "--virtual-stages",
@@ -462,6 +464,18 @@ def _schedule(args: argparse.Namespace, microbatches: int) -> ScheduleKind:
         kind = ScheduleKind(args.schedule)
     else:
         kind = ScheduleKind.INTERLEAVED if v > 1 else ScheduleKind.ONE_F_ONE_B
+    name = kind.value
+    if kind.spec.v_placed:
+        if v not in (1, 2):
+            raise ValueError(f"--schedule {name} places 2 stage modules per GPU; "
+                             f"drop --virtual-stages {v}")
+        if args.replicate:
+            raise ValueError(f"--replicate and --schedule {name} cannot be combined; pick one")
+        if kind is ScheduleKind.DUALPIPEV and microbatches < 2 * args.gpus:
+            raise ValueError(f"--schedule dualpipev needs at least 2 x --gpus micro-batches "
+                             f"({2 * args.gpus}); use --microbatches {2 * args.gpus}")
+        args.virtual_stages = 2
+        return kind
     if kind.spec.interleaved and v == 1:
         raise ValueError(f"--schedule {kind.value} needs --virtual-stages 2 or more")
     if v > 1 and not kind.spec.interleaved:

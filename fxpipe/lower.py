@@ -106,6 +106,8 @@ def lower(
                 module=_block(meta.MODULE.get(node).path, block_depth),
                 members=(node.name,),
                 returned=node in returned,
+                backward_weight_s=time.backward_weight_s,
+                deferred_bytes=_deferred_bytes(node),
             )
         )
     edges = sorted(
@@ -172,6 +174,17 @@ def _grad_bytes(gm: torch.fx.GraphModule, node: torch.fx.Node, params: dict[str,
                      if source.op != "get_attr")
     total += sum(size for name, size in params.items() if gm.get_parameter(name).requires_grad)
     return total
+
+
+def _deferred_bytes(node: torch.fx.Node) -> int:
+    """What the weight gradient (W) of ``node`` keeps alive after its input gradient (B)
+    ran: the activations it reads (a linear's X, for dW = dY^T X), none if it has no
+    weight gradient. The memory pass charges a saved input to its producer; this is the
+    same bytes seen from the op that needs them, to keep them for the deferred W."""
+    if not meta.FLOPS.get(node).backward_weight:
+        return 0
+    return sum(meta.SHAPE.get(source).nbytes for source in node.all_input_nodes
+               if source.op != "get_attr")
 
 
 def _grad_nbytes(value: meta.ValueInfo) -> int:

@@ -104,6 +104,20 @@ class FlopInfo:
 
     forward: int
     backward: int  # gradients of every input and parameter that requires grad
+    # The part of ``backward`` that computes parameter gradients (W, deferrable in a
+    # zero-bubble schedule); the rest is the input gradient (B, on the critical path). A
+    # linear's backward is two GEMMs, dX = dY W (B) and dW = dY^T X (W); ops without
+    # parameters are all B.
+    backward_weight: int = 0
+
+    @property
+    def backward_input(self) -> int:
+        return self.backward - self.backward_weight
+
+    @property
+    def weight_share(self) -> float:
+        """The share of the backward's FLOPs that is W (0 for a backward without FLOPs)."""
+        return self.backward_weight / self.backward if self.backward else 0.0
 
 
 @dataclass(frozen=True)
@@ -125,8 +139,13 @@ class TimeInfo:
     """Seconds one node takes for one micro-batch."""
 
     forward_s: float
-    backward_s: float
+    backward_s: float  # the whole backward: input gradient (B) + weight gradient (W)
     source: str  # "analytic:<device>", "measured:cuda", "measured:cpu"
+    backward_weight_s: float = 0.0  # the W part of ``backward_s`` (see ``FlopInfo``)
+
+    @property
+    def backward_input_s(self) -> float:
+        return self.backward_s - self.backward_weight_s
 
 
 @dataclass(frozen=True)

@@ -31,12 +31,16 @@ class StageMemory:
     outputs: int = 0
     loss: int = 0  # the loss on the last stage: what it saves for backward + its gradient
     backward: int = 0  # gradients alive while its largest node runs backward (one micro-batch)
+    # zero-bubble schedules: what each waiting weight gradient (W) keeps alive after its
+    # micro-batch's input gradient ran, times the micro-batches whose W waits at the peak
+    deferred: int = 0
 
     @property
     def total(self) -> int:
         return (
             self.params + self.grads + self.optimizer + self.activations + self.received
             + self.outputs + self.loss + self.backward + self.stashed + self.workspace
+            + self.deferred
         )
 
 
@@ -50,7 +54,7 @@ class StagePlan:
     flops_forward: int = 0
     flops_backward: int = 0
     forward_s: float = 0.0
-    backward_s: float = 0.0
+    backward_s: float = 0.0  # input gradient (B) + weight gradient (W)
     comm_s: float = 0.0  # send + receive time per micro-batch
     memory: StageMemory = field(default_factory=StageMemory)
     recompute: bool = False
@@ -58,6 +62,12 @@ class StagePlan:
     # of every micro-batch, gradients all-reduced). forward_s/backward_s are per replica
     # (already divided by replicas); comm_s includes the all-reduce.
     replicas: int = 1
+    backward_weight_s: float = 0.0  # the weight-gradient (W) part of backward_s
+
+    @property
+    def backward_input_s(self) -> float:
+        """The input-gradient (B) part of backward_s, a recomputed forward included."""
+        return self.backward_s - self.backward_weight_s
 
     @property
     def time_s(self) -> float:
@@ -136,10 +146,16 @@ class Plan:
 
     @property
     def num_devices(self) -> int:
-        """GPUs the plan uses: one per stage times its replicas, or K / v when interleaved."""
+        """GPUs the plan uses: one per stage times its replicas, or K / v when interleaved
+        or V-placed."""
         if self.virtual_stages > 1:
             return self.num_stages // self.virtual_stages
         return sum(stage.replicas for stage in self.stages)
+
+    @property
+    def v_placed(self) -> bool:
+        """ZB-V and DualPipeV: stage j and stage K - 1 - j on GPU j."""
+        return self.schedule in ("zbv", "dualpipev")
 
     @property
     def configuration(self) -> str:
@@ -148,6 +164,8 @@ class Plan:
 
     def devices_of(self, stage: int) -> tuple[int, ...]:
         """GPU indices (0 .. num_devices - 1) that run stage module ``stage``."""
+        if self.v_placed:
+            return (stage if stage < self.num_devices else self.num_stages - 1 - stage,)
         if self.virtual_stages > 1:
             return (stage % self.num_devices,)
         first = sum(s.replicas for s in self.stages[:stage])
@@ -167,6 +185,7 @@ class Plan:
         del data["solver"]["wall_clock_stopped"]
         for stage, raw in zip(self.stages, data["stages"], strict=True):
             raw["time_s"] = stage.time_s
+            raw["backward_input_s"] = stage.backward_input_s
             raw["memory"]["total"] = stage.memory.total
         if self.memory_limit == float("inf"):
             data["memory_limit"] = None
@@ -180,6 +199,7 @@ class Plan:
         def stage(raw: dict[str, Any]) -> StagePlan:
             raw = dict(raw)
             raw.pop("time_s", None)
+            raw.pop("backward_input_s", None)
             memory = dict(raw.pop("memory", {}))
             memory.pop("total", None)
             tuples: dict[str, tuple[Any, ...]] = {

@@ -84,6 +84,7 @@ def build_plan(
                 memory=cost.memory,
                 recompute=cost.recompute,
                 replicas=cost.replicas,
+                backward_weight_s=cost.backward_weight_s,
             )
         )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -71,3 +72,32 @@ def test_grad_bytes_count_what_each_backward_allocates() -> None:
     assert grad["view"] == value
     # the returned product: the loss's backward made its output's gradient; y's is new
     assert grad["mul"] == value
+
+
+def test_backward_splits_into_input_and_weight_parts_down_to_the_plan() -> None:
+    """The linears' weight gradients (W) reach the problem nodes and the plan's stages;
+    the relu has no weights, so its backward is all input gradient (B)."""
+    from fxpipe.compiler import SplitOptions, plan_split
+
+    traced = trace(TwoHeads(), (torch.randn(4, 8),))
+    device = get_device("h100")
+    analyze(traced, device=device)
+    p = lower(traced.gm, num_stages=2, device=device, memory_limit=float("inf"),
+              schedule=ScheduleKind.ONE_F_ONE_B, microbatches=2).problem
+    by_name = {n.name: n for n in p.nodes}
+    head, body = by_name["head"], by_name["body"]
+    assert 0 < head.backward_weight_s < head.backward_s
+    assert head.deferred_bytes == 4 * 16 * 4, "the relu's output, the head's X"
+    # the data input needs no gradient: the first linear's backward is its weights' alone
+    assert body.backward_weight_s == body.backward_s > 0
+    assert by_name["relu"].backward_weight_s == 0 and by_name["relu"].deferred_bytes == 0
+    assert sum(n.deferred_bytes for n in p.nodes) == 4 * 8 * 4 + 4 * 16 * 4
+    options = SplitOptions(gpus=2, device=device, memory_limit=float("inf"), microbatches=2)
+    plan = plan_split(traced, label="TwoHeads", options=options)
+    weight = sum(n.backward_weight_s for n in p.nodes)
+    assert sum(s.backward_weight_s for s in plan.stages) == pytest.approx(weight)
+    for stage in plan.stages:
+        assert stage.backward_input_s + stage.backward_weight_s == pytest.approx(stage.backward_s)
+    raw = plan.to_dict()["stages"][0]
+    assert raw["backward_input_s"] == pytest.approx(plan.stages[0].backward_input_s)
+    assert type(plan).from_json(plan.to_json()).stages == plan.stages

@@ -19,15 +19,21 @@ from fxpipe.schedules import (
     interleaved_devices,
     kind_of,
     peak_in_flight,
+    v_devices,
 )
 
 # K: stage modules, N: GPUs (pipeline positions), v: stage modules per GPU, M: micro-batches.
 
 
 def sizes(kind: ScheduleKind) -> list[tuple[int, int, int]]:
-    """(N, v, M) to try: interleaved needs v > 1 and M a multiple of N."""
+    """(N, v, M) to try: interleaved needs v > 1 and M a multiple of N; the V kinds two
+    stage modules per GPU and, for the zero-bubble formula, M >= 2N (ZB-H1: M >= N)."""
     if KINDS[kind].interleaved:
         return [(n, v, n * c) for n in (1, 2, 3, 4) for v in (2, 3) for c in (1, 2, 3)]
+    if KINDS[kind].v_placed:
+        return [(n, 2, m) for n in (1, 2, 3, 4) for m in (2 * n, 2 * n + 1, 3 * n)]
+    if KINDS[kind].splits_backward:
+        return [(n, 1, m) for n in (1, 2, 3, 5) for m in (n, n + 2, 2 * n)]
     return [(n, 1, m) for n in (1, 2, 3, 5) for m in (1, 2, 4, 7)]
 
 
@@ -46,11 +52,14 @@ def test_simulated_bubble_is_the_kinds_formula(kind: ScheduleKind) -> None:
     for n, v, m in sizes(kind):
         table = spec.table(n * v, v, m)
         devices = interleaved_devices(n, v) if spec.interleaved else tuple(range(n))
+        if spec.v_placed:
+            devices = v_devices(n)
         shares = idle_shares(table, devices, n)
         expected = spec.bubble_fraction(n, v, m)
         # every GPU idles the same share of the step, the formula's
         assert [float(s) for s in shares] == pytest.approx([expected] * n), (kind, n, v, m)
-        busy = 2 * v * m  # a forward and a backward per micro-batch per stage module
+        # a forward and a backward (or its I and W) per micro-batch per stage module
+        busy = (3 if spec.splits_backward else 2) * v * m
         ratio = Fraction(len(table) - busy, busy)
         assert float(ratio) == pytest.approx(spec.bubble_ratio(n, v, m)), (kind, n, v, m)
 
@@ -67,7 +76,7 @@ def test_problem_reads_the_in_flight_rule() -> None:
     nodes = tuple(Node(f"n{i}", 1.0, 2.0) for i in range(8))
     edges = tuple(Edge(i, i + 1) for i in range(7))
     for kind in ScheduleKind:
-        v = 2 if KINDS[kind].interleaved else 1
+        v = 2 if KINDS[kind].interleaved or KINDS[kind].v_placed else 1
         problem = Problem(nodes=nodes, edges=edges, num_stages=4, schedule=kind,
                           microbatches=4, virtual_stages=v)
         table = KINDS[kind].table(4, v, 4)

@@ -193,3 +193,43 @@ def test_report_bubble_is_the_schedule_formula(
         assert stashed == [p * min(M, K - j) for j, p in enumerate(params)]
     else:
         assert stashed == [0] * (K * v)
+
+
+@pytest.mark.parametrize("schedule", ["zb1p", "zbv", "dualpipev"])
+def test_zero_bubble_split_end_to_end(dominant: Path, schedule: str) -> None:
+    """--schedule zb1p|zbv|dualpipev: V schedules get 2 stage modules per GPU placed in a
+    V, the report prints B, W and the Zero Bubble fill, the waiting weight gradients'
+    memory is counted, and the package's table splits every backward (its gradients are
+    checked in tests/codegen/test_zero_bubble_runner.py)."""
+    K, M = 2, 4
+    plan = split(dominant, "--gpus", str(K), "--microbatches", str(M), "--schedule", schedule,
+                 schedule)
+    v = 1 if schedule == "zb1p" else 2
+    assert plan["schedule"] == schedule and plan["num_stages"] == K * v
+    assert plan["virtual_stages"] == v
+    stages = plan["stages"]
+    assert all(s["backward_input_s"] + s["backward_weight_s"] == pytest.approx(s["backward_s"])
+               for s in stages)
+    assert any(s["backward_weight_s"] > 0 for s in stages)
+    assert any(s["memory"]["deferred"] > 0 for s in stages)
+    report = (dominant / schedule / "report.md").read_text()
+    assert "(K − 1)(T_F + T_B − T_W) per GPU" in report
+    assert "| bwd input (B) | bwd weight (W) |" in report
+    assert b"weight gradient (W)" in (dominant / schedule / "schedule.svg").read_bytes()
+    package = import_package(dominant / schedule)
+    kinds = {kind for tick in package.SCHEDULE for _j, kind, _m in tick}
+    assert kinds == {"F", "I", "W"}
+
+
+def test_zero_bubble_flag_errors(dominant: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for flags, message in [
+        (["--schedule", "dualpipev", "--gpus", "2", "--microbatches", "3"],
+         "use --microbatches 4"),
+        (["--schedule", "zbv", "--gpus", "2", "--virtual-stages", "3"],
+         "drop --virtual-stages 3"),
+    ]:
+        code = cli.main(["split", str(dominant / "model.py"), "--out", str(dominant / "bad"),
+                         *flags])
+        assert code == 2
+        assert message in capsys.readouterr().err
+        assert not (dominant / "bad").exists()

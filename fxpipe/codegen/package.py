@@ -158,7 +158,7 @@ def runner_header(traced: Traced, plan: Plan) -> str:
     k, m = plan.num_stages, plan.microbatches
     device_of = [plan.devices_of(j)[0] for j in range(k)]
     spec = _spec(plan)
-    interleaved = spec.interleaved
+    interleaved = spec.interleaved or spec.v_placed  # a row per GPU in the picture
     try:
         table = schedules.schedule_table(plan)
     except ValueError as err:
@@ -172,7 +172,17 @@ def runner_header(traced: Traced, plan: Plan) -> str:
         ' (stage, "F" | "B", micro-batch)',
         "# that run together. Fm: forward of micro-batch m, Bm: its backward, ..: idle.",
     ]
-    if interleaved:
+    if any(kind == "W" for tick in table for _j, kind, _m in tick):
+        lines += [
+            "# The backward runs in two parts: Im, the input gradient (what the previous",
+            "# stage waits for), and Wm, the weight gradient (later, in the bubbles).",
+        ]
+    if plan.v_placed:
+        lines += [
+            "# A row per GPU, stages in a V: GPU d runs stage d (a) and stage "
+            f"{plan.num_stages - 1} - d (b).",
+        ]
+    elif interleaved:
         lines += [
             "# A row per GPU; the letter after m is the chunk: GPU d runs stage d (a), "
             f"d + {plan.num_devices} (b), ...",

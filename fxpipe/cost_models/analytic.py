@@ -15,6 +15,11 @@ layer, reads the weights again and writes their gradients) and does the
 backward FLOPs of the FLOPS record. A node whose outputs do not require grad
 has no backward.
 
+The backward splits into the input gradient (B) and the weight gradient (W) by their
+FLOPs (``FlopInfo.weight_share``): W gets that share of the backward's time. A backward
+without FLOPs (a norm's or an activation's) is all B, weights or not: its weight
+gradient is a reduction too small to schedule apart.
+
 Free nodes: placeholders, ``get_attr``, ``output``, torch.export's
 ``_guards_fn`` input check, and view-like / metadata ops
 that do no FLOPs (``view``, ``transpose``, ``getitem``, ``size``, ...): their
@@ -136,7 +141,8 @@ def node_time(
             dtype=dtype,
             allow_tf32=allow_tf32,
         )
-    return meta.TimeInfo(forward_s, backward_s, source=f"analytic:{device.name}")
+    return meta.TimeInfo(forward_s, backward_s, source=f"analytic:{device.name}",
+                         backward_weight_s=backward_s * flops.weight_share)
 
 
 def _dtype(node: torch.fx.Node) -> str:

@@ -169,7 +169,10 @@ class _NodeTimer(torch.fx.Interpreter):
             backward_s = self._backward_back_to_back(n, op, args, kwargs)
         else:
             backward_s = self._backward_seconds(n, leaves, output)
-        meta.TIME.set(n, meta.TimeInfo(forward_s, backward_s, source=self.source))
+        # B and W are timed together; W gets the weight gradient's share of the FLOPs.
+        share = meta.FLOPS.get(n).weight_share if meta.FLOPS.has(n) else 0.0
+        meta.TIME.set(n, meta.TimeInfo(forward_s, backward_s, source=self.source,
+                                       backward_weight_s=backward_s * share))
         return _passed_on(output)
 
     def _forward_back_to_back(self, op: Callable[..., Any], target: Any, args: Any,

@@ -24,6 +24,10 @@ Per stage j, for one micro-batch, from ``StageSums`` (sums over its nodes):
         loss        last stage only: loss_saved_bytes * keep(j) + loss_grad_bytes
         backward    the largest backward transient of its nodes (one micro-batch)
         stashed     PipeDream weight stashing: params * in_flight(j)
+        deferred    zero-bubble schedules: deferred * waiting(j), what the weight gradients
+                    keep from their input gradient until they run (a weight op's inputs),
+                    for the micro-batches whose W waits at the peak (``stage_deferred``);
+                    kept with recompute too (the recomputed inputs wait for W)
         workspace   Problem.workspace_bytes
 
 A stage on r replicas (GPUs running it data-parallel) divides forward_s, backward_s,
@@ -76,6 +80,8 @@ class StageSums:
     transient: int = 0  # the largest gradients one of its nodes' backward has alive
     received: int = 0  # values it receives (NEIGHBOUR: also the ones it passes on)
     kept: int = 0  # values its nodes produce that a later stage reads or the model returns
+    backward_weight_s: float = 0.0  # the weight-gradient (W) part of backward_s
+    deferred: int = 0  # bytes W keeps from its micro-batch's B until it runs
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,11 @@ class StageCost:
     memory: StageMemory
     replicas: int = 1
     recompute: bool = False
+    backward_weight_s: float = 0.0  # the W part of backward_s (a recomputed forward is B's)
+
+    @property
+    def backward_input_s(self) -> float:
+        return self.backward_s - self.backward_weight_s
 
     @property
     def time_s(self) -> float:
@@ -104,9 +115,11 @@ def _up(amount: Amount, replicas: int) -> Amount:
 
 def memory_parts(problem: Problem, j: int, *, flight: int, params: Amount, activations: Amount,
                  received: Amount, kept: Amount, transient: Amount, recompute: bool,
-                 replicas: int = 1) -> dict[str, Amount]:
+                 replicas: int = 1, deferred: Amount = 0, waiting: int = 0,
+                 ) -> dict[str, Amount]:
     """Stage j's bytes by ``StageMemory`` field (grads and optimizer not yet rounded);
-    ``flight``: its micro-batches in flight (``stage_flights``)."""
+    ``flight``: its micro-batches in flight (``stage_flights``); ``waiting``: those whose
+    weight gradient waits (``stage_deferred``)."""
     keep = 1 if recompute else flight
     loss = problem.loss_saved_bytes * keep + problem.loss_grad_bytes
     grad_factor, optimizer_factor = state_split(problem.state_factor)
@@ -121,21 +134,22 @@ def memory_parts(problem: Problem, j: int, *, flight: int, params: Amount, activ
         "backward": transient,
         "stashed": params * flight if problem.schedule.spec.stashes_weights else 0 * params,
         "workspace": problem.workspace_bytes + 0 * params,
+        "deferred": _up(deferred * waiting, replicas) + 0 * params,
     }
 
 
 def stage_cost(problem: Problem, j: int, sums: StageSums, *, flight: int, recompute: bool,
-               replicas: int = 1) -> StageCost:
+               replicas: int = 1, waiting: int = 0) -> StageCost:
     """Stage j's time and memory (see the module docstring)."""
     parts = memory_parts(problem, j, flight=flight, params=sums.params,
                          activations=sums.activations, received=sums.received,
                          kept=sums.kept, transient=sums.transient, recompute=recompute,
-                         replicas=replicas)
+                         replicas=replicas, deferred=sums.deferred, waiting=waiting)
     memory = StageMemory(**{name: round(float(value)) for name, value in parts.items()})
     backward_s = sums.backward_s + (sums.forward_s if recompute else 0.0)
     return StageCost(sums.forward_s / replicas, backward_s / replicas,
                      sums.comm_s + allreduce_s(problem, sums.own_params, replicas), memory,
-                     replicas, recompute)
+                     replicas, recompute, sums.backward_weight_s / replicas)
 
 
 def recompute_options(problem: Problem) -> tuple[bool, ...]:

@@ -39,12 +39,26 @@ Interleaved (v > 1): a GPU runs its v stage modules one after another, so the
 figures that decide the step are per GPU: its time is the sum of its modules' times
 and its memory the sum of their memories.
 
+V placement (ZB-V, DualPipeV): the same per GPU, its two modules being stage j and
+stage K - 1 - j (``Problem.device_of``).
+
 Step figures (K pipeline positions: stages, or GPUs when interleaved; T the slowest
 GPU's time per micro-batch, T_d each GPU's):
     iteration_s      M * T + (sum_d T_d - T) / v     (fill, steady state, drain)
     bubble_fraction  (K - 1) / (v*M + K - 1)          idle share of the whole step
     bubble_ratio     (K - 1) / (v*M)                  idle time over the ideal time
 (the schedule kind's formulas, ``fxpipe.schedules.KINDS``; these are every kind's today)
+
+Zero-bubble schedules fill the bubble with weight gradients: per the Zero Bubble paper
+a GPU idles (K - 1)(T_F + T_B - T_W) (B the input gradient), so with W_d the weight
+gradient seconds of GPU d and U_d = max(T_d - 2 W_d, 0) its unfilled share,
+    iteration_s      M * T + (sum_d U_d - max_d U_d) / v      (v = 2 for the V schedules,
+                                                               whose chunks are half a GPU)
+    bubble_fraction  (iteration_s - M * T) / iteration_s
+    bubble_ratio     (iteration_s - M * T) / (M * T)
+DualPipeV is priced as ZB-V: its pairing hides communication behind computation only
+with an overlapped forward-backward that fxpipe does not generate (torch runs the pair
+one after the other).
 
 Legend: n nodes, K stages, M micro-batches, s/t/j stages (see problem.py).
 """
@@ -61,7 +75,13 @@ from fxpipe.partition.cost import (
     stage_cost,
     state_split,
 )
-from fxpipe.partition.problem import Comm, Problem, TiedPolicy, stage_flights
+from fxpipe.partition.problem import (
+    Comm,
+    Problem,
+    TiedPolicy,
+    stage_deferred,
+    stage_flights,
+)
 from fxpipe.plan import Estimate
 
 __all__ = [
@@ -157,11 +177,12 @@ def evaluate(problem: Problem, stage_of: Sequence[int],
     stage_of = tuple(stage_of)
     reps = _replicas(problem, replicas)
     flight = stage_flights(problem)
+    waiting = stage_deferred(problem)
     sums = stage_sums(problem, stage_of)
 
     def priced(choice: Sequence[bool]) -> list[StageCost]:
         return [stage_cost(problem, j, sums[j], flight=flight[j], recompute=choice[j],
-                           replicas=reps[j]) for j in range(K)]
+                           replicas=reps[j], waiting=waiting[j]) for j in range(K)]
 
     if recompute is None:
         recompute = choose_recompute(problem, priced([False] * K), priced([True] * K))
@@ -177,6 +198,8 @@ def stage_sums(problem: Problem, stage_of: Sequence[int]) -> list[StageSums]:
     K = problem.num_stages
     forward = [0.0] * K
     backward = [0.0] * K
+    weight = [0.0] * K
+    deferred = [0] * K
     comm = [0.0] * K
     params = [0] * K
     own_params = [0] * K
@@ -189,6 +212,8 @@ def stage_sums(problem: Problem, stage_of: Sequence[int]) -> list[StageSums]:
         j = stage_of[v]
         forward[j] += node.forward_s
         backward[j] += node.backward_s
+        weight[j] += node.backward_weight_s
+        deferred[j] += node.deferred_bytes
         params[j] += node.param_bytes
         own_params[j] += node.param_bytes
         activations[j] += node.activation_bytes
@@ -232,7 +257,8 @@ def stage_sums(problem: Problem, stage_of: Sequence[int]) -> list[StageSums]:
     return [StageSums(forward_s=forward[j], backward_s=backward[j], comm_s=comm[j],
                       params=params[j], own_params=own_params[j],
                       activations=activations[j], transient=transient[j],
-                      received=received[j], kept=kept[j]) for j in range(K)]
+                      received=received[j], kept=kept[j], backward_weight_s=weight[j],
+                      deferred=deferred[j]) for j in range(K)]
 
 
 def step_estimate(problem: Problem, stages: Sequence[StageCost]) -> Estimate:
@@ -246,6 +272,22 @@ def step_estimate(problem: Problem, stages: Sequence[StageCost]) -> Estimate:
     K = len(times)
     bottleneck = max(times)
     max_memory = max(memories)
+    spec = problem.schedule.spec
+    if spec.splits_backward:
+        weights = [sum(s.backward_weight_s for s in held) for held in on]
+        unfilled = [max(t - 2 * w, 0.0) for t, w in zip(times, weights, strict=True)]
+        chunks = 2 if spec.v_placed else 1
+        steady = M * bottleneck
+        iteration = steady + (sum(unfilled) - max(unfilled)) / chunks
+        idle = iteration - steady
+        return Estimate(
+            bottleneck_s=bottleneck,
+            iteration_s=iteration,
+            bubble_fraction=idle / iteration if iteration > 0 else 0.0,
+            max_memory=max_memory,
+            fits=max_memory <= problem.memory_limit,
+            bubble_ratio=idle / steady if steady > 0 else 0.0,
+        )
     return Estimate(
         bottleneck_s=bottleneck,
         iteration_s=M * bottleneck + (sum(times) - bottleneck) / v,

@@ -35,7 +35,11 @@ Variables
       only where y[j,r] (CP-SAT enforcement literals), with compute and activations / r
       and the ring all-reduce of its parameters' gradients added
     T = the bottleneck: the slowest stage, or the slowest GPU (the sum of its stage
-      modules) when interleaved
+      modules) when interleaved or V-placed (ZB-V, DualPipeV: stage j and K - 1 - j on
+      GPU j, ``Problem.device_of``, so the cuts of both chunks are chosen together)
+    zero-bubble schedules: what the waiting weight gradients keep, deferred[g] bytes per
+      micro-batch whose W waits on stage j at its peak (``stage_deferred``), is part of
+      stage j's memory row: sum_g deferred[g] * waiting[j] * x[g,j]
 
 Indicators (and B, A, R) only have lower bounds: the objective and the memory rows never gain
 from raising one, so at an optimum they take their exact values, and the objective equals
@@ -71,6 +75,7 @@ from fxpipe.partition.problem import (
     TiedPolicy,
     allreduce_s,
     allreduce_terms,
+    stage_deferred,
     stage_flights,
 )
 
@@ -174,6 +179,7 @@ class StageModel:
         boundaries = range(K - 1)
         group_of = coarsening.group_of
         flight = list(stage_flights(p))
+        waiting = list(stage_deferred(p))
         N = p.devices
         self.replicating = p.replicates
         assert not (self.replicating and objective == "memory"), "memory objective: one per GPU"
@@ -194,7 +200,9 @@ class StageModel:
         act = [0] * G
         returned = [0] * G  # bytes of the model's output it produces
         grad = [0] * G  # the largest backward transient of its nodes (Node.grad_bytes)
+        deferred = [0] * G  # what its weight gradients keep until they run, per micro-batch
         for v, node in enumerate(p.nodes):
+            deferred[group_of[v]] += node.deferred_bytes
             g = group_of[v]
             returned[g] += node.output_bytes if node.returned else 0
             secs[g] += node.forward_s + node.backward_s
@@ -388,7 +396,8 @@ class StageModel:
             (received, outputs / r; the backward transient whole)."""
             outs = flight[j] + 1  # kept per micro-batch in flight, + one of their gradients
             per_group = [((mem[g] + held[g] * flight[j] * stash
-                           + -(-returned[g] * outs // r)) * c, v)
+                           + -(-returned[g] * outs // r) + -(-deferred[g] * waiting[j] // r)) * c,
+                           v)
                          for g in range(G) for c, v in self._x(g, j)]
             received = [(-(-s * flight[j] // r), v) for s, v in recv_terms[j]]
             sent = [(-(-s * outs // r), v) for s, v in sent_terms[j]]

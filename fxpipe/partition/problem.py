@@ -18,6 +18,8 @@ Three ways stages map onto GPUs:
                                             takes 1/r_j of every micro-batch, gradients
                                             all-reduced over the r_j replicas (ring)
     interleaved (Megatron-LM)  N = K / v    K = N * v stage modules, stage j on GPU j % N
+    V (ZB-V, DualPipeV)        N = K / 2    stage j and stage K - 1 - j on GPU j: down the
+                                            GPUs and back up
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ __all__ = [
     "TiedPolicy",
     "allreduce_s",
     "allreduce_terms",
+    "stage_deferred",
     "stage_flights",
 ]
 
@@ -66,7 +69,7 @@ class Node:
 
     name: str
     forward_s: float
-    backward_s: float
+    backward_s: float  # input gradient (B) + weight gradient (W)
     param_bytes: int = 0  # parameters owned (tied parameters: see TiedGroup, not here)
     activation_bytes: int = 0  # saved for backward per micro-batch in flight
     # Gradients its backward allocates for one micro-batch: its output's (unless the model
@@ -80,6 +83,16 @@ class Node:
     # Its value is (part of) the model's output: the runner keeps it until the micro-batch's
     # backward and the loss reads it. A coarse node is returned if any member is.
     returned: bool = False
+    # The weight-gradient (W) part of ``backward_s``: a zero-bubble schedule runs it apart
+    # from the input gradient (B), later, in the bubbles.
+    backward_weight_s: float = 0.0
+    # Bytes W keeps alive from its micro-batch's B until it runs: the saved inputs of the
+    # ops that have weight gradients (a linear's X, for dW = dY^T X).
+    deferred_bytes: int = 0
+
+    @property
+    def backward_input_s(self) -> float:
+        return self.backward_s - self.backward_weight_s
 
 
 @dataclass(frozen=True)
@@ -149,13 +162,26 @@ class Problem:
             raise ValueError(
                 f"Number of stages ({self.num_stages}) must be a multiple of the virtual "
                 f"stages per GPU ({v}).")
-        if (v > 1) != self.schedule.spec.interleaved:
+        spec = self.schedule.spec
+        if spec.v_placed:
+            if v != 2:
+                raise ValueError(
+                    f"The {self.schedule.value} schedule places two stage modules per GPU "
+                    f"(got {v} virtual stages): use 2.")
+            if self.num_devices not in (0, self.num_stages // 2):
+                raise ValueError(f"{self.schedule.value} stages cannot also be replicated.")
+            if self.schedule is ScheduleKind.DUALPIPEV and self.microbatches < self.num_stages:
+                raise ValueError(
+                    f"DualPipeV needs at least as many micro-batches ({self.microbatches}) "
+                    f"as stages ({self.num_stages}): use {self.num_stages} micro-batches.")
+        elif (v > 1) != spec.interleaved:
             raise ValueError(
                 f"Virtual stages ({v}) need the interleaved schedule and the interleaved "
                 f"schedule needs virtual stages (got {self.schedule.value}).")
-        if v > 1 and self.num_devices not in (0, self.num_stages // v):
+        interleaved = spec.interleaved
+        if interleaved and self.num_devices not in (0, self.num_stages // v):
             raise ValueError("Interleaved stages cannot also be replicated.")
-        if v > 1 and self.microbatches % (self.num_stages // v):
+        if interleaved and self.microbatches % (self.num_stages // v):
             n = self.num_stages // v
             raise ValueError(
                 f"Interleaved 1F1B needs the micro-batches ({self.microbatches}) to be a "
@@ -180,6 +206,8 @@ class Problem:
 
     def device_of(self, stage: int) -> int:
         """The GPU a stage module runs on (its first replica's, when replicated)."""
+        if self.schedule.spec.v_placed:
+            return stage if stage < self.devices else self.num_stages - 1 - stage
         return stage % self.devices if self.virtual_stages > 1 else stage
 
 
@@ -203,4 +231,12 @@ def stage_flights(problem: Problem) -> tuple[int, ...]:
     """Per stage module, the micro-batches whose activations it holds at its peak: the
     schedule kind's in-flight rule (``fxpipe.schedules.KINDS``)."""
     return problem.schedule.spec.flights(
+        problem.num_stages, problem.virtual_stages, problem.microbatches)
+
+
+def stage_deferred(problem: Problem) -> tuple[int, ...]:
+    """Per stage module, the micro-batches whose weight gradient (W) waits at its peak,
+    each keeping ``Node.deferred_bytes``: the schedule kind's rule (ZB-H1's stage j holds
+    j + 1); none for a kind that does not split its backwards."""
+    return problem.schedule.spec.deferred(
         problem.num_stages, problem.virtual_stages, problem.microbatches)

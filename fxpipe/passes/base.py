@@ -56,14 +56,25 @@ class MetaInterpreter(MetaRunner):
         ``call_module``, the module's parameters), so a caller can run this node's
         backward alone with ``torch.autograd.grad``.
         """
+        result, inputs, weights = self.run_op_split(n)
+        return result, inputs + weights
+
+    def run_op_split(
+        self, n: torch.fx.Node
+    ) -> tuple[Any, list[torch.Tensor], list[torch.Tensor]]:
+        """``run_op_detached`` with the leaves in two lists: the activations it reads
+        (their gradient is the input gradient, B) and the parameters it reads, as a
+        ``get_attr`` input or its module's own (their gradient is W)."""
         args, kwargs = self.fetch_args_kwargs_from_env(n)
-        leaves: list[torch.Tensor] = []
+        inputs: list[torch.Tensor] = []
+        weights: list[torch.Tensor] = []
+        state = {id(t) for t in self.meta_state.values()}  # the model's parameters, on meta
 
         def leaf(t: torch.Tensor) -> torch.Tensor:
             if not t.requires_grad:
                 return t.detach()
             fresh = t.detach().requires_grad_()
-            leaves.append(fresh)
+            (weights if id(t) in state else inputs).append(fresh)
             # A non-leaf copy of the leaf, so in-place ops inside the node stay legal (a
             # view of it would not be: autograd rejects in-place ops on views of leaves).
             return fresh.clone()
@@ -71,9 +82,9 @@ class MetaInterpreter(MetaRunner):
         args, kwargs = pytree.tree_map_only(torch.Tensor, leaf, (args, kwargs))
         if n.op == "call_module":
             submodule = self.fetch_attr(str(n.target))
-            leaves += [p for p in submodule.parameters() if p.requires_grad]
+            weights += [p for p in submodule.parameters() if p.requires_grad]
         result = getattr(self, n.op)(n.target, args, kwargs)
-        return result, leaves
+        return result, inputs, weights
 
 
 def tensor_leaves(value: Any) -> list[torch.Tensor]:

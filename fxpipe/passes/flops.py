@@ -30,22 +30,36 @@ class _FlopCount(MetaInterpreter):
             meta.FLOPS.set(n, meta.FlopInfo(0, 0))
             return super().execute(n)
         with FlopCounterMode(display=False, custom_mapping=kernels.FLOP_FORMULAS) as forward:
-            result, leaves = self.run_op_detached(n)
+            result, inputs, weights = self.run_op_split(n)
         outputs = grad_outputs_of(result)
-        backward = 0
         # FlopCounterMode counts matmul, convolution and attention ops; the backward of a
         # node that has none of them in its forward has none either, so it is not run.
-        if outputs and leaves and forward.get_total_flops() > 0:
-            with FlopCounterMode(display=False, custom_mapping=kernels.FLOP_FORMULAS) as counter:
-                torch.autograd.grad(
-                    outputs,
-                    leaves,
-                    grad_outputs=[torch.ones_like(t) for t in outputs],
-                    allow_unused=True,
-                )
-            backward = counter.get_total_flops()
-        meta.FLOPS.set(n, meta.FlopInfo(forward.get_total_flops(), backward))
+        # The input gradient (B) and the weight gradient (W) are counted apart: two
+        # backward calls, one with respect to each set of leaves, as a zero-bubble
+        # schedule runs them.
+        if not (outputs and forward.get_total_flops() > 0):
+            inputs, weights = [], []
+        input_flops = _backward_flops(outputs, inputs, retain=bool(weights))
+        weight_flops = _backward_flops(outputs, weights, retain=False)
+        meta.FLOPS.set(n, meta.FlopInfo(forward.get_total_flops(), input_flops + weight_flops,
+                                        backward_weight=weight_flops))
         return result
+
+
+def _backward_flops(outputs: list[torch.Tensor], wrt: list[torch.Tensor], *,
+                    retain: bool) -> int:
+    """FLOPs of the gradient of ``outputs`` with respect to ``wrt`` (0 for none)."""
+    if not wrt:
+        return 0
+    with FlopCounterMode(display=False, custom_mapping=kernels.FLOP_FORMULAS) as counter:
+        torch.autograd.grad(
+            outputs,
+            wrt,
+            grad_outputs=[torch.ones_like(t) for t in outputs],
+            allow_unused=True,
+            retain_graph=retain,
+        )
+    return int(counter.get_total_flops())
 
 
 def annotate_flops(

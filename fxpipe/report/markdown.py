@@ -40,6 +40,14 @@ def bubble_text(plan: Plan) -> str:
     K = plan.num_devices if v > 1 else plan.num_stages
     e = plan.estimate
     spec = kind_of(plan.schedule).spec
+    if spec.splits_backward:
+        per = "chunk " if v > 1 else ""
+        return (
+            f"bubble {e.bubble_fraction:.1%} of the step, {e.bubble_ratio:.1%} of the ideal "
+            f"time: {spec.bubble_formula} with K={K}, M={M} and T_F, T_B, T_W the {per}"
+            f"forward, input-gradient and weight-gradient times (Zero Bubble's fill; the "
+            f"weight gradients fill the rest)"
+        )
     return (
         f"bubble {e.bubble_fraction:.1%} of the step = {spec.bubble_formula} with K={K}, "
         f"v={v}, M={M}; {e.bubble_ratio:.1%} of the ideal time = {spec.bubble_ratio_formula}"
@@ -61,7 +69,7 @@ def render_report(plan: Plan, *, svg: bool = True) -> str:
     limit = "none" if plan.memory_limit == float("inf") else format_bytes(plan.memory_limit)
     solver = plan.solver
     schedule = kind_of(plan.schedule).spec.summary.format(
-        v=plan.virtual_stages, n=plan.num_devices)
+        v=plan.virtual_stages, n=plan.num_devices, k1=plan.num_stages - 1)
     lines = [
         f"# fxpipe plan: {plan.model}",
         "",
@@ -86,9 +94,14 @@ def render_report(plan: Plan, *, svg: bool = True) -> str:
         "Times and memory are per GPU of the stage (a replicated stage's GPUs each take "
         "1/r of every micro-batch; its comm includes the all-reduce of its gradients).",
         "",
-        "| stage | GPUs | ops | params | fwd FLOPs | fwd | bwd | comm | params+grads+opt "
-        "| activations | received | outputs | loss | backward | stashed | total memory |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "The backward is B (the input gradient, what the previous stage waits for) and W "
+        "(the weight gradient, which a zero-bubble schedule defers); deferred W is what "
+        "the waiting weight gradients keep.",
+        "",
+        "| stage | GPUs | ops | params | fwd FLOPs | fwd (F) | bwd input (B) | bwd weight (W) "
+        "| comm | params+grads+opt | activations | received | outputs | loss | backward "
+        "| stashed | deferred W | total memory |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for stage in plan.stages:
         m = stage.memory
@@ -96,11 +109,12 @@ def render_report(plan: Plan, *, svg: bool = True) -> str:
         lines.append(
             f"| {stage.index} | {gpus} | {len(stage.nodes)} | {len(stage.parameters)} | "
             f"{format_count(stage.flops_forward, 'FLOP')} | {format_ms(stage.forward_s)} | "
-            f"{format_ms(stage.backward_s)} | "
+            f"{format_ms(stage.backward_input_s)} | {format_ms(stage.backward_weight_s)} | "
             f"{format_ms(stage.comm_s)} | {format_bytes(m.params + m.grads + m.optimizer)} | "
             f"{format_bytes(m.activations)} | {format_bytes(m.received)} | "
             f"{format_bytes(m.outputs)} | {format_bytes(m.loss)} | "
-            f"{format_bytes(m.backward)} | {format_bytes(m.stashed)} | {format_bytes(m.total)} |"
+            f"{format_bytes(m.backward)} | {format_bytes(m.stashed)} | "
+            f"{format_bytes(m.deferred)} | {format_bytes(m.total)} |"
         )
     lines += [
         "",

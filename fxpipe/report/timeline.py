@@ -31,7 +31,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from fxpipe.runtime.schedule import Action, dependencies
+from fxpipe.runtime.schedule import Action, dependencies, events
 from fxpipe.schedules import chunk_label
 from fxpipe.units import format_seconds
 
@@ -42,7 +42,9 @@ __all__ = ["action_times", "bubble_fraction", "draw_timeline", "schedule_svg"]
 
 # K: number of stages, j: a stage, d: a device, m: a micro-batch.
 
-_COLOURS = {"F": "#4c72b0", "B": "#dd8452"}
+_COLOURS = {"F": "#4c72b0", "B": "#dd8452", "I": "#dd8452", "W": "#55a868"}
+_LEGEND = {"F": "forward", "B": "backward", "I": "input gradient (B)",
+           "W": "weight gradient (W)"}
 
 
 def action_times(
@@ -50,19 +52,26 @@ def action_times(
     forward_s: Sequence[float],
     backward_s: Sequence[float],
     devices: Sequence[int] | None = None,
+    backward_weight_s: Sequence[float] | None = None,
 ) -> dict[Action, tuple[float, float]]:
     """(start, end) in seconds of every action, each device running its actions
     one at a time in schedule order, each action as early as its dependencies
-    allow. ``devices[j]`` is stage j's device; by default each stage has its own."""
+    allow. ``devices[j]`` is stage j's device; by default each stage has its own.
+    A zero-bubble table's I takes ``backward_s - backward_weight_s`` and its W
+    ``backward_weight_s`` (all of a stage's backward is I if none is given)."""
     num_stages = len(forward_s)
     if len(backward_s) != num_stages:
         raise ValueError(
             f"Got {num_stages} forward times and {len(backward_s)} backward times: "
             f"pass one of each per stage."
         )
+    weight = list(backward_weight_s) if backward_weight_s is not None else [0.0] * num_stages
+    duration = {"F": list(forward_s), "B": list(backward_s), "W": weight,
+                "I": [b - w for b, w in zip(backward_s, weight, strict=True)]}
     device_of = _device_of(devices, num_stages)
     device_free = [0.0] * (max(device_of, default=-1) + 1)
     times: dict[Action, tuple[float, float]] = {}
+    finished: dict[Action, float] = {}  # when each event (see ``events``) happened
     for tick in schedule:
         for action in tick:
             j, kind, _ = action
@@ -72,9 +81,10 @@ def action_times(
                     f"for {num_stages} stages."
                 )
             deps = dependencies(action, num_stages)
-            start = max([device_free[device_of[j]]] + [times[d][1] for d in deps if d in times])
-            end = start + (forward_s[j] if kind == "F" else backward_s[j])
+            start = max([device_free[device_of[j]]] + [finished[d] for d in deps if d in finished])
+            end = start + duration[kind][j]
             times[action] = (start, end)
+            finished.update((event, end) for event in events(action))
             device_free[device_of[j]] = end
     return times
 
@@ -84,10 +94,11 @@ def bubble_fraction(
     forward_s: Sequence[float],
     backward_s: Sequence[float],
     devices: Sequence[int] | None = None,
+    backward_weight_s: Sequence[float] | None = None,
 ) -> float:
     """The idle share of the whole step: the devices' idle time over (devices x step
     time), step time being the end of the last action (see ``action_times``)."""
-    times = action_times(schedule, forward_s, backward_s, devices)
+    times = action_times(schedule, forward_s, backward_s, devices, backward_weight_s)
     return _bubble(times, len(set(_device_of(devices, len(forward_s)))))
 
 
@@ -116,11 +127,13 @@ def draw_timeline(
     *,
     title: str,
     devices: Sequence[int] | None = None,
+    backward_weight_s: Sequence[float] | None = None,
 ) -> float:
     """Write the schedule's Gantt chart to ``path`` (SVG) and return the
     predicted step time in seconds (the end of the last action). With ``devices``
-    (stage j on device ``devices[j]``) the rows are devices, not stages."""
-    times = action_times(schedule, forward_s, backward_s, devices)
+    (stage j on device ``devices[j]``) the rows are devices, not stages. A
+    zero-bubble table draws I and W apart (``backward_weight_s``: W's seconds)."""
+    times = action_times(schedule, forward_s, backward_s, devices, backward_weight_s)
     num_stages = len(forward_s)
     row_of = _device_of(devices, num_stages)
     num_rows = max(row_of, default=-1) + 1
@@ -153,9 +166,9 @@ def draw_timeline(
     ax.set_xlabel(f"predicted time ({unit})")
     ax.set_title(f"{title}  (step {format_seconds(makespan)}, bubble {bubble:.0%})",
                  fontsize=9)
-    ax.legend(handles=[Patch(color=_COLOURS["F"], label="forward"),
-                       Patch(color=_COLOURS["B"], label="backward")],
-              loc="upper right", fontsize=7, ncols=2)
+    kinds = [k for k in _LEGEND if any(kind == k for _j, kind, _m in times)] or ["F", "B"]
+    ax.legend(handles=[Patch(color=_COLOURS[k], label=_LEGEND[k]) for k in kinds],
+              loc="upper right", fontsize=7, ncols=len(kinds))
     fig.tight_layout()
     with matplotlib.rc_context({"svg.hashsalt": "fxpipe", "svg.fonttype": "none"}):
         fig.savefig(Path(path), format="svg", metadata={"Date": None})
@@ -177,5 +190,6 @@ def schedule_svg(plan: Plan, schedule: Sequence[Sequence[Action]]) -> bytes:
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch) / "schedule.svg"
         title = f"{plan.model}: {plan.schedule}, K={plan.num_stages}, M={plan.microbatches}"
-        draw_timeline(schedule, forward, backward, path, title=title, devices=devices)
+        draw_timeline(schedule, forward, backward, path, title=title, devices=devices,
+                      backward_weight_s=[s.backward_weight_s for s in plan.stages])
         return path.read_bytes()

@@ -302,14 +302,15 @@ class MeasuredSteps:
 def timed(recorder: Recorder | None, k: int | None = None,
           kind: str = "") -> contextlib.AbstractContextManager[None]:
     """While measuring (``recorder`` not None): a whole step (``k`` None), or a span of
-    stage k's ``kind`` ("F" or "forward", "B" or "backward", "comm"); otherwise nothing."""
+    stage k's ``kind`` ("F" or "forward"; "B", "I", "W" or "backward"; "comm"); otherwise
+    nothing."""
     if recorder is None:
         return contextlib.nullcontext()
     if k is None:
         return recorder.step()
     if kind == "comm":
         return recorder.span(k, kind)
-    return recorder.compute(k, {"F": "forward", "B": "backward"}.get(kind, kind))
+    return recorder.compute(k, "forward" if kind in ("F", "forward") else "backward")
 
 
 def _elapsed(start: Any, end: Any) -> float:

@@ -3,10 +3,9 @@
 # K: stages, M: micro-batches, j/k: a stage, m: a micro-batch.
 
 The schedule (see schedule.py) is a list of ticks of ``(stage, "F" | "B", m)``
-actions; the runner executes them in order. How a step moves values between
-stages is drawn in values.py, how they cross devices in stream.py, replicated
-stages in replicas.py, tied parameters in devices.py and weight stashing in
-stashing.py.
+actions (I and W: a split B, split_backward.py), run in order. Values move between
+stages as values.py draws, across devices as stream.py; replicas.py, devices.py and
+stashing.py hold replicated stages, tied parameters and weight stashing.
 
 On the CPU (``devices=None``) the ticks run in order on one thread. On CUDA
 every stage runs on its device on its own compute stream.
@@ -47,6 +46,7 @@ from .precision import autocast, check_precision, grad_scaler, warn_uncast
 from .recompute import rng_restored, rng_state
 from .replicas import batch_sizes, check_replicas
 from .schedule import Action, check_schedule, check_sizes
+from .split_backward import check_split, input_backward, weight_backward
 from .stashing import Stash, WeightStashes, check_optimizers, check_unshared
 from .stream import Streams
 from .values import GRAPH_INPUT, OnDemand, StepState, Wiring, sum_grads
@@ -101,6 +101,7 @@ class PipelineRunner(MeasuredSteps):
         check_schedule(self.schedule, num_stages, microbatches)
         if self.weight_stashing:
             check_unshared(self.stages)
+        check_split(self.schedule, self.replicas, self.weight_stashing)
         self.wiring = Wiring(self.stages)
 
         # devices[k]: stage k's own device (its replica 0's); replica_devices[k][i]: replica i's
@@ -178,12 +179,16 @@ class PipelineRunner(MeasuredSteps):
                     if m >= num_mb:
                         continue  # a mini-batch of fewer than M samples
                     with timed(self._recorder, k, kind):  # while measure() is active
-                        (self._train_forward if kind == "F" else self._backward)(k, m, state)
+                        if kind == "F":
+                            self._train_forward(k, m, state)
+                        elif kind == "W":
+                            with self.streams.on(k):
+                                weight_backward(self.stages[k], *state.deferred.pop((k, m)))
+                        else:
+                            self._backward(k, m, state, inputs_only=kind == "I")
             total = state.total_loss
         assert total is not None
         return total
-
-    # ------------------------------------------------------------ internals
 
     def _split(self, flat: dict[str, Any]) -> list[dict[str, Any]]:
         """Each micro-batch's graph inputs: M, or one per sample when there are fewer."""
@@ -332,7 +337,7 @@ class PipelineRunner(MeasuredSteps):
             state.total_loss = total if state.total_loss is None else state.total_loss + total
         return loss, out_in
 
-    def _backward(self, k: int, m: int, state: StepState) -> None:
+    def _backward(self, k: int, m: int, state: StepState, inputs_only: bool = False) -> None:
         inputs, outputs, rng, stash = state.saved.pop((k, m))
         values = state.values[m]
         with self.streams.on(k):
@@ -341,7 +346,10 @@ class PipelineRunner(MeasuredSteps):
                     outputs = self._run_stage(k, inputs, state.batch[m], stash)
                 values.update(zip(self.wiring.outputs[k], outputs, strict=True))
             tensors, grads, loss_inputs = self._output_grads(k, m, outputs, state)
-            if tensors:
+            if inputs_only:
+                named = [*inputs.items(), *dict.items(loss_inputs)]
+                state.deferred[(k, m)] = input_backward(self.wiring, k, named, tensors, grads)
+            elif tensors:
                 torch.autograd.backward(tensors, grads)
             done = self.streams.record(k)
             for name, leaf_value in [*inputs.items(), *dict.items(loss_inputs)]:

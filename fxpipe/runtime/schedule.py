@@ -14,53 +14,77 @@ F(j, m) runs after F(j - 1, m); B(j, m) after F(j, m) and B(j + 1, m), "after"
 meaning in a strictly earlier tick. This module is the one statement of that
 rule: the runner checks its table with it, and the compiler builds, validates
 and times its tables with it.
+
+Zero-bubble tables split a backward into I, the input gradient (what stage j - 1
+waits for), and W, the weight gradient (what nothing waits for): I(j, m) keeps
+B's dependencies, W(j, m) runs after I(j, m), and either B or I of stage j + 1
+releases stage j. Each (j, m) runs F and B, or F, I and W.
 """
 
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["Action", "check_schedule", "check_sizes", "dependencies"]
+__all__ = ["GRAD", "KINDS", "Action", "check_schedule", "check_sizes", "dependencies", "events"]
 
-Action = tuple[int, str, int]  # (stage, "F" | "B", microbatch)
+Action = tuple[int, str, int]  # (stage, "F" | "B" | "I" | "W", microbatch)
+
+# Forward, full backward, and a backward's two halves (torch.distributed.pipelining's
+# letters): I the input gradient, W the weight gradient.
+KINDS = ("F", "B", "I", "W")
+# Not an action: the event "stage j's input gradient of micro-batch m is ready", which
+# either its full backward B or its I produces.
+GRAD = "G"
 
 
 def dependencies(action: Action, num_stages: int) -> list[Action]:
-    """The actions that must finish in an earlier tick before ``action`` runs."""
+    """The events (see ``events``) that must happen in an earlier tick before
+    ``action`` runs."""
     j, kind, m = action
     if kind == "F":
         return [(j - 1, "F", m)] if j > 0 else []
+    if kind == "W":
+        return [(j, "I", m)]
     deps = [(j, "F", m)]
     if j < num_stages - 1:
-        deps.append((j + 1, "B", m))
+        deps.append((j + 1, GRAD, m))
     return deps
 
 
+def events(action: Action) -> list[Action]:
+    """What running ``action`` makes happen: itself, and for B and I the gradient event."""
+    j, kind, m = action
+    return [action, (j, GRAD, m)] if kind in ("B", "I") else [action]
+
+
 def check_schedule(schedule: Sequence[Sequence[Action]], num_stages: int, num_mb: int) -> None:
-    """Raise ValueError unless the schedule runs each (stage, F/B, m) once, in
-    dependency order."""
+    """Raise ValueError unless the schedule runs, for each stage and micro-batch, F and
+    B, or F, I and W, each once, in dependency order."""
     done: set[Action] = set()
     for t, tick in enumerate(schedule):
         this_tick: set[Action] = set()
         for action in tick:
             j, kind, m = action
-            if not (0 <= j < num_stages and kind in ("F", "B") and 0 <= m < num_mb):
+            if not (0 <= j < num_stages and kind in KINDS and 0 <= m < num_mb):
                 raise ValueError(
                     f"Schedule tick {t} has {action}, outside {num_stages} stages x "
                     f"{num_mb} micro-batches: regenerate the schedule for this runner."
                 )
-            if action in done or action in this_tick:
+            happened = events(action)
+            if any(e in done or e in this_tick for e in happened):
                 raise ValueError(f"Schedule runs {action} twice (again in tick {t}).")
-            this_tick.add(action)
+            this_tick.update(happened)
             missing = [d for d in dependencies(action, num_stages) if d not in done]
             if missing:
                 raise ValueError(f"Schedule tick {t} runs {action} before {missing}.")
         done.update(this_tick)
-    expected = num_stages * num_mb * 2
-    if len(done) != expected:
-        raise ValueError(
-            f"Schedule has {len(done)} actions, expected {expected} "
-            f"({num_stages} stages x {num_mb} micro-batches x forward and backward)."
-        )
+    for j in range(num_stages):
+        for m in range(num_mb):
+            ran = {kind for kind in KINDS if (j, kind, m) in done}
+            if ran not in ({"F", "B"}, {"F", "I", "W"}):
+                raise ValueError(
+                    f"Schedule runs {sorted(ran)} of stage {j}, micro-batch {m}: want F and "
+                    f"B, or F, I and W ({num_stages} stages x {num_mb} micro-batches)."
+                )
 
 
 def check_sizes(num_stages: int, microbatches: int, devices: Sequence[Any] | None,

@@ -109,6 +109,9 @@ class StepState:
         self.losses: dict[int, tuple[torch.Tensor, dict[str, Any]]] = {}
         self.total_loss: torch.Tensor | None = None
         self.stashes = stashes  # weight stashing's versions, None without it
+        # (k, m) -> (what I(k, m) differentiated, their gradients): the graph its W runs on
+        self.deferred: dict[tuple[int, int], tuple[list[torch.Tensor],
+                                                   list[torch.Tensor | None]]] = {}
 
 
 def sum_grads(contributions: list[list[torch.Tensor | None]]) -> list[torch.Tensor | None] | None:
@@ -122,3 +125,4 @@ def sum_grads(contributions: list[list[torch.Tensor | None]]) -> list[torch.Tens
                 acc = total[i]
                 total[i] = g if acc is None else acc + g
     return total
+

@@ -34,22 +34,30 @@ MS = 1e-3
 @st.composite
 def problems(draw: st.DrawFn, layout: str = "one per GPU") -> Problem:
     """Random small problems; ``layout``: "one per GPU", "interleaved" (N GPUs x 2 stage
-    modules) or "replicated" (N GPUs > K stages)."""
+    modules), "v" (N GPUs x 2 stage modules in a V: ZB-V, DualPipeV) or "replicated"
+    (N GPUs > K stages)."""
     K = draw(st.integers(1, 4))
     v, devices = 1, 0
-    schedule = draw(st.sampled_from([s for s in ScheduleKind if s is not ScheduleKind.INTERLEAVED]))
+    two_per_gpu = [s for s in ScheduleKind if s.spec.interleaved or s.spec.v_placed]
+    schedule = draw(st.sampled_from([s for s in ScheduleKind if s not in two_per_gpu]))
     if layout == "interleaved":
         v, schedule = 2, ScheduleKind.INTERLEAVED
+        K = 2 * draw(st.integers(1, 2))
+    elif layout == "v":
+        v, schedule = 2, draw(st.sampled_from([s for s in ScheduleKind if s.spec.v_placed]))
         K = 2 * draw(st.integers(1, 2))
     elif layout == "replicated":
         K = draw(st.integers(1, 3))
         devices = K + draw(st.integers(1, 2))
     n = draw(st.integers(1, 7 if K < 4 else 6))
+    backward = [draw(st.integers(0, 9)) for _ in range(n)]
     nodes = tuple(
         Node(
             name=f"n{i}",
             forward_s=draw(st.integers(0, 9)) * MS,
-            backward_s=draw(st.integers(0, 9)) * MS,
+            backward_s=backward[i] * MS,
+            backward_weight_s=draw(st.integers(0, backward[i])) * MS,
+            deferred_bytes=draw(st.integers(0, 3)) * 10,
             param_bytes=draw(st.integers(0, 5)) * 100,
             activation_bytes=draw(st.integers(0, 3)) * 10,
             grad_bytes=draw(st.sampled_from([0, 0, 40, 250])),
@@ -80,7 +88,8 @@ def problems(draw: st.DrawFn, layout: str = "one per GPU") -> Problem:
         num_stages=K,
         memory_limit=draw(st.integers(0, 3000)) if limited else float("inf"),
         schedule=schedule,
-        microbatches=draw(st.integers(1, 4)) * (K // v),
+        microbatches=max(draw(st.integers(1, 4)) * (K // v),
+                         K if schedule is ScheduleKind.DUALPIPEV else 1),
         state_factor=float(draw(st.integers(1, 4))),
         recompute=draw(st.sampled_from(Recompute)),
         workspace_bytes=draw(st.integers(0, 2)) * 50,
@@ -150,7 +159,7 @@ def test_model_objective_equals_evaluate(problem: Problem) -> None:
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.one_of(problems(), problems(layout="interleaved")), st.data())
+@given(st.one_of(problems(), problems(layout="interleaved"), problems(layout="v")), st.data())
 def test_model_rows_equal_the_stage_cost_formula(problem: Problem, data: st.DataObject) -> None:
     """For any valid split and any recompute choice, each GPU's linear memory row is
     evaluate()'s memory to the byte, and its time row evaluate()'s time up to the rounding
@@ -179,6 +188,30 @@ def test_model_rows_equal_the_stage_cost_formula(problem: Problem, data: st.Data
 def test_interleaved_ilp_matches_brute_force(problem: Problem) -> None:
     """K = N * v stage modules, GPU d running modules d, d + N, ...: per-GPU time and
     memory (the sum over its modules) are what the ILP bounds."""
+    best, _least, any_valid = brute_force(problem)
+    try:
+        result = partition(problem, time_limit_s=20, workers=1)
+    except TooManyStagesError:
+        assert not any_valid
+        return
+    except InfeasibleMemoryError:
+        assert any_valid and best is None
+        return
+    assert best is not None
+    evaluation = evaluate(problem, result.stage_of)
+    assert evaluation.estimate.fits
+    assert result.report.status == "OPTIMAL"
+    assert result.report.objective == pytest.approx(best, rel=1e-9, abs=1e-12)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(layout="v"))
+def test_v_placement_ilp_matches_brute_force(problem: Problem) -> None:
+    """ZB-V and DualPipeV: K = 2N stage modules, GPU d running stages d and K - 1 - d, so
+    one GPU's time and memory add up a stage near the input and one near the output, its
+    waiting weight gradients included: the ILP chooses the cuts of both chunks together."""
+    assert [problem.device_of(j) for j in range(problem.num_stages)] == (
+        [0, 0] if problem.num_stages == 2 else [0, 1, 1, 0])
     best, _least, any_valid = brute_force(problem)
     try:
         result = partition(problem, time_limit_s=20, workers=1)

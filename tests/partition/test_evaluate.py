@@ -215,3 +215,54 @@ def test_violations() -> None:
     assert violations(p.__class__(**{**p.__dict__, "allow_empty_stages": True}), [1, 1, 1]) == []
     # an unordered edge may go back: only communication
     assert violations(Problem(nodes, (Edge(1, 0, ordered=False),), num_stages=3), [0, 1, 2]) == []
+
+
+def chain(n: int, schedule: ScheduleKind, stages: int, microbatches: int, **kwargs: object
+          ) -> Problem:
+    """n equal layers in a chain: F = 1 s, backward 2 s of which W = 1 s (F = B = W)."""
+    nodes = tuple(Node(f"l{i}", 1.0, 2.0, backward_weight_s=1.0, activation_bytes=10,
+                       deferred_bytes=3) for i in range(n))
+    edges = tuple(Edge(i, i + 1) for i in range(n - 1))
+    return Problem(nodes, edges, num_stages=stages, schedule=schedule,
+                   microbatches=microbatches, **kwargs)  # type: ignore[arg-type]
+
+
+def test_zb1p_step_is_the_papers_bubble_and_w_keeps_its_inputs() -> None:
+    """K = 4 one-layer stages, M = 8: 1F1B takes (M + K - 1)(F + B); ZB-H1 takes
+    M (F + B) + (K - 1)(T_F + T_B - T_W), B the input gradient; stage j keeps j + 1
+    micro-batches' deferred bytes for its waiting weight gradients."""
+    k, m = 4, 8
+    one = evaluate(chain(k, ScheduleKind.ONE_F_ONE_B, k, m), tuple(range(k)))
+    zb = evaluate(chain(k, ScheduleKind.ZB1P, k, m), tuple(range(k)))
+    assert one.estimate.iteration_s == pytest.approx((m + k - 1) * 3.0)
+    assert zb.estimate.iteration_s == pytest.approx(m * 3.0 + (k - 1) * (1 + 1 - 1))
+    assert zb.estimate.bubble_ratio == pytest.approx((k - 1) / (m * 3.0))
+    assert [s.memory.deferred for s in zb.stages] == [3 * (j + 1) for j in range(k)]
+    assert [s.memory.activations for s in zb.stages] == [
+        s.memory.activations for s in one.stages], "1F1B's activation memory"
+    assert all(s.memory.deferred == 0 for s in one.stages)
+    assert [s.backward_weight_s for s in zb.stages] == [1.0] * k
+
+
+@pytest.mark.parametrize("schedule", [ScheduleKind.ZBV, ScheduleKind.DUALPIPEV])
+def test_v_schedules_pair_stage_j_with_k_minus_1_minus_j(schedule: ScheduleKind) -> None:
+    """8 layers on 4 GPUs as 8 one-layer chunks: GPU d runs chunks d and 7 - d, its
+    time per micro-batch 2 x 3 s; the fill is (K - 1)(T_F + T_B - T_W) in chunk times."""
+    gpus, m = 4, 8
+    problem = chain(8, schedule, 2 * gpus, m, virtual_stages=2)
+    assert [problem.device_of(j) for j in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    result = evaluate(problem, tuple(range(8)))
+    assert result.estimate.bottleneck_s == pytest.approx(6.0)
+    assert result.estimate.iteration_s == pytest.approx(m * 6.0 + (gpus - 1) * 1.0)
+    one = evaluate(chain(8, ScheduleKind.ONE_F_ONE_B, gpus, m), (0, 0, 1, 1, 2, 2, 3, 3))
+    assert one.estimate.iteration_s == pytest.approx((m + gpus - 1) * 6.0)
+    # GPU d holds 2K + 1 chunks' activations (1F1B's first stage: K stages' worth)
+    flights = [s.memory.activations // 10 for s in result.stages]
+    assert [flights[d] + flights[7 - d] for d in range(gpus)] == [2 * gpus + 1] * gpus
+
+
+def test_v_schedule_errors_say_what_to_use() -> None:
+    with pytest.raises(ValueError, match="use 2"):
+        chain(4, ScheduleKind.ZBV, 4, 4)
+    with pytest.raises(ValueError, match="use 8 micro-batches"):
+        chain(8, ScheduleKind.DUALPIPEV, 8, 4, virtual_stages=2)

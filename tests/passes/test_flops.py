@@ -152,3 +152,59 @@ def test_our_gpt2_small_on_meta_flops_match_closed_form() -> None:
         v=cfg.vocab_size,
         n=cfg.n_layer,
     )
+
+
+# ------------------------------------------------------------------ B and W apart
+
+
+def linear_split(input_requires_grad: bool) -> list[meta.FlopInfo]:
+    gm = torch.fx.symbolic_trace(nn.Linear(IN, OUT))
+    x = torch.randn(BATCH, IN, requires_grad=input_requires_grad)
+    annotate_all(gm, x)
+    return [meta.FLOPS.get(n) for n in gm.graph.nodes if meta.FLOPS.get(n).forward]
+
+
+def test_linear_backward_splits_into_input_and_weight_gemms() -> None:
+    (record,) = linear_split(input_requires_grad=True)
+    assert record.backward_weight == LINEAR_FORWARD, "dW = dY^T X: one GEMM"
+    assert record.backward_input == LINEAR_FORWARD, "dX = dY W: the other"
+    assert record.weight_share == 0.5
+
+
+def test_linear_without_input_grad_is_all_weight_gradient() -> None:
+    (record,) = linear_split(input_requires_grad=False)
+    assert record.backward_input == 0
+    assert record.backward_weight == record.backward == LINEAR_FORWARD
+
+
+def test_conv_backward_splits_like_a_linear() -> None:
+    gm = torch.fx.symbolic_trace(nn.Conv2d(8, 16, 3, padding=1, bias=False))
+    annotate_all(gm, torch.randn(2, 8, 12, 12, requires_grad=True))
+    (record,) = [meta.FLOPS.get(n) for n in gm.graph.nodes if meta.FLOPS.get(n).forward]
+    assert record.backward_weight == record.forward > 0
+    assert record.backward_input == record.forward
+
+
+def test_matmul_of_two_activations_is_all_input_gradient() -> None:
+    class Scores(nn.Module):
+        def forward(self, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+            return q @ k.transpose(-1, -2)
+
+    gm = torch.fx.symbolic_trace(Scores())
+    q = torch.randn(2, 16, 8, requires_grad=True)
+    annotate_all(gm, q, torch.randn(2, 16, 8, requires_grad=True))
+    records = [meta.FLOPS.get(n) for n in gm.graph.nodes if meta.FLOPS.get(n).backward]
+    assert records and all(r.backward_weight == 0 for r in records)
+
+
+def test_gpt2_weight_gradients_are_the_linears_and_head() -> None:
+    """Under torch.export the weights are get_attr inputs of aten ops; W is still found:
+    one GEMM per linear per token (2·t·in·out), the LM head included."""
+    model = hf_gpt2_small_on_meta()
+    ids = torch.zeros(GPT2["b"], GPT2["s"], dtype=torch.long)
+    traced = trace(model, (), {"input_ids": ids})
+    annotate_flops(traced.gm, *traced.flat_inputs)
+    weight = sum(meta.FLOPS.get(n).backward_weight for n in traced.gm.graph.nodes)
+    d, v, t, n = GPT2["d"], GPT2["v"], GPT2["b"] * GPT2["s"], GPT2["n"]
+    expected = n * 2 * t * (3 * d * d + d * d + 4 * d * d + 4 * d * d) + 2 * t * d * v
+    assert abs(weight / expected - 1) < 0.01, (weight, expected)

@@ -106,3 +106,25 @@ def test_timeline_by_gpu(tmp_path) -> None:
 def test_devices_must_be_one_per_stage() -> None:
     with pytest.raises(ValueError, match="3 devices for 4 stages"):
         action_times(interleaved_1f1b(2, 2, 2), [1.0] * 4, [1.0] * 4, [0, 1, 0])
+
+
+def test_zero_bubble_tables_time_input_and_weight_gradients_apart(tmp_path) -> None:
+    """Balanced stages with F = I = W = 1: 1F1B takes (M + K - 1)(F + B) with B = I + W;
+    ZB-H1 takes 3M + (K - 1)(T_F + T_B - T_W) = 3M + K - 1; ZB-V on the same K GPUs
+    (chunks of half a stage) takes 3M + (K - 1) / 2."""
+    from fxpipe.schedules import v_devices, zb1p, zbv
+
+    k, m = 4, 8
+    ones = [1.0] * k
+    one_f = action_times(one_f_one_b(k, m), ones, [2.0] * k)
+    zb = action_times(zb1p(k, m), ones, [2.0] * k, backward_weight_s=ones)
+    v = action_times(zbv(k, m), [0.5] * (2 * k), [1.0] * (2 * k), v_devices(k),
+                     backward_weight_s=[0.5] * (2 * k))
+    assert max(e for _s, e in one_f.values()) == (m + k - 1) * 3
+    assert max(e for _s, e in zb.values()) == 3 * m + (k - 1)
+    assert max(e for _s, e in v.values()) == 3 * m + (k - 1) / 2
+    assert zb[(0, "W", 0)][1] - zb[(0, "W", 0)][0] == 1.0
+    assert zb[(0, "I", 0)][0] >= zb[(1, "I", 0)][1], "I waits for the next stage's I"
+    path = tmp_path / "zb.svg"
+    draw_timeline(zb1p(k, m), ones, [2.0] * k, path, title="ZB-H1", backward_weight_s=ones)
+    assert b"weight gradient (W)" in path.read_bytes()

@@ -1,0 +1,46 @@
+"""A zero-bubble table's split backward (the I and W actions of schedule.py).
+
+B(k, m) runs as I(k, m), the gradients of the values stage k received (what stage
+k - 1 waits for), its graph kept, and W(k, m), later, the gradients of its
+parameters: the same ``.grad`` as B (a tied parameter's copies each add theirs).
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from .values import GRAPH_INPUT, Wiring
+
+__all__ = ["check_split", "input_backward", "weight_backward"]
+
+
+def check_split(schedule: Sequence[Sequence[tuple[int, str, int]]], replicas: Sequence[int],
+                weight_stashing: bool) -> None:
+    if any(a[1] == "W" for t in schedule for a in t) and (
+            weight_stashing or max(replicas) > 1):
+        raise ValueError("A schedule with I and W actions needs replicas=None and "
+                         "weight_stashing=False.")
+
+
+def input_backward(wiring: Wiring, k: int, named: list[tuple[str, Any]],
+                   tensors: list[torch.Tensor], grads: list[torch.Tensor | None],
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """I: the gradients of the values stage k received (``named``: its inputs and those
+    the loss read), into their ``.grad``; returns what W differentiates later."""
+    received = [x for name, v in named if wiring.producer_of(name) not in (GRAPH_INPUT, k)
+                for x in pytree.tree_leaves(v) if getattr(x, "requires_grad", False)]
+    if tensors and received:
+        torch.autograd.backward(tensors, grads, inputs=received, retain_graph=True)
+    return tensors, grads
+
+
+def weight_backward(stage: nn.Module, tensors: list[torch.Tensor],
+                    grads: list[torch.Tensor | None]) -> None:
+    """W: the gradients of ``stage``'s parameters from the graph its I kept, accumulated
+    into ``.grad``."""
+    weights = [p for p in stage.parameters() if p.requires_grad]
+    if tensors and weights:
+        torch.autograd.backward(tensors, grads, inputs=weights)

@@ -1,0 +1,63 @@
+"""Transparency of the zero-bubble schedules through the generated package: each backward
+run as I (input gradient) then, later, W (weight gradient) gives the unsplit model's
+outputs, loss and every gradient: GPT with its tied embedding and LM head, Llama, and the
+U-Net whose skips cross stages. ZB-H1 on K = 4 stages; ZB-V and DualPipeV on 2 GPUs with
+4 stage modules in a V (GPU 0 runs stages 0 and 3, so the GPT embedding and its tied
+head share a GPU, GPU 1 stages 1 and 2)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from ._models import grads, import_package, leaves, mini_batch, traced, write_package
+from ._plans import contiguous_plan
+
+CASES = [(name, schedule) for name in ("gpt", "llama", "unet")
+         for schedule in ("zb1p", "zbv", "dualpipev")]
+
+
+@pytest.mark.parametrize(("name", "schedule"), CASES)
+def test_split_backward_matches_the_model(tmp_path: Path, name: str, schedule: str) -> None:
+    source, tr = traced(name)
+    k, m = 4, 4
+    plan = contiguous_plan(tr.gm.graph, k, schedule=schedule, microbatches=m, model=name)
+    if schedule != "zb1p":
+        plan = dataclasses.replace(plan, virtual_stages=2)
+        assert [plan.devices_of(j)[0] for j in range(k)] == [0, 1, 1, 0]
+    write_package(tmp_path / "pkg", tr, plan)
+    package = import_package(tmp_path / "pkg")
+    kinds = {kind for tick in package.SCHEDULE for _j, kind, _m in tick}
+    assert kinds == {"F", "I", "W"}, "every backward split"
+    model = source.model.double()
+    runner = package.PipelineRunner(package.build_stages(model))
+
+    def as_double(value):
+        return torch.utils._pytree.tree_map_only(
+            torch.Tensor, lambda t: t.double() if t.is_floating_point() else t, value)
+
+    args, kwargs = as_double(mini_batch(source.args)), as_double(mini_batch(source.kwargs))
+    target = as_double(mini_batch(source.target))
+    inputs = kwargs if kwargs else args
+
+    model.zero_grad(set_to_none=True)
+    loss = runner.step(inputs, target, source.loss_fn)
+    pipeline_grads = grads(model)
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        pipeline_out = runner.forward(*args, **kwargs)
+
+    want = model(*args, **kwargs)
+    want_loss = source.loss_fn(want, target)  # type: ignore[misc]
+    want_loss.backward()
+    model_grads = grads(model)
+
+    torch.testing.assert_close(torch.as_tensor(loss), want_loss.detach())
+    for a, b in zip(leaves(pipeline_out), leaves(want), strict=True):
+        torch.testing.assert_close(a, b.detach())
+    assert sorted(pipeline_grads) == sorted(model_grads)
+    for key, value in model_grads.items():
+        torch.testing.assert_close(pipeline_grads[key], value, msg=lambda m, key=key: f"{key}: {m}")
