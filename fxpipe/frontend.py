@@ -245,6 +245,7 @@ def trace(
     if getattr(config, "use_cache", False):
         config.use_cache = False  # type: ignore[union-attr]
         notes.append("set config.use_cache = False: a training step keeps no key/value cache")
+    notes += _batch_norm_notes(model)
 
     try:
         gm = torch.fx.symbolic_trace(model)
@@ -301,6 +302,21 @@ def _eager_failure(
     except Exception as exc:
         return exc
     return None
+
+
+def _batch_norm_notes(model: torch.nn.Module) -> list[str]:
+    """What a pipeline changes for batch normalization in training mode: its statistics."""
+    names = [name for name, m in model.named_modules()
+             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training]
+    if not names:
+        return []
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return [
+        f"batch normalization in training mode ({shown}): batch statistics are per "
+        "micro-batch, as in GPipe, so outputs and gradients equal the unsplit model run "
+        "micro-batch by micro-batch; running statistics are updated once per micro-batch, "
+        "with or without recompute"
+    ]
 
 
 @contextmanager

@@ -38,7 +38,7 @@ from .microbatch import (
     split_microbatches,
     split_replicas,
 )
-from .recompute import rng_restored, rng_state
+from .recompute import buffers_restored, rng_restored, rng_state
 from .replicas import batch_sizes, check_replicas
 from .schedule import Action, check_schedule
 from .stashing import Stash, WeightStashes, check_optimizers, check_unshared
@@ -296,6 +296,16 @@ class PipelineRunner:
         if k == len(self.stages) - 1 and not self.recompute[k]:
             state.losses[m] = self._loss(k, m, state)
 
+    def _stage_buffers(self, k: int) -> list[torch.Tensor]:
+        """Every buffer stage k's forward may write: its own (or the copies bound in
+        their place on its device) and those bound for its replicas on other devices."""
+        buffers = list(self.stages[k].buffers())
+        for i in range(self.replicas[k]):
+            bound = self._bound.get((k, i))
+            if bound is not None:
+                buffers += [t for t in bound.values() if not isinstance(t, nn.Parameter)]
+        return buffers
+
     def _loss(self, k: int, m: int, state: StepState) -> tuple[torch.Tensor, dict[str, Any]]:
         """loss_fn(build_output(values of m), target of m) on the last stage, weighted by
         micro-batch m's share of the samples (1/M for equal micro-batches; not weighted
@@ -319,13 +329,17 @@ class PipelineRunner:
         inputs, outputs, rng, stash = state.saved.pop((k, m))
         values = state.values[m]
         with self.streams.on(k):
-            if self.recompute[k]:
-                with torch.enable_grad(), rng_restored(self.streams.device(k), rng):
-                    outputs = self._run_stage(k, inputs, state.batch[m], stash)
-                values.update(zip(self.wiring.outputs[k], outputs, strict=True))
-            tensors, grads, loss_inputs = self._output_grads(k, m, outputs, state)
-            if tensors:
-                torch.autograd.backward(tensors, grads)
+            # the forward of F(k, m) updated k's buffers; the recomputed one must not again
+            undo = (buffers_restored(self._stage_buffers(k)) if self.recompute[k]
+                    else contextlib.nullcontext())
+            with undo:
+                if self.recompute[k]:
+                    with torch.enable_grad(), rng_restored(self.streams.device(k), rng):
+                        outputs = self._run_stage(k, inputs, state.batch[m], stash)
+                    values.update(zip(self.wiring.outputs[k], outputs, strict=True))
+                tensors, grads, loss_inputs = self._output_grads(k, m, outputs, state)
+                if tensors:
+                    torch.autograd.backward(tensors, grads)
             done = self.streams.record(k)
             for name, leaf_value in [*inputs.items(), *dict.items(loss_inputs)]:
                 p = self.wiring.producer_of(name)
