@@ -27,7 +27,7 @@ import traceback
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ import torch.fx
 from torch.utils import _pytree as pytree
 from torch.utils._sympy.numbers import int_oo
 
+from fxpipe.batching import decide_batching
 from fxpipe.metadevice import MetaRunner, named_state
 from fxpipe.runtime.loading import NotPythonError, import_file
 
@@ -70,6 +71,7 @@ class ModelSource:
     kwargs: dict[str, Any]
     loss_fn: Callable[..., torch.Tensor] | None
     target: Any
+    batch_dims: Any = None  # what the file's optional batch_dims() returned
 
     @property
     def label(self) -> str:
@@ -99,6 +101,21 @@ class Traced:
     flat_inputs: tuple[Any, ...]
     notes: tuple[str, ...] = ()
     inputs: tuple[InputShape, ...] = ()  # one per tensor input, in placeholder order
+    # batched[i]: flat input i is split into micro-batches along dim 0 (else passed whole
+    # to every micro-batch); empty: every input with a dimension is batched
+    batched: tuple[bool, ...] = ()
+    batching: str = ""  # how that was decided
+
+    @property
+    def shared_inputs(self) -> tuple[str, ...]:
+        """Names of the graph inputs handed whole to every micro-batch."""
+        placeholders = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
+        return tuple(
+            name for name, value, batched in zip(placeholders, self.flat_inputs, self.batched,
+                                                 strict=True)
+            if not batched and any(isinstance(t, torch.Tensor) and t.dim() > 0
+                                   for t in pytree.tree_leaves(value))
+        )
 
 
 def load_model_file(spec: str) -> ModelSource:
@@ -134,7 +151,12 @@ def load_model_file(spec: str) -> ModelSource:
     if not callable(make_target):
         make_target = getattr(module, "example_target", None)
     target = _call(make_target, path, "example_target") if callable(make_target) else None
+    make_dims = getattr(build, "batch_dims", None)
+    if not callable(make_dims):
+        make_dims = getattr(module, "batch_dims", None)
+    batch_dims = _call(make_dims, path, "batch_dims") if callable(make_dims) else None
     return ModelSource(
+        batch_dims=batch_dims,
         path=path,
         factory=factory,
         model=model,
@@ -233,9 +255,29 @@ def _one_line(exc: BaseException) -> str:
 
 
 def trace(
+    model: torch.nn.Module, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
+    *, batch_dims: Any = None,
+) -> Traced:
+    """Trace ``model`` on one micro-batch: symbolic_trace, else torch.export non-strict;
+    and decide which inputs are batched (see batching.py; ``batch_dims`` is what the
+    model file's ``batch_dims()`` returned)."""
+    kwargs = dict(kwargs or {})
+    device = _model_device(model)
+    if device is not None and device.type == "meta":
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+    traced = _trace(model, args, kwargs)  # its flat inputs are these very tensors
+    decision = decide_batching(model, args, kwargs, batch_dims)
+    batched = tuple(
+        any(id(t) in decision.batched for t in pytree.tree_leaves(value)
+            if isinstance(t, torch.Tensor))
+        for value in traced.flat_inputs
+    )
+    return replace(traced, batched=batched, batching=decision.how)
+
+
+def _trace(
     model: torch.nn.Module, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
 ) -> Traced:
-    """Trace ``model`` on one micro-batch: symbolic_trace, else torch.export non-strict."""
     kwargs = dict(kwargs or {})
     notes: list[str] = []
     device = _model_device(model)
@@ -336,7 +378,7 @@ def _quiet_stderr() -> Iterator[None]:
 def trace_source(source: ModelSource) -> Traced:
     """``trace`` for a loaded model file; a trace error names the file and line."""
     try:
-        return trace(source.model, source.args, source.kwargs)
+        return trace(source.model, source.args, source.kwargs, batch_dims=source.batch_dims)
     except TraceError as exc:
         where = str(source.path)
         for cause in (exc.__cause__, exc.__context__):

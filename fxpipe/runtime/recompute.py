@@ -4,10 +4,11 @@ whatever it writes into buffers (BatchNorm's running statistics, a counter updat
 place) is undone, so buffers change once per micro-batch, as without recompute."""
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
 __all__ = ["RngState", "buffers_restored", "rng_restored", "rng_state"]
 
@@ -35,14 +36,22 @@ def rng_restored(dev: torch.device | None, rng: Any) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def buffers_restored(buffers: Iterable[torch.Tensor]) -> Iterator[None]:
-    """Run, then put every tensor of ``buffers`` back to its value before the run.
+def buffers_restored(stage: nn.Module, k: int,
+                     bound: Mapping[tuple[int, int], Mapping[str, torch.Tensor]]
+                     ) -> Iterator[None]:
+    """Run, then put every buffer that stage ``k`` may write back to its value before the
+    run: the stage's own (or the copies bound in their place on its device) and those
+    ``bound`` for its replicas on other devices (see devices.py).
 
     The block must include the backward of the recomputed forward: a buffer that the
     forward both updated in place and saved for backward keeps the updated value
     until autograd has read it, and only then is restored (in place, so every module
     and copy that holds the tensor sees it)."""
-    unique = {id(t): t for t in buffers if isinstance(t, torch.Tensor)}
+    buffers = list(stage.buffers())
+    for (j, _i), tensors in bound.items():
+        if j == k:
+            buffers += [t for t in tensors.values() if not isinstance(t, nn.Parameter)]
+    unique = {id(t): t for t in buffers}
     saved = [(t, t.detach().clone()) for t in unique.values()]
     try:
         yield

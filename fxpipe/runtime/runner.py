@@ -21,7 +21,7 @@ the missing ones skipped) gives the same gradients.
 """
 
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -33,8 +33,8 @@ from .microbatch import (
     chunk_sizes,
     concat,
     merge_replicas,
-    microbatch_count,
     sample_share,
+    split_inputs,
     split_microbatches,
     split_replicas,
 )
@@ -56,7 +56,8 @@ class PipelineRunner:
     ``replicas[k]`` (default 1) runs stage k data-parallel on that many chunks of
     every micro-batch, and ``devices[k]`` may then list one device per replica;
     ``weight_stashing`` makes ``step`` update every stage after each of its
-    backwards with the optimizers it is given (see stashing.py)."""
+    backwards with the optimizers it is given (see stashing.py). Graph inputs named in
+    ``shared_inputs`` (no batch dimension) go whole to every micro-batch and replica."""
 
     def __init__(
         self,
@@ -70,6 +71,7 @@ class PipelineRunner:
         recompute: Sequence[bool] | None = None,
         replicas: Sequence[int] | None = None,
         weight_stashing: bool = False,
+        shared_inputs: Collection[str] = (),
     ) -> None:
         num_stages = len(stages)
         _check_sizes(num_stages, microbatches, devices, recompute)
@@ -84,6 +86,7 @@ class PipelineRunner:
         self.recompute = [bool(r) for r in recompute or [False] * num_stages]
         self.replicas = [int(r) for r in replicas]
         self.weight_stashing = bool(weight_stashing)
+        self.shared_inputs = frozenset(shared_inputs)
         check_schedule(self.schedule, num_stages, microbatches)
         if self.weight_stashing:
             check_unshared(self.stages)
@@ -110,7 +113,7 @@ class PipelineRunner:
         samples), run every stage forward under ``no_grad``, concatenate along dim 0."""
         values = self._split(self.flatten_inputs(*args, **kwargs))
         num_mb = len(values)
-        batch = batch_sizes(values, self.stages, self.replicas)
+        batch = self._batch_sizes(values)
         last = len(self.stages) - 1
         events: list[dict[int, Any]] = [{} for _ in range(num_mb)]
         outputs = []
@@ -151,7 +154,7 @@ class PipelineRunner:
             values=values,
             targets=split_microbatches(target, num_mb, "target"),
             loss_fn=loss_fn,
-            batch=batch_sizes(values, self.stages, self.replicas),
+            batch=self._batch_sizes(values),
             # the live Parameters, before _device_copies binds copies in their place
             stashes=(WeightStashes(self.stages, optimizers or ())
                      if self.weight_stashing else None),
@@ -173,10 +176,13 @@ class PipelineRunner:
 
     def _split(self, flat: dict[str, Any]) -> list[dict[str, Any]]:
         """Each micro-batch's graph inputs: M, or one per sample when there are fewer."""
-        num_mb = microbatch_count(flat, self.microbatches)
-        per_name = {name: split_microbatches(v, num_mb, f"input {name!r}", copy=True)
-                    for name, v in flat.items()}
-        return [{name: chunks[m] for name, chunks in per_name.items()} for m in range(num_mb)]
+        return split_inputs(flat, self.microbatches, self.shared_inputs)
+
+    def _batch_sizes(self, values: list[dict[str, Any]]) -> list[int | None]:
+        """Each micro-batch's samples, read from its batched graph inputs only."""
+        batched = [{name: v for name, v in mb.items() if name not in self.shared_inputs}
+                   for mb in values]
+        return batch_sizes(batched, self.stages, self.replicas)
 
     def _device_copies(self) -> contextlib.AbstractContextManager[None]:
         if self.devices is None or self.replica_devices is None:
@@ -234,7 +240,9 @@ class PipelineRunner:
         if r == 1:
             return self._run_replica(k, 0, inputs, stash)
         assert batch is not None and batch >= r, (k, batch, r)  # checked by batch_sizes
-        chunks = split_replicas(inputs, batch, r)
+        whole = {name: v for name, v in inputs.items() if name in self.shared_inputs}
+        chunks = [{**chunk, **whole} for chunk in split_replicas(
+            {name: v for name, v in inputs.items() if name not in whole}, batch, r)]
         outputs = [self._run_replica(k, i, chunk, stash) for i, chunk in enumerate(chunks)]
         return tuple(merge_replicas(outputs, chunk_sizes(batch, r)))
 
@@ -296,16 +304,6 @@ class PipelineRunner:
         if k == len(self.stages) - 1 and not self.recompute[k]:
             state.losses[m] = self._loss(k, m, state)
 
-    def _stage_buffers(self, k: int) -> list[torch.Tensor]:
-        """Every buffer stage k's forward may write: its own (or the copies bound in
-        their place on its device) and those bound for its replicas on other devices."""
-        buffers = list(self.stages[k].buffers())
-        for i in range(self.replicas[k]):
-            bound = self._bound.get((k, i))
-            if bound is not None:
-                buffers += [t for t in bound.values() if not isinstance(t, nn.Parameter)]
-        return buffers
-
     def _loss(self, k: int, m: int, state: StepState) -> tuple[torch.Tensor, dict[str, Any]]:
         """loss_fn(build_output(values of m), target of m) on the last stage, weighted by
         micro-batch m's share of the samples (1/M for equal micro-batches; not weighted
@@ -330,7 +328,7 @@ class PipelineRunner:
         values = state.values[m]
         with self.streams.on(k):
             # the forward of F(k, m) updated k's buffers; the recomputed one must not again
-            undo = (buffers_restored(self._stage_buffers(k)) if self.recompute[k]
+            undo = (buffers_restored(self.stages[k], k, self._bound) if self.recompute[k]
                     else contextlib.nullcontext())
             with undo:
                 if self.recompute[k]:

@@ -23,6 +23,7 @@ from fxpipe.compiler import SplitOptions, analyze, plan_split
 from fxpipe.cost_models import get_device
 from fxpipe.frontend import Traced, trace
 from fxpipe.lower import lower
+from fxpipe.partition import Recompute
 from fxpipe.partition.coarsen import exact_groups
 from fxpipe.runtime.loading import import_file
 from fxpipe.schedules import ScheduleKind
@@ -60,7 +61,8 @@ def split(case: Case, directory: Path) -> tuple[Traced, types.ModuleType, int]:
     assert (traced.tracer == "export") == case.spec.untraceable, traced.fallback_reason
     device = get_device("h100")
     analyze(traced, device=device)
-    plan_recompute = case.recompute if isinstance(case.recompute, bool) else False
+    flag = case.recompute if isinstance(case.recompute, bool) else False
+    plan_recompute = Recompute.ALL if flag else Recompute.NONE
     options = SplitOptions(gpus=case.stages, device=device, memory_limit=float("inf"),
                            microbatches=case.microbatches, schedule=ScheduleKind(case.schedule),
                            recompute=plan_recompute, time_limit_s=10)

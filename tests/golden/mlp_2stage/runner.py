@@ -39,6 +39,8 @@ WEIGHT_STASHING = False
 DEVICE_OF = (0, 1)
 NUM_GPUS = 2
 GRAPH_INPUTS = ("x", "scale")
+# SHARED_INPUTS: graph inputs without a batch dimension, whole in every micro-batch
+SHARED_INPUTS = ()
 
 
 def flatten_inputs(x, scale=2.0) -> dict[str, object]:
@@ -73,6 +75,7 @@ class PipelineRunner(runtime.PipelineRunner):
         recompute: Sequence[bool] = RECOMPUTE,
         replicas: Sequence[int] = REPLICAS,
         weight_stashing: bool = WEIGHT_STASHING,
+        shared_inputs: Sequence[str] = SHARED_INPUTS,
     ) -> None:
         super().__init__(
             stages,
@@ -84,4 +87,5 @@ class PipelineRunner(runtime.PipelineRunner):
             recompute=recompute,
             replicas=replicas,
             weight_stashing=weight_stashing,
+            shared_inputs=shared_inputs,
         )
