@@ -290,7 +290,12 @@ def _trace(
     notes += _batch_norm_notes(model)
 
     try:
-        gm = torch.fx.symbolic_trace(model)
+        with _grad_regions() as entered:
+            gm = torch.fx.symbolic_trace(model)
+        if entered:
+            raise GradRegionError(
+                f"forward enters {entered[0]}, which symbolic_trace does not record"
+            )
         flat = _symbolic_inputs(model, gm, args, kwargs)
         _check_runs(gm, flat)
         inputs = _probe_dynamic(gm, flat)
@@ -359,6 +364,42 @@ def _batch_norm_notes(model: torch.nn.Module) -> list[str]:
         "micro-batch by micro-batch; running statistics are updated once per micro-batch, "
         "with or without recompute"
     ]
+
+
+class GradRegionError(RuntimeError):
+    """symbolic_trace ran through a grad-mode or autocast region it cannot record."""
+
+
+_REGIONS = (
+    (torch.autograd.grad_mode.no_grad, "__enter__", "torch.no_grad()"),
+    (torch.autograd.grad_mode.enable_grad, "__enter__", "torch.enable_grad()"),
+    (torch.autograd.grad_mode.set_grad_enabled, "__init__", "torch.set_grad_enabled()"),
+    (torch.autograd.grad_mode.inference_mode, "__enter__", "torch.inference_mode()"),
+    (torch.amp.autocast_mode.autocast, "__enter__", "torch.autocast()"),
+)
+
+
+@contextmanager
+def _grad_regions() -> Iterator[list[str]]:
+    """Note every grad-mode or autocast region entered (the stage would run it with
+    autograd on, in full precision: torch.export records these regions, so the caller
+    falls back to it)."""
+    entered: list[str] = []
+    saved = [(cls, name, cls.__dict__[name]) for cls, name, _ in _REGIONS]
+
+    def noting(original: Callable[..., Any], what: str) -> Callable[..., Any]:
+        def method(*args: Any, **kwargs: Any) -> Any:
+            entered.append(what)
+            return original(*args, **kwargs)
+        return method
+
+    for (cls, name, original), (_, _, what) in zip(saved, _REGIONS, strict=True):
+        setattr(cls, name, noting(original, what))
+    try:
+        yield entered
+    finally:
+        for cls, name, original in saved:
+            setattr(cls, name, original)
 
 
 @contextmanager
