@@ -135,8 +135,8 @@ def _declared(args: tuple[Any, ...], kwargs: dict[str, Any], declared: Any) -> f
     keyword argument, or both as ``(tuple, dict)``) marks with dim 0."""
     if isinstance(declared, Mapping):
         positional, keyword = (), dict(declared)
-    elif (isinstance(declared, tuple) and len(declared) == 2 and len(args) != 2
-          and isinstance(declared[1], Mapping)):
+    elif (isinstance(declared, tuple) and len(declared) == 2
+          and isinstance(declared[0], tuple | list) and isinstance(declared[1], Mapping)):
         positional, keyword = tuple(declared[0]), dict(declared[1])
     elif isinstance(declared, tuple | list):
         positional, keyword = tuple(declared), {}
