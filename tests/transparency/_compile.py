@@ -15,8 +15,9 @@ from fxpipe.codegen import generate
 from fxpipe.compiler import SplitOptions, analyze, plan_split
 from fxpipe.cost_models import get_device
 from fxpipe.frontend import Traced, trace
-from fxpipe.partition import Recompute, Schedule
+from fxpipe.partition import Recompute
 from fxpipe.runtime.loading import import_file
+from fxpipe.schedules import ScheduleKind
 
 _counter = itertools.count()
 
@@ -29,7 +30,7 @@ def compile_package(model: nn.Module, args: tuple[Any, ...], directory: Path, *,
     device = get_device("h100")
     analyze(traced, device=device)
     options = SplitOptions(gpus=gpus, device=device, memory_limit=float("inf"),
-                           microbatches=microbatches, schedule=Schedule(schedule),
+                           microbatches=microbatches, schedule=ScheduleKind(schedule),
                            recompute=Recompute.ALL if recompute else Recompute.NONE,
                            time_limit_s=10)
     plan = plan_split(traced, label="case", options=options)
