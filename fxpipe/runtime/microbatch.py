@@ -145,9 +145,14 @@ def chunk_sizes(batch: int, r: int) -> list[int]:
     return [q + 1 if i < rest else q for i in range(r)]
 
 
-def split_replicas(inputs: Any, batch: int, r: int) -> list[Any]:
+def split_replicas(inputs: Any, batch: int, r: int, *, whole: Collection[str] = ()) -> list[Any]:
     """One copy of ``inputs`` per replica: tensor leaves with dim 0 == ``batch`` split
-    into r chunks along dim 0, every other leaf passed whole to each replica."""
+    into r chunks along dim 0, every other leaf, and the values of a dict named in
+    ``whole`` (shared graph inputs), passed whole to each replica."""
+    if whole and isinstance(inputs, dict):
+        kept = {name: v for name, v in inputs.items() if name in whole}
+        rest = {name: v for name, v in inputs.items() if name not in whole}
+        return [{**part, **kept} for part in split_replicas(rest, batch, r)]
     return split_leaves(inputs, r, lambda x: x.dim() > 0 and x.size(0) == batch)
 
 

@@ -56,8 +56,7 @@ class PipelineRunner:
     ``replicas[k]`` (default 1) runs stage k data-parallel on that many chunks of
     every micro-batch, and ``devices[k]`` may then list one device per replica;
     ``weight_stashing`` makes ``step`` update every stage after each of its
-    backwards with the optimizers it is given (see stashing.py). Graph inputs named in
-    ``shared_inputs`` (no batch dimension) go whole to every micro-batch and replica."""
+    backwards with the optimizers it is given (see stashing.py); ``shared_inputs`` go whole."""
 
     def __init__(
         self,
@@ -113,7 +112,7 @@ class PipelineRunner:
         samples), run every stage forward under ``no_grad``, concatenate along dim 0."""
         values = self._split(self.flatten_inputs(*args, **kwargs))
         num_mb = len(values)
-        batch = self._batch_sizes(values)
+        batch = batch_sizes(values, self.stages, self.replicas, self.shared_inputs)
         last = len(self.stages) - 1
         events: list[dict[int, Any]] = [{} for _ in range(num_mb)]
         outputs = []
@@ -154,7 +153,7 @@ class PipelineRunner:
             values=values,
             targets=split_microbatches(target, num_mb, "target"),
             loss_fn=loss_fn,
-            batch=self._batch_sizes(values),
+            batch=batch_sizes(values, self.stages, self.replicas, self.shared_inputs),
             # the live Parameters, before _device_copies binds copies in their place
             stashes=(WeightStashes(self.stages, optimizers or ())
                      if self.weight_stashing else None),
@@ -177,12 +176,6 @@ class PipelineRunner:
     def _split(self, flat: dict[str, Any]) -> list[dict[str, Any]]:
         """Each micro-batch's graph inputs: M, or one per sample when there are fewer."""
         return split_inputs(flat, self.microbatches, self.shared_inputs)
-
-    def _batch_sizes(self, values: list[dict[str, Any]]) -> list[int | None]:
-        """Each micro-batch's samples, read from its batched graph inputs only."""
-        batched = [{name: v for name, v in mb.items() if name not in self.shared_inputs}
-                   for mb in values]
-        return batch_sizes(batched, self.stages, self.replicas)
 
     def _device_copies(self) -> contextlib.AbstractContextManager[None]:
         if self.devices is None or self.replica_devices is None:
@@ -240,9 +233,7 @@ class PipelineRunner:
         if r == 1:
             return self._run_replica(k, 0, inputs, stash)
         assert batch is not None and batch >= r, (k, batch, r)  # checked by batch_sizes
-        whole = {name: v for name, v in inputs.items() if name in self.shared_inputs}
-        chunks = [{**chunk, **whole} for chunk in split_replicas(
-            {name: v for name, v in inputs.items() if name not in whole}, batch, r)]
+        chunks = split_replicas(inputs, batch, r, whole=self.shared_inputs)
         outputs = [self._run_replica(k, i, chunk, stash) for i, chunk in enumerate(chunks)]
         return tuple(merge_replicas(outputs, chunk_sizes(batch, r)))
 
@@ -327,10 +318,8 @@ class PipelineRunner:
         inputs, outputs, rng, stash = state.saved.pop((k, m))
         values = state.values[m]
         with self.streams.on(k):
-            # the forward of F(k, m) updated k's buffers; the recomputed one must not again
-            undo = (buffers_restored(self.stages[k], k, self._bound) if self.recompute[k]
-                    else contextlib.nullcontext())
-            with undo:
+            with (buffers_restored(self.stages[k], k, self._bound) if self.recompute[k]
+                  else contextlib.nullcontext()):
                 if self.recompute[k]:
                     with torch.enable_grad(), rng_restored(self.streams.device(k), rng):
                         outputs = self._run_stage(k, inputs, state.batch[m], stash)

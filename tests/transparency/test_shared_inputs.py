@@ -84,7 +84,7 @@ def test_causal_mask_is_shared_by_every_micro_batch(tmp_path: Path, schedule: st
                                                     example_batch: int) -> None:
     torch.manual_seed(0)
     model = MaskedAttention().double()
-    x = torch.randn(M * 2, T, D, dtype=torch.float64)
+    x = torch.randn(M * example_batch, T, D, dtype=torch.float64)
     example = (torch.randn(example_batch, T, D, dtype=torch.float64), causal_mask())
     _check(model, (x, causal_mask()), example, tmp_path / "pkg", schedule, ("mask",))
 
