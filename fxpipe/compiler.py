@@ -225,6 +225,11 @@ def plan_split(
     if traced.fallback_reason:
         notes.append(f"captured with torch.export, the usual path for Hugging Face models "
                      f"(symbolic_trace could not: {traced.fallback_reason})")
+    if traced.shared_inputs:
+        notes.append(
+            f"inputs without a batch dimension, handed whole to every micro-batch: "
+            f"{', '.join(traced.shared_inputs)} ({traced.batching})"
+        )
     return build_plan(
         lowered,
         result.problem,
@@ -238,6 +243,7 @@ def plan_split(
         precision=(options.precision or default_precision(traced.gm)).value,
         notes=notes,
         dynamic_dims=dynamic_dims(traced),
+        shared_inputs=traced.shared_inputs,
     )
 
 

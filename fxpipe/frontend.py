@@ -27,7 +27,7 @@ import traceback
 import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ import torch.fx
 from torch.utils import _pytree as pytree
 from torch.utils._sympy.numbers import int_oo
 
+from fxpipe.batching import decide_batching
 from fxpipe.metadevice import MetaRunner, named_state
 from fxpipe.runtime.loading import NotPythonError, import_file
 
@@ -70,6 +71,7 @@ class ModelSource:
     kwargs: dict[str, Any]
     loss_fn: Callable[..., torch.Tensor] | None
     target: Any
+    batch_dims: Any = None  # what the file's optional batch_dims() returned
 
     @property
     def label(self) -> str:
@@ -99,6 +101,21 @@ class Traced:
     flat_inputs: tuple[Any, ...]
     notes: tuple[str, ...] = ()
     inputs: tuple[InputShape, ...] = ()  # one per tensor input, in placeholder order
+    # batched[i]: flat input i is split into micro-batches along dim 0 (else passed whole
+    # to every micro-batch); empty: every input with a dimension is batched
+    batched: tuple[bool, ...] = ()
+    batching: str = ""  # how that was decided
+
+    @property
+    def shared_inputs(self) -> tuple[str, ...]:
+        """Names of the graph inputs handed whole to every micro-batch."""
+        placeholders = [n.name for n in self.gm.graph.nodes if n.op == "placeholder"]
+        return tuple(
+            name for name, value, batched in zip(placeholders, self.flat_inputs, self.batched,
+                                                 strict=True)
+            if not batched and any(isinstance(t, torch.Tensor) and t.dim() > 0
+                                   for t in pytree.tree_leaves(value))
+        )
 
 
 def load_model_file(spec: str) -> ModelSource:
@@ -134,7 +151,12 @@ def load_model_file(spec: str) -> ModelSource:
     if not callable(make_target):
         make_target = getattr(module, "example_target", None)
     target = _call(make_target, path, "example_target") if callable(make_target) else None
+    make_dims = getattr(build, "batch_dims", None)
+    if not callable(make_dims):
+        make_dims = getattr(module, "batch_dims", None)
+    batch_dims = _call(make_dims, path, "batch_dims") if callable(make_dims) else None
     return ModelSource(
+        batch_dims=batch_dims,
         path=path,
         factory=factory,
         model=model,
@@ -233,9 +255,29 @@ def _one_line(exc: BaseException) -> str:
 
 
 def trace(
+    model: torch.nn.Module, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
+    *, batch_dims: Any = None,
+) -> Traced:
+    """Trace ``model`` on one micro-batch: symbolic_trace, else torch.export non-strict;
+    and decide which inputs are batched (see batching.py; ``batch_dims`` is what the
+    model file's ``batch_dims()`` returned)."""
+    kwargs = dict(kwargs or {})
+    device = _model_device(model)
+    if device is not None and device.type == "meta":
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+    traced = _trace(model, args, kwargs)  # its flat inputs are these very tensors
+    decision = decide_batching(model, args, kwargs, batch_dims)
+    batched = tuple(
+        any(id(t) in decision.batched for t in pytree.tree_leaves(value)
+            if isinstance(t, torch.Tensor))
+        for value in traced.flat_inputs
+    )
+    return replace(traced, batched=batched, batching=decision.how)
+
+
+def _trace(
     model: torch.nn.Module, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
 ) -> Traced:
-    """Trace ``model`` on one micro-batch: symbolic_trace, else torch.export non-strict."""
     kwargs = dict(kwargs or {})
     notes: list[str] = []
     device = _model_device(model)
@@ -245,9 +287,15 @@ def trace(
     if getattr(config, "use_cache", False):
         config.use_cache = False  # type: ignore[union-attr]
         notes.append("set config.use_cache = False: a training step keeps no key/value cache")
+    notes += _batch_norm_notes(model)
 
     try:
-        gm = torch.fx.symbolic_trace(model)
+        with _grad_regions() as entered:
+            gm = torch.fx.symbolic_trace(model)
+        if entered:
+            raise GradRegionError(
+                f"forward enters {entered[0]}, which symbolic_trace does not record"
+            )
         flat = _symbolic_inputs(model, gm, args, kwargs)
         _check_runs(gm, flat)
         inputs = _probe_dynamic(gm, flat)
@@ -303,6 +351,57 @@ def _eager_failure(
     return None
 
 
+def _batch_norm_notes(model: torch.nn.Module) -> list[str]:
+    """What a pipeline changes for batch normalization in training mode: its statistics."""
+    names = [name for name, m in model.named_modules()
+             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training]
+    if not names:
+        return []
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return [
+        f"batch normalization in training mode ({shown}): batch statistics are per "
+        "micro-batch, as in GPipe, so outputs and gradients equal the unsplit model run "
+        "micro-batch by micro-batch; running statistics are updated once per micro-batch, "
+        "with or without recompute"
+    ]
+
+
+class GradRegionError(RuntimeError):
+    """symbolic_trace ran through a grad-mode or autocast region it cannot record."""
+
+
+_REGIONS = (
+    (torch.autograd.grad_mode.no_grad, "__enter__", "torch.no_grad()"),
+    (torch.autograd.grad_mode.enable_grad, "__enter__", "torch.enable_grad()"),
+    (torch.autograd.grad_mode.set_grad_enabled, "__init__", "torch.set_grad_enabled()"),
+    (torch.autograd.grad_mode.inference_mode, "__enter__", "torch.inference_mode()"),
+    (torch.amp.autocast_mode.autocast, "__enter__", "torch.autocast()"),
+)
+
+
+@contextmanager
+def _grad_regions() -> Iterator[list[str]]:
+    """Note every grad-mode or autocast region entered (the stage would run it with
+    autograd on, in full precision: torch.export records these regions, so the caller
+    falls back to it)."""
+    entered: list[str] = []
+    saved = [(cls, name, cls.__dict__[name]) for cls, name, _ in _REGIONS]
+
+    def noting(original: Callable[..., Any], what: str) -> Callable[..., Any]:
+        def method(*args: Any, **kwargs: Any) -> Any:
+            entered.append(what)
+            return original(*args, **kwargs)
+        return method
+
+    for (cls, name, original), (_, _, what) in zip(saved, _REGIONS, strict=True):
+        setattr(cls, name, noting(original, what))
+    try:
+        yield entered
+    finally:
+        for cls, name, original in saved:
+            setattr(cls, name, original)
+
+
 @contextmanager
 def _quiet_stderr() -> Iterator[None]:
     """Silence stderr: Python's ``sys.stderr`` and file descriptor 2 (torch's C++ side)."""
@@ -320,7 +419,7 @@ def _quiet_stderr() -> Iterator[None]:
 def trace_source(source: ModelSource) -> Traced:
     """``trace`` for a loaded model file; a trace error names the file and line."""
     try:
-        return trace(source.model, source.args, source.kwargs)
+        return trace(source.model, source.args, source.kwargs, batch_dims=source.batch_dims)
     except TraceError as exc:
         where = str(source.path)
         for cause in (exc.__cause__, exc.__context__):

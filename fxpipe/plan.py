@@ -143,6 +143,8 @@ class Plan:
     # the graph inputs' dimensions that may differ from the example's (every other one is
     # fixed at its traced size)
     dynamic_dims: tuple[DynamicDim, ...] = ()
+    # Graph inputs without a batch dimension: handed whole to every micro-batch, not split
+    shared_inputs: tuple[str, ...] = ()
 
     @property
     def num_devices(self) -> int:
@@ -229,6 +231,7 @@ class Plan:
             notes=tuple(data.get("notes", ())),
             virtual_stages=int(data.get("virtual_stages", 1)),
             dynamic_dims=tuple(DynamicDim(**d) for d in data.get("dynamic_dims", ())),
+            shared_inputs=tuple(data.get("shared_inputs", ())),
         )
 
     @classmethod

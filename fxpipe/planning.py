@@ -47,6 +47,7 @@ def build_plan(
     precision: str = "32-true",
     notes: Sequence[str] = (),
     dynamic_dims: Sequence[DynamicDim] = (),
+    shared_inputs: Sequence[str] = (),
 ) -> Plan:
     """``problem``: the one solved (``lowered.problem``, or it with the stage count a
     replicated split chose)."""
@@ -110,4 +111,5 @@ def build_plan(
         notes=tuple(notes),
         virtual_stages=problem.virtual_stages,
         dynamic_dims=tuple(dynamic_dims),
+        shared_inputs=tuple(shared_inputs),
     )

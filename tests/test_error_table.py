@@ -97,6 +97,31 @@ CASES: dict[str, tuple[dict[str, str], list[str]]] = {
         model(GOOD.replace("return (torch.ones(4, 8),)", "return 'tokens'")),
         ["profile", "model.py"],
     ),
+    "inputs whose batch dimension is unclear": (
+        model(
+            """
+            import torch
+
+
+            class Positions(torch.nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.embed = torch.nn.Embedding(4, 8)
+
+                def forward(self, x, position_ids):
+                    return x + self.embed(position_ids)
+
+
+            def build_model():
+                return Positions()
+
+
+            def example_inputs():
+                return torch.ones(1, 4, 8), torch.arange(4).unsqueeze(0)
+            """
+        ),
+        ["profile", "model.py"],
+    ),
     "model neither tracer captures": (
         model(
             """

@@ -128,6 +128,7 @@ class PipelineRunner(runtime.PipelineRunner):
         replicas: Sequence[int] = REPLICAS,
         weight_stashing: bool = WEIGHT_STASHING,
         precision: str = PRECISION,
+        shared_inputs: Sequence[str] = SHARED_INPUTS,
     ) -> None:
         super().__init__(
             stages,
@@ -140,6 +141,7 @@ class PipelineRunner(runtime.PipelineRunner):
             replicas=replicas,
             weight_stashing=weight_stashing,
             precision=precision,
+            shared_inputs=shared_inputs,
         )
 '''
 
@@ -209,6 +211,8 @@ def runner_header(traced: Traced, plan: Plan) -> str:
         f"DEVICE_OF = {tuple_literal(str(d) for d in device_of)}",
         f"NUM_GPUS = {plan.num_devices}",
         f"GRAPH_INPUTS = {tuple_literal(json.dumps(p.name) for p in placeholders)}",
+        "# SHARED_INPUTS: graph inputs without a batch dimension, whole in every micro-batch",
+        f"SHARED_INPUTS = {tuple_literal(json.dumps(name) for name in plan.shared_inputs)}",
         "",
         "",
     ]

@@ -9,10 +9,12 @@ along dim 0 of the tensor leaves of a pytree, and every merge its inverse.
 A value's *batched* leaves are the tensors with dim > 0 (micro-batches) or whose
 dim 0 equals the batch size being split (replicas); every other leaf (0-dim
 tensors, non-tensors, a causal mask of shape (1, 1, T, T)) goes whole to every
-part.
+part. A graph input that the compiler found to have no batch dimension (a shared
+input: a (T, T) causal mask, HF's ``position_ids`` of shape (1, T)) goes whole to
+every part too, whatever its shape (``split_inputs``).
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -28,6 +30,7 @@ __all__ = [
     "microbatch_count",
     "rows_of",
     "sample_share",
+    "split_inputs",
     "split_leaves",
     "split_microbatches",
     "split_replicas",
@@ -96,6 +99,25 @@ def split_microbatches(value: Any, num_mb: int, what: str | None = None, *,
     return parts
 
 
+def split_inputs(flat: dict[str, Any], microbatches: int,
+                 shared: Collection[str]) -> list[dict[str, Any]]:
+    """The graph inputs ``flat`` (name -> value) of each micro-batch: M of them, or one
+    per sample when the batched inputs have fewer (``microbatch_count``); every input
+    split by ``split_microbatches``, but those named in ``shared`` whole in each."""
+    unknown = sorted(set(shared) - set(flat))
+    if unknown:
+        raise ValueError(
+            f"shared_inputs names {unknown}, which are not graph inputs (the inputs are "
+            f"{sorted(flat)}): name inputs that flatten_inputs returns."
+        )
+    num_mb = microbatch_count([v for name, v in flat.items() if name not in shared],
+                              microbatches)
+    per_name = {name: ([v] * num_mb if name in shared
+                       else split_microbatches(v, num_mb, f"input {name!r}", copy=True))
+                for name, v in flat.items()}
+    return [{name: parts[m] for name, parts in per_name.items()} for m in range(num_mb)]
+
+
 def concat(outputs: list[Any]) -> Any:
     """One output from per-micro-batch outputs: tensor leaves concatenated along
     dim 0 (0-dim tensors stacked), other leaves taken from micro-batch 0."""
@@ -123,9 +145,14 @@ def chunk_sizes(batch: int, r: int) -> list[int]:
     return [q + 1 if i < rest else q for i in range(r)]
 
 
-def split_replicas(inputs: Any, batch: int, r: int) -> list[Any]:
+def split_replicas(inputs: Any, batch: int, r: int, *, whole: Collection[str] = ()) -> list[Any]:
     """One copy of ``inputs`` per replica: tensor leaves with dim 0 == ``batch`` split
-    into r chunks along dim 0, every other leaf passed whole to each replica."""
+    into r chunks along dim 0, every other leaf, and the values of a dict named in
+    ``whole`` (shared graph inputs), passed whole to each replica."""
+    if whole and isinstance(inputs, dict):
+        kept = {name: v for name, v in inputs.items() if name in whole}
+        rest = {name: v for name, v in inputs.items() if name not in whole}
+        return [{**part, **kept} for part in split_replicas(rest, batch, r)]
     return split_leaves(inputs, r, lambda x: x.dim() > 0 and x.size(0) == batch)
 
 

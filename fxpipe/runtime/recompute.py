@@ -1,13 +1,16 @@
-"""Random state for re-materialization: a recomputed forward replays the random
-numbers (dropout masks) its first run drew, so its outputs and gradients match."""
+"""Re-materialization without side effects: a recomputed forward replays the random
+numbers (dropout masks) its first run drew, so its outputs and gradients match, and
+whatever it writes into buffers (BatchNorm's running statistics, a counter updated in
+place) is undone, so buffers change once per micro-batch, as without recompute."""
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+from torch import nn
 
-__all__ = ["RngState", "rng_restored", "rng_state"]
+__all__ = ["RngState", "buffers_restored", "rng_restored", "rng_state"]
 
 RngState = tuple[torch.Tensor, torch.Tensor | None]  # (CPU state, CUDA state of the device)
 
@@ -30,3 +33,29 @@ def rng_restored(dev: torch.device | None, rng: Any) -> Iterator[None]:
         if cuda_state is not None and dev is not None:
             torch.cuda.set_rng_state(cuda_state, dev)
         yield
+
+
+@contextlib.contextmanager
+def buffers_restored(stage: nn.Module, k: int,
+                     bound: Mapping[tuple[int, int], Mapping[str, torch.Tensor]]
+                     ) -> Iterator[None]:
+    """Run, then put every buffer that stage ``k`` may write back to its value before the
+    run: the stage's own (or the copies bound in their place on its device) and those
+    ``bound`` for its replicas on other devices (see devices.py).
+
+    The block must include the backward of the recomputed forward: a buffer that the
+    forward both updated in place and saved for backward keeps the updated value
+    until autograd has read it, and only then is restored (in place, so every module
+    and copy that holds the tensor sees it)."""
+    buffers = list(stage.buffers())
+    for (j, _i), tensors in bound.items():
+        if j == k:
+            buffers += [t for t in tensors.values() if not isinstance(t, nn.Parameter)]
+    unique = {id(t): t for t in buffers}
+    saved = [(t, t.detach().clone()) for t in unique.values()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for t, before in saved:
+                t.copy_(before)

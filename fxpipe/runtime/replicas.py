@@ -27,7 +27,7 @@ own device runs the module itself).
 """
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from torch import nn
@@ -53,13 +53,14 @@ def check_replicas(replicas: Sequence[int], num_stages: int) -> None:
 
 
 def batch_sizes(values: list[dict[str, Any]], stages: Sequence[nn.Module],
-                replicas: Sequence[int]) -> list[int | None]:
+                replicas: Sequence[int], shared: Collection[str] = ()) -> list[int | None]:
     """Each micro-batch's batch size: dim 0 of its first graph-input tensor with
-    dim > 0 (None without one). Checks that every replicated stage can split it."""
+    dim > 0, the ``shared`` inputs left out (None without one). Checks that every
+    replicated stage can split it."""
     num_mb = len(values)
     sizes: list[int | None] = []
     for m, graph_inputs in enumerate(values):
-        size = batch_size(graph_inputs)
+        size = batch_size({name: v for name, v in graph_inputs.items() if name not in shared})
         for k, r in enumerate(replicas):
             if r > 1 and size is None:
                 raise ValueError(

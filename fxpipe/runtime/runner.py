@@ -24,7 +24,7 @@ for ``16-mixed`` the loss is scaled by ``runner.scaler`` before backward, so cal
 """
 
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -37,13 +37,13 @@ from .microbatch import (
     chunk_sizes,
     concat,
     merge_replicas,
-    microbatch_count,
     sample_share,
+    split_inputs,
     split_microbatches,
     split_replicas,
 )
 from .precision import autocast, check_precision, grad_scaler, warn_uncast
-from .recompute import rng_restored, rng_state
+from .recompute import buffers_restored, rng_restored, rng_state
 from .replicas import batch_sizes, check_replicas
 from .schedule import Action, check_schedule, check_sizes
 from .split_backward import check_split, input_backward, weight_backward
@@ -62,7 +62,7 @@ class PipelineRunner(MeasuredSteps):
     ``replicas[k]`` (default 1) runs stage k data-parallel on that many chunks of
     every micro-batch, and ``devices[k]`` may then list one device per replica;
     ``weight_stashing`` makes ``step`` update every stage after each of its
-    backwards with the optimizers it is given (see stashing.py)."""
+    backwards with the optimizers it is given (see stashing.py); ``shared_inputs`` go whole."""
 
     def __init__(
         self,
@@ -77,6 +77,7 @@ class PipelineRunner(MeasuredSteps):
         replicas: Sequence[int] | None = None,
         weight_stashing: bool = False,
         precision: str = "32-true",
+        shared_inputs: Collection[str] = (),
     ) -> None:
         num_stages = len(stages)
         check_sizes(num_stages, microbatches, devices, recompute)
@@ -98,6 +99,7 @@ class PipelineRunner(MeasuredSteps):
                 "step: train 16-mixed with --schedule 1f1b or gpipe, or use bf16-mixed."
             )
         warn_uncast(self.stages, self.precision)
+        self.shared_inputs = frozenset(shared_inputs)
         check_schedule(self.schedule, num_stages, microbatches)
         if self.weight_stashing:
             check_unshared(self.stages)
@@ -127,7 +129,7 @@ class PipelineRunner(MeasuredSteps):
         samples), run every stage forward under ``no_grad``, concatenate along dim 0."""
         values = self._split(self.flatten_inputs(*args, **kwargs))
         num_mb = len(values)
-        batch = batch_sizes(values, self.stages, self.replicas)
+        batch = batch_sizes(values, self.stages, self.replicas, self.shared_inputs)
         last = len(self.stages) - 1
         events: list[dict[int, Any]] = [{} for _ in range(num_mb)]
         outputs = []
@@ -168,7 +170,7 @@ class PipelineRunner(MeasuredSteps):
             values=values,
             targets=split_microbatches(target, num_mb, "target"),
             loss_fn=loss_fn,
-            batch=batch_sizes(values, self.stages, self.replicas),
+            batch=batch_sizes(values, self.stages, self.replicas, self.shared_inputs),
             # the live Parameters, before _device_copies binds copies in their place
             stashes=(WeightStashes(self.stages, optimizers or ())
                      if self.weight_stashing else None),
@@ -192,10 +194,7 @@ class PipelineRunner(MeasuredSteps):
 
     def _split(self, flat: dict[str, Any]) -> list[dict[str, Any]]:
         """Each micro-batch's graph inputs: M, or one per sample when there are fewer."""
-        num_mb = microbatch_count(flat, self.microbatches)
-        per_name = {name: split_microbatches(v, num_mb, f"input {name!r}", copy=True)
-                    for name, v in flat.items()}
-        return [{name: chunks[m] for name, chunks in per_name.items()} for m in range(num_mb)]
+        return split_inputs(flat, self.microbatches, self.shared_inputs)
 
     def _device_copies(self) -> contextlib.AbstractContextManager[None]:
         if self.devices is None or self.replica_devices is None:
@@ -256,7 +255,7 @@ class PipelineRunner(MeasuredSteps):
             if r == 1:
                 return self._run_replica(k, 0, inputs, stash)
             assert batch is not None and batch >= r, (k, batch, r)  # checked by batch_sizes
-            chunks = split_replicas(inputs, batch, r)
+            chunks = split_replicas(inputs, batch, r, whole=self.shared_inputs)
             outputs = [self._run_replica(k, i, chunk, stash) for i, chunk in enumerate(chunks)]
             return tuple(merge_replicas(outputs, chunk_sizes(batch, r)))
 
@@ -341,16 +340,18 @@ class PipelineRunner(MeasuredSteps):
         inputs, outputs, rng, stash = state.saved.pop((k, m))
         values = state.values[m]
         with self.streams.on(k):
-            if self.recompute[k]:
-                with torch.enable_grad(), rng_restored(self.streams.device(k), rng):
-                    outputs = self._run_stage(k, inputs, state.batch[m], stash)
-                values.update(zip(self.wiring.outputs[k], outputs, strict=True))
-            tensors, grads, loss_inputs = self._output_grads(k, m, outputs, state)
-            if inputs_only:
-                named = [*inputs.items(), *dict.items(loss_inputs)]
-                state.deferred[(k, m)] = input_backward(self.wiring, k, named, tensors, grads)
-            elif tensors:
-                torch.autograd.backward(tensors, grads)
+            with (buffers_restored(self.stages[k], k, self._bound) if self.recompute[k]
+                  else contextlib.nullcontext()):
+                if self.recompute[k]:
+                    with torch.enable_grad(), rng_restored(self.streams.device(k), rng):
+                        outputs = self._run_stage(k, inputs, state.batch[m], stash)
+                    values.update(zip(self.wiring.outputs[k], outputs, strict=True))
+                tensors, grads, loss_inputs = self._output_grads(k, m, outputs, state)
+                if inputs_only:
+                    named = [*inputs.items(), *dict.items(loss_inputs)]
+                    state.deferred[(k, m)] = input_backward(self.wiring, k, named, tensors, grads)
+                elif tensors:
+                    torch.autograd.backward(tensors, grads)
             done = self.streams.record(k)
             for name, leaf_value in [*inputs.items(), *dict.items(loss_inputs)]:
                 p = self.wiring.producer_of(name)

@@ -57,7 +57,9 @@ def split(case: Case, directory: Path) -> tuple[Traced, types.ModuleType, int]:
     """The traced model, its generated package imported from ``directory``, the stage count."""
     model = build_model(case.spec)
     args, kwargs = example_inputs(case.spec, batch=case.batch, seed=1)
-    traced = trace(model, args, kwargs)
+    # Every input of a fuzz model is per sample; with one sample fxpipe could not tell.
+    traced = trace(model, args, kwargs,
+                   batch_dims=((0,) * len(args), dict.fromkeys(kwargs, 0)))
     assert (traced.tracer == "export") == case.spec.untraceable, traced.fallback_reason
     device = get_device("h100")
     analyze(traced, device=device)

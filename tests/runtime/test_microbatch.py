@@ -86,3 +86,18 @@ def test_batch_size_rows_and_lanes() -> None:
 def test_a_microbatch_loss_weighs_by_its_samples() -> None:
     assert [sample_share([3, 2, 2], m) for m in range(3)] == [3 / 7, 2 / 7, 2 / 7]
     assert sample_share([None, None], 0) == 0.5  # no batch dim: 1/M
+
+
+def test_split_inputs_hands_shared_inputs_whole() -> None:
+    """A (T, T) mask with T equal to the micro-batch count would split into rows that
+    broadcast; named shared, every micro-batch gets all of it."""
+    from fxpipe.runtime.microbatch import split_inputs
+
+    x, mask = torch.arange(8.0).reshape(8, 1), torch.ones(4, 4).triu()
+    parts = split_inputs({"x": x, "mask": mask}, 4, {"mask"})
+    assert [p["x"].tolist() for p in parts] == [[[0.0], [1.0]], [[2.0], [3.0]],
+                                                  [[4.0], [5.0]], [[6.0], [7.0]]]
+    assert all(p["mask"] is mask for p in parts)
+    assert [p["mask"].shape for p in split_inputs({"mask": mask}, 4, ())] == [(1, 4)] * 4
+    with pytest.raises(ValueError, match=r"shared_inputs names \['ids'\]"):
+        split_inputs({"x": x}, 2, {"ids"})

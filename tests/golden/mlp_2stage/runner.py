@@ -42,6 +42,8 @@ PRECISION = "32-true"
 DEVICE_OF = (0, 1)
 NUM_GPUS = 2
 GRAPH_INPUTS = ("x", "scale")
+# SHARED_INPUTS: graph inputs without a batch dimension, whole in every micro-batch
+SHARED_INPUTS = ()
 
 
 def flatten_inputs(x, scale=2.0) -> dict[str, object]:
@@ -77,6 +79,7 @@ class PipelineRunner(runtime.PipelineRunner):
         replicas: Sequence[int] = REPLICAS,
         weight_stashing: bool = WEIGHT_STASHING,
         precision: str = PRECISION,
+        shared_inputs: Sequence[str] = SHARED_INPUTS,
     ) -> None:
         super().__init__(
             stages,
@@ -89,4 +92,5 @@ class PipelineRunner(runtime.PipelineRunner):
             replicas=replicas,
             weight_stashing=weight_stashing,
             precision=precision,
+            shared_inputs=shared_inputs,
         )

@@ -1,0 +1,167 @@
+"""Which inputs of a model have a batch dimension: the runner splits those into
+micro-batches along dim 0 and hands every other input whole to every micro-batch
+(a causal mask shared by every sample, an HF-style ``position_ids`` of shape (1, T)).
+
+# b: the example's batch size (one micro-batch), A: the inputs whose dim 0 is b.
+
+The decision, per tensor leaf of the example inputs:
+
+1. declared: the model file's ``batch_dims()`` says, per argument, 0 or None;
+2. dim 0 differs from b (the most common dim 0 among the tensors): shared;
+3. among A, the smallest set that contains the first of them and lets the model run
+   on the meta device when exactly that set gets batch b + 1 (every other input kept
+   as it is). One run for a model whose inputs are all per sample; a shared input
+   fails the run when it is resized, a per-sample one when it is not. With b == 1 a
+   per-sample input left at 1 would broadcast, so when both answers run, fxpipe cannot
+   tell and says so;
+4. when the model does not run on the meta device at all (a data-dependent op), or with
+   no set at b + 1 (a batch size fixed in its code), the inputs of A are taken as
+   batched and the report says it was assumed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from fxpipe.metadevice import on_meta, to_meta
+
+__all__ = ["BatchDimsError", "InputBatching", "decide_batching"]
+
+MAX_TRIALS = 64  # meta-device runs spent on telling shared from batched inputs
+
+
+class BatchDimsError(ValueError):
+    """fxpipe cannot tell whether an input has a batch dimension, or ``batch_dims()``
+    says something it cannot use."""
+
+
+@dataclass(frozen=True)
+class InputBatching:
+    batched: frozenset[int]  # ids of the tensor leaves split into micro-batches
+    how: str  # "declared", "traced with two batch sizes", "assumed" or "one input"
+
+
+def decide_batching(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    declared: Any = None) -> InputBatching:
+    """Which tensor leaves of ``(args, kwargs)`` are batched along dim 0 (see the module)."""
+    if declared is not None:
+        return InputBatching(_declared(args, kwargs, declared), "declared by batch_dims()")
+    tensors = [t for t in pytree.tree_leaves((args, kwargs))
+               if isinstance(t, torch.Tensor) and t.dim() > 0]
+    if not tensors:
+        return InputBatching(frozenset(), "no tensor inputs with a dimension")
+    b = Counter(int(t.size(0)) for t in tensors).most_common(1)[0][0]
+    same = [t for t in tensors if int(t.size(0)) == b]
+    first, rest = same[0], same[1:]
+    if not rest:
+        return InputBatching(frozenset([id(first)]), "one input of the batch size")
+    if not _runs(model, args, kwargs, frozenset(), b):
+        return InputBatching(frozenset(id(t) for t in same),
+                             "assumed (the model does not run on the meta device)")
+    trials = 0
+    for size in range(len(rest) + 1):
+        found = []
+        for extra in itertools.combinations(rest, size):
+            trials += 1
+            if trials > MAX_TRIALS:
+                return InputBatching(frozenset(id(t) for t in same),
+                                     f"assumed (more than {MAX_TRIALS} trial runs)")
+            ids = frozenset([id(first), *(id(t) for t in extra)])
+            if _runs(model, args, kwargs, ids, b + 1):
+                found.append(ids)
+        if len(found) > 1 or (found and b == 1 and size < len(rest)
+                              and _runs(model, args, kwargs,
+                                        frozenset(id(t) for t in same), b + 1)):
+            raise BatchDimsError(_ambiguous(args, kwargs, same, b))
+        if found:
+            return InputBatching(found[0], f"traced with batch sizes {b} and {b + 1}")
+    # Nothing runs at b + 1 (a size fixed in the code): micro-batches of b samples still do.
+    return InputBatching(frozenset(id(t) for t in same),
+                         f"assumed (the model runs only with batch size {b})")
+
+
+def _runs(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+          resized: frozenset[int], size: int) -> bool:
+    """Whether ``model`` runs on meta tensors with the leaves ``resized`` given ``size``
+    rows along dim 0 and every other leaf as it is."""
+    def meta(t: torch.Tensor) -> torch.Tensor:
+        if id(t) in resized:
+            return torch.empty((size, *t.shape[1:]), dtype=t.dtype, device="meta")
+        return to_meta(t)
+
+    meta_args, meta_kwargs = pytree.tree_map_only(torch.Tensor, meta, (args, kwargs))
+    try:
+        with torch.no_grad(), on_meta(model):
+            model(*meta_args, **meta_kwargs)
+    except Exception:
+        return False
+    return True
+
+
+def _names(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int, str]:
+    """id of each tensor leaf -> how a person names it (``args[1]``, ``mask``)."""
+    named: dict[int, str] = {}
+    for i, arg in enumerate(args):
+        for t in pytree.tree_leaves(arg):
+            named.setdefault(id(t), f"argument {i}")
+    for key, arg in kwargs.items():
+        for t in pytree.tree_leaves(arg):
+            named.setdefault(id(t), repr(key))
+    return named
+
+
+def _ambiguous(args: tuple[Any, ...], kwargs: dict[str, Any], same: Sequence[torch.Tensor],
+               b: int) -> str:
+    named = _names(args, kwargs)
+    listed = ", ".join(f"{named.get(id(t), '?')} {tuple(t.shape)}" for t in same)
+    return (
+        f"cannot tell which inputs have a batch dimension: {listed} have dim 0 of size "
+        f"{b} and the model runs with more than one choice of them batched; define "
+        f"batch_dims() in the model file, returning per argument 0 (split along dim 0) or "
+        f"None (shared by every sample), e.g. (0, None)"
+        + ("" if b > 1 else ", or give example_inputs() a batch of at least 2 samples")
+    )
+
+
+def _declared(args: tuple[Any, ...], kwargs: dict[str, Any], declared: Any) -> frozenset[int]:
+    """The leaves that ``batch_dims()`` (a tuple per positional argument, a dict per
+    keyword argument, or both as ``(tuple, dict)``) marks with dim 0."""
+    if isinstance(declared, Mapping):
+        positional, keyword = (), dict(declared)
+    elif (isinstance(declared, tuple) and len(declared) == 2
+          and isinstance(declared[0], tuple | list) and isinstance(declared[1], Mapping)):
+        positional, keyword = tuple(declared[0]), dict(declared[1])
+    elif isinstance(declared, tuple | list):
+        positional, keyword = tuple(declared), {}
+    else:
+        raise BatchDimsError(
+            f"batch_dims() returned {type(declared).__name__}; return a tuple (one entry "
+            f"per positional argument) or a dict (per keyword argument) of 0 or None"
+        )
+    if len(positional) != len(args) or set(keyword) != set(kwargs):
+        raise BatchDimsError(
+            f"batch_dims() gives {len(positional)} positional entries and keywords "
+            f"{sorted(keyword)}, but example_inputs() has {len(args)} positional arguments "
+            f"and keywords {sorted(kwargs)}; give one entry (0 or None) per argument"
+        )
+    batched: set[int] = set()
+    entries = [*zip(positional, args, strict=True),
+               *((keyword[key], value) for key, value in kwargs.items())]
+    for dim, value in entries:
+        if dim not in (0, None):
+            raise BatchDimsError(
+                f"batch_dims() gives {dim!r} for an argument; fxpipe splits micro-batches "
+                f"along dim 0 only: use 0 (batched) or None (shared); move the batch "
+                f"dimension first in the model's inputs"
+            )
+        if dim == 0:
+            batched.update(id(t) for t in pytree.tree_leaves(value)
+                           if isinstance(t, torch.Tensor) and t.dim() > 0)
+    return frozenset(batched)
