@@ -61,10 +61,8 @@ def format_bytes(n: float) -> str:
     """``14173392076`` -> ``"13.2 GiB"``; one decimal, binary units; ``inf`` -> "unlimited"."""
     if n == math.inf:
         return "unlimited"
-    for unit, size in _BYTE_UNITS:
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
+    unit, size = _byte_unit(n)
+    return f"{int(n)} B" if size == 1 else f"{n / size:.1f} {unit}"
 
 
 def format_bytes_up(n: float) -> str:
@@ -73,10 +71,13 @@ def format_bytes_up(n: float) -> str:
     "use at least ..." advice."""
     if n == math.inf:
         return "unlimited"
-    for unit, size in _BYTE_UNITS:
-        if abs(n) >= size:
-            return f"{math.ceil(n / size * 10) / 10:.1f}{unit}"
-    return f"{math.ceil(n)}B"
+    unit, size = _byte_unit(n)
+    return f"{math.ceil(n)}B" if size == 1 else f"{math.ceil(n / size * 10) / 10:.1f}{unit}"
+
+
+def _byte_unit(n: float) -> tuple[str, int]:
+    """The largest binary unit not above ``abs(n)``, or bytes."""
+    return next(((unit, size) for unit, size in _BYTE_UNITS if abs(n) >= size), ("B", 1))
 
 
 def format_seconds(s: float) -> str:
