@@ -58,7 +58,6 @@ lowered by that rounding margin.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -69,6 +68,7 @@ from ortools.sat.python import cp_model
 from fxpipe.partition.coarsen import Coarsening
 from fxpipe.partition.cost import recompute_options, state_split
 from fxpipe.partition.evaluate import evaluate
+from fxpipe.partition.ilp_search import run_search, stop_searches
 from fxpipe.partition.problem import (
     Comm,
     Recompute,
@@ -90,16 +90,6 @@ Literals = list[tuple[cp_model.IntVar, bool]]  # (0/1 variable, the value that e
 # where a 14 ms one fits, and proved a feasible replicated model INFEASIBLE; both
 # solve right at 1e9 (tests/partition/test_bruteforce.py keeps those cases).
 TARGET_TICKS = 1e9
-
-_RUNNING: set[cp_model.CpSolver] = set()  # searches in progress, for stop_searches
-
-
-def stop_searches() -> None:
-    """Stop every search in progress; each returns its best solution so far. Safe from
-    another thread (a signal watcher): CP-SAT's stop is thread-safe."""
-    for solver in list(_RUNNING):
-        solver.stop_search()
-
 
 @dataclass(frozen=True)
 class IlpResult:
@@ -690,35 +680,15 @@ class StageModel:
         a quiet machine), so that the answer is the same however loaded the machine is;
         ``time_limit_s`` of wall clock is a safety net, and ``IlpResult.wall_clock_stopped``
         says when it fired (the answer may then differ from run to run)."""
-        solver = cp_model.CpSolver()
-        solver.parameters.max_deterministic_time = max(0.001, work_limit)
-        solver.parameters.max_time_in_seconds = max(0.01, time_limit_s)
-        solver.parameters.num_workers = workers
-        # CP-SAT's own SIGINT catching swallows Ctrl-C and leaves SIGINT at the default
-        # afterwards; the caller stops a search with ``stop_searches`` (fxpipe.signals).
-        solver.parameters.catch_sigint_signal = False
-        # Workers interleaved in one deterministic order, stopped by deterministic time and
-        # seeded alike: the same problem gives the same split on every run, at any load
-        # (plan.json and the generated stages are reproducible).
-        solver.parameters.interleave_search = True
-        solver.parameters.random_seed = 0
-        solver.parameters.log_search_progress = log
-        start = time.perf_counter()
-        _RUNNING.add(solver)
-        try:
-            status = solver.solve(self.model)
-        finally:
-            _RUNNING.discard(solver)
-        wall = time.perf_counter() - start
-        # Neither proved nor out of work: the wall clock stopped it.
-        wall_clock = (status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE)
-                      and solver.deterministic_time < solver.parameters.max_deterministic_time)
-        name = solver.status_name(status)
+        search = run_search(self.model, work_limit=work_limit, time_limit_s=time_limit_s,
+                            workers=workers, log=log)
+        solver = search.solver
+        name = solver.status_name(search.status)
+        if not search.found:
+            return IlpResult(name, None, None, math.inf, 0.0, search.wall_s, self.num_nodes,
+                             wall_clock_stopped=search.wall_clock_stopped)
         unit = self.scale if self.objective == "time" else 1
         margin = self._rounding_terms * 0.5 / unit if self.objective == "time" else 0.0
-        if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            return IlpResult(name, None, None, math.inf, 0.0, wall, self.num_nodes,
-                             wall_clock_stopped=wall_clock)
         coarse = tuple(
             sum(1 for v in row[:-1] if (v if isinstance(v, int) else solver.value(v)) == 0)
             for row in self.d
@@ -729,5 +699,5 @@ class StageModel:
         recompute = tuple(bool(self._value(z, {}) if isinstance(z, int) else solver.value(z))
                           for z in self.z)
         return IlpResult(name, coarse, self.coarsening.expand(coarse), objective,
-                         min(bound, objective), wall, self.num_nodes, replicas or None,
-                         recompute, wall_clock_stopped=wall_clock)
+                         min(bound, objective), search.wall_s, self.num_nodes, replicas or None,
+                         recompute, wall_clock_stopped=search.wall_clock_stopped)
