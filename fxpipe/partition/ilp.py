@@ -69,6 +69,7 @@ from fxpipe.partition.coarsen import Coarsening
 from fxpipe.partition.cost import recompute_options, state_split
 from fxpipe.partition.evaluate import evaluate
 from fxpipe.partition.ilp_search import run_search, stop_searches
+from fxpipe.partition.ilp_terms import Term, TermBuilder, Terms, expr, total, value
 from fxpipe.partition.problem import (
     Comm,
     Recompute,
@@ -80,10 +81,6 @@ from fxpipe.partition.problem import (
 )
 
 __all__ = ["IlpResult", "StageModel", "stop_searches", "ticks_per_second"]
-
-Term = int | cp_model.IntVar
-Terms = list[tuple[int, Term]]  # sum of coefficient * (variable or constant)
-Literals = list[tuple[cp_model.IntVar, bool]]  # (0/1 variable, the value that enforces a row)
 
 # At most ~1e9 ticks in all, so a coefficient squared stays below 2^63: with coefficients
 # of ~1e11 CP-SAT 9.15's presolve (probing, inclusion) proved a 15 ms split "OPTIMAL"
@@ -160,10 +157,7 @@ class StageModel:
         G = self.num_nodes = coarsening.num_coarse
         self.scale = ticks_per_second(coarsening)
         self.model = cp_model.CpModel()
-        self._defs: list[tuple[cp_model.IntVar, list[Terms]]] = []  # aux var >= each Terms
-        self._int_bounds: dict[int, tuple[int, int]] = {}  # variable index -> domain, non-0/1
-        # aux var >= each Terms whose literals (variable, value that enforces it) all hold
-        self._enforced: list[tuple[cp_model.IntVar, list[tuple[Terms, Literals]]]] = []
+        self.terms = TermBuilder(self.model)
         self._hint_recompute: tuple[bool, ...] | None = None
         all_stages = range(K)
         boundaries = range(K - 1)
@@ -287,11 +281,11 @@ class StageModel:
         # Stages never decrease along a node's own cumulative indicator.
         for g in range(G):
             for j in range(K - 2):
-                self._add_le([(1, self.d[g][j])], [(1, self.d[g][j + 1])])
+                self.terms.add_le([(1, self.d[g][j])], [(1, self.d[g][j + 1])])
         # Stages never decrease along an ordering edge u -> w: d[w,j] <= d[u,j].
         for a, b in coarsening.order_edges:
             for j in boundaries:
-                self._add_le([(1, self.d[b][j])], [(1, self.d[a][j])])
+                self.terms.add_le([(1, self.d[b][j])], [(1, self.d[a][j])])
 
         # time_terms: communication and tied all-reduces; compute is added per replica count
         time_terms: list[Terms] = [[] for _ in all_stages]
@@ -301,9 +295,9 @@ class StageModel:
         for (g, W, Wu), (comm_s, out_bytes, _) in classes.items():
             c, s = round(comm_s * self.scale), round(out_bytes)
             if p.comm is Comm.NEIGHBOUR:
-                cu = [self._at_least([[(1, self.d[g][b]), (-1, self.d[w][b])] for w in W],
+                cu = [self.terms.at_least([[(1, self.d[g][b]), (-1, self.d[w][b])] for w in W],
                                      f"cu[{g},{b}]") for b in boundaries]
-                cd = [self._at_least([[(1, self.d[w][b]), (-1, self.d[g][b])] for w in Wu],
+                cd = [self.terms.at_least([[(1, self.d[w][b]), (-1, self.d[g][b])] for w in Wu],
                                      f"cd[{g},{b}]") for b in boundaries]
                 for b in boundaries:
                     # a crossing of boundary b costs its sender and its receiver
@@ -314,10 +308,10 @@ class StageModel:
             else:
                 for j in all_stages:
                     xg = self._x(g, j)
-                    r = self._at_least([self._x(w, j) + [(-c_, v_) for c_, v_ in xg] for w in W],
-                                       f"r[{g},{j}]")
-                    o = self._at_least([xg + [(-c_, v_) for c_, v_ in self._x(w, j)] for w in W],
-                                       f"o[{g},{j}]")
+                    r = self.terms.at_least(
+                        [self._x(w, j) + [(-c_, v_) for c_, v_ in xg] for w in W], f"r[{g},{j}]")
+                    o = self.terms.at_least(
+                        [xg + [(-c_, v_) for c_, v_ in self._x(w, j)] for w in W], f"o[{g},{j}]")
                     time_terms[j] += [(c, r), (c, o)]
                     recv_terms[j].append((s, r))
 
@@ -329,13 +323,13 @@ class StageModel:
                 if not sent_bytes:
                     continue
                 for j in boundaries:
-                    kept = self._at_least(
+                    kept = self.terms.at_least(
                         [[*self._x(g, j), (-1, self.d[w][j])] for w in W], f"e[{g},{j}]")
                     sent_terms[j].append((round(sent_bytes), kept))
         # The largest backward transient on each stage (only where memory counts).
         peak: list[Term] = [0] * K
         if limited or objective == "memory":
-            peak = [self._max_of([[(grad[g] * c, v) for c, v in self._x(g, j)]
+            peak = [self.terms.max_of([[(grad[g] * c, v) for c, v in self._x(g, j)]
                                   for g in range(G) if grad[g]], f"B[{j}]")
                     for j in all_stages]
 
@@ -344,16 +338,16 @@ class StageModel:
         tied_mem: list[Terms] = [[] for _ in all_stages]
         for tied, holders in replicated:
             name = tied.name
-            uses = [self._at_least([self._x(h, j) for h in holders], f"u[{name},{j}]")
+            uses = [self.terms.at_least([self._x(h, j) for h in holders], f"u[{name},{j}]")
                     for j in all_stages]
             first = holders[0]
-            multi = self._at_least(
+            multi = self.terms.at_least(
                 [[(1, uses[j])] + [(-c_, v_) for c_, v_ in self._x(first, j)] for j in all_stages],
                 f"m[{name}]")
             ticks = round(tied.allreduce_s * self.scale)
             size = round(tied.param_bytes * state)
             for j in all_stages:
-                allreduce = self._at_least([[(1, uses[j]), (1, multi), (-1, 1)]],
+                allreduce = self.terms.at_least([[(1, uses[j]), (1, multi), (-1, 1)]],
                                            f"a[{name},{j}]")
                 time_terms[j].append((ticks, allreduce))
                 copies = tied.param_bytes * flight[j] if stash else 0
@@ -425,8 +419,8 @@ class StageModel:
             kept_rows = [(saved(j, r, choice), [(y, True), (z, choice)])
                          for r, y in sharing[j].items() for choice in (False, True)]
             again_rows = [(again(j, r), [(y, True), (z, True)]) for r, y in sharing[j].items()]
-            kept_terms.append([(1, self._max_where(kept_rows, f"A[{j}]"))])
-            again_terms.append([(1, self._max_where(again_rows, f"R[{j}]"))])
+            kept_terms.append([(1, self.terms.max_where(kept_rows, f"A[{j}]"))])
+            again_terms.append([(1, self.terms.max_where(again_rows, f"R[{j}]"))])
 
         def recomputed(j: int, r: int) -> tuple[Terms, Terms]:
             """Stage j's (saved bytes, forward run again) on r replicas."""
@@ -453,7 +447,7 @@ class StageModel:
         if not p.allow_empty_stages:
             for j in all_stages:
                 holds: Terms = [tv for g in range(G) for tv in self._x(g, j)]
-                m.add(self._expr(holds) >= 1)
+                m.add(expr(holds) >= 1)
 
         if objective == "time":
             # Each GPU fits in memory; the bottleneck T bounds every GPU's time.
@@ -465,21 +459,21 @@ class StageModel:
             self.T = m.new_int_var(min(lower, upper), upper, "T")
             if self.replicating:
                 for y, time_row, memory_row in enforced:
-                    m.add(self._expr(time_row) <= self.T).only_enforce_if(y)
+                    m.add(expr(time_row) <= self.T).only_enforce_if(y)
                     if limited:
-                        m.add(self._expr(memory_row) <= int(p.memory_limit)).only_enforce_if(y)
+                        m.add(expr(memory_row) <= int(p.memory_limit)).only_enforce_if(y)
             else:
                 for gpu_time in self.time_terms:
-                    m.add(self._expr(gpu_time) <= self.T)
+                    m.add(expr(gpu_time) <= self.T)
                 if limited:
                     for gpu_memory in self.memory_terms:
-                        m.add(self._expr(gpu_memory) <= int(p.memory_limit))
+                        m.add(expr(gpu_memory) <= int(p.memory_limit))
             m.minimize(self.T)
         else:
-            upper = max(self._range(gpu_memory)[1] for gpu_memory in self.memory_terms)
+            upper = max(self.terms.range(gpu_memory)[1] for gpu_memory in self.memory_terms)
             self.T = m.new_int_var(0, max(0, upper), "memory")
             for gpu_memory in self.memory_terms:
-                m.add(self._expr(gpu_memory) <= self.T)
+                m.add(expr(gpu_memory) <= self.T)
             m.minimize(self.T)
 
         if hint is not None:
@@ -492,94 +486,6 @@ class StageModel:
         if j == 0:
             return [(1, self.d[g][0])]
         return [(1, self.d[g][j]), (-1, self.d[g][j - 1])]
-
-    @staticmethod
-    def _expr(terms: Terms) -> cp_model.LinearExprT:
-        # One weighted sum rather than a chain of additions: building the model of a
-        # 5,000-node graph took longer than solving it.
-        constant = sum(c * v for c, v in terms if isinstance(v, int))
-        live = [(c, v) for c, v in terms if not isinstance(v, int)]
-        if not live:
-            return constant
-        return cp_model.LinearExpr.weighted_sum([v for _, v in live],
-                                                [c for c, _ in live]) + constant
-
-    def _range(self, terms: Terms) -> tuple[int, int]:
-        """The smallest and largest value ``terms`` can take."""
-        lo = hi = 0
-        bounds = self._int_bounds
-        for c, v in terms:
-            if isinstance(v, int):
-                lo += c * v
-                hi += c * v
-                continue
-            least, most = bounds.get(v.index, (0, 1)) if bounds else (0, 1)
-            if c >= 0:
-                lo += c * least
-                hi += c * most
-            else:
-                lo += c * most
-                hi += c * least
-        return lo, hi
-
-    def _add_le(self, left: Terms, right: Terms) -> None:
-        terms = left + [(-c, v) for c, v in right]
-        lo, hi = self._range(terms)
-        if hi <= 0:
-            return  # always true
-        assert lo <= 0, "contradictory fixed variables"
-        self.model.add(self._expr(terms) <= 0)
-
-    def _at_least(self, rows: list[Terms], name: str) -> Term:
-        """A 0/1 indicator >= every row (a constant when the rows decide it)."""
-        live = []
-        for row in rows:
-            lo, hi = self._range(row)
-            if lo >= 1:
-                return 1
-            if hi >= 1:
-                live.append(row)
-        if not live:
-            return 0
-        var = self.model.new_bool_var(name)
-        for row in live:
-            self.model.add(var >= self._expr(row))
-        self._defs.append((var, live))
-        return var
-
-    def _max_of(self, rows: list[Terms], name: str) -> Term:
-        """A non-negative integer >= every row (a constant when the rows decide it)."""
-        ranges = [self._range(row) for row in rows]
-        least = max([0] + [lo for lo, _ in ranges])
-        most = max([least] + [hi for _, hi in ranges])
-        live = [row for row, (_, hi) in zip(rows, ranges, strict=True) if hi > least]
-        if not live:
-            return least
-        var = self.model.new_int_var(least, most, name)
-        self._int_bounds[var.index] = (least, most)
-        for row in live:
-            self.model.add(var >= self._expr(row))
-        self._defs.append((var, live))
-        return var
-
-    def _max_where(self, rows: list[tuple[Terms, list[tuple[Term, bool]]]], name: str) -> Term:
-        """A non-negative integer >= each row whose literals (a 0/1 variable or constant,
-        and the value that enforces the row) all hold."""
-        live: list[tuple[Terms, Literals]] = []
-        for row, literals in rows:
-            if any(isinstance(v, int) and bool(v) != want for v, want in literals):
-                continue  # never enforced
-            live.append((row, [(v, want) for v, want in literals
-                               if isinstance(v, cp_model.IntVar)]))
-        most = max([0] + [self._range(row)[1] for row, _ in live])
-        var = self.model.new_int_var(0, most, name)
-        self._int_bounds[var.index] = (0, most)
-        for row, enforcing in live:
-            constraint = self.model.add(var >= self._expr(row))
-            if enforcing:
-                constraint.only_enforce_if([v if want else v.Not() for v, want in enforcing])
-        self._enforced.append((var, live))
-        return var
 
     # -- hints ---------------------------------------------------------------------------
 
@@ -608,9 +514,6 @@ class StageModel:
             return None
         return math.ceil(evaluation.bottleneck_s * self.scale + self._rounding_terms * 0.5)
 
-    def _value(self, term: Term, values: dict[int, int]) -> int:
-        return term if isinstance(term, int) else values[term.index]
-
     def _values(self, assignment: Sequence[int], recompute: Sequence[bool],
                 ) -> tuple[dict[int, int], dict[int, cp_model.IntVar]]:
         """Every variable's value (by index) at a coarse assignment and recompute choice:
@@ -626,16 +529,7 @@ class StageModel:
             if not isinstance(z, int):
                 values[z.index] = int(recompute[j])
                 variables[z.index] = z
-        for var, rows in self._defs:  # created after everything they read
-            least, _ = self._int_bounds.get(var.index, (0, 1))
-            values[var.index] = max(
-                least, *(sum(c * self._value(v, values) for c, v in row) for row in rows))
-            variables[var.index] = var
-        for var, enforced in self._enforced:  # read only d and z
-            values[var.index] = max([0] + [
-                sum(c * self._value(v, values) for c, v in row) for row, literals in enforced
-                if all(values[lit.index] == want for lit, want in literals)])
-            variables[var.index] = var
+        self.terms.least_values(values, variables)
         return values, variables
 
     def rows_at(self, assignment: Sequence[int], recompute: Sequence[bool],
@@ -645,11 +539,8 @@ class StageModel:
         against ``evaluate``. One GPU per stage (not replicated) only."""
         assert not self.replicating
         values, _ = self._values(assignment, recompute)
-
-        def at(rows: list[Terms]) -> list[int]:
-            return [sum(c * self._value(v, values) for c, v in row) for row in rows]
-
-        return at(self.time_terms), at(self.memory_terms)
+        return ([total(row, values) for row in self.time_terms],
+                [total(row, values) for row in self.memory_terms])
 
     def _add_hints(self, hint: Sequence[int]) -> None:
         """Hint every variable: d from the assignment, z from ``evaluate``'s recompute
@@ -660,10 +551,10 @@ class StageModel:
         if recompute is None:
             recompute = evaluate(self.problem, self.coarsening.expand(hint)).recompute
         values, variables = self._values(hint, recompute)
-        for index, value in values.items():
-            self.model.add_hint(variables[index], value)
+        for index, hinted in values.items():
+            self.model.add_hint(variables[index], hinted)
         rows = self.time_terms if self.objective == "time" else self.memory_terms
-        top = max(sum(c * self._value(v, values) for c, v in row) for row in rows)
+        top = max(total(row, values) for row in rows)
         domain = self.T.proto.domain
         if domain[0] <= top <= domain[-1]:
             self.model.add_hint(self.T, top)
@@ -696,7 +587,7 @@ class StageModel:
         objective = solver.objective_value / unit
         bound = max(0.0, solver.best_objective_bound / unit - margin)
         replicas = tuple(next(r for r, y in row.items() if solver.value(y)) for row in self.y)
-        recompute = tuple(bool(self._value(z, {}) if isinstance(z, int) else solver.value(z))
+        recompute = tuple(bool(value(z, {}) if isinstance(z, int) else solver.value(z))
                           for z in self.z)
         return IlpResult(name, coarse, self.coarsening.expand(coarse), objective,
                          min(bound, objective), search.wall_s, self.num_nodes, replicas or None,
