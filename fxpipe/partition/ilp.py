@@ -62,18 +62,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-import numpy as np
 from ortools.sat.python import cp_model
 
 from fxpipe.partition.coarsen import Coarsening
-from fxpipe.partition.cost import recompute_options, state_split
+from fxpipe.partition.cost import recompute_options
 from fxpipe.partition.evaluate import evaluate
+from fxpipe.partition.ilp_inputs import group_costs, stage_ranges, value_classes
 from fxpipe.partition.ilp_search import run_search, stop_searches
 from fxpipe.partition.ilp_terms import Term, TermBuilder, Terms, expr, total, value
 from fxpipe.partition.problem import (
     Comm,
     Recompute,
-    TiedPolicy,
     allreduce_s,
     allreduce_terms,
     stage_deferred,
@@ -120,19 +119,6 @@ def ticks_per_second(coarsening: Coarsening) -> int:
     return 10 ** min(15, max(0, math.floor(math.log10(TARGET_TICKS / total))))
 
 
-def _ancestor_sums(n: int, edges: Sequence[tuple[int, int]], weight: np.ndarray,
-                   ) -> tuple[np.ndarray, np.ndarray]:
-    """Per node (topologically numbered): total weight of it and its ancestors / descendants."""
-    reach = np.eye(n, dtype=bool)  # reach[a, b]: b reaches a (b is an ancestor of a)
-    preds: list[list[int]] = [[] for _ in range(n)]
-    for a, b in edges:
-        preds[b].append(a)
-    for g in range(n):
-        for p in preds[g]:
-            reach[g] |= reach[p]
-    return reach.astype(np.int64) @ weight, reach.T.astype(np.int64) @ weight
-
-
 class StageModel:
     """The CP-SAT model of one problem over one coarsening.
 
@@ -161,7 +147,6 @@ class StageModel:
         self._hint_recompute: tuple[bool, ...] | None = None
         all_stages = range(K)
         boundaries = range(K - 1)
-        group_of = coarsening.group_of
         flight = list(stage_flights(p))
         waiting = list(stage_deferred(p))
         N = p.devices
@@ -173,58 +158,15 @@ class StageModel:
         on_device = [[j for j in all_stages if p.device_of(j) == d]
                      for d in range(K // p.virtual_stages)]
 
-        # Per coarse node: compute ticks, parameter-state bytes, activation bytes.
-        grad_f, opt_f = state_split(p.state_factor)
-        state = 1.0 + grad_f + opt_f
-        secs = [0.0] * G
-        fwd = [0.0] * G  # forward seconds: run again by a recomputing stage
-        param_state = [0.0] * G
-        params = [0] * G  # own parameter bytes (all-reduced when the stage is replicated)
-        held = [0] * G  # parameter bytes held, colocated tied ones included (stashed copies)
-        act = [0] * G
-        returned = [0] * G  # bytes of the model's output it produces
-        grad = [0] * G  # the largest backward transient of its nodes (Node.grad_bytes)
-        deferred = [0] * G  # what its weight gradients keep until they run, per micro-batch
-        for v, node in enumerate(p.nodes):
-            deferred[group_of[v]] += node.deferred_bytes
-            g = group_of[v]
-            returned[g] += node.output_bytes if node.returned else 0
-            secs[g] += node.forward_s + node.backward_s
-            fwd[g] += node.forward_s
-            param_state[g] += node.param_bytes * state
-            params[g] += node.param_bytes
-            act[g] += node.activation_bytes
-            grad[g] = max(grad[g], node.grad_bytes)
-        replicated = []
-        for tied in p.tied:
-            holders = sorted({group_of[v] for v in tied.nodes})
-            if len(holders) == 1 or p.tied_policy is TiedPolicy.COLOCATE:
-                param_state[holders[0]] += tied.param_bytes * state
-                held[holders[0]] += tied.param_bytes
-            else:
-                replicated.append((tied, holders))
-        held = [h + b for h, b in zip(held, params, strict=True)]
-        t = [round(s * self.scale) for s in secs]
-        mem = [round(b) for b in param_state]
-
-        # Value classes: values produced in group g and read by groups W (unordered: Wu);
-        # per class its transfer time, its bytes and the bytes of those not returned (the
-        # returned ones are kept by their producer wherever their readers are: ``returned``).
-        readers: list[dict[int, bool]] = [{} for _ in p.nodes]
-        for e in p.edges:
-            if e.data and group_of[e.dst] != group_of[e.src]:
-                wg = group_of[e.dst]
-                readers[e.src][wg] = readers[e.src].get(wg, True) and e.ordered
-        classes: dict[tuple[int, tuple[int, ...], tuple[int, ...]], list[float]] = {}
-        for v, node in enumerate(p.nodes):
-            if not readers[v]:
-                continue
-            W = tuple(sorted(readers[v]))
-            Wu = tuple(w for w in W if not readers[v][w])
-            acc = classes.setdefault((group_of[v], W, Wu), [0.0, 0.0, 0.0])
-            acc[0] += node.comm_s
-            acc[1] += node.output_bytes
-            acc[2] += 0 if node.returned else node.output_bytes
+        # Per coarse node: compute ticks, parameter-state bytes, activation bytes; per value
+        # class (values produced in group g and read by groups W, unordered: Wu) its transfer
+        # time, its bytes and the bytes of those not returned.
+        costs = group_costs(coarsening, self.scale)
+        secs, fwd, params, held = costs.secs, costs.fwd, costs.params, costs.held
+        act, returned, grad, deferred = costs.act, costs.returned, costs.grad, costs.deferred
+        replicated, state = costs.replicated, costs.state
+        t, mem = costs.ticks, costs.state_bytes
+        classes = value_classes(coarsening)
         # Recompute: the choices the policy leaves, narrowed to those that can matter
         # (without a memory limit recomputing only costs time; minimising memory, it only
         # saves bytes).
@@ -255,10 +197,7 @@ class StageModel:
             # N stage modules when interleaved are on distinct GPUs), each at most UB.
             ub = self.upper_ticks
             extra = N - K if self.replicating else 0
-            up, down = _ancestor_sums(G, coarsening.order_edges, np.array(t, dtype=np.int64))
-            for g in range(G):
-                lo[g] = max(0, -(-int(up[g]) // ub) - 1 - extra)
-                hi[g] = min(K - 1, K - (-(-int(down[g]) // ub)) + extra)
+            lo, hi = stage_ranges(coarsening, t, ub, extra)
 
         if window is not None:
             lo = [max(a, w[0]) for a, w in zip(lo, window, strict=True)]
@@ -292,8 +231,9 @@ class StageModel:
         recv_terms: list[Terms] = [[] for _ in all_stages]
 
         # Communication, per value class k = (g, W, Wu) with transfer ticks c and bytes s.
-        for (g, W, Wu), (comm_s, out_bytes, _) in classes.items():
-            c, s = round(comm_s * self.scale), round(out_bytes)
+        for k in classes:
+            g, W, Wu = k.producer, k.readers, k.unordered
+            c, s = round(k.comm_s * self.scale), round(k.out_bytes)
             if p.comm is Comm.NEIGHBOUR:
                 cu = [self.terms.at_least([[(1, self.d[g][b]), (-1, self.d[w][b])] for w in W],
                                      f"cu[{g},{b}]") for b in boundaries]
@@ -319,7 +259,8 @@ class StageModel:
         # counts): (bytes, e[k,j]) per stage j; its producer g on j and a reader w after j.
         sent_terms: list[Terms] = [[] for _ in all_stages]
         if limited or objective == "memory":
-            for (g, W, _), (_, _, sent_bytes) in classes.items():
+            for k in classes:
+                g, W, sent_bytes = k.producer, k.readers, k.sent_bytes
                 if not sent_bytes:
                     continue
                 for j in boundaries:

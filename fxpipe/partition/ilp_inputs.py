@@ -1,0 +1,142 @@
+"""The plain numbers the CP-SAT program (ilp.py) is written over: per coarse node g the
+sums of its fine nodes' costs, per value class k its transfer time and bytes, and the
+stages each coarse node may take under an upper bound. No solver here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from fxpipe.partition.coarsen import Coarsening
+from fxpipe.partition.cost import state_split
+from fxpipe.partition.problem import TiedGroup, TiedPolicy
+
+__all__ = ["GroupCosts", "ValueClass", "group_costs", "stage_ranges", "value_classes"]
+
+
+@dataclass(frozen=True)
+class GroupCosts:
+    """Per coarse node g (each list indexed by g): what its fine nodes add up to."""
+
+    state: float  # bytes of parameter state per parameter byte (weights, grads, optimizer)
+    secs: list[float]  # forward + backward seconds
+    ticks: list[int]  # t[g]: forward + backward seconds in ticks (``ticks_per_second``)
+    fwd: list[float]  # forward seconds: run again by a recomputing stage
+    state_bytes: list[int]  # parameter-state bytes, colocated tied parameters included
+    params: list[int]  # own parameter bytes (all-reduced when the stage is replicated)
+    held: list[int]  # parameter bytes held, colocated tied ones included (stashed copies)
+    act: list[int]  # activation bytes saved for the backward, per micro-batch
+    returned: list[int]  # bytes of the model's output it produces
+    grad: list[int]  # the largest backward transient of its nodes (Node.grad_bytes)
+    deferred: list[int]  # what its weight gradients keep until they run, per micro-batch
+    # tied groups whose copies are replicated over several coarse nodes: (group, holders)
+    replicated: list[tuple[TiedGroup, list[int]]]
+
+
+def group_costs(coarsening: Coarsening, scale: int) -> GroupCosts:
+    """``scale``: ticks per second."""
+    p = coarsening.problem
+    group_of = coarsening.group_of
+    G = coarsening.num_coarse
+    grad_f, opt_f = state_split(p.state_factor)
+    state = 1.0 + grad_f + opt_f
+    secs = [0.0] * G
+    fwd = [0.0] * G
+    param_state = [0.0] * G
+    params = [0] * G
+    held = [0] * G
+    act = [0] * G
+    returned = [0] * G
+    grad = [0] * G
+    deferred = [0] * G
+    for v, node in enumerate(p.nodes):
+        g = group_of[v]
+        deferred[g] += node.deferred_bytes
+        returned[g] += node.output_bytes if node.returned else 0
+        secs[g] += node.forward_s + node.backward_s
+        fwd[g] += node.forward_s
+        param_state[g] += node.param_bytes * state
+        params[g] += node.param_bytes
+        act[g] += node.activation_bytes
+        grad[g] = max(grad[g], node.grad_bytes)
+    replicated = []
+    for tied in p.tied:
+        holders = sorted({group_of[v] for v in tied.nodes})
+        if len(holders) == 1 or p.tied_policy is TiedPolicy.COLOCATE:
+            param_state[holders[0]] += tied.param_bytes * state
+            held[holders[0]] += tied.param_bytes
+        else:
+            replicated.append((tied, holders))
+    held = [h + b for h, b in zip(held, params, strict=True)]
+    return GroupCosts(state=state, secs=secs, ticks=[round(s * scale) for s in secs], fwd=fwd,
+                      state_bytes=[round(b) for b in param_state], params=params, held=held,
+                      act=act, returned=returned, grad=grad, deferred=deferred,
+                      replicated=replicated)
+
+
+@dataclass(frozen=True)
+class ValueClass:
+    """The values produced in coarse node ``producer`` and read by the same other coarse
+    nodes ``readers``: they cross the same boundaries, so they share indicators."""
+
+    producer: int  # g
+    readers: tuple[int, ...]  # W
+    unordered: tuple[int, ...]  # the readers that read them only by unordered edges (Wu)
+    comm_s: float  # their transfer time across one boundary
+    out_bytes: float  # their bytes
+    # their bytes but the model's outputs' (which their producer keeps wherever their
+    # readers are: GroupCosts.returned)
+    sent_bytes: float
+
+
+def value_classes(coarsening: Coarsening) -> list[ValueClass]:
+    """The value classes, in the order of their first value."""
+    p = coarsening.problem
+    group_of = coarsening.group_of
+    readers: list[dict[int, bool]] = [{} for _ in p.nodes]  # per value: reader -> unordered
+    for e in p.edges:
+        if e.data and group_of[e.dst] != group_of[e.src]:
+            wg = group_of[e.dst]
+            readers[e.src][wg] = readers[e.src].get(wg, True) and e.ordered
+    classes: dict[tuple[int, tuple[int, ...], tuple[int, ...]], list[float]] = {}
+    for v, node in enumerate(p.nodes):
+        if not readers[v]:
+            continue
+        W = tuple(sorted(readers[v]))
+        Wu = tuple(w for w in W if not readers[v][w])
+        acc = classes.setdefault((group_of[v], W, Wu), [0.0, 0.0, 0.0])
+        acc[0] += node.comm_s
+        acc[1] += node.output_bytes
+        acc[2] += 0 if node.returned else node.output_bytes
+    return [ValueClass(g, W, Wu, comm_s, out_bytes, sent_bytes)
+            for (g, W, Wu), (comm_s, out_bytes, sent_bytes) in classes.items()]
+
+
+def stage_ranges(coarsening: Coarsening, ticks: Sequence[int], upper_ticks: int, extra: int,
+                 ) -> tuple[list[int], list[int]]:
+    """Per coarse node, the first and last stage it may take when every GPU's time is at
+    most ``upper_ticks``: a node whose ancestors cost more than (j+1)*UB cannot sit on
+    stages <= j; one whose descendants cost more than (K-j)*UB cannot sit on stages >= j.
+    ``extra``: GPUs beyond one per stage (replicas), which stages 0..j may also use."""
+    K = coarsening.problem.num_stages
+    G = coarsening.num_coarse
+    up, down = _ancestor_sums(G, coarsening.order_edges, np.array(ticks, dtype=np.int64))
+    lo = [max(0, -(-int(up[g]) // upper_ticks) - 1 - extra) for g in range(G)]
+    hi = [min(K - 1, K - (-(-int(down[g]) // upper_ticks)) + extra) for g in range(G)]
+    return lo, hi
+
+
+def _ancestor_sums(n: int, edges: Sequence[tuple[int, int]], weight: np.ndarray,
+                   ) -> tuple[np.ndarray, np.ndarray]:
+    """Per node (topologically numbered): total weight of it and its ancestors / descendants."""
+    reach = np.eye(n, dtype=bool)  # reach[a, b]: b reaches a (b is an ancestor of a)
+    preds: list[list[int]] = [[] for _ in range(n)]
+    for a, b in edges:
+        preds[b].append(a)
+    for g in range(n):
+        for p in preds[g]:
+            reach[g] |= reach[p]
+    return reach.astype(np.int64) @ weight, reach.T.astype(np.int64) @ weight
