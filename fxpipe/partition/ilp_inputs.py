@@ -1,10 +1,11 @@
-"""The plain numbers the CP-SAT program (ilp.py) is written over: per coarse node g the
-sums of its fine nodes' costs, per value class k its transfer time and bytes, and the
-stages each coarse node may take under an upper bound. No solver here.
+"""The plain numbers the CP-SAT program (ilp.py) is written over: the tick scale, per
+coarse node g the sums of its fine nodes' costs, per value class k its transfer time and
+bytes, and the stages each coarse node may take under an upper bound. No solver here.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -12,9 +13,37 @@ import numpy as np
 
 from fxpipe.partition.coarsen import Coarsening
 from fxpipe.partition.cost import state_split
-from fxpipe.partition.problem import TiedGroup, TiedPolicy
+from fxpipe.partition.problem import Recompute, TiedGroup, TiedPolicy, allreduce_s
 
-__all__ = ["GroupCosts", "ValueClass", "group_costs", "stage_ranges", "value_classes"]
+__all__ = [
+    "TARGET_TICKS",
+    "GroupCosts",
+    "ValueClass",
+    "group_costs",
+    "stage_ranges",
+    "ticks_per_second",
+    "value_classes",
+]
+
+# At most ~1e9 ticks in all, so a coefficient squared stays below 2^63: with coefficients
+# of ~1e11 CP-SAT 9.15's presolve (probing, inclusion) proved a 15 ms split "OPTIMAL"
+# where a 14 ms one fits, and proved a feasible replicated model INFEASIBLE; both
+# solve right at 1e9 (tests/partition/test_bruteforce.py keeps those cases).
+TARGET_TICKS = 1e9
+
+
+def ticks_per_second(coarsening: Coarsening) -> int:
+    """A power of ten that makes the graph's total time at most TARGET_TICKS ticks."""
+    p = coarsening.problem
+    again = p.recompute is not Recompute.NONE  # a recomputed forward runs twice
+    total_s = sum(n.forward_s * (2 if again else 1) + n.backward_s + 4 * n.comm_s
+                  for n in p.nodes)
+    total_s += sum(t.allreduce_s for t in p.tied) * p.num_stages
+    if p.replicates:  # the largest all-reduce a replicated stage could pay
+        total_s += allreduce_s(p, sum(n.param_bytes for n in p.nodes), p.devices)
+    if total_s <= 0:
+        return 10**9
+    return 10 ** min(15, max(0, math.floor(math.log10(TARGET_TICKS / total_s))))
 
 
 @dataclass(frozen=True)
@@ -37,7 +66,7 @@ class GroupCosts:
 
 
 def group_costs(coarsening: Coarsening, scale: int) -> GroupCosts:
-    """``scale``: ticks per second."""
+    """``scale``: ticks per second (``ticks_per_second``)."""
     p = coarsening.problem
     group_of = coarsening.group_of
     G = coarsening.num_coarse

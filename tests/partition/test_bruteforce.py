@@ -245,7 +245,7 @@ def test_replicated_stage_model_matches_brute_force(problem: Problem) -> None:
     assert not violations(problem, result.stage_of, result.replicas)
     evaluation = evaluate(problem, result.stage_of, result.replicas)
     assert evaluation.estimate.fits
-    # the model's time is in ticks of about 1e-9 of the total (see ilp.TARGET_TICKS)
+    # the model's time is in ticks of about 1e-9 of the total (see ilp_inputs.TARGET_TICKS)
     assert result.objective == pytest.approx(evaluation.bottleneck_s, rel=1e-6)
     assert best is not None
     assert evaluation.bottleneck_s == pytest.approx(best, rel=1e-6)
