@@ -1,6 +1,6 @@
 """Shared by the benchmarks: the bundled GPT example, a model split by fxpipe into
-a generated package loaded from a temporary folder, and timing contenders in
-alternating rounds."""
+a generated package loaded from a temporary folder, example models analysed once and
+planned under several options, and timing contenders in alternating rounds."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import tempfile
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,12 +19,13 @@ import torch
 from torch import nn
 
 from fxpipe.codegen import load_package
-from fxpipe.compiler import SplitOptions, analyze, output_files, plan_split
-from fxpipe.cost_models import get_device
+from fxpipe.compiler import SplitOptions, analyze, analyze_file, output_files, plan_split
+from fxpipe.cost_models import Device, get_device
 from fxpipe.frontend import Traced, trace
 from fxpipe.output import write_folder
 from fxpipe.plan import Plan
 from fxpipe.schedules import ScheduleKind
+from fxpipe.units import format_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -63,6 +64,36 @@ def split_and_load(model: nn.Module, micro: tuple[Any, ...], *, stages: int, mic
     write_folder(folder, output_files(traced, plan, label=type(model).__name__))
     package = load_package(folder)
     return Generated(traced, plan, package, folder)
+
+
+def analysed_models(models: dict[str, str], only: list[str] | None,
+                    device: Device) -> Iterator[tuple[str, Traced]]:
+    """Each of ``models`` (label -> a spec under the repository, ``examples/gpt.py:FACTORY``)
+    that ``only`` names (every one when None), traced and analysed on ``device`` once."""
+    for label, spec in models.items():
+        if only and label not in only:
+            continue
+        yield label, analyze_file(str(ROOT / spec), device=device)[1]
+
+
+def timed_plan(traced: Traced, label: str,
+               options: SplitOptions) -> tuple[Plan | ValueError, float]:
+    """``plan_split`` and its wall seconds; where no split can be had (none fits, say) the
+    error instead of a plan, for a benchmark's table to say so."""
+    start = time.perf_counter()
+    try:
+        plan: Plan | ValueError = plan_split(traced, label=label, options=options)
+    except ValueError as error:
+        plan = error
+    return plan, time.perf_counter() - start
+
+
+def plan_cells(plan: Plan, wall_s: float) -> str:
+    """The last cells of a planning benchmark's row: the largest GPU's memory, whether
+    every GPU fits, the solver's status and gap, and the wall time of the planning."""
+    return (f"{format_bytes(plan.estimate.max_memory)} | "
+            f"{'yes' if plan.estimate.fits else 'NO'} | {plan.solver.status} "
+            f"{plan.solver.gap:.2%} | {wall_s:.1f} s |")
 
 
 def token_batch(vocab: int, batch: int, seq: int, seed: int = 0,

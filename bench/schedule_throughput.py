@@ -22,16 +22,15 @@ from __future__ import annotations
 import argparse
 import platform
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fxpipe.compiler import SplitOptions, analyze_file, plan_split  # noqa: E402
+from bench._common import analysed_models, plan_cells, timed_plan  # noqa: E402
+from fxpipe.compiler import SplitOptions  # noqa: E402
 from fxpipe.cost_models import get_device  # noqa: E402
 from fxpipe.schedules import ScheduleKind  # noqa: E402
-from fxpipe.units import format_bytes  # noqa: E402
 
 MODELS = {
     "GPT-2 small (tied head)": "examples/gpt.py:build_gpt2_small",
@@ -62,31 +61,23 @@ def main() -> int:
     print("| model | schedule | config | bottleneck | iteration | throughput | bubble "
           "(step) | bubble (ideal) | max memory | fits | solver | wall |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for label, spec in MODELS.items():
-        if args.only and label not in args.only:
-            continue
-        _, traced = analyze_file(str(ROOT / spec), device=device)
+    for label, traced in analysed_models(MODELS, args.only, device):
         for name, schedule, v, replicate in LAYOUTS:
             options = SplitOptions(
                 gpus=args.gpus, device=device, memory_limit=float(device.memory_bytes),
                 microbatches=args.microbatches, schedule=schedule, virtual_stages=v,
                 replicate=replicate, time_limit_s=args.time_limit)
-            start = time.perf_counter()
-            try:
-                plan = plan_split(traced, label=label, options=options)
-            except ValueError as error:  # no split fits: say so in the table
-                print(f"| {label} | {name} | - | - | - | - | - | - | - | no: {error} | - | "
-                      f"{time.perf_counter() - start:.1f} s |")
+            plan, wall_s = timed_plan(traced, label, options)
+            if isinstance(plan, ValueError):  # no split fits: say so in the table
+                print(f"| {label} | {name} | - | - | - | - | - | - | - | no: {plan} | - | "
+                      f"{wall_s:.1f} s |")
                 continue
             e = plan.estimate
             print(
                 f"| {label} | {name} | {plan.configuration if replicate else '-'} | "
                 f"{e.bottleneck_s * 1e3:.3f} ms | {e.iteration_s * 1e3:.2f} ms | "
                 f"{plan.microbatches / e.iteration_s:.1f} mb/s | {e.bubble_fraction:.1%} | "
-                f"{e.bubble_ratio:.1%} | {format_bytes(e.max_memory)} | "
-                f"{'yes' if e.fits else 'NO'} | {plan.solver.status} "
-                f"{plan.solver.gap:.2%} | {time.perf_counter() - start:.1f} s |",
-                flush=True)
+                f"{e.bubble_ratio:.1%} | {plan_cells(plan, wall_s)}", flush=True)
     return 0
 
 

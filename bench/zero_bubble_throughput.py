@@ -23,13 +23,13 @@ import argparse
 import os
 import platform
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fxpipe.compiler import SplitOptions, analyze_file, plan_split  # noqa: E402
+from bench._common import analysed_models, plan_cells, timed_plan  # noqa: E402
+from fxpipe.compiler import SplitOptions  # noqa: E402
 from fxpipe.cost_models import get_device  # noqa: E402
 from fxpipe.schedules import ScheduleKind  # noqa: E402
 from fxpipe.units import format_bytes  # noqa: E402
@@ -65,10 +65,7 @@ def main() -> int:
     print("| model | GPUs | M | schedule | bottleneck | iteration | throughput | vs 1f1b "
           "| bubble (step) | max memory | fits | solver | wall |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for label, spec in MODELS.items():
-        if args.only and label not in args.only:
-            continue
-        _, traced = analyze_file(str(ROOT / spec), device=device)
+    for label, traced in analysed_models(MODELS, args.only, device):
         for gpus in args.gpus:
             m = args.microbatches_per_gpu * gpus
             base = None
@@ -77,13 +74,10 @@ def main() -> int:
                     gpus=gpus, device=device, memory_limit=float(device.memory_bytes),
                     microbatches=m, schedule=schedule, virtual_stages=v,
                     time_limit_s=args.time_limit)
-                start = time.perf_counter()
-                try:
-                    plan = plan_split(traced, label=label, options=options)
-                except ValueError as error:  # no split fits: say so in the table
+                plan, wall_s = timed_plan(traced, label, options)
+                if isinstance(plan, ValueError):  # no split fits: say so in the table
                     print(f"| {label} | {gpus} | {m} | {name} | - | - | - | - | - | - | "
-                          f"no: {error} | - | {time.perf_counter() - start:.1f} s |",
-                          flush=True)
+                          f"no: {plan} | - | {wall_s:.1f} s |", flush=True)
                     continue
                 e = plan.estimate
                 throughput = m / e.iteration_s
@@ -93,10 +87,7 @@ def main() -> int:
                 print(
                     f"| {label} | {gpus} | {m} | {name} | {e.bottleneck_s * 1e3:.3f} ms | "
                     f"{e.iteration_s * 1e3:.2f} ms | {throughput:.2f} mb/s | {gain} | "
-                    f"{e.bubble_fraction:.1%} | {format_bytes(e.max_memory)} | "
-                    f"{'yes' if e.fits else 'NO'} | {plan.solver.status} "
-                    f"{plan.solver.gap:.2%} | {time.perf_counter() - start:.1f} s |",
-                    flush=True)
+                    f"{e.bubble_fraction:.1%} | {plan_cells(plan, wall_s)}", flush=True)
     return 0
 
 

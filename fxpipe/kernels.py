@@ -116,9 +116,13 @@ def attention_backend(
     """The kernel the target device runs this call with (see the module docstring)."""
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         return "math"  # the fused kernels take (batch, heads, seq, head_dim) only
-    if execution.kernels == "cpu":
-        return "cpu-flash" if _cpu_choice(query, key, value, attn_mask, is_causal,
-                                          enable_gqa) else "math"
+    if execution.kernels == "cpu":  # ask PyTorch's CPU dispatcher, on tiny real tensors
+        with unset_fake_temporarily():  # real tensors, even inside a fake-tensor analysis run
+            choice = torch._fused_sdp_choice(
+                _probe(query), _probe(key), _probe(value), _probe_mask(attn_mask), 0.0,
+                is_causal, enable_gqa=enable_gqa,
+            )
+        return "cpu-flash" if choice == SDPBackend.FLASH_ATTENTION.value else "math"
     dtype = query.dtype
     head_dims = {query.shape[-1], key.shape[-1], value.shape[-1]}
     grouped = query.shape[1] != key.shape[1]
@@ -130,31 +134,22 @@ def attention_backend(
     return "math"
 
 
-def _cpu_choice(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    is_causal: bool,
-    enable_gqa: bool,
-) -> bool:
-    """Whether PyTorch's CPU dispatcher picks its flash kernel for a call like this one."""
+def _probe(t: torch.Tensor) -> torch.Tensor:
+    """A tiny zero copy of an attention operand: one sample, at most 4 positions, the same
+    heads, head dim, dtype and ``requires_grad`` (what the dispatcher's choice depends on)."""
+    *lead, seq, last = t.shape
+    shape = [1 if i == 0 else d for i, d in enumerate(lead)] + [min(seq, 4), last]
+    return torch.zeros(shape, dtype=t.dtype, requires_grad=t.requires_grad)
 
-    def tiny(t: torch.Tensor) -> torch.Tensor:
-        *lead, seq, last = t.shape
-        shape = [1 if i == 0 else d for i, d in enumerate(lead)] + [min(seq, 4), last]
-        return torch.zeros(shape, dtype=t.dtype, requires_grad=t.requires_grad)
 
-    with unset_fake_temporarily():  # real tensors, even inside a fake-tensor analysis run
-        mask = None
-        if attn_mask is not None:
-            *lead, rows, cols = attn_mask.shape
-            shape = [1 if len(lead) == 2 and i == 0 else d for i, d in enumerate(lead)]  # batch
-            mask = torch.zeros([*shape, min(rows, 4), min(cols, 4)], dtype=attn_mask.dtype)
-        choice = torch._fused_sdp_choice(
-            tiny(query), tiny(key), tiny(value), mask, 0.0, is_causal, enable_gqa=enable_gqa
-        )
-    return bool(choice == SDPBackend.FLASH_ATTENTION.value)
+def _probe_mask(attn_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A tiny zero copy of an attention mask: at most 4 x 4, the same dtype (its kind) and
+    rank, a 4-d mask's batch dim cut to one sample."""
+    if attn_mask is None:
+        return None
+    *lead, rows, cols = attn_mask.shape
+    shape = [1 if len(lead) == 2 and i == 0 else d for i, d in enumerate(lead)]  # batch
+    return torch.zeros([*shape, min(rows, 4), min(cols, 4)], dtype=attn_mask.dtype)
 
 
 def _forward_flops(query_shape: Any, key_shape: Any, value_shape: Any, *args: Any,

@@ -10,7 +10,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["DynamicDim", "Estimate", "Plan", "SolverReport", "StageMemory", "StagePlan"]
+__all__ = ["DynamicDim", "Estimate", "Plan", "SolverReport", "StageMemory", "StagePlan",
+           "StageTimes"]
 
 PLAN_FORMAT = 1
 
@@ -44,8 +45,28 @@ class StageMemory:
         )
 
 
+class StageTimes:
+    """A stage's per-micro-batch time from its parts, one formula for the plan's stages
+    (``StagePlan``) and the solver's (``partition.cost.StageCost``)."""
+
+    forward_s: float
+    backward_s: float  # input gradient (B) + weight gradient (W), a recomputed forward included
+    comm_s: float  # send + receive time per micro-batch
+    backward_weight_s: float  # the weight-gradient (W) part of backward_s
+
+    @property
+    def backward_input_s(self) -> float:
+        """The input-gradient (B) part of backward_s, a recomputed forward included."""
+        return self.backward_s - self.backward_weight_s
+
+    @property
+    def time_s(self) -> float:
+        """Per-micro-batch time of this stage: forward + backward + communication."""
+        return self.forward_s + self.backward_s + self.comm_s
+
+
 @dataclass(frozen=True)
-class StagePlan:
+class StagePlan(StageTimes):
     index: int
     nodes: tuple[str, ...]  # fine-graph node names, in graph order
     inputs: tuple[str, ...] = ()  # values it receives: producing node names, graph order
@@ -63,16 +84,6 @@ class StagePlan:
     # (already divided by replicas); comm_s includes the all-reduce.
     replicas: int = 1
     backward_weight_s: float = 0.0  # the weight-gradient (W) part of backward_s
-
-    @property
-    def backward_input_s(self) -> float:
-        """The input-gradient (B) part of backward_s, a recomputed forward included."""
-        return self.backward_s - self.backward_weight_s
-
-    @property
-    def time_s(self) -> float:
-        """Per-micro-batch time of this stage: forward + backward + communication."""
-        return self.forward_s + self.backward_s + self.comm_s
 
 
 @dataclass(frozen=True)
@@ -156,8 +167,12 @@ class Plan:
 
     @property
     def v_placed(self) -> bool:
-        """ZB-V and DualPipeV: stage j and stage K - 1 - j on GPU j."""
-        return self.schedule in ("zbv", "dualpipev")
+        """Stage j and stage K - 1 - j on GPU j, as the schedule kind says (``KindSpec``)."""
+        # imported here: the schedules module brings in the runtime (torch), and a plan is
+        # plain data that loads without it
+        from fxpipe.schedules import kind_of
+
+        return kind_of(self.schedule).spec.v_placed
 
     @property
     def configuration(self) -> str:

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from fxpipe.partition.problem import Problem, Recompute, allreduce_s
-from fxpipe.plan import StageMemory
+from fxpipe.plan import StageMemory, StageTimes
 
 __all__ = [
     "StageCost",
@@ -85,7 +85,7 @@ class StageSums:
 
 
 @dataclass(frozen=True)
-class StageCost:
+class StageCost(StageTimes):
     forward_s: float
     backward_s: float  # includes the recomputed forward when ``recompute``
     comm_s: float
@@ -93,14 +93,6 @@ class StageCost:
     replicas: int = 1
     recompute: bool = False
     backward_weight_s: float = 0.0  # the W part of backward_s (a recomputed forward is B's)
-
-    @property
-    def backward_input_s(self) -> float:
-        return self.backward_s - self.backward_weight_s
-
-    @property
-    def time_s(self) -> float:
-        return self.forward_s + self.backward_s + self.comm_s
 
 
 def state_split(state_factor: float) -> tuple[float, float]:

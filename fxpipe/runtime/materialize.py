@@ -18,7 +18,11 @@ from typing import cast
 import torch
 from torch import nn
 
-__all__ = ["load_state", "materialize", "parameters_on_meta", "rebind"]
+__all__ = ["Checkpoint", "load_state", "materialize", "parameters_on_meta", "rebind"]
+
+# What a stage's weights are loaded from: a state_dict, a ``torch.save`` file of one, or
+# None (the weights the model was built with).
+Checkpoint = str | Path | Mapping[str, torch.Tensor] | None
 
 
 @contextlib.contextmanager
@@ -40,9 +44,7 @@ def parameters_on_meta() -> Iterator[None]:
 
 
 
-def load_state(
-    checkpoint: str | Path | Mapping[str, torch.Tensor] | None,
-) -> Mapping[str, torch.Tensor] | None:
+def load_state(checkpoint: Checkpoint) -> Mapping[str, torch.Tensor] | None:
     if checkpoint is None or isinstance(checkpoint, Mapping):
         return checkpoint
     return torch.load(checkpoint, map_location="cpu", mmap=True, weights_only=True)

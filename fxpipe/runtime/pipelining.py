@@ -29,7 +29,6 @@ for any plan, one unless interleaved; the other calls take the list as well.)
 
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any, cast
 
 import torch
@@ -52,7 +51,7 @@ from .adapter import (
     split_wire,
 )
 from .grads import reduce_grads
-from .materialize import load_state, materialize, rebind
+from .materialize import Checkpoint, load_state, materialize, rebind
 from .microbatch import batch_size, lane_share
 from .precision import PRECISIONS, check_precision
 from .ranks import RankLayout
@@ -103,7 +102,7 @@ class DistributedPipeline(RankLayout):
         stage_index: int,
         device: torch.device | str,
         *example_args: Any,
-        checkpoint: str | Path | Mapping[str, torch.Tensor] | None = None,
+        checkpoint: Checkpoint = None,
         **example_kwargs: Any,
     ) -> tuple[StageAdapter, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """Stage ``stage_index`` of ``model`` as a ``StageAdapter`` on ``device``, with
@@ -144,7 +143,7 @@ class DistributedPipeline(RankLayout):
         world_size: int,
         device: torch.device | str,
         *example_args: Any,
-        checkpoint: str | Path | Mapping[str, torch.Tensor] | None = None,
+        checkpoint: Checkpoint = None,
         group: Any = None,
         **example_kwargs: Any,
     ) -> "PipelineStage | TableStage":
@@ -158,35 +157,9 @@ class DistributedPipeline(RankLayout):
             raise ValueError(
                 f"this plan is interleaved: every rank runs {self.virtual_stages} stages; "
                 f"call pipeline_stages for the list of them")
-        if not self.uniform:
-            return self._table_stage(model, rank, device, example_args, example_kwargs,
-                                     checkpoint)
-        k, lane = self.position(rank)
-        example_args, example_kwargs = self.lane_share(
-            (example_args, example_kwargs), lane, microbatches=1, what="the example micro-batch")
-        adapter, inputs, outputs = self.stage_module(
-            model, k, device, *example_args, checkpoint=checkpoint, **example_kwargs
-        )
-        # every group, created in the same order on every rank (a collective call)
-        r = self.lanes
-        self._make_groups({k: adapter})
-        if r > 1:
-            if group is not None:
-                raise ValueError("a plan with replicated stages makes its own process groups, "
-                                 "one per lane: call pipeline_stage without group")
-            for i in range(r):  # lane i: stage j on rank j·r + i
-                lane_group = dist.new_group([j * r + i for j in range(self.num_stages)])
-                if i == lane:
-                    group = lane_group
-        return PipelineStage(
-            adapter,
-            k,
-            self.num_stages,
-            torch.device(device),
-            input_args=inputs,
-            output_args=outputs,
-            group=group,
-        )
+        (stage,) = self._rank_stages(model, rank, device, example_args, example_kwargs,
+                                     checkpoint, group)
+        return stage
 
     def pipeline_stages(
         self,
@@ -195,20 +168,41 @@ class DistributedPipeline(RankLayout):
         world_size: int,
         device: torch.device | str,
         *example_args: Any,
-        checkpoint: str | Path | Mapping[str, torch.Tensor] | None = None,
+        checkpoint: Checkpoint = None,
         group: Any = None,
         **example_kwargs: Any,
     ) -> "list[PipelineStage | TableStage]":
         """This rank's stages as a list (collective, like ``pipeline_stage``): the one
         ``pipeline_stage`` gives, or the v ``PipelineStage`` objects of an interleaved
         plan, stage j on rank j % K."""
-        if self.virtual_stages == 1:
-            return [self.pipeline_stage(model, rank, world_size, device, *example_args,
-                                        checkpoint=checkpoint, group=group, **example_kwargs)]
         self._check_launch(world_size)
+        return self._rank_stages(model, rank, device, example_args, example_kwargs,
+                                 checkpoint, group)
+
+    def _rank_stages(self, model: nn.Module, rank: int, device: torch.device | str,
+                     example_args: tuple[Any, ...], example_kwargs: dict[str, Any],
+                     checkpoint: Checkpoint, group: Any) -> "list[PipelineStage | TableStage]":
+        """The set-up behind ``pipeline_stage`` and ``pipeline_stages``: this rank's
+        stages, built from its lane's share of the example micro-batch, and every
+        process group, created in the same order on every rank (a collective call)."""
+        if not self.uniform:
+            return [self._table_stage(model, rank, device, example_args, example_kwargs,
+                                      checkpoint)]
+        lane = self.position(rank)[1]
+        example_args, example_kwargs = self.lane_share(
+            (example_args, example_kwargs), lane, microbatches=1, what="the example micro-batch")
         built = {k: self.stage_module(model, k, device, *example_args, checkpoint=checkpoint,
                                       **example_kwargs) for k in self.stages_of(rank)}
         self._make_groups({k: adapter for k, (adapter, _, _) in built.items()})
+        r = self.lanes
+        if r > 1:
+            if group is not None:
+                raise ValueError("a plan with replicated stages makes its own process groups, "
+                                 "one per lane: call pipeline_stage without group")
+            for i in range(r):  # lane i: stage j on rank j·r + i
+                lane_group = dist.new_group([j * r + i for j in range(self.num_stages)])
+                if i == lane:
+                    group = lane_group
         return [PipelineStage(adapter, k, self.num_stages, torch.device(device),
                               input_args=inputs, output_args=outputs, group=group)
                 for k, (adapter, inputs, outputs) in built.items()]
@@ -240,7 +234,7 @@ class DistributedPipeline(RankLayout):
 
     def _table_stage(self, model: nn.Module, rank: int, device: torch.device | str,
                      example_args: tuple[Any, ...], example_kwargs: dict[str, Any],
-                     checkpoint: str | Path | Mapping[str, torch.Tensor] | None) -> "TableStage":
+                     checkpoint: Checkpoint) -> "TableStage":
         """This rank's replica of its stage, for a plan with uneven replicas."""
         k, replica = self.position(rank)
         rows = batch_size((example_args, example_kwargs))

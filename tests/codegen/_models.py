@@ -64,6 +64,18 @@ def import_package(directory: Path) -> types.ModuleType:
     return load_package(directory)
 
 
+def import_and_forget(directory: Path) -> types.ModuleType:
+    """Import the generated package in ``directory`` under a fresh name, then drop it and
+    its submodules from ``sys.modules`` (the module objects keep working): a run that
+    imports many packages, as the fuzzer does, keeps ``sys.modules`` small."""
+    name = f"fxpipe_generated_package_{next(_counter)}"
+    try:
+        return load_package(directory, name)
+    finally:
+        for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
+            del sys.modules[key]
+
+
 def import_file(path: Path) -> types.ModuleType:
     """Import one generated file on its own, outside its package."""
     return import_file_by_path(path, f"fxpipe_generated_file_{next(_counter)}")
@@ -97,6 +109,37 @@ def grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         for name, p in model.named_parameters()
         if p.grad is not None
     }
+
+
+def assert_runner_matches(runner: Any, model: torch.nn.Module, args: tuple[Any, ...],
+                          kwargs: dict[str, Any], target: Any, loss_fn: Any, *,
+                          what: str = "") -> None:
+    """The transparency rule through a generated package's runner: ``runner.step`` gives
+    the unsplit model's loss and leaves its gradients, ``runner.forward`` its outputs
+    (allclose; float32 summed in another order). ``what`` prefixes the failure messages.
+    Zeroes the model's gradients before and after."""
+    label = f"{what}: " if what else ""
+    model.zero_grad(set_to_none=True)
+    loss = runner.step(kwargs if kwargs else args, target, loss_fn)
+    pipeline_grads = grads(model)
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        got = runner.forward(*args, **kwargs)
+    want = model(*args, **kwargs)
+    want_loss = loss_fn(want, target)
+    want_loss.backward()
+    model_grads = grads(model)
+    model.zero_grad(set_to_none=True)
+
+    torch.testing.assert_close(torch.as_tensor(loss), want_loss.detach(),
+                               msg=lambda m: f"{label}loss: {m}")
+    for a, b in zip(leaves(got), leaves(want), strict=True):
+        assert a.shape == b.shape, what
+        torch.testing.assert_close(a, b.detach(), msg=lambda m: f"{label}{m}")
+    assert sorted(pipeline_grads) == sorted(model_grads), what
+    for key, value in model_grads.items():
+        torch.testing.assert_close(pipeline_grads[key], value,
+                                   msg=lambda m, key=key: f"{label}{key}: {m}")
 
 
 def mini_batch(value: Any) -> Any:

@@ -17,9 +17,13 @@ def contiguous_plan(
     microbatches: int = 2,
     recompute: tuple[bool, ...] | None = None,
     model: str = "",
+    replicas: tuple[int, ...] | None = None,
+    virtual_stages: int = 1,
 ) -> Plan:
     """Cut the graph's ops (graph order is topological) into K chunks of near-equal
-    size; a get_attr node goes with its first user. Always a valid monotone plan."""
+    size; a get_attr node goes with its first user. Always a valid monotone plan.
+    Stage k runs on ``replicas[k]`` GPUs (default 1), or, with ``virtual_stages`` v > 1,
+    v stages share a GPU as the schedule places them."""
     ops = [n for n in graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
     assert len(ops) >= num_stages, (len(ops), num_stages)
     stage_of: dict[str, int] = {}
@@ -31,11 +35,13 @@ def contiguous_plan(
             stage_of[node.name] = min(users, default=0)
     order = [n.name for n in graph.nodes if n.name in stage_of]
     recompute = recompute or (False,) * num_stages
+    replicas = replicas or (1,) * num_stages
     stages = tuple(
         StagePlan(
             index=k,
             nodes=tuple(name for name in order if stage_of[name] == k),
             recompute=recompute[k],
+            replicas=replicas[k],
         )
         for k in range(num_stages)
     )
@@ -47,4 +53,5 @@ def contiguous_plan(
         solver=SolverReport("hand-written", "HEURISTIC", 0.0, 0.0, 0.0),
         estimate=Estimate(0.0, 0.0, 0.0, 0, True),
         model=model,
+        virtual_stages=virtual_stages,
     )

@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 from fxpipe.compiler import dynamic_dims
 from fxpipe.frontend import InputShape
 
-from ._models import MODELS, grads, import_package, leaves, traced, write_package
+from ._models import MODELS, assert_runner_matches, import_package, traced, write_package
 from ._plans import contiguous_plan
 
 M = 2  # micro-batches per step
@@ -95,31 +95,8 @@ def check_shapes(tmp_path: Path, name: str, shapes: list[Shape]) -> None:
         rows = mini_batch_rows(size, batched[0].shape[0])
         lengths = sequence_lengths(tr.inputs, fraction) if name in SEQUENCE_MODELS else {}
         args, kwargs, target = resized((source.args, source.kwargs, source.target), rows, lengths)
-        inputs = kwargs if kwargs else args
         what = f"{name} at {rows} samples, lengths {lengths}"
-
-        model.zero_grad(set_to_none=True)
-        loss = runner.step(inputs, target, source.loss_fn)
-        pipeline_grads = grads(model)
-        model.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            got = runner.forward(*args, **kwargs)
-        want = model(*args, **kwargs)
-        want_loss = source.loss_fn(want, target)  # type: ignore[misc]
-        want_loss.backward()
-        model_grads = grads(model)
-        model.zero_grad(set_to_none=True)
-
-        # float32, summed in another order: the other transparency tests' tolerance
-        torch.testing.assert_close(torch.as_tensor(loss), want_loss.detach(),
-                                   msg=lambda m, what=what: f"{what}: loss: {m}")
-        for a, b in zip(leaves(got), leaves(want), strict=True):
-            assert a.shape == b.shape, what
-            torch.testing.assert_close(a, b.detach(), msg=lambda m, what=what: f"{what}: {m}")
-        assert sorted(pipeline_grads) == sorted(model_grads), what
-        for key, value in model_grads.items():
-            torch.testing.assert_close(pipeline_grads[key], value,
-                                       msg=lambda m, key=key, what=what: f"{what}: {key}: {m}")
+        assert_runner_matches(runner, model, args, kwargs, target, source.loss_fn, what=what)
 
 
 def test_a_fixed_dimension_fails_on_entry_naming_both_shapes(tmp_path: Path) -> None:

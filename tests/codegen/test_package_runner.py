@@ -7,9 +7,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
-from ._models import MODELS, grads, import_package, leaves, mini_batch, traced, write_package
+from ._models import (
+    MODELS,
+    assert_runner_matches,
+    import_package,
+    mini_batch,
+    traced,
+    write_package,
+)
 from ._plans import contiguous_plan
 
 SETTINGS = [("gpipe", False), ("1f1b", True), ("1f1b", False), ("gpipe", True)]
@@ -35,29 +41,8 @@ def test_runner_matches_the_model(
     runner = package.PipelineRunner(package.build_stages(model))
     assert runner.schedule == [tuple(t) for t in package.SCHEDULE]
 
-    args, kwargs = mini_batch(source.args), mini_batch(source.kwargs)
-    target = mini_batch(source.target)
-    inputs = kwargs if kwargs else args
-
-    model.zero_grad(set_to_none=True)
-    loss = runner.step(inputs, target, source.loss_fn)
-    pipeline_grads = grads(model)
-    model.zero_grad(set_to_none=True)
-    with torch.no_grad():
-        pipeline_out = runner.forward(*args, **kwargs)
-
-    want = model(*args, **kwargs)
-    want_loss = source.loss_fn(want, target)  # type: ignore[misc]
-    want_loss.backward()
-    model_grads = grads(model)
-    model.zero_grad(set_to_none=True)
-
-    torch.testing.assert_close(torch.as_tensor(loss), want_loss.detach())
-    for a, b in zip(leaves(pipeline_out), leaves(want), strict=True):
-        torch.testing.assert_close(a, b.detach())
-    assert sorted(pipeline_grads) == sorted(model_grads)
-    for key, value in model_grads.items():
-        torch.testing.assert_close(pipeline_grads[key], value, msg=lambda m, key=key: f"{key}: {m}")
+    assert_runner_matches(runner, model, mini_batch(source.args), mini_batch(source.kwargs),
+                          mini_batch(source.target), source.loss_fn)
 
 
 def test_load_package_names_a_folder_without_one(tmp_path: Path) -> None:

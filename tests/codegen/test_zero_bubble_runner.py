@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from torch.utils import _pytree as pytree
 
-from ._models import grads, import_package, leaves, mini_batch, traced, write_package
+from ._models import assert_runner_matches, import_package, mini_batch, traced, write_package
 from ._plans import contiguous_plan
 
 CASES = [(name, schedule) for name in ("gpt", "llama", "unet")
@@ -32,32 +34,16 @@ def test_split_backward_matches_the_model(tmp_path: Path, name: str, schedule: s
     package = import_package(tmp_path / "pkg")
     kinds = {kind for tick in package.SCHEDULE for _j, kind, _m in tick}
     assert kinds == {"F", "I", "W"}, "every backward split"
-    model = source.model.double()
-    runner = package.PipelineRunner(package.build_stages(model))
+    model = source.model.double()  # the session's shared model: made float again below
+    try:
+        runner = package.PipelineRunner(package.build_stages(model))
+        assert_runner_matches(runner, model, _as_double(mini_batch(source.args)),
+                              _as_double(mini_batch(source.kwargs)),
+                              _as_double(mini_batch(source.target)), source.loss_fn)
+    finally:
+        model.float()
 
-    def as_double(value):
-        return torch.utils._pytree.tree_map_only(
-            torch.Tensor, lambda t: t.double() if t.is_floating_point() else t, value)
 
-    args, kwargs = as_double(mini_batch(source.args)), as_double(mini_batch(source.kwargs))
-    target = as_double(mini_batch(source.target))
-    inputs = kwargs if kwargs else args
-
-    model.zero_grad(set_to_none=True)
-    loss = runner.step(inputs, target, source.loss_fn)
-    pipeline_grads = grads(model)
-    model.zero_grad(set_to_none=True)
-    with torch.no_grad():
-        pipeline_out = runner.forward(*args, **kwargs)
-
-    want = model(*args, **kwargs)
-    want_loss = source.loss_fn(want, target)  # type: ignore[misc]
-    want_loss.backward()
-    model_grads = grads(model)
-
-    torch.testing.assert_close(torch.as_tensor(loss), want_loss.detach())
-    for a, b in zip(leaves(pipeline_out), leaves(want), strict=True):
-        torch.testing.assert_close(a, b.detach())
-    assert sorted(pipeline_grads) == sorted(model_grads)
-    for key, value in model_grads.items():
-        torch.testing.assert_close(pipeline_grads[key], value, msg=lambda m, key=key: f"{key}: {m}")
+def _as_double(value: Any) -> Any:
+    return pytree.tree_map_only(
+        torch.Tensor, lambda t: t.double() if t.is_floating_point() else t, value)

@@ -107,7 +107,7 @@ def test_not_under_torchrun(gpt: tuple, monkeypatch: pytest.MonkeyPatch) -> None
 
 def test_launch_script_without_torchrun_says_so(tmp_path: Path) -> None:
     _, traced = load(str(EXAMPLES / "mlp.py"))
-    write_package(tmp_path / "pkg", traced, contiguous_plan(traced.gm.graph, 2))
+    write_package(tmp_path / "pkg", traced, contiguous_plan(traced.gm.graph, 2, schedule="1f1b"))
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
     result = subprocess.run(
         [sys.executable, str(tmp_path / "pkg" / "train_torchrun.py"), "--model",
@@ -190,7 +190,7 @@ def test_non_tensor_values_are_baked_constants(tmp_path: Path) -> None:
     model = _Scaled()
     x = torch.randn(3, 4)
     traced = trace(model, (x,))
-    write_package(tmp_path / "pkg", traced, contiguous_plan(traced.gm.graph, 2))
+    write_package(tmp_path / "pkg", traced, contiguous_plan(traced.gm.graph, 2, schedule="1f1b"))
     package = import_package(tmp_path / "pkg", f"fxpipe_dist_err_{next(_names)}")
     out, adapters = _chain(package, model, 2, (x,), {})
     assert adapters[0].constants == {"scale": 2.0} and "scale" not in adapters[0].receives

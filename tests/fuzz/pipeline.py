@@ -8,8 +8,6 @@ partition, plan, generate) and check the transparency rule on the generated pack
 
 from __future__ import annotations
 
-import itertools
-import sys
 import types
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -18,22 +16,20 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from fxpipe.codegen import generate
 from fxpipe.compiler import SplitOptions, analyze, plan_split
 from fxpipe.cost_models import get_device
 from fxpipe.frontend import Traced, trace
 from fxpipe.lower import lower
 from fxpipe.partition import Recompute
 from fxpipe.partition.coarsen import exact_groups
-from fxpipe.runtime.loading import import_file
 from fxpipe.schedules import ScheduleKind
+from tests.codegen._models import grads, import_and_forget, write_package
 
 from .models import ModelSpec, build_model, example_inputs, output_leaves
 
 __all__ = ["Case", "check_transparency", "split"]
 
 RTOL, ATOL = 1e-9, 1e-10  # float64; micro-batching only reorders sums
-_counter = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -73,11 +69,8 @@ def split(case: Case, directory: Path) -> tuple[Traced, types.ModuleType, int]:
     k = min(case.stages, exact_groups(probe.problem).num_coarse)
     # The compiler's own sequence (what `fxpipe split` runs), minus the diagrams.
     plan = plan_split(traced, label="fuzz", options=replace(options, gpus=k))
-    directory.mkdir(parents=True, exist_ok=True)
-    for name, text in generate(traced, plan).items():
-        (directory / name).parent.mkdir(parents=True, exist_ok=True)
-        (directory / name).write_text(text, encoding="utf-8")
-    return traced, _import_package(directory), k
+    write_package(directory, traced, plan)
+    return traced, import_and_forget(directory), k
 
 
 def check_transparency(case: Case, directory: Path) -> int:
@@ -97,12 +90,12 @@ def check_transparency(case: Case, directory: Path) -> int:
 
     model.zero_grad(set_to_none=True)
     loss = runner.step(kwargs if kwargs else args, None, loss_fn)
-    pipeline_grads = _grads(model)
+    pipeline_grads = grads(model)
     model.zero_grad(set_to_none=True)
     want_loss = loss_fn(model(*args, **kwargs), None)
     if want_loss.requires_grad:  # else every parameter is frozen or detached from the loss
         want_loss.backward()
-    model_grads = _grads(model)
+    model_grads = grads(model)
     torch.testing.assert_close(torch.as_tensor(loss), want_loss.detach(), rtol=RTOL, atol=ATOL)
     assert sorted(pipeline_grads) == sorted(model_grads), (sorted(pipeline_grads),
                                                            sorted(model_grads))
@@ -120,18 +113,3 @@ def _assert_trees_close(got: Any, want: Any, what: str) -> None:
         torch.testing.assert_close(a, b, rtol=RTOL, atol=ATOL,
                                    msg=lambda m, i=i: f"{what} leaf {i}: {m}")
 
-
-def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {name: p.grad.detach().clone() for name, p in model.named_parameters()
-            if p.grad is not None}
-
-
-def _import_package(directory: Path) -> types.ModuleType:
-    name = f"fxpipe_fuzz_{next(_counter)}"
-    try:
-        module = import_file(directory / "__init__.py", name, package=True)
-    finally:
-        # Keep sys.modules small across a thousand examples.
-        for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
-            del sys.modules[key]
-    return module
