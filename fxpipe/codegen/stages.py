@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import json
 import math
 import re
 import sys
@@ -36,7 +37,7 @@ import torch
 import torch.fx
 
 from fxpipe import meta
-from fxpipe.codegen.statements import forward_lines, names_in
+from fxpipe.codegen.statements import Index, forward_lines, names_in
 from fxpipe.codegen.subgraph import follow_stage_device, sub_graph
 from fxpipe.codegen.wrap import LINE_LENGTH, wrap_line
 from fxpipe.cut import StageIO, cut_stages
@@ -109,7 +110,7 @@ def stage_source(
     entry = [f'        check_shape("Stage{io.index}", "{name}", {name}, {shape!r})'
              for name, shape in checks]
     forward, names = forward_lines(src, io, shapes, _state_reads(gm, sub), renamed=renamed,
-                                   entry=entry)
+                                   entry=entry, index=_indexing(gm, binding.paths))
     header_names = set(names) - set(functions)
     header_names |= {own.rpartition(".")[0] or own for own, lookup in functions.values()
                      if not lookup}
@@ -165,6 +166,42 @@ def _binding(gm: torch.fx.GraphModule, sub: torch.fx.Graph) -> _Binding:
         if not any(path.startswith(m + ".") or path == m for m in paths):
             paths.append(path)
     return _Binding(paths, bodies, inits)
+
+
+def _indexing(gm: torch.fx.GraphModule, paths: list[str]) -> Index:
+    """How the stage reads a child whose name is not an identifier (``blocks.0``, a
+    ModuleDict's "key"): by index where the module holding it supports one.
+
+    The stage itself is a plain module: ``self.get_submodule("0")``. A module on the way
+    to a bound path is the runtime's ``Container``, which indexes its children by name:
+    ``self.blocks[0]``, ``self.layers["key"]``. A module at or under a bound path is the
+    model's own: a ModuleList, Sequential or ParameterList indexes by position (used where
+    the position is the name), a ModuleDict or ParameterDict by key, anything else not
+    at all."""
+
+    def index(parent: str, name: str) -> str | None:
+        if not parent:
+            return None
+        if not any(parent == path or parent.startswith(path + ".") for path in paths):
+            return f"[{name}]" if _is_index(name) else f"[{json.dumps(name)}]"
+        owner = gm.get_submodule(parent)
+        if isinstance(owner, torch.nn.ModuleDict | torch.nn.ParameterDict):
+            return f"[{json.dumps(name)}]"
+        if isinstance(owner, torch.nn.ModuleList | torch.nn.Sequential):
+            children = list(owner._modules)
+        elif isinstance(owner, torch.nn.ParameterList):
+            children = list(owner._parameters)
+        else:
+            return None
+        at = children.index(name) if name in children else -1
+        return f"[{name}]" if _is_index(name) and at == int(name) else None
+
+    return index
+
+
+def _is_index(name: str) -> bool:
+    """``name`` is how ``str`` writes a non-negative int (as a ModuleList names its items)."""
+    return name.isdecimal() and name.isascii() and str(int(name)) == name
 
 
 def _state_reads(gm: torch.fx.GraphModule, sub: torch.fx.Graph) -> dict[str, str]:
