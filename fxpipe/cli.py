@@ -11,12 +11,14 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext, redirect_stdout
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
 
-from fxpipe.schedules import KINDS, ScheduleKind
+from fxpipe import cli_flags
+from fxpipe.cli_flags import UsageError
+from fxpipe.schedules import ScheduleKind
 from fxpipe.units import format_seconds
 
 if TYPE_CHECKING:
@@ -88,142 +90,9 @@ def _stop_searches() -> None:
         ilp.stop_searches()
 
 
-class UsageError(ValueError):
-    """The command line does not parse: one line and a pointer to --help."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise UsageError(f"{message}; see '{self.prog} --help'")
-
-
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="fxpipe",
-        description="A pipeline-parallelism compiler for PyTorch.",
-    )
-    commands = parser.add_subparsers(title="commands", dest="command")
-
-    profile = commands.add_parser(
-        "profile", help="trace a model and show what every module or op costs"
-    )
-    _model_argument(profile)
-    profile.add_argument("--device", default="h100", help="device table entry (default h100)")
-    _precision_argument(profile)
-    profile.add_argument("--by", choices=("module", "op"), default="module")
-    profile.add_argument("--depth", type=int, default=None, help="module nesting level to show")
-    profile.add_argument(
-        "--measure",
-        action="store_true",
-        help="time every node on this machine (CUDA events on a GPU, wall clock on the CPU)",
-    )
-    profile.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    profile.set_defaults(run=_run_profile)
-
-    split = commands.add_parser(
-        "split", help="cut a model into pipeline stages and write them as a Python package"
-    )
-    _model_argument(split)
-    split.add_argument("--gpus", type=int, required=True, help="pipeline stages, one per GPU")
-    split.add_argument(
-        "--memory", default=None, help="memory per GPU, e.g. 80GiB (default: the device's)"
-    )
-    split.add_argument("--device", default="h100", help="device table entry (default h100)")
-    split.add_argument(
-        "--microbatches", type=int, default=None, help="micro-batches per step (default 4 x GPUs)"
-    )
-    split.add_argument(
-        "--schedule",
-        choices=tuple(kind.value for kind in KINDS),
-        default=None,
-        help="pipeline schedule (default 1f1b; interleaved with --virtual-stages; pipedream: "
-        "1F1B with an update per micro-batch and weight stashing; zb1p, zbv, dualpipev: "
-        "zero bubble, the backward split into input and weight gradients, zbv and dualpipev "
-        "with two stage modules per GPU in a V)",
-    )
-    split.add_argument(
-        "--virtual-stages",
-        type=int,
-        default=1,
-        help="stage modules per GPU for Megatron-LM's interleaved 1F1B (default 1)",
-    )
-    split.add_argument(
-        "--replicate",
-        action="store_true",
-        help="let a stage run data-parallel on several GPUs (PipeDream's 2-1-1)",
-    )
-    _precision_argument(split)
-    split.add_argument("--optimizer", choices=("adam", "sgd", "sgd-momentum"), default="adam")
-    split.add_argument(
-        "--recompute",
-        nargs="?",
-        const="all",
-        default="auto",
-        metavar="{auto,all,none}",
-        help="stages that keep only their inputs and recompute activations in backward: "
-        "auto (default: the solver chooses per stage), all (also a bare --recompute), none",
-    )
-    split.add_argument(
-        "--work-limit", type=float, default=10.0,
-        help="solver work in CP-SAT deterministic time (about seconds on a quiet machine); "
-        "the same model and flags give the same plan at any machine load")
-    split.add_argument(
-        "--time-limit", type=float, default=120.0,
-        help="wall-clock safety net in seconds; when it stops the solver first, the plan "
-        "says so and may differ run to run")
-    split.add_argument("--diagram", choices=("module", "op"), default="module")
-    split.add_argument(
-        "--measure",
-        action="store_true",
-        help="time every node on this machine instead of the roofline",
-    )
-    split.add_argument(
-        "--calibrate",
-        metavar="MEASURED.json",
-        default=None,
-        help="re-plan with the stage times a training step measured (runner.measure); "
-        "the plan it measured is the plan.json beside it",
-    )
-    split.add_argument("--out", default="fxpipe-out", help="output folder (default fxpipe-out)")
-    split.add_argument(
-        "--force", action="store_true", help="replace --out even if fxpipe did not write it"
-    )
-    split.set_defaults(run=_run_split)
-
-    report = commands.add_parser(
-        "report", help="a plan's predictions against what a training step measured"
-    )
-    report.add_argument("plan_dir", metavar="PLAN_DIR", help="folder fxpipe split wrote")
-    report.add_argument("measured", metavar="MEASURED.json",
-                        help="the report card runner.measure(...) saved")
-    report.add_argument("--model", default=None,
-                        help="the model file the plan was made from: re-plan it with the "
-                        "measurements and say whether a cut moves (nothing is written)")
-    report.set_defaults(run=_run_report)
-
-    merge = commands.add_parser(
-        "merge", help="merge the stages' saved state_dicts into one model checkpoint"
-    )
-    merge.add_argument("stages", nargs="+", help="torch.save'd stage state_dicts, in stage order")
-    merge.add_argument("--out", required=True, help="path of the merged checkpoint")
-    merge.set_defaults(run=_run_merge)
-    return parser
-
-
-def _model_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "model", help="model file defining build_model() and example_inputs(); FILE.py:FACTORY"
-    )
-
-
-def _precision_argument(parser: argparse.ArgumentParser) -> None:
-    # Checked by fxpipe.precision.parse_precision (a one-line error), not by argparse choices.
-    parser.add_argument(
-        "--precision",
-        default=None,
-        help="32-true, bf16-mixed, bf16-true, 16-mixed or 16-true, as Lightning names them "
-        "(default: the model's parameter dtype)",
-    )
+    return cli_flags.parser({"profile": _run_profile, "split": _run_split,
+                             "report": _run_report, "merge": _run_merge})
 
 
 PHASES: dict[str, float] = {}  # step label -> wall seconds of this run, for timing.json

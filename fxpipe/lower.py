@@ -71,8 +71,36 @@ def lower(
         raise ValueError(f"Unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}.")
     ops = tuple(n for n in gm.graph.nodes if n.op in OP_NODES)
     index = {node: i for i, node in enumerate(ops)}
+    reads = _parameter_reads(ops)
+    readers, sizes = _readers(ops, reads)
+    nodes = _nodes(gm, ops, reads, readers, device=device, block_depth=block_depth)
+    order_edges, fused = _in_place_order(gm, ops, index)
+    returned_bytes = sum(n.output_bytes for n in nodes if n.returned)
+    problem = Problem(
+        nodes=nodes,
+        edges=_edges(ops, index, order_edges),
+        num_stages=num_stages,
+        memory_limit=memory_limit,
+        schedule=schedule,
+        microbatches=microbatches,
+        state_factor=OPTIMIZERS[optimizer],
+        recompute=recompute,
+        loss_saved_bytes=returned_bytes * LOSS_FACTORS[0],
+        loss_grad_bytes=returned_bytes * LOSS_FACTORS[1],
+        tied=_tied_groups(readers, sizes, device),
+        tied_policy=tied_policy,
+        colocate=_colocated(gm, ops, index) + fused,
+        virtual_stages=virtual_stages,
+        num_devices=num_devices,
+        allreduce_bandwidth=device.intra_node_bandwidth,
+        allreduce_latency_s=device.intra_node_latency,
+    )
+    return Lowered(problem, ops, {k: tuple(sorted(v)) for k, v in reads.items()})
 
-    # Parameters each op reads: its own (call_module) and those of its get_attr inputs.
+
+def _parameter_reads(ops: tuple[torch.fx.Node, ...]) -> dict[str, dict[str, int]]:
+    """Op node name -> {parameter name: bytes} of the parameters it reads: its own
+    (call_module) and those of its get_attr inputs."""
     reads: dict[str, dict[str, int]] = {}
     for node in ops:
         owned = dict(meta.BYTES.get(node).params)
@@ -80,14 +108,34 @@ def lower(
             if source.op == "get_attr":
                 owned.update(meta.BYTES.get(source).params)
         reads[node.name] = owned
+    return reads
+
+
+def _readers(
+    ops: tuple[torch.fx.Node, ...], reads: dict[str, dict[str, int]]
+) -> tuple[dict[str, list[int]], dict[str, int]]:
+    """Per parameter, the indices of the ops that read it (in op order), and its bytes."""
     readers: dict[str, list[int]] = {}
     sizes: dict[str, int] = {}
-    for node in ops:
+    for i, node in enumerate(ops):
         for name, size in reads[node.name].items():
-            readers.setdefault(name, []).append(index[node])
+            readers.setdefault(name, []).append(i)
             sizes[name] = size
+    return readers, sizes
 
-    returned = {n for n in gm.graph.output_node().all_input_nodes if n in index}
+
+def _nodes(
+    gm: torch.fx.GraphModule,
+    ops: tuple[torch.fx.Node, ...],
+    reads: dict[str, dict[str, int]],
+    readers: dict[str, list[int]],
+    *,
+    device: Device,
+    block_depth: int,
+) -> tuple[Node, ...]:
+    """One problem node per op, its costs read off the node records; a parameter is the
+    bytes of the one op that reads it (several readers make it a tied group instead)."""
+    returned = set(gm.graph.output_node().all_input_nodes)
     nodes = []
     for node in ops:
         own = sum(size for name, size in reads[node.name].items() if len(readers[name]) == 1)
@@ -110,11 +158,29 @@ def lower(
                 deferred_bytes=_deferred_bytes(node),
             )
         )
-    edges = sorted(
+    return tuple(nodes)
+
+
+def _edges(
+    ops: tuple[torch.fx.Node, ...],
+    index: dict[torch.fx.Node, int],
+    order_edges: list[tuple[int, int]],
+) -> tuple[Edge, ...]:
+    """The data edges between ops, then the in-place ordering edges that are not one."""
+    data = sorted(
         {(index[node], index[user]) for node in ops for user in node.users if user in index}
     )
-    order_edges, fused = _in_place_order(gm, ops, index)
-    tied = tuple(
+    carried = set(data)
+    return tuple(Edge(src, dst) for src, dst in data) + tuple(
+        Edge(src, dst, data=False) for src, dst in order_edges if (src, dst) not in carried
+    )
+
+
+def _tied_groups(
+    readers: dict[str, list[int]], sizes: dict[str, int], device: Device
+) -> tuple[TiedGroup, ...]:
+    """A parameter read by several ops (a tied embedding and LM head, a reused weight)."""
+    return tuple(
         TiedGroup(
             name=name,
             nodes=tuple(sorted(set(users))),
@@ -126,37 +192,19 @@ def lower(
         for name, users in sorted(readers.items())
         if len(set(users)) > 1
     )
-    # An in-place op stays with the op whose result it mutates, and with the views that
-    # lead to it from their base: across a cut that result (or base) reaches the next
-    # stage as a leaf that requires grad, which autograd cannot mutate.
-    colocate = tuple(
+
+
+def _colocated(
+    gm: torch.fx.GraphModule, ops: tuple[torch.fx.Node, ...], index: dict[torch.fx.Node, int]
+) -> tuple[tuple[int, ...], ...]:
+    """An in-place op stays with the op whose result it mutates, and with the views that
+    lead to it from their base: across a cut that result (or base) reaches the next
+    stage as a leaf that requires grad, which autograd cannot mutate."""
+    return tuple(
         tuple(sorted(index[n] for n in (node, *chain)))
         for node in ops
         if (chain := _mutated_chain(gm, node, index))
-    ) + fused
-    returned_bytes = sum(n.output_bytes for n in nodes if n.returned)
-    problem = Problem(
-        nodes=tuple(nodes),
-        edges=tuple(Edge(src, dst) for src, dst in edges)
-        + tuple(Edge(src, dst, data=False) for src, dst in order_edges if (src, dst) not in
-                set(edges)),
-        num_stages=num_stages,
-        memory_limit=memory_limit,
-        schedule=schedule,
-        microbatches=microbatches,
-        state_factor=OPTIMIZERS[optimizer],
-        recompute=recompute,
-        loss_saved_bytes=returned_bytes * LOSS_FACTORS[0],
-        loss_grad_bytes=returned_bytes * LOSS_FACTORS[1],
-        tied=tied,
-        tied_policy=tied_policy,
-        colocate=colocate,
-        virtual_stages=virtual_stages,
-        num_devices=num_devices,
-        allreduce_bandwidth=device.intra_node_bandwidth,
-        allreduce_latency_s=device.intra_node_latency,
     )
-    return Lowered(problem, ops, {k: tuple(sorted(v)) for k, v in reads.items()})
 
 
 def _grad_bytes(gm: torch.fx.GraphModule, node: torch.fx.Node, params: dict[str, int], *,

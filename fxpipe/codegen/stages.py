@@ -14,32 +14,37 @@ get_attr nodes (parameters, buffers) are never communicated: every stage that
 reads one binds it. The body of a higher-order op (export's
 ``wrap_with_set_grad_enabled(False, submod_1, ...)``) is printed as a small
 module class in the same file.
+
+The stage's ops become a graph of their own in ``subgraph.py``, and fx's code for it
+becomes the lines of a hand-written ``forward`` in ``statements.py``; this module checks
+the plan against the graph and writes the file around them: the docstring, the imports,
+the class and its ``__init__``.
 """
 
 from __future__ import annotations
 
 import ast
 import builtins
-import inspect
-import io
+import json
 import math
 import re
 import sys
-import textwrap
-import tokenize
 import types
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.fx
-from torch.utils import _pytree as pytree
 
 from fxpipe import meta
+from fxpipe.codegen.statements import Index, forward_lines, names_in
+from fxpipe.codegen.subgraph import follow_stage_device, sub_graph
 from fxpipe.codegen.wrap import LINE_LENGTH, wrap_line
 from fxpipe.cut import StageIO, cut_stages
 from fxpipe.plan import Plan
 
 __all__ = ["LINE_LENGTH", "PlanError", "stage_io", "stage_source", "wrap_line"]
+
 
 class PlanError(ValueError):
     """The plan does not fit the traced graph."""
@@ -79,78 +84,6 @@ def stage_io(graph: torch.fx.Graph, plan: Plan) -> list[StageIO]:
     return cut_stages(graph, stage_of, plan.num_stages)
 
 
-def _sub_graph(graph: torch.fx.Graph, io: StageIO) -> torch.fx.Graph:
-    """The stage's ops as a graph of their own: INPUTS in, OUTPUTS out, names kept."""
-    sub = torch.fx.Graph()
-    env: dict[torch.fx.Node, torch.fx.Node] = {}
-    by_name = {n.name: n for n in graph.nodes}
-    for name in io.inputs:
-        env[by_name[name]] = sub.placeholder(name)
-    inside = set(io.nodes)
-    for node in graph.nodes:
-        if node.name in inside:
-            env[node] = sub.node_copy(node, lambda n: env[n])
-    sub.output(tuple(env[by_name[name]] for name in io.outputs))
-    for node in sub.nodes:
-        node.type = None  # no annotations: they would need the types importable
-        node.kwargs = _public_kwargs(node)
-        if node.op not in ("output",):
-            assert node.name in by_name, f"fx renamed a value: {node.name}"
-    _follow_stage_device(sub, by_name)
-    return sub
-
-
-def _public_kwargs(node: torch.fx.Node) -> dict[str, torch.fx.node.Argument]:
-    """The node's keyword arguments without torch's private ones (``_stacklevel``) that
-    hold their default: a call a person writes, with the same meaning."""
-    private = [key for key in node.kwargs if key.startswith("_")]
-    if node.op != "call_function" or not private:
-        return dict(node.kwargs)
-    try:
-        parameters = inspect.signature(node.target).parameters  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return dict(node.kwargs)
-    kept = dict(node.kwargs)
-    for key in private:
-        default = parameters[key].default if key in parameters else inspect.Parameter.empty
-        if default is not inspect.Parameter.empty and kept[key] == default:
-            del kept[key]
-    return kept
-
-
-def _follow_stage_device(sub: torch.fx.Graph, by_name: dict[str, torch.fx.Node]) -> None:
-    """Replace device constants with the device of a tensor the stage holds.
-
-    torch.export writes the tracing device into ops (``arange(..., device=cpu)``,
-    ``to(x, device=cpu)``); a stage placed on a GPU must create its tensors there.
-    """
-    users = [n for n in sub.nodes if _holds_device((n.args, n.kwargs))]
-    anchor = next(
-        (n for n in sub.nodes if n.op in ("placeholder", "get_attr")
-         and isinstance(by_name[n.name].meta.get("val"), torch.Tensor)),
-        None,
-    )
-    if not users or anchor is None:
-        return  # nothing to follow, or no tensor to follow (the literal stays)
-    placeholders = [n for n in sub.nodes if n.op == "placeholder"]
-    if anchor.op == "get_attr" and placeholders:
-        placeholders[-1].append(anchor)  # an attribute read has no inputs: move it up front
-    elif anchor.op == "get_attr":
-        next(iter(sub.nodes)).prepend(anchor)
-    with sub.inserting_after(anchor):
-        device = sub.create_node("call_function", getattr, (anchor, "device"),
-                                 name="stage_device")
-
-    def follow(value: object) -> object:
-        return device if isinstance(value, torch.device) else value
-
-    for node in users:
-        node.args, node.kwargs = pytree.tree_map(follow, (node.args, node.kwargs))
-
-
-def _holds_device(value: object) -> bool:
-    return any(isinstance(leaf, torch.device) for leaf in pytree.tree_leaves(value))
-
 
 # ---------------------------------------------------------------------------- the source
 
@@ -167,10 +100,49 @@ def stage_source(
     shape the traced graph holds as a constant fails with one line naming both shapes
     rather than deep inside an aten op.
     """
-    sub = _sub_graph(gm.graph, io)
+    sub = sub_graph(gm.graph, io)
     checks = [(name, (fixed or {})[name]) for name in io.inputs if name in (fixed or {})]
     shapes = {n.name: _shape_comment(n) for n in gm.graph.nodes if meta.SHAPE.has(n)}
+    binding = _binding(gm, sub)
+    code = sub.python_code(root_module="self")
+    src, globals_, functions = _wrapped_functions(code.src, code.globals, gm, binding.paths)
+    renamed = {name: value for name, (value, _) in functions.items()}
+    entry = [f'        check_shape("Stage{io.index}", "{name}", {name}, {shape!r})'
+             for name, shape in checks]
+    forward, names = forward_lines(src, io, shapes, _state_reads(gm, sub), renamed=renamed,
+                                   entry=entry, index=_indexing(gm, binding.paths))
+    header_names = set(names) - set(functions)
+    header_names |= {own.rpartition(".")[0] or own for own, lookup in functions.values()
+                     if not lookup}
+    for body in binding.bodies:
+        header_names |= names_in(body)
+    if any(lookup for _, lookup in functions.values()):
+        header_names.add("sys")
+        globals_["sys"] = sys
+    lines = [
+        *_module_docstring(io),
+        "",
+        *_imports(globals_, header_names),
+        *_bind_helper(checks=bool(checks)),
+    ]
+    for body in binding.bodies:
+        lines += ["", "", body]
+    lines += ["", "", *_class_header(io, binding, functions), "", *forward]
+    return "\n".join(lines).rstrip() + "\n"
 
+
+@dataclass(frozen=True)
+class _Binding:
+    """What a stage's ``__init__`` sets up: the model's paths it binds (none under
+    another: a path under a bound module is bound with it), and the higher-order-op
+    bodies it constructs (their classes, and the lines that make them)."""
+
+    paths: list[str]
+    bodies: list[str]
+    inits: list[str]
+
+
+def _binding(gm: torch.fx.GraphModule, sub: torch.fx.Graph) -> _Binding:
     bodies: list[str] = []  # classes of higher-order-op bodies
     bind: list[str] = []  # paths bound from the model
     inits: list[str] = []  # body modules constructed
@@ -189,15 +161,53 @@ def stage_source(
                 inits.append(f"self.{target} = {class_name}()")
         elif target not in bind:
             bind.append(target)
-    # a path under a bound module is already bound with it
     paths: list[str] = []
     for path in modules + sorted(bind, key=lambda p: p.split(".")):
         if not any(path.startswith(m + ".") or path == m for m in paths):
             paths.append(path)
+    return _Binding(paths, bodies, inits)
 
-    code = sub.python_code(root_module="self")
-    src, globals_, functions = _wrapped_functions(code.src, code.globals, gm, paths)
-    readable = {}  # fx prints blocks.0.x as getattr(self.blocks, "0").x; say it by name
+
+def _indexing(gm: torch.fx.GraphModule, paths: list[str]) -> Index:
+    """How the stage reads a child whose name is not an identifier (``blocks.0``, a
+    ModuleDict's "key"): by index where the module holding it supports one.
+
+    The stage itself is a plain module: ``self.get_submodule("0")``. A module on the way
+    to a bound path is the runtime's ``Container``, which indexes its children by name:
+    ``self.blocks[0]``, ``self.layers["key"]``. A module at or under a bound path is the
+    model's own: a ModuleList, Sequential or ParameterList indexes by position (used where
+    the position is the name), a ModuleDict or ParameterDict by key, anything else not
+    at all."""
+
+    def index(parent: str, name: str) -> str | None:
+        if not parent:
+            return None
+        if not any(parent == path or parent.startswith(path + ".") for path in paths):
+            return f"[{name}]" if _is_index(name) else f"[{json.dumps(name)}]"
+        owner = gm.get_submodule(parent)
+        if isinstance(owner, torch.nn.ModuleDict | torch.nn.ParameterDict):
+            return f"[{json.dumps(name)}]"
+        if isinstance(owner, torch.nn.ModuleList | torch.nn.Sequential):
+            children = list(owner._modules)
+        elif isinstance(owner, torch.nn.ParameterList):
+            children = list(owner._parameters)
+        else:
+            return None
+        at = children.index(name) if name in children else -1
+        return f"[{name}]" if _is_index(name) and at == int(name) else None
+
+    return index
+
+
+def _is_index(name: str) -> bool:
+    """``name`` is how ``str`` writes a non-negative int (as a ModuleList names its items)."""
+    return name.isdecimal() and name.isascii() and str(int(name)) == name
+
+
+def _state_reads(gm: torch.fx.GraphModule, sub: torch.fx.Graph) -> dict[str, str]:
+    """Each parameter or buffer the stage reads by its full name: fx prints blocks.0.x as
+    getattr(self.blocks, "0").x; say it by name."""
+    readable = {}
     for node in sub.nodes:
         if node.op == "get_attr":
             value = _resolve(gm, str(node.target))
@@ -205,57 +215,43 @@ def stage_source(
                 readable[node.name] = f'self.get_parameter("{node.target}")'
             elif isinstance(value, torch.Tensor):
                 readable[node.name] = f'self.get_buffer("{node.target}")'
-    renamed = {name: value for name, (value, _) in functions.items()}
-    entry = [f'        check_shape("Stage{io.index}", "{name}", {name}, {shape!r})'
-             for name, shape in checks]
-    forward_lines, names = _forward_lines(src, io, shapes, readable, renamed=renamed,
-                                          entry=entry)
-    header_names = set(names) - set(functions)
-    header_names |= {own.rpartition(".")[0] or own for own, lookup in functions.values()
-                     if not lookup}
-    for body in bodies:
-        header_names |= _names_in(body)
-    if any(lookup for _, lookup in functions.values()):
-        header_names.add("sys")
-        globals_["sys"] = sys
-    imports = _imports(globals_, header_names)
+    return readable
 
-    k = io.index
+
+def _module_docstring(io: StageIO) -> list[str]:
     doc_in = ", ".join(io.inputs) or "nothing"
     doc_out = ", ".join(io.outputs) or "nothing"
-    lines = [
-        f'"""Stage {k} of the pipeline, generated by fxpipe.',
+    return [
+        f'"""Stage {io.index} of the pipeline, generated by fxpipe.',
         "",
         *_wrap_words(f"Receives: {doc_in}.", LINE_LENGTH),
         *_wrap_words(f"Returns: ({doc_out}).", LINE_LENGTH),
         '"""',
-        "",
-        *imports,
-        *_bind_helper(checks=bool(checks)),
     ]
-    for body in bodies:
-        lines += ["", "", body]
-    lines += [
-        "",
-        "",
-        f"class Stage{k}(nn.Module):",
+
+
+def _class_header(io: StageIO, binding: _Binding,
+                  functions: dict[str, tuple[str, str]]) -> list[str]:
+    """``class Stage{k}``: its INPUTS and OUTPUTS, and ``__init__`` binding the model's
+    objects, constructing the bodies, and looking up the model file's wrapped functions."""
+    lines = [
+        f"class Stage{io.index}(nn.Module):",
         *_tuple_attr("INPUTS", io.inputs),
         *_tuple_attr("OUTPUTS", io.outputs),
         "",
         "    def __init__(self, model: nn.Module) -> None:",
         "        super().__init__()",
     ]
-    for path in paths:
+    for path in binding.paths:
         lines += wrap_line(f'        bind(self, model, "{path}")', LINE_LENGTH)
-    for init in inits:
+    for init in binding.inits:
         lines.append(f"        {init}")
     lookups = [(name, lookup) for name, (_, lookup) in sorted(functions.items()) if lookup]
     if lookups:
         lines.append("        # the model file's own functions that it marks with torch.fx.wrap")
     for _, lookup in lookups:
         lines += wrap_line(f"        {lookup}", LINE_LENGTH)
-    lines += ["", *forward_lines]
-    return "\n".join(lines).rstrip() + "\n"
+    return lines
 
 
 _WRAP = "torch.fx._symbolic_trace.wrap("
@@ -278,7 +274,7 @@ def _wrapped_functions(
     src = "\n".join(line for line in src.splitlines() if not line.startswith(_WRAP))
     globals_ = dict(globals_)
     functions: dict[str, tuple[str, str]] = {}
-    taken = set(_names_in(src)) | set(globals_) | set(builtins.__dict__)
+    taken = set(names_in(src)) | set(globals_) | set(builtins.__dict__)
     roots = {path.split(".")[0] for path in paths}
     for line in wrapped:
         name = ast.literal_eval(line[len(_WRAP) : -1])
@@ -335,141 +331,6 @@ def _bind_helper(*, checks: bool = False) -> list[str]:
     return ["", "from .runtime import bind, check_shape" if checks else "from .runtime import bind"]
 
 
-_FREE = re.compile(r"^(?P<stmt>.*?);  (?P<dead>(?:[A-Za-z_]\w* = )+)None$")
-_ASSIGN = re.compile(r"^    (?P<name>[A-Za-z_]\w*) = ")
-
-
-def _forward_lines(
-    src: str,
-    io: StageIO,
-    shapes: dict[str, str],
-    readable: dict[str, str] | None = None,
-    *,
-    indent: str = "    ",
-    renamed: dict[str, str] | None = None,
-    entry: list[str] | None = None,
-) -> tuple[list[str], set[str]]:
-    """fx's ``forward`` re-indented into the class, frees as ``del``, long lines wrapped."""
-    raw = [line for line in src.strip("\n").splitlines() if line.strip()]
-    assert raw[0].startswith("def forward(self"), raw[0]
-    out = wrap_line(indent + raw[0], LINE_LENGTH)
-    outs = ", ".join(io.outputs)
-    out += [f'{indent}    """Returns ({outs})."""' if outs else f'{indent}    """Returns ()."""']
-    if len(out[-1]) > LINE_LENGTH:
-        out[-1:] = [f'{indent}    """Returns, in order:', *(f"{indent}    {o}" for o in io.outputs),
-                    f'{indent}    """']
-    out += entry or []
-    for line in raw[1:]:
-        match = _FREE.match(line)
-        dead: list[str] = []
-        if match:
-            line = match["stmt"]
-            dead = [d for d in match["dead"].split(" = ") if d]
-        assign = _ASSIGN.match(line)
-        if assign and readable and assign["name"] in readable and (
-            "getattr(" in line or len(indent + line) > LINE_LENGTH
-        ):
-            line = f"    {assign['name']} = {readable[assign['name']]}"
-        line = _hand_written(line, renamed or {})
-        comment = shapes.get(assign["name"], "") if assign else ""
-        with_comment = f"{line}  # {comment}" if comment else line
-        if len(indent + with_comment) <= LINE_LENGTH:
-            out.append(indent + with_comment)
-        else:
-            out += wrap_line(indent + line, LINE_LENGTH)
-        while dead:
-            # as many names per `del` as fit on a line
-            take = 1
-            while take < len(dead) and len(_del(indent, dead[: take + 1])) <= LINE_LENGTH:
-                take += 1
-            out += wrap_line(_del(indent, dead[:take]), LINE_LENGTH)
-            dead = dead[take:]
-    return out, _names_in(src.strip("\n"))
-
-
-def _hand_written(line: str, renamed: dict[str, str]) -> str:
-    """One statement of fx's code as a person writes it: ``self.get_submodule("blocks.0")``
-    for ``getattr(self.blocks, "0")``, ``dim=2`` for ``dim = 2``, globals in ``renamed``
-    by their new names."""
-    indent = line[: len(line) - len(line.lstrip())]
-    text = line.strip()
-    while True:
-        tree = ast.parse(text)
-        edit = next(
-            (
-                (node, _submodule(text, node))
-                for node in _innermost_first(tree)
-                if _submodule(text, node) is not None
-            ),
-            None,
-        )
-        if edit is None:
-            break
-        node, replacement = edit
-        text = _replace(text, node, str(replacement))
-    tree = ast.parse(text)
-    names = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id in renamed]
-    for node in sorted(names, key=lambda n: n.col_offset, reverse=True):
-        text = _replace(text, node, renamed[node.id])
-    return indent + _tight_keywords(text)
-
-
-def _innermost_first(tree: ast.AST) -> list[ast.AST]:
-    return sorted(ast.walk(tree), key=lambda n: getattr(n, "col_offset", 0), reverse=True)
-
-
-_SELF_PATH = re.compile(r'^self(?:\.get_submodule\("([\w.]+)"\))?((?:\.[A-Za-z_]\w*)*)$')
-
-
-def _submodule(text: str, node: ast.AST) -> str | None:
-    """``self.get_submodule("a.0")`` for ``getattr(self.a, "0")``; None for other nodes."""
-    if not (
-        isinstance(node, ast.Call)
-        and isinstance(node.func, ast.Name)
-        and node.func.id == "getattr"
-        and len(node.args) == 2
-        and not node.keywords
-        and isinstance(node.args[1], ast.Constant)
-        and isinstance(node.args[1].value, str)
-    ):
-        return None
-    owner = ast.get_source_segment(text, node.args[0]) or ""
-    match = _SELF_PATH.match(owner)
-    if match is None:
-        return None
-    path = ((match[1] or "") + match[2]).strip(".")
-    leaf = node.args[1].value
-    return f'self.get_submodule("{path}.{leaf}")' if path else f'self.get_submodule("{leaf}")'
-
-
-def _replace(text: str, node: ast.AST, replacement: str) -> str:
-    start = len(text.encode()[: node.col_offset].decode())  # type: ignore[attr-defined]
-    end = len(text.encode()[: node.end_col_offset].decode())  # type: ignore[attr-defined]
-    return text[:start] + replacement + text[end:]
-
-
-def _tight_keywords(text: str) -> str:
-    """``f(x, dim=2)`` for fx's ``f(x, dim = 2)``: the same tokens, PEP 8's spacing."""
-    tokens = list(tokenize.generate_tokens(io.StringIO(text).readline))
-    depth = 0
-    cuts: list[tuple[int, int]] = []  # spans of spaces to remove
-    for before, token, after in zip(tokens, tokens[1:], tokens[2:], strict=False):
-        if token.type == tokenize.OP and token.string in "([{":
-            depth += 1
-        elif token.type == tokenize.OP and token.string in ")]}":
-            depth -= 1
-        elif token.type == tokenize.OP and token.string == "=" and depth > 0:
-            cuts += [(before.end[1], token.start[1]), (token.end[1], after.start[1])]
-    for start, end in sorted(cuts, reverse=True):
-        assert not text[start:end].strip(), text
-        text = text[:start] + text[end:]
-    return text
-
-
-def _del(indent: str, names: list[str]) -> str:
-    return f"{indent}    del {', '.join(names)}"
-
-
 def _body_class(body: torch.fx.GraphModule, class_name: str, target: str) -> str:
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -484,10 +345,10 @@ def _body_class(body: torch.fx.GraphModule, class_name: str, target: str) -> str
         env[node] = graph.node_copy(node, lambda n: env[n])
     for node in graph.nodes:
         node.type = None
-    _follow_stage_device(graph, {copy.name: original for original, copy in env.items()})
+    follow_stage_device(graph, {copy.name: original for original, copy in env.items()})
     code = graph.python_code(root_module="self")
     io = StageIO(-1, (), (), ())
-    lines, _ = _forward_lines(code.src, io, {})
+    lines, _ = forward_lines(code.src, io, {})
     lines[1] = '        """The body of a higher-order op, as traced."""'
     return "\n".join([f"class {class_name}(nn.Module):", *lines])
 
@@ -506,12 +367,6 @@ def _shape_comment(node: torch.fx.Node) -> str:
 
 
 # ---------------------------------------------------------------------------- imports
-
-
-def _names_in(text: str) -> set[str]:
-    """Names the code reads as variables (not attribute names, not strings)."""
-    tree = ast.parse(textwrap.dedent(text))
-    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
 
 
 def _imports(globals_: dict[str, object], used: set[str]) -> list[str]:

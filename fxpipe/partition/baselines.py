@@ -26,6 +26,7 @@ and sent values, the loss, the backward transient, recompute per stage) included
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -146,32 +147,134 @@ def interval_dp(c: Coarsening, *, upper_s: float = float("inf")) -> tuple[int, .
     """
     p = c.problem
     n, K = c.num_coarse, p.num_stages
-    t = np.zeros(n + 1)
-    fwd = np.zeros(n + 1)
-    params = np.zeros(n + 1)
-    act = np.zeros(n + 1)
-    ret = np.zeros(n + 1)
-    grad = np.zeros(n)
-    for v, node in enumerate(p.nodes):
-        g = c.group_of[v]
-        t[g + 1] += node.forward_s + node.backward_s
-        fwd[g + 1] += node.forward_s
-        params[g + 1] += node.param_bytes
-        act[g + 1] += node.activation_bytes
-        ret[g + 1] += node.output_bytes if node.returned else 0
-        grad[g] = max(grad[g], node.grad_bytes)
-    for tied in p.tied:
-        params[min(c.group_of[v] for v in tied.nodes) + 1] += tied.param_bytes
-    T, F, P, A, R = (np.cumsum(x) for x in (t, fwd, params, act, ret))
+    blocks = _Blocks.of(c)
+    alive = np.zeros(n + 1)  # alive[a]: bytes produced in a and read at or after ``end``
+    for _, a, size in blocks.sends:
+        alive[a] += size
 
-    cut_time = np.zeros(n + 2)
-    cut_bytes = np.zeros(n + 2)
+    inf = float("inf")
+    best = np.full((K, n + 1), inf)
+    back = np.zeros((K, n + 1), dtype=np.int64)
+    gap = 0 if p.allow_empty_stages else 1
+    released = 0
+    for end in range(n + 1):
+        while released < len(blocks.sends) and blocks.sends[released][0] < end:
+            _, a, size = blocks.sends[released]
+            alive[a] -= size
+            released += 1
+        produced = np.concatenate(([0.0], np.cumsum(alive[:end])))  # produced[a]: [0, a)
+        peak = np.append(np.maximum.accumulate(blocks.grad[:end][::-1])[::-1], 0.0)
+        # No block whose compute alone exceeds upper_s: starts from the first that fits.
+        if end < gap:
+            continue
+        first = int(np.searchsorted(blocks.T, blocks.T[end] - upper_s * (1 + 1e-9), side="left"))
+        starts = np.arange(min(first, end - gap), end - gap + 1)
+        sent = produced[end] - produced[starts] + blocks.R[end] - blocks.R[starts]
+        load = blocks.loads(end, starts, sent=sent, peak=peak[starts])
+        # stage 0 starts at 0; stage j > 0 after the best split of [0, start) into j stages
+        best[0, end], back[0, end] = (load[0, 0] if starts[0] == 0 else inf), 0
+        if K > 1:
+            load = np.maximum(load[1:], best[:-1, starts])
+            i = np.argmin(load, axis=1)
+            best[1:, end], back[1:, end] = load[np.arange(K - 1), i], starts[i]
+    if best[K - 1][n] == inf:
+        return None
+    return _walk_back(back, n, K)
+
+
+@dataclass(frozen=True)
+class _Blocks:
+    """What the cost of a block [a, end) of the coarse order is made of (the legend of
+    ``interval_dp``), as prefix sums: X[a] totals items [0, a)."""
+
+    problem: Problem
+    T: Any  # forward + backward time
+    F: Any  # forward time
+    P: Any  # parameter bytes (a tied group's at its first reader)
+    A: Any  # activation bytes
+    R: Any  # returned bytes
+    grad: Any  # per item, not summed: its largest backward transient
+    cut: Any  # cut[i]: seconds of the values a cut before item i sends
+    cut_bytes: Any  # cut_bytes[i]: their bytes (received by the stage starting at i)
+    # (last reader, producer, bytes) of each value kept for a later stage, by last
+    # reader: returned values are in R wherever their readers are
+    sends: list[tuple[int, int, int]]
+    flights: Any  # (K, 1): micro-batches in flight per stage
+    options: tuple[bool, ...]  # the recompute choices the policy allows
+
+    @classmethod
+    def of(cls, c: Coarsening) -> _Blocks:
+        p = c.problem
+        n = c.num_coarse
+        t, fwd, params, act, ret = (np.zeros(n + 1) for _ in range(5))
+        grad = np.zeros(n)
+        for v, node in enumerate(p.nodes):
+            g = c.group_of[v]
+            t[g + 1] += node.forward_s + node.backward_s
+            fwd[g + 1] += node.forward_s
+            params[g + 1] += node.param_bytes
+            act[g + 1] += node.activation_bytes
+            ret[g + 1] += node.output_bytes if node.returned else 0
+            grad[g] = max(grad[g], node.grad_bytes)
+        for tied in p.tied:
+            params[min(c.group_of[v] for v in tied.nodes) + 1] += tied.param_bytes
+        T, F, P, A, R = (np.cumsum(x) for x in (t, fwd, params, act, ret))
+        span = _spans(c)
+        cut, cut_bytes = _cut_costs(c, span)
+        sends = sorted((hi, c.group_of[v], p.nodes[v].output_bytes)
+                       for v, (_, hi) in span.items()
+                       if hi > c.group_of[v] and not p.nodes[v].returned)
+        flights = np.array(stage_flights(p), dtype=np.int64)[:, None]
+        return cls(p, T, F, P, A, R, grad, cut, cut_bytes, sends, flights,
+                   tuple(recompute_options(p)))
+
+    def loads(self, end: int, starts: Any, *, sent: Any, peak: Any) -> Any:
+        """(K, starts): the seconds of stage j's block [start, end) on row j, inf where
+        it fits no memory with any recompute choice. Every stage at once; the loss is
+        the last stage's alone."""
+        p = self.problem
+        K = p.num_stages
+        inf = float("inf")
+        flights = self.flights
+        load = np.full((K, starts.size), inf)
+        block: dict[str, Any] = {
+            "params": self.P[end] - self.P[starts],
+            "activations": self.A[end] - self.A[starts],
+            "received": self.cut_bytes[starts], "kept": sent, "transient": peak,
+        }
+        for recompute in reversed(self.options):  # the faster choice last: it wins where both fit
+            # j = -1: no stage's loss (every row); then the last row with its loss
+            every: Any = memory_parts(p, -1, flight=flights, recompute=recompute, **block)
+            last: Any = memory_parts(p, K - 1, flight=int(flights[K - 1, 0]),
+                                     recompute=recompute, **block)
+            rows = np.broadcast_to(sum(every.values()), load.shape).copy()
+            rows[K - 1] = sum(last.values())
+            seconds = self.T[end] - self.T[starts] + self.cut[starts] + self.cut[end]
+            if recompute:
+                seconds = seconds + self.F[end] - self.F[starts]
+            load = np.where(rows <= p.memory_limit, seconds, load)
+        if end == 0 and not p.allow_empty_stages:
+            load[0] = inf
+        return load
+
+
+def _spans(c: Coarsening) -> dict[int, list[int]]:
+    """Per fine node with a data edge out: [first, last] coarse position of it and its readers."""
     span: dict[int, list[int]] = {}
-    for e in p.edges:
+    for e in c.problem.edges:
         if e.data:
             a, b = c.group_of[e.src], c.group_of[e.dst]
             lo_hi = span.setdefault(e.src, [a, a])
             lo_hi[0], lo_hi[1] = min(lo_hi[0], b), max(lo_hi[1], b)
+    return span
+
+
+def _cut_costs(c: Coarsening, span: dict[int, list[int]]) -> tuple[Any, Any]:
+    """cut[i], cut_bytes[i]: seconds and bytes of the values a cut before item i separates
+    from a reader (0 at both ends of the order)."""
+    p, n = c.problem, c.num_coarse
+    cut_time = np.zeros(n + 2)
+    cut_bytes = np.zeros(n + 2)
     for v, (lo, hi) in span.items():
         if lo < hi:  # cuts lo+1 .. hi separate the value from a reader
             cut_time[lo + 1] += p.nodes[v].comm_s
@@ -182,62 +285,11 @@ def interval_dp(c: Coarsening, *, upper_s: float = float("inf")) -> tuple[int, .
     cut_b = np.cumsum(cut_bytes)[: n + 1]
     cut[0] = cut[n] = 0.0
     cut_b[0] = cut_b[n] = 0.0
-    # Values kept for a later stage: (producer, last reader) of the non-returned ones
-    # (returned ones are in R wherever their readers are), released as ``end`` passes them.
-    sends = sorted((hi, c.group_of[v], p.nodes[v].output_bytes) for v, (_, hi) in span.items()
-                   if hi > c.group_of[v] and not p.nodes[v].returned)
-    alive = np.zeros(n + 1)  # alive[a]: bytes produced in a and read at or after ``end``
-    for _, a, size in sends:
-        alive[a] += size
+    return cut, cut_b
 
-    inf = float("inf")
-    best = np.full((K, n + 1), inf)
-    back = np.zeros((K, n + 1), dtype=np.int64)
-    limit = p.memory_limit
-    gap = 0 if p.allow_empty_stages else 1
-    flights: Any = np.array(stage_flights(p), dtype=np.int64)[:, None]  # (K, 1)
-    options = recompute_options(p)
-    released = 0
-    for end in range(n + 1):
-        while released < len(sends) and sends[released][0] < end:
-            _, a, size = sends[released]
-            alive[a] -= size
-            released += 1
-        produced = np.concatenate(([0.0], np.cumsum(alive[:end])))  # produced[a]: [0, a)
-        peak = np.append(np.maximum.accumulate(grad[:end][::-1])[::-1], 0.0)
-        # No block whose compute alone exceeds upper_s: starts from the first that fits.
-        if end < gap:
-            continue
-        first = int(np.searchsorted(T, T[end] - upper_s * (1 + 1e-9), side="left"))
-        starts = np.arange(min(first, end - gap), end - gap + 1)
-        sent = produced[end] - produced[starts] + R[end] - R[starts]
-        # Every stage at once: row j of these (K, starts) arrays is stage j's block
-        # [start, end); the loss is the last stage's alone.
-        load = np.full((K, starts.size), inf)
-        block: dict[str, Any] = {"params": P[end] - P[starts], "activations": A[end] - A[starts],
-                                 "received": cut_b[starts], "kept": sent,
-                                 "transient": peak[starts]}
-        for recompute in reversed(options):  # the faster choice last: it wins where both fit
-            # j = -1: no stage's loss (every row); then the last row with its loss
-            every: Any = memory_parts(p, -1, flight=flights, recompute=recompute, **block)
-            last: Any = memory_parts(p, K - 1, flight=int(flights[K - 1, 0]),
-                                     recompute=recompute, **block)
-            rows = np.broadcast_to(sum(every.values()), load.shape).copy()
-            rows[K - 1] = sum(last.values())
-            seconds = T[end] - T[starts] + cut[starts] + cut[end]
-            if recompute:
-                seconds = seconds + F[end] - F[starts]
-            load = np.where(rows <= limit, seconds, load)
-        if end == 0 and not p.allow_empty_stages:
-            load[0] = inf
-        # stage 0 starts at 0; stage j > 0 after the best split of [0, start) into j stages
-        best[0, end], back[0, end] = (load[0, 0] if starts[0] == 0 else inf), 0
-        if K > 1:
-            load = np.maximum(load[1:], best[:-1, starts])
-            i = np.argmin(load, axis=1)
-            best[1:, end], back[1:, end] = load[np.arange(K - 1), i], starts[i]
-    if best[K - 1][n] == inf:
-        return None
+
+def _walk_back(back: Any, n: int, K: int) -> tuple[int, ...]:
+    """The stage of each coarse node, from the DP's choice of each stage's start."""
     stage = [0] * n
     end = n
     for j in range(K - 1, -1, -1):

@@ -197,18 +197,66 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
         raise _infeasible(problem, exact, work_limit=work_limit, time_limit_s=time_limit_s,
                           workers=workers)
 
+    splits, scored, candidates = _baselines(problem, exact)
+    level = _coarse_level(problem, exact) if coarsen else exact
+    phases = _warm_starts(problem, exact, level, candidates, work_limit=work_limit,
+                          deadline=deadline, workers=workers)
+    best = min(candidates, key=lambda c: c[0])[1] if candidates else None
+
+    hint = exact.restrict(best) if best is not None else None
+    model = StageModel(exact, hint=hint)
+    result = model.solve(work_limit=work_limit * (1 - COARSE_SHARE if phases else 1),
+                         time_limit_s=_left(deadline), workers=workers)
+    phases.append(result)
+
+    if result.stage_of is not None:
+        found = evaluate(problem, result.stage_of)
+        if best is None or found.bottleneck_s <= evaluate(problem, best).bottleneck_s:
+            best = result.stage_of
+
+    if best is None:
+        if result.status == "INFEASIBLE":
+            raise _infeasible(problem, exact, work_limit=work_limit,
+                              time_limit_s=time_limit_s, workers=workers)
+        raise NoSolutionError(devices=problem.devices, time_limit_s=time_limit_s,
+                              limit=problem.memory_limit)
+
+    evaluation = evaluate(problem, best)
+    return Partition(
+        stage_of=tuple(best),
+        problem=problem,
+        report=_exact_report(problem, exact, evaluation, result, phases, start=start),
+        evaluation=evaluation,
+        baselines={name: ev.estimate for name, ev in scored.items()},
+        baseline_splits=splits,
+        coarse_nodes=level.num_coarse,
+        phases=tuple(phases),
+    )
+
+
+def _baselines(problem: Problem, exact: Coarsening) -> tuple[
+    dict[str, tuple[int, ...]], dict[str, Evaluation], list[tuple[float, tuple[int, ...]]]
+]:
+    """Every baseline's split, its evaluation, and (bottleneck, split) of those that fit
+    and are valid: the first candidates for the warm start."""
     splits = run_baselines(problem, exact)
     scored = {name: evaluate(problem, s) for name, s in splits.items()}
-    candidates: list[tuple[float, tuple[int, ...]]] = [
+    candidates = [
         (ev.bottleneck_s, s) for s, ev in zip(splits.values(), scored.values(), strict=True)
         if ev.estimate.fits and not violations(problem, s)
     ]
+    return splits, scored, candidates
 
+
+def _warm_starts(problem: Problem, exact: Coarsening, level: Coarsening,
+                 candidates: list[tuple[float, tuple[int, ...]]], *, work_limit: float,
+                 deadline: float, workers: int) -> list[IlpResult]:
+    """Add to ``candidates`` (bottleneck, split) the splits that may hint the exact solve:
+    CP-SAT's on the capped coarse graph ``level`` when it is coarser than the exact
+    groups, and the interval DP's over the exact groups' order. Returns the CP-SAT runs."""
     # The best baseline bounds every block the interval DP needs to try (see interval_dp).
     upper = min((c[0] for c in candidates), default=float("inf"))
     phases: list[IlpResult] = []
-    level = _coarse_level(problem, exact) if coarsen else exact
-    coarse_nodes = level.num_coarse
     if level.num_coarse < exact.num_coarse:
         hint = interval_dp(level, upper_s=upper)
         result = StageModel(level, hint=hint).solve(
@@ -232,27 +280,12 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
                 ev = evaluate(problem, split)
                 if ev.estimate.fits:
                     candidates.append((ev.bottleneck_s, split))
-    best = min(candidates, key=lambda c: c[0])[1] if candidates else None
+    return phases
 
-    hint = exact.restrict(best) if best is not None else None
-    model = StageModel(exact, hint=hint)
-    result = model.solve(work_limit=work_limit * (1 - COARSE_SHARE if phases else 1),
-                         time_limit_s=_left(deadline), workers=workers)
-    phases.append(result)
 
-    if result.stage_of is not None:
-        found = evaluate(problem, result.stage_of)
-        if best is None or found.bottleneck_s <= evaluate(problem, best).bottleneck_s:
-            best = result.stage_of
-
-    if best is None:
-        if result.status == "INFEASIBLE":
-            raise _infeasible(problem, exact, work_limit=work_limit,
-                              time_limit_s=time_limit_s, workers=workers)
-        raise NoSolutionError(devices=problem.devices, time_limit_s=time_limit_s,
-                              limit=problem.memory_limit)
-
-    evaluation = evaluate(problem, best)
+def _exact_report(problem: Problem, exact: Coarsening, evaluation: Evaluation,
+                  result: IlpResult, phases: list[IlpResult], *, start: float) -> SolverReport:
+    """What the exact solve ``result`` proved about the best split found (``evaluation``)."""
     objective = evaluation.bottleneck_s
     if result.status == "OPTIMAL":
         status, bound = "OPTIMAL", min(objective, result.bound)
@@ -263,7 +296,7 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
     else:
         status, bound = "FEASIBLE", min(result.bound, objective)
     bound = min(objective, max(bound, trivial_bound(problem)))
-    report = SolverReport(
+    return SolverReport(
         method="cp-sat",
         status=status,
         objective=objective,
@@ -272,16 +305,6 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
         solved_nodes=exact.num_coarse,
         graph_nodes=len(problem.nodes),
         wall_clock_stopped=any(phase.wall_clock_stopped for phase in phases),
-    )
-    return Partition(
-        stage_of=tuple(best),
-        problem=problem,
-        report=report,
-        evaluation=evaluation,
-        baselines={name: ev.estimate for name, ev in scored.items()},
-        baseline_splits=splits,
-        coarse_nodes=coarse_nodes,
-        phases=tuple(phases),
     )
 
 

@@ -15,7 +15,8 @@ runs without fxpipe installed. One idea per module:
     recompute.py    the random state a recomputed forward replays
     precision.py    the plan's precision: autocast per stage forward, a GradScaler
     measure.py      the report card: each stage's measured times and memory (measured.json)
-    binding.py      how a generated stage binds the model's own parameters
+    binding.py      how a generated stage binds the model's own parameters, and indexes
+                    the modules on the way to them as the model does
     shapes.py       a stage's check of the input dimensions it was traced at
     checkpoint.py   stage state_dicts <-> one model checkpoint
     loading.py      importing a file or a package folder by path

@@ -178,3 +178,55 @@ def test_constants_lifted_by_export_are_ops_of_the_stage(tmp_path: Path) -> None
     assert sorted(pipeline_grads) == sorted(model_grads)
     for key, value in model_grads.items():
         torch.testing.assert_close(pipeline_grads[key], value, msg=lambda m, key=key: f"{key}: {m}")
+
+
+class Indexed(nn.Module):
+    """Children the model reaches by index: a ModuleList of Sequentials, a ModuleDict whose
+    keys are not identifiers, a ParameterList read directly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(6, 6), nn.Tanh()) for _ in range(3))
+        self.heads = nn.ModuleDict({"out-1": nn.Linear(6, 6), "01": nn.Linear(6, 3)})
+        self.scales = nn.ParameterList(nn.Parameter(torch.randn(6)) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            x = block(x) * self.scales[i % 2]
+        return self.heads["01"](self.heads["out-1"](x))
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_children_are_reached_by_index_as_the_model_does(tmp_path: Path, k: int) -> None:
+    torch.manual_seed(0)
+    files = _assert_transparent(tmp_path, Indexed(), (torch.randn(4, 6),), k)
+    text = "".join(v for name, v in files.items() if name.startswith("stage"))
+    assert "self.blocks[0][0](x)" in text
+    assert "self.blocks[2][1](" in text
+    assert "scales_0 = self.scales[0]" in text
+    assert 'self.heads["out-1"](' in text and 'self.heads["01"](' in text
+    for by_name in ("getattr(", "get_submodule(", "get_parameter(", "get_buffer("):
+        assert by_name not in text
+
+
+class Numbered(nn.Module):
+    """Children named by numbers at the top, as in a Sequential."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_module("0", nn.Linear(6, 6))
+        self.add_module("1", Indexed())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(self, "1")(getattr(self, "0")(x))
+
+
+def test_the_stage_itself_is_not_indexed(tmp_path: Path) -> None:
+    """The model's own children are the stage's, and the stage class is a plain module,
+    so it reads them by name; what it holds below them indexes."""
+    torch.manual_seed(0)
+    files = _assert_transparent(tmp_path, Numbered(), (torch.randn(4, 6),), 2)
+    text = "".join(v for name, v in files.items() if name.startswith("stage"))
+    assert 'self.get_submodule("0")(x)' in text
+    assert 'self.get_submodule("1").blocks[0][0](' in text
+    assert "getattr(" not in text

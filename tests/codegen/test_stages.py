@@ -178,3 +178,32 @@ def test_output_structure_is_kept() -> None:
     runner = generate(tr, contiguous_plan(tr.gm.graph, 2))["runner.py"]
     assert '"encoder_last_hidden_state": values[' in runner
     assert as_plain({"a": 1}) == {"a": 1}
+
+
+def test_the_models_own_modules_are_indexed_where_the_position_is_the_name() -> None:
+    """Below a bound path a stage holds the model's own modules, which index as their
+    class does; above one it holds the runtime's containers, which index by name."""
+    from collections import OrderedDict
+
+    from torch import nn
+
+    from fxpipe.codegen.stages import _indexing
+
+    root = nn.Module()
+    root.enc = nn.Module()
+    root.enc.layers = nn.ModuleList([nn.Linear(2, 2), nn.Linear(2, 2)])
+    root.enc.odd = nn.Sequential(OrderedDict([("0", nn.ReLU()), ("2", nn.ReLU())]))
+    root.enc.table = nn.ModuleDict({"a-b": nn.ReLU()})
+    root.enc.plain = nn.Module()
+    root.enc.plain.add_module("0", nn.ReLU())
+    whole = _indexing(root, ["enc"])  # type: ignore[arg-type]
+    assert whole("enc.layers", "1") == "[1]"
+    assert whole("enc.odd", "0") == "[0]"
+    assert whole("enc.odd", "2") is None  # odd[1] is child "2": by name instead
+    assert whole("enc.table", "a-b") == '["a-b"]'
+    assert whole("enc.plain", "0") is None
+    assert whole("", "enc") is None  # the stage class itself
+    parts = _indexing(root, ["enc.odd.2", "enc.table.a-b"])  # type: ignore[arg-type]
+    assert parts("enc.odd", "2") == "[2]"
+    assert parts("enc.table", "a-b") == '["a-b"]'
+    assert parts("enc.layers", "01") == '["01"]'

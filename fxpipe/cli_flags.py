@@ -1,0 +1,162 @@
+"""The ``fxpipe`` command's arguments: each subcommand's flags, their help and defaults.
+
+Checks that read several flags together (``--schedule`` with ``--virtual-stages``) and
+the wording of errors stay with the commands in ``cli.py``; here is only what argparse
+declares.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Mapping
+from typing import NoReturn
+
+from fxpipe.schedules import KINDS
+
+__all__ = ["UsageError", "parser"]
+
+
+class UsageError(ValueError):
+    """The command line does not parse: one line and a pointer to --help."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UsageError(f"{message}; see '{self.prog} --help'")
+
+
+def parser(runs: Mapping[str, Callable[[argparse.Namespace], int]]) -> argparse.ArgumentParser:
+    """The command line; ``runs[command]`` becomes that command's ``run`` default."""
+    command_line = _Parser(
+        prog="fxpipe",
+        description="A pipeline-parallelism compiler for PyTorch.",
+    )
+    commands = command_line.add_subparsers(title="commands", dest="command")
+    _profile_arguments(commands.add_parser(
+        "profile", help="trace a model and show what every module or op costs"))
+    _split_arguments(commands.add_parser(
+        "split", help="cut a model into pipeline stages and write them as a Python package"))
+    _report_arguments(commands.add_parser(
+        "report", help="a plan's predictions against what a training step measured"))
+    _merge_arguments(commands.add_parser(
+        "merge", help="merge the stages' saved state_dicts into one model checkpoint"))
+    for name, command in commands.choices.items():
+        command.set_defaults(run=runs[name])
+    return command_line
+
+
+def _profile_arguments(parser: argparse.ArgumentParser) -> None:
+    _model_argument(parser)
+    parser.add_argument("--device", default="h100", help="device table entry (default h100)")
+    _precision_argument(parser)
+    parser.add_argument("--by", choices=("module", "op"), default="module")
+    parser.add_argument("--depth", type=int, default=None, help="module nesting level to show")
+    parser.add_argument(
+        "--measure",
+        action="store_true",
+        help="time every node on this machine (CUDA events on a GPU, wall clock on the CPU)",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _split_arguments(parser: argparse.ArgumentParser) -> None:
+    _model_argument(parser)
+    parser.add_argument("--gpus", type=int, required=True, help="pipeline stages, one per GPU")
+    parser.add_argument(
+        "--memory", default=None, help="memory per GPU, e.g. 80GiB (default: the device's)"
+    )
+    parser.add_argument("--device", default="h100", help="device table entry (default h100)")
+    _schedule_arguments(parser)
+    _precision_argument(parser)
+    parser.add_argument("--optimizer", choices=("adam", "sgd", "sgd-momentum"), default="adam")
+    parser.add_argument(
+        "--recompute",
+        nargs="?",
+        const="all",
+        default="auto",
+        metavar="{auto,all,none}",
+        help="stages that keep only their inputs and recompute activations in backward: "
+        "auto (default: the solver chooses per stage), all (also a bare --recompute), none",
+    )
+    parser.add_argument(
+        "--work-limit", type=float, default=10.0,
+        help="solver work in CP-SAT deterministic time (about seconds on a quiet machine); "
+        "the same model and flags give the same plan at any machine load")
+    parser.add_argument(
+        "--time-limit", type=float, default=120.0,
+        help="wall-clock safety net in seconds; when it stops the solver first, the plan "
+        "says so and may differ run to run")
+    parser.add_argument("--diagram", choices=("module", "op"), default="module")
+    parser.add_argument(
+        "--measure",
+        action="store_true",
+        help="time every node on this machine instead of the roofline",
+    )
+    parser.add_argument(
+        "--calibrate",
+        metavar="MEASURED.json",
+        default=None,
+        help="re-plan with the stage times a training step measured (runner.measure); "
+        "the plan it measured is the plan.json beside it",
+    )
+    parser.add_argument("--out", default="fxpipe-out", help="output folder (default fxpipe-out)")
+    parser.add_argument(
+        "--force", action="store_true", help="replace --out even if fxpipe did not write it"
+    )
+
+
+def _schedule_arguments(parser: argparse.ArgumentParser) -> None:
+    """``split``'s flags for the pipeline schedule: micro-batches, kind, stage placement."""
+    parser.add_argument(
+        "--microbatches", type=int, default=None, help="micro-batches per step (default 4 x GPUs)"
+    )
+    parser.add_argument(
+        "--schedule",
+        choices=tuple(kind.value for kind in KINDS),
+        default=None,
+        help="pipeline schedule (default 1f1b; interleaved with --virtual-stages; pipedream: "
+        "1F1B with an update per micro-batch and weight stashing; zb1p, zbv, dualpipev: "
+        "zero bubble, the backward split into input and weight gradients, zbv and dualpipev "
+        "with two stage modules per GPU in a V)",
+    )
+    parser.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=1,
+        help="stage modules per GPU for Megatron-LM's interleaved 1F1B (default 1)",
+    )
+    parser.add_argument(
+        "--replicate",
+        action="store_true",
+        help="let a stage run data-parallel on several GPUs (PipeDream's 2-1-1)",
+    )
+
+
+def _report_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("plan_dir", metavar="PLAN_DIR", help="folder fxpipe split wrote")
+    parser.add_argument("measured", metavar="MEASURED.json",
+                        help="the report card runner.measure(...) saved")
+    parser.add_argument("--model", default=None,
+                        help="the model file the plan was made from: re-plan it with the "
+                        "measurements and say whether a cut moves (nothing is written)")
+
+
+def _merge_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("stages", nargs="+", help="torch.save'd stage state_dicts, in stage order")
+    parser.add_argument("--out", required=True, help="path of the merged checkpoint")
+
+
+def _model_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model", help="model file defining build_model() and example_inputs(); FILE.py:FACTORY"
+    )
+
+
+def _precision_argument(parser: argparse.ArgumentParser) -> None:
+    # Checked by fxpipe.precision.parse_precision (a one-line error), not by argparse choices.
+    parser.add_argument(
+        "--precision",
+        default=None,
+        help="32-true, bf16-mixed, bf16-true, 16-mixed or 16-true, as Lightning names them "
+        "(default: the model's parameter dtype)",
+    )

@@ -1,0 +1,10 @@
+"""The two tracers behind ``fxpipe.frontend.trace``, each with what it needs to give a
+graph fxpipe can cut and the shapes of its inputs:
+
+    symbolic.py  torch.fx.symbolic_trace: refusing grad-mode regions it cannot record,
+                 binding the inputs to placeholders, probing which dimensions may vary
+    export.py    torch.export non-strict: every dimension free (Dim.AUTO), export's
+                 checks removed, lifted constants turned back into ops, the ranges
+                 export assumed
+    records.py   InputShape and TraceError, which both report
+"""

@@ -1,0 +1,216 @@
+"""Tracing with ``torch.export.export(..., strict=False)``, the fallback that captures
+Hugging Face models whose Python control flow defeats ``symbolic_trace``.
+
+Export is asked to keep every input dimension symbolic (``Dim.AUTO``) and keeps the ones
+the model lets vary. Its graph is then made one fxpipe can cut: export's input guards and
+dtype assertions removed, the constants it lifts out of forward turned back into ops, and
+the range it assumed for each free dimension read off the program.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils import _pytree as pytree
+from torch.utils._sympy.numbers import int_oo
+
+from fxpipe.tracing.records import InputShape, TraceError
+
+__all__ = ["export_program", "exported_graph"]
+
+
+def export_program(
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[torch.export.ExportedProgram, Exception | None]:
+    """``torch.export`` non-strict with every input dimension free (``Dim.AUTO``): export
+    keeps symbolic each dimension the model lets vary and specializes the others.
+
+    torch.export specializes a dimension of size 1 (its 0/1 rule), so an example batch
+    of one sample is traced as two (every leaf's dim 0 repeated); the costs are still
+    taken at the example's own shapes. A model that cannot be exported with free
+    dimensions is exported at the example's shapes, and the error that stopped the
+    export with free dimensions is returned with it (None when it did not fail).
+    """
+    attempts = [_widened(args, kwargs)] if _batch_of_one(args, kwargs) else []
+    attempts.append((args, kwargs))
+    for trace_args, trace_kwargs in attempts:
+        try:
+            with _quiet_stderr():  # a failing export dumps its partial graph on stderr
+                program = torch.export.export(
+                    model,
+                    trace_args,
+                    trace_kwargs,
+                    dynamic_shapes=_all_dims_auto(model, trace_args, trace_kwargs),
+                    strict=False,
+                )
+            return program, None
+        except Exception as exc:
+            failure = exc
+    with _quiet_stderr():
+        program = torch.export.export(model, args, kwargs, strict=False)
+    return program, failure
+
+
+def exported_graph(
+    program: torch.export.ExportedProgram, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[torch.fx.GraphModule, tuple[Any, ...], tuple[InputShape, ...]]:
+    """The program's graph made one fxpipe can cut, the example inputs in placeholder order
+    and the shape of each tensor input."""
+    gm = program.module()
+    assert isinstance(gm, torch.fx.GraphModule)
+    _drop_export_checks(gm)
+    _inline_lifted_constants(gm)
+    flat = tuple(pytree.tree_leaves((args, kwargs)))
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert len(flat) == len(placeholders), (len(flat), len(placeholders))
+    return gm, flat, _exported_shapes(program, placeholders, flat)
+
+
+@contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """Silence stderr: Python's ``sys.stderr`` and file descriptor 2 (torch's C++ side)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull, contextlib.redirect_stderr(devnull):
+            os.dup2(devnull.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _drop_export_checks(gm: torch.fx.GraphModule) -> None:
+    """Remove export's input guards, dtype assertions and unread attributes."""
+    for node in reversed(gm.graph.nodes):
+        guard = node.op == "call_module" and node.target == "_guards_fn"
+        check = (
+            node.op == "call_function"
+            and node.target is torch.ops.aten._assert_tensor_metadata.default
+        )
+        if (guard or check) and not node.users:
+            gm.graph.erase_node(node)
+            if guard:
+                gm.delete_submodule("_guards_fn")
+    # A tied parameter appears once per name; only the one export reads has users.
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+
+
+_LIFTED_LIMIT = 64  # elements: a constant up to this size reads well as a literal
+
+
+def _inline_lifted_constants(gm: torch.fx.GraphModule) -> None:
+    """Tensors that forward creates from Python values (``torch.tensor([-2])``) are
+    lifted by export into attributes that are neither parameters nor buffers, which
+    no stage can bind from the model. Each read becomes the op that makes the
+    tensor, ``torch.tensor(values, dtype=..., device=...)``, an ordinary op of the
+    stage that reads it (the code generator moves ``device`` to the stage's);
+    export's ``lift_fresh_copy`` of it, a copy of a fresh tensor, goes with it."""
+    state = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+    state |= {name for name, _ in gm.named_buffers(remove_duplicate=False)}
+    for node in list(gm.graph.nodes):
+        if node.op != "get_attr" or str(node.target) in state:
+            continue
+        owner, _, leaf = str(node.target).rpartition(".")
+        value = getattr(gm.get_submodule(owner), leaf)
+        if not isinstance(value, torch.Tensor):
+            continue
+        if value.is_meta or value.numel() > _LIFTED_LIMIT:
+            raise TraceError(
+                f"torch.export lifted a constant tensor {node.target} of shape "
+                f"{tuple(value.shape)} that forward creates; fxpipe writes such constants "
+                f"as literals up to {_LIFTED_LIMIT} elements: register it as a buffer "
+                "(self.register_buffer) in __init__ instead"
+            )
+        with gm.graph.inserting_before(node):
+            literal = gm.graph.call_function(
+                torch.tensor, (value.tolist(),), {"dtype": value.dtype, "device": value.device}
+            )
+        literal.meta = dict(node.meta)
+        for user in list(node.users):
+            if user.target is torch.ops.aten.lift_fresh_copy.default:
+                user.replace_all_uses_with(literal)
+                gm.graph.erase_node(user)
+        node.replace_all_uses_with(literal)
+        gm.graph.erase_node(node)
+        delattr(gm.get_submodule(owner), leaf)
+    gm.recompile()
+
+
+def _all_dims_auto(
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> dict[str, Any]:
+    """``dynamic_shapes`` for export: ``Dim.AUTO`` on every dimension of every tensor."""
+
+    def auto(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return {d: torch.export.Dim.AUTO for d in range(value.dim())} or None
+        return None
+
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    return {
+        name: pytree.tree_map(auto, value, is_leaf=lambda v: isinstance(v, torch.Tensor))
+        for name, value in bound.arguments.items()
+    }
+
+
+def _batch_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    return [
+        x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.dim() > 0
+    ]
+
+
+def _batch_of_one(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    leaves = _batch_leaves(args, kwargs)
+    return bool(leaves) and all(x.size(0) == 1 for x in leaves)
+
+
+def _widened(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The example with every batched leaf's single sample repeated: a batch of two."""
+    widened = pytree.tree_map_only(
+        torch.Tensor, lambda x: torch.cat([x, x]) if x.dim() > 0 else x, (args, kwargs)
+    )
+    return widened[0], widened[1]
+
+
+def _exported_shapes(
+    program: torch.export.ExportedProgram,
+    placeholders: list[torch.fx.Node],
+    flat: tuple[Any, ...],
+) -> tuple[InputShape, ...]:
+    """Each tensor input's traced shape and the range export assumed for its free dims.
+
+    The lower bound is lowered to the example's size where export's 0/1 rule excluded
+    it (a batch of one traced as two): the graph computes the same at that size.
+    """
+    by_name = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    user_inputs = program.graph_signature.user_inputs
+    assert len(user_inputs) == len(placeholders), (user_inputs, placeholders)
+    shapes = []
+    for node, user_input, value in zip(placeholders, user_inputs, flat, strict=True):
+        fake = by_name[str(user_input)].meta.get("val")
+        if not isinstance(value, torch.Tensor) or not isinstance(fake, torch.Tensor):
+            continue
+        dynamic: list[tuple[int, int | None] | None] = []
+        for size, traced in zip(value.shape, fake.shape, strict=True):
+            if isinstance(traced, int) or traced.node.expr.is_number:
+                dynamic.append(None)
+                continue
+            bounds = program.range_constraints.get(traced.node.expr)
+            low = int(bounds.lower) if bounds is not None else 1
+            high = bounds.upper if bounds is not None else None
+            high_int = int(high) if high is not None and high != int_oo else None
+            dynamic.append((min(low, int(size)), high_int))
+        shapes.append(InputShape(node.name, tuple(value.shape), tuple(dynamic)))
+    return tuple(shapes)

@@ -1,0 +1,144 @@
+"""Tracing with ``torch.fx.symbolic_trace``, the first choice: it keeps ``call_module``
+nodes, which read best in generated code.
+
+``symbolic_trace`` keeps sizes symbolic by itself, but it also runs through Python that
+it cannot record: a grad-mode or autocast region (refused here, so the caller falls back
+to ``torch.export``, which records them), a graph that traces and then fails to run (run
+once on meta tensors to find out). Which input dimensions may vary is learnt by running
+the graph on meta tensors with each dimension resized.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.fx
+
+from fxpipe.metadevice import MetaRunner
+from fxpipe.tracing.records import InputShape
+
+__all__ = ["GradRegionError", "symbolic_graph"]
+
+
+def symbolic_graph(
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[torch.fx.GraphModule, tuple[Any, ...], tuple[InputShape, ...]]:
+    """``model`` traced by ``symbolic_trace``, the example inputs in placeholder order and
+    the shape of each tensor input; raises whatever stops it."""
+    with _grad_regions() as entered:
+        gm = torch.fx.symbolic_trace(model)
+    if entered:
+        raise GradRegionError(
+            f"forward enters {entered[0]}, which symbolic_trace does not record"
+        )
+    flat = _symbolic_inputs(model, gm, args, kwargs)
+    _check_runs(gm, flat)
+    return gm, flat, _probe_dynamic(gm, flat)
+
+
+class GradRegionError(RuntimeError):
+    """symbolic_trace ran through a grad-mode or autocast region it cannot record."""
+
+
+_REGIONS = (
+    (torch.autograd.grad_mode.no_grad, "__enter__", "torch.no_grad()"),
+    (torch.autograd.grad_mode.enable_grad, "__enter__", "torch.enable_grad()"),
+    (torch.autograd.grad_mode.set_grad_enabled, "__init__", "torch.set_grad_enabled()"),
+    (torch.autograd.grad_mode.inference_mode, "__enter__", "torch.inference_mode()"),
+    (torch.amp.autocast_mode.autocast, "__enter__", "torch.autocast()"),
+)
+
+
+@contextmanager
+def _grad_regions() -> Iterator[list[str]]:
+    """Note every grad-mode or autocast region entered (the stage would run it with
+    autograd on, in full precision: torch.export records these regions, so the caller
+    falls back to it)."""
+    entered: list[str] = []
+    saved = [(cls, name, cls.__dict__[name]) for cls, name, _ in _REGIONS]
+
+    def noting(original: Callable[..., Any], what: str) -> Callable[..., Any]:
+        def method(*args: Any, **kwargs: Any) -> Any:
+            entered.append(what)
+            return original(*args, **kwargs)
+        return method
+
+    for (cls, name, original), (_, _, what) in zip(saved, _REGIONS, strict=True):
+        setattr(cls, name, noting(original, what))
+    try:
+        yield entered
+    finally:
+        for cls, name, original in saved:
+            setattr(cls, name, original)
+
+
+def _symbolic_inputs(
+    model: torch.nn.Module, gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, ...]:
+    """The example inputs in the order of the traced graph's placeholders."""
+    bound = inspect.signature(model.forward).bind(*args, **kwargs)
+    bound.apply_defaults()
+    flat = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        name = str(node.target)
+        if name.startswith("*"):
+            raise TypeError(f"forward takes {name}, which symbolic_trace cannot bind")
+        flat.append(bound.arguments[name])
+    return tuple(flat)
+
+
+def _check_runs(gm: torch.fx.GraphModule, flat: tuple[Any, ...]) -> None:
+    """Run the graph once on meta tensors: symbolic_trace can succeed on a graph that fails."""
+    MetaRunner(gm).run_on_meta(*flat)
+
+
+def _probe_dynamic(gm: torch.fx.GraphModule, flat: tuple[Any, ...]) -> tuple[InputShape, ...]:
+    """Which input dimensions a symbolic_trace graph lets vary, learnt by running it on meta
+    tensors with each dimension doubled (every input that has that size at that index
+    together, so inputs that must agree, like ids and their mask, still do)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    tensors = [(i, x) for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+    # (dim index, size) -> the range assumed: unbounded where twice the size runs, up to
+    # the traced size where only half of it does (a model with a maximum length)
+    free: dict[tuple[int, int], tuple[int, int | None]] = {}
+    for key in sorted({(d, size) for _, x in tensors for d, size in enumerate(x.shape)}):
+        d, size = key
+        if _runs_resized(gm, flat, tensors, d, size, 2 * size):
+            free[key] = (1, None)
+        elif size > 1 and _runs_resized(gm, flat, tensors, d, size, size // 2):
+            free[key] = (1, size)
+    return tuple(
+        InputShape(
+            placeholders[i].name,
+            tuple(x.shape),
+            tuple(free.get((d, size)) for d, size in enumerate(x.shape)),
+        )
+        for i, x in tensors
+    )
+
+
+def _runs_resized(
+    gm: torch.fx.GraphModule,
+    flat: tuple[Any, ...],
+    tensors: list[tuple[int, torch.Tensor]],
+    dim: int,
+    size: int,
+    new_size: int,
+) -> bool:
+    probe = list(flat)
+    for i, x in tensors:
+        if x.dim() > dim and x.size(dim) == size:
+            shape = list(x.shape)
+            shape[dim] = new_size
+            probe[i] = torch.empty(shape, dtype=x.dtype, device="meta")
+    try:
+        MetaRunner(gm).run_on_meta(*probe)
+    except Exception:
+        return False
+    return True
