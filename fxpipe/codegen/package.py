@@ -423,6 +423,7 @@ def distributed_source(traced: Traced, plan: Plan, ios: list[StageIO]) -> str:
         '"""' + "\n".join(doc).replace('"""', "'''") + '\n"""',
         "",
         "from .runner import (",
+        "    DEVICE_OF,",
         "    MICROBATCHES,",
         "    PRECISION,",
         "    REPLICAS,",
@@ -441,7 +442,7 @@ def distributed_source(traced: Traced, plan: Plan, ios: list[StageIO]) -> str:
         "",
         f"STAGE_CLASSES = {tuple_literal(f'Stage{j}' for j in range(k))}",
         f"SCHEDULE_KIND = {json.dumps(plan.schedule)}",
-        "# VIRTUAL_STAGES: stages per rank (interleaved: stage k on rank k % (K / v))",
+        "# VIRTUAL_STAGES: stages per rank; with more than one, stage k on rank DEVICE_OF[k]",
         f"VIRTUAL_STAGES = {plan.virtual_stages}",
         "# UNSUPPORTED: why this plan cannot run here (None: it can)",
         *_string_constant("UNSUPPORTED", _distributed_limit(plan)),
@@ -495,6 +496,7 @@ _DISTRIBUTED_FOOTER = '''PIPELINE = DistributedPipeline(
     unsupported=UNSUPPORTED,
     virtual_stages=VIRTUAL_STAGES,
     precision=PRECISION,
+    device_of=DEVICE_OF,
 )
 stage_module = PIPELINE.stage_module
 pipeline_stage = PIPELINE.pipeline_stage

@@ -81,10 +81,11 @@ class DistributedPipeline(RankLayout):
         unsupported: str | None = None,
         virtual_stages: int = 1,
         precision: str = "32-true",
+        device_of: Sequence[int] = (),
     ) -> None:
         assert len(wires) == len(stage_classes), (len(wires), len(stage_classes))
         self.precision = check_precision(precision)
-        super().__init__(len(stage_classes), replicas, virtual_stages)
+        super().__init__(len(stage_classes), replicas, virtual_stages, device_of)
         self.unsupported = unsupported  # why this plan cannot run under torchrun
         self.table = [tuple(tick) for tick in table]  # the runner's SCHEDULE (TableStage)
         self.stage_classes = list(stage_classes)
