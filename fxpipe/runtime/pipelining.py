@@ -57,6 +57,7 @@ from .microbatch import batch_size, lane_share
 from .precision import PRECISIONS, check_precision
 from .ranks import RankLayout
 from .table import TableSchedule, TableStage
+from .zero_bubble import ZERO_BUBBLE, zero_bubble_schedule
 
 __all__ = ["DistributedPipeline"]
 
@@ -271,8 +272,8 @@ class DistributedPipeline(RankLayout):
         schedule: str | None = None,
     ) -> Any:
         """The plan's schedule as torch's: gpipe -> ScheduleGPipe, 1f1b -> Schedule1F1B,
-        interleaved -> ScheduleInterleaved1F1B over the rank's stages. Gradients are
-        divided by M, as the single-process runner does."""
+        interleaved -> ScheduleInterleaved1F1B over the rank's stages, zb1p, zbv and
+        dualpipev: zero_bubble.py. Gradients are divided by M, as in one process."""
         kind = schedule or self.schedule
         m = microbatches or self.microbatches
         if PRECISIONS[self.precision][1]:
@@ -284,6 +285,8 @@ class DistributedPipeline(RankLayout):
                 f"trains {self.precision} in one process.",
                 stacklevel=2,
             )
+        if kind in ZERO_BUBBLE and not isinstance(_as_list(stage)[0], TableStage):
+            return zero_bubble_schedule(kind, _as_list(stage), self.lane_ranks(), m, loss_fn)
         if isinstance(stage, Sequence) and self.virtual_stages > 1:
             if kind != "interleaved" or m % self.num_ranks:
                 raise ValueError(
@@ -360,7 +363,7 @@ class DistributedPipeline(RankLayout):
             schedule.step(*feed, target=target, losses=losses)
         else:
             schedule.step(*feed)
-        if isinstance(schedule, ScheduleInterleaved1F1B):
+        if not schedule.scale_grads:  # built unscaled, see build_schedule
             for param in {id(p): p for s in stages for p in s.submod.parameters()}.values():
                 if param.grad is not None:
                     param.grad /= m
