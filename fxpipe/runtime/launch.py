@@ -121,7 +121,7 @@ def _train(
         model, rank, world_size, device, *args, checkpoint=opts.checkpoint, **kwargs
     )
     rss["loaded"] = peak_rss_bytes()
-    if rank == 0 and pipeline.schedule in ZERO_BUBBLE:  # what torch's class needs, said once
+    if rank == 0 and pipeline.schedule in ZERO_BUBBLE and pipeline.uniform:  # on torch's class
         print(requirement(pipeline.schedule, pipeline.num_stages, world_size // pipeline.lanes,
                           pipeline.microbatches)[0], flush=True)
     outputs: list[Any] = []  # with --save: the output loss_fn gets, one per micro-batch

@@ -40,22 +40,17 @@ from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
-from torch.distributed.pipelining import (
-    PipelineStage,
-    ScheduleDualPipeV,
-    ScheduleInterleavedZeroBubble,
-    ScheduleZBVZeroBubble,
-)
 
 from .adapter import StageAdapter, on_model_output
 
 __all__ = ["ZERO_BUBBLE", "requirement", "zero_bubble_schedule"]
 
-# the schedule kinds that split the backward, by their torch class
-ZERO_BUBBLE: dict[str, type] = {
-    "zb1p": ScheduleInterleavedZeroBubble,
-    "zbv": ScheduleZBVZeroBubble,
-    "dualpipev": ScheduleDualPipeV,
+# the schedule kinds that split the backward -> their torch.distributed.pipelining class
+# (by name: importing this module, as codegen does, does not import torch's pipelining)
+ZERO_BUBBLE = {
+    "zb1p": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
 }
 
 
@@ -64,7 +59,7 @@ def requirement(kind: str, num_stages: int, num_ranks: int, microbatches: int,
     """What torch's class for ``kind`` needs, as one sentence with this plan's numbers,
     and whether the plan meets it."""
     k, n, m = num_stages, num_ranks, microbatches
-    name = ZERO_BUBBLE[kind].__name__
+    name = ZERO_BUBBLE[kind]
     if kind == "zb1p":
         rounds = max(1, m // n)
         return (f"zb1p runs on torch's {name} with one stage per rank ({k} stages on {n} "
@@ -80,28 +75,35 @@ def requirement(kind: str, num_stages: int, num_ranks: int, microbatches: int,
 
 def zero_bubble_schedule(
     kind: str,
-    stages: Sequence[PipelineStage],
+    stages: Sequence[Any],
     rank_of: Sequence[int],
     microbatches: int,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None,
 ) -> Any:
-    """torch's schedule for ``kind`` over this rank's ``stages`` (``rank_of[j]``: the
-    pipeline rank of stage j, as the plan placed it), gradients left unscaled: the caller
-    divides them by M once per parameter."""
-    k, n, m = stages[0].num_stages, stages[0].group_size, microbatches
+    """torch's schedule for ``kind`` over this rank's ``PipelineStage``s (``rank_of[j]``:
+    the pipeline rank of stage j, as the plan placed it), gradients left unscaled: the
+    caller divides them by M once per parameter. ``requirement`` is checked before any
+    stage is touched."""
+    k, n, m = len(rank_of), len(set(rank_of)), microbatches
     sentence, met = requirement(kind, k, n, m)
     if not met:
-        fix = (f"use --microbatches {-(-m // n) * n} (a multiple of {n})"
-               if kind == "zb1p" and k == n else f"split again with --schedule {kind}")
-        if kind == "dualpipev" and k == 2 * n:
-            fix = f"use --microbatches {k}"
-        raise ValueError(f"{sentence}: {fix}")
+        if kind == "zb1p" and k == n:
+            fix = f"split again with --microbatches {-(-m // n) * n} (a multiple of {n})"
+        elif kind == "dualpipev" and k == 2 * n:
+            fix = f"split again with --microbatches {k}"
+        else:
+            fix = f"split again with --schedule {kind}"
+        raise ValueError(f"{sentence}: {fix} (runner.PipelineRunner runs this plan as it is, "
+                         f"in one process)")
     for stage in stages:
         adapter = cast(StageAdapter, stage.submod)
         adapter.microbatches = m
         adapter.split_backward = True  # clone sends, contiguous input gradients (point 1)
-    schedule = ZERO_BUBBLE[kind](list(stages), n_microbatches=m,
-                                 loss_fn=on_model_output(stages, loss_fn), scale_grads=False)
+    from torch.distributed import pipelining  # seconds to import; codegen reads this module
+
+    schedule_class = getattr(pipelining, ZERO_BUBBLE[kind])
+    schedule = schedule_class(list(stages), n_microbatches=m,
+                              loss_fn=on_model_output(stages, loss_fn), scale_grads=False)
     torch_ranks = [schedule.stage_index_to_group_rank[j] for j in range(k)]
     if torch_ranks != list(rank_of):
         raise ValueError(

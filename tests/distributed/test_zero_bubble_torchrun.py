@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch.utils import _pytree as pytree
 
-from ._helpers import EXAMPLES, contiguous_plan, load, torchrun
+from ._helpers import EXAMPLES, contiguous_plan, import_package, load, torchrun
 from ._helpers import write_package as write
 
 M = 4
@@ -105,3 +105,39 @@ def test_zero_bubble_torchrun_matches_the_model(tmp_path: Path, name: str, sched
     if name == "gpt" and v_placed:  # the tied weight: one copy, on rank 0, both stages' sum
         assert {"tok_emb.weight", "lm_head.weight"} <= set(ranks[0]["grads"])
         assert not {"tok_emb.weight", "lm_head.weight"} & set(ranks[1]["grads"])
+
+
+def _package(tmp_path: Path, schedule: str, k: int, m: int, v: int = 1,
+             replicas: tuple[int, ...] | None = None) -> object:
+    _, traced = load(str(EXAMPLES / "gpt.py"))
+    plan = contiguous_plan(traced.gm.graph, k, schedule=schedule, microbatches=m,
+                           virtual_stages=v, replicas=replicas)
+    write(tmp_path / schedule, traced, plan)
+    return import_package(tmp_path / schedule, f"fxpipe_zb_errors_{schedule}_{k}_{m}")
+
+
+def test_what_torch_needs_is_said_before_any_stage_is_built(tmp_path: Path) -> None:
+    """torch's classes want M in equal rounds (zb1p), two stages per rank in the plan's V
+    (zbv, dualpipev) and M >= K (dualpipev): one sentence with the numbers and the fix."""
+    zb1p = _package(tmp_path, "zb1p", 2, 5)
+    with pytest.raises(ValueError, match=r"zb1p runs on torch's ScheduleInterleavedZeroBubble "
+                       r"with one stage per rank \(2 stages on 2 ranks\) and M = 5 micro-batches "
+                       r"in max\(1, M // 2\) = 2 equal rounds: split again with --microbatches 6"):
+        zb1p.build_schedule([None], None)
+    with pytest.raises(ValueError, match=r"zbv runs on torch's ScheduleZBVZeroBubble with "
+                       r"exactly 2 stages per rank in a V, rank r running stages r and 1 - r "
+                       r"\(2 stages on 2 ranks\): split again with --schedule zbv"):
+        zb1p.build_schedule([None], None, schedule="zbv")
+    dualpipev = _package(tmp_path, "dualpipev", 4, 4, v=2)
+    assert dualpipev.distributed.PIPELINE.stages_of(0) == (0, 3)
+    with pytest.raises(ValueError, match=r"at least as many micro-batches as stages \(M = 3\): "
+                       r"split again with --microbatches 4"):
+        dualpipev.build_schedule([None, None], None, microbatches=3)
+
+
+def test_replicated_zero_bubble_stages_are_refused(tmp_path: Path) -> None:
+    source, _ = load(str(EXAMPLES / "gpt.py"))
+    package = _package(tmp_path, "zb1p", 2, 2, replicas=(1, 2))
+    with pytest.raises(ValueError, match=r"this plan's zb1p stages are replicated \(1-2\), "
+                       r"which a schedule that splits the backward does not run"):
+        package.pipeline_stages(source.model, 0, 3, "cpu", *source.args)
