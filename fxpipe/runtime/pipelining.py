@@ -8,9 +8,9 @@ exports its methods as module functions. Which rank runs which stage is
 ranks.py. Each rank's stage is a torch ``PipelineStage`` around a
 ``StageAdapter``, driven by torch's schedules: gpipe -> ``ScheduleGPipe``, 1f1b
 -> ``Schedule1F1B``, interleaved -> ``ScheduleInterleaved1F1B`` over the rank's
-v stages. When every stage has the same r, each of the r lanes is a whole
-``PipelineStage`` pipeline on its own process group; stages with different
-replica counts run the runner's schedule table instead (table.py).
+v stages, zb1p, zbv and dualpipev as zero_bubble.py says. When every stage has the
+same r, each of the r lanes is a whole ``PipelineStage`` pipeline on its own process
+group; stages with different replica counts run the runner's schedule table (table.py).
 
 Memory: with ``checkpoint``, ``pipeline_stage`` allocates only the rank's own
 stage (materialize.py), so no rank holds the whole model::
