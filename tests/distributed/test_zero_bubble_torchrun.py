@@ -75,6 +75,7 @@ def test_zero_bubble_torchrun_matches_the_model(tmp_path: Path, name: str, sched
     torch_class = {"zb1p": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
                    "dualpipev": "ScheduleDualPipeV"}[schedule]
     assert f"{schedule} runs on torch's {torch_class}" in result.stdout
+    assert f"{schedule} runs on torch's {torch_class}" in files["train_torchrun.py"]
     ranks = [torch.load(tmp_path / "out" / f"rank{rank}.pt") for rank in range(2)]
 
     model.zero_grad(set_to_none=True)
