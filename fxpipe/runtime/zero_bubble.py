@@ -15,7 +15,7 @@ of its weights, later, in a bubble. Three things differ from the other schedules
    in-place") and breaks W when the stage saved that same tensor for its own weight
    gradient ("a saved tensor that has been detached in-place"). So under these
    schedules every ``StageAdapter`` sends clones of its outputs (``split_backward``).
-   Always, not only where needed: knowing which outputs autograd saved would take a
+   Every send, not only those that need it: knowing which outputs autograd saved takes a
    hook on every tensor each op saves, on every micro-batch, while a clone is one copy
    of the bytes that cross to the next rank anyway (the clone's backward is the
    identity and saves nothing; the original is freed unless the stage saved it).
