@@ -334,12 +334,13 @@ def _schedule(args: argparse.Namespace, microbatches: int) -> ScheduleKind:
     else:
         kind = ScheduleKind.INTERLEAVED if v > 1 else ScheduleKind.ONE_F_ONE_B
     name = kind.value
+    if kind.spec.splits_backward and args.replicate:
+        # the runner's split backward runs unreplicated stages only
+        raise ValueError(f"--replicate and --schedule {name} cannot be combined; pick one")
     if kind.spec.v_placed:
         if v not in (1, 2):
             raise ValueError(f"--schedule {name} places 2 stage modules per GPU; "
                              f"drop --virtual-stages {v}")
-        if args.replicate:
-            raise ValueError(f"--replicate and --schedule {name} cannot be combined; pick one")
         if kind is ScheduleKind.DUALPIPEV and microbatches < 2 * args.gpus:
             raise ValueError(f"--schedule dualpipev needs at least 2 x --gpus micro-batches "
                              f"({2 * args.gpus}); use --microbatches {2 * args.gpus}")

@@ -227,6 +227,8 @@ def test_zero_bubble_flag_errors(dominant: Path, capsys: pytest.CaptureFixture[s
          "use --microbatches 4"),
         (["--schedule", "zbv", "--gpus", "2", "--virtual-stages", "3"],
          "drop --virtual-stages 3"),
+        (["--schedule", "zb1p", "--gpus", "2", "--replicate"],
+         "--replicate and --schedule zb1p cannot be combined"),
     ]:
         code = cli.main(["split", str(dominant / "model.py"), "--out", str(dominant / "bad"),
                          *flags])

@@ -25,6 +25,7 @@ runs without fxpipe installed. One idea per module:
     ranks.py        which rank runs which stage
     grads.py        tied and replicated gradients across ranks
     table.py        the uneven-replica schedule under torchrun
+    zero_bubble.py  zb1p, zbv and dualpipev on torch's zero-bubble schedule classes
     materialize.py  building only this rank's stage from a checkpoint
     launch.py       the torchrun entry point (train_torchrun.py)
 

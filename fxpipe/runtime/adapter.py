@@ -59,6 +59,9 @@ class StageAdapter(nn.Module):
         self.tied: list[tuple[Any, nn.Parameter]] = []  # (process group, this rank's copy)
         self.replica_group: Any = None  # the ranks running this stage (replicated stages)
         self.microbatches = 1  # per step, set by build_schedule
+        # torch runs the backward as I and W (zero-bubble schedules): send fresh copies, which
+        # torch detaches in place, and contiguous input gradients (zero_bubble.py)
+        self.split_backward = False
         # the shape of each received tensor in the example micro-batch it was built with:
         # torch's PipelineStage sends and receives at these shapes (see check_feed)
         self.input_shapes: tuple[tuple[int, ...], ...] = ()
@@ -68,6 +71,8 @@ class StageAdapter(nn.Module):
         self.output_spec: Any = None
 
     def forward(self, *flat: torch.Tensor) -> Any:
+        if self.split_backward:
+            _contiguous_grads(flat)
         values: dict[str, Any] = dict(self.constants)
         values.update(zip(self.receives, flat, strict=True))
         names = cast(tuple[str, ...], self.stage.INPUTS)
@@ -79,6 +84,9 @@ class StageAdapter(nn.Module):
                 return output
             return tuple(x for x in pytree.tree_leaves(output) if isinstance(x, torch.Tensor))
         # sends need contiguous memory (a transposed view may be one of the values)
+        if self.split_backward:
+            return tuple(values[name].clone(memory_format=torch.contiguous_format)
+                         for name in self.sends)
         return tuple(values[name].contiguous() for name in self.sends)
 
     def flatten_output(self, example: Any) -> None:
@@ -193,6 +201,16 @@ def is_constant(value: Any) -> bool:
     if isinstance(value, (tuple, list)):
         return all(is_constant(v) for v in value)
     return False
+
+
+def _contiguous_grads(received: Sequence[torch.Tensor]) -> None:
+    """Make the gradients of the received tensors contiguous, as torch sends them: its
+    split backward takes them from ``autograd.grad`` as they come (a ``cat``'s backward
+    gives slices). torch receives into the same buffers every step: one hook each."""
+    for x in received:
+        if x.requires_grad and x.is_leaf and not getattr(x, "_fxpipe_contiguous_grad", False):
+            x.register_hook(torch.Tensor.contiguous)
+            x._fxpipe_contiguous_grad = True  # type: ignore[attr-defined]
 
 
 def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -22,6 +22,7 @@ from torch.utils import _pytree as pytree
 from .loading import import_file
 from .materialize import parameters_on_meta
 from .pipelining import DistributedPipeline
+from .zero_bubble import ZERO_BUBBLE, requirement
 
 __all__ = ["init_distributed", "main", "peak_rss_bytes"]
 
@@ -76,7 +77,8 @@ def main(pipeline: DistributedPipeline, argv: Sequence[str] | None = None) -> in
                         "default: the example micro-batch repeated M times")
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--save", help="directory for rank{k}.pt: loss, grads, peak RSS")
+    parser.add_argument("--save", help="directory for rank{k}.pt: loss, grads, peak RSS and "
+                        "(the last stage's ranks) the model's output per micro-batch")
     opts = parser.parse_args(argv)
 
     try:
@@ -119,7 +121,16 @@ def _train(
         model, rank, world_size, device, *args, checkpoint=opts.checkpoint, **kwargs
     )
     rss["loaded"] = peak_rss_bytes()
-    schedule = pipeline.build_schedule(stages, loss_fn)
+    if rank == 0 and pipeline.schedule in ZERO_BUBBLE and pipeline.uniform:  # on torch's class
+        print(requirement(pipeline.schedule, pipeline.num_stages, world_size // pipeline.lanes,
+                          pipeline.microbatches)[0], flush=True)
+    outputs: list[Any] = []  # with --save: the output loss_fn gets, one per micro-batch
+
+    def saving_loss(output: Any, target: Any) -> torch.Tensor:
+        outputs.append(pytree.tree_map_only(torch.Tensor, lambda t: t.detach().cpu(), output))
+        return loss_fn(output, target)
+
+    schedule = pipeline.build_schedule(stages, saving_loss if opts.save else loss_fn)
     if opts.batch:
         batch = torch.load(opts.batch, weights_only=False)
         args, kwargs, target = batch["args"], batch["kwargs"], batch["target"]
@@ -136,6 +147,7 @@ def _train(
     for step in range(opts.steps):
         if optimizer is not None:
             optimizer.zero_grad(set_to_none=True)
+        outputs.clear()
         loss = pipeline.train_step(schedule, stages, *args, target=target, **kwargs)
         if loss is not None and pipeline.position(rank)[1] == 0:  # replica 0 speaks
             print(f"step {step}: loss {loss.item():.6f}", flush=True)
@@ -146,7 +158,7 @@ def _train(
                      for name, p in cast(nn.Module, stage.submod.stage).named_parameters(
                          remove_duplicate=False) if p.grad is not None}
             Path(opts.save).mkdir(parents=True, exist_ok=True)
-            torch.save({"loss": loss, "grads": grads, "rss": rss},
+            torch.save({"loss": loss, "grads": grads, "rss": rss, "outputs": outputs},
                        Path(opts.save) / f"rank{rank}.pt")
         if optimizer is not None:
             optimizer.step()

@@ -8,9 +8,9 @@ exports its methods as module functions. Which rank runs which stage is
 ranks.py. Each rank's stage is a torch ``PipelineStage`` around a
 ``StageAdapter``, driven by torch's schedules: gpipe -> ``ScheduleGPipe``, 1f1b
 -> ``Schedule1F1B``, interleaved -> ``ScheduleInterleaved1F1B`` over the rank's
-v stages. When every stage has the same r, each of the r lanes is a whole
-``PipelineStage`` pipeline on its own process group; stages with different
-replica counts run the runner's schedule table instead (table.py).
+v stages, zb1p, zbv and dualpipev as zero_bubble.py says. When every stage has the
+same r, each of the r lanes is a whole ``PipelineStage`` pipeline on its own process
+group; stages with different replica counts run the runner's schedule table (table.py).
 
 Memory: with ``checkpoint``, ``pipeline_stage`` allocates only the rank's own
 stage (materialize.py), so no rank holds the whole model::
@@ -56,6 +56,7 @@ from .microbatch import batch_size, lane_share
 from .precision import PRECISIONS, check_precision
 from .ranks import RankLayout
 from .table import TableSchedule, TableStage
+from .zero_bubble import ZERO_BUBBLE, zero_bubble_schedule
 
 __all__ = ["DistributedPipeline"]
 
@@ -80,10 +81,11 @@ class DistributedPipeline(RankLayout):
         unsupported: str | None = None,
         virtual_stages: int = 1,
         precision: str = "32-true",
+        device_of: Sequence[int] = (),
     ) -> None:
         assert len(wires) == len(stage_classes), (len(wires), len(stage_classes))
         self.precision = check_precision(precision)
-        super().__init__(len(stage_classes), replicas, virtual_stages)
+        super().__init__(len(stage_classes), replicas, virtual_stages, device_of)
         self.unsupported = unsupported  # why this plan cannot run under torchrun
         self.table = [tuple(tick) for tick in table]  # the runner's SCHEDULE (TableStage)
         self.stage_classes = list(stage_classes)
@@ -264,8 +266,8 @@ class DistributedPipeline(RankLayout):
         schedule: str | None = None,
     ) -> Any:
         """The plan's schedule as torch's: gpipe -> ScheduleGPipe, 1f1b -> Schedule1F1B,
-        interleaved -> ScheduleInterleaved1F1B over the rank's stages. Gradients are
-        divided by M, as the single-process runner does."""
+        interleaved -> ScheduleInterleaved1F1B over the rank's stages, zb1p, zbv and
+        dualpipev: zero_bubble.py. Gradients are divided by M, as in one process."""
         kind = schedule or self.schedule
         m = microbatches or self.microbatches
         if PRECISIONS[self.precision][1]:
@@ -277,6 +279,8 @@ class DistributedPipeline(RankLayout):
                 f"trains {self.precision} in one process.",
                 stacklevel=2,
             )
+        if kind in ZERO_BUBBLE and not isinstance(_as_list(stage)[0], TableStage):
+            return zero_bubble_schedule(kind, _as_list(stage), self.lane_ranks(), m, loss_fn)
         if isinstance(stage, Sequence) and self.virtual_stages > 1:
             if kind != "interleaved" or m % self.num_ranks:
                 raise ValueError(
@@ -353,7 +357,7 @@ class DistributedPipeline(RankLayout):
             schedule.step(*feed, target=target, losses=losses)
         else:
             schedule.step(*feed)
-        if isinstance(schedule, ScheduleInterleaved1F1B):
+        if not schedule.scale_grads:  # built unscaled, see build_schedule
             for param in {id(p): p for s in stages for p in s.submod.parameters()}.values():
                 if param.grad is not None:
                     param.grad /= m

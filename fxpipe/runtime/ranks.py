@@ -11,11 +11,17 @@ each a whole pipeline of K ranks (rank j·r + l runs stage j in lane l)::
     lane 0 | rank 0 (stage 0) ──► rank 2 (stage 1)     chunk 0 of every micro-batch
     lane 1 | rank 1 (stage 0) ──► rank 3 (stage 1)     chunk 1
 
-Interleaved plans (Megatron-LM, v > 1): the K stages run on K / v ranks, stage j
-on rank j % (K / v), never replicated::
+Several stages per rank (v > 1), never replicated: the K stages run on K / v
+ranks, stage j on rank ``device_of[j]``: the plan's ``DEVICE_OF``, as the plan
+placed them (the runtime does not restate the rule). Interleaved 1F1B (Megatron-LM)
+has stage j on rank j % (K / v); ZB-V and DualPipeV have them in a V, stages j and
+K - 1 - j on rank j, so the first and last stages (an embedding and its tied head)
+share rank 0::
 
-    rank 0: stage 0, stage 2        stage 0 ──► stage 1 ──► stage 2 ──► stage 3
-    rank 1: stage 1, stage 3        (rank 0)    (rank 1)    (rank 0)    (rank 1)
+    interleaved | rank 0: stage 0, stage 2    stage 0 ──► stage 1 ──► stage 2 ──► stage 3
+                | rank 1: stage 1, stage 3    (rank 0)    (rank 1)    (rank 0)    (rank 1)
+    V           | rank 0: stage 0, stage 3    (rank 0)    (rank 1)    (rank 1)    (rank 0)
+                | rank 1: stage 1, stage 2
 """
 
 from collections.abc import Sequence
@@ -25,10 +31,11 @@ __all__ = ["RankLayout"]
 
 class RankLayout:
     """The ranks of a plan of ``num_stages`` stages with ``replicas`` per stage
-    (default 1) and ``virtual_stages`` stages per rank."""
+    (default 1) and ``virtual_stages`` stages per rank, stage j on rank
+    ``device_of[j]`` when there are several."""
 
     def __init__(self, num_stages: int, replicas: Sequence[int] = (),
-                 virtual_stages: int = 1) -> None:
+                 virtual_stages: int = 1, device_of: Sequence[int] = ()) -> None:
         self.replicas = tuple(replicas) or (1,) * num_stages
         assert len(self.replicas) == num_stages and min(self.replicas) >= 1
         self.virtual_stages = virtual_stages
@@ -38,6 +45,10 @@ class RankLayout:
         self.uniform = len(set(self.replicas)) == 1
         self.lanes = self.replicas[0] if self.uniform else 1
         self.first_rank = [sum(self.replicas[:j]) for j in range(num_stages)]
+        # with v > 1: the rank of each stage, v stages on every one of the K / v ranks
+        self.rank_of = tuple(device_of)
+        assert virtual_stages == 1 or sorted(self.rank_of) == sorted(
+            list(range(num_stages // virtual_stages)) * virtual_stages), self.rank_of
 
     @property
     def num_stages(self) -> int:
@@ -49,29 +60,33 @@ class RankLayout:
 
     def position(self, rank: int) -> tuple[int, int]:
         """(stage, replica) of ``rank``: stage j's replicas are ranks first_rank[j] + i
-        (with the same r everywhere, rank j·r + l runs stage j in lane l). Interleaved:
-        (the rank's first stage, 0)."""
+        (with the same r everywhere, rank j·r + l runs stage j in lane l). Several
+        stages per rank: (the rank's first stage, 0)."""
         if not 0 <= rank < self.num_ranks:
             raise ValueError(
                 f"rank {rank} has no stage: this package runs on ranks 0..{self.num_ranks - 1}"
             )
         if self.virtual_stages > 1:
-            return rank, 0
+            return self.rank_of.index(rank), 0
         j = max(j for j, first in enumerate(self.first_rank) if first <= rank)
         return j, rank - self.first_rank[j]
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
-        """The stages ``rank`` runs: one, or v when interleaved (rank, rank + K, ...)."""
+        """The stages ``rank`` runs: one, or v in stage order."""
         first = self.position(rank)[0]
         if self.virtual_stages == 1:
             return (first,)
-        return tuple(range(first, self.num_stages, self.num_ranks))
+        return tuple(j for j, r in enumerate(self.rank_of) if r == rank)
 
     def ranks_of(self, stage: int) -> tuple[int, ...]:
-        """The ranks that run ``stage``: its replicas, or its one rank when interleaved."""
+        """The ranks that run ``stage``: its replicas, or its one rank when v > 1."""
         if self.virtual_stages > 1:
-            return (stage % self.num_ranks,)
+            return (self.rank_of[stage],)
         return tuple(range(self.first_rank[stage], self.first_rank[stage] + self.replicas[stage]))
+
+    def lane_ranks(self) -> tuple[int, ...]:
+        """Each stage's rank within its lane's pipeline (torch's group rank)."""
+        return self.rank_of if self.virtual_stages > 1 else tuple(range(self.num_stages))
 
     def check_world_size(self, world_size: int) -> None:
         """A job of ``world_size`` processes must have one per rank of this layout."""

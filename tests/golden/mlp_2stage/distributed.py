@@ -4,6 +4,7 @@ parameters), bound to the runtime's DistributedPipeline (runtime/pipelining.py).
 """
 
 from .runner import (
+    DEVICE_OF,
     MICROBATCHES,
     PRECISION,
     REPLICAS,
@@ -35,7 +36,7 @@ __all__ = [
 
 STAGE_CLASSES = (Stage0, Stage1)
 SCHEDULE_KIND = "1f1b"
-# VIRTUAL_STAGES: stages per rank (interleaved: stage k on rank k % (K / v))
+# VIRTUAL_STAGES: stages per rank; with more than one, stage k on rank DEVICE_OF[k]
 VIRTUAL_STAGES = 1
 # UNSUPPORTED: why this plan cannot run here (None: it can)
 UNSUPPORTED = None
@@ -64,6 +65,7 @@ PIPELINE = DistributedPipeline(
     unsupported=UNSUPPORTED,
     virtual_stages=VIRTUAL_STAGES,
     precision=PRECISION,
+    device_of=DEVICE_OF,
 )
 stage_module = PIPELINE.stage_module
 pipeline_stage = PIPELINE.pipeline_stage

@@ -1,0 +1,113 @@
+"""The zero-bubble schedules under torchrun, on torch.distributed.pipelining's own classes.
+
+# K: stages, N: ranks, M: micro-batches.
+
+    zb1p      -> ScheduleInterleavedZeroBubble    one stage per rank (ZB-H1)
+    zbv       -> ScheduleZBVZeroBubble            two stages per rank, in a V
+    dualpipev -> ScheduleDualPipeV                two stages per rank, in a V, M >= K
+
+torch runs each backward as two actions: I, the gradient of the stage's inputs
+(``stage_backward_input``), which the previous stage waits for, and W, the gradient
+of its weights, later, in a bubble. Three things differ from the other schedules:
+
+1. After I, torch detaches the stage's outputs in place (``detach_``, to free the
+   graph before W runs). That fails on an output that is a view ("Can't detach views
+   in-place") and breaks W when the stage saved that same tensor for its own weight
+   gradient ("a saved tensor that has been detached in-place"). So under these
+   schedules every ``StageAdapter`` sends clones of its outputs (``split_backward``).
+   Every send, not only those that need it: knowing which outputs autograd saved takes a
+   hook on every tensor each op saves, on every micro-batch, while a clone is one copy
+   of the bytes that cross to the next rank anyway (the clone's backward is the
+   identity and saves nothing; the original is freed unless the stage saved it).
+   torch also sends the input gradients as ``autograd.grad`` returns them, which may
+   not be contiguous (the backward of a ``cat`` is slices of one gradient), and gloo
+   and NCCL send contiguous memory only: the adapter makes them contiguous with a hook.
+2. ZB-V and DualPipeV place the stages in a V, rank r running stages r and K - 1 - r,
+   which also puts an embedding and its tied LM head on rank 0 (one copy, no
+   all-reduce). torch computes that placement itself; the plan's (``DEVICE_OF``, read
+   by ``RankLayout``) must be the same, which ``zero_bubble_schedule`` checks.
+3. torch's ``scale_grads`` divides each stage's gradients by M at that stage's last
+   backward: a parameter two stages of one rank share (the tied weight in a V) would
+   be divided twice. The schedules are built with ``scale_grads=False`` and
+   ``DistributedPipeline.train_step`` divides every parameter's gradient once.
+
+DualPipeV runs a paired forward and backward one after the other: torch accepts an
+overlapped forward-backward function (``OVERLAP_F_B``), which fxpipe does not
+generate.
+"""
+
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import torch
+
+from .adapter import StageAdapter, on_model_output
+
+__all__ = ["ZERO_BUBBLE", "requirement", "zero_bubble_schedule"]
+
+# the schedule kinds that split the backward -> their torch.distributed.pipelining class
+# (by name: importing this module, as codegen does, does not import torch's pipelining)
+ZERO_BUBBLE = {
+    "zb1p": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+
+
+def requirement(kind: str, num_stages: int, num_ranks: int, microbatches: int,
+                ) -> tuple[str, bool]:
+    """What torch's class for ``kind`` needs, as one sentence with this plan's numbers,
+    and whether the plan meets it."""
+    k, n, m = num_stages, num_ranks, microbatches
+    name = ZERO_BUBBLE[kind]
+    if kind == "zb1p":
+        rounds = max(1, m // n)
+        return (f"zb1p runs on torch's {name} with one stage per rank ({k} stages on {n} "
+                f"ranks) and M = {m} micro-batches in max(1, M // {n}) = {rounds} equal "
+                f"rounds", k == n and m % rounds == 0)
+    text = (f"{kind} runs on torch's {name} with exactly 2 stages per rank in a V, rank r "
+            f"running stages r and {k - 1} - r ({k} stages on {n} ranks)")
+    if kind == "dualpipev":
+        return (f"{text}, and at least as many micro-batches as stages (M = {m})",
+                k == 2 * n and m >= k)
+    return text, k == 2 * n
+
+
+def zero_bubble_schedule(
+    kind: str,
+    stages: Sequence[Any],
+    rank_of: Sequence[int],
+    microbatches: int,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+) -> Any:
+    """torch's schedule for ``kind`` over this rank's ``PipelineStage``s (``rank_of[j]``:
+    the pipeline rank of stage j, as the plan placed it), gradients left unscaled: the
+    caller divides them by M once per parameter. ``requirement`` is checked before any
+    stage is touched."""
+    k, n, m = len(rank_of), len(set(rank_of)), microbatches
+    sentence, met = requirement(kind, k, n, m)
+    if not met:
+        if kind == "zb1p" and k == n:
+            fix = f"split again with --microbatches {-(-m // n) * n} (a multiple of {n})"
+        elif kind == "dualpipev" and k == 2 * n:
+            fix = f"split again with --microbatches {k}"
+        else:
+            fix = f"split again with --schedule {kind}"
+        raise ValueError(f"{sentence}: {fix} (runner.PipelineRunner runs this plan as it is, "
+                         f"in one process)")
+    for stage in stages:
+        adapter = cast(StageAdapter, stage.submod)
+        adapter.microbatches = m
+        adapter.split_backward = True  # clone sends, contiguous input gradients (point 1)
+    from torch.distributed import pipelining  # seconds to import; codegen reads this module
+
+    schedule_class = getattr(pipelining, ZERO_BUBBLE[kind])
+    schedule = schedule_class(list(stages), n_microbatches=m,
+                              loss_fn=on_model_output(stages, loss_fn), scale_grads=False)
+    torch_ranks = [schedule.stage_index_to_group_rank[j] for j in range(k)]
+    if torch_ranks != list(rank_of):
+        raise ValueError(
+            f"torch's {type(schedule).__name__} runs the stages on ranks {torch_ranks}, but "
+            f"this plan placed them on ranks {list(rank_of)}: split again with --schedule "
+            f"{kind}")
+    return schedule
