@@ -454,11 +454,14 @@ def _worded(exc: ValueError) -> str:
                 f"{format_bytes(exc.limit)} per GPU; the best split needs "
                 f"{format_bytes(exc.needed)}. Use {', '.join(fixes[:-1])} or {fixes[-1]}.")
     if isinstance(exc, NoSolutionError):
-        if exc.limit is None:
-            return (f"No split onto {exc.devices} GPUs was found in {exc.time_limit_s:g} s; "
-                    f"raise --time-limit.")
-        return (f"No split that fits in {format_bytes(exc.limit)} per GPU was found in "
-                f"{exc.time_limit_s:g} s; raise --time-limit or the memory limit.")
+        where = (f"onto {exc.devices} GPUs" if exc.limit is None
+                 else f"that fits in {format_bytes(exc.limit)} per GPU")
+        if exc.wall_clock:
+            found, fix = f"in {exc.time_limit_s:g} s", "raise --time-limit"
+        else:
+            found, fix = f"within --work-limit {exc.work_limit:g}", "raise --work-limit"
+        memory = "" if exc.limit is None else " or the memory limit"
+        return f"No split {where} was found {found}; {fix}{memory}."
     return str(exc)
 
 

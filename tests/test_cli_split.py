@@ -122,24 +122,27 @@ def test_existing_foreign_folder_is_not_replaced(tmp_path: Path) -> None:
 def test_solver_errors_are_worded_with_the_flags(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """The solver says "allow the solver more time"; the command names the flag that does."""
+    """The solver says "allow the solver more work"; the command names the flag that does,
+    --work-limit for the deterministic limit, --time-limit for the wall-clock safety net."""
     from fxpipe import cli, compiler
     from fxpipe.partition import NoSolutionError
 
-    def out_of_time(problem: object, *, work_limit: float, time_limit_s: float,
+    def out_of_work(problem: object, *, work_limit: float, time_limit_s: float,
                     replicate: bool) -> None:
         limit = None if replicate else 2**30
-        raise NoSolutionError(devices=2, time_limit_s=time_limit_s, limit=limit)
+        raise NoSolutionError(devices=2, work_limit=work_limit, time_limit_s=time_limit_s,
+                              wall_clock=time_limit_s < 1, limit=limit)
 
-    monkeypatch.setattr(compiler, "partition", out_of_time)
+    monkeypatch.setattr(compiler, "partition", out_of_work)
     monkeypatch.chdir(tmp_path)
     assert cli.main(["split", MLP, "--gpus", "2", "--time-limit", "0.5"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "fxpipe: error: No split that fits in 1.0 GiB per GPU was found in 0.5 s; raise "
         "--time-limit or the memory limit.")
-    assert cli.main(["split", MLP, "--gpus", "2", "--replicate"]) == 2
+    assert cli.main(["split", MLP, "--gpus", "2", "--replicate", "--work-limit", "3"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "fxpipe: error: No split onto 2 GPUs was found in 120 s; raise --time-limit.")
+        "fxpipe: error: No split onto 2 GPUs was found within --work-limit 3; raise "
+        "--work-limit.")
     assert not (tmp_path / "fxpipe-out").exists()
 
 

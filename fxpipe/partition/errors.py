@@ -113,18 +113,24 @@ def _either(options: list[str]) -> str:
 
 
 class NoSolutionError(ValueError):
-    """The time limit (``time_limit_s``) ran out before any split was found. ``limit``:
-    the per-GPU memory every split had to fit, or None when memory was not the obstacle
-    (the replicated search, which tries every stage count)."""
+    """The search ended before any split was found: its work limit (``work_limit``, CP-SAT
+    deterministic time) ran out, or, when ``wall_clock`` is true, the wall-clock safety net
+    (``time_limit_s``) did first. ``limit``: the per-GPU memory every split had to fit, or
+    None when memory was not the obstacle (the replicated search, which tries every stage
+    count)."""
 
-    def __init__(self, *, devices: int, time_limit_s: float, limit: float | None) -> None:
+    def __init__(self, *, devices: int, work_limit: float, time_limit_s: float,
+                 wall_clock: bool, limit: float | None) -> None:
         self.devices = devices
+        self.work_limit = work_limit
         self.time_limit_s = time_limit_s
+        self.wall_clock = wall_clock
         self.limit = limit
-        if limit is None:
-            message = (f"No split onto {devices} GPUs was found in {time_limit_s:g} s; "
-                       f"allow the solver more time.")
-        else:
-            message = (f"No split that fits in {format_bytes(limit)} per GPU was found in "
-                       f"{time_limit_s:g} s; allow the solver more time or more memory.")
+        where = (f"onto {devices} GPUs" if limit is None
+                 else f"that fits in {format_bytes(limit)} per GPU")
+        budget = (f"in {time_limit_s:g} s of wall clock" if wall_clock
+                  else f"within a work limit of {work_limit:g}")
+        more = "more time" if wall_clock else "more work"
+        fix = f"allow the solver {more}" + ("" if limit is None else " or more memory")
+        message = f"No split {where} was found {budget}; {fix}."
         super().__init__(message)

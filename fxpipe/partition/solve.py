@@ -218,7 +218,9 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
         if result.status == "INFEASIBLE":
             raise _infeasible(problem, exact, work_limit=work_limit,
                               time_limit_s=time_limit_s, workers=workers)
-        raise NoSolutionError(devices=problem.devices, time_limit_s=time_limit_s,
+        raise NoSolutionError(devices=problem.devices, work_limit=work_limit,
+                              time_limit_s=time_limit_s,
+                              wall_clock=any(p.wall_clock_stopped for p in phases),
                               limit=problem.memory_limit)
 
     evaluation = evaluate(problem, best)
@@ -369,7 +371,9 @@ def _partition_replicated(problem: Problem, *, work_limit: float, time_limit_s: 
                 phases=(*best.phases, result) if best is not None else (result,),
             )
     if best is None:
-        raise failure or NoSolutionError(devices=N, time_limit_s=time_limit_s, limit=None)
+        raise failure or NoSolutionError(devices=N, work_limit=work_limit,
+                                         time_limit_s=time_limit_s, wall_clock=wall_clock,
+                                         limit=None)
     objective = best.evaluation.bottleneck_s
     bound = min([objective, *bounds])
     bound = min(objective, max(bound, trivial_bound(replace(problem, num_stages=1,

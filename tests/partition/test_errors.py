@@ -104,14 +104,18 @@ def test_min_memory_is_a_split_that_fits_when_the_search_runs_out_of_time() -> N
     assert 10 * size <= needed < 11 * size  # 40 layers on 4 GPUs: at least 10 on one
 
 
-def test_no_solution_carries_the_time_limit() -> None:
+def test_no_solution_says_which_limit_ended_the_search() -> None:
     # Built directly: a solver that finds nothing in time is not reproducible in a test.
-    e = NoSolutionError(devices=4, time_limit_s=0.5, limit=8 * GiB)
-    assert (e.devices, e.time_limit_s, e.limit) == (4, 0.5, 8 * GiB)
-    assert str(e) == ("No split that fits in 8.0 GiB per GPU was found in 0.5 s; allow the "
-                      "solver more time or more memory.")
-    anywhere = NoSolutionError(devices=4, time_limit_s=30, limit=None)
-    assert str(anywhere) == "No split onto 4 GPUs was found in 30 s; allow the solver more time."
+    e = NoSolutionError(devices=4, work_limit=10, time_limit_s=0.5, wall_clock=True,
+                        limit=8 * GiB)
+    assert (e.devices, e.work_limit, e.time_limit_s, e.wall_clock, e.limit) == (
+        4, 10, 0.5, True, 8 * GiB)
+    assert str(e) == ("No split that fits in 8.0 GiB per GPU was found in 0.5 s of wall "
+                      "clock; allow the solver more time or more memory.")
+    anywhere = NoSolutionError(devices=4, work_limit=2.5, time_limit_s=30, wall_clock=False,
+                               limit=None)
+    assert str(anywhere) == ("No split onto 4 GPUs was found within a work limit of 2.5; "
+                             "allow the solver more work.")
     assert isinstance(anywhere, ValueError)
 
 
