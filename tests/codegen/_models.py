@@ -47,7 +47,8 @@ def ruff(path: Path) -> str:
 def traced(name: str) -> tuple[ModelSource, Traced]:
     """The example model and its traced graph; shared by the tests (zero grads before use)."""
     source = load_model_file(str(EXAMPLES / f"{name}.py"))
-    return source, trace(source.model, source.args, source.kwargs)
+    return source, trace(source.model, source.args, source.kwargs,
+                         batch_dims=source.batch_dims)
 
 
 def write_package(directory: Path, traced: Traced, plan: Plan) -> dict[str, str]:

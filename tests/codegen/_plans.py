@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.fx
 
-from fxpipe.plan import Estimate, Plan, SolverReport, StagePlan
+from fxpipe.plan import DynamicDim, Estimate, Plan, SolverReport, StagePlan
 
 # K: number of stages, M: number of micro-batches.
 
@@ -19,11 +19,14 @@ def contiguous_plan(
     model: str = "",
     replicas: tuple[int, ...] | None = None,
     virtual_stages: int = 1,
+    shared_inputs: tuple[str, ...] = (),
+    dynamic_dims: tuple[DynamicDim, ...] = (),
 ) -> Plan:
     """Cut the graph's ops (graph order is topological) into K chunks of near-equal
     size; a get_attr node goes with its first user. Always a valid monotone plan.
     Stage k runs on ``replicas[k]`` GPUs (default 1), or, with ``virtual_stages`` v > 1,
-    v stages share a GPU as the schedule places them."""
+    v stages share a GPU as the schedule places them. ``shared_inputs`` (the graph inputs
+    handed whole to every micro-batch) and ``dynamic_dims`` as the compiler records them."""
     ops = [n for n in graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
     assert len(ops) >= num_stages, (len(ops), num_stages)
     stage_of: dict[str, int] = {}
@@ -54,4 +57,6 @@ def contiguous_plan(
         estimate=Estimate(0.0, 0.0, 0.0, 0, True),
         model=model,
         virtual_stages=virtual_stages,
+        shared_inputs=shared_inputs,
+        dynamic_dims=dynamic_dims,
     )

@@ -23,7 +23,8 @@ TORCHRUN_TIMEOUT_S = 300
 
 def load(model: str) -> tuple[ModelSource, Traced]:
     source = load_model_file(model)
-    return source, trace(source.model, source.args, source.kwargs)
+    return source, trace(source.model, source.args, source.kwargs,
+                         batch_dims=source.batch_dims)
 
 
 def free_port() -> int:
