@@ -434,6 +434,7 @@ def distributed_source(traced: Traced, plan: Plan, ios: list[StageIO]) -> str:
         "    PRECISION,",
         "    REPLICAS,",
         "    SCHEDULE,",
+        "    SHARED_INPUTS,",
         "    build_output,",
         "    flatten_inputs,",
         ")",
@@ -503,6 +504,7 @@ _DISTRIBUTED_FOOTER = '''PIPELINE = DistributedPipeline(
     virtual_stages=VIRTUAL_STAGES,
     precision=PRECISION,
     device_of=DEVICE_OF,
+    shared_inputs=SHARED_INPUTS,
 )
 stage_module = PIPELINE.stage_module
 pipeline_stage = PIPELINE.pipeline_stage

@@ -20,12 +20,14 @@ adapters as constants (micro-batch shapes are fixed by the static metadata
 anyway), and ``train_step`` checks that a baked graph input keeps its value.
 """
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
+
+from .microbatch import torch_chunk_spec
 
 __all__ = [
     "StageAdapter",
@@ -34,6 +36,7 @@ __all__ = [
     "is_constant",
     "on_model_output",
     "split_wire",
+    "torch_schedule_kwargs",
 ]
 
 
@@ -165,6 +168,18 @@ def on_model_output(stages: Sequence[Any], loss_fn: Callable[[Any, Any], torch.T
     return lambda output, target: loss_fn(last.rebuild_output(output), target)
 
 
+def torch_schedule_kwargs(stages: Sequence[Any],
+                          loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+                          shared: Collection[str]) -> dict[str, Any]:
+    """What torch's schedule classes take for a rank's ``stages`` besides M: the loss on
+    the model's output (``on_model_output``), and ``args_chunk_spec``, the first stage's
+    graph inputs cut into micro-batches as ``microbatch.split_inputs`` cuts them, the
+    ``shared`` ones whole (None on a rank without the first stage: it is fed nothing)."""
+    first = next((cast(StageAdapter, s.submod) for s in stages if s.is_first), None)
+    spec = None if first is None else torch_chunk_spec(first.receives, first.input_shapes, shared)
+    return {"loss_fn": on_model_output(stages, loss_fn), "args_chunk_spec": spec}
+
+
 def check_constants(adapter: StageAdapter, values: Mapping[str, Any]) -> None:
     """A graph input baked into the stages must keep the value it was built with."""
     for name, baked in adapter.constants.items():
@@ -175,21 +190,25 @@ def check_constants(adapter: StageAdapter, values: Mapping[str, Any]) -> None:
             )
 
 
-def check_feed(adapter: StageAdapter, feed: Sequence[torch.Tensor], microbatches: int) -> None:
+def check_feed(adapter: StageAdapter, feed: Sequence[torch.Tensor], microbatches: int,
+               shared: Collection[str] = ()) -> None:
     """The first stage's graph inputs must be ``microbatches`` micro-batches of the shape
-    the stages were built with: torch's ``PipelineStage`` allocates its send and receive
-    buffers at that shape, and sizes that cross stages as numbers are baked in with it,
-    so another shape would fail inside torch or compute with the old size."""
+    the stages were built with (a ``shared`` input: that shape, whole in every one):
+    torch's ``PipelineStage`` allocates its send and receive buffers at that shape, and
+    sizes that cross stages as numbers are baked in with it, so another shape would fail
+    inside torch or compute with the old size."""
     for name, x, shape in zip(adapter.receives, feed, adapter.input_shapes, strict=True):
-        want = (microbatches * shape[0], *shape[1:]) if shape else shape
+        whole = name in shared or not shape
+        want = shape if whole else (microbatches * shape[0], *shape[1:])
         if tuple(x.shape) != want:
+            built = (f"with it of shape {shape}, handed whole to every micro-batch" if whole
+                     else f"for {microbatches} micro-batches of shape {shape}, {want} in all")
             raise ValueError(
                 f"graph input {name!r} has shape {tuple(x.shape)}, but under torchrun the "
-                f"stages were built for {microbatches} micro-batches of shape {shape}, "
-                f"{want} in all: torch.distributed.pipelining fixes the shapes stages send "
-                "and receive when pipeline_stage builds them; build the stages again with "
-                "an example micro-batch of the new shape, or pad the batch to the built one "
-                "(the single-process PipelineRunner takes any shape the model takes)"
+                f"stages were built {built}: torch.distributed.pipelining fixes the shapes "
+                "stages send and receive when pipeline_stage builds them; build the stages "
+                "again with an example micro-batch of the new shape, or pad the batch to the "
+                "built one (the single-process PipelineRunner takes any shape the model takes)"
             )
 
 

@@ -21,6 +21,7 @@ from torch.utils import _pytree as pytree
 
 from .loading import import_file
 from .materialize import parameters_on_meta
+from .microbatch import shared_leaves
 from .pipelining import DistributedPipeline
 from .zero_bubble import ZERO_BUBBLE, requirement
 
@@ -74,7 +75,8 @@ def main(pipeline: DistributedPipeline, argv: Sequence[str] | None = None) -> in
     parser.add_argument("--checkpoint", help="torch.save'd state_dict of the whole model; "
                         "without it every rank builds the model for real")
     parser.add_argument("--batch", help="torch.save'd {'args', 'kwargs', 'target'} mini-batch; "
-                        "default: the example micro-batch repeated M times")
+                        "default: the example micro-batch repeated M times (its inputs "
+                        "without a batch dimension once)")
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--save", help="directory for rank{k}.pt: loss, grads, peak RSS and "
@@ -136,7 +138,9 @@ def _train(
         args, kwargs, target = batch["args"], batch["kwargs"], batch["target"]
     else:
         m = pipeline.microbatches
-        repeat = lambda t: torch.cat([t] * m) if t.dim() else t  # noqa: E731
+        # a shared input (a causal mask) is the same for any number of samples
+        whole = shared_leaves(pipeline.flatten_inputs(*args, **kwargs), pipeline.shared_inputs)
+        repeat = lambda t: t if not t.dim() or id(t) in whole else torch.cat([t] * m)  # noqa: E731
         args, kwargs = pytree.tree_map_only(torch.Tensor, repeat, (args, kwargs))
         example_target = getattr(build, "example_target", module.example_target)
         target = pytree.tree_map_only(torch.Tensor, repeat, example_target())

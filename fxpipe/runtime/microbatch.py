@@ -11,10 +11,11 @@ dim 0 equals the batch size being split (replicas); every other leaf (0-dim
 tensors, non-tensors, a causal mask of shape (1, 1, T, T)) goes whole to every
 part. A graph input that the compiler found to have no batch dimension (a shared
 input: a (T, T) causal mask, HF's ``position_ids`` of shape (1, T)) goes whole to
-every part too, whatever its shape (``split_inputs``).
+every part too, whatever its shape (``split_inputs``; under torchrun, where torch's
+schedules cut the first stage's inputs, ``torch_chunk_spec`` tells them the same).
 """
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -30,10 +31,12 @@ __all__ = [
     "microbatch_count",
     "rows_of",
     "sample_share",
+    "shared_leaves",
     "split_inputs",
     "split_leaves",
     "split_microbatches",
     "split_replicas",
+    "torch_chunk_spec",
 ]
 
 
@@ -118,6 +121,26 @@ def split_inputs(flat: dict[str, Any], microbatches: int,
     return [{name: parts[m] for name, parts in per_name.items()} for m in range(num_mb)]
 
 
+def torch_chunk_spec(names: Sequence[str], shapes: Sequence[tuple[int, ...]],
+                     shared: Collection[str]) -> tuple[Any, ...]:
+    """``split_inputs``' rule for the graph inputs ``names`` (of example ``shapes``) as
+    torch.distributed.pipelining's ``args_chunk_spec``: cut along dim 0 (torch's
+    schedules cut with ``torch.tensor_split`` too), but a shared input, or a 0-dim
+    tensor, handed whole to every micro-batch."""
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
+
+    return tuple(_Replicate() if name in shared or not shape else TensorChunkSpec(0)
+                 for name, shape in zip(names, shapes, strict=True))
+
+
+def shared_leaves(flat: Mapping[str, Any], shared: Collection[str]) -> frozenset[int]:
+    """The ids of the tensors among the graph inputs ``flat`` (name -> value, what
+    ``flatten_inputs`` returns) that ``shared`` names: for the functions that take the
+    model's (args, kwargs), whose leaves are those very tensors."""
+    return frozenset(id(x) for name, value in flat.items() if name in shared
+                     for x in pytree.tree_leaves(value) if isinstance(x, torch.Tensor))
+
+
 def concat(outputs: list[Any]) -> Any:
     """One output from per-micro-batch outputs: tensor leaves concatenated along
     dim 0 (0-dim tensors stacked), other leaves taken from micro-batch 0."""
@@ -169,9 +192,14 @@ def merge_replicas(outputs: list[Any], sizes: list[int]) -> Any:
     return merge_leaves(outputs, merge)
 
 
-def rows_of(value: Any, lo: int, hi: int, rows: int) -> Any:
+def rows_of(value: Any, lo: int, hi: int, rows: int, *, whole: Collection[str] = ()) -> Any:
     """Rows [lo, hi) of every tensor leaf whose dim 0 is the micro-batch's ``rows``
-    (one replica's equal chunk), every other leaf whole."""
+    (one replica's equal chunk), every other leaf, and the values of a dict named in
+    ``whole`` (shared graph inputs), whole."""
+    if whole and isinstance(value, dict):
+        return {name: v if name in whole else rows_of(v, lo, hi, rows)
+                for name, v in value.items()}
+
     def cut(x: Any) -> Any:
         if isinstance(x, torch.Tensor) and x.dim() > 0 and x.size(0) == rows:
             return x[lo:hi]
@@ -180,16 +208,18 @@ def rows_of(value: Any, lo: int, hi: int, rows: int) -> Any:
     return pytree.tree_map(cut, value)
 
 
-def lane_share(value: Any, lane: int, lanes: int, *, microbatches: int, what: str) -> Any:
+def lane_share(value: Any, lane: int, lanes: int, *, microbatches: int, what: str,
+               whole: Collection[int] = ()) -> Any:
     """Lane ``lane``'s rows of ``value``: every tensor leaf with dim > 0 cut into
     ``microbatches`` micro-batches along dim 0, each of them into ``lanes`` equal
     chunks (as ``split_replicas`` splits a replicated stage's inputs), and chunk
-    ``lane`` of each, concatenated. Other leaves pass whole."""
+    ``lane`` of each, concatenated. Other leaves, and the tensors whose id is in
+    ``whole`` (shared inputs), pass whole."""
     if lanes == 1:
         return value
 
     def share(x: Any) -> Any:
-        if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        if not isinstance(x, torch.Tensor) or x.dim() == 0 or id(x) in whole:
             return x
         if x.size(0) % (microbatches * lanes):
             raise ValueError(

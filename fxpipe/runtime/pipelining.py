@@ -28,7 +28,7 @@ for any plan, one unless interleaved; the other calls take the list as well.)
 """
 
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, cast
 
 import torch
@@ -47,12 +47,12 @@ from .adapter import (
     check_constants,
     check_feed,
     example_values,
-    on_model_output,
     split_wire,
+    torch_schedule_kwargs,
 )
 from .grads import reduce_grads
 from .materialize import Checkpoint, load_state, materialize, rebind
-from .microbatch import batch_size, lane_share
+from .microbatch import batch_size, lane_share, shared_leaves
 from .precision import PRECISIONS, check_precision
 from .ranks import RankLayout
 from .table import TableSchedule, TableStage
@@ -82,6 +82,7 @@ class DistributedPipeline(RankLayout):
         virtual_stages: int = 1,
         precision: str = "32-true",
         device_of: Sequence[int] = (),
+        shared_inputs: Collection[str] = (),
     ) -> None:
         assert len(wires) == len(stage_classes), (len(wires), len(stage_classes))
         self.precision = check_precision(precision)
@@ -95,6 +96,7 @@ class DistributedPipeline(RankLayout):
         self.microbatches = microbatches
         self.flatten_inputs = flatten_inputs
         self.build_output = build_output
+        self.shared_inputs = frozenset(shared_inputs)  # graph inputs whole in every micro-batch
 
     # -------------------------------------------------------------- building
 
@@ -192,7 +194,8 @@ class DistributedPipeline(RankLayout):
                                       checkpoint)]
         lane = self.position(rank)[1]
         example_args, example_kwargs = self.lane_share(
-            (example_args, example_kwargs), lane, microbatches=1, what="the example micro-batch")
+            (example_args, example_kwargs), lane, microbatches=1, what="the example micro-batch",
+            inputs=True)
         built = {k: self.stage_module(model, k, device, *example_args, checkpoint=checkpoint,
                                       **example_kwargs) for k in self.stages_of(rank)}
         self._make_groups({k: adapter for k, (adapter, _, _) in built.items()})
@@ -253,9 +256,13 @@ class DistributedPipeline(RankLayout):
         self._make_groups({k: adapter})
         return TableStage(self, adapter, k, replica, torch.device(device), inputs, outputs, rows)
 
-    def lane_share(self, value: Any, lane: int, *, microbatches: int, what: str) -> Any:
-        """Lane ``lane``'s rows of ``value`` (see ``microbatch.lane_share``)."""
-        return lane_share(value, lane, self.lanes, microbatches=microbatches, what=what)
+    def lane_share(self, value: Any, lane: int, *, microbatches: int, what: str,
+                   inputs: bool = False) -> Any:
+        """Lane ``lane``'s rows of ``value`` (see ``microbatch.lane_share``); with ``inputs``,
+        ``value`` is the model's (args, kwargs) and its shared graph inputs pass whole."""
+        flat = self.flatten_inputs(*value[0], **value[1]) if inputs else {}
+        return lane_share(value, lane, self.lanes, microbatches=microbatches, what=what,
+                          whole=shared_leaves(flat, self.shared_inputs))
 
     def build_schedule(
         self,
@@ -280,7 +287,8 @@ class DistributedPipeline(RankLayout):
                 stacklevel=2,
             )
         if kind in ZERO_BUBBLE and not isinstance(_as_list(stage)[0], TableStage):
-            return zero_bubble_schedule(kind, _as_list(stage), self.lane_ranks(), m, loss_fn)
+            return zero_bubble_schedule(kind, _as_list(stage), self.lane_ranks(), m, loss_fn,
+                                        self.shared_inputs)
         if isinstance(stage, Sequence) and self.virtual_stages > 1:
             if kind != "interleaved" or m % self.num_ranks:
                 raise ValueError(
@@ -292,9 +300,9 @@ class DistributedPipeline(RankLayout):
                 cast(StageAdapter, s.submod).microbatches = m
             # torch divides each stage's gradients by M; a tied copy two of this rank's
             # stages share would be divided twice, so train_step divides once instead
-            return ScheduleInterleaved1F1B(stages, n_microbatches=m,
-                                           loss_fn=on_model_output(stages, loss_fn),
-                                           scale_grads=False)
+            return ScheduleInterleaved1F1B(stages, n_microbatches=m, scale_grads=False,
+                                           **torch_schedule_kwargs(stages, loss_fn,
+                                                                   self.shared_inputs))
         if isinstance(stage, Sequence):
             (stage,) = stage
         if isinstance(stage, TableStage):
@@ -315,7 +323,8 @@ class DistributedPipeline(RankLayout):
             )
             kind = "gpipe"
         cast(StageAdapter, stage.submod).microbatches = m
-        return classes[kind](stage, n_microbatches=m, loss_fn=on_model_output([stage], loss_fn))
+        return classes[kind](stage, n_microbatches=m,
+                             **torch_schedule_kwargs([stage], loss_fn, self.shared_inputs))
 
     # -------------------------------------------------------------- running
 
@@ -344,12 +353,11 @@ class DistributedPipeline(RankLayout):
         if first is not None:
             adapter = cast(StageAdapter, first.submod)
             args, kwargs = self.lane_share((args, kwargs), lane, microbatches=m,
-                                           what="the mini-batch")
+                                           what="the mini-batch", inputs=True)
             values = self.flatten_inputs(*args, **kwargs)
             check_constants(adapter, values)
             feed = [values[name].to(first.device) for name in adapter.receives]
-            if self.lanes == 1:
-                check_feed(adapter, feed, m)
+            check_feed(adapter, feed, m, self.shared_inputs)
         losses: list[torch.Tensor] = []
         if last is not None:
             target = self.lane_share(target, lane, microbatches=m, what="the target")

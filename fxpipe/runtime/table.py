@@ -11,12 +11,12 @@ and adapters of adapter.py), and sending gradients back the same way::
     1-2, b = 4 rows:  stage 0 (rank 0) rows 0-3 ──┬─ rows 0-1 ─► stage 1 replica 0 (rank 1)
                                                   └─ rows 2-3 ─► stage 1 replica 1 (rank 2)
 
-A tensor whose dim 0 is not the micro-batch's rows (a causal mask) goes whole
-from the producer's replica 0 to every replica, and their gradients for it are
-summed there. The last stage's replicas divide their chunk's loss by r, so the
-gradients summed over each stage's replicas (and over all copies of a tied
-parameter) are the whole micro-batch's. Each send matches a receive at a later
-tick of the table, so no rank waits on one that waits on it.
+A shared graph input (a causal mask) and a tensor whose dim 0 is not the
+micro-batch's rows go whole from the producer's replica 0 to every replica, and
+their gradients for it are summed there. The last stage's replicas divide their
+chunk's loss by r, so the gradients summed over each stage's replicas (and over
+all copies of a tied parameter) are the whole micro-batch's. Each send matches a
+receive at a later tick of the table, so no rank waits on one that waits on it.
 """
 
 from collections.abc import Callable, Sequence
@@ -26,8 +26,8 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from .adapter import StageAdapter
-from .microbatch import rows_of, split_microbatches
+from .adapter import StageAdapter, check_feed
+from .microbatch import rows_of, split_inputs, split_microbatches
 
 if TYPE_CHECKING:
     from .pipelining import DistributedPipeline
@@ -51,6 +51,7 @@ class TableStage:
         self.device = device
         self.receives = receives
         self.sends = sends
+        self.send_names = adapter.sends or ()  # the names of ``sends`` (none at the last stage)
         self.rows = rows
         self.is_first = stage_index == 0
         self.is_last = stage_index == pipeline.num_stages - 1
@@ -63,8 +64,11 @@ class TableStage:
     def rank_of(self, j: int, i: int) -> int:
         return self.pipeline.first_rank[j] + i
 
-    def batched(self, example: torch.Tensor) -> bool:
-        return example.dim() > 0 and example.size(0) == self.rows
+    def batched(self, example: torch.Tensor, name: str) -> bool:
+        """Whether the value ``name`` (of ``example``'s shape) is cut into the replicas'
+        rows: not a shared graph input, and dim 0 the micro-batch's rows."""
+        return (name not in self.pipeline.shared_inputs and example.dim() > 0
+                and example.size(0) == self.rows)
 
     def peers(self, j: int) -> list[tuple[int, int, int]]:
         """(replica of stage j, lo, hi): the rows this replica shares with each of
@@ -99,8 +103,11 @@ class TableSchedule:
         feeds: list[dict[str, Any]] = []
         if stage.is_first:
             values = stage.pipeline.flatten_inputs(*args, **kwargs)
-            feeds = [rows_of(v, lo, hi, stage.rows)
-                     for v in split_microbatches(values, m_count, copy=True)]
+            shared = stage.pipeline.shared_inputs
+            check_feed(stage.submod, [values[name] for name in stage.submod.receives], m_count,
+                       shared)
+            feeds = [rows_of(v, lo, hi, stage.rows, whole=shared)
+                     for v in split_inputs(values, m_count, shared)]
         targets = []
         if stage.is_last:
             if self.loss_fn is None:
@@ -180,7 +187,7 @@ class TableSchedule:
         stage, j = self.stage, self.stage.stage_index + 1
         tag = self._tag(m, i, len(stage.sends), backward=False)
         lo = stage.chunk(stage.stage_index, stage.replica)[0]
-        if stage.batched(example):
+        if stage.batched(example, stage.send_names[i]):
             for peer, a, b in stage.peers(j):
                 self._isend(y[a - lo:b - lo], stage.rank_of(j, peer), tag)
         elif stage.replica == 0:
@@ -191,7 +198,7 @@ class TableSchedule:
         """Value i of micro-batch m from the previous stage's replicas (this replica's rows)."""
         stage, j = self.stage, self.stage.stage_index - 1
         tag = self._tag(m, i, len(stage.receives), backward=False)
-        if not stage.batched(example):
+        if not stage.batched(example, stage.submod.receives[i]):
             return self._recv(example.shape, example, stage.rank_of(j, 0), tag)
         parts = [self._recv((b - a, *example.shape[1:]), example, stage.rank_of(j, peer), tag)
                  for peer, a, b in stage.peers(j)]
@@ -202,7 +209,7 @@ class TableSchedule:
         stage, j = self.stage, self.stage.stage_index - 1
         tag = self._tag(m, i, len(stage.receives), backward=True)
         lo = stage.chunk(stage.stage_index, stage.replica)[0]
-        if not stage.batched(example):
+        if not stage.batched(example, stage.submod.receives[i]):
             self._isend(grad, stage.rank_of(j, 0), tag)
             return
         for peer, a, b in stage.peers(j):
@@ -215,7 +222,7 @@ class TableSchedule:
             return None
         stage, j = self.stage, self.stage.stage_index + 1
         tag = self._tag(m, i, len(stage.sends), backward=True)
-        if stage.batched(example):
+        if stage.batched(example, stage.send_names[i]):
             rows = stage.rows // stage.pipeline.replicas[stage.stage_index]
             parts = [self._recv((b - a, *example.shape[1:]), example, stage.rank_of(j, peer), tag)
                      for peer, a, b in stage.peers(j)]

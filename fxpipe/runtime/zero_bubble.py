@@ -36,12 +36,12 @@ overlapped forward-backward function (``OVERLAP_F_B``), which fxpipe does not
 generate.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any, cast
 
 import torch
 
-from .adapter import StageAdapter, on_model_output
+from .adapter import StageAdapter, torch_schedule_kwargs
 
 __all__ = ["ZERO_BUBBLE", "requirement", "zero_bubble_schedule"]
 
@@ -79,11 +79,12 @@ def zero_bubble_schedule(
     rank_of: Sequence[int],
     microbatches: int,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None,
+    shared: Collection[str] = (),
 ) -> Any:
     """torch's schedule for ``kind`` over this rank's ``PipelineStage``s (``rank_of[j]``:
     the pipeline rank of stage j, as the plan placed it), gradients left unscaled: the
-    caller divides them by M once per parameter. ``requirement`` is checked before any
-    stage is touched."""
+    caller divides them by M once per parameter; the ``shared`` graph inputs whole in
+    every micro-batch. ``requirement`` is checked before any stage is touched."""
     k, n, m = len(rank_of), len(set(rank_of)), microbatches
     sentence, met = requirement(kind, k, n, m)
     if not met:
@@ -102,8 +103,8 @@ def zero_bubble_schedule(
     from torch.distributed import pipelining  # seconds to import; codegen reads this module
 
     schedule_class = getattr(pipelining, ZERO_BUBBLE[kind])
-    schedule = schedule_class(list(stages), n_microbatches=m,
-                              loss_fn=on_model_output(stages, loss_fn), scale_grads=False)
+    schedule = schedule_class(list(stages), n_microbatches=m, scale_grads=False,
+                              **torch_schedule_kwargs(stages, loss_fn, shared))
     torch_ranks = [schedule.stage_index_to_group_rank[j] for j in range(k)]
     if torch_ranks != list(rank_of):
         raise ValueError(

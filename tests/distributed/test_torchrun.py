@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import itertools
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
+from . import shared_inputs_lm
 from ._helpers import EXAMPLES, contiguous_plan, import_package, load, mini_batch, torchrun
 from ._helpers import write_package as write
 
@@ -66,6 +68,13 @@ def test_torchrun_matches_runner_and_model(tmp_path: Path, name: str, schedule: 
                       "--checkpoint", str(tmp_path / "model.pt"), "--batch",
                       str(tmp_path / "batch.pt"), "--save", str(tmp_path / "out"), "--lr", "0")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
+    check_ranks(tmp_path, replicas, n, source.model, source.loss_fn, args, kwargs, target)
+
+
+def check_ranks(tmp_path: Path, replicas: tuple[int, ...], n: int, model: torch.nn.Module,
+                loss_fn: Any, args: Any, kwargs: Any, target: Any) -> None:
+    """The loss and gradients the n ranks saved under ``tmp_path / "out"`` equal those of
+    the package's single-process runner and of the unsplit model on the same mini-batch."""
     ranks = [torch.load(tmp_path / "out" / f"rank{rank}.pt") for rank in range(n)]
 
     # the single-process runner of the same package
@@ -73,11 +82,11 @@ def test_torchrun_matches_runner_and_model(tmp_path: Path, name: str, schedule: 
     runner = package.PipelineRunner(package.build_stages(model))
     assert runner.replicas == list(replicas)
     model.zero_grad(set_to_none=True)
-    runner_loss = runner.step(kwargs if kwargs else args, target, source.loss_fn)
+    runner_loss = runner.step(kwargs if kwargs else args, target, loss_fn)
     runner_grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
     # the unsplit model
     model.zero_grad(set_to_none=True)
-    model_loss = source.loss_fn(model(*args, **kwargs), target)
+    model_loss = loss_fn(model(*args, **kwargs), target)
     model_loss.backward()
     model_grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
     model.zero_grad(set_to_none=True)
@@ -103,3 +112,56 @@ def test_torchrun_matches_runner_and_model(tmp_path: Path, name: str, schedule: 
     # every parameter lives on some rank (under one of its names, when tied)
     named = dict(model.named_parameters(remove_duplicate=False))
     assert {id(named[key]) for key in seen} == {id(p) for p in model.parameters()}
+
+
+# (schedule, replicas per stage, mini-batch) for a model with a (T, T) causal mask and
+# (1, T) position_ids that every sample shares. "file": distinct samples from --batch;
+# "example": train_torchrun.py's own mini-batch (the example micro-batch M times, the
+# shared inputs once). "2-2": each lane takes its rows of every micro-batch and all of
+# the shared inputs; "1-2": the schedule table sends the mask whole to both replicas.
+SHARED_CASES = [
+    ("1f1b", (1, 1), "file"),
+    pytest.param("1f1b", (1, 1), "example", marks=pytest.mark.slow),
+    pytest.param("gpipe", (2, 2), "file", marks=pytest.mark.slow),
+    pytest.param("1f1b", (1, 2), "file", marks=pytest.mark.slow),
+    pytest.param("interleaved", (1, 1, 1, 1), "file", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize(("schedule", "replicas", "batch"), SHARED_CASES)
+def test_torchrun_hands_shared_inputs_whole_to_every_micro_batch(
+        tmp_path: Path, schedule: str, replicas: tuple[int, ...], batch: str) -> None:
+    model_file = Path(shared_inputs_lm.__file__)
+    source, traced = load(str(model_file))
+    assert traced.shared_inputs == ("mask", "position_ids")
+    v = 2 if schedule == "interleaved" else 1
+    k, n = len(replicas), sum(replicas) // v
+    plan = contiguous_plan(traced.gm.graph, k, schedule=schedule, microbatches=shared_inputs_lm.M,
+                           replicas=replicas, virtual_stages=v,
+                           shared_inputs=traced.shared_inputs)
+    files = write(tmp_path / "pkg", traced, plan)
+    assert 'SHARED_INPUTS = ("mask", "position_ids")' in files["runner.py"]
+    assert all("mask" in wire for wire in files_wires(tmp_path / "pkg"))  # every stage reads it
+    torch.save(source.model.state_dict(), tmp_path / "model.pt")
+    rows = shared_inputs_lm.M * shared_inputs_lm.B
+    assert rows == shared_inputs_lm.T  # the mask's dim 0 is the mini-batch's
+    if batch == "file":
+        args, target = shared_inputs_lm.mini_batch(rows)
+        torch.save({"args": args, "kwargs": {}, "target": target}, tmp_path / "batch.pt")
+        given = ["--batch", str(tmp_path / "batch.pt")]
+    else:
+        ids, mask, positions = source.args
+        args, target = (torch.cat([ids] * shared_inputs_lm.M), mask, positions), torch.cat(
+            [source.target] * shared_inputs_lm.M)
+        given = []
+    result = torchrun(n, tmp_path / "pkg" / "train_torchrun.py", "--model", str(model_file),
+                      "--checkpoint", str(tmp_path / "model.pt"), *given,
+                      "--save", str(tmp_path / "out"), "--lr", "0")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
+    check_ranks(tmp_path, replicas, n, source.model, source.loss_fn, args, {}, target)
+
+
+def files_wires(directory: Path) -> tuple[tuple[str, ...], ...]:
+    """WIRES of the generated distributed.py in ``directory``."""
+    package = import_package(directory, f"fxpipe_dist_{next(_names)}")
+    return package.distributed.WIRES

@@ -101,3 +101,41 @@ def test_split_inputs_hands_shared_inputs_whole() -> None:
     assert [p["mask"].shape for p in split_inputs({"mask": mask}, 4, ())] == [(1, 4)] * 4
     with pytest.raises(ValueError, match=r"shared_inputs names \['ids'\]"):
         split_inputs({"x": x}, 2, {"ids"})
+
+
+def test_torch_cuts_the_first_stage_inputs_as_split_inputs_does() -> None:
+    """Under torchrun torch's schedule cuts the mini-batch; the chunk spec makes it cut as
+    split_inputs does: the mask and position ids whole, the ids along dim 0 (unevenly
+    too), a 0-dim tensor whole."""
+    from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+
+    from fxpipe.runtime.microbatch import split_inputs, torch_chunk_spec
+
+    flat = {"ids": torch.arange(15).reshape(5, 3), "mask": torch.ones(5, 5).triu(),
+            "position_ids": torch.arange(3).unsqueeze(0), "scale": torch.tensor(2.0)}
+    shared = {"mask", "position_ids"}
+    spec = torch_chunk_spec(list(flat), [tuple(v.shape) for v in flat.values()], shared)
+    chunks, _ = split_args_kwargs_into_chunks(tuple(flat.values()), {}, 2, spec)
+    ours = split_inputs(flat, 2, shared)
+    assert len(chunks) == len(ours) == 2
+    for theirs, mine in zip(chunks, ours, strict=True):
+        for got, (name, want) in zip(theirs, mine.items(), strict=True):
+            torch.testing.assert_close(got, want, msg=name)
+        assert theirs[1] is flat["mask"] and theirs[2] is flat["position_ids"]
+    assert [c[0].shape[0] for c in chunks] == [3, 2]
+
+
+def test_shared_inputs_pass_whole_through_lanes_and_replica_rows() -> None:
+    from fxpipe.runtime.microbatch import shared_leaves
+
+    ids, mask = torch.arange(8.0).reshape(8, 1), torch.ones(8, 8).triu()
+    flat = {"ids": ids, "mask": mask}
+    whole = shared_leaves(flat, {"mask"})
+    assert whole == {id(mask)}
+    # lane 1 of 2 over 2 micro-batches of 4 rows: its rows of the ids, all of the mask
+    args = lane_share((ids, mask), 1, 2, microbatches=2, what="x", whole=whole)
+    assert args[0].flatten().tolist() == [2, 3, 6, 7] and args[1] is mask
+    assert lane_share((ids, mask), 1, 2, microbatches=2, what="x")[1].shape == (4, 8)
+    # a replica's rows of a micro-batch of 8 rows: the mask's 8 rows are not samples
+    part = rows_of(flat, 4, 8, 8, whole={"mask"})
+    assert part["ids"].flatten().tolist() == [4, 5, 6, 7] and part["mask"] is mask

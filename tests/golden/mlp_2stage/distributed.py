@@ -9,6 +9,7 @@ from .runner import (
     PRECISION,
     REPLICAS,
     SCHEDULE,
+    SHARED_INPUTS,
     build_output,
     flatten_inputs,
 )
@@ -66,6 +67,7 @@ PIPELINE = DistributedPipeline(
     virtual_stages=VIRTUAL_STAGES,
     precision=PRECISION,
     device_of=DEVICE_OF,
+    shared_inputs=SHARED_INPUTS,
 )
 stage_module = PIPELINE.stage_module
 pipeline_stage = PIPELINE.pipeline_stage
