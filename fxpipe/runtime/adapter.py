@@ -190,14 +190,15 @@ def check_constants(adapter: StageAdapter, values: Mapping[str, Any]) -> None:
             )
 
 
-def check_feed(adapter: StageAdapter, feed: Sequence[torch.Tensor], microbatches: int,
+def check_feed(names: Sequence[str], shapes: Sequence[tuple[int, ...]],
+               feed: Sequence[torch.Tensor], microbatches: int,
                shared: Collection[str] = ()) -> None:
-    """The first stage's graph inputs must be ``microbatches`` micro-batches of the shape
-    the stages were built with (a ``shared`` input: that shape, whole in every one):
-    torch's ``PipelineStage`` allocates its send and receive buffers at that shape, and
-    sizes that cross stages as numbers are baked in with it, so another shape would fail
-    inside torch or compute with the old size."""
-    for name, x, shape in zip(adapter.receives, feed, adapter.input_shapes, strict=True):
+    """The graph inputs ``feed`` (``names``) must be ``microbatches`` micro-batches of the
+    ``shapes`` the stages were built with (a ``shared`` input: that shape, whole in every
+    one): torch's ``PipelineStage`` allocates its send and receive buffers at that shape,
+    and sizes that cross stages as numbers are baked in with it, so another shape would
+    fail inside torch or compute with the old size."""
+    for name, x, shape in zip(names, feed, shapes, strict=True):
         whole = name in shared or not shape
         want = shape if whole else (microbatches * shape[0], *shape[1:])
         if tuple(x.shape) != want:

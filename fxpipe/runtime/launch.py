@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from .adapter import check_feed
 from .loading import import_file
 from .materialize import parameters_on_meta
 from .microbatch import shared_leaves
@@ -98,6 +99,19 @@ def main(pipeline: DistributedPipeline, argv: Sequence[str] | None = None) -> in
     return 0
 
 
+def _check_batch(pipeline: DistributedPipeline, example: tuple[Any, Any],
+                 batch: Mapping[str, Any]) -> None:
+    """Refuse, on every rank and before any collective call, a mini-batch that is not M
+    micro-batches of the example's shape, the one torch's stages are built at (see
+    ``check_feed``): ``train_step`` checks it on the first stage's rank only, and the
+    other ranks would then die on its closed connection instead of saying why."""
+    built = pipeline.flatten_inputs(*example[0], **example[1])
+    given = pipeline.flatten_inputs(*batch["args"], **batch["kwargs"])
+    names = [name for name, value in built.items() if isinstance(value, torch.Tensor)]
+    check_feed(names, [tuple(built[name].shape) for name in names],
+               [given[name] for name in names], pipeline.microbatches, pipeline.shared_inputs)
+
+
 def _train(
     pipeline: DistributedPipeline,
     opts: argparse.Namespace,
@@ -119,6 +133,9 @@ def _train(
     else:
         model = build()
     rss["built"] = peak_rss_bytes()
+    batch = torch.load(opts.batch, weights_only=False) if opts.batch else None
+    if batch is not None:
+        _check_batch(pipeline, (args, kwargs), batch)
     stages = pipeline.pipeline_stages(
         model, rank, world_size, device, *args, checkpoint=opts.checkpoint, **kwargs
     )
@@ -133,8 +150,7 @@ def _train(
         return loss_fn(output, target)
 
     schedule = pipeline.build_schedule(stages, saving_loss if opts.save else loss_fn)
-    if opts.batch:
-        batch = torch.load(opts.batch, weights_only=False)
+    if batch is not None:
         args, kwargs, target = batch["args"], batch["kwargs"], batch["target"]
     else:
         m = pipeline.microbatches

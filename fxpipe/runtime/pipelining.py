@@ -357,7 +357,7 @@ class DistributedPipeline(RankLayout):
             values = self.flatten_inputs(*args, **kwargs)
             check_constants(adapter, values)
             feed = [values[name].to(first.device) for name in adapter.receives]
-            check_feed(adapter, feed, m, self.shared_inputs)
+            check_feed(adapter.receives, adapter.input_shapes, feed, m, self.shared_inputs)
         losses: list[torch.Tensor] = []
         if last is not None:
             target = self.lane_share(target, lane, microbatches=m, what="the target")

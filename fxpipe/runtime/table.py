@@ -103,9 +103,9 @@ class TableSchedule:
         feeds: list[dict[str, Any]] = []
         if stage.is_first:
             values = stage.pipeline.flatten_inputs(*args, **kwargs)
-            shared = stage.pipeline.shared_inputs
-            check_feed(stage.submod, [values[name] for name in stage.submod.receives], m_count,
-                       shared)
+            shared, names = stage.pipeline.shared_inputs, stage.submod.receives
+            check_feed(names, stage.submod.input_shapes, [values[name] for name in names],
+                       m_count, shared)
             feeds = [rows_of(v, lo, hi, stage.rows, whole=shared)
                      for v in split_inputs(values, m_count, shared)]
         targets = []

@@ -165,3 +165,29 @@ def files_wires(directory: Path) -> tuple[tuple[str, ...], ...]:
     """WIRES of the generated distributed.py in ``directory``."""
     package = import_package(directory, f"fxpipe_dist_{next(_names)}")
     return package.distributed.WIRES
+
+
+def test_torchrun_refuses_another_shape_in_one_line(tmp_path: Path) -> None:
+    """torch's PipelineStage sends and receives at the shapes the stages were built with:
+    a mini-batch of half the sequence length stops every rank with one line naming both
+    shapes, before any of them builds its stage (no rank dies on another's closed
+    connection)."""
+    model_file = EXAMPLES / "gpt.py"
+    source, traced = load(str(model_file))
+    write(tmp_path / "pkg", traced, contiguous_plan(traced.gm.graph, 2, microbatches=2))
+    (ids,), target = mini_batch(source.args), mini_batch(source.target)
+    half = ids.size(1) // 2
+    torch.save({"args": (ids[:, :half],), "kwargs": {}, "target": target[:, :half]},
+               tmp_path / "batch.pt")
+    result = torchrun(2, tmp_path / "pkg" / "train_torchrun.py", "--model", str(model_file),
+                      "--batch", str(tmp_path / "batch.pt"))
+    assert result.returncode != 0
+    output = (result.stdout + result.stderr).splitlines()
+    errors = sorted(line for line in output if line.startswith("train_torchrun: error:"))
+    why = ("graph input 'idx' has shape (4, 32), but under torchrun the stages were built for "
+           "2 micro-batches of shape (2, 64), (4, 64) in all: torch.distributed.pipelining "
+           "fixes the shapes stages send and receive when pipeline_stage builds them; build "
+           "the stages again with an example micro-batch of the new shape, or pad the batch to "
+           "the built one (the single-process PipelineRunner takes any shape the model takes)")
+    assert errors == [f"train_torchrun: error: rank {rank}: {why}" for rank in (0, 1)], output
+    assert not any(line.startswith("[rank") for line in output), output  # a rank's traceback
