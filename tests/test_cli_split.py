@@ -47,6 +47,13 @@ def test_split_writes_plan_report_and_diagram(gpt_split: Path) -> None:
     assert plan["tied"]["tok_emb.weight"] in ("colocated", "replicated")
     report = (gpt_split / "report.md").read_text()
     assert "## Stages" in report and "uniform-layers" in report
+    # The stages take any batch and sequence length (up to the model's 64 positions): the
+    # plan and the report name those dims and the range assumed.
+    dims = {(d["input"], d["dim"]): (d["traced"], d["low"], d["high"])
+            for d in plan["dynamic_dims"]}
+    assert dims == {("idx", 0): (2, 1, None), ("idx", 1): (64, 1, 64)}
+    assert ("- input shapes: dynamic idx[0] (traced 2, at least 1), idx[1] (traced 64, 1 to "
+            "64); every other dimension fixed at its traced size") in report
     dot = (gpt_split / "partition.dot").read_text()
     assert all(f"cluster_stage{k}" in dot for k in range(4))
     if shutil.which("dot") is None:

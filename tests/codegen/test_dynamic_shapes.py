@@ -4,7 +4,8 @@ One split per example model (traced at its example micro-batch of B samples and 
 tokens), then ``step`` and ``forward`` at other shapes: micro-batches of 1 to 3B
 samples, sequences of T/4 to T tokens, and mini-batches of M + 1 and M - 1 samples
 (not a multiple of M, and fewer than M). Each must equal the unsplit model: outputs,
-loss and every gradient.
+loss and every gradient. The plan (plan.json) and the report name the dimensions
+that may vary.
 """
 
 from __future__ import annotations
@@ -18,26 +19,32 @@ from torch.utils import _pytree as pytree
 
 from fxpipe.compiler import dynamic_dims
 from fxpipe.frontend import InputShape
+from fxpipe.plan import Plan
+from fxpipe.report import render_report
 
 from ._models import MODELS, assert_runner_matches, import_package, traced, write_package
 from ._plans import contiguous_plan
 
 M = 2  # micro-batches per step
-# (samples per micro-batch: an int, or a fraction of the traced micro-batch as a string;
-#  or a whole mini-batch of M + 1 / M - 1 samples; sequence length as a fraction of the
-#  traced one). The default suite takes three shapes per model; the slow one the grid.
+# (samples: per micro-batch, in terms of the traced micro-batch's B, or a whole mini-batch
+#  of M + 1 / M - 1 samples; sequence length as a fraction of the traced one). A model
+#  without a sequence dim takes each size once. The default suite takes three shapes per
+#  model (more samples and shorter sequences, an uneven mini-batch, fewer samples than
+#  M); the slow tier the grid.
 Shape = tuple[str, float]
 QUICK: list[Shape] = [("3B", 0.25), ("M+1", 0.5), ("M-1", 1.0)]
-GRID: list[Shape] = [(b, t) for b in ("1", "B", "3B") for t in (0.25, 0.5, 1.0)]
-GRID += [("M+1", 1.0), ("M-1", 0.25)]
+PER_MICROBATCH = ("1", "B", "B+1", "2B", "3B")
+LENGTHS = (0.25, 0.5, 0.75, 1.0)
+GRID: list[Shape] = [(b, t) for b in PER_MICROBATCH for t in LENGTHS]
+GRID += [(b, t) for b in ("M+1", "M-1") for t in (0.25, 1.0)]
 
 
 def mini_batch_rows(size: str, traced_rows: int) -> int:
     """Samples in the mini-batch for a shape's ``size``."""
     if size in ("M+1", "M-1"):
         return M + 1 if size == "M+1" else M - 1
-    per_microbatch = {"1": 1, "B": traced_rows, "3B": 3 * traced_rows}[size]
-    return M * per_microbatch
+    b = traced_rows
+    return M * {"1": 1, "B": b, "B+1": b + 1, "2B": 2 * b, "3B": 3 * b}[size]
 
 
 # models with a sequence dimension: (input index, dim) of the token dims that vary
@@ -46,12 +53,16 @@ SEQUENCE_MODELS = {"gpt", "llama", "hf_gpt2", "hf_llama", "hf_bert", "hf_t5"}
 
 def resized(value: Any, rows: int, lengths: dict[int, int]) -> Any:
     """``value`` with dim 0 cut or repeated to ``rows`` and every dim 1 whose size is a
-    key of ``lengths`` cut to its value: the example's own data, so ids stay valid."""
+    key of ``lengths`` cut to its value: the example's own data, so ids stay valid. Copy
+    c of the example is rolled by c along its last dim, so that samples differ from one
+    micro-batch to the next (a pipeline that swapped or reused micro-batches would not
+    match the model)."""
 
     def resize(x: Any) -> Any:
         if not isinstance(x, torch.Tensor) or x.dim() == 0:
             return x
-        x = x.repeat(-(-rows // x.size(0)), *[1] * (x.dim() - 1))[:rows]
+        copies = -(-rows // x.size(0))
+        x = torch.cat([x.roll(c, dims=-1) for c in range(copies)])[:rows]
         if x.dim() > 1 and x.size(1) in lengths:
             x = x[:, : lengths[x.size(1)]]
         return x.clone()
@@ -84,9 +95,12 @@ def check_shapes(tmp_path: Path, name: str, shapes: list[Shape]) -> None:
     source, tr = traced(name)
     if name in SEQUENCE_MODELS:
         assert sequence_lengths(tr.inputs, 1.0), f"{name}: no sequence dim is dynamic"
+    else:
+        shapes = list(dict.fromkeys((size, 1.0) for size, _ in shapes))
     batched = [s for s in tr.inputs if s.shape]
     assert batched and all(s.dynamic[0] is not None for s in batched), tr.inputs
-    plan = contiguous_plan(tr.gm.graph, 3, schedule="1f1b", microbatches=M, model=name)
+    plan = contiguous_plan(tr.gm.graph, 3, schedule="1f1b", microbatches=M, model=name,
+                           shared_inputs=tr.shared_inputs)
     write_package(tmp_path / "pkg", tr, plan)
     package = import_package(tmp_path / "pkg")
     model = source.model
@@ -119,3 +133,22 @@ def test_the_plan_names_the_dynamic_dims() -> None:
     batch, seq = dims["input_ids", 0], dims["input_ids", 1]
     assert (batch.traced, seq.traced) == tr.inputs[0].shape
     assert seq.low <= seq.traced // 4 and seq.high is None
+
+
+def test_plan_json_and_the_report_name_the_dynamic_dims() -> None:
+    """An exported model's free dims, as ``fxpipe split`` writes them (the compiler puts
+    ``dynamic_dims(traced)`` into the plan; tests/test_cli_split.py checks that on a
+    symbolically traced model): plan.json round-trips them and the report lists each with
+    its traced size and range, and says the cut is costed at the traced shape."""
+    _, tr = traced("hf_t5")
+    plan = contiguous_plan(tr.gm.graph, 2, microbatches=M, model="hf_t5",
+                           dynamic_dims=tuple(dynamic_dims(tr)))
+    text = plan.to_json()
+    assert Plan.from_json(text).dynamic_dims == plan.dynamic_dims
+    assert '"input": "decoder_input_ids"' in text
+    line = next(x for x in render_report(plan).splitlines() if x.startswith("- input shapes:"))
+    assert line == (
+        "- input shapes: dynamic input_ids[0] (traced 2, at least 2), input_ids[1] (traced "
+        "32, at least 2), decoder_input_ids[0] (traced 2, at least 2), decoder_input_ids[1] "
+        "(traced 16, at least 2); every other dimension fixed at its traced size; costs, "
+        "memory and the cut are computed at the traced shape")
