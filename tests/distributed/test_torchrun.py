@@ -91,9 +91,13 @@ def check_ranks(tmp_path: Path, replicas: tuple[int, ...], n: int, model: torch.
     model_grads = {n: p.grad.clone() for n, p in model.named_parameters(remove_duplicate=False)}
     model.zero_grad(set_to_none=True)
 
-    r = replicas[-1]
-    last = ranks[-r:]  # the last stage's ranks: the same loss, over the whole micro-batches
-    assert all(saved["loss"] is None for saved in ranks[:-r])
+    # the last stage's r ranks (the last ones; rank 0 in a V): the same loss, over the
+    # whole micro-batches; no other rank has one
+    holders = list(package.distributed.PIPELINE.ranks_of(len(replicas) - 1))
+    v_placed = package.PLAN["schedule"] in ("zbv", "dualpipev")
+    assert holders == ([0] if v_placed else list(range(n - replicas[-1], n)))
+    assert [rank for rank, saved in enumerate(ranks) if saved["loss"] is not None] == holders
+    last = [ranks[rank] for rank in holders]
     loss = last[0]["loss"]
     for saved in last[1:]:
         torch.testing.assert_close(saved["loss"], loss, rtol=0, atol=0)
@@ -118,13 +122,15 @@ def check_ranks(tmp_path: Path, replicas: tuple[int, ...], n: int, model: torch.
 # (1, T) position_ids that every sample shares. "file": distinct samples from --batch;
 # "example": train_torchrun.py's own mini-batch (the example micro-batch M times, the
 # shared inputs once). "2-2": each lane takes its rows of every micro-batch and all of
-# the shared inputs; "1-2": the schedule table sends the mask whole to both replicas.
+# the shared inputs; "1-2": the schedule table sends the mask whole to both replicas;
+# zbv: torch's zero-bubble class over 4 stages in a V on 2 ranks.
 SHARED_CASES = [
     ("1f1b", (1, 1), "file"),
     pytest.param("1f1b", (1, 1), "example", marks=pytest.mark.slow),
     pytest.param("gpipe", (2, 2), "file", marks=pytest.mark.slow),
     pytest.param("1f1b", (1, 2), "file", marks=pytest.mark.slow),
     pytest.param("interleaved", (1, 1, 1, 1), "file", marks=pytest.mark.slow),
+    pytest.param("zbv", (1, 1, 1, 1), "file", marks=pytest.mark.slow),
 ]
 
 
@@ -134,7 +140,7 @@ def test_torchrun_hands_shared_inputs_whole_to_every_micro_batch(
     model_file = Path(shared_inputs_lm.__file__)
     source, traced = load(str(model_file))
     assert traced.shared_inputs == ("mask", "position_ids")
-    v = 2 if schedule == "interleaved" else 1
+    v = 2 if schedule in ("interleaved", "zbv") else 1
     k, n = len(replicas), sum(replicas) // v
     plan = contiguous_plan(traced.gm.graph, k, schedule=schedule, microbatches=shared_inputs_lm.M,
                            replicas=replicas, virtual_stages=v,
