@@ -290,11 +290,17 @@ def _trace(
     notes += _batch_norm_notes(model)
 
     try:
-        with _grad_regions() as entered:
+        # the grad-mode patches come off first: putting buffers back enters no_grad
+        with _buffer_updates(model) as updated, _grad_regions() as entered:
             gm = torch.fx.symbolic_trace(model)
         if entered:
             raise GradRegionError(
                 f"forward enters {entered[0]}, which symbolic_trace does not record"
+            )
+        if updated:
+            raise BufferUpdateError(
+                f"forward updates the buffer {updated[0]} in place in Python code, which "
+                "symbolic_trace runs once while tracing instead of recording it"
             )
         flat = _symbolic_inputs(model, gm, args, kwargs)
         _check_runs(gm, flat)
@@ -400,6 +406,30 @@ def _grad_regions() -> Iterator[list[str]]:
     finally:
         for cls, name, original in saved:
             setattr(cls, name, original)
+
+
+class BufferUpdateError(RuntimeError):
+    """symbolic_trace ran an in-place update of a buffer instead of recording it."""
+
+
+@contextmanager
+def _buffer_updates(model: torch.nn.Module) -> Iterator[list[str]]:
+    """Note every buffer that an in-place op changes while symbolic_trace runs forward,
+    and put its value back. The tracer records ops on the traced input; an op on a real
+    tensor of the model (timm's ``self.num_batches_tracked.add_(1)``, copied from
+    BatchNorm's forward) runs once, now, and the stages would never run it. torch.export
+    records such updates, so the caller falls back to it."""
+    saved = [(name, b, b._version, b.detach().clone())
+             for name, b in model.named_buffers(remove_duplicate=True)]
+    updated: list[str] = []
+    try:
+        yield updated
+    finally:
+        with torch.no_grad():
+            for name, buffer, version, value in saved:
+                if buffer._version != version:
+                    updated.append(name)
+                    buffer.copy_(value)
 
 
 @contextmanager
