@@ -286,12 +286,16 @@ def _wrapped_functions(
                 "function cannot be called from another file; define it at the top level"
             )
         if not module.startswith("fxpipe_user_"):
-            if qualname not in taken:  # from torchvision.ops.misc import drop_path
-                globals_[qualname] = function
-                functions[name] = (qualname, "")
-            else:  # a value has its name: import torchvision.ops.misc; call it by its path
-                globals_[module] = sys.modules[module]
-                functions[name] = (f"{module}.{qualname}", "")
+            # from torchvision.ops.misc import drop_path, under another name where a value
+            # of the stage has that one; never called by its module's path, which a package
+            # may hide (torchvision.ops re-exports the function stochastic_depth over its
+            # module torchvision.ops.stochastic_depth)
+            alias = qualname
+            while alias in taken:
+                alias += "_function"
+            taken.add(alias)
+            globals_[alias] = function
+            functions[name] = (alias, "")
             continue
         attribute = qualname if qualname not in roots else f"{qualname}_function"
         owner = next(

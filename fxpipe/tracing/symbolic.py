@@ -21,7 +21,7 @@ import torch.fx
 from fxpipe.metadevice import MetaRunner
 from fxpipe.tracing.records import InputShape
 
-__all__ = ["GradRegionError", "symbolic_graph"]
+__all__ = ["BufferUpdateError", "GradRegionError", "symbolic_graph"]
 
 
 def symbolic_graph(
@@ -29,11 +29,17 @@ def symbolic_graph(
 ) -> tuple[torch.fx.GraphModule, tuple[Any, ...], tuple[InputShape, ...]]:
     """``model`` traced by ``symbolic_trace``, the example inputs in placeholder order and
     the shape of each tensor input; raises whatever stops it."""
-    with _grad_regions() as entered:
+    # the grad-mode patches come off first: putting buffers back enters no_grad
+    with _buffer_updates(model) as updated, _grad_regions() as entered:
         gm = torch.fx.symbolic_trace(model)
     if entered:
         raise GradRegionError(
             f"forward enters {entered[0]}, which symbolic_trace does not record"
+        )
+    if updated:
+        raise BufferUpdateError(
+            f"forward updates the buffer {updated[0]} in place in Python code, which "
+            "symbolic_trace runs once while tracing instead of recording it"
         )
     flat = _symbolic_inputs(model, gm, args, kwargs)
     _check_runs(gm, flat)
@@ -74,6 +80,30 @@ def _grad_regions() -> Iterator[list[str]]:
     finally:
         for cls, name, original in saved:
             setattr(cls, name, original)
+
+
+class BufferUpdateError(RuntimeError):
+    """symbolic_trace ran an in-place update of a buffer instead of recording it."""
+
+
+@contextmanager
+def _buffer_updates(model: torch.nn.Module) -> Iterator[list[str]]:
+    """Note every buffer that an in-place op changes while symbolic_trace runs forward,
+    and put its value back. The tracer records ops on the traced input; an op on a real
+    tensor of the model (timm's ``self.num_batches_tracked.add_(1)``, copied from
+    BatchNorm's forward) runs once, now, and the stages would never run it. torch.export
+    records such updates, so the caller falls back to it."""
+    saved = [(name, b, b._version, b.detach().clone())
+             for name, b in model.named_buffers(remove_duplicate=True)]
+    updated: list[str] = []
+    try:
+        yield updated
+    finally:
+        with torch.no_grad():
+            for name, buffer, version, value in saved:
+                if buffer._version != version:
+                    updated.append(name)
+                    buffer.copy_(value)
 
 
 def _symbolic_inputs(

@@ -128,11 +128,43 @@ def test_functions_marked_with_fx_wrap_are_called_by_name(tmp_path: Path, k: int
     files = _assert_transparent(tmp_path, source.model, source.args, k)
     text = "".join(v for name, v in files.items() if name.startswith("stage"))
     assert "torch.fx._symbolic_trace.wrap" not in text
-    # the node is named scaled_residual too: the library function is called by its path
-    assert "\nimport tests.codegen._wrapped\n" in text
-    assert "= tests.codegen._wrapped.scaled_residual(" in text
+    # the node is named scaled_residual too: the library function is imported under
+    # another name (its module's path may name something else, see below)
+    assert "\nfrom tests.codegen._wrapped import scaled_residual as scaled_residual_function\n" \
+        in text
+    assert "= scaled_residual_function(" in text
     assert "self.drop_path(" in text
     assert "self.drop_path = sys.modules[type(model).__module__].drop_path" in text
+
+
+class ShadowedBlocks(nn.Module):
+    """Residual blocks with stochastic depth from a package that hides the function's
+    module behind the function (torchvision's efficientnet and convnext)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from tests.codegen._ops import StochasticDepth
+
+        self.blocks = nn.ModuleList(nn.Linear(6, 6) for _ in range(4))
+        self.drop = nn.ModuleList(StochasticDepth(p) for p in (0.0, 0.1, 0.2, 0.3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block, drop in zip(self.blocks, self.drop, strict=True):
+            x = x + drop(torch.tanh(block(x)))
+        return x
+
+
+@pytest.mark.parametrize("k", [2, 3])
+def test_a_wrapped_function_whose_module_is_hidden_by_its_package(tmp_path: Path,
+                                                                   k: int) -> None:
+    import tests.codegen._ops
+
+    assert not isinstance(tests.codegen._ops.stochastic_depth, type(tests))  # the layout
+    torch.manual_seed(0)
+    files = _assert_transparent(tmp_path, ShadowedBlocks(), (torch.randn(3, 6),), k)
+    text = "".join(v for name, v in files.items() if name.startswith("stage"))
+    assert "tests.codegen._ops.stochastic_depth.stochastic_depth(" not in text
+    assert "from tests.codegen._ops.stochastic_depth import stochastic_depth" in text
 
 
 def test_constants_lifted_by_export_are_ops_of_the_stage(tmp_path: Path) -> None:

@@ -33,6 +33,26 @@ class Net(nn.Module):
         return self.fc3(h)
 
 
+class CountingBatchNorm(nn.BatchNorm1d):
+    """BatchNorm whose forward is written out in Python, as timm's BatchNormAct2d is: it
+    counts batches with ``self.num_batches_tracked.add_(1)``, an op on a buffer that
+    symbolic_trace would run once while tracing instead of recording."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.num_batches_tracked.add_(1)
+        return nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight,
+                                        self.bias, self.training, self.momentum or 0.0,
+                                        self.eps)
+
+
+class CountingNet(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn1 = CountingBatchNorm(8)
+        self.bn2 = CountingBatchNorm(8, momentum=0.3)
+
+
 def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return ((out - target) ** 2).mean()
 
@@ -50,15 +70,21 @@ def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) ->
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("net", [Net, CountingNet])
 def test_batchnorm_equals_the_model_run_micro_batch_by_micro_batch(
-        tmp_path: Path, schedule: str, recompute: bool) -> None:
+        tmp_path: Path, schedule: str, recompute: bool, net: type[Net]) -> None:
     torch.manual_seed(0)
-    model = Net().double()
+    model = net().double()
     x = torch.randn(M * BATCH, 5, dtype=torch.float64)
     y = torch.randn(M * BATCH, 2, dtype=torch.float64)
     reference = copy.deepcopy(model)
-    _traced, package = compile_package(model, (x[:BATCH],), tmp_path / "pkg", gpus=2,
-                                       microbatches=M, schedule=schedule, recompute=recompute)
+    traced, package = compile_package(model, (x[:BATCH],), tmp_path / "pkg", gpus=2,
+                                      microbatches=M, schedule=schedule, recompute=recompute)
+    # tracing leaves the model as it was; a count in Python is captured by torch.export
+    _assert_same(_buffers(model), _buffers(reference))
+    if net is CountingNet:
+        assert traced.tracer == "export"
+        assert "num_batches_tracked in place" in str(traced.fallback_reason)
     assert any("bn1, bn2" in note and "per micro-batch" in note
                for note in package.PLAN["notes"]), package.PLAN["notes"]
     assert package.PLAN["stages"][0]["recompute"] is recompute

@@ -1,0 +1,653 @@
+"""A zoo of models nobody here wrote, split by fxpipe and checked for transparency.
+
+    python bench/zoo.py                 # transformers families (small random configs)
+    python bench/zoo.py --vision        # torchvision and timm models (needs both installed)
+    python bench/zoo.py --only gpt2,t5  # a few models, by slug
+
+For every model the benchmark writes a model file the way a user would (``build_model``,
+``example_inputs``, ``example_target``, ``loss_fn``; random weights from a config,
+float64 unless said, nothing downloaded), runs the sequence ``fxpipe split`` runs on it
+(load, trace, analyse, plan onto 2-4 stages with 1F1B and M=4, write the output folder,
+import the generated package), and trains one mini-batch of M micro-batches through the
+generated ``PipelineRunner``:
+
+- forward: ``runner.forward(**batch)`` against the model on the whole mini-batch;
+- loss and gradients: ``runner.step(batch, target, loss_fn)`` against the model's own
+  loss and ``backward`` (another copy of the model, built by the same file): every
+  parameter's gradient and every buffer (BatchNorm's statistics and counters).
+
+"pass (per micro-batch)": the model itself computes something else on the whole
+mini-batch than micro-batch by micro-batch (BatchNorm in training mode normalizes by
+the batch; a float64 model that computes in float32 inside sums in another order), so
+the pipeline is compared with the model run micro-batch by micro-batch, gradients
+accumulated; the notes under the table say which. Tolerances: 1e-9 relative in float64,
+1e-5 in float32 (outputs and loss relative to their largest magnitude; a gradient to its
+own, or to 1e-6 of the model's largest gradient where it is zero up to rounding, as an
+attention key bias is). "ruff": the generated package under the project's rules.
+A row that fails gives the phase and the one-line reason; nothing stops the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fxpipe.codegen import load_package
+from fxpipe.codegen.stages import LINE_LENGTH
+from fxpipe.compiler import SplitOptions, analyze_file, output_files, plan_split
+from fxpipe.cost_models import get_device
+from fxpipe.output import write_folder
+from fxpipe.passes.base import OP_NODES
+from fxpipe.runtime.loading import import_file
+
+MICRO = 2  # samples per micro-batch
+MICROBATCHES = 4
+
+# --- the model files ---------------------------------------------------------
+
+MODEL_FILE = '''"""{name} ({kind}): a small random {builder}, {dtype}, written by bench/zoo.py."""
+
+import torch
+import torch.nn.functional as F
+{imports}
+
+MICRO = {micro}  # samples per micro-batch
+
+
+def build_model():
+    torch.manual_seed(0)
+    model = {build}
+{setup}    return model.to(torch.{dtype}).train()
+
+
+def make_batch(size, seed):
+    """``size`` samples: the model's keyword inputs and the loss target."""
+    g = torch.Generator().manual_seed(seed)
+{batch}
+
+
+def example_inputs():
+    return make_batch(MICRO, 0)[0]
+
+
+def example_target():
+    return make_batch(MICRO, 0)[1]
+
+
+def loss_fn(output, target):
+    logits = output if isinstance(output, torch.Tensor) else output["logits"]
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+'''
+
+# The body of make_batch for each kind of input (fields filled from Family.inputs).
+BATCHES = {
+    # next-token prediction (decoders) or a token to predict at every position (encoders)
+    "tokens": """\
+    ids = torch.randint(3, {vocab}, (size, {seq} + 1), generator=g)
+    return {{"input_ids": ids[:, :-1]}}, ids[:, 1:]""",
+    # teacher forcing: the decoder reads the labels shifted right behind a start token
+    "seq2seq": """\
+    ids = torch.randint(3, {vocab}, (size, {seq}), generator=g)
+    labels = torch.randint(3, {vocab}, (size, {seq} // 2), generator=g)
+    start = torch.full((size, 1), {start})
+    decoder_ids = torch.cat([start, labels[:, :-1]], dim=1)
+    return {{"input_ids": ids, "decoder_input_ids": decoder_ids}}, labels""",
+    "speech2text": """\
+    features = torch.randn(size, {mels}, {frames}, generator=g, dtype=torch.{dtype})
+    labels = torch.randint(3, {vocab}, (size, {seq}), generator=g)
+    start = torch.full((size, 1), {start})
+    decoder_ids = torch.cat([start, labels[:, :-1]], dim=1)
+    return {{"input_features": features, "decoder_input_ids": decoder_ids}}, labels""",
+    "waveform": """\
+    wave = torch.randn(size, {samples}, generator=g, dtype=torch.{dtype})
+    return {{"input_values": wave}}, torch.randint(0, {classes}, (size,), generator=g)""",
+    "image": """\
+    pixels = torch.randn(size, 3, {size}, {size}, generator=g, dtype=torch.{dtype})
+    return {{"{key}": pixels}}, torch.randint(0, {classes}, (size,), generator=g)""",
+}
+
+
+@dataclass(frozen=True)
+class Family:
+    slug: str
+    name: str
+    kind: str  # decoder, encoder, enc-dec, vision, audio, MoE, SSM
+    build: str  # an expression building the model (float32; the file makes it float64)
+    inputs: tuple[str, dict[str, Any]]  # a BATCHES key and its fields
+    stages: int = 3
+    imports: str = "import transformers"
+    dtype: str = "float64"
+    setup: str = ""  # statements after the model is built (indented by 4)
+
+    def source(self) -> str:
+        kind, fields = self.inputs
+        return MODEL_FILE.format(
+            name=self.name, kind=self.kind, builder=self.build.split("(")[0],
+            imports=self.imports, micro=MICRO, build=self.build, dtype=self.dtype,
+            setup=self.setup,
+            batch=BATCHES[kind].format(dtype=self.dtype, **fields),
+        )
+
+
+def _tokens(vocab: int = 100, seq: int = 8) -> tuple[str, dict[str, Any]]:
+    return ("tokens", {"vocab": vocab, "seq": seq})
+
+
+def _hf(model: str, config: str, **kwargs: Any) -> str:
+    args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+    return f"transformers.{model}(transformers.{config}({args}))"
+
+
+# Sizes shared by the decoders: width 32, 2 layers, 4 heads (2 KV heads), vocab 100.
+_DECODER = dict(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                use_cache=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+_ENCODER = dict(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                attention_probs_dropout_prob=0.0, pad_token_id=0)
+_BART = dict(vocab_size=100, d_model=32, encoder_layers=2, decoder_layers=2,
+             encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+             decoder_ffn_dim=64, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+             activation_dropout=0.0, encoder_layerdrop=0.0, decoder_layerdrop=0.0,
+             use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+             decoder_start_token_id=2, forced_eos_token_id=2)
+
+TRANSFORMERS = [
+    Family("gpt2", "GPT-2", "decoder",
+           _hf("GPT2LMHeadModel", "GPT2Config", vocab_size=100, n_positions=64, n_embd=32,
+               n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+               use_cache=False, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+           _tokens(), stages=2),
+    Family("llama", "Llama", "decoder",
+           _hf("LlamaForCausalLM", "LlamaConfig", **_DECODER, attention_dropout=0.0),
+           _tokens(), stages=3),
+    Family("mistral", "Mistral", "decoder",
+           _hf("MistralForCausalLM", "MistralConfig", **_DECODER, attention_dropout=0.0,
+               sliding_window=4),
+           _tokens(), stages=4),
+    Family("qwen2", "Qwen2", "decoder",
+           _hf("Qwen2ForCausalLM", "Qwen2Config", **_DECODER, attention_dropout=0.0),
+           _tokens(), stages=2),
+    Family("gemma2", "Gemma2", "decoder",
+           _hf("Gemma2ForCausalLM", "Gemma2Config", **_DECODER, head_dim=8,
+               attention_dropout=0.0, sliding_window=4),
+           _tokens(), stages=3),
+    Family("falcon", "Falcon", "decoder",
+           _hf("FalconForCausalLM", "FalconConfig", vocab_size=100, hidden_size=32,
+               num_hidden_layers=2, num_attention_heads=4, new_decoder_architecture=False,
+               multi_query=True, alibi=False, hidden_dropout=0.0, attention_dropout=0.0,
+               use_cache=False, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+           _tokens(), stages=3),
+    Family("opt", "OPT", "decoder",
+           _hf("OPTForCausalLM", "OPTConfig", vocab_size=100, hidden_size=32, ffn_dim=64,
+               num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
+               word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0,
+               activation_dropout=0.0, layerdrop=0.0, use_cache=False, bos_token_id=1,
+               eos_token_id=2, pad_token_id=0),
+           _tokens(), stages=4),
+    Family("phi3", "Phi-3", "decoder",
+           _hf("Phi3ForCausalLM", "Phi3Config", **_DECODER, attention_dropout=0.0,
+               resid_pdrop=0.0, embd_pdrop=0.0),
+           _tokens(), stages=2),
+    # MoE experts: transformers' default, grouped_mm, has no float64 kernel on the CPU, so
+    # the float64 rows take batched_mm; "eager" loops over the experts the tokens chose,
+    # data-dependent control flow that neither tracer captures (fxpipe says so).
+    Family("mixtral", "Mixtral", "MoE",
+           _hf("MixtralForCausalLM", "MixtralConfig", **_DECODER, attention_dropout=0.0,
+               num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0,
+               experts_implementation="batched_mm"),
+           _tokens(), stages=3),
+    Family("mixtral_grouped", "Mixtral (grouped_mm, float32)", "MoE",
+           _hf("MixtralForCausalLM", "MixtralConfig", **_DECODER, attention_dropout=0.0,
+               num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0),
+           _tokens(), stages=2, dtype="float32"),
+    Family("qwen2_moe", "Qwen2-MoE", "MoE",
+           _hf("Qwen2MoeForCausalLM", "Qwen2MoeConfig", **_DECODER, attention_dropout=0.0,
+               moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+               num_experts_per_tok=2, decoder_sparse_step=1,
+               experts_implementation="batched_mm"),
+           _tokens(), stages=4),
+    Family("mamba", "Mamba", "SSM",
+           _hf("MambaForCausalLM", "MambaConfig", vocab_size=100, hidden_size=32, state_size=8,
+               num_hidden_layers=2, expand=2, conv_kernel=4, use_cache=False,
+               bos_token_id=1, eos_token_id=2, pad_token_id=0),
+           _tokens(), stages=2),
+    Family("t5", "T5", "enc-dec",
+           _hf("T5ForConditionalGeneration", "T5Config", vocab_size=100, d_model=32, d_kv=8,
+               d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4, dropout_rate=0.0,
+               use_cache=False, pad_token_id=0, eos_token_id=1, decoder_start_token_id=0),
+           ("seq2seq", {"vocab": 100, "seq": 8, "start": 0}), stages=3),
+    Family("bart", "BART", "enc-dec",
+           _hf("BartForConditionalGeneration", "BartConfig", **_BART),
+           ("seq2seq", {"vocab": 100, "seq": 8, "start": 2}), stages=4),
+    Family("bert", "BERT", "encoder",
+           _hf("BertForMaskedLM", "BertConfig", **_ENCODER), _tokens(), stages=2),
+    Family("roberta", "RoBERTa", "encoder",
+           _hf("RobertaForMaskedLM", "RobertaConfig", **_ENCODER), _tokens(), stages=3),
+    Family("distilbert", "DistilBERT", "encoder",
+           _hf("DistilBertForMaskedLM", "DistilBertConfig", vocab_size=100, dim=32, n_layers=2,
+               n_heads=4, hidden_dim=64, max_position_embeddings=64, dropout=0.0,
+               attention_dropout=0.0, pad_token_id=0),
+           _tokens(), stages=2),
+    Family("vit", "ViT", "vision",
+           _hf("ViTForImageClassification", "ViTConfig", image_size=32, patch_size=8,
+               hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+               intermediate_size=64, hidden_dropout_prob=0.0,
+               attention_probs_dropout_prob=0.0, num_labels=10),
+           ("image", {"size": 32, "key": "pixel_values", "classes": 10}), stages=3),
+    Family("convnext", "ConvNeXt", "vision",
+           _hf("ConvNextForImageClassification", "ConvNextConfig", num_channels=3,
+               hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 2, 1], drop_path_rate=0.0,
+               num_labels=10),
+           ("image", {"size": 32, "key": "pixel_values", "classes": 10}), stages=4),
+    Family("whisper", "Whisper", "audio",
+           _hf("WhisperForConditionalGeneration", "WhisperConfig", vocab_size=100,
+               num_mel_bins=16, encoder_layers=2, decoder_layers=2, d_model=32,
+               encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+               decoder_ffn_dim=64, max_source_positions=16, max_target_positions=32,
+               dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+               encoder_layerdrop=0.0, decoder_layerdrop=0.0, use_cache=False,
+               pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=3,
+               suppress_tokens=None, begin_suppress_tokens=None),
+           ("speech2text", {"mels": 16, "frames": 32, "vocab": 100, "seq": 8, "start": 3}),
+           stages=3),
+    Family("wav2vec2", "Wav2Vec2", "audio",
+           _hf("Wav2Vec2ForSequenceClassification", "Wav2Vec2Config", vocab_size=32,
+               hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+               intermediate_size=64, conv_dim=(16, 16), conv_kernel=(10, 3),
+               conv_stride=(5, 2), num_conv_pos_embeddings=16,
+               num_conv_pos_embedding_groups=4, hidden_dropout=0.0, activation_dropout=0.0,
+               attention_dropout=0.0, feat_proj_dropout=0.0, final_dropout=0.0,
+               layerdrop=0.0, mask_time_prob=0.0, mask_feature_prob=0.0,
+               classifier_proj_size=16, num_labels=10),
+           ("waveform", {"samples": 400, "classes": 10}), stages=2),
+]
+
+
+def _image(size: int) -> tuple[str, dict[str, Any]]:
+    return ("image", {"size": size, "key": "x", "classes": 10})
+
+
+_NO_STOCHASTIC_DEPTH = """\
+    for module in model.modules():
+        if isinstance(module, torchvision.ops.StochasticDepth):
+            module.p = 0.0
+"""
+
+# Dropout and stochastic depth off (torchvision turns both on by default), so that the
+# models are deterministic in training mode; BatchNorm stays on.
+VISION = [
+    Family("tv_resnet18", "torchvision resnet18", "vision",
+           "torchvision.models.resnet18(num_classes=10)", _image(32), stages=3,
+           imports="import torchvision"),
+    Family("tv_mobilenet_v3_small", "torchvision mobilenet_v3_small", "vision",
+           "torchvision.models.mobilenet_v3_small(num_classes=10, dropout=0.0)", _image(32),
+           stages=3, imports="import torchvision"),
+    Family("tv_efficientnet_b0", "torchvision efficientnet_b0", "vision",
+           "torchvision.models.efficientnet_b0(num_classes=10, dropout=0.0,"
+           " stochastic_depth_prob=0.0)", _image(32), stages=4, imports="import torchvision"),
+    Family("tv_vit", "torchvision VisionTransformer (vit_b_16 layout, tiny)", "vision",
+           "torchvision.models.VisionTransformer(image_size=32, patch_size=8, num_layers=2,"
+           " num_heads=4, hidden_dim=32, mlp_dim=64, num_classes=10)", _image(32), stages=2,
+           imports="import torchvision"),
+    Family("tv_convnext_tiny", "torchvision convnext_tiny", "vision",
+           "torchvision.models.convnext_tiny(num_classes=10, stochastic_depth_prob=0.0)",
+           _image(32), stages=4, imports="import torchvision"),
+    Family("tv_swin_t", "torchvision swin_t", "vision",
+           "torchvision.models.swin_t(num_classes=10)", _image(32), stages=3,
+           imports="import torchvision", setup=_NO_STOCHASTIC_DEPTH),  # swin_t fixes it
+    Family("timm_efficientformerv2_s0", "timm efficientformerv2_s0", "vision",
+           "timm.create_model('efficientformerv2_s0', pretrained=False, num_classes=10,"
+           " img_size=64)", _image(64), stages=3, imports="import timm"),
+    Family("timm_deit_tiny", "timm deit_tiny_patch16_224", "vision",
+           "timm.create_model('deit_tiny_patch16_224', pretrained=False, num_classes=10,"
+           " img_size=32)", _image(32), stages=3, imports="import timm"),
+    Family("timm_resnet10t", "timm resnet10t", "vision",
+           "timm.create_model('resnet10t', pretrained=False, num_classes=10)", _image(32),
+           stages=2, imports="import timm"),
+]
+
+# --- one row -----------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    family: Family
+    capture: str = "-"
+    nodes: int = 0
+    stages: int = 0
+    output_diff: float | None = None
+    grad_diff: float | None = None
+    ruff: str = "-"  # what ruff says of the generated package ("-": ruff not installed)
+    verdict: str = "fail"
+    reason: str = ""  # why it failed, one line
+    note: str = ""  # what a pass "(per micro-batch)" was compared with, and why
+    seconds: float = 0.0
+
+
+@dataclass
+class Step:
+    """What one training step of a mini-batch left: outputs (a forward under no_grad),
+    the loss, every parameter's gradient and every buffer."""
+
+    outputs: list[torch.Tensor]
+    loss: torch.Tensor
+    grads: dict[str, torch.Tensor | None]
+    buffers: dict[str, torch.Tensor]
+
+
+@dataclass
+class Difference:
+    output_abs: float  # the largest absolute difference of any output element
+    grad_rel: float  # the largest relative difference of any gradient (see _grad_scale)
+    problem: str | None  # the first difference beyond the tolerance, in words
+
+
+def _one_line(exc: BaseException) -> str:
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first}"[:240]
+
+
+def _leaves(value: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return 1e-9 if dtype == torch.float64 else 1e-5
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
+    if not b.numel():
+        return 0.0
+    diff = (a.double() - b.double()).abs().max().item()
+    scale = max(b.abs().max().item(), floor)
+    return diff / scale if scale > 0 else diff
+
+
+def _difference(got: Step, want: Step, tolerance: float) -> Difference:
+    """How far ``got`` is from ``want``. A gradient is compared with its own largest
+    magnitude, or with 1e-6 of the model's largest gradient where it is smaller: an
+    attention key bias has a gradient of zero up to rounding (softmax ignores a shift),
+    whose rounding noise is no difference of meaning."""
+    problems: list[str] = []
+    if len(got.outputs) != len(want.outputs):
+        problems.append(f"{len(got.outputs)} output tensors, the model gives "
+                        f"{len(want.outputs)}")
+    output_abs = 0.0
+    for i, (a, b) in enumerate(zip(got.outputs, want.outputs, strict=False)):
+        if a.shape != b.shape:
+            problems.append(f"output {i} has shape {tuple(a.shape)}, the model's "
+                            f"{tuple(b.shape)}")
+            continue
+        output_abs = max(output_abs, (a.double() - b.double()).abs().max().item())
+        if _relative(a, b) > tolerance:
+            problems.append(f"output {i} differs by {_relative(a, b):.2e} (relative)")
+    if _relative(got.loss, want.loss) > tolerance:
+        problems.append(f"loss {float(got.loss):.12g}, the model's {float(want.loss):.12g}")
+    largest = max((g.abs().max().item() for g in want.grads.values()
+                   if g is not None and g.numel()), default=0.0)
+    grad_rel, worst = 0.0, ""
+    for key, b in want.grads.items():
+        a = got.grads[key]
+        if (a is None) != (b is None):
+            problems.append(f"{key} has a gradient only "
+                            f"{'in the model' if a is None else 'in the pipeline'}")
+        elif a is not None and b is not None and _relative(a, b, 1e-6 * largest) > grad_rel:
+            grad_rel, worst = _relative(a, b, 1e-6 * largest), key
+    if grad_rel > tolerance:
+        problems.append(f"the gradient of {worst} differs by {grad_rel:.2e} (relative)")
+    for key, b in want.buffers.items():
+        a = got.buffers[key]
+        if not torch.equal(a, b) and (not b.is_floating_point() or _relative(a, b) > tolerance):
+            problems.append(f"buffer {key} differs after the step")
+    return Difference(output_abs, grad_rel, problems[0] if problems else None)
+
+
+# The rule set generated packages are held to (as tests/codegen/_models.py has it).
+RUFF = ["check", "--isolated", "--no-cache", "--select", "E,F,W,I,B,UP,SIM,RUF,A",
+        "--line-length", str(LINE_LENGTH), "--target-version", "py310", "."]
+
+
+def _ruff(folder: Path) -> str:
+    if importlib.util.find_spec("ruff") is None:
+        return "-"
+    done = subprocess.run([sys.executable, "-m", "ruff", *RUFF], capture_output=True,
+                          text=True, cwd=folder)
+    if done.returncode == 0:
+        return "clean"
+    problems = [line for line in done.stdout.splitlines() if line[:1].isupper()]
+    return f"{len(problems) or 'some'} problems"
+
+
+def _has_train_batchnorm(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training
+               for m in model.modules())
+
+
+def _micro_slices(batch: dict[str, torch.Tensor], target: torch.Tensor
+                  ) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+    for m in range(MICROBATCHES):
+        rows = slice(m * MICRO, (m + 1) * MICRO)
+        yield {k: v[rows] for k, v in batch.items()}, target[rows]
+
+
+def _state(model: nn.Module) -> tuple[dict[str, torch.Tensor | None], dict[str, torch.Tensor]]:
+    grads = {k: p.grad for k, p in model.named_parameters()}
+    return grads, {k: b.detach().clone() for k, b in model.named_buffers()}
+
+
+def _reference(model: nn.Module, batch: dict[str, torch.Tensor], target: torch.Tensor,
+               loss_fn: Callable[[Any, Any], torch.Tensor], per_microbatch: bool) -> Step:
+    """The unsplit model's step, on the whole mini-batch or micro-batch by micro-batch
+    (each micro-batch's loss divided by M, gradients accumulated)."""
+    if not per_microbatch:
+        loss = loss_fn(model(**batch), target)
+        loss.backward()
+        grads, buffers = _state(model)
+        with torch.no_grad():
+            outputs = _leaves(model(**batch))
+        return Step(outputs, loss.detach(), grads, buffers)
+    losses, parts = [], []
+    for micro, micro_target in _micro_slices(batch, target):
+        loss = loss_fn(model(**micro), micro_target) / MICROBATCHES
+        loss.backward()
+        losses.append(loss.detach())
+    grads, buffers = _state(model)
+    for micro, _ in _micro_slices(batch, target):
+        with torch.no_grad():
+            parts.append(_leaves(model(**micro)))
+    outputs = [torch.cat(column) for column in zip(*parts, strict=True)]
+    return Step(outputs, torch.stack(losses).sum(), grads, buffers)
+
+
+def _check_deterministic(module: Any) -> None:
+    """Two builds of the model give the same weights and, in training mode, the same
+    output: else a mismatch would be the model's randomness (dropout), not fxpipe's."""
+    a, b = module.build_model(), module.build_model()
+    inputs = module.example_inputs()
+    for (key, x), y in zip(a.state_dict().items(), b.state_dict().values(), strict=True):
+        if not torch.equal(x, y):
+            raise Mismatch(f"two builds differ in {key}: the model file is not seeded")
+    with torch.no_grad():
+        first, second = _leaves(a(**inputs)), _leaves(a(**inputs))
+    if any(not torch.equal(x, y) for x, y in zip(first, second, strict=True)):
+        raise Mismatch("the model is random in training mode (dropout?): fix its config")
+
+
+class Mismatch(AssertionError):
+    """The pipeline computed something else than the model."""
+
+
+def _verdict(row: Row, piped: Step, whole: Step, micro: Step, batchnorm: bool,
+             tolerance: float) -> None:
+    """Pass against the model on the whole mini-batch; or, where the model itself gives
+    another answer micro-batch by micro-batch (BatchNorm's statistics; float32 inside a
+    float64 model, summed in another order), against the model run that way."""
+    full = _difference(piped, whole, tolerance)
+    by_micro = _difference(piped, micro, tolerance)
+    itself = _difference(micro, whole, tolerance)
+    if full.problem is None and not batchnorm:
+        row.output_diff, row.grad_diff, row.verdict = full.output_abs, full.grad_rel, "pass"
+        return
+    if by_micro.problem is None and (batchnorm or itself.problem is not None):
+        row.note = ("BatchNorm in training mode: statistics per micro-batch, as in GPipe" if
+                    batchnorm else
+                    f"the model itself differs between the whole mini-batch and its "
+                    f"micro-batches ({itself.problem}): it computes in float32 inside")
+        row.output_diff, row.grad_diff = by_micro.output_abs, by_micro.grad_rel
+        row.verdict = "pass (per micro-batch)"
+        return
+    closest = by_micro if batchnorm else full
+    row.output_diff, row.grad_diff = closest.output_abs, closest.grad_rel
+    raise Mismatch(closest.problem or full.problem)
+
+
+def check(family: Family, folder: Path) -> Row:
+    """Split ``family`` as ``fxpipe split`` would and compare the pipeline with the model."""
+    row = Row(family)
+    start = time.perf_counter()
+    phase = "write"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        model_file = folder / "model.py"
+        model_file.write_text(family.source(), encoding="utf-8")
+
+        phase = "trace"  # load, trace and analyse, as `fxpipe split model.py` does
+        device = get_device("h100")
+        source, traced = analyze_file(str(model_file), device=device, solvable=True)
+        row.capture = traced.tracer
+        row.nodes = sum(1 for n in traced.gm.graph.nodes if n.op in OP_NODES)
+
+        phase = "plan"
+        options = SplitOptions(gpus=family.stages, device=device,
+                               memory_limit=float(device.memory_bytes),
+                               microbatches=MICROBATCHES, time_limit_s=60)
+        plan = plan_split(traced, label=source.label, options=options)
+        row.stages = plan.num_stages
+
+        phase = "codegen"
+        write_folder(folder / "pipe", output_files(traced, plan, label=source.label),
+                     force=True)
+        package = load_package(folder / "pipe")
+        row.ruff = _ruff(folder / "pipe")
+
+        phase = "check"
+        module = import_file(model_file, f"zoo_{family.slug}")
+        _check_deterministic(module)
+        batch, target = module.make_batch(MICRO * MICROBATCHES, 1)
+        loss_fn = module.loss_fn
+        model = source.model
+        dtype = next(model.parameters()).dtype
+        batchnorm = _has_train_batchnorm(model)
+
+        phase = "run"
+        runner = package.PipelineRunner(package.build_stages(model))
+        model.zero_grad(set_to_none=True)
+        loss = torch.as_tensor(runner.step(batch, target, loss_fn)).detach()
+        grads, buffers = _state(model)
+        with torch.no_grad():
+            outputs = _leaves(runner.forward(**batch))
+        piped = Step(outputs, loss, grads, buffers)
+
+        phase = "compare"
+        whole = _reference(module.build_model(), batch, target, loss_fn, False)
+        micro = _reference(module.build_model(), batch, target, loss_fn, True)
+        _verdict(row, piped, whole, micro, batchnorm, _tolerance(dtype))
+    except Exception as exc:
+        row.reason = f"{phase}: {_one_line(exc)}"
+        if os.environ.get("ZOO_DEBUG"):
+            traceback.print_exc()
+    row.seconds = time.perf_counter() - start
+    return row
+
+
+# --- the table ---------------------------------------------------------------
+
+HEADER = ("| family | kind | capture | nodes | stages | max abs output diff | "
+          "max rel grad diff | ruff | verdict | seconds |")
+
+
+def _figure(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1e}"
+
+
+def markdown(rows: list[Row]) -> str:
+    lines = [HEADER, "|" + "---|" * 10]
+    for r in rows:
+        verdict = r.verdict if not r.reason else f"**fail**: {r.reason}".replace("|", "\\|")
+        lines.append(
+            f"| {r.family.name} | {r.family.kind} | {r.capture} | {r.nodes or '-'} | "
+            f"{r.stages or '-'} | {_figure(r.output_diff)} | {_figure(r.grad_diff)} | "
+            f"{r.ruff} | {verdict} | {r.seconds:.1f} |")
+    return "\n".join(lines)
+
+
+def _vision_missing() -> str | None:
+    missing = []
+    for name in ("torchvision", "timm"):
+        try:
+            __import__(name)
+        except Exception as exc:  # an import that fails to load its ops counts as missing
+            missing.append(f"{name} ({_one_line(exc)})")
+    return ", ".join(missing) or None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vision", action="store_true",
+                        help="the torchvision / timm models instead of the transformers ones")
+    parser.add_argument("--only", help="comma-separated slugs to run (default: all)")
+    parser.add_argument("--keep", type=Path,
+                        help="write the model files and packages here (default: a temp folder)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # one core: the machine is shared
+
+    families = VISION if args.vision else TRANSFORMERS
+    if args.vision and (missing := _vision_missing()):
+        print(f"zoo: skipping the vision part: {missing} not importable; install torchvision "
+              "and timm in a separate environment (see BENCHMARKS.md, Model zoo)")
+        return 0
+    if args.only:
+        wanted = set(args.only.split(","))
+        unknown = wanted - {f.slug for f in families}
+        if unknown:
+            parser.error(f"unknown families {sorted(unknown)}; choose from "
+                         f"{', '.join(f.slug for f in families)}")
+        families = [f for f in families if f.slug in wanted]
+
+    with tempfile.TemporaryDirectory(prefix="fxpipe-zoo-") as tmp:
+        base = args.keep or Path(tmp)
+        rows = []
+        for family in families:
+            row = check(family, base / family.slug)
+            rows.append(row)
+            print(f"{family.slug}: {row.verdict if not row.reason else row.reason} "
+                  f"({row.seconds:.1f} s)", file=sys.stderr, flush=True)
+    print(markdown(rows))
+    notes = [f"- {r.family.name}: {r.note}" for r in rows if r.note]
+    if notes:
+        print("\n\"per micro-batch\": compared with the unsplit model run micro-batch by "
+              "micro-batch (gradients accumulated), because\n" + "\n".join(notes))
+    passed = sum(not r.reason for r in rows)
+    print(f"\n{passed} of {len(rows)} transparent")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
