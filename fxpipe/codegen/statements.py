@@ -81,12 +81,15 @@ def forward_lines(
 
 
 def _state_read(line: str, full_name: str, comment: str) -> list[str]:
-    """A parameter or buffer read too long for one line, or one that attributes and
-    indices cannot reach: the read in parentheses on a line of its own, as ruff's
-    formatter writes it, else by its full name (``self.get_parameter("a.b")``)."""
+    """A parameter or buffer read too long for one line with its comment, or one that
+    attributes and indices cannot reach: the read without the comment, or in parentheses
+    on a line of its own as ruff's formatter writes it, else by its full name
+    (``self.get_parameter("a.b")``)."""
     indent = line[: len(line) - len(line.lstrip())]
     name, _, value = line.strip().partition(" = ")
     inner = f"{indent}    {value}"
+    if "get_submodule(" not in value and len(line) <= LINE_LENGTH:
+        return [line]
     if "get_submodule(" not in value and len(inner) <= LINE_LENGTH:
         return [f"{indent}{name} = (", inner, f"{indent})"]
     by_name = f"{indent}{name} = {full_name}"
