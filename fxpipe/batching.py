@@ -10,10 +10,12 @@ The decision, per tensor leaf of the example inputs:
 2. dim 0 differs from b (the most common dim 0 among the tensors): shared;
 3. among A, the smallest set that contains the first of them and lets the model run
    on the meta device when exactly that set gets batch b + 1 (every other input kept
-   as it is). One run for a model whose inputs are all per sample; a shared input
-   fails the run when it is resized, a per-sample one when it is not. With b == 1 a
-   per-sample input left at 1 would broadcast, so when both answers run, fxpipe cannot
-   tell and says so;
+   as it is), with no output left at b rows. One run for a model whose inputs are all
+   per sample; a shared input fails the run when it is resized, a per-sample one when
+   it is not, or, processed on its own (a second tower), leaves its outputs at b rows.
+   Where every set that runs leaves some output at b rows (an output that is not per
+   sample), the smallest set that runs. With b == 1 a per-sample input left at 1 would
+   broadcast, so when both answers run, fxpipe cannot tell and says so;
 4. when the model does not run on the meta device at all (a data-dependent op), or with
    no set at b + 1 (a batch size fixed in its code), the inputs of A are taken as
    batched and the report says it was assumed.
@@ -66,31 +68,55 @@ def decide_batching(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
         return InputBatching(frozenset(id(t) for t in same),
                              "assumed (the model does not run on the meta device)")
     trials = 0
+    smallest: tuple[int, list[frozenset[int]]] | None = None  # the first size that runs
     for size in range(len(rest) + 1):
-        found = []
+        found, whole = [], []
         for extra in itertools.combinations(rest, size):
             trials += 1
             if trials > MAX_TRIALS:
                 return InputBatching(frozenset(id(t) for t in same),
                                      f"assumed (more than {MAX_TRIALS} trial runs)")
             ids = frozenset([id(first), *(id(t) for t in extra)])
-            if _runs(model, args, kwargs, ids, b + 1):
+            sizes = _output_rows(model, args, kwargs, ids, b + 1)
+            if sizes is not None:
                 found.append(ids)
-        if len(found) > 1 or (found and b == 1 and size < len(rest)
-                              and _runs(model, args, kwargs,
-                                        frozenset(id(t) for t in same), b + 1)):
-            raise BatchDimsError(_ambiguous(args, kwargs, same, b))
-        if found:
-            return InputBatching(found[0], f"traced with batch sizes {b} and {b + 1}")
+                if b not in sizes:
+                    whole.append(ids)
+        if smallest is None and found:
+            smallest = size, found
+        if whole:
+            return _chosen(model, args, kwargs, same, b, size, whole)
+    if smallest is not None:  # an output of b rows whatever is resized: not per sample
+        return _chosen(model, args, kwargs, same, b, *smallest)
     # Nothing runs at b + 1 (a size fixed in the code): micro-batches of b samples still do.
     return InputBatching(frozenset(id(t) for t in same),
                          f"assumed (the model runs only with batch size {b})")
+
+
+def _chosen(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+            same: list[torch.Tensor], b: int, size: int, found: list[frozenset[int]]
+            ) -> InputBatching:
+    """The one set of ``size`` + 1 inputs in ``found``; more than one, or (with b == 1,
+    where an input left at one sample broadcasts) a bigger set that runs too: ambiguous."""
+    if len(found) > 1 or (b == 1 and size < len(same) - 1
+                          and _output_rows(model, args, kwargs,
+                                           frozenset(id(t) for t in same), b + 1) is not None):
+        raise BatchDimsError(_ambiguous(args, kwargs, same, b))
+    return InputBatching(found[0], f"traced with batch sizes {b} and {b + 1}")
 
 
 def _runs(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
           resized: frozenset[int], size: int) -> bool:
     """Whether ``model`` runs on meta tensors with the leaves ``resized`` given ``size``
     rows along dim 0 and every other leaf as it is."""
+    return _output_rows(model, args, kwargs, resized, size) is not None
+
+
+def _output_rows(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 resized: frozenset[int], size: int) -> set[int] | None:
+    """Run as ``_runs`` does: None if the model fails, else dim 0 of every output tensor
+    with a dimension. An input processed on its own (a second tower returned as an output
+    of its own) runs at any size; an output still at the old batch size gives it away."""
     def meta(t: torch.Tensor) -> torch.Tensor:
         if id(t) in resized:
             return torch.empty((size, *t.shape[1:]), dtype=t.dtype, device="meta")
@@ -99,10 +125,11 @@ def _runs(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     meta_args, meta_kwargs = pytree.tree_map_only(torch.Tensor, meta, (args, kwargs))
     try:
         with torch.no_grad(), on_meta(model):
-            model(*meta_args, **meta_kwargs)
+            output = model(*meta_args, **meta_kwargs)
     except Exception:
-        return False
-    return True
+        return None
+    return {int(t.size(0)) for t in pytree.tree_leaves(output)
+            if isinstance(t, torch.Tensor) and t.dim() > 0}
 
 
 def _names(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int, str]:

@@ -110,6 +110,25 @@ def test_batched_inputs_of_one_size_are_all_split() -> None:
     assert decision.batched == {id(ids), id(keep)}
 
 
+def test_an_input_on_a_tower_of_its_own_is_batched() -> None:
+    """Two inputs that never meet (a second tower, returned as an output of its own): the
+    model runs whichever of them gets a bigger batch, but with only x resized the second
+    output stays at the old batch size, which a per-sample output does not."""
+    class Towers(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 3)
+            self.b = nn.Linear(5, 2)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return self.a(x), self.b(y)
+
+    x, y = torch.randn(2, 4), torch.randn(2, 5)
+    decision = decide_batching(Towers(), (x, y), {})
+    assert decision.batched == {id(x), id(y)}
+    assert decision.how == "traced with batch sizes 2 and 3"
+
+
 def test_one_sample_cannot_tell_and_batch_dims_can() -> None:
     """With a batch of 1 a (1, T) input may be per sample or shared: fxpipe says so and
     names the fix; batch_dims() decides."""
