@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -83,3 +84,40 @@ def test_in_place_op_through_a_view_shares_the_stage_of_the_base(tmp_path: Path)
             case = Case(spec_u, stages=stages, schedule="gpipe", microbatches=2,
                         recompute=False, batch=2)
             check_transparency(case, tmp_path / f"pkg{untraceable}{stages}")
+
+
+def _chain(middle: Op, module: tuple[str, Any] | None = None, *, untraceable: bool = False,
+           width: int = 6, **spec: Any) -> ModelSpec:
+    """linear0 -> ``middle`` -> linear2 on (width,) samples (then an untraceable branch, for
+    torch.export), ``middle`` reading pool index 1 and adding index 2."""
+    ops = [Op("linear", (0,), ((width,),), module="linear0"), middle,
+           Op("linear", (2,), ((4,),), module="linear2")]
+    if untraceable:
+        ops.append(Op("branch", (3,), ((4,),)))
+    modules = {"linear0": ("linear", (width, width, True)), "linear2": ("linear", (width, 4, True))}
+    if module is not None:
+        modules[middle.module] = module
+    return ModelSpec(inputs=((width,),), ops=tuple(ops), outputs=(len(ops),), seed=0,
+                     untraceable=untraceable, modules=modules, **spec)
+
+
+def _check_all(tmp_path: Path, spec: ModelSpec, *, recompute: tuple[bool, ...] = (False, True),
+               **settings: Any) -> None:
+    """Split onto 2 stages (3 stage modules interleaved) with each recompute setting."""
+    for flag in recompute:
+        case = Case(spec, stages=2, microbatches=2, recompute=flag, batch=2,
+                    **{"schedule": "1f1b", **settings})
+        check_transparency(case, tmp_path / f"pkg{flag}")
+
+
+def test_unread_batch_norm_still_updates_its_statistics(tmp_path: Path) -> None:
+    # torch.export keeps a BatchNorm whose output nothing reads, but fxpipe's dead code
+    # elimination dropped it (aten.batch_norm's schema does not say it writes the running
+    # statistics): the pipeline left running_mean at zero. Fixed: kept as a side effect.
+    ops = (Op("linear", (0,), ((6,),), module="linear0"),
+           Op("batchnorm", (1,), ((6,),), module="batchnorm1"),
+           Op("branch", (1,), ((6,),)))
+    spec = ModelSpec(inputs=((6,),), ops=ops, outputs=(3,), seed=0, untraceable=True,
+                     modules={"linear0": ("linear", (6, 6, True)),
+                              "batchnorm1": ("batchnorm1d", (6, 0.1, True))}, min_batch=2)
+    _check_all(tmp_path, spec)
