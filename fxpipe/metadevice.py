@@ -33,9 +33,16 @@ def to_meta(
     tensor: torch.Tensor, *, dtype: torch.dtype | None = None, device: str = "meta"
 ) -> torch.Tensor:
     """A storage-less copy of ``tensor`` (``requires_grad`` kept): on the meta device, or
-    a fake ``device`` tensor inside a ``FakeTensorMode``; floating ones cast to ``dtype``."""
+    a fake ``device`` tensor inside a ``FakeTensorMode``; floating ones cast to ``dtype``.
+
+    A 0-dim integer tensor (a counter such as BatchNorm's ``num_batches_tracked``, which
+    ``momentum=None`` turns into a Python float) is copied with its value on the meta
+    device: it costs nothing, and mixes with meta tensors as a CPU scalar does."""
     floating = tensor.is_floating_point()
     cast = dtype if dtype is not None and floating else tensor.dtype
+    if device == "meta" and tensor.dim() == 0 and not floating and not tensor.is_complex() and (
+            not _storageless(tensor)):
+        return tensor.detach().clone()
     if device == "meta":
         copy = torch.empty_like(tensor, dtype=cast, device="meta")
     else:

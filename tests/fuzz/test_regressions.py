@@ -110,6 +110,17 @@ def _check_all(tmp_path: Path, spec: ModelSpec, *, recompute: tuple[bool, ...] =
         check_transparency(case, tmp_path / f"pkg{flag}")
 
 
+def test_batch_norm_with_a_cumulative_average_runs_on_meta(tmp_path: Path) -> None:
+    # BatchNorm(momentum=None) turns num_batches_tracked into a Python float; the meta run
+    # of the graph (after symbolic_trace) raised "Tensor.item() cannot be called on meta
+    # tensors", so no such model could be split. Fixed: a 0-dim integer buffer keeps its
+    # value on the meta device (torch.export cannot capture it at all: the generator keeps
+    # momentum=None to symbolic_trace models).
+    bn = Op("batchnorm", (1,), ((6,),), module="batchnorm1")
+    _check_all(tmp_path, _chain(bn, ("batchnorm1d", (6, None, True)), min_batch=2),
+               recompute=(True,))
+
+
 def test_unread_batch_norm_still_updates_its_statistics(tmp_path: Path) -> None:
     # torch.export keeps a BatchNorm whose output nothing reads, but fxpipe's dead code
     # elimination dropped it (aten.batch_norm's schema does not say it writes the running
