@@ -132,3 +132,12 @@ def test_unread_batch_norm_still_updates_its_statistics(tmp_path: Path) -> None:
                      modules={"linear0": ("linear", (6, 6, True)),
                               "batchnorm1": ("batchnorm1d", (6, 0.1, True))}, min_batch=2)
     _check_all(tmp_path, spec)
+
+
+def test_autocast_region_runs_in_its_dtype_on_meta(tmp_path: Path) -> None:
+    # A bfloat16 matmul cast back to float64 inside an autocast region: the shape pass ran
+    # the region's body on meta tensors, where autocast does nothing, and export's dtype
+    # assertion in the body failed ("Expected: BFloat16, Got: float"). Fixed: a graph with
+    # an autocast region is analysed on fake CPU tensors, where autocast runs.
+    region = Op("region", (1,), ((6,),), how="autocast", arg="w0")
+    _check_all(tmp_path, _chain(region, params={"w0": (6, 6)}), recompute=(False,))
