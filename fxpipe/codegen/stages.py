@@ -471,14 +471,26 @@ def _del(indent: str, names: list[str]) -> str:
 
 
 def _body_class(body: torch.fx.GraphModule, class_name: str, target: str) -> str:
+    """The class of a higher-order op's body, after the classes of the bodies nested in
+    it (a ``no_grad`` region around an ``enable_grad`` one), which it constructs."""
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
+    nested: list[str] = []  # classes of the bodies this one calls
+    inits: list[str] = []
     for node in body.graph.nodes:
         if node.op == "get_attr":
-            raise PlanError(
-                f"the body {target!r} of a higher-order op reads attribute {node.target!r}; "
-                "fxpipe cannot print such bodies yet"
-            )
+            value = _resolve(body, str(node.target))
+            if not isinstance(value, torch.fx.GraphModule):
+                raise PlanError(
+                    f"the body {target!r} of a higher-order op reads attribute "
+                    f"{node.target!r}; fxpipe cannot print such bodies yet"
+                )
+            inner = class_name + "".join(p.capitalize() for p in re.split(r"[._]", str(
+                node.target)) if p)
+            init = f"        self.{node.target} = {inner}()"
+            if init not in inits:
+                nested.append(_body_class(value, inner, f"{target}.{node.target}"))
+                inits.append(init)
         if node.op == "call_function" and not node.users and _is_assert(node):
             continue
         env[node] = graph.node_copy(node, lambda n: env[n])
@@ -489,7 +501,10 @@ def _body_class(body: torch.fx.GraphModule, class_name: str, target: str) -> str
     io = StageIO(-1, (), (), ())
     lines, _ = _forward_lines(code.src, io, {})
     lines[1] = '        """The body of a higher-order op, as traced."""'
-    return "\n".join([f"class {class_name}(nn.Module):", *lines])
+    if inits:
+        lines[:0] = ["    def __init__(self) -> None:", "        super().__init__()", *inits,
+                     ""]
+    return "\n\n\n".join([*nested, "\n".join([f"class {class_name}(nn.Module):", *lines])])
 
 
 def _is_assert(node: torch.fx.Node) -> bool:

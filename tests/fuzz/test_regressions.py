@@ -141,3 +141,11 @@ def test_autocast_region_runs_in_its_dtype_on_meta(tmp_path: Path) -> None:
     # an autocast region is analysed on fake CPU tensors, where autocast runs.
     region = Op("region", (1,), ((6,),), how="autocast", arg="w0")
     _check_all(tmp_path, _chain(region, params={"w0": (6, 6)}), recompute=(False,))
+
+
+def test_nested_autocast_regions_are_printed(tmp_path: Path) -> None:
+    # autocast(enabled=False) inside a bfloat16 autocast region: export nests one body in
+    # the other, and code generation refused ("the body 'submod_1' of a higher-order op
+    # reads attribute 'submod_1'"). Fixed: a body's class builds the bodies it calls.
+    region = Op("region", (1,), ((6,),), how="autocast_off", arg="w0")
+    _check_all(tmp_path, _chain(region, params={"w0": (6, 6)}), recompute=(False,))
