@@ -231,7 +231,7 @@ def stage_source(
         '"""',
         "",
         *imports,
-        *_bind_helper(checks=bool(checks)),
+        *_bind_helper(binds=bool(paths), checks=bool(checks)),
     ]
     for body in bodies:
         lines += ["", "", body]
@@ -328,11 +328,13 @@ def _tuple_attr(name: str, values: tuple[str, ...]) -> list[str]:
     return [f"    {name} = (", *(f'        "{v}",' for v in values), "    )"]
 
 
-def _bind_helper(*, checks: bool = False) -> list[str]:
-    """The import of the runtime's ``bind``, which every stage uses to hold the model's
-    own parameters, buffers and modules under their original names (and ``check_shape``
-    where the stage checks a graph input's fixed dimensions)."""
-    return ["", "from .runtime import bind, check_shape" if checks else "from .runtime import bind"]
+def _bind_helper(*, binds: bool = True, checks: bool = False) -> list[str]:
+    """The import of the runtime's ``bind``, which a stage uses to hold the model's own
+    parameters, buffers and modules under their original names (none for a stage of
+    parameter-free ops), and ``check_shape`` where the stage checks a graph input's fixed
+    dimensions."""
+    names = [name for name, used in (("bind", binds), ("check_shape", checks)) if used]
+    return ["", f"from .runtime import {', '.join(names)}"] if names else []
 
 
 _FREE = re.compile(r"^(?P<stmt>.*?);  (?P<dead>(?:[A-Za-z_]\w* = )+)None$")

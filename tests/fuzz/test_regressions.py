@@ -13,7 +13,7 @@ from torch import nn
 from fxpipe.frontend import trace
 from fxpipe.passes import annotate_all
 
-from .models import ModelSpec, Op
+from .models import ModelSpec, Op, build_model
 from .pipeline import Case, check_transparency
 
 
@@ -149,3 +149,20 @@ def test_nested_autocast_regions_are_printed(tmp_path: Path) -> None:
     # reads attribute 'submod_1'"). Fixed: a body's class builds the bodies it calls.
     region = Op("region", (1,), ((6,),), how="autocast_off", arg="w0")
     _check_all(tmp_path, _chain(region, params={"w0": (6, 6)}), recompute=(False,))
+
+
+def test_a_stage_without_parameters_passes_ruff(tmp_path: Path) -> None:
+    # A stage of parameter-free ops imported the runtime's bind and never called it
+    # (ruff: F401, unused import). Fixed: the import names what the stage uses.
+    ops = (Op("linear", (0,), ((6,),), module="linear0"),
+           Op("act", (1,), ((6,),), how="tanh:function"),
+           Op("scalar", (2,), ((6,),), how="mul"),
+           Op("act", (3,), ((6,),), how="relu:function"),
+           Op("linear", (4,), ((4,),), module="linear1"))
+    spec = ModelSpec(inputs=((6,),), ops=ops, outputs=(5,), seed=0,
+                     modules={"linear0": ("linear", (6, 6, True)),
+                              "linear1": ("linear", (6, 4, True))})
+    case = Case(spec, stages=4, schedule="gpipe", microbatches=2, recompute=False, batch=2)
+    done = check_transparency(case, tmp_path / "pkg")  # ruff included
+    assert any(not list(stage.parameters())
+               for stage in done.package.build_stages(build_model(spec)))
