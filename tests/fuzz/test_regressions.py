@@ -134,6 +134,16 @@ def test_unread_batch_norm_still_updates_its_statistics(tmp_path: Path) -> None:
     _check_all(tmp_path, spec)
 
 
+def test_zero_bubble_weight_gradient_after_a_recomputed_batch_norm(tmp_path: Path) -> None:
+    # Under recompute the runner restores the buffers a recomputed forward updated; the
+    # restore bumped running_mean's version, and a zero-bubble W, which runs after it on a
+    # graph that saved running_mean, raised autograd's in-place error. Fixed: the restore
+    # writes through .data, as BatchNorm's own update does.
+    bn = Op("batchnorm", (1,), ((6,),), module="batchnorm1")
+    spec = _chain(bn, ("batchnorm1d", (6, 0.1, True)), untraceable=True, min_batch=2)
+    _check_all(tmp_path, spec, schedule="zb1p", recompute=(True,))
+
+
 def test_autocast_region_runs_in_its_dtype_on_meta(tmp_path: Path) -> None:
     # A bfloat16 matmul cast back to float64 inside an autocast region: the shape pass ran
     # the region's body on meta tensors, where autocast does nothing, and export's dtype
