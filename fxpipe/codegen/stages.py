@@ -6,6 +6,7 @@ fx code: one statement per op, the graph's node names, dead values freed.
 
     INPUTS   values the stage receives (graph inputs or earlier stages' outputs)
     OUTPUTS  values it produces that a later stage reads or the model returns
+    WRITES   (only where there are some) graph inputs it writes in place
     __init__ binds the submodules, parameters and buffers it reads from the
              original model under their original qualified names
     forward  takes INPUTS by name and returns a tuple in OUTPUTS order
@@ -37,6 +38,7 @@ from torch.utils import _pytree as pytree
 from fxpipe import meta
 from fxpipe.codegen.wrap import LINE_LENGTH, wrap_line
 from fxpipe.cut import StageIO, cut_stages
+from fxpipe.lower import written_inputs
 from fxpipe.plan import Plan
 
 __all__ = ["LINE_LENGTH", "PlanError", "stage_io", "stage_source", "wrap_line"]
@@ -168,6 +170,7 @@ def stage_source(
     rather than deep inside an aten op.
     """
     sub = _sub_graph(gm.graph, io)
+    written = written_inputs(gm, set(io.nodes))
     checks = [(name, (fixed or {})[name]) for name in io.inputs if name in (fixed or {})]
     shapes = {n.name: _shape_comment(n) for n in gm.graph.nodes if meta.SHAPE.has(n)}
 
@@ -241,6 +244,10 @@ def stage_source(
         f"class Stage{k}(nn.Module):",
         *_tuple_attr("INPUTS", io.inputs),
         *_tuple_attr("OUTPUTS", io.outputs),
+    ]
+    if written:  # a recomputed forward must start from the values before the write
+        lines += ["    # graph inputs this stage writes in place", *_tuple_attr("WRITES", written)]
+    lines += [
         "",
         "    def __init__(self, model: nn.Module) -> None:",
         "        super().__init__()",

@@ -161,6 +161,23 @@ def test_nested_autocast_regions_are_printed(tmp_path: Path) -> None:
     _check_all(tmp_path, _chain(region, params={"w0": (6, 6)}), recompute=(False,))
 
 
+def test_recompute_starts_from_a_graph_input_before_its_write(tmp_path: Path) -> None:
+    # x.mul_(1.5) on a model input, and a stage recomputed in backward: the recompute ran
+    # on the input the first forward had already scaled (the loss off by 19%), and a stage
+    # that read x before the write (x + 1.0, maybe in an earlier stage) recomputed on the
+    # written value. Fixed: stages that write a graph input say so (WRITES) and a
+    # recomputed stage keeps a copy of such an input, taken before its forward.
+    for how in ("mul_:statement", "relu_:result"):
+        ops = (Op("scalar", (0,), ((6,),), how="add"),  # reads x before the write
+               Op("linear", (1,), ((6,),), module="linear0"),
+               Op("mutate", (0,), ((6,),), how=how),
+               Op("linear", (3,), ((4,),), module="linear1"))
+        spec = ModelSpec(inputs=((6,),), ops=ops, outputs=(2, 4), seed=0,
+                         modules={"linear0": ("linear", (6, 6, True)),
+                                  "linear1": ("linear", (6, 4, True))})
+        _check_all(tmp_path / how, spec, schedule="gpipe", recompute=(True,))
+
+
 def test_a_stage_without_parameters_passes_ruff(tmp_path: Path) -> None:
     # A stage of parameter-free ops imported the runtime's bind and never called it
     # (ruff: F401, unused import). Fixed: the import names what the stage uses.
