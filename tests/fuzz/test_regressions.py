@@ -193,3 +193,14 @@ def test_a_stage_without_parameters_passes_ruff(tmp_path: Path) -> None:
     done = check_transparency(case, tmp_path / "pkg")  # ruff included
     assert any(not list(stage.parameters())
                for stage in done.package.build_stages(build_model(spec)))
+
+
+def test_a_package_of_twelve_stages_passes_ruff(tmp_path: Path) -> None:
+    # 4 GPUs x 3 virtual stages: distributed.py's STAGE_CLASSES tuple of 12 names ran past
+    # the line length (ruff: E501). Fixed: the package's tuples are wrapped like the rest.
+    ops = tuple(Op("linear", (i,), ((6,),), module=f"linear{i}") for i in range(12))
+    spec = ModelSpec(inputs=((6,),), ops=ops, outputs=(12,), seed=0,
+                     modules={f"linear{i}": ("linear", (6, 6, True)) for i in range(12)})
+    case = Case(spec, stages=4, schedule="interleaved", microbatches=4, recompute=False,
+                batch=2, virtual_stages=3)
+    assert check_transparency(case, tmp_path / "pkg").stages == 12
