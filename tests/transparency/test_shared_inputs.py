@@ -129,6 +129,32 @@ def test_an_input_on_a_tower_of_its_own_is_batched() -> None:
     assert decision.how == "traced with batch sizes 2 and 3"
 
 
+def test_shared_inputs_may_outnumber_the_batched_one() -> None:
+    """x first, then two shared tables of one size (a rotary embedding's cos and sin):
+    their dim 0 is the most common, but only x's follows into every output."""
+    class Rotary(nn.Module):
+        def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                    ) -> torch.Tensor:
+            return x * cos + x.flip(-1) * sin
+
+    x, cos, sin = torch.randn(2, T, D), torch.randn(T, D), torch.randn(T, D)
+    decision = decide_batching(Rotary(), (x, cos, sin), {})
+    assert decision.batched == {id(x)}
+
+
+def test_a_forward_that_makes_a_tensor_is_tried_on_fake_tensors() -> None:
+    """torch.arange in forward makes a CPU tensor, which meta tensors cannot meet: the trial
+    runs use fake CPU tensors instead of assuming every input of the batch size batched."""
+    class Offset(nn.Module):
+        def forward(self, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor
+                    ) -> torch.Tensor:
+            return x + y * mask + torch.arange(D, dtype=x.dtype)
+
+    x, y, mask = torch.randn(2, 2, D), torch.randn(2, 2, D), torch.randn(2, D)
+    decision = decide_batching(Offset(), (x, y, mask), {})
+    assert decision.batched == {id(x), id(y)}
+
+
 def test_one_sample_cannot_tell_and_batch_dims_can() -> None:
     """With a batch of 1 a (1, T) input may be per sample or shared: fxpipe says so and
     names the fix; batch_dims() decides."""
