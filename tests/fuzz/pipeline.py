@@ -99,10 +99,10 @@ def split(case: Case, directory: Path) -> Split:
     traced = trace(model, args, kwargs, batch_dims=_batch_dims(case, args, kwargs))
     regions = any(op.kind == "region" for op in spec.ops)
     assert (traced.tracer == "export") == (spec.untraceable or regions), traced.fallback_reason
-    # Batched and shared inputs told apart (an input no op reads may be either).
-    first, read = len(spec.inputs), spec.read_inputs
-    assert [b for i, b in enumerate(traced.batched) if i in read] == [
-        i < first for i in sorted(read)], (traced.batched, traced.batching)
+    # Batched and shared inputs told apart (one no output depends on may be either).
+    first, live = len(spec.inputs), spec.live_inputs
+    assert [b for i, b in enumerate(traced.batched) if i in live] == [
+        i < first for i in sorted(live)], (traced.batched, traced.batching)
     device = get_device("h100")
     analyze(traced, device=device)
     kind = ScheduleKind(case.schedule)
