@@ -57,7 +57,7 @@ def main() -> int:
                 done = check_transparency(case, Path(tmp) / "pkg")
                 tracers[done.traced.tracer] += 1
                 stages[done.stages] += 1
-                schedules[_schedule(done)] += 1
+                schedules[_schedule(done, case)] += 1
             except Exception as exc:
                 first = (str(exc).strip().splitlines() or [""])[0][:160]
                 failures.append((f"{type(exc).__name__}: {first}", case,
@@ -106,8 +106,10 @@ def _features(case: Case) -> set[str]:
     return found
 
 
-def _schedule(done: Split) -> str:
-    replicas = tuple(done.package.REPLICAS)
+def _schedule(done: Split, case: Case) -> str:
+    """The schedule the plan ran, with v when interleaved, and "replicated" where a stage
+    ran on several replicas (the solver's plan, or the runner's over it)."""
+    replicas = [*done.package.REPLICAS, *(case.replicas or ())[:done.stages]]
     name = done.schedule
     if name == "interleaved":
         name += f" v={done.stages // done.gpus}"
