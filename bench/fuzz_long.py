@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.fuzz.pipeline import Case, check_transparency
+from tests.fuzz.pipeline import Case, Split, check_transparency
 from tests.fuzz.test_transparency import cases
 
 
@@ -34,7 +34,10 @@ def main() -> int:
 
     tried = 0
     tracers: collections.Counter[str] = collections.Counter()
-    stages: collections.Counter[int] = collections.Counter()  # stages used, passing models
+    features: collections.Counter[str] = collections.Counter()  # models with each generator
+    # passing models: stage modules, and the schedule the plan ran
+    stages: collections.Counter[int] = collections.Counter()
+    schedules: collections.Counter[str] = collections.Counter()
     failures: list[tuple[str, Case, str]] = []
     start = time.perf_counter()
 
@@ -45,10 +48,13 @@ def main() -> int:
     def run(case: Case) -> None:
         nonlocal tried
         tried += 1
-        tracers["export" if case.spec.untraceable else "symbolic_trace"] += 1
+        features.update(_features(case))
         with tempfile.TemporaryDirectory() as tmp:
             try:
-                stages[check_transparency(case, Path(tmp) / "pkg")] += 1
+                done = check_transparency(case, Path(tmp) / "pkg")
+                tracers[done.traced.tracer] += 1
+                stages[done.stages] += 1
+                schedules[_schedule(done, case)] += 1
             except Exception as exc:
                 first = (str(exc).strip().splitlines() or [""])[0][:160]
                 failures.append((f"{type(exc).__name__}: {first}", case,
@@ -64,12 +70,47 @@ def main() -> int:
             for message, case, tb in failures:
                 f.write(f"=== {message}\n{case!r}\n{tb}\n")
     by_error = collections.Counter(message for message, _, _ in failures)
-    print(f"models tried: {tried} ({dict(tracers)}); failures: {len(failures)}; "
+    print(f"models tried: {tried}; failures: {len(failures)}; "
           f"{wall:.0f} s ({wall / max(tried, 1):.2f} s per model)")
-    print(f"stages used (passing models): {dict(sorted(stages.items()))}")
+    print(f"passing models by tracer: {dict(tracers)}")
+    print(f"stage modules (passing models): {dict(sorted(stages.items()))}")
+    print(f"schedules (passing models): {dict(sorted(schedules.items()))}")
+    print(f"models with (tried): {dict(sorted(features.items()))}")
     for message, count in by_error.most_common():
         print(f"  {count:4d}  {message}")
     return 1 if failures else 0
+
+
+def _features(case: Case) -> set[str]:
+    """What a drawn model and split exercise, for the table in BENCHMARKS.md."""
+    spec = case.spec
+    found = {f"{op.kind}:{op.how.split(':')[0]}" for op in spec.ops
+             if op.kind in ("region", "mutate")}
+    first = len(spec.inputs)
+    if any(op.kind == "mutate" and op.srcs[0] < first for op in spec.ops):
+        found.add("mutated input")
+    if any(op.kind == "mutate" and op.srcs[0] >= first for op in spec.ops):
+        found.add("mutated value with readers")
+    if spec.shared:
+        found.add("shared inputs " + ("declared" if case.declare else "inferred"))
+    if spec.batchnorm:
+        mode = "train" if spec.train else "eval"
+        found.add(f"batchnorm {mode}, recompute {'on' if case.recompute else 'off'}")
+    if case.replicate:
+        found.add("replicate (solver)")
+    if case.replicas is not None and max(case.replicas) > 1:
+        found.add("replicas (runner)")
+    return found
+
+
+def _schedule(done: Split, case: Case) -> str:
+    """The schedule the plan ran, with v when interleaved, and "replicated" where a stage
+    ran on several replicas (the solver's plan, or the runner's over it)."""
+    replicas = [*done.package.REPLICAS, *(case.replicas or ())[:done.stages]]
+    name = done.schedule
+    if name == "interleaved":
+        name += f" v={done.stages // done.gpus}"
+    return name + (" replicated" if max(replicas) > 1 else "")
 
 
 if __name__ == "__main__":

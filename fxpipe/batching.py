@@ -7,20 +7,28 @@ micro-batches along dim 0 and hands every other input whole to every micro-batch
 The decision, per tensor leaf of the example inputs:
 
 1. declared: the model file's ``batch_dims()`` says, per argument, 0 or None;
-2. dim 0 differs from b (the most common dim 0 among the tensors): shared;
+2. dim 0 differs from b: shared. b is the most common dim 0 among the tensors, or the
+   first tensor's where the model runs with every tensor of that dim 0 one row bigger
+   and every output follows (``forward(x, cos, sin)`` with cos and sin of another size);
 3. among A, the smallest set that contains the first of them and lets the model run
    on the meta device when exactly that set gets batch b + 1 (every other input kept
-   as it is). One run for a model whose inputs are all per sample; a shared input
-   fails the run when it is resized, a per-sample one when it is not. With b == 1 a
-   per-sample input left at 1 would broadcast, so when both answers run, fxpipe cannot
-   tell and says so;
+   as it is), with no output left at b rows. One run for a model whose inputs are all
+   per sample; a shared input fails the run when it is resized, a per-sample one when
+   it is not, or, processed on its own (a second tower), leaves its outputs at b rows.
+   Where every set that runs leaves some output at b rows (an output that is not per
+   sample), the smallest set that runs. With b == 1 a per-sample input left at 1 would
+   broadcast, so when both answers run, fxpipe cannot tell and says so;
 4. when the model does not run on the meta device at all (a data-dependent op), or with
    no set at b + 1 (a batch size fixed in its code), the inputs of A are taken as
    batched and the report says it was assumed.
+
+The trial runs use meta tensors, or fake CPU tensors (``FakeTensorMode``) for a model
+that makes a tensor of its own in forward (``torch.arange``), which meta ones cannot meet.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -28,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from fxpipe.metadevice import on_meta, to_meta
@@ -57,52 +66,105 @@ def decide_batching(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
                if isinstance(t, torch.Tensor) and t.dim() > 0]
     if not tensors:
         return InputBatching(frozenset(), "no tensor inputs with a dimension")
-    b = Counter(int(t.size(0)) for t in tensors).most_common(1)[0][0]
+    sizes = [int(t.size(0)) for t in tensors]
+    if len(set(sizes)) == len(sizes):  # no other input of the first one's dim 0: no trial run
+        return InputBatching(frozenset([id(tensors[0])]), "one input of the batch size")
+    device = next((d for d in ("meta", "cpu") if _runs(model, args, kwargs, frozenset(), 0, d)),
+                  None)
+    b = _batch_size(model, args, kwargs, tensors, device)
     same = [t for t in tensors if int(t.size(0)) == b]
     first, rest = same[0], same[1:]
     if not rest:
         return InputBatching(frozenset([id(first)]), "one input of the batch size")
-    if not _runs(model, args, kwargs, frozenset(), b):
+    if device is None:
         return InputBatching(frozenset(id(t) for t in same),
                              "assumed (the model does not run on the meta device)")
     trials = 0
+    smallest: tuple[int, list[frozenset[int]]] | None = None  # the first size that runs
     for size in range(len(rest) + 1):
-        found = []
+        found, whole = [], []
         for extra in itertools.combinations(rest, size):
             trials += 1
             if trials > MAX_TRIALS:
                 return InputBatching(frozenset(id(t) for t in same),
                                      f"assumed (more than {MAX_TRIALS} trial runs)")
             ids = frozenset([id(first), *(id(t) for t in extra)])
-            if _runs(model, args, kwargs, ids, b + 1):
+            rows = _output_rows(model, args, kwargs, ids, b + 1, device)
+            if rows is not None:
                 found.append(ids)
-        if len(found) > 1 or (found and b == 1 and size < len(rest)
-                              and _runs(model, args, kwargs,
-                                        frozenset(id(t) for t in same), b + 1)):
-            raise BatchDimsError(_ambiguous(args, kwargs, same, b))
-        if found:
-            return InputBatching(found[0], f"traced with batch sizes {b} and {b + 1}")
+                if b not in rows:
+                    whole.append(ids)
+        if smallest is None and found:
+            smallest = size, found
+        if whole:
+            return _chosen(model, args, kwargs, same, b, size, whole, device)
+    if smallest is not None:  # an output of b rows whatever is resized: not per sample
+        return _chosen(model, args, kwargs, same, b, *smallest, device)
     # Nothing runs at b + 1 (a size fixed in the code): micro-batches of b samples still do.
     return InputBatching(frozenset(id(t) for t in same),
                          f"assumed (the model runs only with batch size {b})")
 
 
-def _runs(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-          resized: frozenset[int], size: int) -> bool:
-    """Whether ``model`` runs on meta tensors with the leaves ``resized`` given ``size``
-    rows along dim 0 and every other leaf as it is."""
-    def meta(t: torch.Tensor) -> torch.Tensor:
-        if id(t) in resized:
-            return torch.empty((size, *t.shape[1:]), dtype=t.dtype, device="meta")
-        return to_meta(t)
+def _batch_size(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                tensors: list[torch.Tensor], device: str | None) -> int:
+    """b: the most common dim 0, or the first input's where they differ and the model runs
+    with every input of that dim 0 one row bigger and no output left behind (x first, then
+    two shared tables of another size: a rotary embedding's cos and sin)."""
+    most = Counter(int(t.size(0)) for t in tensors).most_common(1)[0][0]
+    lead = int(tensors[0].size(0))
+    if lead != most and device is not None:
+        rows = _output_rows(model, args, kwargs, frozenset(
+            id(t) for t in tensors if int(t.size(0)) == lead), lead + 1, device)
+        if rows is not None and lead not in rows:
+            return lead
+    return most
 
-    meta_args, meta_kwargs = pytree.tree_map_only(torch.Tensor, meta, (args, kwargs))
+
+def _chosen(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+            same: list[torch.Tensor], b: int, size: int, found: list[frozenset[int]],
+            device: str | None) -> InputBatching:
+    """The one set of ``size`` + 1 inputs in ``found``; more than one, or (with b == 1,
+    where an input left at one sample broadcasts) a bigger set that runs too: ambiguous."""
+    if len(found) > 1 or (b == 1 and size < len(same) - 1
+                          and _output_rows(model, args, kwargs, frozenset(id(t) for t in same),
+                                           b + 1, device) is not None):
+        raise BatchDimsError(_ambiguous(args, kwargs, same, b))
+    return InputBatching(found[0], f"traced with batch sizes {b} and {b + 1}")
+
+
+def _runs(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+          resized: frozenset[int], size: int, device: str | None) -> bool:
+    """Whether ``model`` runs on storage-less tensors with the leaves ``resized`` given
+    ``size`` rows along dim 0 and every other leaf as it is."""
+    return _output_rows(model, args, kwargs, resized, size, device) is not None
+
+
+def _output_rows(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 resized: frozenset[int], size: int, device: str | None) -> set[int] | None:
+    """Run as ``_runs`` does: None if the model fails, else dim 0 of every output tensor
+    with a dimension. An input processed on its own (a second tower returned as an output
+    of its own) runs at any size; an output still at the old batch size gives it away.
+
+    ``device``: "meta", or "cpu" for fake CPU tensors (``FakeTensorMode``), where a
+    forward that makes a tensor of its own (``x + torch.arange(n)``) runs too."""
+    if device is None:
+        return None
+
+    def storageless(t: torch.Tensor) -> torch.Tensor:
+        if id(t) in resized:
+            return torch.empty((size, *t.shape[1:]), dtype=t.dtype, device=device)
+        return to_meta(t, device=device)
+
     try:
-        with torch.no_grad(), on_meta(model):
-            model(*meta_args, **meta_kwargs)
+        with (FakeTensorMode() if device == "cpu" else contextlib.nullcontext()), \
+                torch.no_grad(), on_meta(model, device=device):
+            fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, storageless,
+                                                          (args, kwargs))
+            output = model(*fake_args, **fake_kwargs)
     except Exception:
-        return False
-    return True
+        return None
+    return {int(t.size(0)) for t in pytree.tree_leaves(output)
+            if isinstance(t, torch.Tensor) and t.dim() > 0}
 
 
 def _names(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int, str]:

@@ -34,7 +34,7 @@ from fxpipe.partition.problem import Edge, Node, Problem, Recompute, TiedGroup, 
 from fxpipe.passes.base import OP_NODES
 from fxpipe.schedules import ScheduleKind
 
-__all__ = ["LOSS_FACTORS", "OPTIMIZERS", "Lowered", "lower"]
+__all__ = ["LOSS_FACTORS", "OPTIMIZERS", "Lowered", "lower", "written_inputs"]
 
 # Bytes of parameter state per byte of fp32 parameter: weights + gradients + optimizer state.
 OPTIMIZERS = {"adam": 4.0, "sgd": 2.0, "sgd-momentum": 3.0, "none": 1.0}
@@ -298,6 +298,23 @@ def _in_place_order(
         if after:
             fused.append(tuple(sorted({index[op], *after})))
     return sorted(edges), tuple(fused)
+
+
+def written_inputs(gm: torch.fx.GraphModule, names: set[str]) -> tuple[str, ...]:
+    """The graph inputs (placeholder names, in graph order) that the ops named ``names``
+    write in place, directly, through a view or through another in-place result
+    (``x.mul_(2).add_(1)``). The stage that runs them changes its caller's tensor."""
+    written: set[str] = set()
+    for node in gm.graph.nodes:
+        base = _mutated_input(gm, node) if node.name in names else None
+        while base is not None and base.op != "placeholder":
+            first = base.args[0] if base.args else None
+            shares = isinstance(first, torch.fx.Node) and (
+                _is_view(base) or _mutated_input(gm, base) is first)
+            base = first if shares else None  # type: ignore[assignment]
+        if base is not None:
+            written.add(base.name)
+    return tuple(n.name for n in gm.graph.nodes if n.op == "placeholder" and n.name in written)
 
 
 def _aliases(gm: torch.fx.GraphModule, base: torch.fx.Node) -> list[torch.fx.Node]:

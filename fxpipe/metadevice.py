@@ -8,7 +8,9 @@ The run follows the target (``fxpipe.kernels.Execution``): fused attention as it
 runs it, and its precision. ``*-true`` casts floating state and inputs to that dtype.
 ``*-mixed`` runs under ``torch.autocast``, which has no meta dispatch key: those runs use
 fake CPU tensors (``FakeTensorMode``, storage-less like meta ones) under CPU autocast, so
-autograd saves what autocast really makes, the weight copies included.
+autograd saves what autocast really makes, the weight copies included. So does a graph
+with an autocast region of its own (export's ``wrap_with_autocast``), whose body must
+run in the dtype autocast picks.
 """
 
 from __future__ import annotations
@@ -33,9 +35,16 @@ def to_meta(
     tensor: torch.Tensor, *, dtype: torch.dtype | None = None, device: str = "meta"
 ) -> torch.Tensor:
     """A storage-less copy of ``tensor`` (``requires_grad`` kept): on the meta device, or
-    a fake ``device`` tensor inside a ``FakeTensorMode``; floating ones cast to ``dtype``."""
+    a fake ``device`` tensor inside a ``FakeTensorMode``; floating ones cast to ``dtype``.
+
+    A 0-dim integer tensor (a counter such as BatchNorm's ``num_batches_tracked``, which
+    ``momentum=None`` turns into a Python float) is copied with its value on the meta
+    device: it costs nothing, and mixes with meta tensors as a CPU scalar does."""
     floating = tensor.is_floating_point()
     cast = dtype if dtype is not None and floating else tensor.dtype
+    if device == "meta" and tensor.dim() == 0 and not floating and not tensor.is_complex() and (
+            not _storageless(tensor)):
+        return tensor.detach().clone()
     if device == "meta":
         copy = torch.empty_like(tensor, dtype=cast, device="meta")
     else:
@@ -99,6 +108,15 @@ def _is_device_name(value: Any) -> bool:
     return True
 
 
+def _autocast_region(gm: torch.fx.GraphModule) -> bool:
+    """Whether ``gm`` or a body of its higher-order ops enters an autocast region."""
+    return any(node.op == "call_function"
+               and node.target is torch.ops.higher_order.wrap_with_autocast
+               for node in gm.graph.nodes) or any(
+        isinstance(child, torch.fx.GraphModule) and _autocast_region(child)
+        for child in gm.children())
+
+
 class MetaRunner(torch.fx.Interpreter):
     """Runs a graph on the meta device, whatever device the trace recorded.
 
@@ -107,21 +125,25 @@ class MetaRunner(torch.fx.Interpreter):
     meta, and ``.cpu()`` / ``.cuda()`` / ``.to("cpu")`` stay on meta.
     """
 
-    def __init__(self, gm: torch.fx.GraphModule, execution: Execution | None = None) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, execution: Execution | None = None, *,
+                 device: str | None = None) -> None:
         super().__init__(gm, garbage_collect_values=True)
         self.meta_state: dict[str, torch.Tensor] = {}
         self.execution = execution if execution is not None else Execution()
         precision = self.execution.precision
         self.autocast = precision.dtype if precision is not None and precision.mixed else None
         self.cast = precision.dtype if precision is not None and not precision.mixed else None
-        self.device = "cpu" if self.autocast is not None else "meta"  # fake CPU, see above
+        if device is None:  # fake CPU where autocast runs, see above
+            device = "cpu" if self.autocast is not None or _autocast_region(gm) else "meta"
+        self.device = device
 
     def run_on_meta(self, *flat_inputs: Any) -> Any:
         """Run once; grad mode is on inside and restored after, even on failure."""
         with ExitStack() as stack:
             stack.enter_context(torch.enable_grad())
-            if self.autocast is not None:
+            if self.device == "cpu":
                 stack.enter_context(FakeTensorMode())
+            if self.autocast is not None:
                 stack.enter_context(torch.autocast("cpu", dtype=self.autocast))
             state = stack.enter_context(on_meta(self.module, dtype=self.cast, device=self.device))
             self.meta_state = state  # qualified name -> the tensor standing in for it
@@ -148,7 +170,7 @@ class MetaRunner(torch.fx.Interpreter):
             # interpreted here so its device literals map to meta too.
             enabled, body, *inputs = args
             with torch.set_grad_enabled(enabled):
-                return MetaRunner(body, self.execution).run(*inputs)
+                return MetaRunner(body, self.execution, device=self.device).run(*inputs)
         if target in kernels.SDPA_TARGETS:
             return kernels.scaled_dot_product_attention(self.execution, *args, **kwargs)
         return super().call_function(target, args, kwargs)

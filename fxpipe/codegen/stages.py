@@ -6,6 +6,7 @@ fx code: one statement per op, the graph's node names, dead values freed.
 
     INPUTS   values the stage receives (graph inputs or earlier stages' outputs)
     OUTPUTS  values it produces that a later stage reads or the model returns
+    WRITES   (only where there are some) graph inputs it writes in place
     __init__ binds the submodules, parameters and buffers it reads from the
              original model under their original qualified names
     forward  takes INPUTS by name and returns a tuple in OUTPUTS order
@@ -41,6 +42,7 @@ from fxpipe.codegen.statements import Index, forward_lines, names_in
 from fxpipe.codegen.subgraph import follow_stage_device, sub_graph
 from fxpipe.codegen.wrap import LINE_LENGTH, wrap_line
 from fxpipe.cut import StageIO, cut_stages
+from fxpipe.lower import written_inputs
 from fxpipe.plan import Plan
 
 __all__ = ["LINE_LENGTH", "PlanError", "stage_io", "stage_source", "wrap_line"]
@@ -101,6 +103,7 @@ def stage_source(
     rather than deep inside an aten op.
     """
     sub = sub_graph(gm.graph, io)
+    written = written_inputs(gm, set(io.nodes))
     checks = [(name, (fixed or {})[name]) for name in io.inputs if name in (fixed or {})]
     shapes = {n.name: _shape_comment(n) for n in gm.graph.nodes if meta.SHAPE.has(n)}
     binding = _binding(gm, sub)
@@ -123,11 +126,11 @@ def stage_source(
         *_module_docstring(io),
         "",
         *_imports(globals_, header_names),
-        *_bind_helper(checks=bool(checks)),
+        *_bind_helper(binds=bool(binding.paths), checks=bool(checks)),
     ]
     for body in binding.bodies:
         lines += ["", "", body]
-    lines += ["", "", *_class_header(io, binding, functions), "", *forward]
+    lines += ["", "", *_class_header(io, binding, functions, written), "", *forward]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -230,14 +233,19 @@ def _module_docstring(io: StageIO) -> list[str]:
     ]
 
 
-def _class_header(io: StageIO, binding: _Binding,
-                  functions: dict[str, tuple[str, str]]) -> list[str]:
-    """``class Stage{k}``: its INPUTS and OUTPUTS, and ``__init__`` binding the model's
-    objects, constructing the bodies, and looking up the model file's wrapped functions."""
+def _class_header(io: StageIO, binding: _Binding, functions: dict[str, tuple[str, str]],
+                  written: tuple[str, ...]) -> list[str]:
+    """``class Stage{k}``: its INPUTS and OUTPUTS (and WRITES), and ``__init__`` binding the
+    model's objects, constructing the bodies, and looking up the model file's wrapped
+    functions."""
     lines = [
         f"class Stage{io.index}(nn.Module):",
         *_tuple_attr("INPUTS", io.inputs),
         *_tuple_attr("OUTPUTS", io.outputs),
+    ]
+    if written:  # a recomputed forward must start from the values before the write
+        lines += ["    # graph inputs this stage writes in place", *_tuple_attr("WRITES", written)]
+    lines += [
         "",
         "    def __init__(self, model: nn.Module) -> None:",
         "        super().__init__()",
@@ -328,22 +336,36 @@ def _tuple_attr(name: str, values: tuple[str, ...]) -> list[str]:
     return [f"    {name} = (", *(f'        "{v}",' for v in values), "    )"]
 
 
-def _bind_helper(*, checks: bool = False) -> list[str]:
-    """The import of the runtime's ``bind``, which every stage uses to hold the model's
-    own parameters, buffers and modules under their original names (and ``check_shape``
-    where the stage checks a graph input's fixed dimensions)."""
-    return ["", "from .runtime import bind, check_shape" if checks else "from .runtime import bind"]
+def _bind_helper(*, binds: bool = True, checks: bool = False) -> list[str]:
+    """The import of the runtime's ``bind``, which a stage uses to hold the model's own
+    parameters, buffers and modules under their original names (none for a stage of
+    parameter-free ops), and ``check_shape`` where the stage checks a graph input's fixed
+    dimensions."""
+    names = [name for name, used in (("bind", binds), ("check_shape", checks)) if used]
+    return ["", f"from .runtime import {', '.join(names)}"] if names else []
 
 
 def _body_class(body: torch.fx.GraphModule, class_name: str, target: str) -> str:
+    """The class of a higher-order op's body, after the classes of the bodies nested in
+    it (a ``no_grad`` region around an ``enable_grad`` one), which it constructs."""
     graph = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
+    nested: list[str] = []  # classes of the bodies this one calls
+    inits: list[str] = []
     for node in body.graph.nodes:
         if node.op == "get_attr":
-            raise PlanError(
-                f"the body {target!r} of a higher-order op reads attribute {node.target!r}; "
-                "fxpipe cannot print such bodies yet"
-            )
+            value = _resolve(body, str(node.target))
+            if not isinstance(value, torch.fx.GraphModule):
+                raise PlanError(
+                    f"the body {target!r} of a higher-order op reads attribute "
+                    f"{node.target!r}; fxpipe cannot print such bodies yet"
+                )
+            parts = re.split(r"[._]", str(node.target))
+            inner = class_name + "".join(p.capitalize() for p in parts if p)
+            init = f"        self.{node.target} = {inner}()"
+            if init not in inits:
+                nested.append(_body_class(value, inner, f"{target}.{node.target}"))
+                inits.append(init)
         if node.op == "call_function" and not node.users and _is_assert(node):
             continue
         env[node] = graph.node_copy(node, lambda n: env[n])
@@ -354,7 +376,10 @@ def _body_class(body: torch.fx.GraphModule, class_name: str, target: str) -> str
     io = StageIO(-1, (), (), ())
     lines, _ = forward_lines(code.src, io, {})
     lines[1] = '        """The body of a higher-order op, as traced."""'
-    return "\n".join([f"class {class_name}(nn.Module):", *lines])
+    if inits:
+        lines[:0] = ["    def __init__(self) -> None:", "        super().__init__()", *inits,
+                     ""]
+    return "\n\n\n".join([*nested, "\n".join([f"class {class_name}(nn.Module):", *lines])])
 
 
 def _is_assert(node: torch.fx.Node) -> bool:

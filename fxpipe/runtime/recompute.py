@@ -46,7 +46,9 @@ def buffers_restored(stage: nn.Module, k: int,
     The block must include the backward of the recomputed forward: a buffer that the
     forward both updated in place and saved for backward keeps the updated value
     until autograd has read it, and only then is restored (in place, so every module
-    and copy that holds the tensor sees it)."""
+    and copy that holds the tensor sees it). The restore leaves the buffer's version
+    counter alone, as BatchNorm's own update of its running statistics does: a zero-bubble
+    schedule's weight gradient (W) runs after the block on a graph that saved them."""
     buffers = list(stage.buffers())
     for (j, _i), tensors in bound.items():
         if j == k:
@@ -58,4 +60,4 @@ def buffers_restored(stage: nn.Module, k: int,
     finally:
         with torch.no_grad():
             for t, before in saved:
-                t.copy_(before)
+                t.data.copy_(before)  # .data: a write autograd does not count

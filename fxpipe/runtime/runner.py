@@ -47,7 +47,7 @@ from .recompute import buffers_restored, rng_restored, rng_state
 from .replicas import batch_sizes, check_replicas
 from .schedule import Action, check_schedule, check_sizes
 from .split_backward import check_split, input_backward, weight_backward
-from .stashing import Stash, WeightStashes, check_optimizers, check_unshared
+from .stashing import Stash, WeightStashes, check_optimizers, check_stashing
 from .stream import Streams
 from .values import GRAPH_INPUT, OnDemand, StepState, Wiring, sum_grads
 
@@ -93,16 +93,11 @@ class PipelineRunner(MeasuredSteps):
         self.replicas = [int(r) for r in replicas]
         self.weight_stashing = bool(weight_stashing)
         self.precision = check_precision(precision)
-        if self.weight_stashing and grad_scaler(self.precision, None) is not None:
-            raise ValueError(
-                "Weight stashing updates every stage inside step, where a GradScaler cannot "
-                "step: train 16-mixed with --schedule 1f1b or gpipe, or use bf16-mixed."
-            )
+        scaled = grad_scaler(self.precision, None) is not None
+        check_stashing(self.stages, self.weight_stashing, scaled=scaled)
         warn_uncast(self.stages, self.precision)
         self.shared_inputs = frozenset(shared_inputs)
         check_schedule(self.schedule, num_stages, microbatches)
-        if self.weight_stashing:
-            check_unshared(self.stages)
         check_split(self.schedule, self.replicas, self.weight_stashing)
         self.wiring = Wiring(self.stages)
 
@@ -289,15 +284,18 @@ class PipelineRunner(MeasuredSteps):
         return outputs
 
     def _forward(self, k: int, values: dict[str, Any], grad: bool, events: dict[int, Any],
-                 batch: int | None, stash: Stash | None = None) -> tuple[dict[str, Any], Any]:
-        """Stage k's forward on one micro-batch's ``values``; records its event."""
+                 batch: int | None, stash: Stash | None = None, *, copy: bool = False,
+                 ) -> tuple[dict[str, Any], Any]:
+        """Stage k's forward on one micro-batch's ``values``; records its event. ``copy``:
+        return copies, taken first, of graph inputs a stage writes in place (to recompute)."""
         with self.streams.on(k):
             inputs = {name: self._get(values, name, k, grad, events)
                       for name in self.wiring.inputs[k]}
+            before = {n: inputs[n].clone() for n in inputs if copy and n in self.wiring.written}
             outputs = self._run_stage(k, inputs, batch, stash)
             values.update(zip(self.wiring.outputs[k], outputs, strict=True))
         events[k] = self.streams.record(k)
-        return inputs, outputs
+        return {**inputs, **before}, outputs
 
     def _train_forward(self, k: int, m: int, state: StepState) -> None:
         values = state.values[m]
@@ -309,7 +307,8 @@ class PipelineRunner(MeasuredSteps):
         if self.recompute[k]:
             rng = rng_state(self.streams.device(k))
             with torch.no_grad():
-                inputs, _ = self._forward(k, values, True, events, state.batch[m], stash)
+                inputs, _ = self._forward(k, values, True, events, state.batch[m], stash,
+                                          copy=True)
             state.saved[(k, m)] = (inputs, None, rng, stash)
         else:
             inputs, outputs = self._forward(k, values, True, events, state.batch[m], stash)

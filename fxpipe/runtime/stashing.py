@@ -29,7 +29,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-__all__ = ["Stash", "WeightStashes", "check_optimizers", "check_unshared"]
+__all__ = ["Stash", "WeightStashes", "check_optimizers", "check_stashing", "check_unshared"]
 
 Stash = dict[str, torch.Tensor]  # parameter name -> its copy at F(k, m)
 Optimizers = Sequence[torch.optim.Optimizer | None]
@@ -79,6 +79,19 @@ class WeightStashes:
             optimizer.zero_grad()
         self.updates[k] += 1
         self.newest.pop(k, None)  # the next F(k, .) copies the new version
+
+
+def check_stashing(stages: Sequence[nn.Module], weight_stashing: bool, *, scaled: bool) -> None:
+    """What weight stashing needs: no GradScaler (``scaled``: 16-mixed), since every update
+    happens inside step, and no Parameter in two stages (``check_unshared``)."""
+    if not weight_stashing:
+        return
+    if scaled:
+        raise ValueError(
+            "Weight stashing updates every stage inside step, where a GradScaler cannot "
+            "step: train 16-mixed with --schedule 1f1b or gpipe, or use bf16-mixed."
+        )
+    check_unshared(stages)
 
 
 def check_unshared(stages: Sequence[nn.Module]) -> None:

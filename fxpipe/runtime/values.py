@@ -28,12 +28,14 @@ GRAPH_INPUT = -1  # producer index of a value that comes from the caller
 
 class Wiring:
     """Each stage's INPUTS and OUTPUTS names, and the stage that produces each value;
-    checks that every value has one producer, earlier than its readers."""
+    checks that every value has one producer, earlier than its readers. ``written``:
+    the graph inputs some stage writes in place (its optional WRITES)."""
 
     def __init__(self, stages: Sequence[nn.Module]) -> None:
         self.inputs: list[tuple[str, ...]] = []
         self.outputs: list[tuple[str, ...]] = []
         self.producer: dict[str, int] = {}
+        self.written = frozenset(name for stage in stages for name in getattr(stage, "WRITES", ()))
         for k, stage in enumerate(stages):
             try:
                 ins = tuple(getattr(stage, "INPUTS"))  # noqa: B009 (class attributes, not Tensors)

@@ -101,8 +101,24 @@ def _drop_export_checks(gm: torch.fx.GraphModule) -> None:
             if guard:
                 gm.delete_submodule("_guards_fn")
     # A tied parameter appears once per name; only the one export reads has users.
-    gm.graph.eliminate_dead_code()
+    gm.graph.eliminate_dead_code(is_impure_node=_updates_state)
     gm.recompile()
+
+
+# Ops that update running statistics in place though their schemas say nothing of it
+# (args[3:5]: running_mean, running_var; args[5]: training / use_input_stats).
+_RUNNING_STATS = (torch.ops.aten.batch_norm.default, torch.ops.aten.instance_norm.default)
+
+
+def _updates_state(node: torch.fx.Node) -> bool:
+    """Whether dead code elimination must keep ``node``: an op with side effects, such as a
+    BatchNorm in training mode whose output nothing reads (its running statistics still
+    change, as in the model)."""
+    if node.is_impure():
+        return True
+    return (node.op == "call_function" and node.target in _RUNNING_STATS
+            and len(node.args) > 5 and node.args[5] is True
+            and any(a is not None for a in node.args[3:5]))
 
 
 _LIFTED_LIMIT = 64  # elements: a constant up to this size reads well as a literal

@@ -2,13 +2,22 @@
 data) and ``build_model`` that turns it into an ``nn.Module``.
 
 A spec is a DAG of ops over a pool of live tensors. Every tensor has a batch
-dimension first and a per-sample shape after it; every op works per sample (no
-batch-mixing op), so a mini-batch split into micro-batches along dim 0 gives
-the unsplit model's outputs. The module's ``forward`` interprets the fixed op
-list built in ``__init__``, so ``symbolic_trace`` sees ordinary module calls,
-functions and methods; an ``untraceable`` spec branches on a tensor's size,
-which ``symbolic_trace`` rejects and ``torch.export`` specialises, to fuzz the
-export path too.
+dimension first and a per-sample shape after it; every op but BatchNorm in
+training mode works per sample, so a mini-batch split into micro-batches along
+dim 0 gives the unsplit model's outputs (with BatchNorm, or bfloat16 rounding in
+an autocast region, the unsplit model run micro-batch by micro-batch: see
+``per_microbatch``). Shared inputs have no batch dimension (a mask, position
+ids): they sit outside the pool, after the batched inputs in ``forward``'s
+signature, and every micro-batch reads them whole. The module's ``forward``
+interprets the fixed op list built in ``__init__``, so ``symbolic_trace`` sees
+ordinary module calls, functions and methods; an ``untraceable`` spec branches
+on a tensor's size, which ``symbolic_trace`` rejects and ``torch.export``
+specialises, to fuzz the export path too (so does any grad-mode or autocast
+region, which symbolic_trace cannot record).
+
+Every drawn spec with a ``mutate`` op runs forward and backward in eager mode
+before it is returned (the in-place op may overwrite a value autograd saved: such
+a model is no model, and is drawn again).
 
     spec = data.draw(model_specs())
     model = build_model(spec)                 # float64, weights seeded by spec.seed
@@ -41,6 +50,19 @@ or results are appended to the pool):
     reduce      mean / sum / amax over a per-sample dim, keepdim or not
     scalar      x * c, x + c, softmax over the last dim
     branch      an untraceable branch on x.shape[-1] (export only)
+    region      one op inside ``torch.no_grad()``, ``torch.set_grad_enabled(False)``,
+                ``no_grad`` around ``enable_grad``, or ``torch.autocast("cpu",
+                dtype=torch.bfloat16)`` (a float32 matmul run in bfloat16, float64 ops
+                that autocast leaves alone, or autocast disabled inside it)
+    mutate      mul_ / add_ / relu_ / add_(y) on a model input or on a value other ops
+                already read; later ops read the result or the old name (``how``:
+                "op:result" or "op:statement"), both the mutated tensor in eager mode
+    shared      x + s, x * s, x.masked_fill(s > 0, 0) with a shared float input s
+                of x's trailing dims (its first maybe 1), or x + Embedding(position
+                ids) with shared int64 ids of shape (1, L)
+    batchnorm   BatchNorm1d on (C,) / (C, L), BatchNorm2d on (C, H, W), momentum
+                0.1 / 0.3 / None (cumulative), affine or not; the model may be in eval
+                mode (``ModelSpec.train``)
 """
 
 from __future__ import annotations
@@ -54,7 +76,8 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["ModelSpec", "Op", "build_model", "example_inputs", "model_specs", "output_leaves"]
+__all__ = ["ModelSpec", "Op", "build_model", "example_inputs", "model_specs", "output_leaves",
+           "runs_eagerly"]
 
 Shape = tuple[int, ...]  # per-sample shape (the batch dimension excluded)
 
@@ -83,19 +106,93 @@ class ModelSpec:
     params: dict[str, Shape] = field(default_factory=dict)
     ids: dict[int, int] = field(default_factory=dict)  # input index -> vocabulary (int64 ids)
     frozen: tuple[str, ...] = ()  # modules whose parameters do not require grad
+    # inputs without a batch dimension, after ``inputs`` in forward's signature: the
+    # whole shape and 0 for a float tensor, or the vocabulary for int64 position ids
+    shared: tuple[tuple[Shape, int], ...] = ()
+    train: bool = True  # training mode (BatchNorm normalizes with batch statistics)
+    min_batch: int = 1  # samples per micro-batch BatchNorm needs (2 on one value per channel)
+
+    @property
+    def batchnorm(self) -> bool:
+        return any(kind.startswith("batchnorm") for kind, _ in self.modules.values())
+
+    @property
+    def live_inputs(self) -> set[int]:
+        """Indices (in forward's signature) of the inputs some output depends on: whether
+        another input is batched changes nothing the model returns (one only written in
+        place, say), so nothing can tell."""
+        first = len(self.inputs)
+        live = set(output_leaves(self.outputs))
+        shared: set[int] = set()
+        made = first + sum(len(op.out) for op in self.ops)  # the pool's size
+        for op in reversed(self.ops):
+            made -= len(op.out)
+            if live & set(range(made, made + len(op.out))):
+                live.update(op.srcs)
+                if op.kind == "shared":
+                    shared.add(first + op.arg)
+        return {i for i in live if i < first} | shared
+
+    @property
+    def reduced_precision(self) -> bool:
+        """A matmul in bfloat16 or float32 (an autocast region): a bigger batch may sum
+        each row in another order and round it differently."""
+        return any(op.kind == "region" and op.how in ("autocast", "autocast_off")
+                   for op in self.ops)
+
+    @property
+    def per_microbatch(self) -> bool:
+        """The unsplit model's outputs depend on how the batch is cut: BatchNorm's batch
+        statistics in training mode, rounding in reduced precision. The oracle is then the
+        unsplit model run micro-batch by micro-batch."""
+        return (self.batchnorm and self.train) or self.reduced_precision
 
 
 WIDTHS = st.integers(4, 16)
+MAX_SHARED = 2  # shared inputs per model
 
 
 # ---------------------------------------------------------------------------- the strategy
 
 
 @st.composite
-def model_specs(draw: st.DrawFn, *, max_ops: int = 12, untraceable: bool | None = None
-                ) -> ModelSpec:
-    """A random model: 1-3 inputs, 4-``max_ops`` ops, a tree of 1-4 outputs."""
-    builder = _Builder(draw)
+def model_specs(draw: st.DrawFn, *, max_ops: int = 12, untraceable: bool | None = None,
+                reuse: bool = True) -> ModelSpec:
+    """A random model: 1-3 inputs, 4-``max_ops`` ops, a tree of 1-4 outputs, that runs
+    forward and backward in eager mode. ``reuse``: modules and parameters may be used by
+    several ops (shared, tied); without it every parameter has one reader (PipeDream's
+    weight stashing keeps a parameter on one stage, see ``PipedreamTieError``)."""
+    while True:
+        spec = draw(_specs(max_ops=max_ops, untraceable=untraceable, reuse=reuse))
+        if not any(op.kind == "mutate" for op in spec.ops) or runs_eagerly(spec):
+            return spec
+
+
+def runs_eagerly(spec: ModelSpec) -> bool:
+    """Whether the model runs forward and backward in eager mode (an in-place op may have
+    overwritten a value autograd saved for the backward)."""
+    model = build_model(spec)
+    args, kwargs = example_inputs(spec, batch=max(2, spec.min_batch), seed=0)
+    try:
+        loss = _mean_of_leaves(model(*args, **kwargs))
+        if loss.requires_grad:
+            loss.backward()
+    except RuntimeError as exc:
+        if "modified by an inplace operation" in str(exc):
+            return False
+        raise
+    return True
+
+
+def _mean_of_leaves(output: Any) -> torch.Tensor:
+    leaves = [leaf for leaf in output_leaves(output) if leaf.is_floating_point()]
+    return sum((leaf.mean() for leaf in leaves), torch.zeros((), dtype=torch.float64))
+
+
+@st.composite
+def _specs(draw: st.DrawFn, *, max_ops: int, untraceable: bool | None, reuse: bool
+           ) -> ModelSpec:
+    builder = _Builder(draw, reuse=reuse)
     for _ in range(draw(st.integers(1, 3))):
         builder.new_input()
     # Every model starts with a parameterised op, so some output needs a gradient.
@@ -109,6 +206,14 @@ def model_specs(draw: st.DrawFn, *, max_ops: int = 12, untraceable: bool | None 
     if untraceable:
         builder.branch(draw(st.integers(len(builder.inputs), len(builder.pool) - 1)))
     outputs = builder.outputs()
+    if untraceable or any(op.kind == "region" for op in builder.ops):
+        # BatchNorm's cumulative average (momentum=None) turns num_batches_tracked into a
+        # Python float: data-dependent, which torch.export cannot capture (symbolic_trace
+        # keeps BatchNorm a module call and can).
+        builder.modules = {
+            name: (kind, (a[0], 0.1 if a[1] is None else a[1], a[2])
+                   if kind.startswith("batchnorm") else a)
+            for name, (kind, a) in builder.modules.items()}
     return ModelSpec(
         inputs=tuple(builder.inputs),
         ops=tuple(builder.ops),
@@ -121,31 +226,44 @@ def model_specs(draw: st.DrawFn, *, max_ops: int = 12, untraceable: bool | None 
         params=builder.params,
         ids=builder.ids,
         frozen=tuple(sorted(builder.frozen)),
+        shared=tuple(builder.shared),
+        train=not builder.batchnorm_used or draw(st.integers(0, 3)) > 0,
+        min_batch=builder.min_batch,
     )
 
 
 class _Builder:
     """Draws ops one by one over the pool of live tensors (pool[i] is a shape)."""
 
-    def __init__(self, draw: st.DrawFn) -> None:
+    def __init__(self, draw: st.DrawFn, *, reuse: bool = True) -> None:
         self.draw = draw
+        self.reuse = reuse
         self.inputs: list[Shape] = []
         self.pool: list[Shape] = []
         self.grad: list[bool] = []  # pool[i] depends on a parameter
         self.contiguous: list[bool] = []
         self.used: list[int] = []  # how many ops read pool[i]
+        # storage[i]: the pool index whose tensor pool[i] is (a mutation's result is the
+        # tensor it mutated); view[i]: pool[i] is a view of another entry's storage
+        self.storage: list[int] = []
+        self.view: list[bool] = []
         self.ops: list[Op] = []
         self.modules: dict[str, tuple[str, Any]] = {}
         self.buffers: dict[str, Shape] = {}
         self.params: dict[str, Shape] = {}
         self.ids: dict[int, int] = {}  # pool index of a token-id input -> vocabulary size
         self.frozen: set[str] = set()  # modules never tied: their gradient flags stay exact
+        self.shared: list[tuple[Shape, int]] = []
+        self.min_batch = 1
 
     # -- bookkeeping
 
-    def _add(self, op: Op, grad: bool, contiguous: bool = True) -> None:
-        if op.module in self.frozen:  # a frozen module adds no gradient of its own
-            grad = self._any_grad(op.srcs)
+    def _add(self, op: Op, grad: bool, contiguous: bool = True, *, view: bool = False,
+             same: int | None = None) -> None:
+        """Append ``op`` and its results. ``view``: the results are views of ``srcs[0]``;
+        ``same``: the one result is pool[same] itself (mutated in place)."""
+        if op.module in self.frozen and op.kind != "region":
+            grad = self._any_grad(op.srcs)  # a frozen module adds no gradient of its own
         for i in op.srcs:
             self.used[i] += 1
         self.ops.append(op)
@@ -154,6 +272,27 @@ class _Builder:
             self.grad.append(grad)
             self.contiguous.append(contiguous)
             self.used.append(0)
+            if same is not None:
+                self.storage.append(self.storage[same])
+                self.view.append(self.view[same])
+            elif view:
+                self.storage.append(self.storage[op.srcs[0]])
+                self.view.append(True)
+            else:
+                self.storage.append(len(self.pool) - 1)
+                self.view.append(False)
+        if same is not None:  # every name of the mutated tensor now holds the new value
+            for i, root in enumerate(self.storage):
+                if root == self.storage[same]:
+                    self.grad[i] = grad
+
+    def _new_entry(self, shape: Shape) -> None:
+        self.pool.append(shape)
+        self.grad.append(False)
+        self.contiguous.append(True)
+        self.used.append(0)
+        self.storage.append(len(self.pool) - 1)
+        self.view.append(False)
 
     def _pick(self, ok: Any = None) -> int | None:
         """A pool index whose shape satisfies ``ok``, recent ones more likely."""
@@ -176,7 +315,8 @@ class _Builder:
         A new one with parameters is sometimes frozen (``requires_grad_(False)``)."""
         same = [n for n, (k, a) in self.modules.items()
                 if k == kind and a == arg and not (trainable and n in self.frozen)]
-        if same and self.draw(st.integers(0, 2)) == 0:
+        if same and (self.reuse or kind in ("relu", "gelu", "tanh")) and (
+                self.draw(st.integers(0, 2)) == 0):
             return self.draw(st.sampled_from(same))
         name = f"{kind}{len(self.modules)}"
         self.modules[name] = (kind, arg)
@@ -191,26 +331,22 @@ class _Builder:
             length, vocab = self.draw(st.integers(2, 6)), self.draw(WIDTHS)
             self.ids[len(self.pool)] = vocab
             self.inputs.append((length,))
-            self.pool.append((length,))
-            self.grad.append(False)
-            self.contiguous.append(True)
-            self.used.append(0)
+            self._new_entry((length,))
             return
         rank = self.draw(st.integers(1, 3))
         shape = tuple(self.draw(st.integers(2, 6) if rank > 1 else WIDTHS) for _ in range(rank))
         if rank > 1:
             shape = (self.draw(WIDTHS), *shape[1:])
         self.inputs.append(shape)
-        self.pool.append(shape)
-        self.grad.append(False)
-        self.contiguous.append(True)
-        self.used.append(0)
+        self._new_entry(shape)
 
     # -- ops
 
     def random_op(self) -> None:
         kinds = ["linear", "conv", "norm", "act", "binary", "cat", "chunk", "reshape", "permute",
                  "matmul", "inplace", "reduce", "scalar", "where", "detach", "const"]
+        if self.draw(st.integers(0, 3)) == 0:  # a third of the models have each of these
+            kinds = ["region", "mutate", "shared_input", "batchnorm"]
         getattr(self, self.draw(st.sampled_from(kinds)))(None)
 
     def linear(self, src: int | None, *, trainable: bool = False) -> None:
@@ -222,7 +358,7 @@ class _Builder:
         bias = self.draw(st.booleans())
         name = self._module("linear", (shape[-1], width, bias), trainable=trainable)
         tie = ""
-        if self.draw(st.integers(0, 3)) == 0 or width in heads:
+        if self.reuse and (self.draw(st.integers(0, 3)) == 0 or width in heads):
             # Tie to another Linear or an Embedding of the same weight shape (a GPT
             # embedding and its LM head).
             others = [n for n, (k, a) in self.modules.items()
@@ -330,7 +466,7 @@ class _Builder:
             how = "split"
             arg = (dim, tuple(sizes))
         outs = tuple(tuple(s if d == dim else m for d, m in enumerate(shape)) for s in sizes)
-        self._add(Op("chunk", (src,), outs, how=how, arg=arg), self.grad[src], False)
+        self._add(Op("chunk", (src,), outs, how=how, arg=arg), self.grad[src], False, view=True)
 
     def reshape(self, _: Any) -> None:
         src = self._pick()
@@ -352,7 +488,7 @@ class _Builder:
         else:
             out = (shape[0], math.prod(shape[1:]))
         self._add(Op("reshape", (src,), (out,), how=style), self.grad[src],
-                  self.contiguous[src])
+                  self.contiguous[src], view=True)
 
     def permute(self, _: Any) -> None:
         src = self._pick(lambda s: len(s) >= 2)
@@ -362,7 +498,8 @@ class _Builder:
         perm = tuple(self.draw(st.permutations(range(len(shape)))))
         back = self.draw(st.booleans())
         out = shape if back else tuple(shape[p] for p in perm)
-        self._add(Op("permute", (src,), (out,), arg=(perm, back)), self.grad[src], back)
+        self._add(Op("permute", (src,), (out,), arg=(perm, back)), self.grad[src], back,
+                  view=not back)
 
     def matmul(self, _: Any) -> None:
         a = self._pick(lambda s: len(s) >= 2)
@@ -380,7 +517,7 @@ class _Builder:
             self._add(Op("matmul", (a,), ((*shape[:-1], shape[-2]),), how=how), self.grad[a])
         else:
             same = [n for n, p in self.params.items() if p[0] == shape[-1]]
-            if same and self.draw(st.booleans()):
+            if same and self.reuse and self.draw(st.booleans()):
                 name = self.draw(st.sampled_from(same))  # one Parameter read by several ops
                 width = self.params[name][1]
             else:
@@ -438,6 +575,105 @@ class _Builder:
         self._add(Op("scalar", (src,), (self.pool[src],), how=how), self.grad[src],
                   self.contiguous[src])
 
+    def region(self, _: Any) -> None:
+        src = self._pick()
+        assert src is not None
+        shape = self.pool[src]
+        how = self.draw(st.sampled_from(["no_grad", "set_grad", "enable_grad", "autocast",
+                                         "autocast_off", "autocast_f64"]))
+        out, name, arg = shape, "", None
+        if how in ("no_grad", "enable_grad", "autocast_f64"):  # a Linear inside
+            width = self.draw(WIDTHS)
+            name = self._module("linear", (shape[-1], width, self.draw(st.booleans())))
+            out = (*shape[:-1], width)
+        elif how in ("autocast", "autocast_off"):  # x.float() @ a float64 Parameter .float()
+            width = self.draw(WIDTHS)
+            arg = f"w{len(self.params)}"
+            self.params[arg] = (shape[-1], width)
+            out = (*shape[:-1], width)
+        # no_grad and set_grad(False) stop every gradient; enable_grad inside no_grad lets
+        # the Linear's own through but none back into x
+        grad = {"no_grad": False, "set_grad": False, "enable_grad": name not in self.frozen,
+                "autocast": True, "autocast_off": True,
+                "autocast_f64": self.grad[src] or name not in self.frozen}[how]
+        self._add(Op("region", (src,), (out,), how=how, arg=arg, module=name), grad)
+
+    def mutate(self, _: Any) -> None:
+        # A model input, or a value some op already read; a tensor of its own (no view of
+        # it or by it in the pool: aliasing through views is not what this op fuzzes).
+        first = len(self.inputs)
+        targets = [i for i, _s in self._floats()
+                   if (i < first or self.used[i] > 0) and not self.view[i]
+                   and not any(self.view[j] and self.storage[j] == self.storage[i]
+                               for j in range(len(self.pool)))]
+        if not targets:
+            return self.inplace(None)
+        a = self.draw(st.sampled_from(targets))
+        shape = self.pool[a]
+        op = self.draw(st.sampled_from(["mul_", "add_", "relu_", "add_y"]))
+        srcs: tuple[int, ...] = (a,)
+        if op == "add_y":
+            partners = [i for i, s in self._floats() if s == shape and i != a
+                        and self.storage[i] != self.storage[a]]
+            if not partners:
+                op = "add_"
+            else:
+                srcs = (a, self.draw(st.sampled_from(partners)))
+        style = self.draw(st.sampled_from(["result", "statement"]))
+        self._add(Op("mutate", srcs, (shape,), how=f"{op}:{style}"), self._any_grad(srcs),
+                  self.contiguous[a], same=a)
+
+    def shared_input(self, _: Any) -> None:
+        src = self._pick()
+        assert src is not None
+        shape = self.pool[src]
+        if len(shape) == 2 and self.draw(st.integers(0, 2)) == 0:
+            # HF-style position ids (1, L) into an Embedding, added to x of shape (L, D)
+            length = shape[0]
+            index = self._shared_input((1, length), length + self.draw(st.integers(0, 2)))
+            if index is not None:
+                name = self._module("embedding", (self.shared[index][1], shape[1]))
+                self._add(Op("shared", (src,), (shape,), how="positions", arg=index,
+                             module=name), True)
+                return
+        dims = self.draw(st.integers(1, len(shape)))
+        mask = shape[len(shape) - dims:]
+        if self.draw(st.booleans()):
+            mask = (1, *mask[1:])  # broadcast along its first dim
+        index = self._shared_input(mask, 0)
+        if index is None:
+            return self.scalar(None)
+        how = self.draw(st.sampled_from(["add", "mul", "fill"]))
+        self._add(Op("shared", (src,), (shape,), how=how, arg=index), self.grad[src])
+
+    def _shared_input(self, shape: Shape, vocab: int) -> int | None:
+        """The index of a shared input of this shape and kind: an existing one (read by
+        several ops) or a new one; None when there are MAX_SHARED of other shapes."""
+        same = [i for i, (s, v) in enumerate(self.shared) if s == shape and bool(v) == bool(vocab)]
+        if same and (len(self.shared) == MAX_SHARED or self.draw(st.booleans())):
+            return self.draw(st.sampled_from(same))
+        if len(self.shared) == MAX_SHARED:
+            return None
+        self.shared.append((shape, vocab))
+        return len(self.shared) - 1
+
+    def batchnorm(self, _: Any) -> None:
+        src = self._pick(lambda s: 1 <= len(s) <= 3)
+        if src is None:
+            return self.norm(None)
+        shape = self.pool[src]
+        kind = "batchnorm2d" if len(shape) == 3 else "batchnorm1d"
+        momentum = self.draw(st.sampled_from([0.1, 0.3, None]))
+        affine = self.draw(st.booleans())
+        name = self._module(kind, (shape[0], momentum, affine))
+        if math.prod(shape[1:]) == 1:  # one value per channel and sample
+            self.min_batch = 2
+        self._add(Op("batchnorm", (src,), (shape,), module=name), affine or self.grad[src])
+
+    @property
+    def batchnorm_used(self) -> bool:
+        return any(op.kind == "batchnorm" for op in self.ops)
+
     def branch(self, src: int) -> None:
         self._add(Op("branch", (src,), (self.pool[src],)), self.grad[src], self.contiguous[src])
 
@@ -481,6 +717,9 @@ def _make_module(kind: str, arg: Any) -> nn.Module:
         return nn.GroupNorm(arg[0], arg[1])
     if kind == "layernorm":
         return nn.LayerNorm(arg)
+    if kind in ("batchnorm1d", "batchnorm2d"):
+        cls = nn.BatchNorm1d if kind == "batchnorm1d" else nn.BatchNorm2d
+        return cls(arg[0], momentum=arg[1], affine=arg[2])
     return {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh}[kind]()
 
 
@@ -508,17 +747,23 @@ class FuzzModel(nn.Module):
              for name, shape in spec.params.items()}
         )
         self.double()
+        self.train(spec.train)
 
     def run(self, xs: tuple[torch.Tensor, ...]) -> Any:
-        pool: list[torch.Tensor] = list(xs)
+        first = len(self.spec.inputs)
+        pool: list[torch.Tensor] = list(xs[:first])
+        shared = xs[first:]
         for op in self.spec.ops:
-            pool.extend(self._op(op, [pool[i] for i in op.srcs]))
+            pool.extend(self._op(op, [pool[i] for i in op.srcs], shared))
         return _tree_map(self.spec.outputs, lambda i: pool[i])
 
-    def _op(self, op: Op, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _op(self, op: Op, xs: list[torch.Tensor], shared: tuple[torch.Tensor, ...]
+            ) -> list[torch.Tensor]:
         kind, how, x = op.kind, op.how, xs[0]
         layer = self.layers[op.module] if op.module else None
-        if kind in ("linear", "conv1d", "conv2d", "norm", "embed"):
+        if kind in ("region", "mutate", "shared"):
+            return [self._new_op(op, xs, layer, shared)]
+        if kind in ("linear", "conv1d", "conv2d", "norm", "embed", "batchnorm"):
             assert layer is not None
             return [layer(x)]
         if kind == "act":
@@ -613,6 +858,55 @@ class FuzzModel(nn.Module):
             return [x * 2.0]
         raise AssertionError(kind)
 
+    def _new_op(self, op: Op, xs: list[torch.Tensor], layer: nn.Module | None,
+                shared: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The ops of regions, in-place mutations and shared inputs."""
+        how, x = op.how, xs[0]
+        if op.kind == "region":
+            if how == "no_grad":
+                assert layer is not None
+                with torch.no_grad():
+                    return layer(x)
+            if how == "set_grad":
+                with torch.set_grad_enabled(False):
+                    return torch.tanh(x) * 2.0
+            if how == "enable_grad":
+                assert layer is not None
+                with torch.no_grad():
+                    h = x * 0.5
+                    with torch.enable_grad():
+                        return layer(h)
+            if how == "autocast_f64":  # float64: autocast casts only float32
+                assert layer is not None
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    return layer(x)
+            w = self.weights[op.arg]
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                if how == "autocast":  # the matmul runs in bfloat16
+                    return (x.float() @ w.float()).double()
+                with torch.autocast("cpu", enabled=False):  # float32, not bfloat16
+                    return (x.float() @ w.float()).double()
+        if op.kind == "mutate":
+            name, style = how.split(":")
+            if name == "mul_":
+                y = x.mul_(1.5)
+            elif name == "add_":
+                y = x.add_(0.25)
+            elif name == "relu_":
+                y = x.relu_()
+            else:
+                y = x.add_(xs[1])
+            return y if style == "result" else x  # later readers: the op's result or x
+        s = shared[op.arg]
+        if how == "positions":
+            assert layer is not None
+            return x + layer(s)
+        if how == "add":
+            return x + s
+        if how == "mul":
+            return x * s
+        return x.masked_fill(s > 0, 0.0)
+
 
 class FuzzModel1(FuzzModel):
     def forward(self, x0: torch.Tensor) -> Any:
@@ -629,18 +923,35 @@ class FuzzModel3(FuzzModel):
         return self.run((x0, x1, x2))
 
 
+class FuzzModel4(FuzzModel):
+    def forward(self, x0: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor, x3: torch.Tensor
+                ) -> Any:
+        return self.run((x0, x1, x2, x3))
+
+
+class FuzzModel5(FuzzModel):
+    def forward(self, x0: torch.Tensor, x1: torch.Tensor, x2: torch.Tensor, x3: torch.Tensor,
+                x4: torch.Tensor) -> Any:
+        return self.run((x0, x1, x2, x3, x4))
+
+
 def build_model(spec: ModelSpec) -> FuzzModel:
-    cls = (FuzzModel1, FuzzModel2, FuzzModel3)[len(spec.inputs) - 1]
-    return cls(spec)
+    classes = (FuzzModel1, FuzzModel2, FuzzModel3, FuzzModel4, FuzzModel5)
+    return classes[len(spec.inputs) + len(spec.shared) - 1](spec)
 
 
 def example_inputs(spec: ModelSpec, *, batch: int, seed: int
                    ) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
-    """``(args, kwargs)`` of ``batch`` samples: positional or by keyword per the spec."""
+    """``(args, kwargs)`` of ``batch`` samples: positional or by keyword per the spec. The
+    shared inputs are the same whatever ``batch`` and ``seed``: a mask, position ids."""
     gen = torch.Generator().manual_seed(seed)
     xs = [torch.randint(spec.ids[i], (batch, *shape), generator=gen) if i in spec.ids
           else torch.randn((batch, *shape), generator=gen, dtype=torch.float64)
           for i, shape in enumerate(spec.inputs)]
+    fixed = torch.Generator().manual_seed(spec.seed)
+    xs += [torch.arange(shape[1]).unsqueeze(0) if vocab
+           else torch.randn(shape, generator=fixed, dtype=torch.float64)
+           for shape, vocab in spec.shared]
     if spec.kwargs:
         return (), {f"x{i}": x for i, x in enumerate(xs)}
     return tuple(xs), {}

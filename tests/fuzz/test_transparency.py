@@ -1,6 +1,8 @@
 """The transparency rule on random models: split by the whole pipeline onto a random
-number of stages, schedule, micro-batch count and recompute setting, the generated
-package's forward equals the model's and its step leaves the model's gradients.
+number of stages, under any schedule kind (with replicated stages and interleaved
+virtual stages), micro-batch count and recompute setting, the generated package's
+forward equals the model's and its step leaves the model's gradients (see
+pipeline.py for the oracle of BatchNorm, bfloat16 autocast and PipeDream).
 
 Fast profile (default suite): 100 examples. Long profile:
 ``FXPIPE_FUZZ_EXAMPLES=1000 pytest tests/fuzz/test_transparency.py`` or
@@ -17,27 +19,58 @@ from pathlib import Path
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
+from fxpipe.schedules import ScheduleKind
+
 from .models import model_specs
 from .pipeline import Case, check_transparency
 
 EXAMPLES = int(os.environ.get("FXPIPE_FUZZ_EXAMPLES", "100"))
 
 
+SCHEDULES = [kind.value for kind in ScheduleKind]  # the single-process runner runs them all
+
+
 @st.composite
 def cases(draw: st.DrawFn) -> Case:
     """A random model and how to split it. The split settings come from a seeded
-    ``random.Random``: uniform, where hypothesis would favour 1 stage and 1 micro-batch."""
-    spec = draw(model_specs())
+    ``random.Random``: uniform, where hypothesis would favour 1 stage and 1 micro-batch.
+
+    PipeDream's models use every parameter once (a tie keeps everything between its
+    readers on one stage: fxpipe refuses that with ``PipedreamTieError``). Stages are
+    replicated (by the solver, or in the runner over the plan's) only where a micro-batch
+    can be cut among replicas: not under a zero-bubble schedule (the runner refuses
+    replicas with I and W actions), nor with BatchNorm in training mode (each replica
+    would normalize with its own chunk's statistics; fxpipe warns), nor where the oracle
+    runs micro-batch by micro-batch for reduced precision (a replica's smaller chunk may
+    round differently: the unsplit model has no such run to compare with)."""
     rng = random.Random(draw(st.integers(0, 2**32 - 1)))
+    kind = ScheduleKind(rng.choice(SCHEDULES))
+    spec = draw(model_specs(reuse=kind is not ScheduleKind.PIPEDREAM))
     plan_flag = rng.random() < 0.5  # one recompute flag in the plan, else one per stage
+    replicable = not kind.spec.splits_backward and not spec.per_microbatch
+    one_per_gpu = kind.spec.interleaved or kind.spec.v_placed
+    replicate = replicable and not one_per_gpu and rng.random() < 0.25
+    replicas = (tuple(rng.choice([1, 2]) for _ in range(4))
+                if replicable and rng.random() < 0.25 else None)
+    # Traced with a sample per replica at least (a batch of one is traced as a constant).
+    batch = max(rng.randint(1, 2), spec.min_batch, 2 if replicate or replicas else 1)
+    # With one sample, an input of one row may be per sample or broadcast: with several
+    # inputs fxpipe says it cannot tell and asks for batch_dims() (see
+    # tests/transparency/test_shared_inputs.py), so the fuzzer declares them.
+    rows = [shape[0] for shape, _vocab in spec.shared]
+    ambiguous = batch == 1 and len(spec.inputs) + rows.count(1) > 1
     return Case(
         spec=spec,
         stages=rng.randint(1, 4),
-        schedule=rng.choice(["gpipe", "1f1b"]),
+        schedule=kind.value,
         microbatches=rng.randint(1, 4),
         recompute=rng.random() < 0.5 if plan_flag else tuple(
             rng.random() < 0.5 for _ in range(4)),
-        batch=rng.randint(1, 2),
+        batch=batch,
+        virtual_stages=rng.choice([2, 2, 3]),
+        replicate=replicate,
+        replicas=replicas,
+        declare=ambiguous or rng.random() < 0.5,
     )
 
 

@@ -110,6 +110,51 @@ def test_batched_inputs_of_one_size_are_all_split() -> None:
     assert decision.batched == {id(ids), id(keep)}
 
 
+def test_an_input_on_a_tower_of_its_own_is_batched() -> None:
+    """Two inputs that never meet (a second tower, returned as an output of its own): the
+    model runs whichever of them gets a bigger batch, but with only x resized the second
+    output stays at the old batch size, which a per-sample output does not."""
+    class Towers(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(4, 3)
+            self.b = nn.Linear(5, 2)
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return self.a(x), self.b(y)
+
+    x, y = torch.randn(2, 4), torch.randn(2, 5)
+    decision = decide_batching(Towers(), (x, y), {})
+    assert decision.batched == {id(x), id(y)}
+    assert decision.how == "traced with batch sizes 2 and 3"
+
+
+def test_shared_inputs_may_outnumber_the_batched_one() -> None:
+    """x first, then two shared tables of one size (a rotary embedding's cos and sin):
+    their dim 0 is the most common, but only x's follows into every output."""
+    class Rotary(nn.Module):
+        def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                    ) -> torch.Tensor:
+            return x * cos + x.flip(-1) * sin
+
+    x, cos, sin = torch.randn(2, T, D), torch.randn(T, D), torch.randn(T, D)
+    decision = decide_batching(Rotary(), (x, cos, sin), {})
+    assert decision.batched == {id(x)}
+
+
+def test_a_forward_that_makes_a_tensor_is_tried_on_fake_tensors() -> None:
+    """torch.arange in forward makes a CPU tensor, which meta tensors cannot meet: the trial
+    runs use fake CPU tensors instead of assuming every input of the batch size batched."""
+    class Offset(nn.Module):
+        def forward(self, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor
+                    ) -> torch.Tensor:
+            return x + y * mask + torch.arange(D, dtype=x.dtype)
+
+    x, y, mask = torch.randn(2, 2, D), torch.randn(2, 2, D), torch.randn(2, D)
+    decision = decide_batching(Offset(), (x, y, mask), {})
+    assert decision.batched == {id(x), id(y)}
+
+
 def test_one_sample_cannot_tell_and_batch_dims_can() -> None:
     """With a batch of 1 a (1, T) input may be per sample or shared: fxpipe says so and
     names the fix; batch_dims() decides."""
