@@ -12,6 +12,8 @@ from typing import Any
 import pytest
 import torch
 
+from fxpipe.schedules import kind_of
+
 from . import shared_inputs_lm
 from ._helpers import EXAMPLES, contiguous_plan, import_package, load, mini_batch, torchrun
 from ._helpers import write_package as write
@@ -94,7 +96,7 @@ def check_ranks(tmp_path: Path, replicas: tuple[int, ...], n: int, model: torch.
     # the last stage's r ranks (the last ones; rank 0 in a V): the same loss, over the
     # whole micro-batches; no other rank has one
     holders = list(package.distributed.PIPELINE.ranks_of(len(replicas) - 1))
-    v_placed = package.PLAN["schedule"] in ("zbv", "dualpipev")
+    v_placed = kind_of(package.PLAN["schedule"]).spec.v_placed
     assert holders == ([0] if v_placed else list(range(n - replicas[-1], n)))
     assert [rank for rank, saved in enumerate(ranks) if saved["loss"] is not None] == holders
     last = [ranks[rank] for rank in holders]
