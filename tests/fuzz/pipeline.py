@@ -249,13 +249,15 @@ def _owners(model: torch.nn.Module, stages: Sequence[torch.nn.Module]) -> list[l
 
 def _microbatches(spec: ModelSpec, inputs: Inputs, num_mb: int) -> list[Inputs]:
     """The mini-batch cut as the runner cuts it: batched inputs along dim 0 into equal
-    parts, shared inputs whole in each."""
+    parts, shared inputs whole in each. Each part is a tensor of its own, not a view: the
+    views of one tensor share its version counter, so an in-place op of the model on one
+    micro-batch's input would look to autograd like a write to another's saved input."""
     args, kwargs = inputs
     first = len(spec.inputs)
     names = list(kwargs)
 
     def parts(i: int, x: torch.Tensor) -> Sequence[torch.Tensor]:
-        return x.tensor_split(num_mb) if i < first else [x] * num_mb
+        return [p.clone() for p in x.tensor_split(num_mb)] if i < first else [x] * num_mb
 
     arg_parts = [parts(i, x) for i, x in enumerate(args)]
     kw_parts = [parts(len(args) + i, kwargs[n]) for i, n in enumerate(names)]
