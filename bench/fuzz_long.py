@@ -4,7 +4,8 @@
 
 Runs the strategy of tests/fuzz/test_transparency.py without shrinking, records each
 failure (its first error line and the drawn case) instead of stopping at the first,
-and prints the count of models tried and failed, by error.
+and prints the count of models tried and failed, by error. Each failure is printed and
+appended to ``--failures`` as it happens (no file at all when every model passes).
 """
 
 from __future__ import annotations
@@ -59,16 +60,16 @@ def main() -> int:
                 first = (str(exc).strip().splitlines() or [""])[0][:160]
                 failures.append((f"{type(exc).__name__}: {first}", case,
                                  traceback.format_exc()))
+                print(f"failure {len(failures)} (model {tried}): {failures[-1][0]}", flush=True)
+                with args.failures.open("a" if len(failures) > 1 else "w",
+                                        encoding="utf-8") as f:  # as they come: a long run
+                    f.write(f"=== {failures[-1][0]}\n{case!r}\n{failures[-1][2]}\n")
         if tried % 50 == 0:
             print(f"{tried} models, {len(failures)} failures, "
                   f"{time.perf_counter() - start:.0f} s", flush=True)
 
     run()
     wall = time.perf_counter() - start
-    if failures:  # no file at all when every model passed
-        with args.failures.open("w", encoding="utf-8") as f:
-            for message, case, tb in failures:
-                f.write(f"=== {message}\n{case!r}\n{tb}\n")
     by_error = collections.Counter(message for message, _, _ in failures)
     print(f"models tried: {tried}; failures: {len(failures)}; "
           f"{wall:.0f} s ({wall / max(tried, 1):.2f} s per model)")

@@ -381,6 +381,10 @@ def _run_merge(args: argparse.Namespace) -> int:
 
     from fxpipe.codegen import merge_stage_state_dicts
 
+    out = Path(args.out)
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a folder, not a checkpoint file; name the file to "
+                         f"write, e.g. --out {out / 'model.pt'}")
     states = []
     for name in args.stages:
         path = Path(name)
@@ -399,15 +403,18 @@ def _run_merge(args: argparse.Namespace) -> int:
             )
         states.append(state)
     merged = merge_stage_state_dicts(states)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    handle, scratch = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
-    os.close(handle)
+    scratch = ""
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        handle, scratch = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
+        os.close(handle)
         torch.save(merged, scratch)
         os.replace(scratch, out)  # all or nothing
+    except OSError as exc:
+        raise ValueError(f"cannot write {out}: {exc.strerror or exc}; choose an --out in a "
+                         "folder you can write") from None
     finally:
-        if os.path.exists(scratch):
+        if scratch and os.path.exists(scratch):
             os.remove(scratch)
     print(f"merged {len(states)} stages, {len(merged)} tensors, into {out}")
     return 0

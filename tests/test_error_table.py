@@ -216,6 +216,13 @@ CASES: dict[str, tuple[dict[str, str], list[str]]] = {
         {"stage0.pt": "zeros", "stage1.pt": "ones"},
         ["merge", "stage0.pt", "stage1.pt", "--out", "model.pt"],
     ),
+    "merge: --out is a folder": (
+        {"stage0.pt": "zeros", "ckpt/keep.txt": ""}, ["merge", "stage0.pt", "--out", "ckpt"],
+    ),
+    # /sys refuses new files, to root too
+    "merge: --out where nothing can be written": (
+        {"stage0.pt": "zeros"}, ["merge", "stage0.pt", "--out", "/sys/fxpipe-model.pt"],
+    ),
 }
 
 

@@ -67,3 +67,29 @@ def test_merge_joins_stage_checkpoints_into_the_model_checkpoint(
     assert not (tmp_path / "bad.pt").exists()
     missing = run("-m", "fxpipe.cli", "merge", "nope.pt", "--out", "x.pt", cwd=tmp_path)
     assert missing.returncode == 2 and "nope.pt: no such file" in missing.stderr
+
+
+def test_merge_that_cannot_write_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--out a folder, or a write that fails halfway (a full disk): one line, exit 2, and
+    the folder as it was: no checkpoint, no scratch file."""
+    from fxpipe import cli
+
+    torch.save({"w": torch.zeros(2)}, tmp_path / "stage0.pt")
+    (tmp_path / "ckpt").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["merge", "stage0.pt", "--out", "ckpt"]) == 2
+    assert "is a folder, not a checkpoint file" in capsys.readouterr().err
+    assert list((tmp_path / "ckpt").iterdir()) == []
+
+    def full_disk(obj: object, path: str) -> None:
+        Path(path).write_bytes(b"half")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    assert cli.main(["merge", "stage0.pt", "--out", "model.pt"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["fxpipe: error: cannot write model.pt: No space left on device; choose an "
+                   "--out in a folder you can write"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "stage0.pt"]
