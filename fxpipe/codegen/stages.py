@@ -452,24 +452,37 @@ _STDLIB = {
 
 
 def _isort(statements: set[str]) -> list[str]:
-    """isort's default order: plain imports first, then from-imports merged per module."""
+    """isort's default order, as ruff checks it: plain imports first, then from-imports,
+    a module's plain names merged into one statement and each ``name as alias`` a
+    statement of its own, ordered by their first name; a statement longer than the
+    line length in parentheses, one name a line."""
     plain = sorted((s for s in statements if s.startswith("import ")), key=str.lower)
     names: dict[str, set[str]] = {}
+    froms: list[tuple[str, list[str]]] = []  # (module, names) of each from-import
     for statement in statements:
         if statement.startswith("from "):
             module, _, name = statement[len("from ") :].partition(" import ")
-            names.setdefault(module, set()).add(name)
-    froms = [
-        f"from {module} import {', '.join(sorted(names[module], key=_isort_key))}"
-        for module in sorted(names, key=str.lower)
-    ]
-    return plain + froms
+            if " as " in name:
+                froms.append((module, [name]))
+            else:
+                names.setdefault(module, set()).add(name)
+    froms += [(module, sorted(members, key=_isort_key)) for module, members in names.items()]
+    froms.sort(key=lambda item: (item[0].lower(), _isort_key(item[1][0])))
+    lines = plain
+    for module, members in froms:
+        line = f"from {module} import {', '.join(members)}"
+        if len(line) <= LINE_LENGTH:
+            lines.append(line)
+        else:
+            lines += [f"from {module} import (", *(f"    {m}," for m in members), ")"]
+    return lines
 
 
-def _isort_key(name: str) -> tuple[int, str]:
-    # isort's order-by-type: CONSTANTS, then Classes, then functions
+def _isort_key(name: str) -> tuple[int, str, str]:
+    # isort's order-by-type: CONSTANTS, then Classes, then functions; then the alias
+    name, _, alias = name.partition(" as ")
     kind = 0 if name.isupper() else 1 if name[:1].isupper() else 2
-    return kind, name.lower()
+    return kind, name.lower(), alias.lower()
 
 
 # ---------------------------------------------------------------------------- words
