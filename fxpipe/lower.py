@@ -256,6 +256,7 @@ _VIEW_NAMES = frozenset({
     "swapaxes", "permute", "t", "expand", "expand_as", "narrow", "select", "unflatten",
     "flatten", "chunk", "split", "tensor_split", "unbind", "diagonal", "as_strided", "unfold",
     "movedim", "moveaxis", "contiguous", "getitem", "real", "imag", "view_as_real",
+    "detach", "alias", "swapdims",
 })
 
 

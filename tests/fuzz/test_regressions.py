@@ -204,3 +204,20 @@ def test_a_package_of_twelve_stages_passes_ruff(tmp_path: Path) -> None:
     case = Case(spec, stages=4, schedule="interleaved", microbatches=4, recompute=False,
                 batch=2, virtual_stages=3)
     assert check_transparency(case, tmp_path / "pkg").stages == 12
+
+
+def test_a_detached_value_is_read_before_its_base_is_written(tmp_path: Path) -> None:
+    # h.detach() shares h's storage; `h.detach() * 2` read it, and `h.add_(0.25)` wrote it
+    # afterwards. lower did not count detach as a view, so the multiplication could land
+    # in a later stage than the write and see the written value (off by 0.5). Fixed:
+    # detach (and alias) are views for the ordering of in-place ops.
+    ops = (Op("linear", (0,), ((6, 5),), module="linear0"),
+           Op("detach", (1,), ((6, 5),)),
+           Op("mutate", (1,), ((6, 5),), how="add_:result"),
+           Op("scalar", (3,), ((6, 5),), how="mul"))
+    spec = ModelSpec(inputs=((6, 4),), ops=ops, outputs=(2, 4), seed=0,
+                     modules={"linear0": ("linear", (4, 5, False))})
+    for stages in (2, 3):
+        case = Case(spec, stages=stages, schedule="gpipe", microbatches=2, recompute=False,
+                    batch=2)
+        check_transparency(case, tmp_path / f"pkg{stages}")
