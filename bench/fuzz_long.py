@@ -96,7 +96,9 @@ def _features(case: Case) -> set[str]:
         found.add("shared inputs " + ("declared" if case.declare else "inferred"))
     if spec.batchnorm:
         mode = "train" if spec.train else "eval"
-        found.add(f"batchnorm {mode}, recompute {'on' if case.recompute else 'off'}")
+        recompute = ({True: "all", False: "none"}[case.recompute]
+                     if isinstance(case.recompute, bool) else "per stage")
+        found.add(f"batchnorm {mode}, recompute {recompute}")
     if case.replicate:
         found.add("replicate (solver)")
     if case.replicas is not None and max(case.replicas) > 1:

@@ -221,3 +221,19 @@ def test_a_detached_value_is_read_before_its_base_is_written(tmp_path: Path) -> 
         case = Case(spec, stages=stages, schedule="gpipe", microbatches=2, recompute=False,
                     batch=2)
         check_transparency(case, tmp_path / f"pkg{stages}")
+
+
+def test_the_oracle_cuts_a_written_input_into_copies(tmp_path: Path) -> None:
+    # An input written in place (x1.relu_()) and read by a Linear, beside a BatchNorm (so
+    # the oracle runs micro-batch by micro-batch): the oracle cut x1 into views of one
+    # tensor, micro-batch 1's relu_ bumped their shared version counter, and the backward
+    # of micro-batch 0 failed. The runner gives each micro-batch its own copy; so does the
+    # oracle now (a fix in tests/fuzz/pipeline.py, not in fxpipe).
+    ops = (Op("batchnorm", (0,), ((4,),), module="batchnorm0"),
+           Op("mutate", (1,), ((5,),), how="relu_:result"),
+           Op("linear", (3,), ((3,),), module="linear1"))
+    spec = ModelSpec(inputs=((4,), (5,)), ops=ops, outputs=(2, 4), seed=0, min_batch=2,
+                     modules={"batchnorm0": ("batchnorm1d", (4, 0.1, True)),
+                              "linear1": ("linear", (5, 3, True))})
+    case = Case(spec, stages=2, schedule="gpipe", microbatches=2, recompute=False, batch=2)
+    check_transparency(case, tmp_path / "pkg")
