@@ -277,22 +277,27 @@ def _card(plan_dir: str | None, measured: str) -> Any:
     folder of ``measured``)."""
     from pathlib import Path
 
-    from fxpipe.plan import Plan
     from fxpipe.report.card import compare
     from fxpipe.runtime.measure import load_card
 
     card = load_card(measured)
     folder = Path(plan_dir) if plan_dir is not None else Path(measured).parent
+    return compare(_read_plan(folder, "the plan that was measured"), card, source=str(measured))
+
+
+def _read_plan(folder: Any, which: str) -> Any:
+    """The Plan in ``folder``/plan.json; ``which`` says what the folder should hold."""
+    from fxpipe.plan import Plan
+
     plan_file = folder / "plan.json"
     if not plan_file.is_file():
         raise ValueError(f"{plan_file}: no such file; pass the folder fxpipe split wrote "
-                         f"(the plan that was measured).")
+                         f"({which}).")
     try:
-        plan = Plan.from_json(plan_file.read_text())
+        return Plan.from_json(plan_file.read_text())
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{plan_file}: not a plan fxpipe wrote ({type(exc).__name__}: {exc}); "
                          f"run fxpipe split again.") from None
-    return compare(plan, card, source=str(measured))
 
 
 def _run_report(args: argparse.Namespace) -> int:
@@ -379,7 +384,7 @@ def _run_merge(args: argparse.Namespace) -> int:
 
     import torch
 
-    from fxpipe.codegen import merge_stage_state_dicts
+    from fxpipe.codegen import check_stage_states, merge_stage_state_dicts
 
     out = Path(args.out)
     if out.is_dir():
@@ -402,6 +407,9 @@ def _run_merge(args: argparse.Namespace) -> int:
                 f"{path}: holds a {type(state).__name__}, not a state_dict; save stage.state_dict()"
             )
         states.append(state)
+    if args.plan is not None:
+        plan = _read_plan(Path(args.plan), "the plan these stages were generated from")
+        check_stage_states(states, [stage.parameters for stage in plan.stages], args.stages)
     merged = merge_stage_state_dicts(states)
     scratch = ""
     try:
@@ -416,7 +424,9 @@ def _run_merge(args: argparse.Namespace) -> int:
     finally:
         if scratch and os.path.exists(scratch):
             os.remove(scratch)
-    print(f"merged {len(states)} stages, {len(merged)} tensors, into {out}")
+    checked = ("" if args.plan is not None
+               else " (pass --plan DIR to check that every stage is here)")
+    print(f"merged {len(states)} stages, {len(merged)} tensors, into {out}{checked}")
     return 0
 
 

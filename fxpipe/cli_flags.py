@@ -144,6 +144,9 @@ def _report_arguments(parser: argparse.ArgumentParser) -> None:
 def _merge_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("stages", nargs="+", help="torch.save'd stage state_dicts, in stage order")
     parser.add_argument("--out", required=True, help="path of the merged checkpoint")
+    parser.add_argument("--plan", default=None, metavar="DIR",
+                        help="the folder fxpipe split wrote: check that the files are every "
+                        "stage of its plan, in order")
 
 
 def _model_argument(parser: argparse.ArgumentParser) -> None:

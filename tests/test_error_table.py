@@ -219,6 +219,14 @@ CASES: dict[str, tuple[dict[str, str], list[str]]] = {
     "merge: --out is a folder": (
         {"stage0.pt": "zeros", "ckpt/keep.txt": ""}, ["merge", "stage0.pt", "--out", "ckpt"],
     ),
+    "merge: a stage missing from the plan's": (
+        {**model(GOOD), "out/plan.json": "split", "stage0.pt": "keys:0.weight,0.bias"},
+        ["merge", "stage0.pt", "--out", "model.pt", "--plan", "out"],
+    ),
+    "merge: a file that is not the plan's stage": (
+        {**model(GOOD), "out/plan.json": "split", "stage0.pt": "zeros", "stage1.pt": "zeros"},
+        ["merge", "stage0.pt", "stage1.pt", "--out", "model.pt", "--plan", "out"],
+    ),
     # /sys refuses new files, to root too
     "merge: --out where nothing can be written": (
         {"stage0.pt": "zeros"}, ["merge", "stage0.pt", "--out", "/sys/fxpipe-model.pt"],
@@ -230,9 +238,14 @@ def materialize(folder: Path, files: dict[str, str]) -> None:
     for name, content in files.items():
         path = folder / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        if name.endswith(".pt"):  # a stage checkpoint holding one shared key
+        if name.endswith(".pt") and content.startswith("keys:"):  # a stage's own keys
+            torch.save({key: torch.zeros(1) for key in content[5:].split(",")}, path)
+        elif name.endswith(".pt"):  # a stage checkpoint holding one shared key
             fill = torch.zeros if content == "zeros" else torch.ones
             torch.save({"shared.weight": fill(2)}, path)
+        elif content == "split":  # the folder fxpipe split writes for model.py on 2 GPUs
+            assert cli.main(["split", str(folder / "model.py"), "--gpus", "2",
+                             "--out", str(path.parent), "--force"]) == 0
         else:
             path.write_text(content)
 
@@ -254,6 +267,7 @@ def test_each_error_is_one_line_exit_2_and_in_the_readme(
 ) -> None:
     files, argv = CASES[case]
     materialize(tmp_path, files)
+    capsys.readouterr()  # what a split made for the case printed
     if case.startswith("more ops than the solver handles"):
         # The real limit takes a 20,000-op model, minutes to trace on a small machine.
         monkeypatch.setattr("fxpipe.partition.solve.MAX_NODES", 2)

@@ -54,10 +54,22 @@ def test_merge_joins_stage_checkpoints_into_the_model_checkpoint(
         torch.save(stage.state_dict(), paths[-1])
     done = run("-m", "fxpipe.cli", "merge", *paths, "--out", "model.pt", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
+    assert "pass --plan DIR to check that every stage is here" in done.stdout
     merged = torch.load(tmp_path / "model.pt", weights_only=True)
     expected = model.state_dict()
     assert merged.keys() == expected.keys()
     assert all(torch.equal(merged[k], expected[k]) for k in expected)
+
+    # Checked against the plan: every stage, in order, else nothing is written.
+    plan = ("--plan", str(gpt_package))
+    checked = run("-m", "fxpipe.cli", "merge", *paths, "--out", "checked.pt", *plan, cwd=tmp_path)
+    assert checked.returncode == 0 and "--plan" not in checked.stdout, checked.stderr
+    assert torch.load(tmp_path / "checked.pt", weights_only=True).keys() == expected.keys()
+    for wrong in (paths[:-1], [paths[1], paths[0], *paths[2:]]):
+        refused = run("-m", "fxpipe.cli", "merge", *wrong, "--out", "wrong.pt", *plan,
+                      cwd=tmp_path)
+        assert refused.returncode == 2 and "one file per stage, in stage order" in refused.stderr
+        assert not (tmp_path / "wrong.pt").exists()
 
     # A key held by two stages (an export graph's tied weight) must agree, else nothing is written.
     torch.save({"shared.weight": torch.zeros(2)}, tmp_path / "a.pt")

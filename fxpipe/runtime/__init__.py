@@ -34,7 +34,7 @@ top level imports only the single-process ones.
 """
 
 from .binding import bind
-from .checkpoint import merge_stage_state_dicts, split_state_dict
+from .checkpoint import check_stage_states, merge_stage_state_dicts, split_state_dict
 from .devices import place_stages, stage_devices
 from .loading import import_file, load_package
 from .measure import ReportCard, load_card
@@ -48,6 +48,7 @@ __all__ = [
     "bind",
     "check_schedule",
     "check_shape",
+    "check_stage_states",
     "dependencies",
     "import_file",
     "load_card",

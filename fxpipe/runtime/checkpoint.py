@@ -7,12 +7,13 @@ parameter appears under each of its names (``tok_emb.weight`` in stage 0,
 ``lm_head.weight`` in the last stage); copies must agree.
 """
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
 
-__all__ = ["merge_stage_state_dicts", "split_state_dict"]
+__all__ = ["check_stage_states", "merge_stage_state_dicts", "split_state_dict"]
 
 
 def merge_stage_state_dicts(
@@ -45,6 +46,32 @@ def merge_stage_state_dicts(
                     "before saving"
                 )
     return merged
+
+
+def check_stage_states(
+    states: Sequence[Mapping[str, torch.Tensor]], parameters: Sequence[Sequence[str]],
+    names: Sequence[str],
+) -> None:
+    """``states`` (read from the files ``names``) are every stage of a plan whose stage k
+    holds the parameters ``parameters[k]``, in stage order: a missing, extra or misplaced
+    stage would merge into a checkpoint that lacks weights, so ``ValueError`` names it.
+
+    A parameter tied across stages is listed under one name in each of them while a stage
+    may hold it under another (``lm_head.weight`` for ``tok_emb.weight``), so only the
+    parameters that one stage alone holds identify its file."""
+    if len(states) != len(parameters):
+        raise ValueError(
+            f"the plan has {len(parameters)} stages, got {len(states)} checkpoints; pass "
+            f"one file per stage, in stage order"
+        )
+    holders = Counter(key for expected in parameters for key in set(expected))
+    for k, (state, expected, name) in enumerate(zip(states, parameters, names, strict=True)):
+        missing = [key for key in expected if holders[key] == 1 and key not in state]
+        if missing:
+            raise ValueError(
+                f"{name} lacks {len(missing)} parameters of stage {k} (first: "
+                f"{missing[0]!r}); pass one file per stage, in stage order"
+            )
 
 
 def split_state_dict(
