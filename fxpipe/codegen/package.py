@@ -544,6 +544,7 @@ def launch_source(plan: Plan) -> str:
         f"    torchrun --nproc-per-node {plan.num_devices} train_torchrun.py "
         "--model model.py \\",
         "        [--checkpoint model.pt] [--steps N] [--lr LR] [--batch FILE] [--save DIR]",
+        "        [--measure measured.json]",
         "",
         *needs,
         "gloo on the CPU, NCCL on GPUs; the loss is the model file's loss_fn. With",

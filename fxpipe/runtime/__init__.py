@@ -26,6 +26,7 @@ runs without fxpipe installed. One idea per module:
     grads.py        tied and replicated gradients across ranks
     table.py        the uneven-replica schedule under torchrun
     zero_bubble.py  zb1p, zbv and dualpipev on torch's zero-bubble schedule classes
+    rank_measure.py the report card under torchrun: each rank's stages, gathered
     materialize.py  building only this rank's stage from a checkpoint
     launch.py       the torchrun entry point (train_torchrun.py)
 

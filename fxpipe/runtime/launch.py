@@ -7,6 +7,7 @@ gloo on the CPU, NCCL on GPUs (one GPU per local rank).
 """
 
 import argparse
+import contextlib
 import os
 import resource
 import sys
@@ -24,6 +25,7 @@ from .loading import import_file
 from .materialize import parameters_on_meta
 from .microbatch import shared_leaves
 from .pipelining import DistributedPipeline
+from .rank_measure import measure_ranks
 from .zero_bubble import ZERO_BUBBLE, requirement
 
 __all__ = ["init_distributed", "main", "peak_rss_bytes"]
@@ -82,7 +84,14 @@ def main(pipeline: DistributedPipeline, argv: Sequence[str] | None = None) -> in
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--save", help="directory for rank{k}.pt: loss, grads, peak RSS and "
                         "(the last stage's ranks) the model's output per micro-batch")
+    parser.add_argument("--measure", metavar="FILE",
+                        help="time every step after the first and write the report card "
+                        "(measured.json, for fxpipe report) to FILE")
     opts = parser.parse_args(argv)
+    if opts.measure and opts.steps < 2:
+        print(f"train_torchrun: error: --measure times the steps after the first (a warm-up); "
+              f"use --steps 2 or more, got {opts.steps}", file=sys.stderr)
+        return 2
 
     try:
         rank, world_size, device = init_distributed()
@@ -164,6 +173,23 @@ def _train(
                     if p.requires_grad}.values())
     # a stage of parameter-free ops (a softmax mixing layer) has nothing to update
     optimizer = torch.optim.SGD(trained, lr=opts.lr) if trained else None
+    measuring = (measure_ranks(schedule, stages, pipeline.num_stages) if opts.measure
+                 else contextlib.nullcontext())
+    with measuring as card:
+        _steps(pipeline, opts, rank, schedule, stages, optimizer, (args, kwargs, target),
+               outputs, rss)
+    if card is not None and rank == 0:
+        card.save(opts.measure)
+        print(f"measured {card.steps} steps into {opts.measure}", flush=True)
+    print(f"rank {rank}: peak RSS {peak_rss_bytes() / 2**20:.0f} MiB", flush=True)
+
+
+def _steps(pipeline: DistributedPipeline, opts: argparse.Namespace, rank: int, schedule: Any,
+           stages: list[Any], optimizer: torch.optim.Optimizer | None,
+           batch: tuple[Any, Any, Any], outputs: list[Any], rss: dict[str, int]) -> None:
+    """``opts.steps`` training steps; with --save, the last step's loss, gradients and
+    outputs go to rank{rank}.pt."""
+    args, kwargs, target = batch
     for step in range(opts.steps):
         if optimizer is not None:
             optimizer.zero_grad(set_to_none=True)
@@ -182,4 +208,3 @@ def _train(
                        Path(opts.save) / f"rank{rank}.pt")
         if optimizer is not None:
             optimizer.step()
-    print(f"rank {rank}: peak RSS {peak_rss_bytes() / 2**20:.0f} MiB", flush=True)

@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 train_torchrun.py --model model.py \
         [--checkpoint model.pt] [--steps N] [--lr LR] [--batch FILE] [--save DIR]
+        [--measure measured.json]
 
 gloo on the CPU, NCCL on GPUs; the loss is the model file's loss_fn. With
 --checkpoint (a torch.save'd state_dict of the whole model) each rank builds
