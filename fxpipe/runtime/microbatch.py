@@ -29,6 +29,7 @@ __all__ = [
     "merge_leaves",
     "merge_replicas",
     "microbatch_count",
+    "own_copies",
     "rows_of",
     "sample_share",
     "shared_leaves",
@@ -37,6 +38,7 @@ __all__ = [
     "split_microbatches",
     "split_replicas",
     "torch_chunk_spec",
+    "written_back",
 ]
 
 
@@ -177,6 +179,24 @@ def split_replicas(inputs: Any, batch: int, r: int, *, whole: Collection[str] = 
         rest = {name: v for name, v in inputs.items() if name not in whole}
         return [{**part, **kept} for part in split_replicas(rest, batch, r)]
     return split_leaves(inputs, r, lambda x: x.dim() > 0 and x.size(0) == batch)
+
+
+def own_copies(chunks: list[dict[str, Any]], written: Collection[str]) -> list[dict[str, Any]]:
+    """``chunks`` (``split_replicas`` of a stage's inputs) where each replica has its own
+    copy of the graph inputs the stage writes in place (``written``): chunks of one tensor
+    share its version counter, so one replica's write would break the backward of
+    another's saved chunk, and an input passed whole would be written once per replica."""
+    return [{**chunk, **{name: chunk[name].clone() for name in written
+                         if isinstance(chunk.get(name), torch.Tensor)}} for chunk in chunks]
+
+
+def written_back(chunks: list[dict[str, Any]], written: Collection[str],
+                 whole: Collection[str]) -> dict[str, Any]:
+    """The inputs in ``written`` as the replicas left them (``own_copies``), one value
+    each for the stages that read them next: the chunks concatenated, or replica 0's
+    copy of an input passed whole (each replica wrote the same)."""
+    return {name: chunks[0][name] if name in whole else torch.cat([c[name] for c in chunks])
+            for name in written if isinstance(chunks[0].get(name), torch.Tensor)}
 
 
 def merge_replicas(outputs: list[Any], sizes: list[int]) -> Any:

@@ -37,10 +37,12 @@ from .microbatch import (
     chunk_sizes,
     concat,
     merge_replicas,
+    own_copies,
     sample_share,
     split_inputs,
     split_microbatches,
     split_replicas,
+    written_back,
 )
 from .precision import autocast, check_precision, grad_scaler, warn_uncast
 from .recompute import buffers_restored, rng_restored, rng_state
@@ -250,8 +252,11 @@ class PipelineRunner(MeasuredSteps):
             if r == 1:
                 return self._run_replica(k, 0, inputs, stash)
             assert batch is not None and batch >= r, (k, batch, r)  # checked by batch_sizes
-            chunks = split_replicas(inputs, batch, r, whole=self.shared_inputs)
+            written = self.wiring.written & set(inputs)
+            chunks = own_copies(split_replicas(inputs, batch, r, whole=self.shared_inputs),
+                                written)
             outputs = [self._run_replica(k, i, chunk, stash) for i, chunk in enumerate(chunks)]
+            inputs.update(written_back(chunks, written, self.shared_inputs))  # for later readers
             return tuple(merge_replicas(outputs, chunk_sizes(batch, r)))
 
     def _run_replica(self, k: int, i: int, inputs: dict[str, Any],
@@ -272,13 +277,7 @@ class PipelineRunner(MeasuredSteps):
             outputs = stage(**inputs)
         else:
             outputs = torch.func.functional_call(stage, params, (), inputs)
-        expected = self.wiring.outputs[k]
-        if not isinstance(outputs, tuple) or len(outputs) != len(expected):
-            got = f"a tuple of {len(outputs)}" if isinstance(outputs, tuple) else type(outputs)
-            raise TypeError(
-                f"Stage {k} returned {got}, expected a tuple of its {len(expected)} "
-                f"OUTPUTS {expected}."
-            )
+        self.wiring.check_outputs(k, outputs)
         if bound is not None:
             outputs = to_device(outputs, self.streams.device(k))
         return outputs
@@ -293,6 +292,7 @@ class PipelineRunner(MeasuredSteps):
                       for name in self.wiring.inputs[k]}
             before = {n: inputs[n].clone() for n in inputs if copy and n in self.wiring.written}
             outputs = self._run_stage(k, inputs, batch, stash)
+            values.update({n: inputs[n] for n in self.wiring.written & set(inputs)})
             values.update(zip(self.wiring.outputs[k], outputs, strict=True))
         events[k] = self.streams.record(k)
         return {**inputs, **before}, outputs

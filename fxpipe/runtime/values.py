@@ -66,6 +66,16 @@ class Wiring:
     def producer_of(self, name: str) -> int:
         return self.producer.get(name, GRAPH_INPUT)
 
+    def check_outputs(self, k: int, outputs: Any) -> None:
+        """What stage k returned must be a tuple of its OUTPUTS."""
+        expected = self.outputs[k]
+        if not isinstance(outputs, tuple) or len(outputs) != len(expected):
+            got = f"a tuple of {len(outputs)}" if isinstance(outputs, tuple) else type(outputs)
+            raise TypeError(
+                f"Stage {k} returned {got}, expected a tuple of its {len(expected)} "
+                f"OUTPUTS {expected}."
+            )
+
 
 class OnDemand(dict[str, Any]):
     """A dict whose entries are fetched from ``source`` by ``fetch`` on first read

@@ -237,3 +237,24 @@ def test_the_oracle_cuts_a_written_input_into_copies(tmp_path: Path) -> None:
                               "linear1": ("linear", (5, 3, True))})
     case = Case(spec, stages=2, schedule="gpipe", microbatches=2, recompute=False, batch=2)
     check_transparency(case, tmp_path / "pkg")
+
+
+def test_replicas_write_their_own_copies_of_a_graph_input(tmp_path: Path) -> None:
+    # x1.relu_() in a stage the runner replicates (a pipedream plan, recomputed): the
+    # replicas' chunks of x1 were views of one tensor, replica 1's write bumped the version
+    # counter replica 0's LayerNorm had saved, and backward raised autograd's in-place
+    # error. Fixed: each replica writes its own copy of a graph input its stage writes,
+    # and the stages after it read the copies joined back (tests/runtime/test_replicas.py).
+    ops = (Op("linear", (0,), ((3, 11),), module="linear0"),
+           Op("mutate", (1,), ((6,),), how="relu_:statement"),
+           Op("norm", (3,), ((6,),), module="layernorm1"),
+           Op("norm", (1,), ((6,),), module="layernorm2"),
+           Op("region", (0,), ((3, 6),), how="no_grad", module="linear3"))
+    spec = ModelSpec(inputs=((3, 6), (6,)), ops=ops, outputs=(2, 4, 5, 6), seed=852,
+                     modules={"linear0": ("linear", (6, 11, True)),
+                              "layernorm1": ("layernorm", 6), "layernorm2": ("layernorm", 6),
+                              "linear3": ("linear", (6, 6, True))},
+                     frozen=("layernorm2",))
+    case = Case(spec, stages=3, schedule="pipedream", microbatches=2,
+                recompute=(False, True, True), batch=2, replicas=(2, 2, 2))
+    check_transparency(case, tmp_path / "pkg")

@@ -17,8 +17,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fxpipe.frontend import trace
 from fxpipe.runtime import PipelineRunner
 from fxpipe.schedules import gpipe, one_f_one_b
+from tests.codegen._models import assert_runner_matches, import_package, write_package
+from tests.codegen._plans import contiguous_plan
 
 from . import test_runtime
 from ._parts import (
@@ -267,3 +270,36 @@ def test_cuda_replicas_on_two_devices(recompute: bool) -> None:
     with torch.no_grad():
         out = runner.forward(*inputs)
         torch.testing.assert_close(out, case.model(*inputs), rtol=1e-10, atol=1e-10)
+
+
+class WritesItsInput(nn.Module):
+    """``y.relu_()`` in the first stage, ``y`` (the written value) read again in the last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        y.relu_()
+        h = self.b(torch.tanh(self.a(x) * y))
+        return self.c(h) * y
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_replicas_write_their_own_copies_of_an_input_later_stages_read(
+        tmp_path: Path, recompute: bool) -> None:
+    """Each replica writes its own copy of ``y`` (chunks of one tensor share its version
+    counter); the last stage reads the copies joined back, so it sees the write."""
+    torch.manual_seed(0)
+    model = WritesItsInput().double()
+    g = torch.Generator().manual_seed(1)
+    x, y = (torch.randn(BATCH, 6, generator=g, dtype=torch.float64) for _ in range(2))
+    traced = trace(model, (x[:2], y[:2].clone()))
+    plan = contiguous_plan(traced.gm.graph, 3, replicas=(2, 2, 2),
+                           recompute=(recompute,) * 3)
+    write_package(tmp_path / "pkg", traced, plan)
+    package = import_package(tmp_path / "pkg")
+    stages = package.build_stages(model)
+    assert stages[0].WRITES == ("y",) and "y" in stages[2].INPUTS
+    runner = package.PipelineRunner(stages)
+    assert_runner_matches(runner, model, (x, y), {}, None, lambda out, _: out.square().mean())
