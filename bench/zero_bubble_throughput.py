@@ -9,12 +9,16 @@ would with
 and prints one markdown row per (model, GPUs, schedule): the predicted bottleneck
 (per micro-batch, the slowest GPU), iteration time, throughput (M / iteration) and its
 gain over 1F1B, the bubble (idle share of the step), the largest GPU's memory, the
-solver's status and wall time. A schedule whose plan does not fit is reported as such.
+solver's status and gap and the wall time. A schedule no split of which fits is a row
+saying so, with what the leanest split found needs (the Llama-3-70B shape's Adam state
+alone is more than 80 GiB a GPU on 8 GPUs); ``--memory-limit`` sets another limit for
+every schedule alike.
 
 Models (on the meta device, nothing allocated): GPT-2 small with its tied head, the
 Llama-3-8B shape and the Llama-3-70B shape (``examples/``).
 
     python bench/zero_bubble_throughput.py [--gpus 8 16] [--time-limit 30] [--only ...]
+        [--memory-limit 192GiB]
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ sys.path.insert(0, str(ROOT))
 from bench._common import analysed_models, plan_cells, timed_plan  # noqa: E402
 from fxpipe.compiler import SplitOptions  # noqa: E402
 from fxpipe.cost_models import get_device  # noqa: E402
+from fxpipe.partition.errors import InfeasibleMemoryError  # noqa: E402
 from fxpipe.schedules import ScheduleKind  # noqa: E402
-from fxpipe.units import format_bytes  # noqa: E402
+from fxpipe.units import format_bytes, parse_bytes  # noqa: E402
 
 MODELS = {
     "GPT-2 small": "examples/gpt.py:build_gpt2_small",
@@ -57,11 +62,14 @@ def main() -> int:
     parser.add_argument("--device", default="h100")
     parser.add_argument("--time-limit", type=float, default=30.0)
     parser.add_argument("--only", nargs="*", default=None, help="model labels to run")
+    parser.add_argument("--memory-limit", type=parse_bytes, default=None,
+                        help="bytes per GPU, e.g. 192GiB (default: the device's memory)")
     args = parser.parse_args()
     device = get_device(args.device)
+    limit = float(device.memory_bytes if args.memory_limit is None else args.memory_limit)
     print(f"{platform.node()}, python {platform.python_version()}, {device.name}, "
-          f"limit {format_bytes(device.memory_bytes)} per GPU, time limit "
-          f"{args.time_limit:g} s, load {os.getloadavg()[0]:.1f}\n")
+          f"limit {format_bytes(limit)} per GPU, time limit "
+          f"{args.time_limit:g} s, load {_load()}\n")
     print("| model | GPUs | M | schedule | bottleneck | iteration | throughput | vs 1f1b "
           "| bubble (step) | max memory | fits | solver | wall |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -71,13 +79,13 @@ def main() -> int:
             base = None
             for name, schedule, v in LAYOUTS:
                 options = SplitOptions(
-                    gpus=gpus, device=device, memory_limit=float(device.memory_bytes),
+                    gpus=gpus, device=device, memory_limit=limit,
                     microbatches=m, schedule=schedule, virtual_stages=v,
                     time_limit_s=args.time_limit)
                 plan, wall_s = timed_plan(traced, label, options)
-                if isinstance(plan, ValueError):  # no split fits: say so in the table
-                    print(f"| {label} | {gpus} | {m} | {name} | - | - | - | - | - | - | "
-                          f"no: {plan} | - | {wall_s:.1f} s |", flush=True)
+                if isinstance(plan, ValueError):  # no split: say so in the table
+                    print(f"| {label} | {gpus} | {m} | {name} | - | - | - | - | - | "
+                          f"{_no_split_cells(plan)} | {wall_s:.1f} s |", flush=True)
                     continue
                 e = plan.estimate
                 throughput = m / e.iteration_s
@@ -88,7 +96,21 @@ def main() -> int:
                     f"| {label} | {gpus} | {m} | {name} | {e.bottleneck_s * 1e3:.3f} ms | "
                     f"{e.iteration_s * 1e3:.2f} ms | {throughput:.2f} mb/s | {gain} | "
                     f"{e.bubble_fraction:.1%} | {plan_cells(plan, wall_s)}", flush=True)
+    print(f"\nload at the end {_load()}")
     return 0
+
+
+def _no_split_cells(error: ValueError) -> str:
+    """The max memory, fits and solver cells of a row with no plan: for memory, what the
+    leanest split found needs (no split fitting is proved: by the parameters' state alone,
+    or by the solver), else the error's own sentence."""
+    if isinstance(error, InfeasibleMemoryError):
+        return f"leanest needs {format_bytes(error.needed)} | no | INFEASIBLE (proved)"
+    return f"- | no split: {error} | -"
+
+
+def _load() -> str:
+    return " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 if __name__ == "__main__":

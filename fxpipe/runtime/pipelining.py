@@ -53,7 +53,7 @@ from .adapter import (
 from .grads import reduce_grads
 from .materialize import Checkpoint, load_state, materialize, rebind
 from .microbatch import batch_size, lane_share, shared_leaves
-from .precision import PRECISIONS, check_precision
+from .precision import check_precision, warn_torchrun_mixed
 from .ranks import RankLayout
 from .table import TableSchedule, TableStage
 from .zero_bubble import ZERO_BUBBLE, zero_bubble_schedule
@@ -274,18 +274,14 @@ class DistributedPipeline(RankLayout):
     ) -> Any:
         """The plan's schedule as torch's: gpipe -> ScheduleGPipe, 1f1b -> Schedule1F1B,
         interleaved -> ScheduleInterleaved1F1B over the rank's stages, zb1p, zbv and
-        dualpipev: zero_bubble.py. Gradients are divided by M, as in one process."""
+        dualpipev: zero_bubble.py. Gradients are divided by M, as in one process.
+        ``schedule``: another kind, refused unless it places the stages on the ranks the
+        plan did (``RankLayout.check_placement``)."""
         kind = schedule or self.schedule
         m = microbatches or self.microbatches
-        if PRECISIONS[self.precision][1]:
-            # torch's stages check each sent tensor's dtype against the example run's
-            # (float32), while autocast makes some of them bfloat16: not solved yet
-            warnings.warn(
-                f"The plan trains {self.precision}, but the torchrun pipeline runs without "
-                f"autocast (float32 activations, no GradScaler); runner.PipelineRunner "
-                f"trains {self.precision} in one process.",
-                stacklevel=2,
-            )
+        if kind != self.schedule:  # another kind: only if it places the stages as planned
+            self.check_placement(kind, self.schedule)
+        warn_torchrun_mixed(self.precision)
         if kind in ZERO_BUBBLE and not isinstance(_as_list(stage)[0], TableStage):
             return zero_bubble_schedule(kind, _as_list(stage), self.lane_ranks(), m, loss_fn,
                                         self.shared_inputs)

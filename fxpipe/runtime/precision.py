@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 __all__ = ["PRECISIONS", "autocast", "check_precision", "grad_scaler", "true_dtype",
-           "warn_uncast"]
+           "warn_torchrun_mixed", "warn_uncast"]
 
 # name -> (dtype, mixed)
 PRECISIONS: dict[str, tuple[torch.dtype, bool]] = {
@@ -90,3 +90,16 @@ def warn_uncast(stages: Sequence[nn.Module], precision: str) -> None:
                     stacklevel=3,
                 )
                 return
+
+
+def warn_torchrun_mixed(precision: str) -> None:
+    """Warn, from ``build_schedule``, that a mixed-precision plan trains in float32 under
+    torchrun: torch's stages check each sent tensor's dtype against the example run's
+    (float32), while autocast makes some of them bfloat16 (not solved yet)."""
+    if PRECISIONS[precision][1]:
+        warnings.warn(
+            f"The plan trains {precision}, but the torchrun pipeline runs without "
+            f"autocast (float32 activations, no GradScaler); runner.PipelineRunner "
+            f"trains {precision} in one process.",
+            stacklevel=3,
+        )

@@ -22,9 +22,15 @@ share rank 0::
                 | rank 1: stage 1, stage 3    (rank 0)    (rank 1)    (rank 0)    (rank 1)
     V           | rank 0: stage 0, stage 3    (rank 0)    (rank 1)    (rank 1)    (rank 0)
                 | rank 1: stage 1, stage 2
+
+torch's schedule classes assume their own placement (one stage per rank; j % N; the V)
+and send each activation to the rank it expects, so a plan runs only under a schedule
+kind that places its stages as the plan did (``check_placement``).
 """
 
 from collections.abc import Sequence
+
+from .zero_bubble import ZERO_BUBBLE, placement
 
 __all__ = ["RankLayout"]
 
@@ -103,3 +109,26 @@ class RankLayout:
             f"world size ({world_size}) must equal the number of {what}: launch with "
             f"torchrun --nproc-per-node {self.num_ranks}"
         )
+
+    def check_placement(self, kind: str, planned: str) -> None:
+        """Refuse to run this plan, split for ``planned``, under schedule ``kind`` when
+        torch's class for ``kind`` puts the stages on other ranks than the plan did."""
+        have = self.lane_ranks()
+        k, n = len(have), len(set(have))
+        v_shape = tuple(min(j, k - 1 - j) for j in range(k)) if k == 2 * n else None
+        wants = {"gpipe": tuple(range(k)), "1f1b": tuple(range(k)), "zb1p": tuple(range(k)),
+                 "interleaved": tuple(j % n for j in range(k)) if k > n else None,
+                 "zbv": v_shape, "dualpipev": v_shape}
+        if kind not in wants:
+            raise ValueError(f"unknown schedule {kind!r}; use one of {sorted(wants)}")
+        if wants[kind] == have:
+            return
+        if kind in ZERO_BUBBLE:
+            runs = placement(kind, k, n)
+        elif kind == "interleaved":
+            runs = (f"interleaved runs several stages per rank, stage j on rank j % {n} "
+                    f"({k} stages on {n} ranks)")
+        else:
+            runs = f"{kind} runs one stage per rank ({k} stages on {n} ranks)"
+        raise ValueError(f"this plan was split for {planned}, stage j on rank {list(have)}[j]; "
+                         f"{runs}: split again with --schedule {kind}")

@@ -43,7 +43,7 @@ import torch
 
 from .adapter import StageAdapter, torch_schedule_kwargs
 
-__all__ = ["ZERO_BUBBLE", "requirement", "zero_bubble_schedule"]
+__all__ = ["ZERO_BUBBLE", "placement", "requirement", "zero_bubble_schedule"]
 
 # the schedule kinds that split the backward -> their torch.distributed.pipelining class
 # (by name: importing this module, as codegen does, does not import torch's pipelining)
@@ -54,19 +54,25 @@ ZERO_BUBBLE = {
 }
 
 
+def placement(kind: str, num_stages: int, num_ranks: int) -> str:
+    """Where torch's class for ``kind`` runs the stages, as the start of a sentence."""
+    k, n, name = num_stages, num_ranks, ZERO_BUBBLE[kind]
+    if kind == "zb1p":
+        return f"zb1p runs on torch's {name} with one stage per rank ({k} stages on {n} ranks)"
+    return (f"{kind} runs on torch's {name} with exactly 2 stages per rank in a V, rank r "
+            f"running stages r and {k - 1} - r ({k} stages on {n} ranks)")
+
+
 def requirement(kind: str, num_stages: int, num_ranks: int, microbatches: int,
                 ) -> tuple[str, bool]:
     """What torch's class for ``kind`` needs, as one sentence with this plan's numbers,
     and whether the plan meets it."""
     k, n, m = num_stages, num_ranks, microbatches
-    name = ZERO_BUBBLE[kind]
+    text = placement(kind, k, n)
     if kind == "zb1p":
         rounds = max(1, m // n)
-        return (f"zb1p runs on torch's {name} with one stage per rank ({k} stages on {n} "
-                f"ranks) and M = {m} micro-batches in max(1, M // {n}) = {rounds} equal "
+        return (f"{text} and M = {m} micro-batches in max(1, M // {n}) = {rounds} equal "
                 f"rounds", k == n and m % rounds == 0)
-    text = (f"{kind} runs on torch's {name} with exactly 2 stages per rank in a V, rank r "
-            f"running stages r and {k - 1} - r ({k} stages on {n} ranks)")
     if kind == "dualpipev":
         return (f"{text}, and at least as many micro-batches as stages (M = {m})",
                 k == 2 * n and m >= k)

@@ -74,7 +74,9 @@ def test_interleaved_plan_gives_each_rank_its_stages(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"an interleaved plan runs interleaved 1F1B with a "
                        r"multiple of 2 micro-batches \(got interleaved, M = 3\)"):
         package.build_schedule([None] * 3, None, microbatches=3)
-    with pytest.raises(ValueError, match=r"\(got 1f1b, M = 2\)"):
+    with pytest.raises(ValueError, match=r"^this plan was split for interleaved, stage j on "
+                       r"rank \[0, 1, 0, 1, 0, 1\]\[j\]; 1f1b runs one stage per rank \(6 "
+                       r"stages on 2 ranks\): split again with --schedule 1f1b$"):
         package.build_schedule([None] * 3, None, schedule="1f1b")
 
 

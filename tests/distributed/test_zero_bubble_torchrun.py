@@ -142,3 +142,40 @@ def test_replicated_zero_bubble_stages_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"this plan's zb1p stages are replicated \(1-2\), "
                        r"which a schedule that splits the backward does not run"):
         package.pipeline_stages(source.model, 0, 3, "cpu", *source.args)
+
+
+def test_a_schedule_that_places_the_stages_otherwise_is_refused(tmp_path: Path) -> None:
+    """torch's classes send activations to the ranks their own placement says: a V-placed
+    plan under interleaved 1F1B (stage j on rank j % N), or 1F1B's one stage per rank under
+    a V, would run a placement the plan did not choose. One sentence naming the plan's
+    schedule and the fix, before any stage is needed; a kind with the same placement runs."""
+    zbv = _package(tmp_path, "zbv", 4, 4, v=2)
+    assert zbv.distributed.PIPELINE.stages_of(0) == (0, 3)
+    with pytest.raises(ValueError, match=r"^this plan was split for zbv, stage j on rank "
+                       r"\[0, 1, 1, 0\]\[j\]; interleaved runs several stages per rank, stage "
+                       r"j on rank j % 2 \(4 stages on 2 ranks\): split again with --schedule "
+                       r"interleaved$"):
+        zbv.build_schedule([None, None], None, schedule="interleaved")
+    for kind in ("1f1b", "gpipe", "zb1p"):
+        with pytest.raises(ValueError, match=rf"^this plan was split for zbv, .*; {kind} runs "
+                           rf"(on torch's \w+ with )?one stage per rank \(4 stages on 2 "
+                           rf"ranks\): split again with --schedule {kind}$"):
+            zbv.build_schedule([None, None], None, schedule=kind)
+    dualpipev = _package(tmp_path, "dualpipev", 4, 4, v=2)
+    with pytest.raises(ValueError, match=r"^this plan was split for dualpipev, .*; interleaved "
+                       r"runs .*: split again with --schedule interleaved$"):
+        dualpipev.build_schedule([None, None], None, schedule="interleaved")
+    one_f_one_b = _package(tmp_path, "1f1b", 2, 4)
+    for kind in ("zbv", "dualpipev", "interleaved"):
+        with pytest.raises(ValueError, match=rf"^this plan was split for 1f1b, stage j on rank "
+                           rf"\[0, 1\]\[j\]; {kind} runs .*: split again with --schedule "
+                           rf"{kind}$"):
+            one_f_one_b.build_schedule([None], None, schedule=kind)
+    interleaved = _package(tmp_path, "interleaved", 4, 4, v=2)
+    with pytest.raises(ValueError, match=r"^this plan was split for interleaved, stage j on "
+                       r"rank \[0, 1, 0, 1\]\[j\]; zbv runs on torch's ScheduleZBVZeroBubble"):
+        interleaved.build_schedule([None, None], None, schedule="zbv")
+    # the same V: the placement check passes, and torch's class is what then fails on
+    # stages that are not there
+    with pytest.raises(AttributeError):
+        zbv.build_schedule([None, None], None, schedule="dualpipev")

@@ -30,3 +30,47 @@ def test_interleaved_and_lanes() -> None:
     lanes = RankLayout(2, (2, 2))
     assert lanes.uniform and lanes.lanes == 2 and lanes.position(3) == (1, 1)
     lanes.check_world_size(4)
+
+
+# the three placements torch's schedule classes assume, 4 stages each
+ONE_PER_RANK = RankLayout(4)
+LOOP = RankLayout(4, virtual_stages=2, device_of=(0, 1, 0, 1))
+V = RankLayout(4, virtual_stages=2, device_of=(0, 1, 1, 0))
+PLACEMENT = {"gpipe": ONE_PER_RANK, "1f1b": ONE_PER_RANK, "zb1p": ONE_PER_RANK,
+             "interleaved": LOOP, "zbv": V, "dualpipev": V}
+
+
+@pytest.mark.parametrize("planned", sorted(PLACEMENT))
+@pytest.mark.parametrize("kind", sorted(PLACEMENT))
+def test_a_schedule_runs_only_where_it_places_the_stages_as_planned(planned: str,
+                                                                    kind: str) -> None:
+    layout = PLACEMENT[planned]
+    if PLACEMENT[kind] is layout:
+        layout.check_placement(kind, planned)
+        return
+    with pytest.raises(ValueError, match=rf"^this plan was split for {planned}, stage j on "
+                       rf"rank \[[0-9, ]+\]\[j\]; {kind} runs .*: split again with "
+                       rf"--schedule {kind}$"):
+        layout.check_placement(kind, planned)
+
+
+def test_a_refused_schedule_says_where_each_would_run_the_stages() -> None:
+    with pytest.raises(ValueError, match=r"^this plan was split for zbv, stage j on rank "
+                       r"\[0, 1, 1, 0\]\[j\]; interleaved runs several stages per rank, stage "
+                       r"j on rank j % 2 \(4 stages on 2 ranks\): split again with --schedule "
+                       r"interleaved$"):
+        V.check_placement("interleaved", "zbv")
+    with pytest.raises(ValueError, match=r"^this plan was split for dualpipev, stage j on rank "
+                       r"\[0, 1, 1, 0\]\[j\]; 1f1b runs one stage per rank \(4 stages on 2 "
+                       r"ranks\): split again with --schedule 1f1b$"):
+        V.check_placement("1f1b", "dualpipev")
+    with pytest.raises(ValueError, match=r"^this plan was split for 1f1b, stage j on rank "
+                       r"\[0, 1, 2, 3\]\[j\]; zbv runs on torch's ScheduleZBVZeroBubble with "
+                       r"exactly 2 stages per rank in a V, rank r running stages r and 3 - r "
+                       r"\(4 stages on 4 ranks\): split again with --schedule zbv$"):
+        ONE_PER_RANK.check_placement("zbv", "1f1b")
+    with pytest.raises(ValueError, match=r"unknown schedule 'zb'; use one of \['1f1b', "
+                       r"'dualpipev', 'gpipe', 'interleaved', 'zb1p', 'zbv'\]"):
+        V.check_placement("zb", "zbv")
+    # one rank: interleaved and the V put both stages on it alike
+    RankLayout(2, virtual_stages=2, device_of=(0, 0)).check_placement("zbv", "interleaved")
