@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .microbatch import torch_chunk_spec
+from .precision import autocast, example_device
 
 __all__ = [
     "StageAdapter",
@@ -52,9 +53,15 @@ class StageAdapter(nn.Module):
         sends: Sequence[str] | None,
         constants: Mapping[str, Any],
         build_output: Callable[[dict[str, Any]], Any],
+        *,
+        precision: str = "32-true",
+        device: torch.device | None = None,
     ) -> None:
         super().__init__()
         self.stage = stage
+        # the plan's precision: the stage's forward runs under its autocast on ``device``
+        self.precision = precision
+        self.device = device
         self.receives = tuple(receives)
         self.sends = None if sends is None else tuple(sends)
         self.constants = dict(constants)
@@ -79,10 +86,11 @@ class StageAdapter(nn.Module):
         values: dict[str, Any] = dict(self.constants)
         values.update(zip(self.receives, flat, strict=True))
         names = cast(tuple[str, ...], self.stage.INPUTS)
-        outputs = self.stage(**{name: values[name] for name in names})
-        values.update(zip(cast(tuple[str, ...], self.stage.OUTPUTS), outputs, strict=True))
+        with autocast(self.precision, self.device):  # one region per stage and micro-batch
+            outputs = self.stage(**{name: values[name] for name in names})
+            values.update(zip(cast(tuple[str, ...], self.stage.OUTPUTS), outputs, strict=True))
+            output = self.build_output(values) if self.sends is None else None
         if self.sends is None:
-            output = self.build_output(values)
             if self.output_leaves is None:
                 return output
             return tuple(x for x in pytree.tree_leaves(output) if isinstance(x, torch.Tensor))
@@ -117,23 +125,35 @@ def example_values(
     model: nn.Module,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
+    precision: str = "32-true",
+    device: torch.device | None = None,
 ) -> dict[str, Any]:
     """Every wire value of one micro-batch as a fake tensor (shape, dtype,
-    requires_grad; nothing allocated), running all stages under FakeTensorMode."""
+    requires_grad; nothing allocated), running all stages under FakeTensorMode, each
+    under the plan's autocast as ``StageAdapter`` runs it (on fake tensors of
+    ``device`` when mixed: see ``precision.example_device``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     stages = [cls(model) for cls in stage_classes]
     values: dict[str, Any] = {}
+    where = example_device(precision, device)
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        out = mode.from_tensor(t)
+        return out if where.type == "cpu" else out.to(where)
+
     with mode, torch.enable_grad():
-        fake = pytree.tree_map_only(torch.Tensor, mode.from_tensor, (args, kwargs))
-        values.update(flatten_inputs(*fake[0], **fake[1]))
+        given = pytree.tree_map_only(torch.Tensor, fake, (args, kwargs))
+        values.update(flatten_inputs(*given[0], **given[1]))
         for stage in stages:
-            state = {name: _fake_like(t) for name, t in _named_tensors(stage)}
+            state = {name: _fake_like(t, where) for name, t in _named_tensors(stage)}
             inputs = {name: values[name] for name in cast(tuple[str, ...], stage.INPUTS)}
-            outputs = torch.func.functional_call(stage, state, (), inputs)
+            with autocast(precision, where):
+                outputs = torch.func.functional_call(stage, state, (), inputs)
             values.update(zip(cast(tuple[str, ...], stage.OUTPUTS), outputs, strict=True))
-        values["__output__"] = build_output(values)
+        with autocast(precision, where):
+            values["__output__"] = build_output(values)
     return values
 
 
@@ -238,10 +258,10 @@ def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return named + list(module.named_buffers(remove_duplicate=False))
 
 
-def _fake_like(t: torch.Tensor) -> torch.Tensor:
-    # called inside FakeTensorMode: a fake CPU tensor of t's shape, whatever t's device;
-    # a Parameter stays one (exported stages read theirs with get_parameter)
-    out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+def _fake_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # called inside FakeTensorMode: a fake tensor of t's shape on ``device``, whatever t's
+    # device; a Parameter stays one (exported stages read theirs with get_parameter)
+    out = torch.empty(t.shape, dtype=t.dtype, device=device)
     if isinstance(t, nn.Parameter):
         return nn.Parameter(out, requires_grad=t.requires_grad)
     return out.requires_grad_(t.requires_grad) if t.is_floating_point() else out

@@ -197,7 +197,10 @@ def _steps(pipeline: DistributedPipeline, opts: argparse.Namespace, rank: int, s
         loss = pipeline.train_step(schedule, stages, *args, target=target, **kwargs)
         if loss is not None and pipeline.position(rank)[1] == 0:  # replica 0 speaks
             print(f"step {step}: loss {loss.item():.6f}", flush=True)
+        scaler = pipeline.scaler  # 16-mixed: every rank unscales, steps and updates it
         if step == opts.steps - 1 and opts.save:
+            if scaler is not None and optimizer is not None:
+                scaler.unscale_(optimizer)  # save the gradients as the model's loss gives them
             rss["step"] = peak_rss_bytes()
             grads = {name: p.grad.detach().cpu().clone()
                      for stage in stages
@@ -206,5 +209,8 @@ def _steps(pipeline: DistributedPipeline, opts: argparse.Namespace, rank: int, s
             Path(opts.save).mkdir(parents=True, exist_ok=True)
             torch.save({"loss": loss, "grads": grads, "rss": rss, "outputs": outputs},
                        Path(opts.save) / f"rank{rank}.pt")
-        if optimizer is not None:
+        if optimizer is not None and scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        elif optimizer is not None:
             optimizer.step()

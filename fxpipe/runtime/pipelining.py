@@ -53,7 +53,7 @@ from .adapter import (
 from .grads import reduce_grads
 from .materialize import Checkpoint, load_state, materialize, rebind
 from .microbatch import batch_size, lane_share, shared_leaves
-from .precision import check_precision, warn_torchrun_mixed
+from .precision import autocast_loss, check_precision, unscaled
 from .ranks import RankLayout
 from .table import TableSchedule, TableStage
 from .zero_bubble import ZERO_BUBBLE, zero_bubble_schedule
@@ -97,6 +97,8 @@ class DistributedPipeline(RankLayout):
         self.flatten_inputs = flatten_inputs
         self.build_output = build_output
         self.shared_inputs = frozenset(shared_inputs)  # graph inputs whole in every micro-batch
+        # 16-mixed: this rank's GradScaler, made by build_schedule; every rank steps it
+        self.scaler: torch.amp.GradScaler | None = None
 
     # -------------------------------------------------------------- building
 
@@ -117,13 +119,14 @@ class DistributedPipeline(RankLayout):
         k = self._check_stage(stage_index)
         device = torch.device(device)
         examples = example_values(self.stage_classes, self.flatten_inputs, self.build_output,
-                                  model, example_args, example_kwargs)
+                                  model, example_args, example_kwargs, self.precision, device)
         receives, constants = split_wire(self.wires[k], k, examples)
         last = k == self.num_stages - 1
         sends = None if last else split_wire(self.wires[k + 1], k + 1, examples)[0]
         stage = self.stage_classes[k](model)
         materialize(stage, device, load_state(checkpoint), k)
-        adapter = StageAdapter(stage, receives, sends, constants, self.build_output)
+        adapter = StageAdapter(stage, receives, sends, constants, self.build_output,
+                               precision=self.precision, device=device)
 
         def example(value: Any) -> torch.Tensor:
             out = torch.empty(value.shape, dtype=value.dtype, device=device)
@@ -274,14 +277,16 @@ class DistributedPipeline(RankLayout):
     ) -> Any:
         """The plan's schedule as torch's: gpipe -> ScheduleGPipe, 1f1b -> Schedule1F1B,
         interleaved -> ScheduleInterleaved1F1B over the rank's stages, zb1p, zbv and
-        dualpipev: zero_bubble.py. Gradients are divided by M, as in one process.
+        dualpipev: zero_bubble.py. Gradients are divided by M, as in one process; the loss
+        runs under the plan's autocast (16-mixed: scaled by ``scaler``; see precision.py).
         ``schedule``: another kind, refused unless it places the stages on the ranks the
         plan did (``RankLayout.check_placement``)."""
         kind = schedule or self.schedule
         m = microbatches or self.microbatches
         if kind != self.schedule:  # another kind: only if it places the stages as planned
             self.check_placement(kind, self.schedule)
-        warn_torchrun_mixed(self.precision)
+        device = _as_list(stage)[0].device if _as_list(stage) else None
+        loss_fn, self.scaler = autocast_loss(loss_fn, self.precision, device, self.scaler)
         if kind in ZERO_BUBBLE and not isinstance(_as_list(stage)[0], TableStage):
             return zero_bubble_schedule(kind, _as_list(stage), self.lane_ranks(), m, loss_fn,
                                         self.shared_inputs)
@@ -339,7 +344,7 @@ class DistributedPipeline(RankLayout):
             assert isinstance(table_stage, TableStage)
             if table_stage.is_first:
                 check_constants(table_stage.submod, self.flatten_inputs(*args, **kwargs))
-            return schedule.step(args, kwargs, target)
+            return unscaled(schedule.step(args, kwargs, target), self.scaler)
         stages = [cast(PipelineStage, s) for s in _as_list(stage)]
         first = next((s for s in stages if s.is_first), None)
         last = next((s for s in stages if s.is_last), None)
@@ -368,7 +373,7 @@ class DistributedPipeline(RankLayout):
         self.reduce_grads(stages)
         if last is None:
             return None
-        loss = torch.stack([loss.detach() for loss in losses]).mean()
+        loss = unscaled(torch.stack([loss.detach() for loss in losses]).mean(), self.scaler)
         replica_group = cast(StageAdapter, last.submod).replica_group
         if replica_group is not None:
             dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=replica_group)

@@ -16,19 +16,32 @@
                        ``GradScaler("cpu")``); call ``scaler.step(optimizer)`` and
                        ``scaler.update()`` after ``step``
 
+Under torchrun (pipelining.py) the same holds per rank: each ``StageAdapter`` runs its
+stage under the autocast; the example run that fixes the dtypes torch's
+``PipelineStage`` sends and receives runs under it too, on fake tensors of the rank's
+device (``example_device``), so a bfloat16 activation crosses as bfloat16; the loss is
+computed under it on the last stage's rank (``autocast_loss``). For ``16-mixed`` every
+rank holds a ``distributed_grad_scaler``: the last rank scales the loss, so every rank's
+gradients carry the same scale, and the ranks agree on skipping a step (an inf on any
+rank) and on the next scale.
+
 The compiler's own list of these names is fxpipe/precision.py; this leaf keeps its own
 (it imports nothing of fxpipe).
 """
 
 import contextlib
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar, cast
 
 import torch
 from torch import nn
 
-__all__ = ["PRECISIONS", "autocast", "check_precision", "grad_scaler", "true_dtype",
-           "warn_torchrun_mixed", "warn_uncast"]
+__all__ = ["PRECISIONS", "autocast", "autocast_loss", "check_precision",
+           "distributed_grad_scaler", "example_device", "grad_scaler", "true_dtype",
+           "unscaled", "warn_uncast"]
+
+_Loss = TypeVar("_Loss", torch.Tensor, torch.Tensor | None)
 
 # name -> (dtype, mixed)
 PRECISIONS: dict[str, tuple[torch.dtype, bool]] = {
@@ -67,6 +80,64 @@ def grad_scaler(precision: str, device: torch.device | None) -> torch.amp.GradSc
     return torch.amp.GradScaler(device.type if device is not None else "cpu")
 
 
+def distributed_grad_scaler(precision: str, device: torch.device, group: Any = None
+                            ) -> torch.amp.GradScaler | None:
+    """``grad_scaler`` for a rank of a torchrun pipeline: FSDP's ``ShardedGradScaler``,
+    which all-reduces the inf check over ``group`` (default: the whole job) in
+    ``unscale_``, so every rank steps or skips together and keeps the same scale (the
+    last stage's rank scaled the loss every rank's gradients come from). Collective:
+    every rank calls ``scaler.step(optimizer)`` and ``scaler.update()`` each step."""
+    if precision != "16-mixed":
+        return None
+    import torch.distributed as dist
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    scaler = ShardedGradScaler(device.type, process_group=group or dist.group.WORLD)
+    # the scale is made by the first scale() call, which only the last stage's rank makes:
+    # make it on every rank, or step() on the others finds none
+    scaler.scale(torch.zeros((), device=device))
+    return scaler
+
+
+def autocast_loss(loss_fn: Callable[[Any, Any], torch.Tensor] | None, precision: str,
+                  device: torch.device | None, scaler: torch.amp.GradScaler | None = None,
+                  ) -> tuple[Callable[[Any, Any], torch.Tensor] | None,
+                             torch.amp.GradScaler | None]:
+    """``loss_fn`` computed under the plan's autocast, as the single-process runner
+    computes it (``loss_fn`` itself for a ``*-true`` precision), and the rank's
+    ``scaler`` for 16-mixed (``distributed_grad_scaler`` on ``device`` unless given),
+    which scales the loss for the backward torch's schedules run from it."""
+    if scaler is None and device is not None:
+        scaler = distributed_grad_scaler(precision, device)
+    if loss_fn is None or not PRECISIONS[precision][1]:
+        return loss_fn, scaler
+
+    def mixed_loss(output: Any, target: Any) -> torch.Tensor:
+        with autocast(precision, device):
+            loss = loss_fn(output, target)
+        return loss if scaler is None else scaler.scale(loss)
+
+    return mixed_loss, scaler
+
+
+def unscaled(loss: _Loss, scaler: torch.amp.GradScaler | None) -> _Loss:
+    """A loss reported to the caller: divided by the scale its backward ran at (a power
+    of two: exact), as the single-process runner reports the unscaled loss."""
+    if loss is None or scaler is None:
+        return loss
+    return cast(_Loss, loss / scaler.get_scale())
+
+
+def example_device(precision: str, device: torch.device | None) -> torch.device:
+    """Where the fake example run that fixes a stage's send and receive metadata puts
+    its tensors: on the CPU for a ``*-true`` precision (the dtypes do not depend on the
+    device), on ``device`` for a mixed one, because autocast casts by the tensors'
+    device type and its lists of ops differ between the CPU and CUDA."""
+    if not PRECISIONS[precision][1] or device is None:
+        return torch.device("cpu")
+    return device
+
+
 def true_dtype(precision: str) -> torch.dtype | None:
     """The dtype a ``*-true`` precision casts the model and inputs to; None when mixed."""
     dtype, mixed = PRECISIONS[precision]
@@ -90,16 +161,3 @@ def warn_uncast(stages: Sequence[nn.Module], precision: str) -> None:
                     stacklevel=3,
                 )
                 return
-
-
-def warn_torchrun_mixed(precision: str) -> None:
-    """Warn, from ``build_schedule``, that a mixed-precision plan trains in float32 under
-    torchrun: torch's stages check each sent tensor's dtype against the example run's
-    (float32), while autocast makes some of them bfloat16 (not solved yet)."""
-    if PRECISIONS[precision][1]:
-        warnings.warn(
-            f"The plan trains {precision}, but the torchrun pipeline runs without "
-            f"autocast (float32 activations, no GradScaler); runner.PipelineRunner "
-            f"trains {precision} in one process.",
-            stacklevel=3,
-        )

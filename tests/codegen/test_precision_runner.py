@@ -120,11 +120,19 @@ def test_true_precision_warns_on_an_uncast_model(tmp_path: Path) -> None:
         package.PipelineRunner(package.build_stages(source.model))
 
 
-def test_torchrun_pipeline_says_it_runs_without_autocast(tmp_path: Path) -> None:
-    """Not yet under torchrun: building its schedule warns rather than train silently in
-    float32 (the single-process runner above is the one that trains mixed)."""
-    package = _package(tmp_path, "mlp", "bf16-mixed", False)
-    assert package.distributed.PIPELINE.precision == "bf16-mixed"
-    with pytest.warns(UserWarning, match="runs without autocast"), \
-            pytest.raises(ValueError):  # the warning comes first; no stage to schedule
-        package.distributed.build_schedule([], None)
+@pytest.mark.parametrize(("precision", "sent"), [("bf16-mixed", torch.bfloat16),
+                                                 ("32-true", torch.float32)])
+def test_torchrun_stages_send_at_the_autocast_dtype(tmp_path: Path, precision: str,
+                                                    sent: torch.dtype) -> None:
+    """Under torchrun, torch's PipelineStage sends and receives at the dtypes of the
+    example run: under bf16-mixed a stage's matmul output crosses as bfloat16, as the
+    stage forward (run under the autocast) makes it (tests/distributed runs it)."""
+    source, _tr = traced("mlp")
+    package = _package(tmp_path, "mlp", precision, False)
+    adapter, _inputs, outputs = package.distributed.stage_module(source.model, 0, "cpu",
+                                                                 *source.args)
+    assert adapter.precision == precision
+    assert [y.dtype for y in outputs] == [sent] * len(outputs)
+    with torch.no_grad():
+        real = adapter(*source.args)
+    assert [y.dtype for y in real] == [y.dtype for y in outputs]
