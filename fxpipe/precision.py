@@ -20,8 +20,9 @@ region and kept by backward, which is what the plan counts), backward outside it
 parameters and optimizer, and a ``torch.amp.GradScaler`` for ``16-mixed``; for ``*-true``,
 the model and inputs cast to the dtype before the stages are built. Sent activations then
 have the autocast dtype, so receive buffers must be allocated from the plan's shapes.
-The single-process runner does all of this; under torchrun (``train_torchrun.py``) the
-autocast and the GradScaler are not applied yet.
+The single-process runner does all of this, and so does ``train_torchrun.py``: each
+rank's stages run under the autocast, and their send and receive buffers are sized from
+an example run under it.
 """
 
 from __future__ import annotations
