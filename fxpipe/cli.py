@@ -465,6 +465,8 @@ def _worded(exc: ValueError) -> str:
             fixes.append(f"--gpus {exc.fits_on}")
         if exc.recompute is not None:
             fixes.append(f"--recompute {exc.recompute}")
+        if exc.precision is not None:
+            fixes.append(f"--precision {exc.precision}")
         if len(fixes) == 1:
             fixes.append("more --gpus")
         return (f"No split of the model onto {exc.devices} GPUs fits in "

@@ -19,7 +19,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -31,11 +31,13 @@ from fxpipe.kernels import Execution
 from fxpipe.lower import Lowered, lower
 from fxpipe.partition import (
     Evaluation,
+    InfeasibleMemoryError,
     PipedreamTieError,
     Problem,
     Recompute,
     TiedPolicy,
     check_size,
+    dp_fits,
     evaluate,
     exact_groups,
     partition,
@@ -191,26 +193,19 @@ def plan_split(
         fitted = calibrate.fit(forward, backward)
         new_ops = calibrate.apply(traced.gm, fitted)
         notes.append(_calibration_note(calibrate_from, fitted, new_ops))
-    lowered = lower(
-        traced.gm,
-        num_stages=options.gpus * options.virtual_stages,
-        virtual_stages=options.virtual_stages,
-        num_devices=options.gpus,
-        device=options.device,
-        memory_limit=options.memory_limit,
-        schedule=options.schedule,
-        microbatches=options.microbatches,
-        optimizer=options.optimizer,
-        recompute=options.recompute,
-        block_depth=auto_depth(traced.gm),
-        tied_policy=TiedPolicy.COLOCATE if pipedream else TiedPolicy.REPLICATE,
-    )
+    lowered = _lowered(traced, options)
     if pipedream and lowered.problem.tied:
         _check_pipedream_ties(lowered.problem)
     with progress(f"solving ({len(lowered.problem.nodes)} nodes onto {options.gpus} GPUs)"):
-        result = partition(lowered.problem, work_limit=options.work_limit,
-                           time_limit_s=options.time_limit_s,
-                           replicate=options.replicate)
+        try:
+            result = partition(lowered.problem, work_limit=options.work_limit,
+                               time_limit_s=options.time_limit_s,
+                               replicate=options.replicate)
+        except InfeasibleMemoryError as exc:
+            leaner = _fitting_precision(traced, options)
+            if leaner is None:
+                raise
+            raise exc.with_precision(leaner.value) from None
     evaluation = result.evaluation
     if calibrate_from is not None:
         evaluation, line = _against_measured(lowered, result.problem, evaluation,
@@ -245,6 +240,56 @@ def plan_split(
         dynamic_dims=dynamic_dims(traced),
         shared_inputs=traced.shared_inputs,
     )
+
+
+def _lowered(traced: Traced, options: SplitOptions) -> Lowered:
+    """The analysed graph as the solver's problem, for ``options``."""
+    pipedream = options.schedule is ScheduleKind.PIPEDREAM
+    return lower(
+        traced.gm,
+        num_stages=options.gpus * options.virtual_stages,
+        virtual_stages=options.virtual_stages,
+        num_devices=options.gpus,
+        device=options.device,
+        memory_limit=options.memory_limit,
+        schedule=options.schedule,
+        microbatches=options.microbatches,
+        optimizer=options.optimizer,
+        recompute=options.recompute,
+        block_depth=auto_depth(traced.gm),
+        tied_policy=TiedPolicy.COLOCATE if pipedream else TiedPolicy.REPLICATE,
+    )
+
+
+# The precisions that may need less memory than each, in the order they are suggested:
+# bf16-mixed first, the way LLMs usually train (float32 master weights); bf16-true halves
+# the parameters and optimizer state too, but the model must be cast. Whether one fits is
+# found by costing the graph at it, never assumed (autocast's weight copies can make
+# bf16-mixed need more than 32-true on a model of big weights and small activations).
+_LEANER = {
+    Precision.TRUE_64: (Precision.BF16_MIXED, Precision.BF16_TRUE),
+    Precision.TRUE_32: (Precision.BF16_MIXED, Precision.BF16_TRUE),
+    Precision.BF16_MIXED: (Precision.BF16_TRUE,),
+    Precision.MIXED_16: (Precision.TRUE_16,),
+}
+
+
+def _fitting_precision(traced: Traced, options: SplitOptions) -> Precision | None:
+    """The first leaner precision (``_LEANER``) at which a split of the model fits with the
+    other options as given, found by analysing the graph at it (seconds: the shape, FLOP
+    and byte passes once more) and a fast fitting split (``dp_fits``); the graph's own
+    annotations are restored afterwards."""
+    current = options.precision or default_precision(traced.gm)
+    for candidate in _LEANER.get(current, ()):
+        saved = {node: dict(node.meta) for node in traced.gm.graph.nodes}
+        try:
+            analyze(traced, device=options.device, precision=candidate)
+            if dp_fits(_lowered(traced, replace(options, precision=candidate)).problem):
+                return candidate
+        finally:
+            for node, meta in saved.items():
+                node.meta = meta
+    return None
 
 
 def _check_pipedream_ties(problem: Problem) -> None:

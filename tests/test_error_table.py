@@ -46,6 +46,21 @@ def example_inputs():
     return (torch.ones(4, 256),)
 """
 
+# eight 64-wide layers on 2,048 rows: activations, which bfloat16 halves, dominate
+WIDE = """
+import torch
+
+
+def build_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU())
+                                 for _ in range(8)])
+
+
+def example_inputs():
+    return (torch.ones(2048, 64),)
+"""
+
 
 TIED = """
 import torch
@@ -177,6 +192,9 @@ CASES: dict[str, tuple[dict[str, str], list[str]]] = {
     ),
     "memory fits on more GPUs": (
         model(DEEP), ["split", "model.py", "--gpus", "2", "--memory", "3MiB"]
+    ),
+    "memory fits at a leaner precision": (
+        model(WIDE), ["split", "model.py", "--gpus", "2", "--memory", "5MiB"]
     ),
     "--out is someone else's folder": (
         {**model(GOOD), "out/notes.txt": "mine"},

@@ -26,7 +26,7 @@ from fxpipe.partition.problem import (
     TiedGroup,
     TiedPolicy,
 )
-from fxpipe.partition.solve import MAX_NODES, Partition, check_size, partition
+from fxpipe.partition.solve import MAX_NODES, Partition, check_size, dp_fits, partition
 
 __all__ = [
     "BASELINES",
@@ -54,6 +54,7 @@ __all__ = [
     "check_size",
     "choose_recompute",
     "coarsen",
+    "dp_fits",
     "evaluate",
     "exact_groups",
     "interval_dp",

@@ -89,23 +89,36 @@ class InfeasibleMemoryError(ValueError):
 
     What would fit instead, each found by a split that does: ``fits_on`` GPUs (None when
     not searched or none found), ``recompute`` the recompute policy (None when it would
-    not help or is already allowed)."""
+    not help or is already allowed), ``precision`` a leaner training precision (None when
+    none was tried or none fits; the caller, which costs the graph, tries them:
+    ``with_precision``)."""
 
     def __init__(self, *, devices: int, limit: float, needed: float,
-                 fits_on: int | None = None, recompute: str | None = None) -> None:
+                 fits_on: int | None = None, recompute: str | None = None,
+                 precision: str | None = None) -> None:
         self.devices = devices
         self.limit = limit
         self.needed = needed
         self.fits_on = fits_on
         self.recompute = recompute
+        self.precision = precision
         fixes = [f"allow {format_bytes(needed)} per GPU"]
         if fits_on is not None:
             fixes.append(f"use {fits_on} GPUs")
         if recompute is not None:
             fixes.append(f"recompute ({recompute})")
+        if precision is not None:
+            fixes.append(f"train at precision {precision}")
         super().__init__(
             f"No split of the model onto {devices} GPUs fits in {format_bytes(limit)} per GPU; "
             f"the best split needs {format_bytes(needed)}. To fit, {_either(fixes)}.")
+
+
+    def with_precision(self, precision: str) -> InfeasibleMemoryError:
+        """The same error, naming ``precision`` as a fix too."""
+        return InfeasibleMemoryError(devices=self.devices, limit=self.limit,
+                                     needed=self.needed, fits_on=self.fits_on,
+                                     recompute=self.recompute, precision=precision)
 
 
 def _either(options: list[str]) -> str:

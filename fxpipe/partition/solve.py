@@ -48,6 +48,7 @@ __all__ = [
     "ProblemTooLargeError",
     "TooManyStagesError",
     "check_size",
+    "dp_fits",
     "partition",
 ]
 
@@ -115,16 +116,17 @@ def _infeasible(problem: Problem, exact: Coarsening, *, work_limit: float,
     needed = min_memory(problem, exact, work_limit=work_limit,
                         time_limit_s=max(1.0, time_limit_s / 2), workers=workers)
     recompute = None
-    if problem.recompute is Recompute.NONE and _dp_fits(replace(problem,
-                                                               recompute=Recompute.AUTO)):
+    if problem.recompute is Recompute.NONE and dp_fits(replace(problem,
+                                                              recompute=Recompute.AUTO)):
         recompute = Recompute.AUTO.value
     return InfeasibleMemoryError(devices=problem.devices, limit=problem.memory_limit,
                                  needed=needed, fits_on=_fewest_gpus(problem),
                                  recompute=recompute)
 
 
-def _dp_fits(problem: Problem) -> bool:
-    """Whether the interval DP finds a split of ``problem`` within its memory limit."""
+def dp_fits(problem: Problem) -> bool:
+    """Whether the interval DP finds a split of ``problem`` within its memory limit: fast
+    (no CP-SAT), and a split it finds fits for sure, so a fix it confirms is real."""
     exact = exact_groups(problem)
     if exact.num_coarse < problem.num_stages:
         return False
@@ -144,7 +146,7 @@ def _fewest_gpus(problem: Problem) -> int | None:
     most = exact_groups(problem).num_coarse
 
     def fits(n: int) -> bool:
-        return _dp_fits(replace(problem, num_stages=n, num_devices=0))
+        return dp_fits(replace(problem, num_stages=n, num_devices=0))
 
     state = max(1.0, problem.state_factor) * (
         sum(n.param_bytes for n in problem.nodes) + sum(g.param_bytes for g in problem.tied))
