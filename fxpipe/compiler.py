@@ -45,7 +45,7 @@ from fxpipe.partition import (
 )
 from fxpipe.partition.solve import WORK_LIMIT
 from fxpipe.passes import annotate_all
-from fxpipe.passes.base import OP_NODES
+from fxpipe.passes.base import OP_NODES, AnalysisError
 from fxpipe.plan import DynamicDim, Plan
 from fxpipe.planning import build_plan
 from fxpipe.precision import Precision, default_precision
@@ -278,7 +278,8 @@ def _fitting_precision(traced: Traced, options: SplitOptions) -> Precision | Non
     """The first leaner precision (``_LEANER``) at which a split of the model fits with the
     other options as given, found by analysing the graph at it (seconds: the shape, FLOP
     and byte passes once more) and a fast fitting split (``dp_fits``); the graph's own
-    annotations are restored afterwards."""
+    annotations are restored afterwards. A precision the passes cannot run the graph at
+    is not named (it could not be planned either)."""
     current = options.precision or default_precision(traced.gm)
     for candidate in _LEANER.get(current, ()):
         saved = {node: dict(node.meta) for node in traced.gm.graph.nodes}
@@ -286,6 +287,8 @@ def _fitting_precision(traced: Traced, options: SplitOptions) -> Precision | Non
             analyze(traced, device=options.device, precision=candidate)
             if dp_fits(_lowered(traced, replace(options, precision=candidate)).problem):
                 return candidate
+        except AnalysisError:
+            continue
         finally:
             for node, meta in saved.items():
                 node.meta = meta

@@ -11,6 +11,7 @@ import torch
 
 from fxpipe.compiler import SplitOptions, analyze_file, plan_split
 from fxpipe.cost_models import get_device
+from fxpipe.frontend import ModelSource, Traced
 from fxpipe.partition import InfeasibleMemoryError
 from fxpipe.precision import Precision
 from fxpipe.units import parse_bytes
@@ -46,7 +47,8 @@ def example_inputs():
 """
 
 
-def _split(tmp_path: Path, body: str, memory: str, precision: Precision | None = None):
+def _split(tmp_path: Path, body: str, memory: str, precision: Precision | None = None
+           ) -> tuple[ModelSource, Traced, SplitOptions]:
     path = tmp_path / "model.py"
     path.write_text(textwrap.dedent(body))
     device = get_device("h100")
@@ -105,3 +107,24 @@ def test_no_precision_is_named_when_none_fits(tmp_path: Path) -> None:
 def test_a_bf16_true_plan_has_no_leaner_precision(tmp_path: Path) -> None:
     error = _error(tmp_path, DEEP, "1MiB", Precision.BF16_TRUE)
     assert error.precision is None
+
+
+def test_a_precision_the_passes_cannot_run_is_not_named(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A graph the passes cannot analyse at bf16-mixed (transformers' Llama export fails
+    so at bf16-true) goes on to the next leaner precision instead of failing the error."""
+    import fxpipe.compiler
+    from fxpipe.passes import AnalysisError
+
+    analyze = fxpipe.compiler.analyze
+
+    def failing(traced, *, precision=None, **kwargs):  # type: ignore[no-untyped-def]
+        if precision is Precision.BF16_MIXED:
+            raise AnalysisError("shape propagation failed at %linear")
+        return analyze(traced, precision=precision, **kwargs)
+
+    source, traced, options = _split(tmp_path, WIDE, "5MiB")
+    monkeypatch.setattr(fxpipe.compiler, "analyze", failing)
+    with pytest.raises(InfeasibleMemoryError) as caught:
+        plan_split(traced, label=source.label, options=options)
+    assert caught.value.precision == "bf16-true"
