@@ -44,7 +44,7 @@ from fxpipe.partition import (
     violations,
 )
 from fxpipe.partition.solve import WORK_LIMIT
-from fxpipe.passes import annotate_all
+from fxpipe.passes import annotate_all, annotate_memory, annotate_modules, annotate_shapes
 from fxpipe.passes.base import OP_NODES, AnalysisError
 from fxpipe.plan import DynamicDim, Plan
 from fxpipe.planning import build_plan
@@ -111,13 +111,8 @@ def analyze(
 
     The graph is analysed as ``device`` runs it (its fused attention kernels) at
     ``precision`` (default: the model's parameter dtype)."""
-    execution = Execution(
-        kernels="cpu" if device.kernels == "cpu" else "cuda",
-        flash_attention=device.flash_attention,
-        precision=precision,
-    )
     with progress("shapes, FLOPs and bytes"):
-        annotate_all(traced.gm, *traced.flat_inputs, execution=execution)
+        annotate_all(traced.gm, *traced.flat_inputs, execution=_execution(device, precision))
     if measure:
         if precision is not None and precision is not default_precision(traced.gm):
             warnings.warn(
@@ -133,6 +128,15 @@ def analyze(
         with progress(f"roofline times for {device.name}"):
             analytic.annotate_times(traced.gm, device)
     return traced
+
+
+def _execution(device: Device, precision: Precision | None) -> Execution:
+    """How ``device`` runs the graph (its fused attention kernels) at ``precision``."""
+    return Execution(
+        kernels="cpu" if device.kernels == "cpu" else "cuda",
+        flash_attention=device.flash_attention,
+        precision=precision,
+    )
 
 
 @dataclass(frozen=True)
@@ -276,15 +280,20 @@ _LEANER = {
 
 def _fitting_precision(traced: Traced, options: SplitOptions) -> Precision | None:
     """The first leaner precision (``_LEANER``) at which a split of the model fits with the
-    other options as given, found by analysing the graph at it (seconds: the shape, FLOP
-    and byte passes once more) and a fast fitting split (``dp_fits``); the graph's own
+    other options as given, found by costing the graph's bytes at it (the shape and byte
+    passes once more; FLOPs and times, which do not decide a fit, are left as they are:
+    the FLOP pass is the slowest) and a fast fitting split (``dp_fits``); the graph's own
     annotations are restored afterwards. A precision the passes cannot run the graph at
     is not named (it could not be planned either)."""
     current = options.precision or default_precision(traced.gm)
+    gm, inputs = traced.gm, traced.flat_inputs
     for candidate in _LEANER.get(current, ()):
-        saved = {node: dict(node.meta) for node in traced.gm.graph.nodes}
+        saved = {node: dict(node.meta) for node in gm.graph.nodes}
         try:
-            analyze(traced, device=options.device, precision=candidate)
+            execution = _execution(options.device, candidate)
+            annotate_shapes(gm, *inputs, execution=execution)
+            annotate_modules(gm)
+            annotate_memory(gm, *inputs, execution=execution)
             if dp_fits(_lowered(traced, replace(options, precision=candidate)).problem):
                 return candidate
         except AnalysisError:

@@ -114,17 +114,18 @@ def test_a_precision_the_passes_cannot_run_is_not_named(
     """A graph the passes cannot analyse at bf16-mixed (transformers' Llama export fails
     so at bf16-true) goes on to the next leaner precision instead of failing the error."""
     import fxpipe.compiler
+    from fxpipe.kernels import Execution
     from fxpipe.passes import AnalysisError
 
-    analyze = fxpipe.compiler.analyze
+    annotate_shapes = fxpipe.compiler.annotate_shapes
 
-    def failing(traced, *, precision=None, **kwargs):  # type: ignore[no-untyped-def]
-        if precision is Precision.BF16_MIXED:
+    def failing(gm: torch.fx.GraphModule, *inputs: object, execution: Execution) -> object:
+        if execution.precision is Precision.BF16_MIXED:
             raise AnalysisError("shape propagation failed at %linear")
-        return analyze(traced, precision=precision, **kwargs)
+        return annotate_shapes(gm, *inputs, execution=execution)
 
     source, traced, options = _split(tmp_path, WIDE, "5MiB")
-    monkeypatch.setattr(fxpipe.compiler, "analyze", failing)
+    monkeypatch.setattr(fxpipe.compiler, "annotate_shapes", failing)
     with pytest.raises(InfeasibleMemoryError) as caught:
         plan_split(traced, label=source.label, options=options)
     assert caught.value.precision == "bf16-true"
