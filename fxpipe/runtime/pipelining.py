@@ -285,7 +285,8 @@ class DistributedPipeline(RankLayout):
         m = microbatches or self.microbatches
         if kind != self.schedule:  # another kind: only if it places the stages as planned
             self.check_placement(kind, self.schedule)
-        device = _as_list(stage)[0].device if _as_list(stage) else None
+        # the stages' device, read without assuming stages: the checks below come first
+        device = getattr(next(iter(_as_list(stage)), None), "device", None)
         loss_fn, self.scaler = autocast_loss(loss_fn, self.precision, device, self.scaler)
         if kind in ZERO_BUBBLE and not isinstance(_as_list(stage)[0], TableStage):
             return zero_bubble_schedule(kind, _as_list(stage), self.lane_ranks(), m, loss_fn,
