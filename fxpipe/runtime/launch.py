@@ -173,6 +173,8 @@ def _train(
                     if p.requires_grad}.values())
     # a stage of parameter-free ops (a softmax mixing layer) has nothing to update
     optimizer = torch.optim.SGD(trained, lr=opts.lr) if trained else None
+    if pipeline.scaler is not None:
+        _check_every_rank_steps(bool(trained), device)
     measuring = (measure_ranks(schedule, stages, pipeline.num_stages) if opts.measure
                  else contextlib.nullcontext())
     with measuring as card:
@@ -182,6 +184,19 @@ def _train(
         card.save(opts.measure)
         print(f"measured {card.steps} steps into {opts.measure}", flush=True)
     print(f"rank {rank}: peak RSS {peak_rss_bytes() / 2**20:.0f} MiB", flush=True)
+
+
+def _check_every_rank_steps(trains: bool, device: torch.device) -> None:
+    """16-mixed: the GradScaler's check for inf gradients is an all-reduce that every rank
+    joins from ``scaler.step(optimizer)``, so a rank without parameters to train would
+    leave the others waiting forever; every rank learns it here and says so."""
+    everyone = torch.tensor(int(trains), device=device)
+    dist.all_reduce(everyone, op=dist.ReduceOp.MIN)
+    if not everyone.item():
+        raise ValueError(
+            "16-mixed under torchrun steps a GradScaler on every rank, and a stage here has "
+            "no parameters to train; use --precision bf16-mixed, or split so that every "
+            "stage holds parameters")
 
 
 def _steps(pipeline: DistributedPipeline, opts: argparse.Namespace, rank: int, schedule: Any,

@@ -98,3 +98,55 @@ def test_torchrun_trains_at_the_plans_precision(tmp_path: Path, precision: str,
               for key, grad in want_grads.items()]
     assert max(off) > 4 * max(within), (max(off), max(within))
     assert loss.item() != fp32_loss.item()
+
+
+PARAMETER_FREE_MIDDLE = '''
+import torch
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(8, 8)
+        self.b = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.b(torch.sigmoid(torch.tanh(torch.relu(self.a(x)))))
+
+
+def build_model():
+    torch.manual_seed(0)
+    return Model()
+
+
+def example_inputs():
+    return (torch.ones(2, 8),)
+
+
+def example_target():
+    return torch.zeros(2, 2)
+
+
+def loss_fn(output, target):
+    return torch.nn.functional.mse_loss(output, target)
+'''
+
+
+def test_16_mixed_with_a_parameter_free_stage_stops_every_rank_in_one_line(
+        tmp_path: Path) -> None:
+    """Every rank steps the GradScaler, whose inf check is a collective: a rank with
+    nothing to train would leave the others waiting forever. Each says why instead."""
+    model_file = tmp_path / "model.py"
+    model_file.write_text(PARAMETER_FREE_MIDDLE)
+    _, traced = load(str(model_file))
+    plan = contiguous_plan(traced.gm.graph, 3, microbatches=M)  # stage 1: tanh, sigmoid
+    files = write(tmp_path / "pkg", traced, dataclasses.replace(plan, precision="16-mixed"))
+    assert "bind(" not in files["stage1.py"] and "bind(" in files["stage0.py"]
+    result = torchrun(3, tmp_path / "pkg" / "train_torchrun.py", "--model", str(model_file))
+    assert result.returncode != 0
+    errors = sorted(line for line in (result.stdout + result.stderr).splitlines()
+                    if line.startswith("train_torchrun: error:"))
+    why = ("16-mixed under torchrun steps a GradScaler on every rank, and a stage here has no "
+           "parameters to train; use --precision bf16-mixed, or split so that every stage "
+           "holds parameters")
+    assert errors == [f"train_torchrun: error: rank {rank}: {why}" for rank in range(3)]
