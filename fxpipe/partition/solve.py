@@ -242,7 +242,7 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
                               limit=problem.memory_limit)
 
     evaluation = evaluate(problem, best)
-    if lower is None:
+    if lower is None and result.status not in ("OPTIMAL", "INFEASIBLE"):  # not yet proved
         lower = block_bound(exact, upper_s=evaluation.bottleneck_s)
     return Partition(
         stage_of=tuple(best),
