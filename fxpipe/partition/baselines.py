@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from fxpipe.partition.coarsen import Coarsening, exact_groups
-from fxpipe.partition.cost import memory_parts, recompute_options
+from fxpipe.partition.cost import memory_parts, recompute_options, state_split
 from fxpipe.partition.problem import Problem, stage_flights
 
 __all__ = ["BASELINES", "Blocks", "baselines", "interval_dp", "linear_partition", "min_max_dp"]
@@ -167,6 +167,14 @@ def min_max_dp(blocks: Blocks, n: int, *, upper_s: float, allow_empty: bool
     best = np.full((K, n + 1), inf)
     back = np.zeros((K, n + 1), dtype=np.int64)
     gap = 0 if allow_empty else 1
+    # Nor any block whose parameters alone (with their gradients and optimizer state, and
+    # the workspace) exceed the memory limit: start where the most a start holds (a
+    # running maximum, for the bound's cells) is within reach.
+    p = blocks.problem
+    grad_factor, optimizer_factor = state_split(p.state_factor)
+    state = 1.0 + grad_factor + optimizer_factor
+    reach = (p.memory_limit - p.workspace_bytes) / state * (1 + 1e-9)
+    held = np.maximum.accumulate(blocks.P0)
     released = 0
     for end in range(n + 1):
         while released < len(blocks.sends) and blocks.sends[released][0] < end:
@@ -180,6 +188,8 @@ def min_max_dp(blocks: Blocks, n: int, *, upper_s: float, allow_empty: bool
             continue
         first = int(np.searchsorted(blocks.T0, blocks.T[end] - upper_s * (1 + 1e-9),
                                     side="left"))
+        if reach < float("inf"):
+            first = max(first, int(np.searchsorted(held, blocks.P[end] - reach, side="left")))
         starts = np.arange(min(first, end - gap), end - gap + 1)
         sent = produced[end] - produced[starts] + blocks.R[end] - blocks.R[starts]
         load = blocks.loads(end, starts, sent=sent, peak=peak[starts], allow_empty=allow_empty)

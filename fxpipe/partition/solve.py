@@ -103,8 +103,13 @@ def min_memory(problem: Problem, exact: Coarsening, *, work_limit: float, time_l
     when the memory solve finishes; else the least of what it and the time-optimal interval
     DP split need, so that "allow that much memory" is always advice that works (the
     proved bound of an unfinished solve may be 0 B)."""
-    hint = interval_dp(Coarsening(_unlimited(problem), exact.group_of, exact.groups,
-                                  exact.order_edges))
+    unlimited = _unlimited(problem)
+    # The baselines' best bounds every block the DP tries (O(n^2 / K), not O(K n^2)).
+    upper = min((evaluate(unlimited, split).bottleneck_s
+                 for split in run_baselines(unlimited, exact).values()
+                 if not violations(unlimited, split)), default=math.inf)
+    hint = interval_dp(Coarsening(unlimited, exact.group_of, exact.groups, exact.order_edges),
+                       upper_s=upper)
     if _large(problem, exact) and hint is not None:  # CP-SAT would find nothing better
         return float(evaluate(problem, exact.expand(hint)).estimate.max_memory)
     model = StageModel(exact, objective="memory", hint=hint)
@@ -202,20 +207,22 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
     deadline = start + time_limit_s
     exact = exact_groups(problem)
     _check_stage_count(problem, exact)
-    if memory_floor(problem) > problem.memory_limit or (
-            _large(problem, exact) and block_bound(exact) == math.inf):
-        # Proved in no time (the block bound: not even its relaxation fits): the full
-        # search would spend its time limit proving it again.
+    if memory_floor(problem) > problem.memory_limit:
+        # Proved in no time: the full search would spend its time limit proving it again.
         raise _infeasible(problem, exact, work_limit=work_limit, time_limit_s=time_limit_s,
                           workers=workers)
 
     splits, scored, candidates = _baselines(problem, exact)
-    level = _coarse_level(problem, exact) if coarsen else exact
     lower = _bound_first(problem, exact, candidates)
+    if lower == math.inf:  # not even the block bound's relaxation fits: proved
+        raise _infeasible(problem, exact, work_limit=work_limit, time_limit_s=time_limit_s,
+                          workers=workers)
+    level = exact  # the coarse graph is not needed when the bound settles it
     if lower is not None:  # within GAP of the best split: CP-SAT would not help
         phases: list[IlpResult] = []
         result = IlpResult("UNKNOWN", None, None, math.inf, 0.0, 0.0, exact.num_coarse)
     else:
+        level = _coarse_level(problem, exact) if coarsen else exact
         phases = _warm_starts(problem, exact, level, candidates, work_limit=work_limit,
                               deadline=deadline, workers=workers)
     best = min(candidates, key=lambda c: c[0])[1] if candidates else None
@@ -280,7 +287,7 @@ def _bound_first(problem: Problem, exact: Coarsening,
                  candidates: list[tuple[float, tuple[int, ...]]]) -> float | None:
     """On a model too big for CP-SAT to help: the interval DP over the exact groups and
     the block bound first; the bound when the best split found (added to ``candidates``)
-    is within GAP of it, else None."""
+    is within GAP of it, inf when no split fits, else None."""
     if not _large(problem, exact):
         return None
     upper = min((c[0] for c in candidates), default=math.inf)
@@ -291,10 +298,10 @@ def _bound_first(problem: Problem, exact: Coarsening,
         if ev.estimate.fits and not violations(problem, split):
             candidates.append((ev.bottleneck_s, split))
     best = min((c[0] for c in candidates), default=math.inf)
-    if best == math.inf:
+    lower = block_bound(exact, upper_s=best)  # without a split: inf when none fits
+    if lower is None or (lower < math.inf and best > lower * (1 + GAP)):
         return None
-    lower = block_bound(exact, upper_s=best)
-    return lower if lower is not None and best <= lower * (1 + GAP) else None
+    return lower
 
 
 def _warm_starts(problem: Problem, exact: Coarsening, level: Coarsening,
