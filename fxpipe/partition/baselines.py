@@ -32,10 +32,10 @@ from typing import Any
 import numpy as np
 
 from fxpipe.partition.coarsen import Coarsening, exact_groups
-from fxpipe.partition.cost import memory_parts, recompute_options
+from fxpipe.partition.cost import memory_parts, recompute_options, state_split
 from fxpipe.partition.problem import Problem, stage_flights
 
-__all__ = ["BASELINES", "baselines", "interval_dp", "linear_partition"]
+__all__ = ["BASELINES", "Blocks", "baselines", "interval_dp", "linear_partition", "min_max_dp"]
 
 
 def linear_partition(weights: Sequence[float], num_parts: int, *, allow_empty: bool = False
@@ -147,7 +147,18 @@ def interval_dp(c: Coarsening, *, upper_s: float = float("inf")) -> tuple[int, .
     """
     p = c.problem
     n, K = c.num_coarse, p.num_stages
-    blocks = _Blocks.of(c)
+    best, back = min_max_dp(Blocks.of(c), n, upper_s=upper_s,
+                            allow_empty=p.allow_empty_stages)
+    if best[K - 1][n] == float("inf"):
+        return None
+    return _walk_back(back, n, K)
+
+
+def min_max_dp(blocks: Blocks, n: int, *, upper_s: float, allow_empty: bool
+               ) -> tuple[Any, Any]:
+    """best[j, end]: the least bottleneck of positions [0, end) cut into stages 0..j, and
+    back[j, end] the start of stage j there, blocks priced by ``blocks`` (see interval_dp)."""
+    K = blocks.problem.num_stages
     alive = np.zeros(n + 1)  # alive[a]: bytes produced in a and read at or after ``end``
     for _, a, size in blocks.sends:
         alive[a] += size
@@ -155,7 +166,15 @@ def interval_dp(c: Coarsening, *, upper_s: float = float("inf")) -> tuple[int, .
     inf = float("inf")
     best = np.full((K, n + 1), inf)
     back = np.zeros((K, n + 1), dtype=np.int64)
-    gap = 0 if p.allow_empty_stages else 1
+    gap = 0 if allow_empty else 1
+    # Nor any block whose parameters alone (with their gradients and optimizer state, and
+    # the workspace) exceed the memory limit: start where the most a start holds (a
+    # running maximum, for the bound's cells) is within reach.
+    p = blocks.problem
+    grad_factor, optimizer_factor = state_split(p.state_factor)
+    state = 1.0 + grad_factor + optimizer_factor
+    reach = (p.memory_limit - p.workspace_bytes) / state * (1 + 1e-9)
+    held = np.maximum.accumulate(blocks.P0)
     released = 0
     for end in range(n + 1):
         while released < len(blocks.sends) and blocks.sends[released][0] < end:
@@ -167,23 +186,24 @@ def interval_dp(c: Coarsening, *, upper_s: float = float("inf")) -> tuple[int, .
         # No block whose compute alone exceeds upper_s: starts from the first that fits.
         if end < gap:
             continue
-        first = int(np.searchsorted(blocks.T, blocks.T[end] - upper_s * (1 + 1e-9), side="left"))
+        first = int(np.searchsorted(blocks.T0, blocks.T[end] - upper_s * (1 + 1e-9),
+                                    side="left"))
+        if reach < float("inf"):
+            first = max(first, int(np.searchsorted(held, blocks.P[end] - reach, side="left")))
         starts = np.arange(min(first, end - gap), end - gap + 1)
         sent = produced[end] - produced[starts] + blocks.R[end] - blocks.R[starts]
-        load = blocks.loads(end, starts, sent=sent, peak=peak[starts])
+        load = blocks.loads(end, starts, sent=sent, peak=peak[starts], allow_empty=allow_empty)
         # stage 0 starts at 0; stage j > 0 after the best split of [0, start) into j stages
         best[0, end], back[0, end] = (load[0, 0] if starts[0] == 0 else inf), 0
         if K > 1:
             load = np.maximum(load[1:], best[:-1, starts])
             i = np.argmin(load, axis=1)
             best[1:, end], back[1:, end] = load[np.arange(K - 1), i], starts[i]
-    if best[K - 1][n] == inf:
-        return None
-    return _walk_back(back, n, K)
+    return best, back
 
 
 @dataclass(frozen=True)
-class _Blocks:
+class Blocks:
     """What the cost of a block [a, end) of the coarse order is made of (the legend of
     ``interval_dp``), as prefix sums: X[a] totals items [0, a)."""
 
@@ -201,9 +221,16 @@ class _Blocks:
     sends: list[tuple[int, int, int]]
     flights: Any  # (K, 1): micro-batches in flight per stage
     options: tuple[bool, ...]  # the recompute choices the policy allows
+    # What a block starting at a position has not got of T, F, P, A: the same prefix sums
+    # for the DP; for the lower bound of ``fxpipe.partition.bound``, the most any ideal at
+    # that position may hold (a block's sums are then at least X[end] - X0[start]).
+    T0: Any = None
+    F0: Any = None
+    P0: Any = None
+    A0: Any = None
 
     @classmethod
-    def of(cls, c: Coarsening) -> _Blocks:
+    def of(cls, c: Coarsening) -> Blocks:
         p = c.problem
         n = c.num_coarse
         t, fwd, params, act, ret = (np.zeros(n + 1) for _ in range(5))
@@ -226,9 +253,9 @@ class _Blocks:
                        if hi > c.group_of[v] and not p.nodes[v].returned)
         flights = np.array(stage_flights(p), dtype=np.int64)[:, None]
         return cls(p, T, F, P, A, R, grad, cut, cut_bytes, sends, flights,
-                   tuple(recompute_options(p)))
+                   tuple(recompute_options(p)), T, F, P, A)
 
-    def loads(self, end: int, starts: Any, *, sent: Any, peak: Any) -> Any:
+    def loads(self, end: int, starts: Any, *, sent: Any, peak: Any, allow_empty: bool) -> Any:
         """(K, starts): the seconds of stage j's block [start, end) on row j, inf where
         it fits no memory with any recompute choice. Every stage at once; the loss is
         the last stage's alone."""
@@ -238,8 +265,8 @@ class _Blocks:
         flights = self.flights
         load = np.full((K, starts.size), inf)
         block: dict[str, Any] = {
-            "params": self.P[end] - self.P[starts],
-            "activations": self.A[end] - self.A[starts],
+            "params": np.maximum(self.P[end] - self.P0[starts], 0.0),
+            "activations": np.maximum(self.A[end] - self.A0[starts], 0.0),
             "received": self.cut_bytes[starts], "kept": sent, "transient": peak,
         }
         for recompute in reversed(self.options):  # the faster choice last: it wins where both fit
@@ -249,11 +276,12 @@ class _Blocks:
                                      recompute=recompute, **block)
             rows = np.broadcast_to(sum(every.values()), load.shape).copy()
             rows[K - 1] = sum(last.values())
-            seconds = self.T[end] - self.T[starts] + self.cut[starts] + self.cut[end]
+            seconds = (np.maximum(self.T[end] - self.T0[starts], 0.0)
+                       + self.cut[starts] + self.cut[end])
             if recompute:
-                seconds = seconds + self.F[end] - self.F[starts]
+                seconds = seconds + np.maximum(self.F[end] - self.F0[starts], 0.0)
             load = np.where(rows <= p.memory_limit, seconds, load)
-        if end == 0 and not p.allow_empty_stages:
+        if end == 0 and not allow_empty:
             load[0] = inf
         return load
 

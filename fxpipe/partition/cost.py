@@ -102,6 +102,12 @@ def state_split(state_factor: float) -> tuple[float, float]:
 
 def _up(amount: Amount, replicas: int) -> Amount:
     """``amount`` / ``replicas``, rounded up (a replica holds its share, whole bytes)."""
+    if replicas == 1:
+        # The same value (whole bytes, or their ceiling), without numpy's slow floor
+        # division of float arrays: most of the interval DP's time on a 70B graph.
+        if isinstance(amount, np.ndarray) and amount.dtype.kind == "f":
+            return np.ceil(amount)
+        return -(-amount // 1)
     return -(-amount // replicas)
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 
 from fxpipe.partition.baselines import baselines as run_baselines
 from fxpipe.partition.baselines import interval_dp
+from fxpipe.partition.bound import block_bound
 from fxpipe.partition.coarsen import Coarsening, exact_groups
 from fxpipe.partition.coarsen import coarsen as coarsen_graph
 from fxpipe.partition.errors import (
@@ -56,6 +57,11 @@ __all__ = [
 DP_MAX_NODES = 1000  # exact groups up to which the interval DP warm start runs anyway
 WORK_LIMIT = 10.0  # CP-SAT deterministic time for one partition (about seconds when quiet)
 COARSE_SHARE = 0.25  # of the work limit, for the solve on the capped coarse graph
+# Placement variables (exact groups x stages) beyond which CP-SAT finds nothing within the
+# work limit (Llama-3-70B onto 32 GPUs, 5,177 x 32: both solves UNKNOWN, 50 s building
+# them): there the interval DP's split stands when the block bound is within GAP of it.
+LARGE_MODEL = 40_000
+GAP = 0.01
 
 # The CP-SAT model keeps n x n reachability matrices over the graph's groups (bool, then
 # int64: 9 bytes a pair), so memory grows with the square of the op count: 10,000 ops
@@ -97,8 +103,15 @@ def min_memory(problem: Problem, exact: Coarsening, *, work_limit: float, time_l
     when the memory solve finishes; else the least of what it and the time-optimal interval
     DP split need, so that "allow that much memory" is always advice that works (the
     proved bound of an unfinished solve may be 0 B)."""
-    hint = interval_dp(Coarsening(_unlimited(problem), exact.group_of, exact.groups,
-                                  exact.order_edges))
+    unlimited = _unlimited(problem)
+    # The baselines' best bounds every block the DP tries (O(n^2 / K), not O(K n^2)).
+    upper = min((evaluate(unlimited, split).bottleneck_s
+                 for split in run_baselines(unlimited, exact).values()
+                 if not violations(unlimited, split)), default=math.inf)
+    hint = interval_dp(Coarsening(unlimited, exact.group_of, exact.groups, exact.order_edges),
+                       upper_s=upper)
+    if _large(problem, exact) and hint is not None:  # CP-SAT would find nothing better
+        return float(evaluate(problem, exact.expand(hint)).estimate.max_memory)
     model = StageModel(exact, objective="memory", hint=hint)
     result = model.solve(work_limit=work_limit, time_limit_s=time_limit_s, workers=workers)
     found = [split for split in (result.stage_of, exact.expand(hint) if hint else None)
@@ -200,16 +213,26 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
                           workers=workers)
 
     splits, scored, candidates = _baselines(problem, exact)
-    level = _coarse_level(problem, exact) if coarsen else exact
-    phases = _warm_starts(problem, exact, level, candidates, work_limit=work_limit,
-                          deadline=deadline, workers=workers)
+    lower = _bound_first(problem, exact, candidates)
+    if lower == math.inf:  # not even the block bound's relaxation fits: proved
+        raise _infeasible(problem, exact, work_limit=work_limit, time_limit_s=time_limit_s,
+                          workers=workers)
+    level = exact  # the coarse graph is not needed when the bound settles it
+    if lower is not None:  # within GAP of the best split: CP-SAT would not help
+        phases: list[IlpResult] = []
+        result = IlpResult("UNKNOWN", None, None, math.inf, 0.0, 0.0, exact.num_coarse)
+    else:
+        level = _coarse_level(problem, exact) if coarsen else exact
+        phases = _warm_starts(problem, exact, level, candidates, work_limit=work_limit,
+                              deadline=deadline, workers=workers)
     best = min(candidates, key=lambda c: c[0])[1] if candidates else None
 
-    hint = exact.restrict(best) if best is not None else None
-    model = StageModel(exact, hint=hint)
-    result = model.solve(work_limit=work_limit * (1 - COARSE_SHARE if phases else 1),
-                         time_limit_s=_left(deadline), workers=workers)
-    phases.append(result)
+    if lower is None:
+        hint = exact.restrict(best) if best is not None else None
+        model = StageModel(exact, hint=hint)
+        result = model.solve(work_limit=work_limit * (1 - COARSE_SHARE if phases else 1),
+                             time_limit_s=_left(deadline), workers=workers)
+        phases.append(result)
 
     if result.stage_of is not None:
         found = evaluate(problem, result.stage_of)
@@ -226,10 +249,13 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
                               limit=problem.memory_limit)
 
     evaluation = evaluate(problem, best)
+    if lower is None and result.status not in ("OPTIMAL", "INFEASIBLE"):  # not yet proved
+        lower = block_bound(exact, upper_s=evaluation.bottleneck_s)
     return Partition(
         stage_of=tuple(best),
         problem=problem,
-        report=_exact_report(problem, exact, evaluation, result, phases, start=start),
+        report=_exact_report(problem, exact, evaluation, result, phases, start=start,
+                             lower=lower),
         evaluation=evaluation,
         baselines={name: ev.estimate for name, ev in scored.items()},
         baseline_splits=splits,
@@ -250,6 +276,32 @@ def _baselines(problem: Problem, exact: Coarsening) -> tuple[
         if ev.estimate.fits and not violations(problem, s)
     ]
     return splits, scored, candidates
+
+
+def _large(problem: Problem, exact: Coarsening) -> bool:
+    """Whether the exact model is too big for CP-SAT to help (see LARGE_MODEL)."""
+    return exact.num_coarse * problem.num_stages > LARGE_MODEL
+
+
+def _bound_first(problem: Problem, exact: Coarsening,
+                 candidates: list[tuple[float, tuple[int, ...]]]) -> float | None:
+    """On a model too big for CP-SAT to help: the interval DP over the exact groups and
+    the block bound first; the bound when the best split found (added to ``candidates``)
+    is within GAP of it, inf when no split fits, else None."""
+    if not _large(problem, exact):
+        return None
+    upper = min((c[0] for c in candidates), default=math.inf)
+    dp = interval_dp(exact, upper_s=upper)
+    if dp is not None:
+        split = exact.expand(dp)
+        ev = evaluate(problem, split)
+        if ev.estimate.fits and not violations(problem, split):
+            candidates.append((ev.bottleneck_s, split))
+    best = min((c[0] for c in candidates), default=math.inf)
+    lower = block_bound(exact, upper_s=best)  # without a split: inf when none fits
+    if lower is None or (lower < math.inf and best > lower * (1 + GAP)):
+        return None
+    return lower
 
 
 def _warm_starts(problem: Problem, exact: Coarsening, level: Coarsening,
@@ -288,10 +340,15 @@ def _warm_starts(problem: Problem, exact: Coarsening, level: Coarsening,
 
 
 def _exact_report(problem: Problem, exact: Coarsening, evaluation: Evaluation,
-                  result: IlpResult, phases: list[IlpResult], *, start: float) -> SolverReport:
-    """What the exact solve ``result`` proved about the best split found (``evaluation``)."""
+                  result: IlpResult, phases: list[IlpResult], *, start: float,
+                  lower: float | None) -> SolverReport:
+    """What the exact solve ``result`` and the block bound ``lower`` (``bound.py``) proved
+    about the best split found (``evaluation``)."""
     objective = evaluation.bottleneck_s
-    if result.status == "OPTIMAL":
+    lower = 0.0 if lower is None else lower
+    if lower >= objective * (1 - 2e-9):  # the bound's float margin: proved optimal
+        status, bound = "OPTIMAL", objective
+    elif result.status == "OPTIMAL":
         status, bound = "OPTIMAL", min(objective, result.bound)
     elif result.status == "INFEASIBLE":
         # Nothing with T <= the warm start's value in the scaled model: the warm start is
@@ -299,7 +356,7 @@ def _exact_report(problem: Problem, exact: Coarsening, evaluation: Evaluation,
         status, bound = "OPTIMAL", objective * (1 - 1e-9)
     else:
         status, bound = "FEASIBLE", min(result.bound, objective)
-    bound = min(objective, max(bound, trivial_bound(problem)))
+    bound = min(objective, max(bound, trivial_bound(problem), lower))
     return SolverReport(
         method="cp-sat",
         status=status,

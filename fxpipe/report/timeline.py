@@ -42,6 +42,8 @@ __all__ = ["action_times", "bubble_fraction", "draw_timeline", "schedule_svg"]
 
 # K: number of stages, j: a stage, d: a device, m: a micro-batch.
 
+LABELLED_ACTIONS = 2048  # charts with more boxes draw them without micro-batch labels
+
 _COLOURS = {"F": "#4c72b0", "B": "#dd8452", "I": "#dd8452", "W": "#55a868"}
 _LEGEND = {"F": "forward", "B": "backward", "I": "input gradient (B)",
            "W": "weight gradient (W)"}
@@ -150,12 +152,18 @@ def draw_timeline(
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
     # One bar collection per (row, kind): a chart of K x 2M boxes stays quick to draw.
+    # Text is what is slow (a layout per label, each drawn twice): a label per box only
+    # up to LABELLED_ACTIONS boxes (32 GPUs x 128 micro-batches took 15-38 s with them),
+    # and none of them in the layout pass (they sit inside the axes).
+    labelled = len(times) <= LABELLED_ACTIONS
     bars: dict[tuple[int, str], list[tuple[float, float]]] = {}
     for (j, kind, m), (start, end) in sorted(times.items(), key=lambda kv: (kv[1][0], kv[0])):
         width = (end - start) * scale
         bars.setdefault((row_of[j], kind), []).append((start * scale, width))
-        ax.text(start * scale + width / 2, row_of[j], f"{m}{suffix[j]}", ha="center",
-                va="center", color="white", fontsize=7)
+        if labelled:
+            label = ax.text(start * scale + width / 2, row_of[j], f"{m}{suffix[j]}",
+                            ha="center", va="center", color="white", fontsize=7)
+            label.set_in_layout(False)
     for (row, kind), spans in sorted(bars.items()):
         ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=_COLOURS[kind], edgecolor="white",
                        linewidth=0.8)

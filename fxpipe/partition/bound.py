@@ -1,0 +1,185 @@
+"""A lower bound on the bottleneck from the graph's chain structure: the block bound.
+
+A transformer is a chain of identical layers, and CP-SAT alone cannot prove on 5,000
+nodes x 32 stages what the interval DP finds; the trivial bound (compute / N) ignores
+that memory forces the early stages to recompute. This bound keeps memory and the
+recompute choice, and is valid for every split the CP-SAT program allows, not only the
+contiguous ones the DP tries.
+
+The relaxation. Per stage, keep what is a sum over its nodes: compute C, forward F,
+parameter bytes P (its nodes' own), saved activations A; drop what only adds (transfers
+and their bytes, outputs kept for later stages, the backward transient, tied copies,
+deferred weight gradients). The stage cost formula (``cost.memory_parts``) on those sums
+under-prices every stage in time and in memory, so the best split of the relaxation is
+no slower than the program's optimum.
+
+The chain. A stage holds D_j \\ D_{j-1} for ideals (downward closed sets of exact groups)
+D_{j-1} of D_j. A *separator* s is comparable (ancestor or descendant) with every group
+that counts: an ideal either holds all of s's ancestors and s, or none of s's
+descendants. Groups too light to count (no parameters, next to no time or bytes) get
+their costs zeroed, which only lowers the bound. Between consecutive separators lie
+segments, and an ideal is all segments before some k plus an ideal of segment k. The
+ideals of a segment are enumerated (once per distinct segment: identical layers are one
+enumeration) and their sums binned by compute into cells; for each cell, ``lo`` and
+``hi`` are the least and most of each sum over its ideals. A stage from a cell a to a
+later cell b then holds at least lo(b) - hi(a) of each sum (the DP also tries pairs of
+cells whose ideals do not nest, which can only lower the bound).
+
+The bound is the min-max DP of the interval DP (``baselines.min_max_dp``) over the cells
+in order, each block priced at those least sums; 1e-9 relative is taken off for the
+floating-point sums.
+
+Only for one GPU per stage (not interleaved, V-placed or replicated); None where the
+bound does not apply or a segment has too many ideals to enumerate.
+
+Legend: G exact groups, s a separator, k a segment, D an ideal, a..b a block of cells.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from fxpipe.partition.baselines import Blocks, min_max_dp
+from fxpipe.partition.coarsen import Coarsening
+from fxpipe.partition.cost import recompute_options
+from fxpipe.partition.problem import stage_flights
+
+__all__ = ["block_bound"]
+
+MAX_IDEALS = 50_000  # per distinct segment; beyond, no bound (the enumeration's time)
+LIGHT = 1e-4  # a group with no parameters and below this share of time and bytes
+CELL = 1e-3  # a cell spans at most this share of the mean stage's compute
+
+
+def block_bound(exact: Coarsening, *, upper_s: float = math.inf) -> float | None:
+    """A bottleneck no valid split that fits can beat (see the module docstring):
+    ``upper_s`` when no split of the relaxation is faster (inf: none fits at all)."""
+    p = exact.problem
+    if p.virtual_stages > 1 or p.replicates or p.schedule.spec.v_placed:
+        return None
+    sums = _group_sums(exact)
+    segments, preds = _segments(exact, sums)
+    cells = _cells(segments, preds, sums, CELL * float(sums[:, 0].sum()) / p.num_stages)
+    if cells is None:
+        return None
+    lo, hi = cells
+    n = lo.shape[0] - 1  # positions 0..n: 0 is the empty ideal, n every group
+    zeros = np.zeros(n + 1)
+    blocks = Blocks(p, lo[:, 0], lo[:, 1], lo[:, 2], lo[:, 3], zeros, np.zeros(n), zeros,
+                     zeros, [], np.array(stage_flights(p), dtype=np.int64)[:, None],
+                     tuple(recompute_options(p)), hi[:, 0], hi[:, 1], hi[:, 2], hi[:, 3])
+    best, _ = min_max_dp(blocks, n, upper_s=upper_s, allow_empty=True)
+    value = float(best[p.num_stages - 1, n])
+    if value == math.inf:  # no split of the relaxation is faster than upper_s, or fits
+        return upper_s
+    return value * (1 - 1e-9)
+
+
+def _group_sums(exact: Coarsening) -> np.ndarray:
+    """(G, 4): per exact group, its compute, forward, parameter and activation sums."""
+    p = exact.problem
+    sums = np.zeros((exact.num_coarse, 4))
+    for v, node in enumerate(p.nodes):
+        sums[exact.group_of[v]] += (node.forward_s + node.backward_s, node.forward_s,
+                                    node.param_bytes, node.activation_bytes)
+    return sums
+
+
+def _segments(exact: Coarsening, sums: np.ndarray) -> tuple[list[list[int]], list[list[int]]]:
+    """The groups that count, cut into segments at the separators, in order, and every
+    group's predecessors; the light groups that some separator is not comparable with
+    get their sums zeroed (in ``sums``)."""
+    G = exact.num_coarse
+    preds: list[list[int]] = [[] for _ in range(G)]
+    succs: list[list[int]] = [[] for _ in range(G)]
+    for a, b in exact.order_edges:
+        preds[b].append(a)
+        succs[a].append(b)
+    ancestors = [0] * G  # bit sets; groups are numbered in a topological order
+    for g in range(G):
+        for a in preds[g]:
+            ancestors[g] |= ancestors[a] | (1 << a)
+    descendants = [0] * G
+    for g in range(G - 1, -1, -1):
+        for b in succs[g]:
+            descendants[g] |= descendants[b] | (1 << b)
+    totals = np.maximum(sums.sum(axis=0), 1e-300)
+    light = (sums[:, 2] == 0) & np.all(sums <= LIGHT * totals, axis=1)
+    heavy = sum(1 << g for g in range(G) if not light[g])
+    separators = [s for s in range(G)
+                  if heavy & ((1 << s) - 1) & ~ancestors[s] == 0
+                  and (heavy >> (s + 1) << (s + 1)) & ~descendants[s] == 0]
+    zeroed = 0
+    for s in separators:
+        zeroed |= ((1 << G) - 1) & ~(ancestors[s] | descendants[s] | (1 << s))
+    assert zeroed & heavy == 0
+    segments: list[list[int]] = [[]]
+    cuts = set(separators)
+    for g in range(G):
+        if zeroed >> g & 1:
+            sums[g] = 0.0
+            continue
+        segments[-1].append(g)
+        if g in cuts:
+            segments.append([])
+    return [segment for segment in segments if segment], preds
+
+
+def _cells(segments: list[list[int]], preds: list[list[int]], sums: np.ndarray,
+           width: float) -> tuple[np.ndarray, np.ndarray] | None:
+    """(lo, hi), each (positions, 4): the empty ideal, then per segment its cells in order
+    of compute, then every group. None when a segment has more than MAX_IDEALS ideals."""
+    lo_rows: list[np.ndarray] = [np.zeros((1, 4))]
+    hi_rows: list[np.ndarray] = [np.zeros((1, 4))]
+    before = np.zeros(4)
+    cache: dict[tuple[object, ...], tuple[np.ndarray, np.ndarray] | None] = {}
+    for segment in segments:
+        local = {g: i for i, g in enumerate(segment)}
+        # A group's predecessors outside the segment are in every ideal that reaches it.
+        masks = tuple(sum(1 << local[a] for a in preds[g] if a in local) for g in segment)
+        key = (masks, sums[segment].tobytes())  # identical layers: one enumeration
+        if key not in cache:
+            ideals = _ideal_sums(masks, sums[segment])
+            cache[key] = None if ideals is None else _bin(ideals, width)
+        binned = cache[key]
+        if binned is None:
+            return None
+        lo_rows.append(before + binned[0])
+        hi_rows.append(before + binned[1])
+        before = before + sums[segment].sum(axis=0)
+    lo_rows.append(before[None, :])
+    hi_rows.append(before[None, :])
+    return np.concatenate(lo_rows), np.concatenate(hi_rows)
+
+
+def _ideal_sums(masks: tuple[int, ...], sums: np.ndarray) -> np.ndarray | None:
+    """(ideals, 4): the sums of every ideal of a segment (``masks[i]``: the bits of group
+    i's predecessors in it, groups in a topological order), the empty one included; None
+    beyond MAX_IDEALS. Each ideal is made once, from the ideal of its groups but the last
+    (in order), which is one too."""
+    rows = sums.tolist()
+    found: list[list[float]] = [[0.0, 0.0, 0.0, 0.0]]
+    stack: list[tuple[int, int, list[float]]] = [(0, 0, found[0])]  # (ideal, next group, sums)
+    while stack:
+        ideal, first, total = stack.pop()
+        for g in range(first, len(masks)):
+            if masks[g] & ~ideal == 0:
+                grown = [a + b for a, b in zip(total, rows[g], strict=True)]
+                found.append(grown)
+                if len(found) > MAX_IDEALS:
+                    return None
+                stack.append((ideal | (1 << g), g + 1, grown))
+    return np.array(found)
+
+
+def _bin(ideals: np.ndarray, width: float) -> tuple[np.ndarray, np.ndarray]:
+    """Per cell of ``width`` seconds of compute (in order), the least and the most of each
+    sum over the ideals whose compute falls in it."""
+    cell = np.floor(ideals[:, 0] / width) if width > 0 else np.zeros(len(ideals))
+    order = np.argsort(cell, kind="stable")
+    ideals, cell = ideals[order], cell[order]
+    starts = np.flatnonzero(np.concatenate(([True], cell[1:] != cell[:-1])))
+    return (np.minimum.reduceat(ideals, starts, axis=0),
+            np.maximum.reduceat(ideals, starts, axis=0))

@@ -1,0 +1,145 @@
+"""The block bound (``fxpipe.partition.bound``): never above the best split brute force
+finds, tight where the relaxation drops nothing, and what lets ``partition`` stop early
+on a model too big for CP-SAT."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fxpipe.partition import (
+    Edge,
+    Node,
+    Problem,
+    Recompute,
+    evaluate,
+    exact_groups,
+    interval_dp,
+    partition,
+)
+from fxpipe.partition import solve as solve_module
+from fxpipe.partition.bound import block_bound
+from fxpipe.schedules import ScheduleKind
+
+from ._brute import brute_force
+from .test_bruteforce import MS, problems
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_block_bound_is_below_every_split_that_fits(problem: Problem) -> None:
+    best, _, _ = brute_force(problem)
+    bound = block_bound(exact_groups(problem))
+    if best is None or bound is None:
+        return
+    assert bound <= best
+
+
+@st.composite
+def layered(draw: st.DrawFn, *, comm: bool, branches: bool = True) -> Problem:
+    """Identical layers in a chain, each a diamond (in -> two branches -> out) or, always
+    without ``branches``, a single node, under a memory limit that may force recompute, on
+    up to 3 stages; ``comm``: values cost time and bytes to send (which the bound leaves
+    out)."""
+    diamond = branches and draw(st.booleans())
+    layers = draw(st.integers(1, 3 if diamond else 8))
+    size = 4 if diamond else 1
+    # Without comm, distinct times: no two ideals of a layer share a cell of the bound.
+    times = draw(st.lists(st.integers(0 if comm else 1, 9), min_size=size, max_size=size,
+                          unique=not comm))
+    shape = [(t, draw(st.integers(0, 5)), draw(st.integers(0, 4)), draw(st.integers(0, 3)))
+             for t in times]
+    nodes, edges = [], []
+    for layer in range(layers):
+        first = len(nodes)
+        for i, (t, params, act, out) in enumerate(shape):
+            nodes.append(Node(f"l{layer}n{i}", forward_s=t * MS / 3, backward_s=2 * t * MS / 3,
+                              param_bytes=params * 100, activation_bytes=act * 10,
+                              output_bytes=out * 10 if comm else 0,
+                              comm_s=out * MS if comm else 0.0))
+        if layer:
+            edges.append(Edge(first - 1, first))
+        if diamond:
+            edges += [Edge(first, first + 1), Edge(first, first + 2), Edge(first + 1, first + 3),
+                      Edge(first + 2, first + 3)]
+    K = draw(st.integers(1, min(3, len(nodes))))
+    return Problem(nodes=tuple(nodes), edges=tuple(edges), num_stages=K,
+                   memory_limit=draw(st.sampled_from([float("inf"), 800, 1500, 3000])),
+                   schedule=ScheduleKind.ONE_F_ONE_B, microbatches=draw(st.integers(1, 4)) * K,
+                   recompute=draw(st.sampled_from(Recompute)),
+                   # Without comm, empty stages allowed, as the bound allows them.
+                   allow_empty_stages=not comm or draw(st.booleans()))
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layered(comm=True))
+def test_block_bound_on_layers_is_below_brute_force(problem: Problem) -> None:
+    best, _, _ = brute_force(problem)
+    bound = block_bound(exact_groups(problem))
+    assert bound is not None  # layers in a chain: always enumerable
+    if best is not None:
+        assert bound <= best
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layered(comm=False, branches=False))
+def test_block_bound_is_the_optimum_when_nothing_is_left_out(problem: Problem) -> None:
+    """A chain with no transfers, no kept values, no transients, empty stages allowed: the
+    relaxation is the problem itself, so the bound is the best split (up to its float
+    margin). (With branches it may be lower: a stage between two cells of a segment is
+    priced as if the later cell's ideal held the earlier one's.)"""
+    best, _, _ = brute_force(problem)
+    bound = block_bound(exact_groups(problem))
+    assert bound is not None
+    if best is not None:
+        assert bound == pytest.approx(best, rel=1e-6, abs=1e-12)
+
+
+def _chain_of_blocks(layers: int, stages: int) -> Problem:
+    """Transformer-like: each block a norm, two parallel projections, a mix, with costs
+    that make early stages (more micro-batches in flight) recompute."""
+    nodes, edges = [], []
+    for layer in range(layers):
+        first = len(nodes)
+        for name, t, params, act in (("norm", 1, 0, 4), ("a", 6, 50, 10), ("b", 5, 40, 12),
+                                     ("mix", 3, 10, 20)):
+            nodes.append(Node(f"{layer}.{name}", forward_s=t * MS, backward_s=2 * t * MS,
+                              param_bytes=params, activation_bytes=act, output_bytes=8,
+                              comm_s=0.001 * MS))
+        if layer:
+            edges.append(Edge(first - 1, first))
+        edges += [Edge(first, first + 1), Edge(first, first + 2), Edge(first + 1, first + 3),
+                  Edge(first + 2, first + 3)]
+    return Problem(nodes=tuple(nodes), edges=tuple(edges), num_stages=stages,
+                   memory_limit=2000, schedule=ScheduleKind.ONE_F_ONE_B,
+                   microbatches=2 * stages, recompute=Recompute.AUTO)
+
+
+def test_partition_stops_at_the_block_bound_on_a_large_model(monkeypatch: pytest.MonkeyPatch,
+                                                             ) -> None:
+    """Beyond LARGE_MODEL placement variables, CP-SAT is not run when the bound is within
+    GAP of the interval DP's split: that split is the answer and the bound is reported."""
+    problem = _chain_of_blocks(layers=24, stages=6)
+    monkeypatch.setattr(solve_module, "LARGE_MODEL", 50)
+    result = partition(problem, workers=1)
+    exact = exact_groups(problem)
+    dp = evaluate(problem, exact.expand(interval_dp(exact) or ())).bottleneck_s
+    assert result.phases == ()
+    assert result.report.objective == dp
+    bound = block_bound(exact, upper_s=dp)
+    assert bound is not None
+    assert result.report.bound == pytest.approx(min(dp, bound))
+    assert result.report.gap <= solve_module.GAP
+    # the bound sees memory: more than all compute spread evenly (the trivial bound)
+    assert result.report.bound > solve_module.trivial_bound(problem)
+
+
+def test_partition_below_the_size_proves_with_cp_sat_and_keeps_the_bound() -> None:
+    problem = _chain_of_blocks(layers=12, stages=4)
+    result = partition(problem, workers=1)
+    assert result.phases  # CP-SAT ran
+    assert result.report.status == "OPTIMAL"
+    bound = block_bound(exact_groups(problem))
+    assert bound is not None
+    assert bound <= result.report.objective
