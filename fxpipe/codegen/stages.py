@@ -31,7 +31,7 @@ import math
 import re
 import sys
 import types
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -94,13 +94,15 @@ def stage_source(
     gm: torch.fx.GraphModule,
     io: StageIO,
     fixed: Mapping[str, tuple[int | None, ...]] | None = None,
+    recount: Sequence[str] = (),
 ) -> str:
     """The text of ``stage{k}.py`` for one stage of ``gm``.
 
     ``fixed``: graph input name -> the shape the graph was traced at, None where a
     dimension may vary. The stage checks each such input it receives on entry, so a
     shape the traced graph holds as a constant fails with one line naming both shapes
-    rather than deep inside an aten op.
+    rather than deep inside an aten op. ``recount``: lines that recompute, on entry,
+    the batch counts it receives (batch_sizes.py).
     """
     sub = sub_graph(gm.graph, io)
     written = written_inputs(gm, set(io.nodes))
@@ -111,7 +113,7 @@ def stage_source(
     src, globals_, functions = _wrapped_functions(code.src, code.globals, gm, binding.paths)
     renamed = {name: value for name, (value, _) in functions.items()}
     entry = [f'        check_shape("Stage{io.index}", "{name}", {name}, {shape!r})'
-             for name, shape in checks]
+             for name, shape in checks] + list(recount)
     forward, names = forward_lines(src, io, shapes, _state_reads(gm, sub), renamed=renamed,
                                    entry=entry, index=_indexing(gm, binding.paths))
     header_names = set(names) - set(functions)

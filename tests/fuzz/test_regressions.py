@@ -258,3 +258,28 @@ def test_replicas_write_their_own_copies_of_a_graph_input(tmp_path: Path) -> Non
     case = Case(spec, stages=3, schedule="pipedream", microbatches=2,
                 recompute=(False, True, True), batch=2, replicas=(2, 2, 2))
     check_transparency(case, tmp_path / "pkg")
+
+
+def test_a_batch_count_from_a_replicated_stage_is_recounted(tmp_path: Path) -> None:
+    # torch.export keeps the batch dim symbolic: `sym_size(x2, 0)` in a stage the runner
+    # replicates 2 ways was sent to an unreplicated stage, which reshaped its 2 rows with
+    # the replica's count of 1 ("shape '[1, 160]' is invalid for input of size 320").
+    # Fixed: a stage recomputes every batch count it receives from its own rows.
+    ops = (Op("linear", (0,), ((15, 4, 5),), module="linear0"),
+           Op("linear", (2,), ((10, 16),), module="linear1"),
+           Op("shared", (4,), ((10, 16),), how="mul", arg=0),
+           Op("linear", (5,), ((10, 9),), module="linear2"),
+           Op("scalar", (0,), ((15, 4, 5),), how="neg"),
+           Op("reshape", (7,), ((15, 20),), how="reshape"),
+           Op("reshape", (5,), ((160,),), how="reshape"),
+           Op("region", (0,), ((15, 4, 4),), how="no_grad", module="linear3"),
+           Op("shared", (3,), ((15, 4, 5),), how="add", arg=1))
+    spec = ModelSpec(inputs=((15, 4, 5), (14, 6), (10, 6)), ops=ops, outputs=(8, 9, 10, 11),
+                     seed=3, frozen=("linear3",), shared=(((16,), 0), ((5,), 0)),
+                     modules={"linear0": ("linear", (5, 5, False)),
+                              "linear1": ("linear", (6, 16, True)),
+                              "linear2": ("linear", (16, 9, False)),
+                              "linear3": ("linear", (5, 4, False))})
+    case = Case(spec, stages=4, schedule="gpipe", microbatches=1,
+                recompute=(True, False, False, False), batch=2, replicas=(2, 2, 2, 1))
+    check_transparency(case, tmp_path / "pkg")

@@ -18,9 +18,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxpipe.frontend import trace
+from fxpipe.passes import annotate_all
 from fxpipe.runtime import PipelineRunner
 from fxpipe.schedules import gpipe, one_f_one_b
-from tests.codegen._models import assert_runner_matches, import_package, write_package
+from tests.codegen._models import (
+    assert_runner_matches,
+    import_package,
+    mini_batch,
+    traced,
+    write_package,
+)
 from tests.codegen._plans import contiguous_plan
 
 from . import test_runtime
@@ -303,3 +310,20 @@ def test_replicas_write_their_own_copies_of_an_input_later_stages_read(
     assert stages[0].WRITES == ("y",) and "y" in stages[2].INPUTS
     runner = package.PipelineRunner(stages)
     assert_runner_matches(runner, model, (x, y), {}, None, lambda out, _: out.square().mean())
+
+
+@pytest.mark.parametrize("replicas", [(1, 2, 1), (2, 1, 1), (2, 2, 1)])
+def test_a_batch_count_crossing_replica_counts_is_recounted(
+        tmp_path: Path, replicas: tuple[int, ...]) -> None:
+    """GPT's attention reads ``B, T = x.size()`` in one stage and views with B in the next:
+    received from a stage run on another share of the micro-batch, B was that stage's
+    count (a 2-row view of 4 rows failed, or the reverse). The next stage counts its own."""
+    source, tr = traced("gpt")
+    annotate_all(tr.gm, *tr.flat_inputs)  # as the compiler does: the counts need shapes
+    plan = contiguous_plan(tr.gm.graph, 3, microbatches=2, replicas=replicas)
+    files = write_package(tmp_path / "pkg", tr, plan)
+    assert "        size_3 = add_2.size(0)  # this stage's own rows\n" in files["stage1.py"]
+    package = import_package(tmp_path / "pkg")
+    runner = package.PipelineRunner(package.build_stages(source.model))
+    assert_runner_matches(runner, source.model, mini_batch(source.args), {},
+                          mini_batch(source.target), source.loss_fn, what=str(replicas))

@@ -1,0 +1,92 @@
+"""Sizes that count the batch, recomputed by each stage from its own rows.
+
+A stage may receive an int another stage computed from its rows (``h.size(0)``,
+``sym_size(x, 0) * 4``) and use it to reshape (``view(size_3, size_4, 4, 32)``). When
+the two stages run on different shares of a micro-batch (a stage replicated on r GPUs
+runs each replica on a 1/r share), the received count is the other stage's, and the
+reshape fails or, worse, succeeds on the wrong rows. So a stage that receives such an
+int computes it again on entry from a tensor it receives whose dim 0 is the batch.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Collection
+
+import torch
+
+from fxpipe import meta
+from fxpipe.cut import StageIO
+
+__all__ = ["batch_multiples", "recount_lines"]
+
+
+def batch_multiples(graph: torch.fx.Graph, batch: int | None,
+                    shared: Collection[str]) -> dict[str, int]:
+    """Node name -> c for each node whose value is c times dim 0 of a batched value
+    (traced at ``batch`` rows; ``shared`` graph inputs have no batch dim): ``x.size(0)``,
+    ``x.shape[0]``, ``aten.sym_size.int(x, 0)``, and those times an int constant."""
+    if batch is None:
+        return {}
+    found: dict[str, int] = {}
+    for node in graph.nodes:
+        if _is_rows(node, batch, shared):
+            found[node.name] = 1
+        elif node.op == "call_function" and node.target is operator.mul:
+            a, b = node.args[:2]
+            for size, scale in ((a, b), (b, a)):
+                if (isinstance(size, torch.fx.Node) and size.name in found
+                        and isinstance(scale, int) and not isinstance(scale, bool)):
+                    found[node.name] = found[size.name] * scale
+                    break
+    return found
+
+
+def recount_lines(io: StageIO, graph: torch.fx.Graph, multiples: dict[str, int],
+                  batch: int | None, shared: Collection[str]) -> list[str]:
+    """``forward``'s entry lines that recompute each batch count the stage receives from
+    the first tensor it receives with the batch as dim 0 (none when there is no such
+    tensor, or nothing to recompute)."""
+    nodes = {node.name: node for node in graph.nodes}
+    rows = next((name for name in io.inputs if name in nodes
+                 and _batched(nodes[name], batch, shared)), None)
+    if rows is None:
+        return []
+    lines = []
+    for name in io.inputs:
+        scale = multiples.get(name)
+        if scale is not None:
+            count = f"{rows}.size(0)" if scale == 1 else f"{scale} * {rows}.size(0)"
+            lines.append(f"        {name} = {count}  # this stage's own rows")
+    return lines
+
+
+def _is_rows(node: torch.fx.Node, batch: int, shared: Collection[str]) -> bool:
+    """``node`` reads dim 0 of a batched tensor."""
+    if node.op == "call_method" and node.target == "size":
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        source = node.args[0]
+    elif node.op == "call_function" and node.target is torch.ops.aten.sym_size.int:
+        source, dim = node.args[0], node.args[1]
+    elif node.op == "call_function" and node.target is operator.getitem and node.args[1] == 0:
+        whole = node.args[0]  # x.size()[0] or x.shape[0]
+        if not isinstance(whole, torch.fx.Node) or not (
+                (whole.op == "call_method" and whole.target == "size" and len(whole.args) == 1
+                 and not whole.kwargs)
+                or (whole.op == "call_function" and whole.target is getattr
+                    and whole.args[1] == "shape")):
+            return False
+        source, dim = whole.args[0], 0
+    else:
+        return False
+    return isinstance(dim, int) and dim == 0 and isinstance(source, torch.fx.Node) \
+        and _batched(source, batch, shared)
+
+
+def _batched(node: torch.fx.Node, batch: int | None, shared: Collection[str]) -> bool:
+    """``node`` is one tensor whose dim 0 was traced at ``batch`` rows, not a shared input."""
+    if node.name in shared or not meta.SHAPE.has(node):
+        return False
+    tensors = meta.SHAPE.get(node).tensors
+    return bool(len(tensors) == 1 and len(tensors[0].shape) > 0
+                and tensors[0].shape[0] == batch)
