@@ -15,36 +15,11 @@ from fxpipe.frontend import ModelSource, Traced
 from fxpipe.partition import InfeasibleMemoryError
 from fxpipe.precision import Precision
 from fxpipe.units import parse_bytes
+from tests.test_error_table import DEEP, WIDE
 
-# activations dominate: bfloat16 activations halve what a stage keeps per micro-batch
-WIDE = """
-import torch
-
-
-def build_model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU())
-                                 for _ in range(8)])
-
-
-def example_inputs():
-    return (torch.ones(2048, 64),)
-"""
-
-# parameters dominate: autocast's weight copies make bf16-mixed need more than float32,
-# and only bf16-true (half the parameters and Adam's state) fits
-DEEP = """
-import torch
-
-
-def build_model():
-    torch.manual_seed(0)
-    return torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)])
-
-
-def example_inputs():
-    return (torch.ones(4, 256),)
-"""
+# WIDE: activations dominate, and bfloat16 activations halve what a stage keeps per
+# micro-batch. DEEP: parameters dominate, autocast's weight copies make bf16-mixed need
+# more than float32, and only bf16-true (half the parameters and Adam's state) fits.
 
 
 def _split(tmp_path: Path, body: str, memory: str, precision: Precision | None = None
