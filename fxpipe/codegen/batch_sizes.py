@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Collection
+from typing import Any
 
 import torch
 
 from fxpipe import meta
 from fxpipe.cut import StageIO
 
-__all__ = ["batch_multiples", "recount_lines"]
+__all__ = ["batch_multiples", "recount_lines", "unbatched_values"]
 
 
 def batch_multiples(graph: torch.fx.Graph, batch: int | None,
@@ -90,3 +91,28 @@ def _batched(node: torch.fx.Node, batch: int | None, shared: Collection[str]) ->
     tensors = meta.SHAPE.get(node).tensors
     return bool(len(tensors) == 1 and len(tensors[0].shape) > 0
                 and tensors[0].shape[0] == batch)
+
+
+def unbatched_values(graph: torch.fx.Graph, io: StageIO) -> tuple[str, ...]:
+    """The tensors stage ``io`` receives or sends that have no batch dimension, where the
+    capture says so: torch.export names each graph input's dim 0 by a symbol, so a tensor
+    whose dim 0 involves none of them is not batched (an ``arange`` over a feature dim
+    that happens to be as long as the batch). A replicated stage's replicas take these
+    whole instead of a share of their rows. Empty when no graph input's dim 0 is a symbol
+    (symbolic_trace, or a capture that fixed the batch): nothing to tell them apart by."""
+    nodes = {node.name: node for node in graph.nodes}
+    rows = set().union(*(_row_symbols(node) for node in graph.nodes if node.op == "placeholder"))
+    if not rows:
+        return ()
+    return tuple(name for name in (*io.inputs, *io.outputs) if name in nodes
+                 and isinstance(nodes[name].meta.get("val"), torch.Tensor)
+                 and nodes[name].meta["val"].dim() > 0 and not _row_symbols(nodes[name]) & rows)
+
+
+def _row_symbols(node: torch.fx.Node) -> set[Any]:
+    """The symbols dim 0 of ``node``'s tensor is an expression of (none when fixed)."""
+    value = node.meta.get("val")
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return set()
+    rows = value.shape[0]
+    return set(rows.node.expr.free_symbols) if isinstance(rows, torch.SymInt) else set()

@@ -38,6 +38,7 @@ import torch
 import torch.fx
 
 from fxpipe import meta
+from fxpipe.codegen.batch_sizes import unbatched_values
 from fxpipe.codegen.statements import Index, forward_lines, names_in
 from fxpipe.codegen.subgraph import follow_stage_device, sub_graph
 from fxpipe.codegen.wrap import LINE_LENGTH, wrap_line
@@ -132,7 +133,8 @@ def stage_source(
     ]
     for body in binding.bodies:
         lines += ["", "", body]
-    lines += ["", "", *_class_header(io, binding, functions, written), "", *forward]
+    header = _class_header(io, binding, functions, written, unbatched_values(gm.graph, io))
+    lines += ["", "", *header, "", *forward]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -236,7 +238,7 @@ def _module_docstring(io: StageIO) -> list[str]:
 
 
 def _class_header(io: StageIO, binding: _Binding, functions: dict[str, tuple[str, str]],
-                  written: tuple[str, ...]) -> list[str]:
+                  written: tuple[str, ...], unbatched: tuple[str, ...]) -> list[str]:
     """``class Stage{k}``: its INPUTS and OUTPUTS (and WRITES), and ``__init__`` binding the
     model's objects, constructing the bodies, and looking up the model file's wrapped
     functions."""
@@ -247,6 +249,8 @@ def _class_header(io: StageIO, binding: _Binding, functions: dict[str, tuple[str
     ]
     if written:  # a recomputed forward must start from the values before the write
         lines += ["    # graph inputs this stage writes in place", *_tuple_attr("WRITES", written)]
+    if unbatched:  # a replica takes them whole, not a share of their rows
+        lines += ["    # values without a batch dimension", *_tuple_attr("UNBATCHED", unbatched)]
     lines += [
         "",
         "    def __init__(self, model: nn.Module) -> None:",

@@ -199,10 +199,14 @@ def written_back(chunks: list[dict[str, Any]], written: Collection[str],
             for name in written if isinstance(chunks[0].get(name), torch.Tensor)}
 
 
-def merge_replicas(outputs: list[Any], sizes: list[int]) -> Any:
+def merge_replicas(outputs: list[Any], sizes: list[int], *, whole: Collection[int] = ()) -> Any:
     """The replicas' outputs as one (the inverse of ``split_replicas``): a tensor leaf
     whose dim 0 is each replica's chunk size is concatenated along dim 0, any other
-    leaf taken from replica 0."""
+    leaf taken from replica 0, and so are the outputs at the positions ``whole`` (each
+    replica's tuple of outputs: values that have no batch dimension)."""
+    if whole:
+        return tuple(outputs[0][i] if i in whole else merge_replicas([o[i] for o in outputs], sizes)
+                     for i in range(len(outputs[0])))
 
     def merge(parts: list[Any]) -> Any:
         batched = all(isinstance(t, torch.Tensor) and t.dim() > 0 and t.size(0) == size

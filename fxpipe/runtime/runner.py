@@ -252,12 +252,13 @@ class PipelineRunner(MeasuredSteps):
             if r == 1:
                 return self._run_replica(k, 0, inputs, stash)
             assert batch is not None and batch >= r, (k, batch, r)  # checked by batch_sizes
-            written = self.wiring.written & set(inputs)
-            chunks = own_copies(split_replicas(inputs, batch, r, whole=self.shared_inputs),
-                                written)
+            written, whole = self.wiring.written & set(inputs), self.wiring.unbatched[k]
+            chunks = own_copies(split_replicas(inputs, batch, r,
+                                               whole={*self.shared_inputs, *whole}), written)
             outputs = [self._run_replica(k, i, chunk, stash) for i, chunk in enumerate(chunks)]
             inputs.update(written_back(chunks, written, self.shared_inputs))  # for later readers
-            return tuple(merge_replicas(outputs, chunk_sizes(batch, r)))
+            kept = [i for i, name in enumerate(self.wiring.outputs[k]) if name in whole]
+            return tuple(merge_replicas(outputs, chunk_sizes(batch, r), whole=kept))
 
     def _run_replica(self, k: int, i: int, inputs: dict[str, Any],
                      stash: Stash | None) -> tuple[Any, ...]:

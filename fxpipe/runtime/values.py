@@ -36,6 +36,8 @@ class Wiring:
         self.outputs: list[tuple[str, ...]] = []
         self.producer: dict[str, int] = {}
         self.written = frozenset(name for stage in stages for name in getattr(stage, "WRITES", ()))
+        # values each stage receives or sends that have no batch dim (optional UNBATCHED)
+        self.unbatched = [frozenset(getattr(stage, "UNBATCHED", ())) for stage in stages]
         for k, stage in enumerate(stages):
             try:
                 ins = tuple(getattr(stage, "INPUTS"))  # noqa: B009 (class attributes, not Tensors)

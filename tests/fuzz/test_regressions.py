@@ -283,3 +283,25 @@ def test_a_batch_count_from_a_replicated_stage_is_recounted(tmp_path: Path) -> N
     case = Case(spec, stages=4, schedule="gpipe", microbatches=1,
                 recompute=(True, False, False, False), batch=2, replicas=(2, 2, 2, 1))
     check_transparency(case, tmp_path / "pkg")
+
+
+def test_a_tensor_without_a_batch_dim_reaches_every_replica_whole(tmp_path: Path) -> None:
+    # `arange(x1.size(3)) / 8` has 2 elements, as many as the batch: the runner took it for
+    # a batched value and gave each of the next stage's 2 replicas one element, which then
+    # broadcast over its rows (every output off, no error). Fixed: where torch.export names
+    # the batch dims, the stage lists the tensors without one (UNBATCHED), passed whole.
+    ops = (Op("linear", (0,), ((11,),), module="linear0"),
+           Op("binary", (1, 1), ((14, 3, 2),), how="add"),
+           Op("const", (4,), ((14, 3, 2),), how="arange"),
+           Op("region", (5,), ((14, 3, 6),), how="no_grad", module="linear1"),
+           Op("reduce", (0,), ((1,),), how="sum", arg=(0, True)),
+           Op("matmul", (2,), ((5, 3, 16),), how="param", arg="w0"))
+    spec = ModelSpec(inputs=((12,), (14, 3, 2), (5, 3, 6)), ops=ops, outputs=(3, 6, 7, 8),
+                     seed=429, params={"w0": (6, 16)},
+                     modules={"linear0": ("linear", (12, 11, True)),
+                              "linear1": ("linear", (2, 6, True))})
+    case = Case(spec, stages=3, schedule="pipedream", microbatches=4,
+                recompute=(True, True, False), batch=2, replicas=(1, 2, 2))
+    done = check_transparency(case, tmp_path / "pkg")
+    stages = done.package.build_stages(build_model(spec))
+    assert any("div" in getattr(stage, "UNBATCHED", ()) for stage in stages)
