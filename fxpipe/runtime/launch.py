@@ -101,7 +101,9 @@ def main(pipeline: DistributedPipeline, argv: Sequence[str] | None = None) -> in
     try:
         _train(pipeline, opts, rank, world_size, device)
     except (ValueError, FileNotFoundError) as error:
-        print(f"train_torchrun: error: rank {rank}: {error}", file=sys.stderr)
+        # one write: the ranks share the terminal, and print writes the newline apart
+        sys.stderr.write(f"train_torchrun: error: rank {rank}: {error}\n")
+        sys.stderr.flush()
         return 2
     finally:
         dist.destroy_process_group()

@@ -179,12 +179,14 @@ def test_micro_batches_starting_on_one_version_share_its_copy(
     k, m = 3, 5
     _, stages, x, y = setup(k, 2 * m)
     copies: list[set[int]] = [set() for _ in range(k)]
+    held: list[Any] = []  # every copy stays alive, so no two of them share an id()
 
     stash_of = WeightStashes.stash
 
     def counting(self: WeightStashes, j: int, dev: Any) -> Any:
         stash = stash_of(self, j, dev)
-        copies[j].add(id(next(iter(stash.values()))))
+        held.append(next(iter(stash.values())))
+        copies[j].add(id(held[-1]))
         return stash
 
     monkeypatch.setattr(WeightStashes, "stash", counting)
