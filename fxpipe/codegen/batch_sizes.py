@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Collection
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,11 +20,64 @@ import torch
 from fxpipe import meta
 from fxpipe.cut import StageIO
 
-__all__ = ["batch_multiples", "recount_lines", "unbatched_values"]
+__all__ = ["BatchDims"]
 
 
-def batch_multiples(graph: torch.fx.Graph, batch: int | None,
-                    shared: Collection[str]) -> dict[str, int]:
+@dataclass(frozen=True)
+class BatchDims:
+    """What a graph says about its batch dimension, read once for all its stages: the
+    rows it was traced at (``batch``; None: no batched input), the graph inputs without a
+    batch dim (``shared``), the batch counts (``multiples``: node name -> c for a node whose
+    value is c times the rows), and the symbols torch.export names the inputs' dim 0 by."""
+
+    nodes: dict[str, torch.fx.Node]
+    batch: int | None
+    shared: frozenset[str]
+    multiples: dict[str, int]
+    symbols: frozenset[Any]
+
+    @classmethod
+    def of(cls, graph: torch.fx.Graph, batch: int | None, shared: Collection[str]) -> BatchDims:
+        shared = frozenset(shared)
+        symbols = frozenset().union(*(_row_symbols(node) for node in graph.nodes
+                                      if node.op == "placeholder"))
+        return cls({node.name: node for node in graph.nodes}, batch, shared,
+                   _batch_multiples(graph, batch, shared), symbols)
+
+    def recount_lines(self, io: StageIO) -> list[str]:
+        """``forward``'s entry lines that recompute each batch count stage ``io`` receives
+        from the first tensor it receives with the batch as dim 0 (none when there is no
+        such tensor, or nothing to recompute)."""
+        rows = next((name for name in io.inputs if name in self.nodes
+                     and _batched(self.nodes[name], self.batch, self.shared)), None)
+        if rows is None:
+            return []
+        lines = []
+        for name in io.inputs:
+            scale = self.multiples.get(name)
+            if scale is not None:
+                count = f"{rows}.size(0)" if scale == 1 else f"{scale} * {rows}.size(0)"
+                lines.append(f"        {name} = {count}  # this stage's own rows")
+        return lines
+
+    def unbatched(self, io: StageIO) -> tuple[str, ...]:
+        """The tensors stage ``io`` receives or sends that have no batch dimension, where
+        the capture says so: torch.export names each graph input's dim 0 by a symbol, so
+        a tensor whose dim 0 involves none of them is not batched (an ``arange`` over a
+        feature dim that happens to be as long as the batch). A replicated stage's
+        replicas take these whole instead of a share of their rows. Empty when no graph
+        input's dim 0 is a symbol (symbolic_trace, or a capture that fixed the batch):
+        nothing to tell them apart by."""
+        if not self.symbols:
+            return ()
+        return tuple(name for name in (*io.inputs, *io.outputs) if name in self.nodes
+                     and isinstance(self.nodes[name].meta.get("val"), torch.Tensor)
+                     and self.nodes[name].meta["val"].dim() > 0
+                     and not _row_symbols(self.nodes[name]) & self.symbols)
+
+
+def _batch_multiples(graph: torch.fx.Graph, batch: int | None,
+                     shared: Collection[str]) -> dict[str, int]:
     """Node name -> c for each node whose value is c times dim 0 of a batched value
     (traced at ``batch`` rows; ``shared`` graph inputs have no batch dim): ``x.size(0)``,
     ``x.shape[0]``, ``aten.sym_size.int(x, 0)``, and those times an int constant."""
@@ -41,25 +95,6 @@ def batch_multiples(graph: torch.fx.Graph, batch: int | None,
                     found[node.name] = found[size.name] * scale
                     break
     return found
-
-
-def recount_lines(io: StageIO, graph: torch.fx.Graph, multiples: dict[str, int],
-                  batch: int | None, shared: Collection[str]) -> list[str]:
-    """``forward``'s entry lines that recompute each batch count the stage receives from
-    the first tensor it receives with the batch as dim 0 (none when there is no such
-    tensor, or nothing to recompute)."""
-    nodes = {node.name: node for node in graph.nodes}
-    rows = next((name for name in io.inputs if name in nodes
-                 and _batched(nodes[name], batch, shared)), None)
-    if rows is None:
-        return []
-    lines = []
-    for name in io.inputs:
-        scale = multiples.get(name)
-        if scale is not None:
-            count = f"{rows}.size(0)" if scale == 1 else f"{scale} * {rows}.size(0)"
-            lines.append(f"        {name} = {count}  # this stage's own rows")
-    return lines
 
 
 def _is_rows(node: torch.fx.Node, batch: int, shared: Collection[str]) -> bool:
@@ -91,22 +126,6 @@ def _batched(node: torch.fx.Node, batch: int | None, shared: Collection[str]) ->
     tensors = meta.SHAPE.get(node).tensors
     return bool(len(tensors) == 1 and len(tensors[0].shape) > 0
                 and tensors[0].shape[0] == batch)
-
-
-def unbatched_values(graph: torch.fx.Graph, io: StageIO) -> tuple[str, ...]:
-    """The tensors stage ``io`` receives or sends that have no batch dimension, where the
-    capture says so: torch.export names each graph input's dim 0 by a symbol, so a tensor
-    whose dim 0 involves none of them is not batched (an ``arange`` over a feature dim
-    that happens to be as long as the batch). A replicated stage's replicas take these
-    whole instead of a share of their rows. Empty when no graph input's dim 0 is a symbol
-    (symbolic_trace, or a capture that fixed the batch): nothing to tell them apart by."""
-    nodes = {node.name: node for node in graph.nodes}
-    rows = set().union(*(_row_symbols(node) for node in graph.nodes if node.op == "placeholder"))
-    if not rows:
-        return ()
-    return tuple(name for name in (*io.inputs, *io.outputs) if name in nodes
-                 and isinstance(nodes[name].meta.get("val"), torch.Tensor)
-                 and nodes[name].meta["val"].dim() > 0 and not _row_symbols(nodes[name]) & rows)
 
 
 def _row_symbols(node: torch.fx.Node) -> set[Any]:

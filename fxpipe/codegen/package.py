@@ -28,7 +28,7 @@ from importlib import resources
 import torch.fx
 
 from fxpipe import schedules
-from fxpipe.codegen.batch_sizes import batch_multiples, recount_lines
+from fxpipe.codegen.batch_sizes import BatchDims
 from fxpipe.codegen.signature import build_output_lines, flatten_inputs_lines, tuple_literal
 from fxpipe.codegen.stages import (
     LINE_LENGTH,
@@ -57,12 +57,8 @@ def generate(traced: Traced, plan: Plan) -> dict[str, str]:
     }
     batch = next((shape.shape[0] for shape in traced.inputs
                   if shape.shape and shape.name not in traced.shared_inputs), None)
-    multiples = batch_multiples(gm.graph, batch, traced.shared_inputs)
-    files = {
-        f"stage{io.index}.py": stage_source(
-            gm, io, fixed, recount_lines(io, gm.graph, multiples, batch, traced.shared_inputs))
-        for io in ios
-    }
+    dims = BatchDims.of(gm.graph, batch, traced.shared_inputs)
+    files = {f"stage{io.index}.py": stage_source(gm, io, fixed, dims) for io in ios}
     files["runner.py"] = runner_source(traced, plan)
     files["__init__.py"] = init_source(plan)
     files["plan.json"] = plan.to_json()

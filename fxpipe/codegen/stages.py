@@ -31,14 +31,14 @@ import math
 import re
 import sys
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.fx
 
 from fxpipe import meta
-from fxpipe.codegen.batch_sizes import unbatched_values
+from fxpipe.codegen.batch_sizes import BatchDims
 from fxpipe.codegen.statements import Index, forward_lines, names_in
 from fxpipe.codegen.subgraph import follow_stage_device, sub_graph
 from fxpipe.codegen.wrap import LINE_LENGTH, wrap_line
@@ -95,16 +95,18 @@ def stage_source(
     gm: torch.fx.GraphModule,
     io: StageIO,
     fixed: Mapping[str, tuple[int | None, ...]] | None = None,
-    recount: Sequence[str] = (),
+    dims: BatchDims | None = None,
 ) -> str:
     """The text of ``stage{k}.py`` for one stage of ``gm``.
 
     ``fixed``: graph input name -> the shape the graph was traced at, None where a
     dimension may vary. The stage checks each such input it receives on entry, so a
     shape the traced graph holds as a constant fails with one line naming both shapes
-    rather than deep inside an aten op. ``recount``: lines that recompute, on entry,
-    the batch counts it receives (batch_sizes.py).
+    rather than deep inside an aten op. ``dims``: the graph's batch dimension
+    (batch_sizes.py; default: read from ``gm``), by which the stage recomputes on entry
+    the batch counts it receives and lists the values it passes that have none.
     """
+    dims = dims or BatchDims.of(gm.graph, None, ())
     sub = sub_graph(gm.graph, io)
     written = written_inputs(gm, set(io.nodes))
     checks = [(name, (fixed or {})[name]) for name in io.inputs if name in (fixed or {})]
@@ -114,7 +116,7 @@ def stage_source(
     src, globals_, functions = _wrapped_functions(code.src, code.globals, gm, binding.paths)
     renamed = {name: value for name, (value, _) in functions.items()}
     entry = [f'        check_shape("Stage{io.index}", "{name}", {name}, {shape!r})'
-             for name, shape in checks] + list(recount)
+             for name, shape in checks] + dims.recount_lines(io)
     forward, names = forward_lines(src, io, shapes, _state_reads(gm, sub), renamed=renamed,
                                    entry=entry, index=_indexing(gm, binding.paths))
     header_names = set(names) - set(functions)
@@ -133,7 +135,7 @@ def stage_source(
     ]
     for body in binding.bodies:
         lines += ["", "", body]
-    header = _class_header(io, binding, functions, written, unbatched_values(gm.graph, io))
+    header = _class_header(io, binding, functions, written, dims.unbatched(io))
     lines += ["", "", *header, "", *forward]
     return "\n".join(lines).rstrip() + "\n"
 
