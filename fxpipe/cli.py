@@ -10,8 +10,14 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager, nullcontext, redirect_stdout
-from typing import TYPE_CHECKING, Any
+from contextlib import (
+    AbstractContextManager,
+    contextmanager,
+    nullcontext,
+    redirect_stdout,
+    suppress,
+)
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from rich.console import Console
 from rich.table import Table
@@ -25,7 +31,7 @@ if TYPE_CHECKING:
     from fxpipe.partition import Recompute
     from fxpipe.plan import Plan
 
-__all__ = ["main"]
+__all__ = ["main", "run"]
 
 EXIT_USER_ERROR = 2
 EXIT_INTERNAL_ERROR = 1
@@ -67,6 +73,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_INTERNAL_ERROR
+
+
+def run() -> NoReturn:
+    """The console script: :func:`main`, then leave without tearing the interpreter down.
+
+    Freeing a traced model's graphs and torch's state at exit took 2 s of a 20 s split of
+    Llama-3-8B. Every file fxpipe writes is closed by the time ``main`` returns, so only
+    the standard streams need flushing."""
+    code = main()
+    for stream in (sys.stdout, sys.stderr):
+        with suppress(Exception):  # a closed pipe: nothing more to say
+            stream.flush()
+    os._exit(code)
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -485,4 +504,4 @@ def _worded(exc: ValueError) -> str:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run()
