@@ -37,6 +37,7 @@ from fxpipe.metadevice import named_state
 from fxpipe.runtime.loading import NotPythonError, import_file
 from fxpipe.tracing.export import export_program, exported_graph
 from fxpipe.tracing.records import InputShape, TraceError
+from fxpipe.tracing.repeats import export_in_layers
 from fxpipe.tracing.symbolic import symbolic_graph
 
 __all__ = [
@@ -280,16 +281,21 @@ def _trace(
         reason = _one_line(exc)
         symbolic_error = exc
 
-    try:
-        program, fixed_shapes = export_program(model, args, kwargs)
-    except Exception as exc:
-        raise _untraceable(model, args, kwargs, reason, exc, symbolic_error) from None
+    layered = export_in_layers(model, args, kwargs)
+    if layered is not None:
+        gm, flat, inputs, fixed_shapes, note = layered
+        notes.append(note)
+    else:
+        try:
+            program, fixed_shapes = export_program(model, args, kwargs)
+        except Exception as exc:
+            raise _untraceable(model, args, kwargs, reason, exc, symbolic_error) from None
+        gm, flat, inputs = exported_graph(program, args, kwargs)
     if fixed_shapes is not None:
         notes.append(
             f"torch.export could not keep input sizes symbolic ({_one_line(fixed_shapes)}); "
             "the stages accept the example's shapes only"
         )
-    gm, flat, inputs = exported_graph(program, args, kwargs)
     return Traced(gm, "export", reason, flat, tuple(notes), inputs)
 
 

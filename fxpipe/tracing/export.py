@@ -24,7 +24,7 @@ from torch.utils._sympy.numbers import int_oo
 
 from fxpipe.tracing.records import InputShape, TraceError
 
-__all__ = ["export_program", "exported_graph"]
+__all__ = ["export_program", "exported_graph", "quiet_stderr"]
 
 
 def export_program(
@@ -43,7 +43,7 @@ def export_program(
     attempts.append((args, kwargs))
     for trace_args, trace_kwargs in attempts:
         try:
-            with _quiet_stderr():  # a failing export dumps its partial graph on stderr
+            with quiet_stderr():  # a failing export dumps its partial graph on stderr
                 program = torch.export.export(
                     model,
                     trace_args,
@@ -54,7 +54,7 @@ def export_program(
             return program, None
         except Exception as exc:
             failure = exc
-    with _quiet_stderr():
+    with quiet_stderr():
         program = torch.export.export(model, args, kwargs, strict=False)
     return program, failure
 
@@ -75,7 +75,7 @@ def exported_graph(
 
 
 @contextmanager
-def _quiet_stderr() -> Iterator[None]:
+def quiet_stderr() -> Iterator[None]:
     """Silence stderr: Python's ``sys.stderr`` and file descriptor 2 (torch's C++ side)."""
     sys.stderr.flush()
     saved = os.dup(2)

@@ -1,0 +1,239 @@
+"""Exporting three layers of a long list of identical layers and copying the third
+(fxpipe.tracing.repeats) gives the graph a whole export gives, or is not done.
+
+The copy is compared with a whole export node by node (op, arguments by position,
+parameters by name, module stack), and run against the model itself. Models whose
+layers do not all run alike (a layer that reads its index, Gemma-2's alternating
+sliding windows, an output made of every layer's output, layers run in another order or
+twice) are exported whole, and that whole graph still computes the model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from fxpipe.frontend import trace
+from fxpipe.tracing.export import export_program, exported_graph
+from fxpipe.tracing.repeats import (
+    MIN_LAYERS,
+    cut,
+    export_in_layers,
+    layer_lists,
+    record,
+    same_run,
+)
+from tests.codegen._models import assert_runner_matches, import_package, write_package
+from tests.codegen._plans import contiguous_plan
+
+transformers = pytest.importorskip("transformers")
+
+LAYERS = MIN_LAYERS
+VOCAB = 100
+
+
+def _ids(rows: int = 2, length: int = 8, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (rows, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _llama(layers: int = LAYERS) -> nn.Module:
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _gpt2() -> nn.Module:
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=LAYERS, n_head=4,
+                                     n_positions=64, bos_token_id=1, eos_token_id=2,
+                                     use_cache=False)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _bert() -> nn.Module:
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=LAYERS, num_attention_heads=4)
+    return transformers.BertForMaskedLM(config)
+
+
+def _gemma2() -> nn.Module:
+    config = transformers.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, use_cache=False)
+    return transformers.Gemma2ForCausalLM(config)
+
+
+def _built(make: Any) -> nn.Module:
+    torch.manual_seed(0)
+    return make().train()
+
+
+def _canonical(gm: torch.fx.GraphModule) -> list[tuple[Any, ...]]:
+    """The graph without node names: each node's op, target, arguments (nodes by position,
+    parameters by name) and module stack."""
+    position = {node: p for p, node in enumerate(gm.graph.nodes)}
+
+    def arg(node: torch.fx.Node) -> Any:
+        return ("attr", node.target) if node.op == "get_attr" else ("node", position[node])
+
+    return [
+        (node.op, str(node.target), repr(torch.fx.map_arg(node.args, arg)),
+         repr(torch.fx.map_arg(node.kwargs, arg)),
+         tuple(path for path, _ in (node.meta.get("nn_module_stack") or {}).values()))
+        for node in gm.graph.nodes
+    ]
+
+
+def _run(gm: torch.fx.GraphModule, flat: tuple[Any, ...]) -> torch.Tensor:
+    out = torch.fx.Interpreter(gm).run(*flat)
+    return out if isinstance(out, torch.Tensor) else out[0]
+
+
+def _assert_computes_the_model(gm: torch.fx.GraphModule, model: nn.Module,
+                               flat: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """The graph run on the example gives the model's logits (dropout drawing the same
+    masks: the same seed, the same ops in the same order)."""
+    with torch.no_grad():
+        torch.manual_seed(1)
+        got = torch.fx.Interpreter(gm).run(*flat)
+        torch.manual_seed(1)
+        want = model(**kwargs)
+    logits = want.logits if hasattr(want, "logits") else want
+    torch.testing.assert_close(got.logits if hasattr(got, "logits") else got[0], logits)
+
+
+@pytest.mark.parametrize("make", [_llama, _gpt2, _bert], ids=["llama", "gpt2", "bert"])
+def test_the_copies_are_the_graph_a_whole_export_gives(make: Any) -> None:
+    model = _built(make)
+    kwargs = {"input_ids": _ids()}
+    layered = export_in_layers(model, (), kwargs)
+    assert layered is not None, "the layers were not copied"
+    gm, flat, inputs, fixed, note = layered
+    assert fixed is None and f"{LAYERS} of" in note
+    program, _ = export_program(model, (), kwargs)
+    whole, _, whole_inputs = exported_graph(program, (), kwargs)
+    assert _canonical(gm) == _canonical(whole)
+    assert inputs == whole_inputs
+    _assert_computes_the_model(gm, model, flat, kwargs)
+
+
+class _Layer(nn.Module):
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.linear(x)) + x
+
+
+class _ReadsItsIndex(_Layer):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        return y * 2 if self.index == LAYERS - 1 else y
+
+
+class _Stack(nn.Module):
+    """Layers in a list, run as ``how`` says."""
+
+    def __init__(self, how: str, layer: type[_Layer] = _Layer) -> None:
+        super().__init__()
+        self.how = how
+        self.layers = nn.ModuleList(layer(i) for i in range(LAYERS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        order = list(self.layers)
+        if self.how == "reversed":
+            order.reverse()
+        if self.how == "twice":
+            order = order + order
+        outputs = []
+        for layer in order:
+            x = layer(x)
+            outputs.append(x)
+        if self.how == "every output":
+            return torch.stack(outputs).sum(0)
+        return x
+
+
+@pytest.mark.parametrize("model", [
+    _Stack("in order", _ReadsItsIndex), _Stack("reversed"), _Stack("twice"),
+    _Stack("every output"),
+], ids=["a layer reads its index", "reversed", "twice", "every layer's output"])
+def test_layers_that_do_not_all_run_alike_are_exported_whole(model: nn.Module) -> None:
+    x = torch.randn(4, 16)
+    assert export_in_layers(model, (x,), {}) is None
+    program, _ = export_program(model, (x,), {})
+    gm, flat, _ = exported_graph(program, (x,), {})
+    with torch.no_grad():
+        torch.testing.assert_close(_run(gm, flat), model(x))
+
+
+@pytest.mark.parametrize("model, args, kwargs", [
+    (_Stack("in order", _ReadsItsIndex), (torch.randn(4, 16),), {}),
+    (_Stack("reversed"), (torch.randn(4, 16),), {}),
+    (_Stack("twice"), (torch.randn(4, 16),), {}),
+    (_Stack("every output"), (torch.randn(4, 16),), {}),
+    (_built(_gemma2), (), {"input_ids": _ids()}),
+], ids=["a layer reads its index", "reversed", "twice", "every layer's output", "gemma2"])
+def test_the_recorded_runs_tell_layers_that_differ(model: nn.Module, args: tuple[Any, ...],
+                                                   kwargs: dict[str, Any]) -> None:
+    """The check on its own, before any export: each of these runs otherwise than the
+    model cut to three layers and copied would."""
+    lists = layer_lists(model)
+    assert [len(layers.modules) for layers in lists] == [LAYERS]
+    whole = record(model, args, kwargs, lists)
+    with cut(lists):
+        kept = record(model, args, kwargs, lists)
+    assert whole is not None and kept is not None
+    assert not same_run(whole, kept, lists)
+
+
+def test_the_same_layers_in_order_are_copied() -> None:
+    """The control for the test above: the same model, run plainly, is copied."""
+    model = _Stack("in order")
+    x = torch.randn(4, 16)
+    layered = export_in_layers(model, (x,), {})
+    assert layered is not None
+    gm, flat, *_ = layered
+    with torch.no_grad():
+        torch.testing.assert_close(_run(gm, flat), model(x))
+
+
+def test_alternating_layers_are_exported_whole() -> None:
+    """Gemma-2 alternates sliding-window and global attention layer by layer: its layers
+    share one class and one structure, and must not be copied."""
+    model = _built(_gemma2)
+    kwargs = {"input_ids": _ids()}
+    assert export_in_layers(model, (), kwargs) is None
+    traced = trace(model, (), kwargs)
+    assert traced.tracer == "export"
+    assert not any("copied" in note for note in traced.notes)
+    _assert_computes_the_model(traced.gm, model, traced.flat_inputs, kwargs)
+
+
+def test_a_pipeline_of_copied_layers_is_transparent(tmp_path: Path) -> None:
+    """Split into three stages across the copies: outputs, loss and every gradient equal
+    the model's, at the traced shape and at another."""
+    model = _built(lambda: _llama(LAYERS + 2))
+    kwargs = {"input_ids": _ids()}
+    traced = trace(model, (), kwargs)
+    assert any("copied" in note for note in traced.notes), traced.notes
+    plan = contiguous_plan(traced.gm.graph, 3, schedule="1f1b", microbatches=2,
+                           model="hf_llama", shared_inputs=traced.shared_inputs)
+    write_package(tmp_path / "pkg", traced, plan)
+    package = import_package(tmp_path / "pkg")
+    runner = package.PipelineRunner(package.build_stages(model))
+
+    def loss_fn(out: Any, target: torch.Tensor) -> torch.Tensor:
+        logits = out["logits"] if isinstance(out, dict) else out.logits
+        return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+    for rows, length in ((4, 8), (6, 5)):
+        ids = _ids(rows, length, seed=rows)
+        assert_runner_matches(runner, model, (), {"input_ids": ids}, _ids(rows, length, 9),
+                              loss_fn, what=f"{rows} x {length}")
