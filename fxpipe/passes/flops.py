@@ -9,6 +9,7 @@ inputs do not unless the example input itself requires grad.
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from typing import Any
 
 import torch
@@ -25,10 +26,47 @@ __all__ = ["annotate_flops"]
 class _FlopCount(MetaInterpreter):
     pass_name = "FLOP counting"
 
+    def __init__(self, gm: torch.fx.GraphModule, execution: Execution | None) -> None:
+        super().__init__(gm, execution)
+        # A function's FLOPs follow from what it is called with: the layers of a model
+        # repeat the same calls, counted (forward and two backwards) once each.
+        self.counted: dict[Hashable, meta.FlopInfo] = {}
+
     def execute(self, n: torch.fx.Node) -> Any:
         if n.op not in OP_NODES:
             meta.FLOPS.set(n, meta.FlopInfo(0, 0))
             return super().execute(n)
+        key = self._call(n)
+        if key is not None and key in self.counted:
+            meta.FLOPS.set(n, self.counted[key])
+            return super().execute(n)
+        result = self._count(n)
+        if key is not None:
+            self.counted[key] = meta.FLOPS.get(n)
+        return result
+
+    def _call(self, n: torch.fx.Node) -> Hashable | None:
+        """What the FLOPs of ``n`` depend on: a function or method with its arguments,
+        each tensor by shape, dtype, whether it requires grad and whether it is a
+        parameter; None for a module call (its state and code are its own)."""
+        if n.op == "call_module":
+            return None
+        state = {id(t) for t in self.meta_state.values()}
+
+        def spec(value: Any) -> Any:
+            if isinstance(value, torch.Tensor):
+                return ("tensor", tuple(value.shape), value.dtype, value.requires_grad,
+                        id(value) in state, value.stride())
+            if isinstance(value, (tuple, list)):
+                return (type(value).__name__, *map(spec, value))
+            if isinstance(value, dict):
+                return ("dict", *((k, spec(v)) for k, v in value.items()))
+            return ("value", type(value).__name__, repr(value))
+
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        return (n.op, n.target, spec(args), spec(kwargs))
+
+    def _count(self, n: torch.fx.Node) -> Any:
         with FlopCounterMode(display=False, custom_mapping=kernels.FLOP_FORMULAS) as forward:
             result, inputs, weights = self.run_op_split(n)
         outputs = grad_outputs_of(result)

@@ -14,6 +14,7 @@ import importlib.util
 import types
 from pathlib import Path
 
+import pytest
 import torch
 import torch.fx
 from torch import nn
@@ -208,3 +209,27 @@ def test_gpt2_weight_gradients_are_the_linears_and_head() -> None:
     d, v, t, n = GPT2["d"], GPT2["v"], GPT2["b"] * GPT2["s"], GPT2["n"]
     expected = n * 2 * t * (3 * d * d + d * d + 4 * d * d + 4 * d * d) + 2 * t * d * v
     assert abs(weight / expected - 1) < 0.01, (weight, expected)
+
+
+def test_calls_counted_once_give_every_node_its_own_count(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pass counts a repeated call (same function, same argument shapes, dtypes and
+    grad flags) once: every node's forward, backward and weight-gradient FLOPs are what
+    counting each node on its own gives, on a model of repeated layers traced both ways."""
+    from fxpipe.passes import flops
+
+    for name in ("llama", "hf_llama"):
+        module = import_example(name)
+        model = module.build_model()
+        args = module.example_inputs()
+        args = args if isinstance(args, tuple) else (args,)
+        kwargs = args[0] if len(args) == 1 and isinstance(args[0], dict) else {}
+        traced = trace(model, () if kwargs else args, kwargs)
+        annotate_flops(traced.gm, *traced.flat_inputs)
+        once = {n.name: meta.FLOPS.get(n) for n in traced.gm.graph.nodes}
+        assert sum(f.backward > 0 for f in once.values()) > 4, name
+        with monkeypatch.context() as patch:
+            patch.setattr(flops._FlopCount, "_call", lambda self, n: None)
+            annotate_flops(traced.gm, *traced.flat_inputs)
+        each = {n.name: meta.FLOPS.get(n) for n in traced.gm.graph.nodes}
+        assert once == each, name
