@@ -106,7 +106,7 @@ def _hand_written(line: str, renamed: dict[str, str], index: Index | None = None
     names."""
     indent = line[: len(line) - len(line.lstrip())]
     text = line.strip()
-    while True:
+    while "getattr(" in text:  # (most statements have nothing to rewrite: no parse)
         tree = ast.parse(text)
         edit = next(
             (
@@ -120,11 +120,12 @@ def _hand_written(line: str, renamed: dict[str, str], index: Index | None = None
             break
         node, replacement = edit
         text = _replace(text, node, str(replacement))
-    tree = ast.parse(text)
-    names = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id in renamed]
-    for node in sorted(names, key=lambda n: n.col_offset, reverse=True):
-        text = _replace(text, node, renamed[node.id])
-    return indent + _tight_keywords(text)
+    if any(name in text for name in renamed):
+        tree = ast.parse(text)
+        names = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id in renamed]
+        for node in sorted(names, key=lambda n: n.col_offset, reverse=True):
+            text = _replace(text, node, renamed[node.id])
+    return indent + (_tight_keywords(text) if text.count("=") > 1 else text)
 
 
 def _innermost_first(tree: ast.AST) -> list[ast.AST]:
