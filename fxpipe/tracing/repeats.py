@@ -223,7 +223,7 @@ def record(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         names.setdefault(id(state[name]), name)
     recorder = _Recorder(names, inputs, lists, [len(m) for m in live])
     try:
-        with ExitStack() as hooks:
+        with _untouched(model), ExitStack() as hooks:
             for which, modules in enumerate(live):
                 for index, module in enumerate(modules):
                     hooks.enter_context(_hooked(recorder, module, (which, index)))
@@ -232,6 +232,25 @@ def record(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     except Exception:
         return None
     return recorder.run
+
+
+@contextmanager
+def _untouched(model: torch.nn.Module) -> Iterator[None]:
+    """The model's modules as they were before the block: a forward that caches a tensor
+    on first use (``self.cos_cached = ...``, a buffer registered in forward) must not
+    keep the fake one it made."""
+    saved = [(m, dict(m.__dict__), dict(m._parameters), dict(m._buffers), dict(m._modules))
+             for m in model.modules()]
+    try:
+        yield
+    finally:
+        for module, attributes, parameters, buffers, modules in saved:
+            module.__dict__.clear()
+            module.__dict__.update(attributes)
+            for now, before in ((module._parameters, parameters), (module._buffers, buffers),
+                                (module._modules, modules)):
+                now.clear()
+                now.update(before)  # type: ignore[arg-type]
 
 
 @contextmanager

@@ -237,3 +237,25 @@ def test_a_pipeline_of_copied_layers_is_transparent(tmp_path: Path) -> None:
         ids = _ids(rows, length, seed=rows)
         assert_runner_matches(runner, model, (), {"input_ids": ids}, _ids(rows, length, 9),
                               loss_fn, what=f"{rows} x {length}")
+
+
+class _Cached(_Layer):
+    """Keeps a tensor it makes on its first forward, as rotary embeddings once did."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "scale"):
+            self.scale = torch.ones(x.shape[-1], device=x.device) * 0.5
+        return super().forward(x) * self.scale
+
+
+def test_the_recorded_runs_leave_the_model_as_it_was() -> None:
+    """The fake-tensor runs must not leave fake tensors behind in the model (export
+    itself is another matter: torch warns of such attributes)."""
+    model = _Stack("in order", _Cached)
+    x = torch.randn(4, 16)
+    lists = layer_lists(model)
+    assert record(model, (x,), {}, lists) is not None
+    with cut(lists):
+        assert record(model, (x,), {}, lists) is not None
+    assert not any(hasattr(layer, "scale") for layer in model.layers)
+    assert isinstance(model.layers, nn.ModuleList) and len(model.layers) == LAYERS
