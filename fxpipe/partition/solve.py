@@ -57,6 +57,8 @@ __all__ = [
 DP_MAX_NODES = 1000  # exact groups up to which the interval DP warm start runs anyway
 WORK_LIMIT = 10.0  # CP-SAT deterministic time for one partition (about seconds when quiet)
 COARSE_SHARE = 0.25  # of the work limit, for the solve on the capped coarse graph
+PROOF_SHARE = 0.05  # of the work limit, for trying to prove the interval DP's split first
+PROOF_MAX_GROUPS = 4 * DP_MAX_NODES  # exact groups up to which that is tried
 # Placement variables (exact groups x stages) beyond which CP-SAT finds nothing within the
 # work limit (Llama-3-70B onto 32 GPUs, 5,177 x 32: both solves UNKNOWN, 50 s building
 # them): there the interval DP's split stands when the block bound is within GAP of it.
@@ -222,17 +224,10 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
         phases: list[IlpResult] = []
         result = IlpResult("UNKNOWN", None, None, math.inf, 0.0, 0.0, exact.num_coarse)
     else:
-        level = _coarse_level(problem, exact) if coarsen else exact
-        phases = _warm_starts(problem, exact, level, candidates, work_limit=work_limit,
-                              deadline=deadline, workers=workers)
+        level, phases = _search(problem, exact, candidates, coarsen=coarsen,
+                                work_limit=work_limit, deadline=deadline, workers=workers)
+        result = phases[-1]
     best = min(candidates, key=lambda c: c[0])[1] if candidates else None
-
-    if lower is None:
-        hint = exact.restrict(best) if best is not None else None
-        model = StageModel(exact, hint=hint)
-        result = model.solve(work_limit=work_limit * (1 - COARSE_SHARE if phases else 1),
-                             time_limit_s=_left(deadline), workers=workers)
-        phases.append(result)
 
     if result.stage_of is not None:
         found = evaluate(problem, result.stage_of)
@@ -290,13 +285,7 @@ def _bound_first(problem: Problem, exact: Coarsening,
     is within GAP of it, inf when no split fits, else None."""
     if not _large(problem, exact):
         return None
-    upper = min((c[0] for c in candidates), default=math.inf)
-    dp = interval_dp(exact, upper_s=upper)
-    if dp is not None:
-        split = exact.expand(dp)
-        ev = evaluate(problem, split)
-        if ev.estimate.fits and not violations(problem, split):
-            candidates.append((ev.bottleneck_s, split))
+    _add_dp_split(problem, exact, candidates)
     best = min((c[0] for c in candidates), default=math.inf)
     lower = block_bound(exact, upper_s=best)  # without a split: inf when none fits
     if lower is None or (lower < math.inf and best > lower * (1 + GAP)):
@@ -304,9 +293,58 @@ def _bound_first(problem: Problem, exact: Coarsening,
     return lower
 
 
+def _search(problem: Problem, exact: Coarsening,
+            candidates: list[tuple[float, tuple[int, ...]]], *, coarsen: bool,
+            work_limit: float, deadline: float, workers: int,
+            ) -> tuple[Coarsening, list[IlpResult]]:
+    """The CP-SAT solves, the last one's answer for the exact groups, and the graph the
+    warm start was solved on. First the exact program hinted with the interval DP's split
+    on PROOF_SHARE of the work: the DP's split is often already the optimum, which that
+    proves in a fraction of a second (proving the coarse program optimal first took 15 s
+    on transformers' Llama-3-8B at bf16-mixed). When it does not, the coarse warm start,
+    then the exact program again on the rest of the work."""
+    tried: list[IlpResult] = []
+    dp_done = exact.num_coarse <= PROOF_MAX_GROUPS
+    if dp_done:
+        _add_dp_split(problem, exact, candidates)
+    if dp_done and candidates:
+        best = min(candidates, key=lambda c: c[0])[1]
+        first = StageModel(exact, hint=exact.restrict(best)).solve(
+            work_limit=work_limit * PROOF_SHARE, time_limit_s=_left(deadline),
+            workers=workers)
+        if first.status in ("OPTIMAL", "INFEASIBLE"):
+            return exact, [first]
+        tried.append(first)
+    level = _coarse_level(problem, exact) if coarsen else exact
+    phases = _warm_starts(problem, exact, level, candidates, work_limit=work_limit,
+                          deadline=deadline, workers=workers, dp_done=dp_done)
+    best_split = min(candidates, key=lambda c: c[0])[1] if candidates else None
+    hint = exact.restrict(best_split) if best_split is not None else None
+    result = StageModel(exact, hint=hint).solve(
+        work_limit=work_limit * (1 - COARSE_SHARE if phases else 1),
+        time_limit_s=_left(deadline), workers=workers)
+    return level, [*tried, *phases, result]
+
+
+def _add_dp_split(problem: Problem, exact: Coarsening,
+                  candidates: list[tuple[float, tuple[int, ...]]]) -> None:
+    """Add to ``candidates`` the interval DP's split over the exact groups' order, when it
+    fits and is valid; the best candidate so far bounds the blocks it tries."""
+    upper = min((c[0] for c in candidates), default=math.inf)
+    dp = interval_dp(exact, upper_s=upper)
+    if dp is None:
+        return
+    split = exact.expand(dp)
+    if violations(problem, split):
+        return
+    ev = evaluate(problem, split)
+    if ev.estimate.fits:
+        candidates.append((ev.bottleneck_s, split))
+
+
 def _warm_starts(problem: Problem, exact: Coarsening, level: Coarsening,
                  candidates: list[tuple[float, tuple[int, ...]]], *, work_limit: float,
-                 deadline: float, workers: int) -> list[IlpResult]:
+                 deadline: float, workers: int, dp_done: bool = False) -> list[IlpResult]:
     """Add to ``candidates`` (bottleneck, split) the splits that may hint the exact solve:
     CP-SAT's on the capped coarse graph ``level`` when it is coarser than the exact
     groups, and the interval DP's over the exact groups' order. Returns the CP-SAT runs."""
@@ -323,19 +361,13 @@ def _warm_starts(problem: Problem, exact: Coarsening, level: Coarsening,
             candidates.append((evaluate(problem, result.stage_of).bottleneck_s,
                                result.stage_of))
     upper = min((c[0] for c in candidates), default=float("inf"))
-    if (not phases or phases[-1].stage_of is None or exact.num_coarse <= DP_MAX_NODES
-            or upper < float("inf")):
+    if not dp_done and (not phases or phases[-1].stage_of is None
+                        or exact.num_coarse <= DP_MAX_NODES or upper < float("inf")):
         # The DP over the exact groups' order: often a better warm start than the coarse
         # answer (ResNet-50: 264.8 vs 312.7). O(K n^2) with nothing to bound its blocks,
         # so then skipped on big graphs that already have a coarse answer; O(n^2) or
         # less with an upper bound (see interval_dp).
-        dp = interval_dp(exact, upper_s=upper)
-        if dp is not None:
-            split = exact.expand(dp)
-            if not violations(problem, split):
-                ev = evaluate(problem, split)
-                if ev.estimate.fits:
-                    candidates.append((ev.bottleneck_s, split))
+        _add_dp_split(problem, exact, candidates)
     return phases
 
 
