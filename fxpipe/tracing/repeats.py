@@ -372,10 +372,13 @@ def _members(gm: torch.fx.GraphModule, path: str) -> dict[int, list[torch.fx.Nod
 def _same_layer(members: dict[int, list[torch.fx.Node]], path: str) -> bool:
     """Whether the last two exported layers are one graph: the same ops in the same order,
     each argument the same value, the same node outside the layer, the same position in
-    the layer, a value of the layer before, or the same parameter of the layer's own."""
+    the layer, a value of an earlier layer, or the same parameter of the layer's own."""
     def shape(index: int) -> list[tuple[Any, ...]]:
         here = {node: p for p, node in enumerate(members[index])}
-        before = set(members[index - 1])
+        # An earlier layer's value: the layer before (layer 2's only, as a copy reads
+        # the copy before it) or layer 0 (which every later layer may read as one fixed
+        # value: the recorded runs tell the two apart).
+        before = {node for earlier in range(index) for node in members[earlier]}
         prefix = f"{path}.{index}."
 
         def kind(node: torch.fx.Node) -> Any:
