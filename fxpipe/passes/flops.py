@@ -61,6 +61,8 @@ class _FlopCount(MetaInterpreter):
                 return (type(value).__name__, *map(spec, value))
             if isinstance(value, dict):
                 return ("dict", *((k, spec(v)) for k, v in value.items()))
+            if isinstance(value, torch.nn.Module):  # a region's body: its own code
+                return ("module", id(value))
             return ("value", type(value).__name__, repr(value))
 
         args, kwargs = self.fetch_args_kwargs_from_env(n)

@@ -233,3 +233,28 @@ def test_calls_counted_once_give_every_node_its_own_count(
             annotate_flops(traced.gm, *traced.flat_inputs)
         each = {n.name: meta.FLOPS.get(n) for n in traced.gm.graph.nodes}
         assert once == each, name
+
+
+def test_regions_with_the_same_inputs_are_counted_each() -> None:
+    """Two grad-mode regions that torch.export records as calls of one function with the
+    same tensor: a relu and two matmuls. The second counts its own FLOPs, not the
+    first's (the call's body is part of what it is called with)."""
+
+    class TwoRegions(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.out = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                y = torch.relu(x)
+            with torch.no_grad():
+                z = x @ x.transpose(-1, -2) @ x
+            return self.out(y + z)
+
+    traced = trace(TwoRegions(), (torch.randn(4, 8),))
+    assert traced.tracer == "export"
+    annotate_flops(traced.gm, *traced.flat_inputs)
+    regions = [meta.FLOPS.get(n).forward for n in traced.gm.graph.nodes
+               if n.op == "call_function" and "wrap_with_set_grad_enabled" in str(n.target)]
+    assert regions == [0, 2 * (4 * 8 * 4) + 2 * (4 * 4 * 8)]
