@@ -2,13 +2,15 @@
 
 The steps, each in its own module:
 
-    exact_groups ─► baselines ─► coarsen (cap total/4K) ─► interval DP ─► CP-SAT (coarse)
-         │                                                                     │ best split
-         └──────────────────────────────────────────────────────────► CP-SAT (exact groups,
-                                                                      hinted, T <= best,
-                                                                      stages fixed by it)
+    exact_groups ─► baselines ─► interval DP ─► CP-SAT (exact groups, hinted, 5% of the
+                                                 work): proved? that is the answer
+                                      │ not proved
+                                      ▼
+                     coarsen (cap total/4K) ─► CP-SAT (coarse) ─► best split
+                                                                      │
+                              CP-SAT (exact groups, hinted, T <= best, stages fixed by it)
 
-The second solve works on the exact groups, so the bound and gap it proves are for
+The last solve works on the exact groups, so the bound and gap it proves are for
 the real problem, and whatever the coarse graph lost is won back there.
 
 With more GPUs than stages allowed (``Problem.num_devices`` > ``num_stages``, PipeDream's
