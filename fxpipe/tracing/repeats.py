@@ -227,7 +227,7 @@ def record(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
             for which, modules in enumerate(live):
                 for index, module in enumerate(modules):
                     hooks.enter_context(_hooked(recorder, module, (which, index)))
-            with quiet_stderr(), torch.no_grad(), mode, recorder:  # fake mode logs failures
+            with quiet_stderr(), mode, recorder:  # fake mode logs failures
                 functional_call(model, state, fake_args, fake_kwargs, tie_weights=False)
     except Exception:
         return None
