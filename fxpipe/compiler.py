@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
+from torch.utils import _pytree as pytree
 
 from fxpipe.codegen import generate
 from fxpipe.cost_models import Device, analytic, calibrate, measured
@@ -85,6 +86,8 @@ def analyze_file(
     right after tracing (``check_size``), before the passes spend minutes on it."""
     with progress(f"loading {spec}"):
         source = load_model_file(spec)
+    if precision is not None and not precision.mixed:
+        source = _cast(source, precision)
     with progress("tracing"):
         traced = trace_source(source)
     if solvable:
@@ -99,6 +102,22 @@ def analyze_file(
     return source, traced
 
 
+def _cast(source: ModelSource, precision: Precision) -> ModelSource:
+    """The model as a ``*-true`` precision trains it, to be traced so: cast in place with
+    ``model.to(dtype)``, as the user casts it before ``build_stages``, and its floating
+    inputs with it. torch.export writes the dtypes it traces into the graph (a Llama
+    RMSNorm's ``x.to(input_dtype)`` becomes ``to(float32)``, which a bfloat16 model would
+    not run), so only a trace of the cast model is what the cast model runs."""
+    if default_precision(source.model) is precision:
+        return source
+    dtype = precision.dtype
+    source.model.to(dtype)
+    args, kwargs = pytree.tree_map_only(
+        torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t,
+        (source.args, source.kwargs))
+    return replace(source, args=args, kwargs=kwargs)
+
+
 def analyze(
     traced: Traced,
     *,
@@ -110,7 +129,17 @@ def analyze(
     """Annotate every node: shapes, modules, FLOPs, bytes, and time (roofline or measured).
 
     The graph is analysed as ``device`` runs it (its fused attention kernels) at
-    ``precision`` (default: the model's parameter dtype)."""
+    ``precision`` (default: the model's parameter dtype). A ``*-true`` precision of
+    another dtype than a torch.export graph's is refused: the graph holds the casts of the
+    dtype it was traced at (``analyze_file`` traces the model cast)."""
+    traced_at = default_precision(traced.gm)
+    if (traced.tracer == "export" and precision is not None and not precision.mixed
+            and precision is not traced_at):
+        raise ValueError(
+            f"The graph was captured by torch.export at {traced_at.value} and holds that "
+            f"precision's casts; to plan {precision.value}, trace the model cast with "
+            f"model.to({precision.dtype}) (and its floating inputs), as analyze_file does."
+        )
     with progress("shapes, FLOPs and bytes"):
         annotate_all(traced.gm, *traced.flat_inputs, execution=_execution(device, precision))
     if measure:
