@@ -41,6 +41,7 @@ from fxpipe.partition import (
     dp_fits,
     evaluate,
     exact_groups,
+    fewest_gpus,
     partition,
     violations,
 )
@@ -235,10 +236,10 @@ def plan_split(
                                time_limit_s=options.time_limit_s,
                                replicate=options.replicate)
         except InfeasibleMemoryError as exc:
-            leaner = _fitting_precision(traced, options)
+            leaner = _fitting_precision(traced, options, exc.fits_on)
             if leaner is None:
                 raise
-            raise exc.with_precision(leaner.value) from None
+            raise exc.with_precision(leaner[0].value, leaner[1]) from None
     evaluation = result.evaluation
     if calibrate_from is not None:
         evaluation, line = _against_measured(lowered, result.problem, evaluation,
@@ -307,15 +308,24 @@ _LEANER = {
 }
 
 
-def _fitting_precision(traced: Traced, options: SplitOptions) -> Precision | None:
+def _fitting_precision(traced: Traced, options: SplitOptions, fits_on: int | None
+                       ) -> tuple[Precision, int | None] | None:
     """The first leaner precision (``_LEANER``) at which a split of the model fits with the
-    other options as given, found by costing the graph's bytes at it (the shape and byte
-    passes once more; FLOPs and times, which do not decide a fit, are left as they are:
-    the FLOP pass is the slowest) and a fast fitting split (``dp_fits``); the graph's own
-    annotations are restored afterwards. A precision the passes cannot run the graph at
-    is not named (it could not be planned either)."""
+    other options as given, and None; else the one that fits on the fewest GPUs
+    (``fewest_gpus``), fewer than ``fits_on`` (the fewest at the current precision; None:
+    none), and that count. Found by costing the graph's bytes at it (the shape and
+    byte passes once more; FLOPs and times, which do not decide a fit, are left as they
+    are: the FLOP pass is the slowest) and a fast fitting split (``dp_fits``); the graph's
+    own annotations are restored afterwards. A precision the passes cannot run the graph
+    at is not named (it could not be planned either).
+
+    On a graph torch.export captured, the bytes at a ``*-true`` precision are those of the
+    traced casts (a float32 trace keeps RMSNorm's ``to(float32)`` where the cast model
+    runs ``to(bfloat16)``): more than the cast model keeps, so a fit found here holds when
+    the model is planned at that precision, which traces it cast."""
     current = options.precision or default_precision(traced.gm)
     gm, inputs = traced.gm, traced.flat_inputs
+    on_more: tuple[Precision, int | None] | None = None
     for candidate in _LEANER.get(current, ()):
         saved = {node: dict(node.meta) for node in gm.graph.nodes}
         try:
@@ -323,14 +333,19 @@ def _fitting_precision(traced: Traced, options: SplitOptions) -> Precision | Non
             annotate_shapes(gm, *inputs, execution=execution)
             annotate_modules(gm)
             annotate_memory(gm, *inputs, execution=execution)
-            if dp_fits(_lowered(traced, replace(options, precision=candidate)).problem):
-                return candidate
+            problem = _lowered(traced, replace(options, precision=candidate)).problem
+            if dp_fits(problem):
+                return candidate, None
+            gpus = fewest_gpus(problem)
+            fewest = on_more[1] if on_more is not None else fits_on
+            if gpus is not None and (fewest is None or gpus < fewest):
+                on_more = candidate, gpus
         except AnalysisError:
             continue
         finally:
             for node, meta in saved.items():
                 node.meta = meta
-    return None
+    return on_more
 
 
 def _check_pipedream_ties(problem: Problem) -> None:
