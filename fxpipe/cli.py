@@ -485,12 +485,16 @@ def _worded(exc: ValueError) -> str:
         if exc.recompute is not None:
             fixes.append(f"--recompute {exc.recompute}")
         if exc.precision is not None:
-            fixes.append(f"--precision {exc.precision}")
-        if len(fixes) == 1:
-            fixes.append("more --gpus")
+            on = "" if exc.precision_gpus is None else f" --gpus {exc.precision_gpus}"
+            fixes.append(f"--precision {exc.precision}{on}")
+        if len(fixes) == 1 and exc.alone is None:
+            fixes.append("more --gpus" if exc.at_least is None
+                         else f"--gpus {exc.at_least} or more")
         return (f"No split of the model onto {exc.devices} GPUs fits in "
                 f"{format_bytes(exc.limit)} per GPU; the best split needs "
-                f"{format_bytes(exc.needed)}. Use {', '.join(fixes[:-1])} or {fixes[-1]}.")
+                f"{format_bytes(exc.needed)}{exc.proved()}. Use "
+                + (f"{', '.join(fixes[:-1])} or {fixes[-1]}." if len(fixes) > 1
+                   else f"{fixes[0]}."))
     if isinstance(exc, NoSolutionError):
         where = (f"onto {exc.devices} GPUs" if exc.limit is None
                  else f"that fits in {format_bytes(exc.limit)} per GPU")

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
+from torch.utils import _pytree as pytree
 
 from fxpipe.codegen import generate
 from fxpipe.cost_models import Device, analytic, calibrate, measured
@@ -40,6 +41,7 @@ from fxpipe.partition import (
     dp_fits,
     evaluate,
     exact_groups,
+    fewest_gpus,
     partition,
     violations,
 )
@@ -85,6 +87,8 @@ def analyze_file(
     right after tracing (``check_size``), before the passes spend minutes on it."""
     with progress(f"loading {spec}"):
         source = load_model_file(spec)
+    if precision is not None and not precision.mixed:
+        source = _cast(source, precision)
     with progress("tracing"):
         traced = trace_source(source)
     if solvable:
@@ -99,6 +103,22 @@ def analyze_file(
     return source, traced
 
 
+def _cast(source: ModelSource, precision: Precision) -> ModelSource:
+    """The model as a ``*-true`` precision trains it, to be traced so: cast in place with
+    ``model.to(dtype)``, as the user casts it before ``build_stages``, and its floating
+    inputs with it. torch.export writes the dtypes it traces into the graph (a Llama
+    RMSNorm's ``x.to(input_dtype)`` becomes ``to(float32)``, which a bfloat16 model would
+    not run), so only a trace of the cast model is what the cast model runs."""
+    if default_precision(source.model) is precision:
+        return source
+    dtype = precision.dtype
+    source.model.to(dtype)
+    args, kwargs = pytree.tree_map_only(
+        torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t,
+        (source.args, source.kwargs))
+    return replace(source, args=args, kwargs=kwargs)
+
+
 def analyze(
     traced: Traced,
     *,
@@ -110,7 +130,17 @@ def analyze(
     """Annotate every node: shapes, modules, FLOPs, bytes, and time (roofline or measured).
 
     The graph is analysed as ``device`` runs it (its fused attention kernels) at
-    ``precision`` (default: the model's parameter dtype)."""
+    ``precision`` (default: the model's parameter dtype). A ``*-true`` precision of
+    another dtype than a torch.export graph's is refused: the graph holds the casts of the
+    dtype it was traced at (``analyze_file`` traces the model cast)."""
+    traced_at = default_precision(traced.gm)
+    if (traced.tracer == "export" and precision is not None and not precision.mixed
+            and precision is not traced_at):
+        raise ValueError(
+            f"The graph was captured by torch.export at {traced_at.value} and holds that "
+            f"precision's casts; to plan {precision.value}, trace the model cast with "
+            f"model.to({precision.dtype}) (and its floating inputs), as analyze_file does."
+        )
     with progress("shapes, FLOPs and bytes"):
         annotate_all(traced.gm, *traced.flat_inputs, execution=_execution(device, precision))
     if measure:
@@ -206,10 +236,10 @@ def plan_split(
                                time_limit_s=options.time_limit_s,
                                replicate=options.replicate)
         except InfeasibleMemoryError as exc:
-            leaner = _fitting_precision(traced, options)
+            leaner = _fitting_precision(traced, options, exc.fits_on)
             if leaner is None:
                 raise
-            raise exc.with_precision(leaner.value) from None
+            raise exc.with_precision(leaner[0].value, leaner[1]) from None
     evaluation = result.evaluation
     if calibrate_from is not None:
         evaluation, line = _against_measured(lowered, result.problem, evaluation,
@@ -278,15 +308,24 @@ _LEANER = {
 }
 
 
-def _fitting_precision(traced: Traced, options: SplitOptions) -> Precision | None:
+def _fitting_precision(traced: Traced, options: SplitOptions, fits_on: int | None
+                       ) -> tuple[Precision, int | None] | None:
     """The first leaner precision (``_LEANER``) at which a split of the model fits with the
-    other options as given, found by costing the graph's bytes at it (the shape and byte
-    passes once more; FLOPs and times, which do not decide a fit, are left as they are:
-    the FLOP pass is the slowest) and a fast fitting split (``dp_fits``); the graph's own
-    annotations are restored afterwards. A precision the passes cannot run the graph at
-    is not named (it could not be planned either)."""
+    other options as given, and None; else the one that fits on the fewest GPUs
+    (``fewest_gpus``), fewer than ``fits_on`` (the fewest at the current precision; None:
+    none), and that count. Found by costing the graph's bytes at it (the shape and
+    byte passes once more; FLOPs and times, which do not decide a fit, are left as they
+    are: the FLOP pass is the slowest) and a fast fitting split (``dp_fits``); the graph's
+    own annotations are restored afterwards. A precision the passes cannot run the graph
+    at is not named (it could not be planned either).
+
+    On a graph torch.export captured, the bytes at a ``*-true`` precision are those of the
+    traced casts (a float32 trace keeps RMSNorm's ``to(float32)`` where the cast model
+    runs ``to(bfloat16)``): more than the cast model keeps, so a fit found here holds when
+    the model is planned at that precision, which traces it cast."""
     current = options.precision or default_precision(traced.gm)
     gm, inputs = traced.gm, traced.flat_inputs
+    on_more: tuple[Precision, int | None] | None = None
     for candidate in _LEANER.get(current, ()):
         saved = {node: dict(node.meta) for node in gm.graph.nodes}
         try:
@@ -294,14 +333,19 @@ def _fitting_precision(traced: Traced, options: SplitOptions) -> Precision | Non
             annotate_shapes(gm, *inputs, execution=execution)
             annotate_modules(gm)
             annotate_memory(gm, *inputs, execution=execution)
-            if dp_fits(_lowered(traced, replace(options, precision=candidate)).problem):
-                return candidate
+            problem = _lowered(traced, replace(options, precision=candidate)).problem
+            if dp_fits(problem):
+                return candidate, None
+            gpus = fewest_gpus(problem)
+            fewest = on_more[1] if on_more is not None else fits_on
+            if gpus is not None and (fewest is None or gpus < fewest):
+                on_more = candidate, gpus
         except AnalysisError:
             continue
         finally:
             for node, meta in saved.items():
                 node.meta = meta
-    return None
+    return on_more
 
 
 def _check_pipedream_ties(problem: Problem) -> None:

@@ -26,7 +26,14 @@ from fxpipe.partition.problem import (
     TiedGroup,
     TiedPolicy,
 )
-from fxpipe.partition.solve import MAX_NODES, Partition, check_size, dp_fits, partition
+from fxpipe.partition.solve import (
+    MAX_NODES,
+    Partition,
+    check_size,
+    dp_fits,
+    fewest_gpus,
+    partition,
+)
 
 __all__ = [
     "BASELINES",
@@ -57,6 +64,7 @@ __all__ = [
     "dp_fits",
     "evaluate",
     "exact_groups",
+    "fewest_gpus",
     "interval_dp",
     "partition",
     "stage_cost",

@@ -26,7 +26,7 @@ and sent values, the loss, the backward transient, recompute per stage) included
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -35,7 +35,8 @@ from fxpipe.partition.coarsen import Coarsening, exact_groups
 from fxpipe.partition.cost import memory_parts, recompute_options, state_split
 from fxpipe.partition.problem import Problem, stage_flights
 
-__all__ = ["BASELINES", "Blocks", "baselines", "interval_dp", "linear_partition", "min_max_dp"]
+__all__ = ["BASELINES", "Blocks", "baselines", "interval_dp", "leanest_dp", "linear_partition",
+           "min_max_dp"]
 
 
 def linear_partition(weights: Sequence[float], num_parts: int, *, allow_empty: bool = False
@@ -260,22 +261,10 @@ class Blocks:
         it fits no memory with any recompute choice. Every stage at once; the loss is
         the last stage's alone."""
         p = self.problem
-        K = p.num_stages
         inf = float("inf")
-        flights = self.flights
-        load = np.full((K, starts.size), inf)
-        block: dict[str, Any] = {
-            "params": np.maximum(self.P[end] - self.P0[starts], 0.0),
-            "activations": np.maximum(self.A[end] - self.A0[starts], 0.0),
-            "received": self.cut_bytes[starts], "kept": sent, "transient": peak,
-        }
+        load = np.full((p.num_stages, starts.size), inf)
         for recompute in reversed(self.options):  # the faster choice last: it wins where both fit
-            # j = -1: no stage's loss (every row); then the last row with its loss
-            every: Any = memory_parts(p, -1, flight=flights, recompute=recompute, **block)
-            last: Any = memory_parts(p, K - 1, flight=int(flights[K - 1, 0]),
-                                     recompute=recompute, **block)
-            rows = np.broadcast_to(sum(every.values()), load.shape).copy()
-            rows[K - 1] = sum(last.values())
+            rows = self.memory(end, starts, sent=sent, peak=peak, recompute=recompute)
             seconds = (np.maximum(self.T[end] - self.T0[starts], 0.0)
                        + self.cut[starts] + self.cut[end])
             if recompute:
@@ -284,6 +273,54 @@ class Blocks:
         if end == 0 and not allow_empty:
             load[0] = inf
         return load
+
+    def memory(self, end: int, starts: Any, *, sent: Any, peak: Any, recompute: bool) -> Any:
+        """(K, starts): the bytes of stage j's block [start, end) on row j with the given
+        recompute choice; the loss is the last stage's alone."""
+        p = self.problem
+        K = p.num_stages
+        block: dict[str, Any] = {
+            "params": np.maximum(self.P[end] - self.P0[starts], 0.0),
+            "activations": np.maximum(self.A[end] - self.A0[starts], 0.0),
+            "received": self.cut_bytes[starts], "kept": sent, "transient": peak,
+        }
+        # j = -1: no stage's loss (every row); then the last row with its loss
+        every: Any = memory_parts(p, -1, flight=self.flights, recompute=recompute, **block)
+        last: Any = memory_parts(p, K - 1, flight=int(self.flights[K - 1, 0]),
+                                 recompute=recompute, **block)
+        rows = np.broadcast_to(sum(every.values()), (K, starts.size)).copy()
+        rows[K - 1] = sum(last.values())
+        return rows
+
+
+@dataclass(frozen=True)
+class _LeanBlocks(Blocks):
+    """Blocks priced by their bytes with the leanest recompute choice the policy allows
+    (the min-max DP then finds the split that needs the least memory), inf beyond the
+    problem's memory limit."""
+
+    def loads(self, end: int, starts: Any, *, sent: Any, peak: Any, allow_empty: bool) -> Any:
+        rows = np.min([self.memory(end, starts, sent=sent, peak=peak, recompute=recompute)
+                       for recompute in self.options], axis=0)
+        load = np.where(rows <= self.problem.memory_limit, rows, float("inf"))
+        if end == 0 and not allow_empty:
+            load[0] = float("inf")
+        return load
+
+
+def leanest_dp(c: Coarsening) -> tuple[int, ...] | None:
+    """Coarse assignment: the contiguous split of ``c``'s order whose largest stage needs
+    the least memory (the interval DP with bytes for seconds); None when every split
+    needs more than the problem's memory limit. A finite limit (the memory of a split
+    known to exist) keeps it fast: no block is tried whose parameters alone exceed it."""
+    p = c.problem
+    n, K = c.num_coarse, p.num_stages
+    blocks = Blocks.of(c)
+    lean = _LeanBlocks(*(getattr(blocks, f.name) for f in fields(blocks)))
+    best, back = min_max_dp(lean, n, upper_s=float("inf"), allow_empty=p.allow_empty_stages)
+    if best[K - 1][n] == float("inf"):
+        return None
+    return _walk_back(back, n, K)
 
 
 def _spans(c: Coarsening) -> dict[int, list[int]]:

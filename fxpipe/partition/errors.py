@@ -85,40 +85,62 @@ class ProblemTooLargeError(ValueError):
 
 class InfeasibleMemoryError(ValueError):
     """No split onto ``devices`` GPUs fits ``limit`` bytes per GPU; the leanest split found
-    needs ``needed`` (the least any split needs when the search for it finished).
+    needs ``needed``.
 
     What would fit instead, each found by a split that does: ``fits_on`` GPUs (None when
     not searched or none found), ``recompute`` the recompute policy (None when it would
     not help or is already allowed), ``precision`` a leaner training precision (None when
     none was tried or none fits; the caller, which costs the graph, tries them:
-    ``with_precision``)."""
+    ``with_precision``), on ``precision_gpus`` GPUs where it needs more than asked.
+    What is proved cannot fit: fewer than ``at_least`` GPUs (None when not known), and,
+    with ``alone`` = (name, bytes), any number of GPUs, since that one group of ops needs
+    more than the limit on a stage of its own."""
 
     def __init__(self, *, devices: int, limit: float, needed: float,
                  fits_on: int | None = None, recompute: str | None = None,
-                 precision: str | None = None) -> None:
+                 precision: str | None = None, at_least: int | None = None,
+                 alone: tuple[str, float] | None = None,
+                 precision_gpus: int | None = None) -> None:
         self.devices = devices
         self.limit = limit
         self.needed = needed
         self.fits_on = fits_on
         self.recompute = recompute
         self.precision = precision
+        self.at_least = at_least
+        self.alone = alone
+        self.precision_gpus = precision_gpus
         fixes = [f"allow {format_bytes(needed)} per GPU"]
         if fits_on is not None:
             fixes.append(f"use {fits_on} GPUs")
         if recompute is not None:
             fixes.append(f"recompute ({recompute})")
         if precision is not None:
-            fixes.append(f"train at precision {precision}")
+            on = "" if precision_gpus is None else f" on {precision_gpus} GPUs"
+            fixes.append(f"train at precision {precision}{on}")
         super().__init__(
             f"No split of the model onto {devices} GPUs fits in {format_bytes(limit)} per GPU; "
-            f"the best split needs {format_bytes(needed)}. To fit, {_either(fixes)}.")
+            f"the best split needs {format_bytes(needed)}{self.proved()}. To fit, "
+            f"{_either(fixes)}.")
 
+    def proved(self) -> str:
+        """What the bounds proved cannot fit, as a clause (empty when nothing is)."""
+        if self.alone is not None:
+            name, needs = self.alone
+            return (f", and {name} alone needs {format_bytes(needs)}, so no number of "
+                    "GPUs fits")
+        if self.fits_on is None and self.at_least is not None:
+            return f", and no split onto fewer than {self.at_least} GPUs can fit"
+        return ""
 
-    def with_precision(self, precision: str) -> InfeasibleMemoryError:
-        """The same error, naming ``precision`` as a fix too."""
+    def with_precision(self, precision: str, gpus: int | None = None) -> InfeasibleMemoryError:
+        """The same error, naming ``precision`` as a fix too, on ``gpus`` GPUs (None: on
+        as many as asked)."""
         return InfeasibleMemoryError(devices=self.devices, limit=self.limit,
                                      needed=self.needed, fits_on=self.fits_on,
-                                     recompute=self.recompute, precision=precision)
+                                     recompute=self.recompute, precision=precision,
+                                     at_least=self.at_least, alone=self.alone,
+                                     precision_gpus=gpus)
 
 
 def _either(options: list[str]) -> str:

@@ -89,20 +89,32 @@ def quiet_stderr() -> Iterator[None]:
 
 
 def _drop_export_checks(gm: torch.fx.GraphModule) -> None:
-    """Remove export's input guards, dtype assertions and unread attributes."""
+    """Remove export's input guards, dtype assertions and unread attributes.
+
+    The assertions pin each value to the dtype it had when traced, in the bodies of
+    higher-order ops too (a rotary embedding's no-grad region asserts its float32
+    ``inv_freq`` before upcasting it): they would fail on the model as ``*-true`` runs it,
+    cast with ``model.to(dtype)``, where the graph's own casts say what runs."""
     for node in reversed(gm.graph.nodes):
         guard = node.op == "call_module" and node.target == "_guards_fn"
-        check = (
-            node.op == "call_function"
-            and node.target is torch.ops.aten._assert_tensor_metadata.default
-        )
-        if (guard or check) and not node.users:
+        if (guard or _is_dtype_check(node)) and not node.users:
             gm.graph.erase_node(node)
             if guard:
                 gm.delete_submodule("_guards_fn")
     # A tied parameter appears once per name; only the one export reads has users.
     gm.graph.eliminate_dead_code(is_impure_node=_updates_state)
     gm.recompile()
+    for body in gm.modules():
+        if body is not gm and isinstance(body, torch.fx.GraphModule):
+            for node in reversed(body.graph.nodes):
+                if _is_dtype_check(node) and not node.users:
+                    body.graph.erase_node(node)
+            body.recompile()
+
+
+def _is_dtype_check(node: torch.fx.Node) -> bool:
+    return (node.op == "call_function"
+            and node.target is torch.ops.aten._assert_tensor_metadata.default)
 
 
 # Ops that update running statistics in place though their schemas say nothing of it

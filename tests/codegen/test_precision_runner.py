@@ -1,17 +1,33 @@
 """Transparency at the plan's precision: the generated runner under ``bf16-mixed`` gives
 the outputs, loss and gradients of the unsplit model run under the same CPU autocast,
-at bfloat16's tolerance; ``16-mixed`` scales the loss with a GradScaler."""
+at bfloat16's tolerance; ``16-mixed`` scales the loss with a GradScaler; under
+``bf16-true`` and ``16-true`` the stages of the model cast with ``model.to(dtype)`` give
+what that cast model gives."""
 
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from ._models import grads, import_package, leaves, mini_batch, traced, write_package
+from fxpipe.compiler import analyze_file
+from fxpipe.cost_models import get_device
+from fxpipe.frontend import load_model_file
+from fxpipe.precision import parse_precision
+
+from ._models import (
+    EXAMPLES,
+    grads,
+    import_package,
+    leaves,
+    mini_batch,
+    traced,
+    write_package,
+)
 from ._plans import contiguous_plan
 
 # bfloat16 keeps 8 bits of mantissa (eps 2^-8): values that went through a few bf16 ops
@@ -112,6 +128,81 @@ def test_16_mixed_runner_scales_the_loss(tmp_path: Path) -> None:
     runner.scaler.update()
     assert runner.scaler.get_scale() == scale
     model.zero_grad(set_to_none=True)
+
+# transformers' Mistral at toy size: Llama's layers with a sliding attention window
+MISTRAL = f"""
+    import sys
+    sys.path.insert(0, {str(EXAMPLES)!r})
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+    from transformers_models import llama_inputs as example_inputs
+    from transformers_models import llama_target as example_target
+    from transformers_models import loss_fn
+
+    def build_model():
+        torch.manual_seed(0)
+        config = MistralConfig(
+            vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+            sliding_window=8, attention_dropout=0.0, use_cache=False, bos_token_id=1,
+            eos_token_id=2, pad_token_id=0)
+        return MistralForCausalLM(config).train()
+"""
+
+
+def _model_file(tmp_path: Path, name: str) -> str:
+    if name == "hf_mistral":
+        path = tmp_path / "hf_mistral.py"
+        path.write_text(textwrap.dedent(MISTRAL))
+        return str(path)
+    return str(EXAMPLES / f"{name}.py")
+
+
+@pytest.mark.parametrize(("name", "precision"), [
+    ("hf_llama", "bf16-true"), ("hf_llama", "16-true"), ("hf_gpt2", "bf16-true"),
+    ("hf_mistral", "bf16-true")])
+def test_true_precision_runner_matches_the_cast_model(tmp_path: Path, name: str,
+                                                      precision: str) -> None:
+    """transformers' models keep some values in float32 whatever the model's dtype (the
+    rotary embedding's cos and sin, RMSNorm's variance) and cast others back to the dtype
+    of their input, which torch.export writes into the graph as the dtype it traced: the
+    file's model is traced cast, as it will train, and its stages run on the cast model."""
+    spec = _model_file(tmp_path, name)
+    dtype = parse_precision(precision).dtype
+    _source, tr = analyze_file(spec, device=get_device("cpu"),
+                               precision=parse_precision(precision))
+    assert tr.tracer == "export"
+    plan = contiguous_plan(tr.gm.graph, 3, schedule="1f1b", microbatches=2, model=name)
+    write_package(tmp_path / "pkg", tr, dataclasses.replace(plan, precision=precision))
+    package = import_package(tmp_path / "pkg")
+
+    fresh = load_model_file(spec)  # what a user builds, and casts before build_stages
+    model = fresh.model.to(dtype)
+    runner = package.PipelineRunner(package.build_stages(model))
+    args, kwargs = mini_batch(fresh.args), mini_batch(fresh.kwargs)
+    target = mini_batch(fresh.target)
+    model.zero_grad(set_to_none=True)
+    loss = runner.step(kwargs if kwargs else args, target, fresh.loss_fn)
+    pipeline_grads = grads(model)
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        pipeline_out = runner.forward(*args, **kwargs)
+
+    want = model(*args, **kwargs)
+    want_loss = fresh.loss_fn(want, target)  # type: ignore[misc]
+    want_loss.backward()
+    model_grads = grads(model)
+    model.zero_grad(set_to_none=True)
+
+    _close(torch.as_tensor(loss), want_loss, "loss")
+    assert [t.dtype for t in leaves(want)] == [dtype]
+    for a, b in zip(leaves(pipeline_out), leaves(want), strict=True):
+        _close(a, b, "output")
+    assert sorted(pipeline_grads) == sorted(model_grads)
+    for key, value in model_grads.items():
+        assert pipeline_grads[key].dtype == dtype, key
+        _close(pipeline_grads[key], value, key)
+
 
 def test_true_precision_warns_on_an_uncast_model(tmp_path: Path) -> None:
     source, _tr = traced("mlp")

@@ -82,3 +82,29 @@ def test_example_traces_and_profiles(example: str, tracer: str) -> None:
 def test_transformers_example_built_on_meta_traces_and_profiles(example: str) -> None:
     """The same transformers examples built under ``torch.device("meta")``."""
     check_profile(str(EXAMPLES / example), "export", on_meta=True)
+
+
+def test_export_checks_are_gone_from_higher_order_bodies_too() -> None:
+    """torch.export asserts each value's traced dtype, inside the body of a no-grad region
+    too (Llama's rotary embedding asserts a float32 ``inv_freq``): a model cast to
+    bfloat16 must run the graph, so none of those assertions is left anywhere."""
+    source = load_model_file(str(EXAMPLES / "hf_llama.py"))
+    traced = trace(source.model, source.args, source.kwargs)
+    bodies = [m for m in traced.gm.modules() if isinstance(m, torch.fx.GraphModule)]
+    assert len(bodies) > 1  # the rotary embedding's no-grad region is a body of its own
+    for body in bodies:
+        assert not [n for n in body.graph.nodes
+                    if n.target is torch.ops.aten._assert_tensor_metadata.default]
+
+
+def test_an_export_graph_is_not_analysed_at_another_true_precision() -> None:
+    """The graph holds casts to the dtype it was traced at (RMSNorm's ``to(input_dtype)``
+    became ``to(float32)``): its costs at bf16-true would not be the cast model's."""
+    from fxpipe.compiler import analyze
+    from fxpipe.precision import Precision
+
+    source = load_model_file(str(EXAMPLES / "hf_llama.py"))
+    traced = trace(source.model, source.args, source.kwargs)
+    with pytest.raises(ValueError, match=r"model\.to\(torch\.bfloat16\)"):
+        analyze(traced, device=get_device("cpu"), precision=Precision.BF16_TRUE)
+    analyze(traced, device=get_device("cpu"), precision=Precision.BF16_MIXED)  # autocast: fine
