@@ -32,6 +32,9 @@ floating-point sums.
 Only for one GPU per stage (not interleaved, V-placed or replicated); None where the
 bound does not apply or a segment has too many ideals to enumerate.
 
+Where GPUs run several stage modules (interleaved, V-placed), ``shared_gpu_bound`` is a
+weaker one: the work spread evenly over the GPUs (see there).
+
 Legend: G exact groups, s a separator, k a segment, D an ideal, a..b a block of cells.
 """
 
@@ -44,9 +47,9 @@ import numpy as np
 from fxpipe.partition.baselines import Blocks, min_max_dp
 from fxpipe.partition.coarsen import Coarsening
 from fxpipe.partition.cost import recompute_options
-from fxpipe.partition.problem import stage_flights
+from fxpipe.partition.problem import TiedPolicy, stage_flights
 
-__all__ = ["block_bound"]
+__all__ = ["block_bound", "shared_gpu_bound"]
 
 MAX_IDEALS = 50_000  # per distinct segment; beyond, no bound (the enumeration's time)
 LIGHT = 1e-4  # a group with no parameters and below this share of time and bytes
@@ -75,6 +78,51 @@ def block_bound(exact: Coarsening, *, upper_s: float = math.inf) -> float | None
     if value == math.inf:  # no split of the relaxation is faster than upper_s, or fits
         return upper_s
     return value * (1 - 1e-9)
+
+
+def shared_gpu_bound(exact: Coarsening, *, upper_s: float = math.inf) -> float | None:
+    """Where GPUs run several stage modules: a bottleneck no split faster than ``upper_s``
+    beats. The GPUs' times add up to every node's compute plus every stage's transfers,
+    and those include, on each stage holding a copy of a replicated tied parameter, the
+    all-reduce of its gradient whenever more than one stage holds one. A stage holding
+    every reader of it holds all compute between them (stages are convex along the
+    ordering edges); when that alone is ``upper_s`` or more, a faster split has at least
+    two copies. The slowest GPU takes at least the N-th part of the sum. None for one GPU
+    per stage (``block_bound``'s domain) and for replicated stages."""
+    p = exact.problem
+    if p.virtual_stages == 1 or p.replicates:
+        return None
+    compute = np.zeros(exact.num_coarse)
+    for v, node in enumerate(p.nodes):
+        compute[exact.group_of[v]] += node.forward_s + node.backward_s
+    work = float(compute.sum())
+    if p.tied_policy is TiedPolicy.REPLICATE:
+        for tied in p.tied:
+            readers = {exact.group_of[v] for v in tied.nodes}
+            if len(readers) > 1 and float(compute[_hull(exact, readers)].sum()) >= upper_s:
+                work += 2 * tied.allreduce_s
+    return min(upper_s, work / p.devices) * (1 - 1e-9)
+
+
+def _hull(exact: Coarsening, groups: set[int]) -> list[int]:
+    """The groups on an ordering path between two of ``groups`` (and those): what a stage
+    holding all of ``groups`` holds."""
+    succs: list[list[int]] = [[] for _ in range(exact.num_coarse)]
+    preds: list[list[int]] = [[] for _ in range(exact.num_coarse)]
+    for a, b in exact.order_edges:
+        succs[a].append(b)
+        preds[b].append(a)
+
+    def reach(step: list[list[int]]) -> set[int]:
+        seen, todo = set(groups), list(groups)
+        while todo:
+            for w in step[todo.pop()]:
+                if w not in seen:
+                    seen.add(w)
+                    todo.append(w)
+        return seen
+
+    return sorted(reach(succs) & reach(preds))
 
 
 def _group_sums(exact: Coarsening) -> np.ndarray:
