@@ -8,19 +8,25 @@ of exact groups x stages finds little within its work limit (Llama-3-8B, 16 modu
 
 The search works on contiguous splits of the exact groups' order (valid pipelines by
 construction): a split is its cuts c_0 = 0 < c_1 < ... < c_K = n, stage j the block
-[c_j, c_j+1). Moving cut c_j+1 only changes stage j and stage j + 1, so only their two
-GPUs' loads. Each step puts one cut where the slower of those two GPUs is fastest
-(each GPU with its fastest recompute choice that fits, ``cost.choose_recompute``'s
-rule), ties broken by the smaller difference between them, then the earlier position.
-A step is taken only when it lowers the slower GPU, so the GPU times, sorted from the
-slowest, decrease lexicographically and the search ends; sweeping the cuts in order,
-work flows from a slow GPU along the chain to where there is slack, both within a round
-of stages and across rounds. Deterministic: no clock, no randomness.
+[c_j, c_j+1). Two moves, each taken only when it lowers the slowest GPU it touches, so
+the GPU times, sorted from the slowest, decrease lexicographically and the search ends:
 
-Blocks are priced like the interval DP prices them (``baselines.Blocks``: the stage
-cost formula with cut communication, received and kept values, the loss, the backward
-transient); replicated tied parameters are left out, and ``evaluate`` has the last word
-on the split found.
+    pair    moving cut c_j+1 only changes stage j and j + 1, so only their two GPUs'
+            loads: put it where the slower of the two is fastest (ties: the smaller
+            difference, then the earlier position). Sweeping the cuts in order, work
+            flows from a slow GPU along the chain to where there is slack, within a
+            round of stages and across rounds.
+    window  where pair moves stall on big ops (a 21.5 ms matmul moved from GPU 5 to 6
+            makes 6 the slower), re-cut up to N consecutive stages (on distinct GPUs)
+            around the slowest GPU at once: the min-max DP over the window's GPUs, their
+            other stages fixed, each inner cut within REACH groups of where it is.
+
+Each GPU takes its fastest recompute choice that fits (``cost.choose_recompute``'s
+rule). Blocks are priced like the interval DP prices them (``baselines.Blocks``: the
+stage cost formula with cut communication, received and kept values, the loss, the
+backward transient) plus the copies and all-reduces of replicated tied parameters;
+``evaluate`` has the last word on the split found. Deterministic: no clock, no
+randomness.
 
 Legend: n exact groups in order, K stages, N GPUs, c the cuts, x a candidate position
 for one cut, z a recompute choice.
@@ -44,6 +50,9 @@ __all__ = ["cuts_of", "round_profiles", "shared_gpu_search", "shared_gpu_warm_st
 
 MAX_SWEEPS = 400  # sweeps over every cut; each strictly improves or the search stops
 MAX_ROUNDS = 200  # rounds of sweeps then one window DP that improves
+# Blocks priced per search, at most: a deterministic bound on its work on big graphs (the
+# HF Llama-3-8B and GPT-2 XL shapes, v = 4 onto 8, take 0.3-0.8 million, 1-3 s).
+PRICE_BUDGET = 1_500_000
 WINDOW = 8  # consecutive stages (at most N) re-cut together by the window DP
 REACH = 48  # groups each cut of the window may move: about a transformer layer's
 # Starts besides the candidates': round r of N stages gets a share of the compute in
@@ -102,7 +111,7 @@ def shared_gpu_search(c: Coarsening, start: Sequence[int]) -> tuple[int, ...] | 
                               for j in range(1, K)), n])
     for _ in range(MAX_ROUNDS):
         search.sweep_pairs()
-        if not search.window_around_slowest():
+        if search.spent() or not search.window_around_slowest():
             break
     if not np.all(np.isfinite(search.loads())):
         return None
@@ -122,6 +131,9 @@ class _Search:
         self.stage = [self.prices.block(j, np.array([cuts[j]]), np.array([cuts[j + 1]]))
                       for j in range(p.num_stages)]
 
+    def spent(self) -> bool:
+        return self.prices.priced > PRICE_BUDGET
+
     def loads(self) -> list[float]:
         return [float(self.prices.gpu(d, self.stage, {})[0])
                 for d in range(self.problem.devices)]
@@ -135,6 +147,8 @@ class _Search:
         for _ in range(MAX_SWEEPS):
             moved = False
             for b in range(1, p.num_stages):
+                if self.spent():
+                    return
                 xs = np.arange(cuts[b - 1] + gap, cuts[b + 1] - gap + 1)
                 if xs.size <= 1:
                     continue
@@ -157,21 +171,18 @@ class _Search:
                 return
 
     def window_around_slowest(self) -> bool:
-        """Re-cut WINDOW consecutive stages on distinct GPUs at once, their outer cuts
-        kept, for each window holding a stage of the slowest GPU: the min-max DP over
-        the window's GPUs, their other stages fixed. Where single moves stall on big ops
-        (a 21.5 ms matmul moved from GPU 5 to 6 makes 6 the slower), a chain of moves
-        along the window still lowers the slowest. True when a window improved."""
+        """The window move (module docstring) on windows holding a stage of the slowest
+        GPU, until one lowers it: True then."""
         p, K = self.problem, self.problem.num_stages
         loads = self.loads()
         slowest = int(np.argmax(loads))
         w = min(WINDOW, K, p.devices)
         for j in (j for j in range(K) if p.device_of(j) == slowest):
-            # the stage last, in the middle, first: work flows back, both ways, on
+            # the windows ending at, centred on and starting at stage j
             for first in sorted({min(max(0, f), K - w) for f in (j - w + 1, j - w // 2, j)}):
                 stages = range(first, first + w)
                 gpus = [p.device_of(i) for i in stages]
-                if len(set(gpus)) < w:
+                if len(set(gpus)) < w or self.spent():
                     continue
                 if self._window(stages, max(loads[d] for d in gpus)):
                     return True
@@ -251,6 +262,7 @@ class _Prices:
     def __init__(self, c: Coarsening) -> None:
         self.problem = p = c.problem
         self.blocks = Blocks.of(c)
+        self.priced = 0  # blocks priced so far (see PRICE_BUDGET)
         self.flights = stage_flights(p)
         self.waiting = stage_deferred(p)
         self.options = recompute_options(p)
@@ -309,6 +321,7 @@ class _Prices:
         """Stage j on [start, end), per pair: (time, memory) per recompute choice, in
         ``self.options`` order, flattened."""
         p, x = self.problem, self.blocks
+        self.priced += starts.size
         params = np.maximum(x.P[ends] - x.P0[starts], 0.0)
         kept = self._kept(starts, ends) + x.R[ends] - x.R[starts]
         seconds = (np.maximum(x.T[ends] - x.T0[starts], 0.0)
