@@ -1,6 +1,7 @@
 """The shared-GPU warm start (``fxpipe.partition.interleave``) and bound
 (``bound.shared_gpu_bound``): its prices are ``evaluate``'s, its moves never make the
-slowest GPU slower, it balances across rounds, and the bound is below brute force."""
+slowest GPU slower, it balances across rounds, and the bound (tied all-reduces and the
+least transfers across the last round's boundaries) is below brute force."""
 
 from __future__ import annotations
 
