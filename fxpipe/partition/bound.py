@@ -32,21 +32,26 @@ floating-point sums.
 Only for one GPU per stage (not interleaved, V-placed or replicated); None where the
 bound does not apply or a segment has too many ideals to enumerate.
 
+Where GPUs run several stage modules (interleaved, V-placed), ``shared_gpu_bound`` is a
+weaker one: the work spread evenly over the GPUs (see there).
+
 Legend: G exact groups, s a separator, k a segment, D an ideal, a..b a block of cells.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 
 from fxpipe.partition.baselines import Blocks, min_max_dp
 from fxpipe.partition.coarsen import Coarsening
 from fxpipe.partition.cost import recompute_options
-from fxpipe.partition.problem import stage_flights
+from fxpipe.partition.evaluate import consumers
+from fxpipe.partition.problem import Comm, TiedPolicy, stage_flights
 
-__all__ = ["block_bound"]
+__all__ = ["block_bound", "shared_gpu_bound"]
 
 MAX_IDEALS = 50_000  # per distinct segment; beyond, no bound (the enumeration's time)
 LIGHT = 1e-4  # a group with no parameters and below this share of time and bytes
@@ -75,6 +80,167 @@ def block_bound(exact: Coarsening, *, upper_s: float = math.inf) -> float | None
     if value == math.inf:  # no split of the relaxation is faster than upper_s, or fits
         return upper_s
     return value * (1 - 1e-9)
+
+
+def shared_gpu_bound(exact: Coarsening, *, upper_s: float = math.inf) -> float | None:
+    """Where GPUs run several stage modules: a bottleneck no split faster than ``upper_s``
+    beats. The GPUs' times add up to every node's compute plus every stage's transfers,
+    and the slowest GPU takes at least the N-th part of the sum. Of the transfers it
+    counts:
+
+    - on each stage holding a copy of a replicated tied parameter, the all-reduce of its
+      gradient whenever more than one stage holds one: a stage holding every reader of
+      it holds all compute between them (stages are convex along the ordering edges),
+      so when that alone is ``upper_s`` or more, a faster split has at least two copies;
+    - with neighbour transport, each boundary b charges the values crossing it to both
+      sides. The stages after b run on r_b distinct GPUs, each faster than ``upper_s``,
+      so the ideal before b holds at least total - r_b * upper_s of compute; it then
+      sends at least the least any such ideal sends (``_least_crossing``). The last
+      round's boundaries are the ones this says something about.
+
+    None for one GPU per stage (``block_bound``'s domain) and for replicated stages."""
+    p = exact.problem
+    if p.virtual_stages == 1 or p.replicates:
+        return None
+    compute = np.zeros(exact.num_coarse)
+    for v, node in enumerate(p.nodes):
+        compute[exact.group_of[v]] += node.forward_s + node.backward_s
+    work = float(compute.sum())
+    if p.tied_policy is TiedPolicy.REPLICATE:
+        for tied in p.tied:
+            readers = {exact.group_of[v] for v in tied.nodes}
+            if len(readers) > 1 and float(compute[_hull(exact, readers)].sum()) >= upper_s:
+                work += 2 * tied.allreduce_s
+    if p.comm is Comm.NEIGHBOUR and upper_s < math.inf and not p.allow_empty_stages:
+        crossing = _least_crossing(exact)
+        if crossing is not None:
+            least, uncounted = crossing
+            K = p.num_stages
+            for b in range(K - 1):
+                after = len({p.device_of(j) for j in range(b + 1, K)})
+                work += 2 * least(float(compute.sum()) - after * upper_s - uncounted)
+    return min(upper_s, work / p.devices) * (1 - 1e-9)
+
+
+def _least_crossing(exact: Coarsening) -> tuple[Callable[[float], float], float] | None:
+    """(least, uncounted): least(X) is the least comm_s of the values that an ideal with
+    at least X seconds of counted compute (not every group) sends to a group outside it;
+    ``uncounted`` the compute of the groups the block bound zeroes (``_segments``), which
+    the counted compute of an ideal may lack. Every ideal's counted groups are all segments
+    before some k plus an ideal I of segment k; values from or to zeroed groups are left
+    out, which only lowers what an ideal sends. None beyond MAX_IDEALS."""
+    p = exact.problem
+    sums = _group_sums(exact)
+    compute = sums[:, 0].copy()
+    segments, _ = _segments(exact, sums)
+    counted = np.zeros(exact.num_coarse, dtype=bool)
+    segment_of = np.full(exact.num_coarse, -1)
+    place = np.zeros(exact.num_coarse, dtype=np.int64)
+    for k, segment in enumerate(segments):
+        for i, g in enumerate(segment):
+            counted[g], segment_of[g], place[g] = True, k, i
+    uncounted = float(compute[~counted].sum())
+    # per segment: the comm_s crossing it whatever its ideal (produced before, read after),
+    # (readers' bits, comm) of values from before read last in it, and (producer's bit,
+    # readers' bits, read after it, comm) of values produced in it
+    through = np.zeros(len(segments))
+    incoming: list[list[tuple[int, float]]] = [[] for _ in segments]
+    local: list[list[tuple[int, int, bool, float]]] = [[] for _ in segments]
+    for v, readers in enumerate(consumers(p)):
+        g = exact.group_of[v]
+        read = {exact.group_of[w] for w in readers} - {g}
+        read = {r for r in read if counted[r]}
+        comm = p.nodes[v].comm_s
+        if not counted[g] or not read or comm <= 0:
+            continue
+        k0, last = int(segment_of[g]), max(int(segment_of[r]) for r in read)
+        through[k0 + 1:last] += comm
+        if last > k0:
+            bits = sum(1 << int(place[r]) for r in read if segment_of[r] == last)
+            incoming[last].append((bits, comm))
+        bits = sum(1 << int(place[r]) for r in read if segment_of[r] == k0)
+        local[k0].append((1 << int(place[g]), bits, last > k0, comm))
+    found: list[tuple[float, float]] = []
+    before = 0.0
+    preds: list[list[int]] = [[] for _ in range(exact.num_coarse)]
+    for a, b in exact.order_edges:
+        preds[b].append(a)
+    for k, segment in enumerate(segments):
+        local_of = {g: i for i, g in enumerate(segment)}
+        masks = tuple(sum(1 << local_of[a] for a in preds[g] if a in local_of)
+                      for g in segment)
+        ideals = _ideals(masks, compute[segment])
+        if ideals is None:
+            return None
+        # Not the full ideal: before the last segment it is the next one's empty ideal; of
+        # the last, it holds every counted group, which no other ideal does when every
+        # zeroed group has a counted descendant (it must stay out with them).
+        ideals = [i for i in ideals if i[0] != (1 << len(segment)) - 1]
+        for ideal, seconds in ideals:
+            sent = through[k]
+            sent += sum(c for bits, c in incoming[k] if bits & ~ideal)
+            sent += sum(c for bit, bits, later, c in local[k]
+                        if ideal & bit and (later or bits & ~ideal))
+            found.append((before + seconds, sent))
+        before += float(compute[segment].sum())
+    if not found or not _zeroed_lead_to_counted(exact, counted):
+        return None
+    found.sort()
+    at = np.array([f[0] for f in found])
+    least = np.minimum.accumulate(np.array([f[1] for f in found])[::-1])[::-1]
+
+    def least_from(x: float) -> float:
+        i = int(np.searchsorted(at, x * (1 - 1e-9) - 1e-15, side="left"))
+        return float(least[i]) if i < len(least) else 0.0
+
+    return least_from, uncounted
+
+
+def _zeroed_lead_to_counted(exact: Coarsening, counted: np.ndarray) -> bool:
+    """Whether every group not counted has a counted group among its descendants."""
+    leads = counted.copy()
+    for a, b in sorted(exact.order_edges, reverse=True):  # groups in a topological order
+        leads[a] |= leads[b]
+    return bool(leads.all())
+
+
+def _ideals(masks: tuple[int, ...], compute: np.ndarray) -> list[tuple[int, float]] | None:
+    """(bits, compute) of every ideal of a segment (see ``_ideal_sums``); None beyond
+    MAX_IDEALS."""
+    seconds = compute.tolist()
+    found: list[tuple[int, float]] = [(0, 0.0)]
+    stack: list[tuple[int, int, float]] = [(0, 0, 0.0)]
+    while stack:
+        ideal, first, total = stack.pop()
+        for g in range(first, len(masks)):
+            if masks[g] & ~ideal == 0:
+                grown = (ideal | (1 << g), total + seconds[g])
+                found.append(grown)
+                if len(found) > MAX_IDEALS:
+                    return None
+                stack.append((grown[0], g + 1, grown[1]))
+    return found
+
+
+def _hull(exact: Coarsening, groups: set[int]) -> list[int]:
+    """The groups on an ordering path between two of ``groups`` (and those): what a stage
+    holding all of ``groups`` holds."""
+    succs: list[list[int]] = [[] for _ in range(exact.num_coarse)]
+    preds: list[list[int]] = [[] for _ in range(exact.num_coarse)]
+    for a, b in exact.order_edges:
+        succs[a].append(b)
+        preds[b].append(a)
+
+    def reach(step: list[list[int]]) -> set[int]:
+        seen, todo = set(groups), list(groups)
+        while todo:
+            for w in step[todo.pop()]:
+                if w not in seen:
+                    seen.add(w)
+                    todo.append(w)
+        return seen
+
+    return sorted(reach(succs) & reach(preds))
 
 
 def _group_sums(exact: Coarsening) -> np.ndarray:

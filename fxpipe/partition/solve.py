@@ -8,10 +8,15 @@ The steps, each in its own module:
                                       ▼
                      coarsen (cap total/4K) ─► CP-SAT (coarse) ─► best split
                                                                       │
+                      GPUs with several stage modules: moving cuts between their loads
+                                      (interleave.py) from the best splits ─► best split
+                                                                      │
                               CP-SAT (exact groups, hinted, T <= best, stages fixed by it)
 
 The last solve works on the exact groups, so the bound and gap it proves are for
-the real problem, and whatever the coarse graph lost is won back there.
+the real problem, and whatever the coarse graph lost is won back there. Where it does
+not prove its answer, the block bound (one GPU per stage) or the shared-GPU bound
+(``bound.py``) may prove more.
 
 With more GPUs than stages allowed (``Problem.num_devices`` > ``num_stages``, PipeDream's
 replicated stages), the one-stage-per-GPU answer above comes first; then one CP-SAT
@@ -29,7 +34,7 @@ from dataclasses import dataclass, field, replace
 
 from fxpipe.partition.baselines import baselines as run_baselines
 from fxpipe.partition.baselines import interval_dp, leanest_dp
-from fxpipe.partition.bound import block_bound
+from fxpipe.partition.bound import block_bound, shared_gpu_bound
 from fxpipe.partition.coarsen import Coarsening, exact_groups
 from fxpipe.partition.coarsen import coarsen as coarsen_graph
 from fxpipe.partition.cost import memory_parts
@@ -41,6 +46,7 @@ from fxpipe.partition.errors import (
 )
 from fxpipe.partition.evaluate import Evaluation, evaluate, violations
 from fxpipe.partition.ilp import IlpResult, StageModel
+from fxpipe.partition.interleave import shared_gpu_warm_start
 from fxpipe.partition.problem import Problem, Recompute
 from fxpipe.plan import Estimate, SolverReport
 
@@ -67,6 +73,7 @@ PROOF_MAX_GROUPS = 4 * DP_MAX_NODES  # exact groups up to which that is tried
 # work limit (Llama-3-70B onto 32 GPUs, 5,177 x 32: both solves UNKNOWN, 50 s building
 # them): there the interval DP's split stands when the block bound is within GAP of it.
 LARGE_MODEL = 40_000
+SHARED_STARTS = 2  # best candidates the shared-GPU search starts from (besides its own)
 GAP = 0.01
 # Placement variables up to which CP-SAT's memory program looks for a leaner split than the
 # interval DP's when nothing fits (see min_memory).
@@ -329,6 +336,8 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
     evaluation = evaluate(problem, best)
     if lower is None and result.status not in ("OPTIMAL", "INFEASIBLE"):  # not yet proved
         lower = block_bound(exact, upper_s=evaluation.bottleneck_s)
+        if lower is None:
+            lower = shared_gpu_bound(exact, upper_s=evaluation.bottleneck_s)
     return Partition(
         stage_of=tuple(best),
         problem=problem,
@@ -385,7 +394,8 @@ def _search(problem: Problem, exact: Coarsening,
     on PROOF_SHARE of the work: the DP's split is often already the optimum, which that
     proves in a fraction of a second (proving the coarse program optimal first took 15 s
     on transformers' Llama-3-8B at bf16-mixed). When it does not, the coarse warm start,
-    then the exact program again on the rest of the work."""
+    then the exact program again on the rest of the work; where GPUs run several stage
+    modules, hinted with the shared-GPU search's split when that is the best."""
     tried: list[IlpResult] = []
     dp_done = exact.num_coarse <= PROOF_MAX_GROUPS
     if dp_done:
@@ -401,6 +411,7 @@ def _search(problem: Problem, exact: Coarsening,
     level = _coarse_level(problem, exact) if coarsen else exact
     phases = _warm_starts(problem, exact, level, candidates, work_limit=work_limit,
                           deadline=deadline, workers=workers, dp_done=dp_done)
+    _shared_gpu_start(problem, exact, candidates)
     best_split = min(candidates, key=lambda c: c[0])[1] if candidates else None
     hint = exact.restrict(best_split) if best_split is not None else None
     result = StageModel(exact, hint=hint).solve(
@@ -452,6 +463,19 @@ def _warm_starts(problem: Problem, exact: Coarsening, level: Coarsening,
         # less with an upper bound (see interval_dp).
         _add_dp_split(problem, exact, candidates)
     return phases
+
+
+def _shared_gpu_start(problem: Problem, exact: Coarsening,
+                      candidates: list[tuple[float, tuple[int, ...]]]) -> None:
+    """Where GPUs run several stage modules (interleaved, V-placed): add to ``candidates``
+    the split that moving cuts between GPUs' loads reaches from each of them
+    (``interleave.py``); CP-SAT alone finds little there within its work limit."""
+    if problem.virtual_stages == 1 or problem.replicates:
+        return
+    starts = [exact.restrict(split) for _, split in sorted(candidates)[:SHARED_STARTS]]
+    split = shared_gpu_warm_start(exact, starts)
+    if split is not None:
+        candidates.append((evaluate(problem, split).bottleneck_s, split))
 
 
 def _exact_report(problem: Problem, exact: Coarsening, evaluation: Evaluation,

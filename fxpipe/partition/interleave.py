@@ -1,0 +1,364 @@
+"""A warm start for stage modules that share GPUs: moving cuts between two GPUs' loads.
+
+When a GPU runs several stage modules (interleaved: stage j on GPU j % N; V-placed:
+stage j and K - 1 - j on one GPU), its time and memory are the sums over its modules,
+so the interval DP's min-max over stages is not the problem's, and CP-SAT on thousands
+of exact groups x stages finds little within its work limit (Llama-3-8B, 16 modules on
+8 GPUs: 0.503 s against about 0.42 s possible).
+
+The search works on contiguous splits of the exact groups' order (valid pipelines by
+construction): a split is its cuts c_0 = 0 < c_1 < ... < c_K = n, stage j the block
+[c_j, c_j+1). Two moves, each taken only when it lowers the slowest GPU it touches, so
+the GPU times, sorted from the slowest, decrease lexicographically and the search ends:
+
+    pair    moving cut c_j+1 only changes stage j and j + 1, so only their two GPUs'
+            loads: put it where the slower of the two is fastest (ties: the smaller
+            difference, then the earlier position). Sweeping the cuts in order, work
+            flows from a slow GPU along the chain to where there is slack, within a
+            round of stages and across rounds.
+    window  where pair moves stall on big ops (a 21.5 ms matmul moved from GPU 5 to 6
+            makes 6 the slower), re-cut up to N consecutive stages (on distinct GPUs)
+            around the slowest GPU at once: the min-max DP over the window's GPUs, their
+            other stages fixed, each inner cut within REACH groups of where it is.
+
+Each GPU takes its fastest recompute choice that fits (``cost.choose_recompute``'s
+rule). Blocks are priced like the interval DP prices them (``baselines.Blocks``: the
+stage cost formula with cut communication, received and kept values, the loss, the
+backward transient) plus the copies and all-reduces of replicated tied parameters;
+``evaluate`` has the last word on the split found. Deterministic: no clock, no
+randomness.
+
+Legend: n exact groups in order, K stages, N GPUs, c the cuts, x a candidate position
+for one cut, z a recompute choice.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from fxpipe.partition.baselines import Blocks
+from fxpipe.partition.coarsen import Coarsening
+from fxpipe.partition.cost import memory_parts, recompute_options
+from fxpipe.partition.evaluate import evaluate, violations
+from fxpipe.partition.problem import TiedPolicy, stage_deferred, stage_flights
+
+__all__ = ["cuts_of", "round_profiles", "shared_gpu_search", "shared_gpu_warm_start"]
+
+MAX_SWEEPS = 400  # sweeps over every cut; each strictly improves or the search stops
+MAX_ROUNDS = 200  # rounds of sweeps then one window DP that improves
+# Blocks priced per search, at most: a deterministic bound on its work on big graphs (the
+# HF Llama-3-8B and GPT-2 XL shapes, v = 4 onto 8, take 0.3-0.8 million, 1-3 s).
+PRICE_BUDGET = 1_500_000
+WINDOW = 8  # consecutive stages (at most N) re-cut together by the window DP
+REACH = 48  # groups each cut of the window may move: about a transformer layer's
+# Starts besides the candidates': round r of N stages gets a share of the compute in
+# proportion to RATIO ** r. Memory favours light early rounds, whose modules keep the most
+# micro-batches (Llama-3-8B on 8 GPUs, v = 2: 0.4269 s from 256, 0.474 s from 1); the rest
+# are for models where time rather than memory binds.
+RATIOS = (1 / 4, 1.0, 4.0, 16.0, 64.0, 256.0)
+
+
+def shared_gpu_warm_start(c: Coarsening, starts: Sequence[Sequence[int]]
+                          ) -> tuple[int, ...] | None:
+    """The best split, by ``evaluate``, that ``shared_gpu_search`` reaches from the coarse
+    assignments ``starts`` (made contiguous by ``cuts_of``) and from ``round_profiles``;
+    a stage per fine node, None when no search ends in a split that fits."""
+    p = c.problem
+    best: tuple[float, tuple[int, ...]] | None = None
+    tried: set[tuple[int, ...]] = set()
+    for start in [*(cuts_of(c, s) for s in starts), *round_profiles(c)]:
+        if start in tried:
+            continue
+        tried.add(start)
+        found = shared_gpu_search(c, start)
+        if found is None:
+            continue
+        split = c.expand(found)
+        ev = evaluate(p, split)
+        if ev.estimate.fits and not violations(p, split) and (
+                best is None or ev.bottleneck_s < best[0]):
+            best = (ev.bottleneck_s, split)
+    return None if best is None else best[1]
+
+
+def round_profiles(c: Coarsening) -> list[tuple[int, ...]]:
+    """Contiguous splits of the order, one per ``RATIOS`` entry: stage j (round j // N)
+    takes compute in proportion to RATIO ** (j // N)."""
+    p = c.problem
+    K, N, n = p.num_stages, p.devices, c.num_coarse
+    before = _compute_before(c)
+    out = []
+    for ratio in RATIOS:
+        weight = np.array([ratio ** (j // N) for j in range(K)])
+        targets = np.cumsum(weight / weight.sum() * before[-1])[:-1]
+        out.append(_contiguous(np.searchsorted(before, targets, side="left"), K, n))
+    return out
+
+
+def shared_gpu_search(c: Coarsening, start: Sequence[int]) -> tuple[int, ...] | None:
+    """A coarse assignment at least as good, under the DP's pricing, as the contiguous
+    split ``start`` (a stage per exact group, non-decreasing along the order), found by
+    moving cuts (see the module docstring); None when ``start`` does not fit and no move
+    makes it."""
+    p = c.problem
+    K, n = p.num_stages, c.num_coarse
+    assert len(start) == n and all(a <= b for a, b in itertools.pairwise(start))
+    search = _Search(c, [0, *(int(np.searchsorted(np.asarray(start), j, side="left"))
+                              for j in range(1, K)), n])
+    for _ in range(MAX_ROUNDS):
+        search.sweep_pairs()
+        if search.spent() or not search.window_around_slowest():
+            break
+    if not np.all(np.isfinite(search.loads())):
+        return None
+    cuts = search.cuts
+    return tuple(j for j in range(K) for _ in range(cuts[j], cuts[j + 1]))
+
+
+class _Search:
+    """The cuts of a split of the order and its stages' prices, improved in place."""
+
+    def __init__(self, c: Coarsening, cuts: list[int]) -> None:
+        self.problem = p = c.problem
+        self.prices = _Prices(c)
+        self.cuts = cuts
+        self.gap = 0 if p.allow_empty_stages else 1
+        # per stage: (time, memory) under each recompute choice, arrays of one position
+        self.stage = [self.prices.block(j, np.array([cuts[j]]), np.array([cuts[j + 1]]))
+                      for j in range(p.num_stages)]
+
+    def spent(self) -> bool:
+        return self.prices.priced > PRICE_BUDGET
+
+    def loads(self) -> list[float]:
+        return [float(self.prices.gpu(d, self.stage, {})[0])
+                for d in range(self.problem.devices)]
+
+    def _set(self, j: int, prices: tuple[Any, ...], at: int) -> None:
+        self.stage[j] = tuple(a[at:at + 1] for a in prices)
+
+    def sweep_pairs(self) -> None:
+        """Move single cuts until none lowers the slower of its two GPUs."""
+        p, cuts, gap = self.problem, self.cuts, self.gap
+        for _ in range(MAX_SWEEPS):
+            moved = False
+            for b in range(1, p.num_stages):
+                if self.spent():
+                    return
+                xs = np.arange(cuts[b - 1] + gap, cuts[b + 1] - gap + 1)
+                if xs.size <= 1:
+                    continue
+                left = self.prices.block(b - 1, np.full(xs.size, cuts[b - 1]), xs)
+                right = self.prices.block(b, xs, np.full(xs.size, cuts[b + 1]))
+                trial = {b - 1: left, b: right}
+                gpus = sorted({p.device_of(b - 1), p.device_of(b)})
+                loads = [self.prices.gpu(d, self.stage, trial) for d in gpus]
+                slower = np.maximum.reduce(loads)
+                with np.errstate(invalid="ignore"):  # inf - inf where nothing fits
+                    spread = np.max(loads, axis=0) - np.min(loads, axis=0)
+                here = int(np.flatnonzero(xs == cuts[b])[0])
+                best = int(np.lexsort((xs, spread, slower))[0])
+                if slower[best] < slower[here] * (1 - 1e-12):
+                    cuts[b] = int(xs[best])
+                    self._set(b - 1, left, best)
+                    self._set(b, right, best)
+                    moved = True
+            if not moved:
+                return
+
+    def window_around_slowest(self) -> bool:
+        """The window move (module docstring) on windows holding a stage of the slowest
+        GPU, until one lowers it: True then."""
+        p, K = self.problem, self.problem.num_stages
+        loads = self.loads()
+        slowest = int(np.argmax(loads))
+        w = min(WINDOW, K, p.devices)
+        for j in (j for j in range(K) if p.device_of(j) == slowest):
+            # the windows ending at, centred on and starting at stage j
+            for first in sorted({min(max(0, f), K - w) for f in (j - w + 1, j - w // 2, j)}):
+                stages = range(first, first + w)
+                gpus = [p.device_of(i) for i in stages]
+                if len(set(gpus)) < w or self.spent():
+                    continue
+                if self._window(stages, max(loads[d] for d in gpus)):
+                    return True
+        return False
+
+    def _window(self, stages: range, now: float) -> bool:
+        """The min-max DP over ``stages``' inner cuts, each within REACH groups of where
+        it is; applied when it beats ``now``."""
+        p, prices, gap, cuts = self.problem, self.prices, self.gap, self.cuts
+        lo, hi = cuts[stages.start], cuts[stages.stop]
+        # per inner cut k (after stage k of the window): the positions it may take
+        spots = [np.arange(max(lo + gap, cuts[j + 1] - REACH),
+                           min(hi - gap, cuts[j + 1] + REACH) + 1) for j in stages[:-1]]
+        spots = [np.array([lo]), *spots, np.array([hi])]
+        best = [np.zeros(1)]  # best[k][i]: the slowest GPU of stages ..k-1 ending at spots[k][i]
+        back: list[Any] = [None]
+        for k, j in enumerate(stages, start=1):
+            d = p.device_of(j)
+            here = np.full(spots[k].size, np.inf)
+            came = np.zeros(spots[k].size, dtype=np.int64)
+            for i, x in enumerate(spots[k].tolist()):
+                ok = spots[k - 1] <= x - gap
+                if not ok.any():
+                    continue
+                ys = spots[k - 1][ok]
+                load = prices.gpu(d, self.stage, {j: prices.block(j, ys, np.full(ys.size, x))})
+                load = np.maximum(load, best[k - 1][ok])
+                at = int(np.argmin(load))
+                here[i], came[i] = load[at], np.flatnonzero(ok)[at]
+            best.append(here)
+            back.append(came)
+        if not best[-1][0] < now * (1 - 1e-12):
+            return False
+        i = 0
+        for k in range(len(stages), 1, -1):
+            i = int(back[k][i])
+            cuts[stages.start + k - 1] = int(spots[k - 1][i])
+        for j in stages:
+            self.stage[j] = prices.block(j, np.array([cuts[j]]), np.array([cuts[j + 1]]))
+        return True
+
+
+def cuts_of(c: Coarsening, coarse: Sequence[int]) -> tuple[int, ...]:
+    """A contiguous split of ``c``'s order close to the coarse assignment ``coarse``: stage
+    j starts where the order's compute reaches that of the groups ``coarse`` puts before
+    j (``coarse`` itself when it is already contiguous)."""
+    K, n = c.problem.num_stages, c.num_coarse
+    if all(a <= b for a, b in itertools.pairwise(coarse)):
+        return tuple(coarse)
+    before = _compute_before(c)
+    per_stage = np.bincount(np.asarray(coarse), weights=np.diff(before), minlength=K)
+    return _contiguous(np.searchsorted(before, np.cumsum(per_stage)[:-1], side="left"), K, n)
+
+
+def _compute_before(c: Coarsening) -> Any:
+    """before[i]: the compute of the order's groups [0, i)."""
+    compute = np.zeros(c.num_coarse)
+    for v, node in enumerate(c.problem.nodes):
+        compute[c.group_of[v]] += node.forward_s + node.backward_s
+    return np.concatenate(([0.0], np.cumsum(compute)))
+
+
+def _contiguous(starts: Any, K: int, n: int) -> tuple[int, ...]:
+    """The coarse assignment whose stage j >= 1 starts near ``starts[j - 1]``, every stage
+    holding a group when there are enough (K <= n)."""
+    bounds = [0]
+    for j, start in enumerate(starts.tolist(), start=1):
+        bounds.append(min(max(start, bounds[-1] + 1), n - (K - j)) if n >= K
+                      else max(start, bounds[-1]))
+    bounds.append(n)
+    return tuple(j for j in range(K) for _ in range(bounds[j], bounds[j + 1]))
+
+
+class _Prices:
+    """Blocks of the order priced per stage, and GPUs' loads from their stages' prices."""
+
+    def __init__(self, c: Coarsening) -> None:
+        self.problem = p = c.problem
+        self.blocks = Blocks.of(c)
+        self.priced = 0  # blocks priced so far (see PRICE_BUDGET)
+        self.flights = stage_flights(p)
+        self.waiting = stage_deferred(p)
+        self.options = recompute_options(p)
+        deferred = np.zeros(c.num_coarse + 1)
+        for v, node in enumerate(p.nodes):
+            deferred[c.group_of[v] + 1] += node.deferred_bytes
+        self.deferred = np.cumsum(deferred)
+        sends = sorted((a, hi, size) for hi, a, size in self.blocks.sends)
+        self.send_from = np.array([s[0] for s in sends], dtype=np.int64)
+        self.send_to = np.array([s[1] for s in sends], dtype=np.int64)
+        self.send_bytes = np.array([s[2] for s in sends], dtype=float)
+        self.on = [[j for j in range(p.num_stages) if p.device_of(j) == d]
+                   for d in range(p.devices)]
+        # Replicated tied parameters: (sorted positions of their readers, bytes, all-reduce
+        # seconds); ``Blocks`` counts their bytes at the first reader only.
+        self.tied = [] if p.tied_policy is TiedPolicy.COLOCATE else [
+            (np.array(sorted({c.group_of[v] for v in t.nodes})), t.param_bytes, t.allreduce_s)
+            for t in p.tied]
+
+    def _kept(self, starts: Any, ends: Any) -> Any:
+        """Bytes produced in [start, end) and read at or after end, per pair (one end of
+        the pairs fixed): each value counts for the ends after its producer up to its
+        last reader."""
+        a, b, size = self.send_from, self.send_to, self.send_bytes
+        if np.all(ends == ends[0]):
+            end = int(ends[0])
+            alive = (b >= end) & (a < end)
+            held = np.bincount(a[alive], weights=size[alive], minlength=end + 1)
+            after = np.cumsum(held[::-1])[::-1]  # after[x]: produced in [x, end)
+            return after[starts]
+        assert np.all(starts == starts[0]), "one end of the blocks is fixed"
+        start, last = int(starts[0]), int(ends.max())
+        alive = a >= start
+        change = np.zeros(last + 2)
+        np.add.at(change, np.minimum(a[alive] + 1, last + 1), size[alive])
+        np.add.at(change, np.minimum(b[alive] + 1, last + 1), -size[alive])
+        return np.cumsum(change)[ends]
+
+    def _peak(self, starts: Any, ends: Any) -> Any:
+        """The largest backward transient in [start, end), per pair (one side fixed)."""
+        grad = self.blocks.grad
+        if np.all(starts == starts[0]):
+            run = np.maximum.accumulate(grad[starts[0]:ends.max()]) if ends.max() > starts[0] \
+                else np.zeros(0)
+            return np.where(ends > starts, run[np.maximum(ends - starts[0] - 1, 0)]
+                            if run.size else 0.0, 0.0)
+        assert np.all(ends == ends[0]), "one end of the blocks is fixed"
+        end = int(ends[0])
+        first = int(starts.min())
+        run = np.maximum.accumulate(grad[first:end][::-1])[::-1] if end > first \
+            else np.zeros(0)
+        return np.where(starts < end, run[np.minimum(starts - first, max(run.size - 1, 0))]
+                        if run.size else 0.0, 0.0)
+
+    def block(self, j: int, starts: Any, ends: Any) -> tuple[Any, ...]:
+        """Stage j on [start, end), per pair: (time, memory) per recompute choice, in
+        ``self.options`` order, flattened."""
+        p, x = self.problem, self.blocks
+        self.priced += starts.size
+        params = np.maximum(x.P[ends] - x.P0[starts], 0.0)
+        kept = self._kept(starts, ends) + x.R[ends] - x.R[starts]
+        seconds = (np.maximum(x.T[ends] - x.T0[starts], 0.0)
+                   + x.cut[starts] + x.cut[ends])
+        for readers, size, allreduce in self.tied:  # a copy where a reader is, summed
+            inside = (np.searchsorted(readers, ends, side="left")
+                      - np.searchsorted(readers, starts, side="left"))
+            first = (starts <= readers[0]) & (readers[0] < ends)
+            params = params + size * ((inside > 0) & ~first)
+            seconds = seconds + allreduce * ((inside > 0) & (inside < readers.size))
+        out: list[Any] = []
+        for recompute in self.options:
+            parts = memory_parts(
+                p, j, flight=self.flights[j], params=params,
+                activations=np.maximum(x.A[ends] - x.A0[starts], 0.0),
+                received=x.cut_bytes[starts], kept=kept, transient=self._peak(starts, ends),
+                recompute=recompute, deferred=self.deferred[ends] - self.deferred[starts],
+                waiting=self.waiting[j])
+            again = np.maximum(x.F[ends] - x.F0[starts], 0.0) if recompute else 0.0
+            out += [seconds + again, sum(parts.values())]
+        return tuple(out)
+
+    def gpu(self, d: int, stage: list[tuple[Any, ...]], trial: dict[int, tuple[Any, ...]]
+            ) -> Any:
+        """GPU d's time with its fastest recompute choice that fits, inf where none fits;
+        its stages priced by ``trial`` where given, else by ``stage``."""
+        fixed = [[(float(stage[j][2 * z][0]), float(stage[j][2 * z + 1][0]))
+                  for z in range(len(self.options))] for j in self.on[d] if j not in trial]
+        moving = [trial[j] for j in self.on[d] if j in trial]
+        # The fixed stages' choices as (time, memory) pairs, then the moving ones on top.
+        sums = [(sum(t for t, _ in pick), sum(m for _, m in pick))
+                for pick in itertools.product(*fixed)]
+        limit = self.problem.memory_limit
+        best: Any = np.inf
+        for choice in itertools.product(range(len(self.options)), repeat=len(moving)):
+            time = sum((h[2 * z] for h, z in zip(moving, choice, strict=True)), start=0.0)
+            memory = sum((h[2 * z + 1] for h, z in zip(moving, choice, strict=True)), start=0.0)
+            for t, m in sums:
+                best = np.minimum(best, np.where(memory + m <= limit, time + t, np.inf))
+        return np.atleast_1d(best)

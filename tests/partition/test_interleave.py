@@ -1,0 +1,181 @@
+"""The shared-GPU warm start (``fxpipe.partition.interleave``) and bound
+(``bound.shared_gpu_bound``): its prices are ``evaluate``'s, its moves never make the
+slowest GPU slower, it balances across rounds, and the bound (tied all-reduces and the
+least transfers across the last round's boundaries) is below brute force."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fxpipe.partition import (
+    Comm,
+    Edge,
+    Node,
+    Problem,
+    Recompute,
+    TiedGroup,
+    TiedPolicy,
+    evaluate,
+    exact_groups,
+    partition,
+    violations,
+)
+from fxpipe.partition.bound import shared_gpu_bound
+from fxpipe.partition.interleave import (
+    _Search,
+    round_profiles,
+    shared_gpu_search,
+    shared_gpu_warm_start,
+)
+from fxpipe.schedules import ScheduleKind
+
+from ._brute import brute_force
+from .test_bruteforce import MS, problems
+
+shared = st.one_of(problems(layout="interleaved"), problems(layout="v"))
+
+
+def _gpu_times(problem: Problem, stage_of: tuple[int, ...]) -> list[float]:
+    """Per GPU, ``evaluate``'s time, inf where it does not fit."""
+    ev = evaluate(problem, stage_of)
+    times = [0.0] * problem.devices
+    memory = [0] * problem.devices
+    for j, stage in enumerate(ev.stages):
+        times[problem.device_of(j)] += stage.time_s
+        memory[problem.device_of(j)] += stage.memory.total
+    return [t if m <= problem.memory_limit else float("inf")
+            for t, m in zip(times, memory, strict=True)]
+
+
+def _cuts(assignment: tuple[int, ...], K: int) -> list[int]:
+    return [0, *(sum(1 for s in assignment if s < j) for j in range(1, K)), len(assignment)]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shared, st.data())
+def test_prices_are_evaluates(problem: Problem, data: st.DataObject) -> None:
+    """On a contiguous split of the order, the search's GPU loads are ``evaluate``'s GPU
+    times (inf where nothing fits) for neighbour transport along ordering edges (the
+    interval DP's pricing, which the search reuses, is exact there)."""
+    problem = replace(problem, comm=Comm.NEIGHBOUR,
+                      edges=tuple(replace(e, ordered=True) for e in problem.edges))
+    exact = exact_groups(problem)
+    K, n = problem.num_stages, exact.num_coarse
+    if n < K and not problem.allow_empty_stages:
+        return
+    sizes = sorted(data.draw(st.lists(st.integers(0, n), min_size=K - 1, max_size=K - 1)))
+    assignment = tuple(sum(1 for s in sizes if s <= g) for g in range(n))
+    if violations(problem, exact.expand(assignment)):
+        return
+    loads = _Search(exact, _cuts(assignment, K)).loads()
+    times = _gpu_times(problem, exact.expand(assignment))
+    ev = evaluate(problem, exact.expand(assignment))
+    near_limit = any(abs(s.memory.total - problem.memory_limit) < 16 for s in ev.stages)
+    if near_limit:  # evaluate rounds each memory part to whole bytes
+        return
+    assert loads == pytest.approx(times, rel=1e-9, abs=1e-12)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shared, st.integers(0, 5))
+def test_search_never_makes_the_slowest_gpu_slower(problem: Problem, which: int) -> None:
+    exact = exact_groups(problem)
+    K = problem.num_stages
+    if exact.num_coarse < K and not problem.allow_empty_stages:
+        return
+    start = round_profiles(exact)[which]
+    found = shared_gpu_search(exact, start)
+    before = max(_Search(exact, _cuts(start, K)).loads())
+    if found is None:
+        assert before == float("inf")
+        return
+    assert not violations(problem, exact.expand(found))
+    assert max(_Search(exact, _cuts(found, K)).loads()) <= before
+
+
+def _chain(layers: int, gpus: int, v: int, activation: int = 10, **kw: object) -> Problem:
+    nodes = tuple(Node(f"l{i}", forward_s=MS, backward_s=2 * MS, activation_bytes=activation,
+                       param_bytes=100) for i in range(layers))
+    edges = tuple(Edge(i, i + 1) for i in range(layers - 1))
+    return Problem(nodes=nodes, edges=edges, num_stages=gpus * v, virtual_stages=v,
+                   schedule=ScheduleKind.INTERLEAVED, microbatches=2 * gpus, **kw)  # type: ignore[arg-type]
+
+
+def test_search_moves_work_between_rounds() -> None:
+    """8 equal layers, 2 GPUs x 2 modules, from 1 | 1 | 1 | 5 (GPU 0: 2 layers, GPU 1: 6):
+    GPU 1's second-round work reaches GPU 0's second-round module, 4 layers each."""
+    problem = _chain(8, gpus=2, v=2)
+    exact = exact_groups(problem)
+    found = shared_gpu_search(exact, (0, 1, 2, 3, 3, 3, 3, 3))
+    assert found is not None
+    assert max(_gpu_times(problem, exact.expand(found))) == pytest.approx(4 * 3 * MS)
+
+
+def test_window_moves_big_ops_along_a_chain_of_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Single cut moves stall where the op to move is bigger than the difference between
+    two GPUs (here at 9 ms); re-cutting consecutive stages at once passes work along a
+    chain of GPUs, down to all compute spread evenly (18 ms on 3 GPUs)."""
+    times = [1, 5, 5, 1, 3, 1, 1, 1]
+    nodes = tuple(Node(f"n{i}", forward_s=t * MS, backward_s=0.0) for i, t in enumerate(times))
+    edges = tuple(Edge(i, i + 1) for i in range(len(times) - 1))
+    problem = Problem(nodes=nodes, edges=edges, num_stages=6, virtual_stages=2,
+                      schedule=ScheduleKind.INTERLEAVED, microbatches=3)
+    exact = exact_groups(problem)
+    start = (0, 1, 1, 2, 3, 4, 4, 5)
+    found = shared_gpu_search(exact, start)
+    assert found is not None
+    assert max(_gpu_times(problem, exact.expand(found))) == pytest.approx(6 * MS)
+    monkeypatch.setattr(_Search, "window_around_slowest", lambda self: False)
+    pairs_only = shared_gpu_search(exact, start)
+    assert pairs_only is not None
+    assert max(_gpu_times(problem, exact.expand(pairs_only))) == pytest.approx(9 * MS)
+
+
+def test_warm_start_balances_memory_bound_layers() -> None:
+    """Early rounds keep more micro-batches: under a limit that binds, the warm start is
+    as fast as the best contiguous split of up to 4 layers a stage (found by trying
+    them all), which is slower than the best without the limit."""
+    problem = _chain(12, gpus=3, v=2, activation=100, memory_limit=2500.0,
+                     recompute=Recompute.AUTO)
+    split = shared_gpu_warm_start(exact_groups(problem), [])
+    assert split is not None
+    assert not violations(problem, split) and evaluate(problem, split).estimate.fits
+    guesses = [tuple(j for j, size in enumerate(sizes) for _ in range(size))
+               for sizes in itertools.product((1, 2, 3, 4), repeat=problem.num_stages)
+               if sum(sizes) == len(problem.nodes)]
+    best = min(max(_gpu_times(problem, s)) for s in guesses)
+    unlimited = replace(problem, memory_limit=float("inf"))
+    assert best > min(max(_gpu_times(unlimited, s)) for s in guesses)
+    assert evaluate(problem, split).bottleneck_s <= best
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shared, st.sampled_from([1.0, 1.5, 4.0]))
+def test_shared_gpu_bound_is_below_every_faster_split(problem: Problem, slack: float) -> None:
+    best, _, _ = brute_force(problem)
+    if best is None:
+        return
+    bound = shared_gpu_bound(exact_groups(problem), upper_s=best * slack + 1e-12)
+    assert bound is not None
+    assert bound <= best
+
+
+def test_shared_gpu_bound_counts_a_tied_all_reduce() -> None:
+    """A parameter tied between the first and last layer: a stage holding both holds
+    everything, so any faster split pays the all-reduce on two stages."""
+    base = _chain(8, gpus=2, v=2)
+    problem = replace(base, tied=(TiedGroup("w", (0, 7), 100, allreduce_s=2 * MS),),
+                      tied_policy=TiedPolicy.REPLICATE)
+    exact = exact_groups(problem)
+    total = 8 * 3 * MS
+    assert shared_gpu_bound(exact) == pytest.approx(total / 2)
+    assert shared_gpu_bound(exact, upper_s=total) == pytest.approx((total + 4 * MS) / 2)
+    result = partition(problem, workers=1)
+    assert result.report.bound >= (total + 4 * MS) / 2 * (1 - 1e-6)
+    assert np.isclose(result.report.objective, (total + 4 * MS) / 2)
