@@ -263,14 +263,18 @@ def _run_split(args: argparse.Namespace) -> int:
 
     plan = plan_split(traced, label=source.label, options=options, progress=progress,
                       calibrate_from=card)
-    files = output_files(traced, plan, label=source.label, diagram=args.diagram, progress=progress)
+    drawing: list[str] = []
+    files = output_files(traced, plan, label=source.label, diagram=args.diagram,
+                         progress=progress, notify=drawing.append)
     if args.calibrate is not None:  # kept with the plan it made (--out may be its folder)
         files["calibrated_from.json"] = Path(args.calibrate).read_text()
     timing = {"solver_wall_s": plan.solver.wall_s, "phases_s": PHASES}
     files["timing.json"] = json.dumps(timing, indent=2) + "\n"
     out = Path(args.out)
     write_folder(out, files, force=args.force)
-    if "partition.svg" not in files:
+    for line in drawing:
+        print(f"  note: {line}")
+    if "partition.svg" not in files and not drawing:
         print("  note: Graphviz's dot is not installed, so partition.svg was not drawn "
               "(apt-get install graphviz); partition.dot holds the diagram")
 

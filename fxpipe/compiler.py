@@ -52,7 +52,13 @@ from fxpipe.plan import DynamicDim, Plan
 from fxpipe.planning import build_plan
 from fxpipe.precision import Precision, default_precision
 from fxpipe.profile import auto_depth
-from fxpipe.report import partition_dot, render_report, render_svg, schedule_svg
+from fxpipe.report import (
+    DiagramError,
+    partition_dot,
+    render_report,
+    render_svg,
+    schedule_svg,
+)
 from fxpipe.report.card import Card
 from fxpipe.schedules import ScheduleKind, schedule_table
 from fxpipe.units import format_ms
@@ -379,8 +385,10 @@ def output_files(
     label: str,
     diagram: str = "module",
     progress: Progress = _silent,
+    notify: Callable[[str], None] = _ignore,
 ) -> dict[str, str | bytes]:
-    """Every file of the output folder but timing.json: plan, report, diagrams, package."""
+    """Every file of the output folder but timing.json: plan, report, diagrams, package.
+    A diagram Graphviz fails to draw is left out, and ``notify`` told why."""
     dot = partition_dot(
         traced.gm,
         plan.stage_of(),
@@ -391,7 +399,12 @@ def output_files(
     )
     files: dict[str, str | bytes] = {"plan.json": plan.to_json(), "partition.dot": dot}
     with progress("drawing the partition and the schedule"):
-        svg = render_svg(dot)
+        try:
+            svg = render_svg(dot)
+        except DiagramError as exc:  # the plan and the stages stand without the drawing
+            svg = None
+            notify(f"Graphviz's dot could not draw partition.svg ({exc}); partition.dot "
+                   "holds the diagram")
         if svg is not None:
             files["partition.svg"] = svg
         files["schedule.svg"] = schedule_svg(plan, schedule_table(plan))

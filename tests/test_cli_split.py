@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -169,3 +170,26 @@ def test_precision_is_recorded_in_plan_and_report(tmp_path: Path) -> None:
     out = tmp_path / "fxpipe-out"
     assert json.loads((out / "plan.json").read_text())["precision"] == "bf16-mixed"
     assert "precision bf16-mixed" in (out / "report.md").read_text()
+
+
+def test_a_drawing_graphviz_fails_on_leaves_the_plan_and_says_why(tmp_path: Path) -> None:
+    """dot failing on the partition diagram (its "trouble in init_rank" on some clustered
+    graphs) is not the plan's failure: the split succeeds, without partition.svg, and
+    says why in one note; the report does not point at a missing file."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "dot").write_text("#!/bin/sh\necho 'trouble in init_rank' >&2\nexit 1\n")
+    (fake / "dot").chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}"}
+    done = subprocess.run(
+        [sys.executable, "-m", "fxpipe.cli", "split", MLP, "--gpus", "2", "--out", "out"],
+        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert ("note: Graphviz's dot could not draw partition.svg (trouble in init_rank); "
+            "partition.dot holds the diagram") in done.stdout
+    assert "not installed" not in done.stdout
+    out = tmp_path / "out"
+    assert (out / "plan.json").exists() and (out / "partition.dot").exists()
+    assert not (out / "partition.svg").exists()
+    assert "The partition diagram is `partition.svg`" not in (out / "report.md").read_text()

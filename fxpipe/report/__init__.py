@@ -1,7 +1,14 @@
 """Human-readable outputs of a plan: report.md, the partition diagram, the schedule chart."""
 
-from fxpipe.report.diagram import partition_dot, render_svg
+from fxpipe.report.diagram import DiagramError, partition_dot, render_svg
 from fxpipe.report.markdown import render_report, summary_rows
 from fxpipe.report.timeline import schedule_svg
 
-__all__ = ["partition_dot", "render_report", "render_svg", "schedule_svg", "summary_rows"]
+__all__ = [
+    "DiagramError",
+    "partition_dot",
+    "render_report",
+    "render_svg",
+    "schedule_svg",
+    "summary_rows",
+]
