@@ -6,6 +6,7 @@ what that cast model gives."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import textwrap
 from pathlib import Path
@@ -43,6 +44,28 @@ def _close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
                                msg=lambda m: f"{what}: {m}")
 
 
+def _both(runner: Any, model: torch.nn.Module, source: Any,
+          context: contextlib.AbstractContextManager[Any]) -> tuple[Any, ...]:
+    """One mini-batch of ``source`` through the runner (``step``: loss and gradients,
+    ``forward``: outputs) and through the model in ``context``: the runner's loss, outputs
+    and gradients, then the model's."""
+    args, kwargs = mini_batch(source.args), mini_batch(source.kwargs)
+    target = mini_batch(source.target)
+    model.zero_grad(set_to_none=True)
+    loss = runner.step(kwargs if kwargs else args, target, source.loss_fn)
+    pipeline_grads = grads(model)
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        pipeline_out = runner.forward(*args, **kwargs)
+    with context:
+        want = model(*args, **kwargs)
+        want_loss = source.loss_fn(want, target)
+    want_loss.backward()
+    model_grads = grads(model)
+    model.zero_grad(set_to_none=True)
+    return loss, pipeline_out, pipeline_grads, want, want_loss, model_grads
+
+
 def _package(tmp_path: Path, name: str, precision: str, recompute: bool) -> Any:
     _source, tr = traced(name)
     k = 3
@@ -64,21 +87,8 @@ def test_bf16_mixed_runner_matches_the_model_under_autocast(
     runner = package.PipelineRunner(package.build_stages(model))
     assert runner.precision == "bf16-mixed" and runner.scaler is None
 
-    args, kwargs = mini_batch(source.args), mini_batch(source.kwargs)
-    target = mini_batch(source.target)
-    model.zero_grad(set_to_none=True)
-    loss = runner.step(kwargs if kwargs else args, target, source.loss_fn)
-    pipeline_grads = grads(model)
-    model.zero_grad(set_to_none=True)
-    with torch.no_grad():
-        pipeline_out = runner.forward(*args, **kwargs)
-
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        want = model(*args, **kwargs)
-        want_loss = source.loss_fn(want, target)  # type: ignore[misc]
-    want_loss.backward()
-    model_grads = grads(model)
-    model.zero_grad(set_to_none=True)
+    loss, pipeline_out, pipeline_grads, want, want_loss, model_grads = _both(
+        runner, model, source, torch.autocast("cpu", dtype=torch.bfloat16))
 
     _close(torch.as_tensor(loss), want_loss, "loss")
     out_leaves = leaves(pipeline_out)
@@ -179,20 +189,8 @@ def test_true_precision_runner_matches_the_cast_model(tmp_path: Path, name: str,
     fresh = load_model_file(spec)  # what a user builds, and casts before build_stages
     model = fresh.model.to(dtype)
     runner = package.PipelineRunner(package.build_stages(model))
-    args, kwargs = mini_batch(fresh.args), mini_batch(fresh.kwargs)
-    target = mini_batch(fresh.target)
-    model.zero_grad(set_to_none=True)
-    loss = runner.step(kwargs if kwargs else args, target, fresh.loss_fn)
-    pipeline_grads = grads(model)
-    model.zero_grad(set_to_none=True)
-    with torch.no_grad():
-        pipeline_out = runner.forward(*args, **kwargs)
-
-    want = model(*args, **kwargs)
-    want_loss = fresh.loss_fn(want, target)  # type: ignore[misc]
-    want_loss.backward()
-    model_grads = grads(model)
-    model.zero_grad(set_to_none=True)
+    loss, pipeline_out, pipeline_grads, want, want_loss, model_grads = _both(
+        runner, model, fresh, contextlib.nullcontext())
 
     _close(torch.as_tensor(loss), want_loss, "loss")
     assert [t.dtype for t in leaves(want)] == [dtype]
