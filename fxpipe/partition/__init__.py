@@ -17,6 +17,7 @@ from fxpipe.partition.errors import (
 )
 from fxpipe.partition.evaluate import Evaluation, evaluate, violations
 from fxpipe.partition.ilp import IlpResult, StageModel
+from fxpipe.partition.nothing_fits import dp_fits, fewest_gpus
 from fxpipe.partition.problem import (
     Comm,
     Edge,
@@ -26,14 +27,7 @@ from fxpipe.partition.problem import (
     TiedGroup,
     TiedPolicy,
 )
-from fxpipe.partition.solve import (
-    MAX_NODES,
-    Partition,
-    check_size,
-    dp_fits,
-    fewest_gpus,
-    partition,
-)
+from fxpipe.partition.solve import MAX_NODES, Partition, check_size, partition
 
 __all__ = [
     "BASELINES",

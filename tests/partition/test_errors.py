@@ -20,7 +20,7 @@ from fxpipe.partition import (
     partition,
 )
 from fxpipe.partition.coarsen import exact_groups
-from fxpipe.partition.solve import min_memory
+from fxpipe.partition.nothing_fits import min_memory
 from fxpipe.schedules import ScheduleKind
 
 GiB = 2**30

@@ -1,0 +1,179 @@
+"""When no split fits: what the best split needs, and what would fit instead.
+
+``infeasible`` words the error ``partition`` raises. Every figure in it is one a user can
+act on: the memory of the leanest split found (``min_memory``), the fewest GPUs on which
+the interval DP finds a split that fits (``fewest_gpus``), recompute where it is off; each
+checked by a search that, when it finds a split, finds one that really fits, after lower
+bounds (``heaviest_group``, the parameters' state) have ruled out what cannot fit at all.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+from fxpipe.partition.baselines import baselines as run_baselines
+from fxpipe.partition.baselines import interval_dp, leanest_dp
+from fxpipe.partition.coarsen import Coarsening, exact_groups
+from fxpipe.partition.coarsen import coarsen as coarsen_graph
+from fxpipe.partition.cost import memory_parts
+from fxpipe.partition.errors import InfeasibleMemoryError
+from fxpipe.partition.evaluate import evaluate, violations
+from fxpipe.partition.ilp import StageModel
+from fxpipe.partition.problem import Problem, Recompute
+
+__all__ = ["dp_fits", "fewest_gpus", "heaviest_group", "infeasible", "min_memory"]
+
+# Placement variables up to which CP-SAT's memory program looks for a leaner split than the
+# interval DP's when nothing fits (see min_memory).
+MEMORY_SOLVE_MAX = 4_000
+
+
+def min_memory(problem: Problem, exact: Coarsening, *, work_limit: float, time_limit_s: float,
+               workers: int) -> float:
+    """The per-device memory of the leanest valid split found, so that "allow that much
+    memory" is always advice that works: the leanest contiguous split of the exact groups'
+    order (``leanest_dp``, bounded by the baselines' leanest) and, on a problem small
+    enough (MEMORY_SOLVE_MAX), CP-SAT's memory program hinted with it, which also finds
+    splits no one order holds. Beyond that size the program takes seconds to build and
+    did worse than the DP in its work limit (Llama-3-8B onto 8 GPUs: 14 s, 31.5 GiB
+    against the DP's 25.3 GiB in 0.6 s)."""
+    found = [split for split in run_baselines(problem, exact).values()
+             if not violations(problem, split)]
+    upper = min((float(evaluate(problem, split).estimate.max_memory) for split in found),
+                default=math.inf)
+    bounded = replace(problem, memory_limit=upper)  # no block beyond the leanest baseline's
+    lean = leanest_dp(Coarsening(bounded, exact.group_of, exact.groups, exact.order_edges))
+    if lean is not None:
+        found.append(exact.expand(lean))
+    if exact.num_coarse * problem.num_stages <= MEMORY_SOLVE_MAX:
+        model = StageModel(exact, objective="memory", hint=lean)
+        result = model.solve(work_limit=work_limit, time_limit_s=time_limit_s, workers=workers)
+        if result.stage_of is not None:
+            found.append(result.stage_of)
+        elif not found:
+            return result.bound
+    assert found, "a contiguous split of the order always exists"
+    return min(float(evaluate(problem, split).estimate.max_memory) for split in found)
+
+
+def infeasible(problem: Problem, exact: Coarsening, *, work_limit: float,
+                time_limit_s: float, workers: int) -> InfeasibleMemoryError:
+    """The error for a problem no split of fits: what the best split needs, and what would
+    fit instead (more GPUs, recompute), each checked by the interval DP (fast, and a split
+    it finds fits for sure) after the lower bounds (``heaviest_group``, ``memory_floor``,
+    the block bound) have ruled out what cannot fit without any search."""
+    needed = min_memory(problem, exact, work_limit=work_limit,
+                        time_limit_s=max(1.0, time_limit_s / 2), workers=workers)
+    recompute = None
+    if problem.recompute is Recompute.NONE and dp_fits(replace(problem,
+                                                              recompute=Recompute.AUTO)):
+        recompute = Recompute.AUTO.value
+    name, alone = heaviest_group(problem, exact)
+    if alone > problem.memory_limit:  # no stage can hold it, whatever the GPU count
+        return InfeasibleMemoryError(devices=problem.devices, limit=problem.memory_limit,
+                                     needed=needed, recompute=recompute, alone=(name, alone))
+    fits_on, at_least = _fewest_gpus(problem)
+    return InfeasibleMemoryError(devices=problem.devices, limit=problem.memory_limit,
+                                 needed=needed, fits_on=fits_on, at_least=at_least,
+                                 recompute=recompute)
+
+
+def dp_fits(problem: Problem) -> bool:
+    """Whether the interval DP finds a split of ``problem`` within its memory limit: fast
+    (no CP-SAT), and a split it finds fits for sure, so a fix it confirms is real."""
+    exact = exact_groups(problem)
+    if exact.num_coarse < problem.num_stages:
+        return False
+    return interval_dp(coarsen_graph(problem, base=exact)) is not None
+
+
+def heaviest_group(problem: Problem, exact: Coarsening) -> tuple[str, float]:
+    """The exact group (named by its largest node, and that node's block) that needs the
+    most memory on a stage of its own, and those bytes: its parameters with their state,
+    its saved activations and returned values for one micro-batch, its backward transient
+    and the workspace, and the loss for a group every other one leads to (it ends the
+    last stage, which cannot be empty). Every stage that holds it needs at least that,
+    whatever the split and the number of GPUs (every sum of the stage cost formula only
+    grows with more nodes and more micro-batches in flight)."""
+    best = ("", 0.0)
+    sink = _sink(exact)
+    for g, group in enumerate(exact.groups):
+        nodes = [problem.nodes[v] for v in group]
+        parts = memory_parts(
+            problem, problem.num_stages - 1 if g == sink else -1, flight=1, recompute=False,
+            params=sum(n.param_bytes for n in nodes),
+            activations=sum(n.activation_bytes for n in nodes), received=0,
+            kept=sum(n.output_bytes for n in nodes if n.returned),
+            transient=max(n.grad_bytes for n in nodes))
+        needs = float(sum(parts.values()))
+        if needs > best[1]:
+            top = max(nodes, key=lambda n: (n.param_bytes, n.activation_bytes))
+            best = (f"op {top.name} of {top.module}" if top.module else f"op {top.name}",
+                    needs)
+    return best
+
+
+def _sink(exact: Coarsening) -> int | None:
+    """The group every other group leads to, which the last stage holds whatever the split
+    when no stage may be empty; None when there is none (or stages may be empty)."""
+    G = exact.num_coarse
+    if G == 0 or exact.problem.allow_empty_stages:
+        return None
+    preds: list[list[int]] = [[] for _ in range(G)]
+    for a, b in exact.order_edges:
+        preds[b].append(a)
+    seen, stack = {G - 1}, [G - 1]  # the groups are in a topological order
+    while stack:
+        for a in preds[stack.pop()]:
+            if a not in seen:
+                seen.add(a)
+                stack.append(a)
+    return G - 1 if len(seen) == G else None
+
+
+def fewest_gpus(problem: Problem) -> int | None:
+    """The fewest GPUs on which the interval DP finds a split of ``problem`` that fits, more
+    than ``problem.devices`` (which must not fit); None when no count is found, at once when
+    ``heaviest_group`` proves that none can."""
+    if heaviest_group(problem, exact_groups(problem))[1] > problem.memory_limit:
+        return None
+    return _fewest_gpus(problem)[0]
+
+
+def _fewest_gpus(problem: Problem) -> tuple[int | None, int | None]:
+    """(fits_on, at_least): the fewest GPUs (one stage each) on which the interval DP finds
+    a split that fits, searched by doubling, then bisecting, from what the parameters alone
+    need (``memory_floor``, which also proves that fewer than ``at_least`` GPUs cannot fit).
+    (The block bound is no shortcut here: without a bottleneck to prune its blocks, it
+    takes longer than the DP on counts where memory does not bind.) fits_on is None when
+    even one
+    GPU per exact group does not fit, at_least None when the parameters rule out no count
+    (and both for interleaved or replicated plans, where the stage count is not the GPU
+    count)."""
+    if problem.virtual_stages > 1 or problem.replicates:
+        return None, None
+    limit = problem.memory_limit - problem.workspace_bytes
+    if limit <= 0:
+        return None, None
+    most = exact_groups(problem).num_coarse
+
+    def fits(n: int) -> bool:
+        return dp_fits(replace(problem, num_stages=n, num_devices=0))
+
+    state = max(1.0, problem.state_factor) * (
+        sum(n.param_bytes for n in problem.nodes) + sum(g.param_bytes for g in problem.tied))
+    floor = math.ceil(state / limit) - 1  # n GPUs hold state / n each: n <= floor cannot fit
+    at_least = floor + 1 if floor >= problem.devices else None
+    lo = max(problem.devices, floor)  # lo does not fit (or is asked)
+    if lo >= most:
+        return None, at_least
+    hi = min(max(lo + 1, 2 * lo), most)
+    while not fits(hi):
+        if hi == most:
+            return None, at_least
+        lo, hi = hi, min(2 * hi, most)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi, at_least
