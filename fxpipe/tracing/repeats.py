@@ -34,6 +34,7 @@ import torch.fx
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from fxpipe.runtime.binding import bind
 from fxpipe.tracing.export import export_program, exported_graph, quiet_stderr
 from fxpipe.tracing.records import InputShape
 
@@ -407,21 +408,12 @@ def _add_attrs(
     gm: torch.fx.GraphModule, model: torch.nn.Module, prefix: str,
     attrs: dict[torch.fx.Node, str], after: torch.fx.Node | None,
 ) -> tuple[dict[torch.fx.Node, torch.fx.Node], torch.fx.Node | None]:
-    """The model's tensors under ``prefix`` for each of ``attrs`` set on ``gm`` and read by
-    new ``get_attr`` nodes after ``after``: template node -> its copy, and the last."""
+    """The model's tensors under ``prefix`` for each of ``attrs`` bound on ``gm`` under
+    their own names, as a stage binds them, and read by new ``get_attr`` nodes after
+    ``after``: template node -> its copy, and the last."""
     copies: dict[torch.fx.Node, torch.fx.Node] = {}
     for node, name in attrs.items():
-        owner, _, leaf = f"{prefix}{name}".rpartition(".")
-        tensor = getattr(model.get_submodule(owner), leaf)
-        module = gm
-        for part in owner.split("."):
-            if part not in module._modules:
-                module.add_module(part, torch.nn.Module())
-            module = module._modules[part]  # type: ignore[assignment]
-        if isinstance(tensor, torch.nn.Parameter):
-            module.register_parameter(leaf, tensor)
-        else:
-            module.register_buffer(leaf, tensor)
+        bind(gm, model, f"{prefix}{name}")
         assert after is not None
         with gm.graph.inserting_after(after):
             after = copies[node] = gm.graph.get_attr(f"{prefix}{name}")
