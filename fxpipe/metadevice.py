@@ -129,6 +129,7 @@ class MetaRunner(torch.fx.Interpreter):
                  device: str | None = None) -> None:
         super().__init__(gm, garbage_collect_values=True)
         self.meta_state: dict[str, torch.Tensor] = {}
+        self.state_ids: frozenset[int] = frozenset()  # ids of meta_state's tensors
         self.execution = execution if execution is not None else Execution()
         precision = self.execution.precision
         self.autocast = precision.dtype if precision is not None and precision.mixed else None
@@ -147,6 +148,7 @@ class MetaRunner(torch.fx.Interpreter):
                 stack.enter_context(torch.autocast("cpu", dtype=self.autocast))
             state = stack.enter_context(on_meta(self.module, dtype=self.cast, device=self.device))
             self.meta_state = state  # qualified name -> the tensor standing in for it
+            self.state_ids = frozenset(id(t) for t in state.values())
             inputs = inputs_to_meta(flat_inputs, dtype=self.cast, device=self.device)
             return self.run(*inputs)
 

@@ -68,13 +68,12 @@ class MetaInterpreter(MetaRunner):
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         inputs: list[torch.Tensor] = []
         weights: list[torch.Tensor] = []
-        state = {id(t) for t in self.meta_state.values()}  # the model's parameters, on meta
 
         def leaf(t: torch.Tensor) -> torch.Tensor:
             if not t.requires_grad:
                 return t.detach()
             fresh = t.detach().requires_grad_()
-            (weights if id(t) in state else inputs).append(fresh)
+            (weights if id(t) in self.state_ids else inputs).append(fresh)
             # A non-leaf copy of the leaf, so in-place ops inside the node stay legal (a
             # view of it would not be: autograd rejects in-place ops on views of leaves).
             return fresh.clone()

@@ -51,12 +51,10 @@ class _FlopCount(MetaInterpreter):
         parameter; None for a module call (its state and code are its own)."""
         if n.op == "call_module":
             return None
-        state = {id(t) for t in self.meta_state.values()}
-
         def spec(value: Any) -> Any:
             if isinstance(value, torch.Tensor):
                 return ("tensor", tuple(value.shape), value.dtype, value.requires_grad,
-                        id(value) in state, value.stride())
+                        id(value) in self.state_ids, value.stride())
             if isinstance(value, (tuple, list)):
                 return (type(value).__name__, *map(spec, value))
             if isinstance(value, dict):

@@ -44,7 +44,6 @@ class _MemoryCount(MetaInterpreter):
     def execute(self, n: torch.fx.Node) -> Any:
         if n.op not in OP_NODES:
             return super().execute(n)
-        state_ids = {id(t) for t in self.meta_state.values()}
         inputs = {
             id(t): producer
             for producer in n.all_input_nodes
@@ -62,7 +61,7 @@ class _MemoryCount(MetaInterpreter):
         own = 0
         for key, t in saved.items():
             base = t._base if t._base is not None else t
-            if key in state_ids or id(base) in state_ids:
+            if key in self.state_ids or id(base) in self.state_ids:
                 continue
             producer = inputs.get(key, inputs.get(id(base)))
             if producer is not None:
