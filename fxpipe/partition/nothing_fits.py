@@ -58,7 +58,7 @@ def min_memory(problem: Problem, exact: Coarsening, *, work_limit: float, time_l
 
 
 def infeasible(problem: Problem, exact: Coarsening, *, work_limit: float,
-                time_limit_s: float, workers: int) -> InfeasibleMemoryError:
+               time_limit_s: float, workers: int) -> InfeasibleMemoryError:
     """The error for a problem no split of fits: what the best split needs, and what would
     fit instead (more GPUs, recompute), each checked by the interval DP (fast, and a split
     it finds fits for sure) after the lower bounds (``heaviest_group``, ``memory_floor``,
@@ -147,10 +147,9 @@ def _fewest_gpus(problem: Problem) -> tuple[int | None, int | None]:
     need (``memory_floor``, which also proves that fewer than ``at_least`` GPUs cannot fit).
     (The block bound is no shortcut here: without a bottleneck to prune its blocks, it
     takes longer than the DP on counts where memory does not bind.) fits_on is None when
-    even one
-    GPU per exact group does not fit, at_least None when the parameters rule out no count
-    (and both for interleaved or replicated plans, where the stage count is not the GPU
-    count)."""
+    even one GPU per exact group does not fit, at_least None when the parameters rule out
+    no count (and both for interleaved or replicated plans, where the stage count is not
+    the GPU count)."""
     if problem.virtual_stages > 1 or problem.replicates:
         return None, None
     limit = problem.memory_limit - problem.workspace_bytes

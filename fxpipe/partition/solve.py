@@ -137,25 +137,26 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
             or heaviest_group(problem, exact)[1] > problem.memory_limit):
         # Proved in no time: the full search would spend its time limit proving it again.
         raise infeasible(problem, exact, work_limit=work_limit, time_limit_s=time_limit_s,
-                          workers=workers)
+                         workers=workers)
 
     splits, scored, candidates = _baselines(problem, exact)
     if not candidates and block_bound(exact) == math.inf:
         # Memory binds every baseline: the block bound (a second or less on 2,000 groups)
         # may prove that no split fits, which CP-SAT would take its whole limit to find.
         raise infeasible(problem, exact, work_limit=work_limit, time_limit_s=time_limit_s,
-                          workers=workers)
+                         workers=workers)
     lower = _bound_first(problem, exact, candidates)
     if lower == math.inf:  # not even the block bound's relaxation fits: proved
         raise infeasible(problem, exact, work_limit=work_limit, time_limit_s=time_limit_s,
-                          workers=workers)
+                         workers=workers)
     level = exact  # the coarse graph is not needed when the bound settles it
     if lower is not None:  # within GAP of the best split: CP-SAT would not help
         phases: list[IlpResult] = []
         result = IlpResult("UNKNOWN", None, None, math.inf, 0.0, 0.0, exact.num_coarse)
     else:
         level, phases = _search(problem, exact, candidates, coarsen=coarsen,
-                                work_limit=work_limit, deadline=deadline, workers=workers)
+                                dp_done=_large(problem, exact), work_limit=work_limit,
+                                deadline=deadline, workers=workers)
         result = phases[-1]
     best = min(candidates, key=lambda c: c[0])[1] if candidates else None
 
@@ -167,7 +168,7 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
     if best is None:
         if result.status == "INFEASIBLE":
             raise infeasible(problem, exact, work_limit=work_limit,
-                              time_limit_s=time_limit_s, workers=workers)
+                             time_limit_s=time_limit_s, workers=workers)
         raise NoSolutionError(devices=problem.devices, work_limit=work_limit,
                               time_limit_s=time_limit_s,
                               wall_clock=any(p.wall_clock_stopped for p in phases),
@@ -227,7 +228,7 @@ def _bound_first(problem: Problem, exact: Coarsening,
 
 def _search(problem: Problem, exact: Coarsening,
             candidates: list[tuple[float, tuple[int, ...]]], *, coarsen: bool,
-            work_limit: float, deadline: float, workers: int,
+            dp_done: bool, work_limit: float, deadline: float, workers: int,
             ) -> tuple[Coarsening, list[IlpResult]]:
     """The CP-SAT solves, the last one's answer for the exact groups, and the graph the
     warm start was solved on. First the exact program hinted with the interval DP's split
@@ -235,12 +236,14 @@ def _search(problem: Problem, exact: Coarsening,
     proves in a fraction of a second (proving the coarse program optimal first took 15 s
     on transformers' Llama-3-8B at bf16-mixed). When it does not, the coarse warm start,
     then the exact program again on the rest of the work; where GPUs run several stage
-    modules, hinted with the shared-GPU search's split when that is the best."""
+    modules, hinted with the shared-GPU search's split when that is the best.
+    ``dp_done``: the interval DP's split is in ``candidates`` already (``_bound_first``)."""
     tried: list[IlpResult] = []
-    dp_done = exact.num_coarse <= PROOF_MAX_GROUPS
-    if dp_done:
+    proving = exact.num_coarse <= PROOF_MAX_GROUPS
+    if proving and not dp_done:
         _add_dp_split(problem, exact, candidates)
-    if dp_done and candidates:
+        dp_done = True
+    if proving and candidates:
         best = min(candidates, key=lambda c: c[0])[1]
         first = StageModel(exact, hint=exact.restrict(best)).solve(
             work_limit=work_limit * PROOF_SHARE, time_limit_s=_left(deadline),
