@@ -154,6 +154,24 @@ def test_solver_errors_are_worded_with_the_flags(
     assert not (tmp_path / "fxpipe-out").exists()
 
 
+def test_no_fit_on_any_gpu_count_searched_does_not_advise_more_gpus(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fxpipe import cli, compiler
+    from fxpipe.partition import InfeasibleMemoryError
+
+    def nothing_fits(problem: object, **_: object) -> None:
+        raise InfeasibleMemoryError(devices=2, limit=2**30, needed=3 * 2**30, searched=64)
+
+    monkeypatch.setattr(compiler, "partition", nothing_fits)
+    monkeypatch.chdir(tmp_path)
+    # bf16-true: no leaner precision to try either
+    assert cli.main(["split", MLP, "--gpus", "2", "--precision", "bf16-true"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "fxpipe: error: No split of the model onto 2 GPUs fits in 1.0 GiB per GPU; the best "
+        "split needs 3.0 GiB, and none was found on up to 64 GPUs. Use --memory 3.0GiB.")
+
+
 @pytest.mark.parametrize("command", ["split", "profile"])
 def test_bad_precision_is_one_line_naming_the_valid_ones(command: str, tmp_path: Path) -> None:
     extra = ["--gpus", "2"] if command == "split" else []

@@ -94,13 +94,14 @@ class InfeasibleMemoryError(ValueError):
     ``with_precision``), on ``precision_gpus`` GPUs where it needs more than asked.
     What is proved cannot fit: fewer than ``at_least`` GPUs (None when not known), and,
     with ``alone`` = (name, bytes), any number of GPUs, since that one group of ops needs
-    more than the limit on a stage of its own."""
+    more than the limit on a stage of its own. ``searched``: when ``fits_on`` is None, the
+    most GPUs the search for it tried (None: every count there can be)."""
 
     def __init__(self, *, devices: int, limit: float, needed: float,
                  fits_on: int | None = None, recompute: str | None = None,
                  precision: str | None = None, at_least: int | None = None,
                  alone: tuple[str, float] | None = None,
-                 precision_gpus: int | None = None) -> None:
+                 precision_gpus: int | None = None, searched: int | None = None) -> None:
         self.devices = devices
         self.limit = limit
         self.needed = needed
@@ -110,6 +111,7 @@ class InfeasibleMemoryError(ValueError):
         self.at_least = at_least
         self.alone = alone
         self.precision_gpus = precision_gpus
+        self.searched = searched
         fixes = [f"allow {format_bytes(needed)} per GPU"]
         if fits_on is not None:
             fixes.append(f"use {fits_on} GPUs")
@@ -129,9 +131,13 @@ class InfeasibleMemoryError(ValueError):
             name, needs = self.alone
             return (f", and {name} alone needs {format_bytes(needs)}, so no number of "
                     "GPUs fits")
-        if self.fits_on is None and self.at_least is not None:
-            return f", and no split onto fewer than {self.at_least} GPUs can fit"
-        return ""
+        if self.fits_on is not None:
+            return ""
+        fewer = ("" if self.at_least is None
+                 else f", and no split onto fewer than {self.at_least} GPUs can fit")
+        if self.searched is not None:
+            return f"{fewer}, and none was found on up to {self.searched} GPUs"
+        return fewer
 
     def with_precision(self, precision: str, gpus: int | None = None) -> InfeasibleMemoryError:
         """The same error, naming ``precision`` as a fix too, on ``gpus`` GPUs (None: on
@@ -140,7 +146,7 @@ class InfeasibleMemoryError(ValueError):
                                      needed=self.needed, fits_on=self.fits_on,
                                      recompute=self.recompute, precision=precision,
                                      at_least=self.at_least, alone=self.alone,
-                                     precision_gpus=gpus)
+                                     precision_gpus=gpus, searched=self.searched)
 
 
 def _either(options: list[str]) -> str:

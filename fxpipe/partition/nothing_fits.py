@@ -27,6 +27,10 @@ __all__ = ["dp_fits", "fewest_gpus", "heaviest_group", "infeasible", "min_memory
 # Placement variables up to which CP-SAT's memory program looks for a leaner split than the
 # interval DP's when nothing fits (see min_memory).
 MEMORY_SOLVE_MAX = 4_000
+# How far the fewest-GPUs search looks: up to this many times the GPUs it starts from (at
+# least 8). Beyond, the answer is no advice a user takes, and the interval DP grows with
+# the stage count (Llama-3-70B without recompute: 1 s at 256 stages, 150 s at 4,096).
+SEARCH_FACTOR = 8
 
 
 def min_memory(problem: Problem, exact: Coarsening, *, work_limit: float, time_limit_s: float,
@@ -73,10 +77,10 @@ def infeasible(problem: Problem, exact: Coarsening, *, work_limit: float,
     if alone > problem.memory_limit:  # no stage can hold it, whatever the GPU count
         return InfeasibleMemoryError(devices=problem.devices, limit=problem.memory_limit,
                                      needed=needed, recompute=recompute, alone=(name, alone))
-    fits_on, at_least = _fewest_gpus(problem)
+    fits_on, at_least, searched = _fewest_gpus(problem)
     return InfeasibleMemoryError(devices=problem.devices, limit=problem.memory_limit,
                                  needed=needed, fits_on=fits_on, at_least=at_least,
-                                 recompute=recompute)
+                                 recompute=recompute, searched=searched)
 
 
 def dp_fits(problem: Problem) -> bool:
@@ -134,28 +138,29 @@ def _sink(exact: Coarsening) -> int | None:
 
 def fewest_gpus(problem: Problem) -> int | None:
     """The fewest GPUs on which the interval DP finds a split of ``problem`` that fits, more
-    than ``problem.devices`` (which must not fit); None when no count is found, at once when
-    ``heaviest_group`` proves that none can."""
+    than ``problem.devices`` (which must not fit); None when no count is found (up to
+    ``SEARCH_FACTOR`` times more), at once when ``heaviest_group`` proves that none can."""
     if heaviest_group(problem, exact_groups(problem))[1] > problem.memory_limit:
         return None
     return _fewest_gpus(problem)[0]
 
 
-def _fewest_gpus(problem: Problem) -> tuple[int | None, int | None]:
-    """(fits_on, at_least): the fewest GPUs (one stage each) on which the interval DP finds
-    a split that fits, searched by doubling, then bisecting, from what the parameters alone
-    need (``memory_floor``, which also proves that fewer than ``at_least`` GPUs cannot fit).
-    (The block bound is no shortcut here: without a bottleneck to prune its blocks, it
-    takes longer than the DP on counts where memory does not bind.) fits_on is None when
-    even one GPU per exact group does not fit, at_least None when the parameters rule out
-    no count (and both for interleaved or replicated plans, where the stage count is not
-    the GPU count)."""
+def _fewest_gpus(problem: Problem) -> tuple[int | None, int | None, int | None]:
+    """(fits_on, at_least, searched): the fewest GPUs (one stage each) on which the
+    interval DP finds a split that fits, searched by doubling, then bisecting, from what
+    the parameters alone need (``memory_floor``, which also proves that fewer than
+    ``at_least`` GPUs cannot fit), up to ``SEARCH_FACTOR`` times that. (The block bound is
+    no shortcut here: without a bottleneck to prune its blocks, it takes longer than the
+    DP on counts where memory does not bind.) fits_on is None when no count up to
+    ``searched`` fits (``searched`` None: up to one GPU per exact group, the most there
+    can be), at_least None when the parameters rule out no count (and all three for
+    interleaved or replicated plans, where the stage count is not the GPU count)."""
     if problem.virtual_stages > 1 or problem.replicates:
-        return None, None
+        return None, None, None
     limit = problem.memory_limit - problem.workspace_bytes
     if limit <= 0:
-        return None, None
-    most = exact_groups(problem).num_coarse
+        return None, None, None
+    groups = exact_groups(problem).num_coarse
 
     def fits(n: int) -> bool:
         return dp_fits(replace(problem, num_stages=n, num_devices=0))
@@ -165,14 +170,16 @@ def _fewest_gpus(problem: Problem) -> tuple[int | None, int | None]:
     floor = math.ceil(state / limit) - 1  # n GPUs hold state / n each: n <= floor cannot fit
     at_least = floor + 1 if floor >= problem.devices else None
     lo = max(problem.devices, floor)  # lo does not fit (or is asked)
+    most = min(groups, SEARCH_FACTOR * max(lo, 8))
+    searched = most if most < groups else None
     if lo >= most:
-        return None, at_least
+        return None, at_least, searched
     hi = min(max(lo + 1, 2 * lo), most)
     while not fits(hi):
         if hi == most:
-            return None, at_least
+            return None, at_least, searched
         lo, hi = hi, min(2 * hi, most)
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if fits(mid) else (mid, hi)
-    return hi, at_least
+    return hi, at_least, None

@@ -17,6 +17,7 @@ from fxpipe.partition import (
     ProblemTooLargeError,
     Recompute,
     TooManyStagesError,
+    nothing_fits,
     partition,
 )
 from fxpipe.partition.coarsen import exact_groups
@@ -90,6 +91,31 @@ def test_no_split_fits_says_recompute_would() -> None:
     assert "or recompute (auto)." in str(info.value)
     # and the same problem with the solver choosing recompute does fit
     partition(replace(p, recompute=Recompute.AUTO), time_limit_s=10)
+
+
+def test_the_fewest_gpus_search_stops_at_eight_times_the_gpus(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # 300 layers keeping 1 GiB each per micro-batch, no recompute, 1F1B with M = 300: stage
+    # 0 of n holds n micro-batches of at least one layer, so n <= 10, and ten stages hold
+    # at most 10 * (1 + 1/2 + ... + 1/10) = 29 layers: no count fits. The search tries up
+    # to 8 x 8 GPUs, not the 300 there can be (on Llama-3-70B the DP at 4,096 stages alone
+    # took 150 s), and says how far it looked.
+    nodes = tuple(Node(f"n{i}", 1, 1, activation_bytes=GiB, output_bytes=1024)
+                  for i in range(300))
+    p = Problem(nodes, tuple(Edge(i, i + 1) for i in range(299)), num_stages=4,
+                memory_limit=10 * GiB, schedule=ScheduleKind.ONE_F_ONE_B, microbatches=300)
+    tried: list[int] = []
+    dp_fits = nothing_fits.dp_fits
+    monkeypatch.setattr(nothing_fits, "dp_fits",
+                        lambda q: tried.append(q.num_stages) or dp_fits(q))
+    with pytest.raises(InfeasibleMemoryError) as info:
+        partition(p, time_limit_s=10)
+    e = info.value
+    assert (e.fits_on, e.at_least, e.searched) == (None, None, 64)
+    assert max(tried) == 64
+    # the leanest 4 stages hold 36, 48, 72 and 144 layers, 144 GiB each with 4, 3, 2, 1 in flight
+    assert str(e).endswith("needs 144.0 GiB, and none was found on up to 64 GPUs. To fit, "
+                           "allow 144.0 GiB per GPU.")
 
 
 def test_min_memory_is_a_split_that_fits_when_the_search_runs_out_of_time() -> None:
