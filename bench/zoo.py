@@ -3,6 +3,9 @@
     python bench/zoo.py                 # transformers families (small random configs)
     python bench/zoo.py --vision        # torchvision and timm models (needs both installed)
     python bench/zoo.py --only gpt2,t5  # a few models, by slug
+    python bench/zoo.py --layers 7      # 7 layers per stack instead of 2: stacks of six or
+                                        # more identical layers are exported three deep
+                                        # and copied (capture "export, copied")
 
 For every model the benchmark writes a model file the way a user would (``build_model``,
 ``example_inputs``, ``example_target``, ``loss_fn``; random weights from a config,
@@ -32,13 +35,14 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +59,7 @@ from fxpipe.cost_models import get_device
 from fxpipe.output import write_folder
 from fxpipe.passes.base import OP_NODES
 from fxpipe.runtime.loading import import_file
+from fxpipe.tracing.repeats import KEPT
 
 MICRO = 2  # samples per micro-batch
 MICROBATCHES = 4
@@ -278,6 +283,16 @@ TRANSFORMERS = [
                classifier_proj_size=16, num_labels=10),
            ("waveform", {"samples": 400, "classes": 10}), stages=2),
 ]
+
+
+# The config fields that count layers, each 2 in the families above.
+_LAYER_FIELDS = re.compile(r"\b((?:num_hidden_|num_decoder_|encoder_|decoder_|num_|n_)"
+                           r"layers?)=2\b")
+
+
+def deeper(family: Family, layers: int) -> Family:
+    """``family`` with ``layers`` layers in each stack of its config instead of 2."""
+    return replace(family, build=_LAYER_FIELDS.sub(rf"\1={layers}", family.build))
 
 
 def _image(size: int) -> tuple[str, dict[str, Any]]:
@@ -531,7 +546,8 @@ def check(family: Family, folder: Path) -> Row:
         phase = "trace"  # load, trace and analyse, as `fxpipe split model.py` does
         device = get_device("h100")
         source, traced = analyze_file(str(model_file), device=device, solvable=True)
-        row.capture = traced.tracer
+        copied = any(note.startswith(f"exported {KEPT} layers") for note in traced.notes)
+        row.capture = f"{traced.tracer}, copied" if copied else traced.tracer
         row.nodes = sum(1 for n in traced.gm.graph.nodes if n.op in OP_NODES)
 
         phase = "plan"
@@ -613,6 +629,8 @@ def main() -> int:
     parser.add_argument("--vision", action="store_true",
                         help="the torchvision / timm models instead of the transformers ones")
     parser.add_argument("--only", help="comma-separated slugs to run (default: all)")
+    parser.add_argument("--layers", type=int, default=2,
+                        help="layers per stack of the transformers configs (default 2)")
     parser.add_argument("--keep", type=Path,
                         help="write the model files and packages here (default: a temp folder)")
     args = parser.parse_args()
@@ -630,6 +648,8 @@ def main() -> int:
             parser.error(f"unknown families {sorted(unknown)}; choose from "
                          f"{', '.join(f.slug for f in families)}")
         families = [f for f in families if f.slug in wanted]
+    if args.layers != 2:
+        families = [deeper(f, args.layers) for f in families]
 
     with tempfile.TemporaryDirectory(prefix="fxpipe-zoo-") as tmp:
         base = args.keep or Path(tmp)

@@ -1,0 +1,170 @@
+"""How much any recompute choice could gain over recomputing everywhere: a fluid bound.
+
+``bench/recompute_choice.py`` measures what ``--recompute auto`` (a boolean per stage)
+gains over ``--recompute all`` on memory-bound Llama shapes. This script asks what *any*
+choice could gain, per stage or per block down to a fraction of a layer, under the same
+cost model, by relaxing the split: each stage j of K holds any real number n_j of the
+model's identical layers (the first stage also the embedding, the last the final norm, LM
+head and loss) and keeps a fraction r_j of their activations for its micro-batches in
+flight, recomputing the rest in its backward. Per stage, with the cost formula's terms
+(fxpipe/partition/cost.py) and each layer's sums over its nodes (P parameter bytes, A
+activation bytes, F forward and B backward seconds, h the bytes one layer hands the next):
+
+    time    n_j (F + B) + (1 - r_j) n_j F                    (+ the end groups')
+    memory  n_j P s + f_j r_j n_j A + (1 - r_j) n_j A         (s the state factor,
+            + h f_j received + h (f_j + 1) kept + workspace    f_j in flight: 1F1B)
+
+The least bottleneck T at which the stages hold every layer (sum_j n_j >= layers, each
+n_j the most its memory and T allow) is found by bisection, for four choices of r_j:
+1 (``none``), 0 (``all``), 0 or 1 (``per stage``, what ``auto`` chooses from) and any
+value in [0, 1] (``per block``, finer than any real per-block recompute). The relaxation
+is optimistic for every choice alike (whole layers and cuts at node boundaries only add
+time); the ratio of two relaxed bottlenecks says how far apart the choices can be, not a
+proof. Prints a markdown table and the load average.
+
+    python bench/recompute_bound.py [--cases 70b:4096:32 70b:8192:32 8b:4096:8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from recompute_choice import LLAMA, SHAPES
+
+from fxpipe import cli
+from fxpipe.compiler import SplitOptions, _lowered
+from fxpipe.cost_models import get_device
+from fxpipe.partition import Node, Problem, Recompute
+from fxpipe.partition.problem import stage_flights
+
+CHOICES: dict[str, Sequence[float]] = {
+    "none": (1.0,),
+    "all": (0.0,),
+    "per stage": (0.0, 1.0),
+    "per block": tuple(i / 200 for i in range(201)),
+}
+LAYERS = "model.layers."
+
+
+@dataclass(frozen=True)
+class Sums:
+    """Sums over a group of nodes, for one micro-batch."""
+
+    params: float = 0.0
+    activations: float = 0.0
+    time_s: float = 0.0  # forward + backward
+    forward_s: float = 0.0
+
+
+def sums(nodes: Sequence[Node]) -> Sums:
+    return Sums(sum(n.param_bytes for n in nodes), sum(n.activation_bytes for n in nodes),
+                sum(n.forward_s + n.backward_s for n in nodes), sum(n.forward_s for n in nodes))
+
+
+class Fluid:
+    """The relaxed problem of one traced Llama shape on ``problem.num_stages`` stages."""
+
+    def __init__(self, problem: Problem) -> None:
+        layers: dict[str, list[Node]] = {}
+        first: list[Node] = []
+        last: list[Node] = []
+        for node in problem.nodes:
+            if node.module.startswith(LAYERS):
+                layers.setdefault(".".join(node.module.split(".")[:3]), []).append(node)
+            else:
+                (last if layers else first).append(node)
+        one = next(iter(layers.values()))
+        self.layers = len(layers)
+        self.layer = sums(one)
+        self.hidden = one[-1].output_bytes
+        self.first, self.last = sums(first), sums(last)
+        self.problem = problem
+        self.flights = stage_flights(problem)
+
+    def holds(self, j: int, bottleneck_s: float, kept: Sequence[float]) -> float:
+        """The most layers stage j holds within ``bottleneck_s`` and its memory, keeping
+        any fraction in ``kept`` of their activations."""
+        p, K, f = self.problem, self.problem.num_stages, self.flights[j]
+        end = (self.first if j == 0 else Sums()), (self.last if j == K - 1 else Sums())
+        fixed_s = sum(e.time_s for e in end)
+        fixed = sum(e.params * p.state_factor + e.activations * f for e in end)
+        fixed += p.workspace_bytes + p.loss_grad_bytes * (j == K - 1)
+        fixed += self.hidden * (f * (j > 0) + (f + 1) * (j < K - 1))
+        most = 0.0
+        for r in kept:
+            per_layer_s = self.layer.time_s + (1 - r) * self.layer.forward_s
+            per_layer = (self.layer.params * p.state_factor
+                         + self.layer.activations * (f * r + (1 - r)))
+            most = max(most, min((bottleneck_s - fixed_s) / per_layer_s,
+                                 (p.memory_limit - fixed) / per_layer))
+        return max(most, 0.0)
+
+    def bottleneck(self, kept: Sequence[float]) -> float | None:
+        """The least relaxed bottleneck (seconds per micro-batch); None if none fits."""
+        K = self.problem.num_stages
+
+        def fits(t: float) -> bool:
+            return sum(self.holds(j, t, kept) for j in range(K)) >= self.layers
+        hi = (self.layers * (self.layer.time_s + self.layer.forward_s)
+              + self.first.time_s + self.last.time_s)
+        if not fits(hi):
+            return None
+        lo = 0.0
+        while hi - lo > 1e-6 * hi:
+            mid = (lo + hi) / 2
+            lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+        return hi
+
+
+def ratio(found: dict[str, float | None], name: str) -> str:
+    """How many times faster ``name``'s relaxed bottleneck is than recomputing everywhere."""
+    a, b = found["all"], found[name]
+    return "-" if a is None or b is None else f"{a / b:.3f}x"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", nargs="*", default=["70b:4096:32", "70b:8192:32",
+                                                         "8b:4096:8"],
+                        help="SHAPE:TOKENS:GPUS")
+    args = parser.parse_args()
+    print(f"load average before {os.getloadavg()}\n")
+    header = ["model", "tokens", "GPUs", *(f"{c} (ms)" for c in CHOICES),
+              "all / per stage", "all / per block"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header), flush=True)
+    device = get_device("h100")
+    with tempfile.TemporaryDirectory() as folder:
+        for case in args.cases:
+            shape, seq, gpus = case.split(":")
+            path = Path(folder) / f"llama_{shape}_{seq}.py"
+            path.write_text(textwrap.dedent(LLAMA.format(seq=seq, **SHAPES[shape])))
+            start = time.perf_counter()
+            traced = cli.analyze_model(str(path), device="h100", quiet=True)[1]
+            options = SplitOptions(gpus=int(gpus), device=device,
+                                   memory_limit=float(device.memory_bytes),
+                                   microbatches=4 * int(gpus), recompute=Recompute.AUTO)
+            fluid = Fluid(_lowered(traced, options).problem)
+            found = {name: fluid.bottleneck(kept) for name, kept in CHOICES.items()}
+            print(f"{case}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
+            cells = ["does not fit" if t is None else f"{t * 1e3:.1f}" for t in found.values()]
+            print("| " + " | ".join([str(SHAPES[shape]["name"]), seq, gpus, *cells,
+                                     ratio(found, "per stage"),
+                                     ratio(found, "per block")]) + " |",
+                  flush=True)
+    print(f"\nload average after {os.getloadavg()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
