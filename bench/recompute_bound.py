@@ -1,26 +1,30 @@
 """How much any recompute choice could gain over recomputing everywhere: a fluid bound.
 
 ``bench/recompute_choice.py`` measures what ``--recompute auto`` (a boolean per stage)
-gains over ``--recompute all`` on memory-bound Llama shapes. This script asks what *any*
-choice could gain, per stage or per block down to a fraction of a layer, under the same
+gains over ``--recompute all`` on memory-bound Llama shapes. This script asks what other
+choices could gain, per block down to a fraction of a layer or per op, under the same
 cost model, by relaxing the split: each stage j of K holds any real number n_j of the
 model's identical layers (the first stage also the embedding, the last the final norm, LM
-head and loss) and keeps a fraction r_j of their activations for its micro-batches in
-flight, recomputing the rest in its backward. Per stage, with the cost formula's terms
-(fxpipe/partition/cost.py) and each layer's sums over its nodes (P parameter bytes, A
-activation bytes, F forward and B backward seconds, h the bytes one layer hands the next):
+head and loss), each layer keeping k_j of its A activation bytes for the micro-batches in
+flight and running e_j seconds of its forward again in the backward, by one of the
+options of the choice. Per stage, with the cost formula's terms (fxpipe/partition/cost.py)
+and each layer's sums over its nodes (P parameter bytes, F forward and B backward
+seconds, h the bytes one layer hands the next):
 
-    time    n_j (F + B) + (1 - r_j) n_j F                    (+ the end groups')
-    memory  n_j P s + f_j r_j n_j A + (1 - r_j) n_j A         (s the state factor,
+    time    n_j (F + B + e_j)                                 (+ the end groups')
+    memory  n_j (P s + f_j k_j + (A - k_j))                   (s the state factor,
             + h f_j received + h (f_j + 1) kept + workspace    f_j in flight: 1F1B)
 
+(what a layer does not keep is alive for one micro-batch while its backward reruns it).
 The least bottleneck T at which the stages hold every layer (sum_j n_j >= layers, each
-n_j the most its memory and T allow) is found by bisection, for four choices of r_j:
-1 (``none``), 0 (``all``), 0 or 1 (``per stage``, what ``auto`` chooses from) and any
-value in [0, 1] (``per block``, finer than any real per-block recompute). The relaxation
-is optimistic for every choice alike (whole layers and cuts at node boundaries only add
-time); the ratio of two relaxed bottlenecks says how far apart the choices can be, not a
-proof. Prints a markdown table and the load average.
+n_j the most its memory and T allow) is found by bisection for each choice
+(``Fluid.choices``): ``none``, ``all``, ``per stage`` (none or all: what ``auto`` chooses
+from), ``per block`` (any fraction of the layer, at that fraction of F: finer than any
+real per-block recompute), ``op-level`` (the layer's cheapest ops per byte recomputed
+first) and ``SAC`` (the matmuls' and attention's outputs kept, the rest recomputed).
+The relaxation is optimistic for every choice alike (whole layers and cuts at node
+boundaries only add time); the ratio of two relaxed bottlenecks says how far apart the
+choices can be, not a proof. Prints a markdown table and the load average.
 
     python bench/recompute_bound.py [--cases 70b:4096:32 70b:8192:32 8b:4096:8]
 """
@@ -47,13 +51,15 @@ from fxpipe.cost_models import get_device
 from fxpipe.partition import Node, Problem, Recompute
 from fxpipe.partition.problem import stage_flights
 
-CHOICES: dict[str, Sequence[float]] = {
-    "none": (1.0,),
-    "all": (0.0,),
-    "per stage": (0.0, 1.0),
-    "per block": tuple(i / 200 for i in range(201)),
-}
 LAYERS = "model.layers."
+# The ops whose outputs selective activation checkpointing saves under the usual policy
+# ("save the matmuls and attention, recompute the rest"), by the traced node's name.
+SAVED_BY_SAC = ("linear", "matmul", "mm", "bmm", "addmm", "scaled_dot_product_attention")
+
+# A layer's option: (activation bytes it keeps per micro-batch in flight, forward seconds
+# its backward runs again); what it does not keep is alive for one micro-batch in the
+# backward. ``choices`` lists the options of each way of recomputing.
+Option = tuple[float, float]
 
 
 @dataclass(frozen=True)
@@ -83,17 +89,34 @@ class Fluid:
                 layers.setdefault(".".join(node.module.split(".")[:3]), []).append(node)
             else:
                 (last if layers else first).append(node)
-        one = next(iter(layers.values()))
+        self.nodes = next(iter(layers.values()))
         self.layers = len(layers)
-        self.layer = sums(one)
-        self.hidden = one[-1].output_bytes
+        self.layer = sums(self.nodes)
+        self.hidden = self.nodes[-1].output_bytes
         self.first, self.last = sums(first), sums(last)
         self.problem = problem
         self.flights = stage_flights(problem)
 
-    def holds(self, j: int, bottleneck_s: float, kept: Sequence[float]) -> float:
-        """The most layers stage j holds within ``bottleneck_s`` and its memory, keeping
-        any fraction in ``kept`` of their activations."""
+    def choices(self) -> dict[str, list[Option]]:
+        """The options per layer of each way of recomputing: none, all, per stage (none or
+        all), per block (any fraction of the layer's activations, at that fraction of its
+        forward), op-level (the cheapest ops per byte of activation recomputed first,
+        whatever the order) and SAC (the outputs of ``SAVED_BY_SAC`` kept, the rest
+        recomputed)."""
+        A, F = self.layer.activations, self.layer.forward_s
+        by_cost = sorted(self.nodes, key=lambda n: n.forward_s / max(n.activation_bytes, 1))
+        curve: list[Option] = [(A, 0.0)]
+        for node in by_cost:
+            curve.append((curve[-1][0] - node.activation_bytes, curve[-1][1] + node.forward_s))
+        saved = [n for n in self.nodes if n.name.rstrip("_0123456789") in SAVED_BY_SAC]
+        sac = (sum(n.output_bytes for n in saved), F - sum(n.forward_s for n in saved))
+        return {"none": [(A, 0.0)], "all": [(0.0, F)], "per stage": [(A, 0.0), (0.0, F)],
+                "per block": [(A * i / 200, F * (1 - i / 200)) for i in range(201)],
+                "op-level": curve, "SAC": [(A, 0.0), sac, (0.0, F)]}
+
+    def holds(self, j: int, bottleneck_s: float, options: Sequence[Option]) -> float:
+        """The most layers stage j holds within ``bottleneck_s`` and its memory, each
+        recomputing by one of ``options``."""
         p, K, f = self.problem, self.problem.num_stages, self.flights[j]
         end = (self.first if j == 0 else Sums()), (self.last if j == K - 1 else Sums())
         fixed_s = sum(e.time_s for e in end)
@@ -101,20 +124,20 @@ class Fluid:
         fixed += p.workspace_bytes + p.loss_grad_bytes * (j == K - 1)
         fixed += self.hidden * (f * (j > 0) + (f + 1) * (j < K - 1))
         most = 0.0
-        for r in kept:
-            per_layer_s = self.layer.time_s + (1 - r) * self.layer.forward_s
-            per_layer = (self.layer.params * p.state_factor
-                         + self.layer.activations * (f * r + (1 - r)))
+        for kept, again_s in options:
+            per_layer_s = self.layer.time_s + again_s
+            per_layer = (self.layer.params * p.state_factor + kept * f
+                         + (self.layer.activations - kept))
             most = max(most, min((bottleneck_s - fixed_s) / per_layer_s,
                                  (p.memory_limit - fixed) / per_layer))
         return max(most, 0.0)
 
-    def bottleneck(self, kept: Sequence[float]) -> float | None:
+    def bottleneck(self, options: Sequence[Option]) -> float | None:
         """The least relaxed bottleneck (seconds per micro-batch); None if none fits."""
         K = self.problem.num_stages
 
         def fits(t: float) -> bool:
-            return sum(self.holds(j, t, kept) for j in range(K)) >= self.layers
+            return sum(self.holds(j, t, options) for j in range(K)) >= self.layers
         hi = (self.layers * (self.layer.time_s + self.layer.forward_s)
               + self.first.time_s + self.last.time_s)
         if not fits(hi):
@@ -139,8 +162,9 @@ def main() -> int:
                         help="SHAPE:TOKENS:GPUS")
     args = parser.parse_args()
     print(f"load average before {os.getloadavg()}\n")
-    header = ["model", "tokens", "GPUs", *(f"{c} (ms)" for c in CHOICES),
-              "all / per stage", "all / per block"]
+    names = ("none", "all", "per stage", "per block", "op-level", "SAC")
+    header = ["model", "tokens", "GPUs", *(f"{c} (ms)" for c in names),
+              *(f"all / {c}" for c in names[2:])]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header), flush=True)
     device = get_device("h100")
@@ -155,12 +179,12 @@ def main() -> int:
                                    memory_limit=float(device.memory_bytes),
                                    microbatches=4 * int(gpus), recompute=Recompute.AUTO)
             fluid = Fluid(_lowered(traced, options).problem)
-            found = {name: fluid.bottleneck(kept) for name, kept in CHOICES.items()}
+            found = {name: fluid.bottleneck(options)
+                     for name, options in fluid.choices().items()}
             print(f"{case}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
             cells = ["does not fit" if t is None else f"{t * 1e3:.1f}" for t in found.values()]
             print("| " + " | ".join([str(SHAPES[shape]["name"]), seq, gpus, *cells,
-                                     ratio(found, "per stage"),
-                                     ratio(found, "per block")]) + " |",
+                                     *(ratio(found, c) for c in names[2:])]) + " |",
                   flush=True)
     print(f"\nload average after {os.getloadavg()}")
     return 0
