@@ -330,7 +330,11 @@ def copy_layers(gm: torch.fx.GraphModule, model: torch.nn.Module, layers: Layers
         return False  # something outside the layer runs inside it: not a layer to copy
     attrs = _own_attrs(gm, layers.path, KEPT - 1)
     last_attr = max(attrs, key=order.__getitem__, default=None)
+    # The lifted constants (see _members) are copied after the last one, where a whole
+    # export has them; the rest after the copy before.
+    lifted = [node for node in template if not node.meta.get("nn_module_stack")]
     before, after = template, template[-1]
+    after_lifted = lifted[-1] if lifted else None
     for index in range(KEPT, len(layers.modules)):
         names, last_attr = _add_attrs(gm, model, f"{layers.path}.{index}.", attrs, last_attr)
 
@@ -343,10 +347,12 @@ def copy_layers(gm: torch.fx.GraphModule, model: torch.nn.Module, layers: Layers
                 return before[at_previous[node]]
             return names.get(node, node)
 
-        made = _copy(gm, template, after, source)
+        made = _copy(gm, template, after, source, set(lifted), after_lifted)
         for node, copy in zip(template, made, strict=True):
             copy.meta = _moved_meta(node.meta, layers.path, index)
         before, after = made, made[-1]
+        if lifted:
+            after_lifted = made[at[lifted[-1]]]
     for user in readers:  # what read the last exported layer reads the last copy
         for node in user.all_input_nodes:
             if node in at:
@@ -361,13 +367,25 @@ def _members(gm: torch.fx.GraphModule, path: str) -> dict[int, list[torch.fx.Nod
     outermost module on a node's ``nn_module_stack`` inside the list)."""
     pattern = re.compile(re.escape(path) + r"\.(\d+)$")
     members: dict[int, list[torch.fx.Node]] = {}
+    index_of: dict[torch.fx.Node, int] = {}
     for node in gm.graph.nodes:
         for module_path, _ in (node.meta.get("nn_module_stack") or {}).values():
             found = pattern.match(module_path)
             if found:
-                members.setdefault(int(found.group(1)), []).append(node)
+                index_of[node] = int(found.group(1))
+                members.setdefault(index_of[node], []).append(node)
                 break
-    return members
+    # A tensor the layer makes from constants alone (Falcon's ``torch.tensor([-2])``) is
+    # lifted to the top of the graph with no module stack: it is the layer's, made once
+    # per layer as the whole export makes it, when only that layer reads it.
+    order = {node: p for p, node in enumerate(gm.graph.nodes)}
+    for node in gm.graph.nodes:
+        if (node.op == "call_function" and not node.all_input_nodes and node.users
+                and not node.meta.get("nn_module_stack")):
+            readers = {index_of.get(user, -1) for user in node.users}
+            if len(readers) == 1 and -1 not in readers:
+                members[readers.pop()].append(node)
+    return {i: sorted(nodes, key=order.__getitem__) for i, nodes in members.items()}
 
 
 def _same_layer(members: dict[int, list[torch.fx.Node]], path: str) -> bool:
@@ -424,18 +442,24 @@ def _add_attrs(
 def _copy(
     gm: torch.fx.GraphModule, template: list[torch.fx.Node], after: torch.fx.Node,
     source: Callable[[torch.fx.Node, list[torch.fx.Node]], torch.fx.Node],
+    lifted: set[torch.fx.Node], after_lifted: torch.fx.Node | None,
 ) -> list[torch.fx.Node]:
-    """``template``'s nodes again after ``after``, each argument node taken from
-    ``source(node, the copies made so far)``."""
+    """``template``'s nodes again, each argument node taken from ``source(node, the copies
+    made so far)``: the ``lifted`` ones after ``after_lifted``, the rest after ``after``."""
     made: list[torch.fx.Node] = []
     for node in template:
-        with gm.graph.inserting_after(after):
-            after = gm.graph.create_node(
+        at_top = node in lifted
+        with gm.graph.inserting_after(after_lifted if at_top else after):
+            copy = gm.graph.create_node(
                 node.op, node.target,
                 torch.fx.map_arg(node.args, lambda a: source(a, made)),
                 torch.fx.map_arg(node.kwargs, lambda a: source(a, made)),
                 type_expr=node.type)
-        made.append(after)
+        if at_top:
+            after_lifted = copy
+        else:
+            after = copy
+        made.append(copy)
     return made
 
 

@@ -60,6 +60,14 @@ def _bert() -> nn.Module:
     return transformers.BertForMaskedLM(config)
 
 
+def _falcon() -> nn.Module:
+    # Each layer indexes with torch.tensor([-2]): a constant export lifts out of the layer.
+    config = transformers.FalconConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=4,
+        new_decoder_architecture=False, multi_query=True, alibi=False, use_cache=False)
+    return transformers.FalconForCausalLM(config)
+
+
 def _gemma2() -> nn.Module:
     config = transformers.Gemma2Config(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
@@ -106,7 +114,8 @@ def _assert_computes_the_model(gm: torch.fx.GraphModule, model: nn.Module,
     torch.testing.assert_close(got.logits if hasattr(got, "logits") else got[0], logits)
 
 
-@pytest.mark.parametrize("make", [_llama, _gpt2, _bert], ids=["llama", "gpt2", "bert"])
+@pytest.mark.parametrize("make", [_llama, _gpt2, _bert, _falcon],
+                         ids=["llama", "gpt2", "bert", "falcon"])
 def test_the_copies_are_the_graph_a_whole_export_gives(make: Any) -> None:
     model = _built(make)
     kwargs = {"input_ids": _ids()}
