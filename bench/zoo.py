@@ -3,6 +3,7 @@
     python bench/zoo.py                 # transformers families (small random configs)
     python bench/zoo.py --vision        # torchvision and timm models (needs both installed)
     python bench/zoo.py --only gpt2,t5  # a few models, by slug
+    python bench/zoo.py --gpus 4        # every family onto 4 stages (default: its own, 2-4)
     python bench/zoo.py --layers 7      # 7 layers per stack instead of 2: stacks of six or
                                         # more identical layers are exported three deep
                                         # and copied (capture "export, copied")
@@ -347,6 +348,7 @@ class Row:
     capture: str = "-"
     nodes: int = 0
     stages: int = 0
+    solver: str = "-"  # the plan's solver status and partition()'s wall seconds
     output_diff: float | None = None
     grad_diff: float | None = None
     ruff: str = "-"  # what ruff says of the generated package ("-": ruff not installed)
@@ -556,6 +558,7 @@ def check(family: Family, folder: Path) -> Row:
                                microbatches=MICROBATCHES, time_limit_s=60)
         plan = plan_split(traced, label=source.label, options=options)
         row.stages = plan.num_stages
+        row.solver = f"{plan.solver.status} {plan.solver.wall_s:.2f} s"
 
         phase = "codegen"
         write_folder(folder / "pipe", output_files(traced, plan, label=source.label),
@@ -595,7 +598,7 @@ def check(family: Family, folder: Path) -> Row:
 
 # --- the table ---------------------------------------------------------------
 
-HEADER = ("| family | kind | capture | nodes | stages | max abs output diff | "
+HEADER = ("| family | kind | capture | nodes | stages | solver | max abs output diff | "
           "max rel grad diff | ruff | verdict | seconds |")
 
 
@@ -604,12 +607,12 @@ def _figure(value: float | None) -> str:
 
 
 def markdown(rows: list[Row]) -> str:
-    lines = [HEADER, "|" + "---|" * 10]
+    lines = [HEADER, "|" + "---|" * HEADER.count(" | ") + "---|"]
     for r in rows:
         verdict = r.verdict if not r.reason else f"**fail**: {r.reason}".replace("|", "\\|")
         lines.append(
             f"| {r.family.name} | {r.family.kind} | {r.capture} | {r.nodes or '-'} | "
-            f"{r.stages or '-'} | {_figure(r.output_diff)} | {_figure(r.grad_diff)} | "
+            f"{r.stages or '-'} | {r.solver} | {_figure(r.output_diff)} | {_figure(r.grad_diff)} | "
             f"{r.ruff} | {verdict} | {r.seconds:.1f} |")
     return "\n".join(lines)
 
@@ -631,6 +634,8 @@ def main() -> int:
     parser.add_argument("--only", help="comma-separated slugs to run (default: all)")
     parser.add_argument("--layers", type=int, default=2,
                         help="layers per stack of the transformers configs (default 2)")
+    parser.add_argument("--gpus", type=int, default=None,
+                        help="stages for every family (default: each family's own, 2-4)")
     parser.add_argument("--keep", type=Path,
                         help="write the model files and packages here (default: a temp folder)")
     args = parser.parse_args()
@@ -650,6 +655,8 @@ def main() -> int:
         families = [f for f in families if f.slug in wanted]
     if args.layers != 2:
         families = [deeper(f, args.layers) for f in families]
+    if args.gpus is not None:
+        families = [replace(f, stages=args.gpus) for f in families]
 
     with tempfile.TemporaryDirectory(prefix="fxpipe-zoo-") as tmp:
         base = args.keep or Path(tmp)

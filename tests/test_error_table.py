@@ -61,6 +61,9 @@ def example_inputs():
     return (torch.ones(2048, 64),)
 """
 
+# a hundred of WIDE's layers: stage 0 of n keeps n micro-batches of at least one of them
+LONG = WIDE.replace("range(8)", "range(100)")
+
 
 TIED = """
 import torch
@@ -195,6 +198,9 @@ CASES: dict[str, tuple[dict[str, str], list[str]]] = {
     ),
     "memory fits at a leaner precision": (
         model(WIDE), ["split", "model.py", "--gpus", "2", "--memory", "5MiB"]
+    ),
+    "memory fits on no GPU count searched": (
+        model(LONG), ["split", "model.py", "--gpus", "2", "--memory", "3MiB"]
     ),
     "--out is someone else's folder": (
         {**model(GOOD), "out/notes.txt": "mine"},

@@ -134,10 +134,11 @@ class InfeasibleMemoryError(ValueError):
         if self.fits_on is not None:
             return ""
         fewer = ("" if self.at_least is None
-                 else f", and no split onto fewer than {self.at_least} GPUs can fit")
-        if self.searched is not None:
-            return f"{fewer}, and none was found on up to {self.searched} GPUs"
-        return fewer
+                 else f"no split onto fewer than {self.at_least} GPUs can fit")
+        if self.searched is None:
+            return f", and {fewer}" if fewer else ""
+        searched = f"none was found on up to {self.searched} GPUs"
+        return f", {fewer}, and {searched}" if fewer else f", and {searched}"
 
     def with_precision(self, precision: str, gpus: int | None = None) -> InfeasibleMemoryError:
         """The same error, naming ``precision`` as a fix too, on ``gpus`` GPUs (None: on
