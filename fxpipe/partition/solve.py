@@ -251,6 +251,9 @@ def _search(problem: Problem, exact: Coarsening,
         if first.status in ("OPTIMAL", "INFEASIBLE"):
             return exact, [first]
         tried.append(first)
+        if first.stage_of is not None:  # often the optimum already: the rest proves it
+            candidates.append((evaluate(problem, first.stage_of).bottleneck_s,
+                               first.stage_of))
     level = _coarse_level(problem, exact) if coarsen else exact
     phases = _warm_starts(problem, exact, level, candidates, work_limit=work_limit,
                           deadline=deadline, workers=workers, dp_done=dp_done)
