@@ -72,6 +72,13 @@ PROOF_MAX_GROUPS = 4 * DP_MAX_NODES  # exact groups up to which that is tried
 # them): there the interval DP's split stands when the block bound is within GAP of it.
 LARGE_MODEL = 40_000
 SHARED_STARTS = 2  # best candidates the shared-GPU search starts from (besides its own)
+# Placement variables beyond which, where GPUs run several stage modules, CP-SAT on the
+# exact groups neither proves nor improves the shared-GPU search's split within the work
+# limit, so the exact solves are skipped there: UNKNOWN in every run on the HF Llama-3-8B
+# and GPT-2 XL shapes onto 8 GPUs, v = 2 and 4 (32,000-67,000; half of partition()'s
+# time) and on bench/partition_graphs.py's synthetic graph, v = 2, at 12,800 and 19,200;
+# at 1,600-6,400 they found better splits or bounds.
+SHARED_LARGE = 10_000
 GAP = 0.01
 # The CP-SAT model keeps n x n reachability matrices over the graph's groups (bool, then
 # int64: 9 bytes a pair), so memory grows with the square of the op count: 10,000 ops
@@ -152,12 +159,12 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
     level = exact  # the coarse graph is not needed when the bound settles it
     if lower is not None:  # within GAP of the best split: CP-SAT would not help
         phases: list[IlpResult] = []
-        result = IlpResult("UNKNOWN", None, None, math.inf, 0.0, 0.0, exact.num_coarse)
+        result = _not_run(exact)
     else:
-        level, phases = _search(problem, exact, candidates, coarsen=coarsen,
-                                dp_done=_large(problem, exact), work_limit=work_limit,
-                                deadline=deadline, workers=workers)
-        result = phases[-1]
+        level, phases, result = _search(problem, exact, candidates, coarsen=coarsen,
+                                        dp_done=_large(problem, exact),
+                                        work_limit=work_limit, deadline=deadline,
+                                        workers=workers)
     best = min(candidates, key=lambda c: c[0])[1] if candidates else None
 
     if result.stage_of is not None:
@@ -211,6 +218,18 @@ def _large(problem: Problem, exact: Coarsening) -> bool:
     return exact.num_coarse * problem.num_stages > LARGE_MODEL
 
 
+def _shared_large(problem: Problem, exact: Coarsening) -> bool:
+    """Whether GPUs run several stage modules and the exact model is too big for CP-SAT
+    to help there (see SHARED_LARGE)."""
+    shared = problem.virtual_stages > 1 and not problem.replicates
+    return shared and exact.num_coarse * problem.num_stages > SHARED_LARGE
+
+
+def _not_run(exact: Coarsening) -> IlpResult:
+    """The exact solve's place when it is skipped: nothing found, nothing proved."""
+    return IlpResult("UNKNOWN", None, None, math.inf, 0.0, 0.0, exact.num_coarse)
+
+
 def _bound_first(problem: Problem, exact: Coarsening,
                  candidates: list[tuple[float, tuple[int, ...]]]) -> float | None:
     """On a model too big for CP-SAT to help: the interval DP over the exact groups and
@@ -229,17 +248,20 @@ def _bound_first(problem: Problem, exact: Coarsening,
 def _search(problem: Problem, exact: Coarsening,
             candidates: list[tuple[float, tuple[int, ...]]], *, coarsen: bool,
             dp_done: bool, work_limit: float, deadline: float, workers: int,
-            ) -> tuple[Coarsening, list[IlpResult]]:
-    """The CP-SAT solves, the last one's answer for the exact groups, and the graph the
-    warm start was solved on. First the exact program hinted with the interval DP's split
-    on PROOF_SHARE of the work: the DP's split is often already the optimum, which that
-    proves in a fraction of a second (proving the coarse program optimal first took 15 s
-    on transformers' Llama-3-8B at bf16-mixed). When it does not, the coarse warm start,
-    then the exact program again on the rest of the work; where GPUs run several stage
-    modules, hinted with the shared-GPU search's split when that is the best.
+            ) -> tuple[Coarsening, list[IlpResult], IlpResult]:
+    """The graph the warm start was solved on, the CP-SAT solves, and the answer for the
+    exact groups (the last solve, or ``_not_run`` where it was skipped). First the exact
+    program hinted with the interval DP's split on PROOF_SHARE of the work: the DP's
+    split is often already the optimum, which that proves in a fraction of a second
+    (proving the coarse program optimal first took 15 s on transformers' Llama-3-8B at
+    bf16-mixed). When it does not, the coarse warm start, then the exact program again on
+    the rest of the work; where GPUs run several stage modules, hinted with the shared-GPU
+    search's split when that is the best; on a model too big there (``_shared_large``)
+    neither exact solve runs.
     ``dp_done``: the interval DP's split is in ``candidates`` already (``_bound_first``)."""
     tried: list[IlpResult] = []
-    proving = exact.num_coarse <= PROOF_MAX_GROUPS
+    skip_exact = _shared_large(problem, exact)
+    proving = exact.num_coarse <= PROOF_MAX_GROUPS and not skip_exact
     if proving and not dp_done:
         _add_dp_split(problem, exact, candidates)
         dp_done = True
@@ -249,7 +271,7 @@ def _search(problem: Problem, exact: Coarsening,
             work_limit=work_limit * PROOF_SHARE, time_limit_s=_left(deadline),
             workers=workers)
         if first.status in ("OPTIMAL", "INFEASIBLE"):
-            return exact, [first]
+            return exact, [first], first
         tried.append(first)
         if first.stage_of is not None:  # often the optimum already: the rest proves it
             candidates.append((evaluate(problem, first.stage_of).bottleneck_s,
@@ -258,12 +280,14 @@ def _search(problem: Problem, exact: Coarsening,
     phases = _warm_starts(problem, exact, level, candidates, work_limit=work_limit,
                           deadline=deadline, workers=workers, dp_done=dp_done)
     _shared_gpu_start(problem, exact, candidates)
+    if skip_exact:
+        return level, [*tried, *phases], _not_run(exact)
     best_split = min(candidates, key=lambda c: c[0])[1] if candidates else None
     hint = exact.restrict(best_split) if best_split is not None else None
     result = StageModel(exact, hint=hint).solve(
         work_limit=work_limit * (1 - COARSE_SHARE if phases else 1),
         time_limit_s=_left(deadline), workers=workers)
-    return level, [*tried, *phases, result]
+    return level, [*tried, *phases, result], result
 
 
 def _add_dp_split(problem: Problem, exact: Coarsening,

@@ -26,6 +26,7 @@ from fxpipe.partition import (
     partition,
     violations,
 )
+from fxpipe.partition import solve as solve_module
 from fxpipe.partition.bound import shared_gpu_bound
 from fxpipe.partition.interleave import (
     _Search,
@@ -135,6 +136,23 @@ def test_window_moves_big_ops_along_a_chain_of_gpus(monkeypatch: pytest.MonkeyPa
     pairs_only = shared_gpu_search(exact, start)
     assert pairs_only is not None
     assert max(_gpu_times(problem, exact.expand(pairs_only))) == pytest.approx(9 * MS)
+
+
+def test_large_shared_gpu_problems_skip_the_exact_solves(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """Beyond SHARED_LARGE placement variables no CP-SAT program runs on the exact groups;
+    the search's split and the shared-GPU bound still prove an even chain. Below it the
+    exact program runs."""
+    problem = _chain(24, gpus=2, v=2)
+    exact = exact_groups(problem)
+    solved = partition(problem, workers=1)
+    assert any(phase.num_nodes == exact.num_coarse for phase in solved.phases)
+    monkeypatch.setattr(solve_module, "SHARED_LARGE", exact.num_coarse * problem.num_stages - 1)
+    skipped = partition(problem, workers=1)
+    assert all(phase.num_nodes < exact.num_coarse for phase in skipped.phases)
+    assert not violations(problem, skipped.stage_of)
+    assert skipped.report.status == "OPTIMAL"
+    assert skipped.report.objective == pytest.approx(solved.report.objective)
 
 
 def test_warm_start_balances_memory_bound_layers() -> None:
