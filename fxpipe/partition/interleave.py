@@ -20,6 +20,13 @@ the GPU times, sorted from the slowest, decrease lexicographically and the searc
             makes 6 the slower), re-cut up to N consecutive stages (on distinct GPUs)
             around the slowest GPU at once: the min-max DP over the window's GPUs, their
             other stages fixed, each inner cut within REACH groups of where it is.
+    rounds  where windows stall too (every GPU within a small op of the slowest, the
+            stages outside the window fixed), re-cut the same w < N consecutive GPUs
+            in two consecutive rounds at once (interleaved only: stages s..s+w-1 and
+            s+N..s+N+w-1): the min-max DP over the GPUs in order, its state the pair of
+            cuts after a GPU, one per round, each within ROUNDS_REACH groups of where
+            it is. Work then moves between rounds on each GPU while it moves along the
+            chain of GPUs, which balances what single-round moves leave uneven.
 
 Each GPU takes its fastest recompute choice that fits (``cost.choose_recompute``'s
 rule). Blocks are priced like the interval DP prices them (``baselines.Blocks``: the
@@ -55,6 +62,9 @@ MAX_ROUNDS = 200  # rounds of sweeps then one window DP that improves
 PRICE_BUDGET = 1_500_000
 WINDOW = 8  # consecutive stages (at most N) re-cut together by the window DP
 REACH = 48  # groups each cut of the window may move: about a transformer layer's
+# Groups each cut of the two-round window may move: its DP has (2 x ROUNDS_REACH + 1)^4
+# transitions per GPU; 12 is a quarter to a third of a transformer layer's groups.
+ROUNDS_REACH = 12
 # Starts besides the candidates': round r of N stages gets a share of the compute in
 # proportion to RATIO ** r. Memory favours light early rounds, whose modules keep the most
 # micro-batches (Llama-3-8B on 8 GPUs, v = 2: 0.4269 s from 256, 0.474 s from 1); the rest
@@ -111,7 +121,8 @@ def shared_gpu_search(c: Coarsening, start: Sequence[int]) -> tuple[int, ...] | 
                               for j in range(1, K)), n])
     for _ in range(MAX_ROUNDS):
         search.sweep_pairs()
-        if search.spent() or not search.window_around_slowest():
+        if search.spent() or not (search.window_around_slowest()
+                                  or search.rounds_around_slowest()):
             break
     if not np.all(np.isfinite(search.loads())):
         return None
@@ -223,6 +234,86 @@ class _Search:
         for j in stages:
             self.stage[j] = prices.block(j, np.array([cuts[j]]), np.array([cuts[j + 1]]))
         return True
+
+
+    def rounds_around_slowest(self) -> bool:
+        """The two-round window move (module docstring) on windows holding a stage of
+        the slowest GPU, until one lowers it: True then."""
+        p, K, N = self.problem, self.problem.num_stages, self.problem.devices
+        if not p.schedule.spec.interleaved or K < 2 * N or N < 3:
+            return False
+        loads = self.loads()
+        slowest = int(np.argmax(loads))
+        w = min(WINDOW, N - 1)
+        for j in (j for j in range(K - N) if p.device_of(j) == slowest):
+            # the windows ending at, centred on and starting at stage j, in its round
+            # and the next
+            for first in sorted({min(max(0, f), K - N - w) for f in (j - w + 1, j - w // 2, j)}):
+                gpus = [p.device_of(i) for i in range(first, first + w)]
+                if self.spent():
+                    return False
+                if self._two_rounds(first, max(loads[d] for d in gpus)):
+                    return True
+        return False
+
+    def _two_rounds(self, first: int, now: float) -> bool:
+        """The min-max DP over the inner cuts of stages first..first+w-1 and of the same
+        GPUs' stages a round later, each within ROUNDS_REACH groups of where it is;
+        applied when it beats ``now``."""
+        p, prices, cuts = self.problem, self.prices, self.cuts
+        N, w = p.devices, min(WINDOW, p.devices - 1)
+        # per round: per cut k of the window (k = 0 and w fixed), the positions it may take
+        spots = [self._spots(first + r * N, w) for r in (0, 1)]
+        best = np.zeros((1, 1))  # best[x0, x1]: the slowest GPU so far, cuts at x0, x1
+        back: list[Any] = []
+        for k in range(1, w + 1):
+            j0, j1 = first + k - 1, first + N + k - 1
+            here = [self._pair_prices(j, spots[r][k - 1], spots[r][k])
+                    for r, j in enumerate((j0, j1))]
+            # time and memory over (y0, y1, x0, x1): round 0's block on axes 0, 2
+            trial = {j0: tuple(a[:, None, :, None] for a in here[0]),
+                     j1: tuple(a[None, :, None, :] for a in here[1])}
+            load = prices.gpu(p.device_of(j0), self.stage, trial)
+            load = np.maximum(load, best[:, :, None, None])
+            flat = load.reshape(best.size, -1)
+            came = np.argmin(flat, axis=0)
+            best = flat[came, np.arange(flat.shape[1])].reshape(load.shape[2:])
+            back.append(came.reshape(load.shape[2:]))
+        if not best[0, 0] < now * (1 - 1e-12):
+            return False
+        at = (0, 0)  # (x0, x1) at cut k of the window, from the last
+        for k in range(w, 1, -1):
+            y0, y1 = divmod(int(back[k - 1][at]), spots[1][k - 1].size)
+            at = (y0, y1)
+            for r in (0, 1):
+                cuts[first + r * N + k - 1] = int(spots[r][k - 1][at[r]])
+        for j in (*range(first, first + w), *range(first + N, first + N + w)):
+            self.stage[j] = prices.block(j, np.array([cuts[j]]), np.array([cuts[j + 1]]))
+        return True
+
+    def _spots(self, first: int, w: int) -> list[Any]:
+        """The positions of cuts first..first+w of the two-round window: its end cuts
+        where they are, the inner ones within ROUNDS_REACH groups of where they are."""
+        cuts, gap = self.cuts, self.gap
+        lo, hi = cuts[first], cuts[first + w]
+        inner = [np.arange(max(lo + gap, cuts[i] - ROUNDS_REACH),
+                           min(hi - gap, cuts[i] + ROUNDS_REACH) + 1)
+                 for i in range(first + 1, first + w)]
+        return [np.array([lo]), *inner, np.array([hi])]
+
+    def _pair_prices(self, j: int, starts: Any, ends: Any) -> tuple[Any, ...]:
+        """Stage j on [y, x) for every y of ``starts`` and x of ``ends``: ``block``'s
+        arrays, (starts, ends) shaped, inf in time where y > x - gap (no stage)."""
+        size = 2 * len(self.prices.options)
+        out = [np.full((starts.size, ends.size), np.inf if i % 2 == 0 else 0.0)
+               for i in range(size)]
+        for at, x in enumerate(ends.tolist()):
+            ok = starts <= x - self.gap
+            if ok.any():
+                priced = self.prices.block(j, starts[ok], np.full(int(ok.sum()), x))
+                for i in range(size):
+                    out[i][ok, at] = priced[i]
+        return tuple(out)
 
 
 def cuts_of(c: Coarsening, coarse: Sequence[int]) -> tuple[int, ...]:
