@@ -211,19 +211,12 @@ class _Search:
         best = [np.zeros(1)]  # best[k][i]: the slowest GPU of stages ..k-1 ending at spots[k][i]
         back: list[Any] = [None]
         for k, j in enumerate(stages, start=1):
-            d = p.device_of(j)
-            here = np.full(spots[k].size, np.inf)
-            came = np.zeros(spots[k].size, dtype=np.int64)
-            for i, x in enumerate(spots[k].tolist()):
-                ok = spots[k - 1] <= x - gap
-                if not ok.any():
-                    continue
-                ys = spots[k - 1][ok]
-                load = prices.gpu(d, self.stage, {j: prices.block(j, ys, np.full(ys.size, x))})
-                load = np.maximum(load, best[k - 1][ok])
-                at = int(np.argmin(load))
-                here[i], came[i] = load[at], np.flatnonzero(ok)[at]
-            best.append(here)
+            # over (y, x): the GPU's time with stage j on [y, x), inf where none fits
+            load = prices.gpu(p.device_of(j), self.stage,
+                              {j: self._pair_prices(j, spots[k - 1], spots[k])})
+            load = np.maximum(load, best[k - 1][:, None])
+            came = np.argmin(load, axis=0)
+            best.append(load[came, np.arange(spots[k].size)])
             back.append(came)
         if not best[-1][0] < now * (1 - 1e-12):
             return False
