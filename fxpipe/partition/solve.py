@@ -16,7 +16,9 @@ The steps, each in its own module:
 The last solve works on the exact groups, so the bound and gap it proves are for
 the real problem, and whatever the coarse graph lost is won back there. Where it does
 not prove its answer, the block bound (one GPU per stage) or the shared-GPU bound
-(``bound.py``) may prove more.
+(``bound.py``) may prove more. Where GPUs run several stage modules and the exact
+program is large (SHARED_LARGE), neither exact solve runs: the search's split and the
+shared-GPU bound are the answer.
 
 With more GPUs than stages allowed (``Problem.num_devices`` > ``num_stages``, PipeDream's
 replicated stages), the one-stage-per-GPU answer above comes first; then one CP-SAT
