@@ -8,7 +8,7 @@ of exact groups x stages finds little within its work limit (Llama-3-8B, 16 modu
 
 The search works on contiguous splits of the exact groups' order (valid pipelines by
 construction): a split is its cuts c_0 = 0 < c_1 < ... < c_K = n, stage j the block
-[c_j, c_j+1). Two moves, each taken only when it lowers the slowest GPU it touches, so
+[c_j, c_j+1). Three moves, each taken only when it lowers the slowest GPU it touches, so
 the GPU times, sorted from the slowest, decrease lexicographically and the search ends:
 
     pair    moving cut c_j+1 only changes stage j and j + 1, so only their two GPUs'
@@ -56,7 +56,7 @@ from fxpipe.partition.problem import TiedPolicy, stage_deferred, stage_flights
 __all__ = ["cuts_of", "round_profiles", "shared_gpu_search", "shared_gpu_warm_start"]
 
 MAX_SWEEPS = 400  # sweeps over every cut; each strictly improves or the search stops
-MAX_ROUNDS = 200  # rounds of sweeps then one window DP that improves
+MAX_ROUNDS = 200  # rounds of sweeps then one window DP (one round or two) that improves
 # Blocks priced per search, at most: a deterministic bound on its work on big graphs (the
 # HF Llama-3-8B and GPT-2 XL shapes, v = 4 onto 8, take 0.3-0.8 million, 1-3 s).
 PRICE_BUDGET = 1_500_000
@@ -228,7 +228,6 @@ class _Search:
             self.stage[j] = prices.block(j, np.array([cuts[j]]), np.array([cuts[j + 1]]))
         return True
 
-
     def rounds_around_slowest(self) -> bool:
         """The two-round window move (module docstring) on windows holding a stage of
         the slowest GPU, until one lowers it: True then."""
@@ -245,16 +244,15 @@ class _Search:
                 gpus = [p.device_of(i) for i in range(first, first + w)]
                 if self.spent():
                     return False
-                if self._two_rounds(first, max(loads[d] for d in gpus)):
+                if self._two_rounds(first, w, max(loads[d] for d in gpus)):
                     return True
         return False
 
-    def _two_rounds(self, first: int, now: float) -> bool:
+    def _two_rounds(self, first: int, w: int, now: float) -> bool:
         """The min-max DP over the inner cuts of stages first..first+w-1 and of the same
         GPUs' stages a round later, each within ROUNDS_REACH groups of where it is;
         applied when it beats ``now``."""
-        p, prices, cuts = self.problem, self.prices, self.cuts
-        N, w = p.devices, min(WINDOW, p.devices - 1)
+        p, prices, cuts, N = self.problem, self.prices, self.cuts, self.problem.devices
         # per round: per cut k of the window (k = 0 and w fixed), the positions it may take
         spots = [self._spots(first + r * N, w) for r in (0, 1)]
         best = np.zeros((1, 1))  # best[x0, x1]: the slowest GPU so far, cuts at x0, x1
