@@ -77,9 +77,9 @@ SHARED_STARTS = 2  # best candidates the shared-GPU search starts from (besides 
 # Placement variables beyond which, where GPUs run several stage modules, CP-SAT on the
 # exact groups neither proves nor improves the shared-GPU search's split within the work
 # limit, so the exact solves are skipped there: UNKNOWN in every run on the HF Llama-3-8B
-# and GPT-2 XL shapes onto 8 GPUs, v = 2 and 4 (32,000-67,000; half of partition()'s
-# time) and on bench/partition_graphs.py's synthetic graph, v = 2, at 12,800 and 19,200;
-# at 1,600-6,400 they found better splits or bounds.
+# and GPT-2 XL shapes onto 8 GPUs, interleaved v = 2 and 4 and ZB-V (32,000-67,000; half
+# of partition()'s time or more) and on bench/partition_graphs.py's synthetic graph, v = 2,
+# at 12,800 and 19,200; at 1,600-6,400 they found better splits or bounds.
 SHARED_LARGE = 10_000
 GAP = 0.01
 # The CP-SAT model keeps n x n reachability matrices over the graph's groups (bool, then
