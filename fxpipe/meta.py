@@ -79,6 +79,9 @@ class ValueInfo:
     """Every tensor a node produces, in pytree-leaf order (one for a plain tensor)."""
 
     tensors: tuple[TensorSpec, ...]
+    # The value is a tensor itself, not a tuple or list of them (a higher-order op such as
+    # ``wrap_with_set_grad_enabled`` returns a one-tensor tuple, which has no ``size``).
+    single: bool = True
 
     @property
     def nbytes(self) -> int:

@@ -123,9 +123,9 @@ def _batched(node: torch.fx.Node, batch: int | None, shared: Collection[str]) ->
     """``node`` is one tensor whose dim 0 was traced at ``batch`` rows, not a shared input."""
     if node.name in shared or not meta.SHAPE.has(node):
         return False
-    tensors = meta.SHAPE.get(node).tensors
-    return bool(len(tensors) == 1 and len(tensors[0].shape) > 0
-                and tensors[0].shape[0] == batch)
+    info = meta.SHAPE.get(node)
+    return bool(info.single and len(info.tensors) == 1 and len(info.tensors[0].shape) > 0
+                and info.tensors[0].shape[0] == batch)
 
 
 def _row_symbols(node: torch.fx.Node) -> set[Any]:

@@ -25,7 +25,8 @@ def value_info(value: Any) -> meta.ValueInfo:
                 requires_grad=t.requires_grad,
             )
             for t in tensor_leaves(value)
-        )
+        ),
+        single=isinstance(value, torch.Tensor),
     )
 
 

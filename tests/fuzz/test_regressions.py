@@ -305,3 +305,24 @@ def test_a_tensor_without_a_batch_dim_reaches_every_replica_whole(tmp_path: Path
     done = check_transparency(case, tmp_path / "pkg")
     stages = done.package.build_stages(build_model(spec))
     assert any("div" in getattr(stage, "UNBATCHED", ()) for stage in stages)
+
+
+def test_a_one_tensor_tuple_is_not_taken_for_the_rows(tmp_path: Path) -> None:
+    # torch.export wraps a region run with grad disabled in wrap_with_set_grad_enabled,
+    # whose value is a one-tensor tuple. Cut after it, the next stage, which also receives
+    # a batch count, recounted that count as `mul.size(0)` on the tuple (AttributeError).
+    # Fixed: only a value that is one tensor (meta.ValueInfo.single) gives the rows.
+    ops = (Op("linear", (0,), ((7,),), module="linear0"),
+           Op("embed", (1,), ((2, 9),), module="embedding1"),
+           Op("region", (4,), ((2, 9),), how="set_grad"),
+           Op("reshape", (5,), ((18,),), how="reshape"),
+           Op("permute", (5,), ((2, 9),), arg=((1, 0), True)),
+           Op("permute", (7,), ((9, 2),), arg=((1, 0), False)),
+           Op("reshape", (8,), ((18,),), how="flatten"))
+    spec = ModelSpec(inputs=((8,), (2,), (11,)), ops=ops, outputs=(3, 6, 9, 8), seed=267,
+                     modules={"linear0": ("linear", (8, 7, True)),
+                              "embedding1": ("embedding", (14, 9))},
+                     ids={1: 14}, min_batch=1)
+    case = Case(spec, stages=3, schedule="zbv", microbatches=3,
+                recompute=(False, False, False, False), batch=1)
+    check_transparency(case, tmp_path / "pkg")
