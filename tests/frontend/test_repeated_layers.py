@@ -146,6 +146,16 @@ class _ReadsItsIndex(_Layer):
         return y * 2 if self.index == LAYERS - 1 else y
 
 
+class _MakesAConstant(_Layer):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * torch.tensor([2.0])
+
+
+class _MakesItsIndex(_Layer):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * torch.tensor([float(self.index)])
+
+
 class _Stack(nn.Module):
     """Layers in a list, run as ``how`` says."""
 
@@ -169,10 +179,24 @@ class _Stack(nn.Module):
         return x
 
 
+def test_a_constant_every_layer_makes_is_copied_with_each_layer() -> None:
+    # torch.export lifts `torch.tensor([2.0])` to the top of the graph, outside the layer's
+    # nodes; it is still the layer's, one per layer, where a whole export has them.
+    model, x = _Stack("in order", _MakesAConstant), torch.randn(4, 16)
+    layered = export_in_layers(model, (x,), {})
+    assert layered is not None, "the layers were not copied"
+    program, _ = export_program(model, (x,), {})
+    whole, _, _ = exported_graph(program, (x,), {})
+    assert _canonical(layered[0]) == _canonical(whole)
+    with torch.no_grad():
+        torch.testing.assert_close(_run(layered[0], layered[1]), model(x))
+
+
 @pytest.mark.parametrize("model", [
-    _Stack("in order", _ReadsItsIndex), _Stack("reversed"), _Stack("twice"),
-    _Stack("every output"),
-], ids=["a layer reads its index", "reversed", "twice", "every layer's output"])
+    _Stack("in order", _ReadsItsIndex), _Stack("in order", _MakesItsIndex),
+    _Stack("reversed"), _Stack("twice"), _Stack("every output"),
+], ids=["a layer reads its index", "a layer makes a constant of its index", "reversed",
+        "twice", "every layer's output"])
 def test_layers_that_do_not_all_run_alike_are_exported_whole(model: nn.Module) -> None:
     x = torch.randn(4, 16)
     assert export_in_layers(model, (x,), {}) is None
