@@ -33,6 +33,7 @@ from fxpipe.cost_models import Device, allreduce_time, intra_node_time
 from fxpipe.partition.problem import Edge, Node, Problem, Recompute, TiedGroup, TiedPolicy
 from fxpipe.passes.base import OP_NODES
 from fxpipe.schedules import ScheduleKind
+from fxpipe.tracing.export import running_stats
 
 __all__ = ["LOSS_FACTORS", "OPTIMIZERS", "Lowered", "lower", "written_inputs"]
 
@@ -89,7 +90,7 @@ def lower(
         loss_grad_bytes=returned_bytes * LOSS_FACTORS[1],
         tied=_tied_groups(readers, sizes, device),
         tied_policy=tied_policy,
-        colocate=_colocated(gm, ops, index) + fused,
+        colocate=_colocated(gm, ops, index) + fused + _shared_state(gm, ops, index),
         virtual_stages=virtual_stages,
         num_devices=num_devices,
         allreduce_bandwidth=device.intra_node_bandwidth,
@@ -205,6 +206,59 @@ def _colocated(
         for node in ops
         if (chain := _mutated_chain(gm, node, index))
     )
+
+
+def _shared_state(
+    gm: torch.fx.GraphModule, ops: tuple[torch.fx.Node, ...], index: dict[torch.fx.Node, int]
+) -> tuple[tuple[int, ...], ...]:
+    """The ops that use one piece of state that the forward changes, kept on one stage:
+    every reader of a parameter or buffer some op writes in place (BatchNorm's running
+    statistics, which ``aten.batch_norm`` updates: ``running_stats``), and every call of a
+    module in training mode that holds buffers. Split over stages, such a module called
+    twice per micro-batch updates its statistics in another order than the model (the
+    first call for every micro-batch, then the second), and on separate GPUs each stage
+    would keep its own copy."""
+    written: set[str] = set()
+    users: dict[str, set[int]] = {}
+    for op in ops:
+        for arg, source in _arguments(op):
+            if source.op != "get_attr":
+                continue
+            users.setdefault(str(source.target), set()).add(index[op])
+            if (arg is not None and arg.alias_info is not None and arg.alias_info.is_write) \
+                    or _mutated_input(gm, op) is source or source in running_stats(op):
+                written.add(str(source.target))
+        module = gm.get_submodule(str(op.target)) if op.op == "call_module" else None
+        if module is not None and module.training and any(True for _ in module.buffers()):
+            users.setdefault(f"module:{op.target}", set()).add(index[op])
+            written.add(f"module:{op.target}")
+    return tuple(tuple(sorted(users[name])) for name in sorted(written) if len(users[name]) > 1)
+
+
+def _arguments(op: torch.fx.Node) -> list[tuple[torch._C.Argument | None, torch.fx.Node]]:
+    """``op``'s node arguments, each with its schema argument where the op has one (an
+    aten op), else None."""
+    schema = getattr(op.target, "_schema", None) if op.op == "call_function" else None
+    named = {a.name: a for a in schema.arguments} if schema is not None else {}
+    positional = list(schema.arguments) if schema is not None else []
+    found: list[tuple[torch._C.Argument | None, torch.fx.Node]] = []
+    for i, value in enumerate(op.args):
+        arg = positional[i] if i < len(positional) else None
+        found += [(arg, n) for n in _nodes_in(value)]
+    for key, value in op.kwargs.items():
+        found += [(named.get(key), n) for n in _nodes_in(value)]
+    return found
+
+
+def _nodes_in(value: torch.fx.node.Argument) -> list[torch.fx.Node]:
+    nodes: list[torch.fx.Node] = []
+
+    def keep(node: torch.fx.Node) -> torch.fx.Node:
+        nodes.append(node)
+        return node
+
+    torch.fx.map_arg(value, keep)
+    return nodes
 
 
 def _grad_bytes(gm: torch.fx.GraphModule, node: torch.fx.Node, params: dict[str, int], *,

@@ -24,7 +24,7 @@ from torch.utils._sympy.numbers import int_oo
 
 from fxpipe.tracing.records import InputShape, TraceError
 
-__all__ = ["export_program", "exported_graph", "quiet_stderr"]
+__all__ = ["export_program", "exported_graph", "quiet_stderr", "running_stats"]
 
 
 def export_program(
@@ -122,15 +122,20 @@ def _is_dtype_check(node: torch.fx.Node) -> bool:
 _RUNNING_STATS = (torch.ops.aten.batch_norm.default, torch.ops.aten.instance_norm.default)
 
 
+def running_stats(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The running statistics ``node`` updates in place though its schema says nothing of
+    it (a BatchNorm or InstanceNorm in training mode); empty for any other node."""
+    if not (node.op == "call_function" and node.target in _RUNNING_STATS
+            and len(node.args) > 5 and node.args[5] is True):
+        return []
+    return [a for a in node.args[3:5] if isinstance(a, torch.fx.Node)]
+
+
 def _updates_state(node: torch.fx.Node) -> bool:
     """Whether dead code elimination must keep ``node``: an op with side effects, such as a
     BatchNorm in training mode whose output nothing reads (its running statistics still
     change, as in the model)."""
-    if node.is_impure():
-        return True
-    return (node.op == "call_function" and node.target in _RUNNING_STATS
-            and len(node.args) > 5 and node.args[5] is True
-            and any(a is not None for a in node.args[3:5]))
+    return node.is_impure() or bool(running_stats(node))
 
 
 _LIFTED_LIMIT = 64  # elements: a constant up to this size reads well as a literal
