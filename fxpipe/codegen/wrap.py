@@ -88,19 +88,23 @@ def _statement(text: str, indent: str, limit: int) -> list[str] | None:
         return None
     if value is None:
         return None
-    prefix = text[: _offset(text, value)]
+    # What surrounds the value, grouping brackets included: ``y = ((a).f(b))``'s value
+    # is ``(a).f(b)``, between ``y = (`` and ``)``.
+    prefix, rest = text[: _offset(text, value)], text[_offset(text, value, end=True) :]
     if isinstance(value, ast.Tuple) and not _parenthesized(text, value):
         # ``return a, b`` breaks as ``return (`` ... ``)``: the same tuple
         head = indent + prefix + "("
-        return _bracketed(text, head, "", list(value.elts), ")", "", indent, limit, True)
-    return _expr(text, value, indent + prefix, "", indent, limit)
+        return _bracketed(text, head, "", list(value.elts), ")", rest, indent, limit, True)
+    return _expr(text, value, indent + prefix, rest, indent, limit)
 
 
 def _fragment(text: str, indent: str, suffix: str, limit: int) -> list[str] | None:
     tree = _parse(text, "eval")
     if not isinstance(tree, ast.Expression):
         return None
-    return _expr(text, tree.body, indent, suffix, indent, limit)
+    body = tree.body
+    prefix, rest = text[: _offset(text, body)], text[_offset(text, body, end=True) :]
+    return _expr(text, body, indent + prefix, rest + suffix, indent, limit)
 
 
 def _def_header(text: str, indent: str, limit: int) -> list[str] | None:

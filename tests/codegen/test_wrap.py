@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -98,3 +99,16 @@ def test_a_def_line_breaks_at_its_parameters() -> None:
         "    scale=2.0,",
         ") -> dict[str, object]:",
     ]
+
+
+@pytest.mark.parametrize("line", ["y = ((x[x]).view(-1))", "y = (f(aaaa, bbbb, cccc))",
+                                  "    ((a_long_name).f(b, c)),"])
+def test_grouping_brackets_around_the_value_are_kept(line: str) -> None:
+    # hypothesis found `y = ((x[x]).view(-1))` at 20 columns wrapped without its last `)`:
+    # the value's text starts inside the grouping bracket, and what followed it was lost.
+    lines = wrap_line(line, 20)
+    if line.endswith(","):
+        assert _tree("[\n" + "\n".join(lines) + "\n]") == _tree(f"[{line.strip()}]")
+    else:
+        assert _tree("\n".join(lines)) == _tree(line)
+    assert len(lines) > 1
