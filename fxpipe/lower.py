@@ -221,12 +221,13 @@ def _shared_state(
     written: set[str] = set()
     users: dict[str, set[int]] = {}
     for op in ops:
+        writes = {_mutated_input(gm, op), *running_stats(op)}
         for arg, source in _arguments(op):
             if source.op != "get_attr":
                 continue
             users.setdefault(str(source.target), set()).add(index[op])
-            if (arg is not None and arg.alias_info is not None and arg.alias_info.is_write) \
-                    or _mutated_input(gm, op) is source or source in running_stats(op):
+            if source in writes or (arg is not None and arg.alias_info is not None
+                                    and arg.alias_info.is_write):
                 written.add(str(source.target))
         module = gm.get_submodule(str(op.target)) if op.op == "call_module" else None
         if module is not None and module.training and any(True for _ in module.buffers()):

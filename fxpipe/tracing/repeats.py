@@ -333,6 +333,7 @@ def copy_layers(gm: torch.fx.GraphModule, model: torch.nn.Module, layers: Layers
     # The lifted constants (see _members) are copied after the last one, where a whole
     # export has them; the rest after the copy before.
     lifted = [node for node in template if not node.meta.get("nn_module_stack")]
+    is_lifted = set(lifted)
     before, after = template, template[-1]
     after_lifted = lifted[-1] if lifted else None
     for index in range(KEPT, len(layers.modules)):
@@ -347,7 +348,7 @@ def copy_layers(gm: torch.fx.GraphModule, model: torch.nn.Module, layers: Layers
                 return before[at_previous[node]]
             return names.get(node, node)
 
-        made = _copy(gm, template, after, source, set(lifted), after_lifted)
+        made = _copy(gm, template, after, source, is_lifted, after_lifted)
         for node, copy in zip(template, made, strict=True):
             copy.meta = _moved_meta(node.meta, layers.path, index)
         before, after = made, made[-1]
