@@ -429,6 +429,10 @@ def _calibration_note(card: Card, fitted: calibrate.Calibration, new_ops: int) -
     else:
         line += ", memory not calibrated (no per-stage peak measured)"
     line += "; communication not calibrated"
+    for device, stages in card.overlapped.items():
+        line += (f"; stages {', '.join(map(str, stages))} shared {device} side by side on "
+                 f"streams, so each one's times include the others' kernels (measure with "
+                 f"runner.measure(serial=True) to time each alone)")
     if new_ops:
         median = fitted.median
         line += (f"; {new_ops} ops the measured plan did not have took the median factors "

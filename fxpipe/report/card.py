@@ -28,6 +28,7 @@ class StageRow:
     predicted_memory: int
     measured_memory: int | None
     device: str  # where it was measured
+    shared: bool = False  # another stage was measured on the same device
 
     @property
     def predicted_s(self) -> float:
@@ -44,7 +45,8 @@ class StageRow:
 
     @property
     def memory_ratio(self) -> float | None:
-        if self.measured_memory is None:
+        """None where not measured, or where the peak is a shared device's."""
+        if self.measured_memory is None or self.shared:
             return None
         return ratio(self.measured_memory, self.predicted_memory)
 
@@ -69,10 +71,31 @@ class Card:
         return self.planned_bottleneck == self.measured_bottleneck
 
     @property
-    def own_devices(self) -> bool:
-        """Every stage measured on a device of its own, so a peak is that stage's."""
-        devices = [r.device for r in self.rows]
-        return len(set(devices)) == len(devices)
+    def shared(self) -> dict[str, tuple[int, ...]]:
+        """Each device that several stages were measured on, with those stages."""
+        stages: dict[str, list[int]] = {}
+        for row in self.rows:
+            stages.setdefault(row.device, []).append(row.index)
+        return {device: tuple(ks) for device, ks in stages.items() if len(ks) > 1}
+
+    @property
+    def overlapped(self) -> dict[str, tuple[int, ...]]:
+        """The shared GPUs whose stages ran side by side on streams of their own, so that
+        each stage's times include its neighbours' kernels."""
+        if self.measured.serial:
+            return {}
+        return {d: ks for d, ks in self.shared.items() if d.startswith("cuda")}
+
+    @property
+    def predicted_step_s(self) -> float:
+        """The step the plan predicts on the devices measured: its pipelined step, or,
+        where stages shared a device, that device's work one stage after another
+        (M x the sum of their forward and backward; nothing crosses a link), whichever
+        is longer."""
+        m = self.plan.microbatches
+        serial = [m * sum(self.rows[k].predicted[0] + self.rows[k].predicted[1] for k in ks)
+                  for ks in self.shared.values()]
+        return max([self.plan.estimate.iteration_s, *serial])
 
     def figures(self) -> tuple[list[StageFigures], list[StageFigures]]:
         """(predicted, measured) per stage, for a calibration; memory only where a
@@ -81,7 +104,7 @@ class Card:
         for row, stage in zip(self.rows, self.plan.stages, strict=True):
             fixed = (stage.memory.params + stage.memory.grads + stage.memory.optimizer
                      + stage.memory.stashed)
-            memory = row.measured_memory is not None and self.own_devices
+            memory = row.measured_memory is not None and not row.shared
             predicted.append(StageFigures(stage.nodes, row.predicted[0], row.predicted[1],
                                           stage.memory.total - fixed if memory else None))
             measured.append(StageFigures(
@@ -107,6 +130,7 @@ def compare(plan: Plan, measured: Measured, *, source: str = "the measurement") 
             f"{source} ran {measured.microbatches} micro-batches per step but the plan has "
             f"{plan.microbatches}; measure the package this plan generated."
         )
+    devices = [m.device for m in measured.stages]
     rows = tuple(
         StageRow(
             index=stage.index,
@@ -115,6 +139,7 @@ def compare(plan: Plan, measured: Measured, *, source: str = "the measurement") 
             predicted_memory=stage.memory.total,
             measured_memory=m.peak_memory_bytes,
             device=m.device,
+            shared=devices.count(m.device) > 1,
         )
         for stage, m in zip(plan.stages, measured.stages, strict=True)
     )
@@ -138,16 +163,20 @@ def render_card(card: Card) -> str:
             _cell(format_ms(p), format_ms(x), r)
             for p, x, r in zip(row.predicted, row.measured, row.ratios, strict=True)
         ]
-        memory = (_cell(format_bytes(row.predicted_memory), format_bytes(row.measured_memory),
-                        row.memory_ratio)
-                  if row.measured_memory is not None
-                  else f"{format_bytes(row.predicted_memory)} → not measured")
+        if row.measured_memory is None:
+            memory = f"{format_bytes(row.predicted_memory)} → not measured"
+        elif row.shared:
+            memory = f"{format_bytes(row.predicted_memory)} → shared {row.device}"
+        else:
+            memory = _cell(format_bytes(row.predicted_memory),
+                           format_bytes(row.measured_memory), row.memory_ratio)
         total = _cell(format_ms(row.predicted_s), format_ms(row.measured_s),
                       ratio(row.measured_s, row.predicted_s))
         lines.append(f"| {row.index} | " + " | ".join([*cells, memory, total]) + " |")
-    predicted_step = card.plan.estimate.iteration_s
+    predicted_step = card.predicted_step_s
     lines += [
         "",
+        *_shared_lines(card),
         f"Step: predicted {format_ms(predicted_step)}, measured {format_ms(m.step_s)}"
         + _times(ratio(m.step_s, predicted_step)) + ".",
         f"Bottleneck: planned stage {card.planned_bottleneck}, measured stage "
@@ -161,6 +190,33 @@ def render_card(card: Card) -> str:
         lines.append("Measured on the CPU by wall clock: the ratios compare this machine "
                      f"with the plan's device ({card.plan.device or 'unknown'}).")
     return "\n".join(lines) + "\n"
+
+
+def _shared_lines(card: Card) -> list[str]:
+    """What a shared device changes: the step predicted, whose peak a peak is, and
+    whether stage times overlapped."""
+    lines = []
+    for device, ks in card.shared.items():
+        rows = [card.rows[k] for k in ks]
+        line = (f"Stages {_listed(ks)} shared {device}: the step predicted there is their "
+                f"work one after another, M × Σ (forward + backward)")
+        peak = rows[0].measured_memory
+        if peak is not None:
+            together = sum(r.predicted_memory for r in rows)
+            line += (f"; its peak, {format_bytes(peak)}, is theirs together (predicted at "
+                     f"most {format_bytes(together)} with every stage at its peak at once: "
+                     f"×{peak / together:.2f})")
+        lines.append(line + ".")
+    if card.overlapped:
+        lines.append(f"On {', '.join(card.overlapped)} the stages ran side by side on streams "
+                     "of their own, so each stage's times include its neighbours' kernels; "
+                     "measure with runner.measure(serial=True) for each stage alone, the "
+                     "times to calibrate from.")
+    return lines
+
+
+def _listed(ks: tuple[int, ...]) -> str:
+    return ", ".join(str(k) for k in ks[:-1]) + f" and {ks[-1]}"
 
 
 def _times(r: float | None) -> str:

@@ -7,7 +7,9 @@
 
 For every step after the first ``warmup`` ones the runner times, per stage, its
 forwards, its backwards and its sends and receives (CUDA events on the stage's stream on
-a GPU, ``time.perf_counter`` on the CPU), and the step itself. A forward or backward span
+a GPU, ``time.perf_counter`` on the CPU), and the step itself. Stages that share a GPU
+overlap on their streams; ``runner.measure(serial=True)`` runs them one after another
+while measuring, so that each is timed alone. A forward or backward span
 excludes the receives and sends nested in it, which count as communication. On CUDA the
 step synchronizes once at its end, and only while measuring, to read the events.
 
@@ -15,6 +17,7 @@ step synchronizes once at its end, and only while measuring, to read the events.
 
     {"format": "fxpipe-measured", "version": 1,
      "device": "cpu" | "<CUDA device name>", "clock": "wall" | "cuda-events",
+     "serial": false (true: stages sharing a GPU ran on one stream while measured),
      "microbatches": M, "warmup_steps": 1, "steps": N (steps measured),
      "step_s": median wall time of a step,
      "stages": [{"index": k, "forward_s": ..., "backward_s": ..., "comm_s": ...,
@@ -91,6 +94,7 @@ class ReportCard:
         self.step_times: list[float] = []
         self.peak_memory: list[int | None] = [None] * num_stages
         self.stage_devices: list[str] = ["cpu"] * num_stages
+        self.serial = False  # stages sharing a GPU ran on one stream (measure(serial=True))
 
     @property
     def steps(self) -> int:
@@ -122,6 +126,7 @@ class ReportCard:
             "version": VERSION,
             "device": self.device,
             "clock": self.clock,
+            "serial": self.serial,
             "microbatches": self.microbatches,
             "warmup_steps": self.warmup,
             "steps": self.steps,
@@ -151,6 +156,7 @@ class Measured:
     steps: int
     step_s: float
     stages: tuple[StageMeasure, ...]
+    serial: bool = False  # stages sharing a GPU ran one after another on one stream
 
 
 def load_card(path: str | Path) -> Measured:
@@ -178,7 +184,8 @@ def load_card(path: str | Path) -> Measured:
             for s in data["stages"]
         )
         measured = Measured(str(data["device"]), str(data["clock"]), int(data["microbatches"]),
-                            int(data["steps"]), float(data["step_s"]), stages)
+                            int(data["steps"]), float(data["step_s"]), stages,
+                            bool(data.get("serial", False)))
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"{path}: a field is missing or malformed ({exc!r}); pass the file "
                          f"card.save wrote.") from None
@@ -287,16 +294,38 @@ class MeasuredSteps:
     _recorder: Recorder | None = None  # while measure() is active
 
     @contextlib.contextmanager
-    def measure(self, *, warmup: int = 1) -> Iterator[ReportCard]:
+    def measure(self, *, warmup: int = 1, serial: bool = False) -> Iterator[ReportCard]:
         """Time every ``step`` run inside, after the first ``warmup``: each stage's
         forward, backward and communication, its device's peak memory and the step;
-        ``card.save(path)`` writes them as ``measured.json``."""
+        ``card.save(path)`` writes them as ``measured.json``.
+
+        Stages that share a GPU run side by side on streams of their own, so each one's
+        times include its neighbours' kernels (measured on one H100: 3-5x a stage's time
+        alone). ``serial`` runs them on one stream per GPU while measuring, so each
+        stage is timed alone, as on a GPU of its own: the times to calibrate a plan
+        from. The results are the same either way."""
+        compute = list(self.streams.compute)
+        if serial:
+            self.streams.compute = one_stream_per_device(compute, self.devices)
         self._recorder = Recorder(len(self.stages), self.microbatches, warmup, self.devices,
                                   lambda k: self.streams.compute[k])
+        self._recorder.card.serial = serial
         try:
             yield self._recorder.card
         finally:
             self._recorder = None
+            self.streams.compute = compute
+
+
+def one_stream_per_device(compute: Sequence[Any],
+                          devices: Sequence[torch.device] | None) -> list[Any]:
+    """Each stage's compute stream replaced by the first one on its device (None: the
+    CPU, where stages run in order anyway)."""
+    if devices is None:
+        return list(compute)
+    first: dict[torch.device, Any] = {}
+    return [stream if stream is None else first.setdefault(dev, stream)
+            for stream, dev in zip(compute, devices, strict=True)]
 
 
 def timed(recorder: Recorder | None, k: int | None = None,

@@ -81,6 +81,28 @@ def test_a_stage_measured_twice_as_slow_gives_up_work() -> None:
     assert before.stages[slow].forward_s == pytest.approx(2 * plan.stages[slow].forward_s)
 
 
+def test_calibrating_from_stages_that_overlapped_on_one_gpu_says_so() -> None:
+    cpu = get_device("cpu")
+    options = SplitOptions(gpus=3, device=cpu, memory_limit=float(cpu.memory_bytes),
+                           microbatches=4, schedule=ScheduleKind.ONE_F_ONE_B)
+    source, traced = analyze_file(MLP, device=cpu)
+    plan = plan_split(traced, label=source.label, options=options)
+
+    def notes(device: str, serial: bool) -> str:
+        measured = Measured("cuda-name", "cuda-events", plan.microbatches, 2, 1.0, tuple(
+            StageMeasure(s.index, s.forward_s, s.backward_s, s.comm_s, device=device)
+            for s in plan.stages), serial=serial)
+        analyze(traced, device=cpu)
+        again = plan_split(traced, label=source.label, options=options,
+                           calibrate_from=compare(plan, measured))
+        return " ".join(again.notes)
+
+    warning = "stages 0, 1, 2 shared cuda:0 side by side on streams"
+    assert warning in notes("cuda:0", serial=False)
+    assert warning not in notes("cuda:0", serial=True)
+    assert "side by side" not in notes("cpu", serial=False)  # the CPU runs stages in turn
+
+
 def test_memory_factor_scales_saved_activations() -> None:
     gm = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
     ops = [n for n in gm.graph.nodes if n.op == "call_module"]

@@ -19,6 +19,7 @@ from fxpipe.plan import Plan
 from fxpipe.report.card import compare, render_card
 from fxpipe.runtime import load_card, load_package
 from fxpipe.runtime.measure import FORMAT, VERSION
+from fxpipe.units import format_bytes, format_ms
 
 MLP = str(Path(__file__).resolve().parents[2] / "examples" / "mlp.py")
 K, M, STEPS, WARMUP = 3, 4, 3, 1
@@ -158,3 +159,72 @@ def test_a_bad_measurement_is_one_line_exit_2(
         assert err.startswith("fxpipe: error: ") and err.count("\n") == 1
         assert re.search(message, err), err
     assert not (tmp_path / "never").exists()
+
+
+def _on_devices(plan: Plan, devices: list[str], peaks: list[int | None], *,
+                serial: bool = False) -> Any:
+    """The plan measured exactly as predicted, stage k on ``devices[k]`` with ``peaks[k]``."""
+    data = _synthetic(plan, [1.0] * K)
+    data["serial"] = serial
+    for stage, device, peak in zip(data["stages"], devices, peaks, strict=True):
+        stage["device"], stage["peak_memory_bytes"] = device, peak
+    return data
+
+
+def test_stages_sharing_a_gpu_are_compared_as_one_device(
+    measured_plan: tuple[Path, Plan], tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """On one GPU a peak is every stage's together and the stages' work runs one after
+    another: no per-stage memory ratio, a step predicted as M x sum(F + B), and a word on
+    overlapping streams unless the stages were measured one after another."""
+    out, plan = measured_plan
+    peak = 3 * 2**30
+    path = tmp_path / "one-gpu.json"
+    path.write_text(json.dumps(_on_devices(plan, ["cuda:0"] * K, [peak] * K)))
+    card = compare(plan, load_card(path))
+    assert card.shared == {"cuda:0": tuple(range(K))}
+    assert card.overlapped == {"cuda:0": tuple(range(K))}
+    assert all(r.shared and r.memory_ratio is None for r in card.rows)
+    work = M * sum(s.forward_s + s.backward_s for s in plan.stages)
+    assert work > plan.estimate.iteration_s
+    assert card.predicted_step_s == pytest.approx(work)
+    predicted, measured = card.figures()  # nothing to calibrate memory from
+    assert all(f.memory is None for f in [*predicted, *measured])
+    assert main(["report", str(out), str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "→ shared cuda:0 |" in text
+    together = sum(s.memory.total for s in plan.stages)
+    assert (f"Stages 0, 1 and 2 shared cuda:0: the step predicted there is their work one "
+            f"after another, M × Σ (forward + backward); its peak, 3.0 GiB, is theirs "
+            f"together (predicted at most {format_bytes(together)} with every stage at its "
+            f"peak at once: ×{peak / together:.2f}).") in text
+    assert "side by side on streams of their own" in text
+    assert f"Step: predicted {format_ms(work)}" in text
+
+    path.write_text(json.dumps(_on_devices(plan, ["cuda:0"] * K, [peak] * K, serial=True)))
+    card = compare(plan, load_card(path))
+    assert card.measured.serial and card.overlapped == {}
+    assert "side by side" not in render_card(card)
+
+
+def test_a_stage_with_a_gpu_of_its_own_keeps_its_memory_ratio(
+    measured_plan: tuple[Path, Plan], tmp_path: Path,
+) -> None:
+    _, plan = measured_plan
+    peaks = [2 * s.memory.total for s in plan.stages]
+    path = tmp_path / "mixed.json"
+    path.write_text(json.dumps(_on_devices(plan, ["cuda:0", "cuda:1", "cuda:1"], peaks)))
+    card = compare(plan, load_card(path))
+    assert card.shared == {"cuda:1": (1, 2)}
+    assert card.rows[0].memory_ratio == pytest.approx(2.0)
+    assert [r.memory_ratio for r in card.rows[1:]] == [None, None]
+    predicted, measured = card.figures()
+    assert predicted[0].memory is not None and measured[0].memory is not None
+    assert [f.memory for f in predicted[1:]] == [None, None]
+    pair = M * sum(s.forward_s + s.backward_s for s in plan.stages[1:])
+    assert card.predicted_step_s == pytest.approx(max(pair, plan.estimate.iteration_s))
+
+    path.write_text(json.dumps(_on_devices(plan, ["cuda:0", "cuda:1", "cuda:2"], peaks)))
+    card = compare(plan, load_card(path))
+    assert card.shared == {} and card.predicted_step_s == plan.estimate.iteration_s
+    assert all(r.memory_ratio == pytest.approx(2.0) for r in card.rows)
