@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from fxpipe import meta
 from fxpipe.cost_models import analytic, get_device
@@ -84,17 +85,41 @@ def test_transformers_example_built_on_meta_traces_and_profiles(example: str) ->
     check_profile(str(EXAMPLES / example), "export", on_meta=True)
 
 
+class _NoGradCast(nn.Module):
+    """A buffer cast to float32 inside a no-grad region, as Llama's rotary embedding did
+    before transformers 5.2x (which dropped the region)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("inv_freq", torch.rand(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            scale = self.inv_freq.to(torch.float32).cos()
+        return self.lin(x) * scale.to(x.dtype)
+
+
 def test_export_checks_are_gone_from_higher_order_bodies_too() -> None:
-    """torch.export asserts each value's traced dtype, inside the body of a no-grad region
-    too (Llama's rotary embedding asserts a float32 ``inv_freq``): a model cast to
-    bfloat16 must run the graph, so none of those assertions is left anywhere."""
-    source = load_model_file(str(EXAMPLES / "hf_llama.py"))
-    traced = trace(source.model, source.args, source.kwargs)
-    bodies = [m for m in traced.gm.modules() if isinstance(m, torch.fx.GraphModule)]
-    assert len(bodies) > 1  # the rotary embedding's no-grad region is a body of its own
-    for body in bodies:
-        assert not [n for n in body.graph.nodes
-                    if n.target is torch.ops.aten._assert_tensor_metadata.default]
+    """torch.export asserts each value's traced dtype (``aten._assert_tensor_metadata``
+    before a ``to``), inside the body of a no-grad region too: a model cast to bfloat16
+    must run the graph, so none of those assertions is left anywhere."""
+    model, x = _NoGradCast(), torch.randn(2, 8)
+    assert _metadata_checks(torch.export.export(model, (x,), strict=False).module())
+    traced = trace(model, (x,), {})
+    assert len(_graphs(traced.gm)) > 1  # the no-grad region is a body of its own
+    assert not _metadata_checks(traced.gm)
+    llama = load_model_file(str(EXAMPLES / "hf_llama.py"))
+    assert not _metadata_checks(trace(llama.model, llama.args, llama.kwargs).gm)
+
+
+def _graphs(gm: torch.nn.Module) -> list[torch.fx.GraphModule]:
+    return [m for m in gm.modules() if isinstance(m, torch.fx.GraphModule)]
+
+
+def _metadata_checks(gm: torch.nn.Module) -> list[torch.fx.Node]:
+    return [n for body in _graphs(gm) for n in body.graph.nodes
+            if n.target is torch.ops.aten._assert_tensor_metadata.default]
 
 
 def test_an_export_graph_is_not_analysed_at_another_true_precision() -> None:
