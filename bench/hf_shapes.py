@@ -100,3 +100,16 @@ def loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
     if isinstance(logits, tuple | list):
         logits = logits[0]
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+
+
+# a Llama small enough to train on one GPU, large enough that memory and time are real:
+# 16 x 2048, 16 heads / 8 KV heads, FFN 5632, vocab 32000 (886M parameters), 4096 tokens
+LLAMA_SCALED = {"layers": 16, "hidden": 2048, "heads": 16, "kv": 8, "ffn": 5632, "vocab": 32000}
+
+
+def llama_scaled(device: str | None) -> nn.Module:
+    """The scaled Llama with seed-0 weights on ``device`` (None: the CPU)."""
+    return _on(device, lambda: _llama(**LLAMA_SCALED))
+
+
+build_llama_scaled = _factory(lambda: llama_scaled("meta"), 1, 4096, "build_llama_scaled")
