@@ -300,7 +300,7 @@ class MeasuredSteps:
         ``card.save(path)`` writes them as ``measured.json``.
 
         Stages that share a GPU run side by side on streams of their own, so each one's
-        times include its neighbours' kernels (measured on one H100: 3-5x a stage's time
+        times include its neighbours' kernels (measured on one H100: 2-4x a stage's time
         alone). ``serial`` runs them on one stream per GPU while measuring, so each
         stage is timed alone, as on a GPU of its own: the times to calibrate a plan
         from. The results are the same either way."""
