@@ -14,8 +14,10 @@ from fxpipe import meta
 from fxpipe.compiler import SplitOptions, analyze, analyze_file, plan_split
 from fxpipe.cost_models import get_device
 from fxpipe.cost_models.calibrate import StageFigures, apply, fit
+from fxpipe.frontend import ModelSource, Traced
 from fxpipe.lower import lower
 from fxpipe.partition import evaluate
+from fxpipe.plan import Plan
 from fxpipe.profile import auto_depth
 from fxpipe.report.card import compare
 from fxpipe.runtime.measure import Measured, StageMeasure
@@ -44,12 +46,18 @@ def test_factors_are_measured_over_predicted_and_follow_the_op() -> None:
     assert times[c].source == "analytic:test+calibrated"
 
 
-def test_a_stage_measured_twice_as_slow_gives_up_work() -> None:
+def _mlp_plan() -> tuple[ModelSource, Traced, SplitOptions, Plan]:
+    """The example MLP analysed for the CPU, and its 3-stage 1F1B plan."""
     cpu = get_device("cpu")
     options = SplitOptions(gpus=3, device=cpu, memory_limit=float(cpu.memory_bytes),
                            microbatches=4, schedule=ScheduleKind.ONE_F_ONE_B)
     source, traced = analyze_file(MLP, device=cpu)
-    plan = plan_split(traced, label=source.label, options=options)
+    return source, traced, options, plan_split(traced, label=source.label, options=options)
+
+
+def test_a_stage_measured_twice_as_slow_gives_up_work() -> None:
+    source, traced, options, plan = _mlp_plan()
+    cpu = options.device
     slow = 1
     measured = Measured("cpu", "wall", plan.microbatches, 2, plan.estimate.iteration_s, tuple(
         StageMeasure(s.index, s.forward_s * (2 if s.index == slow else 1),
@@ -82,17 +90,13 @@ def test_a_stage_measured_twice_as_slow_gives_up_work() -> None:
 
 
 def test_calibrating_from_stages_that_overlapped_on_one_gpu_says_so() -> None:
-    cpu = get_device("cpu")
-    options = SplitOptions(gpus=3, device=cpu, memory_limit=float(cpu.memory_bytes),
-                           microbatches=4, schedule=ScheduleKind.ONE_F_ONE_B)
-    source, traced = analyze_file(MLP, device=cpu)
-    plan = plan_split(traced, label=source.label, options=options)
+    source, traced, options, plan = _mlp_plan()
 
     def notes(device: str, serial: bool) -> str:
         measured = Measured("cuda-name", "cuda-events", plan.microbatches, 2, 1.0, tuple(
             StageMeasure(s.index, s.forward_s, s.backward_s, s.comm_s, device=device)
             for s in plan.stages), serial=serial)
-        analyze(traced, device=cpu)
+        analyze(traced, device=options.device)
         again = plan_split(traced, label=source.label, options=options,
                            calibrate_from=compare(plan, measured))
         return " ".join(again.notes)
