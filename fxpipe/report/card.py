@@ -75,8 +75,9 @@ class Card:
         """Each device that several stages were measured on, with those stages."""
         stages: dict[str, list[int]] = {}
         for row in self.rows:
-            stages.setdefault(row.device, []).append(row.index)
-        return {device: tuple(ks) for device, ks in stages.items() if len(ks) > 1}
+            if row.shared:
+                stages.setdefault(row.device, []).append(row.index)
+        return {device: tuple(ks) for device, ks in stages.items()}
 
     @property
     def overlapped(self) -> dict[str, tuple[int, ...]]:

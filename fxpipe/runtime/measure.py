@@ -27,7 +27,9 @@ A stage's ``forward_s``, ``backward_s`` and ``comm_s`` are per micro-batch, like
 the step's total for the stage divided by M, the median over the measured steps. A
 recomputed stage's backward includes its recomputed forward. ``peak_memory_bytes`` is
 ``torch.cuda.max_memory_allocated`` of the stage's device over the measured steps (stages
-sharing a device share the figure); null on the CPU.
+sharing a device share the figure); null on the CPU. Under torchrun a stage's ``device``
+carries its rank (``"cuda:0 on rank 1"``, rank_measure.py): stages of different
+processes never share one.
 """
 
 from __future__ import annotations

@@ -105,7 +105,8 @@ def _gather(card: ReportCard, mine: ReportCard, own: list[int]) -> None:
                   for kind in KINDS} for k in own} for step in mine.totals]
     local = {"steps": steps, "step_s": mine.step_times, "seen": mine.seen,
              "peak": {k: mine.peak_memory[k] for k in own},
-             "devices": {k: mine.stage_devices[k] for k in own}}
+             # with the rank: another process's cuda:0 or cpu is not this one's to share
+             "devices": {k: f"{mine.stage_devices[k]} on rank {dist.get_rank()}" for k in own}}
     ranks: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, local)
     card.seen = max(rank["seen"] for rank in ranks)

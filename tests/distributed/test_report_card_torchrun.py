@@ -45,11 +45,17 @@ def test_torchrun_measures_every_stage_for_fxpipe_report(
         assert s.time_s * M <= card.step_s * 1.01, (s, card.step_s)
         assert s.peak_memory_bytes is None  # no CUDA device
 
+    # each rank's stages share its device (rank 0 runs stages 0 and 3 of the V); another
+    # rank's cpu is another process's, which runs beside it, not in turn
+    ranks = [0, 1] if v == 1 else [0, 1, 1, 0]
+    assert [s.device for s in card.stages] == [f"cpu on rank {r}" for r in ranks]
+
     capsys.readouterr()
     assert cli.main(["report", str(tmp_path / "pkg"), str(measured)]) == 0
     printed = capsys.readouterr().out
     assert f"Measured 2 steps (wall clock), {M} micro-batches each" in printed
     assert all(f"\n| {k} | " in printed for k in range(2 * v))
+    assert ("shared cpu on rank 0" in printed) == (v == 2)
 
 
 def test_measure_needs_a_step_after_the_warm_up(
