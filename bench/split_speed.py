@@ -161,7 +161,15 @@ def end_to_end(repeat: int, only: str, against: Path | None) -> list[dict]:
 # --- part 2: phases, in a fresh child ------------------------------------------------
 
 
-def phases_child(spec: str, gpus: int, recompute: bool, profile: int) -> None:
+def recompute_flag(flags: tuple[str, ...]) -> str:
+    """The ``--recompute`` choice in a model's flags, as ``fxpipe split`` reads it."""
+    if "--recompute" not in flags:
+        return "auto"
+    i = flags.index("--recompute") + 1
+    return flags[i] if i < len(flags) and not flags[i].startswith("-") else "all"
+
+
+def phases_child(spec: str, gpus: int, recompute: str, profile: int) -> None:
     """Runs in a fresh interpreter: time each phase of ``_run_split``, print JSON."""
     timings: list[tuple[str, float]] = []
     t0 = time.perf_counter()
@@ -187,6 +195,7 @@ def phases_child(spec: str, gpus: int, recompute: bool, profile: int) -> None:
     from fxpipe.compiler import SplitOptions, analyze_file, output_files, plan_split
     from fxpipe.cost_models import get_device
     from fxpipe.output import write_folder
+    from fxpipe.partition import Recompute
     from fxpipe.schedules import ScheduleKind
 
     mark("import fxpipe (+ ortools, rich)")
@@ -201,7 +210,7 @@ def phases_child(spec: str, gpus: int, recompute: bool, profile: int) -> None:
     source, traced = analyze_file(spec, device=device, progress=phase)
     options = SplitOptions(gpus=gpus, device=device, memory_limit=float(device.memory_bytes),
                            microbatches=4 * gpus, schedule=ScheduleKind("1f1b"),
-                           recompute=recompute)
+                           recompute=Recompute(recompute))
     plan = plan_split(traced, label=source.label, options=options, progress=phase)
     mark("lower + build plan")
     files = output_files(traced, plan, label=source.label, progress=phase)
@@ -241,7 +250,7 @@ def phases(only: str, profile: int) -> None:
             spec,
             "--gpus",
             str(gpus),
-            "--recompute" if "--recompute" in flags else "--no-recompute",
+            "--recompute", recompute_flag(flags),
             "--profile",
             str(profile),
         ]
@@ -283,8 +292,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--gpus", type=int, default=8, help=argparse.SUPPRESS)
-    parser.add_argument("--recompute", action=argparse.BooleanOptionalAction,
-                        default=False, help=argparse.SUPPRESS)
+    parser.add_argument("--recompute", default="auto", help=argparse.SUPPRESS)
     parser.add_argument("--only", default="", help="models whose label contains this")
     parser.add_argument("--against", type=Path,
                         help="another checkout's root: run its fxpipe side by side")
