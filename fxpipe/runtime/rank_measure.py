@@ -60,6 +60,7 @@ def measure_ranks(schedule: Any, stages: Sequence[Any], num_stages: int, *,
                         if device.type == "cuda" else None)
     card = ReportCard(num_stages, microbatches, warmup=warmup, device=recorder.card.device,
                       clock=recorder.card.clock)
+    card.serial = True  # a rank's stages run one after another, on its current stream
     with contextlib.ExitStack() as patches:
         for stage in stages:
             for method, kind in _CHUNKS.items():
