@@ -59,6 +59,9 @@ from _common import load_gpt_example, token_batch  # noqa: E402
 
 from fxpipe.cli import main as fxpipe  # noqa: E402
 from fxpipe.codegen import load_package  # noqa: E402
+from fxpipe.plan import Plan  # noqa: E402
+from fxpipe.report.card import compare  # noqa: E402
+from fxpipe.runtime import load_card  # noqa: E402
 
 MiB = 2**20
 STAGES = 4
@@ -131,11 +134,6 @@ def split(case: Case, folder: Path, row: str, *extra: str) -> dict[str, Any]:
         *case.flags, *extra)
     plan: dict[str, Any] = json.loads((folder / "plan.json").read_text())
     return plan
-
-
-def one_device_step(plan: dict[str, Any]) -> float:
-    """The plan's step with every stage on one device: all the work, one after another."""
-    return plan["microbatches"] * sum(s["forward_s"] + s["backward_s"] for s in plan["stages"])
 
 
 def stream_peaks(run: Callable[[], object], device: torch.device) -> dict[int, int]:
@@ -230,7 +228,9 @@ def memory_table(plan: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def stage_table(plan: dict[str, Any], card: dict[str, Any]) -> list[str]:
+def stage_table(folder: Path, plan: dict[str, Any], card: dict[str, Any]) -> list[str]:
+    """Per stage, planned against measured forward + backward; the slowest of each, and
+    the step that the report card predicts for the plan in ``folder`` on one GPU."""
     lines = ["| stage | plan F + B | measured F + B (one stream) | measured / plan |",
              "|---:|---:|---:|---:|"]
     for stage, got in zip(plan["stages"], card["stages"], strict=True):
@@ -240,7 +240,9 @@ def stage_table(plan: dict[str, Any], card: dict[str, Any]) -> list[str]:
                      f"{have / want:.2f} |")
     planned = max(plan["stages"], key=lambda s: s["forward_s"] + s["backward_s"])["index"]
     measured = max(card["stages"], key=lambda s: s["forward_s"] + s["backward_s"])["index"]
-    predicted, step = one_device_step(plan), card["step_s"]
+    predicted = compare(Plan.from_json((folder / "plan.json").read_text()),
+                        load_card(folder / "measured.json")).predicted_step_s
+    step = card["step_s"]
     lines += ["", f"slowest stage (forward + backward): planned {planned}, measured {measured}; "
               f"one-GPU step: predicted {predicted * 1e3:.1f} ms, measured {step * 1e3:.1f} ms "
               f"(measured / predicted {step / predicted:.3f})"]
@@ -263,8 +265,8 @@ def check(case: Case, out: Path, dev: str, row: str, result: dict[str, Any]) -> 
         lines.append(f"(largest peak on a stream of no stage: "
                      f"{streams['other_streams_peak_bytes'] / MiB:.0f} MiB)")
     return [*lines, "", "### One stream: each stage timed alone", "", alone["report"],
-            *stage_table(plan, alone["card"]), "", "### After --calibrate, one stream", "",
-            alone_cal["report"], *stage_table(plan_cal, alone_cal["card"])]
+            *stage_table(folder, plan, alone["card"]), "", "### After --calibrate, one stream",
+            "", alone_cal["report"], *stage_table(calibrated, plan_cal, alone_cal["card"])]
 
 
 def device_row() -> str:
