@@ -94,9 +94,9 @@ class Card:
         (M x the sum of their forward and backward; nothing crosses a link), whichever
         is longer."""
         m = self.plan.microbatches
-        serial = [m * sum(self.rows[k].predicted[0] + self.rows[k].predicted[1] for k in ks)
-                  for ks in self.shared.values()]
-        return max([self.plan.estimate.iteration_s, *serial])
+        in_turn = [m * sum(self.rows[k].predicted[0] + self.rows[k].predicted[1] for k in ks)
+                   for ks in self.shared.values()]
+        return max([self.plan.estimate.iteration_s, *in_turn])
 
     def figures(self) -> tuple[list[StageFigures], list[StageFigures]]:
         """(predicted, measured) per stage, for a calibration; memory only where a
