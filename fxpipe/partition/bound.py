@@ -7,11 +7,14 @@ recompute choice, and is valid for every split the CP-SAT program allows, not on
 contiguous ones the DP tries.
 
 The relaxation. Per stage, keep what is a sum over its nodes: compute C, forward F,
-parameter bytes P (its nodes' own), saved activations A; drop what only adds (transfers
-and their bytes, outputs kept for later stages, the backward transient, tied copies,
-deferred weight gradients). The stage cost formula (``cost.memory_parts``) on those sums
-under-prices every stage in time and in memory, so the best split of the relaxation is
-no slower than the program's optimum.
+parameter bytes P (its nodes' own), saved activations A; and, with neighbour transport,
+the least its cuts send: the values an ideal's groups produce for groups outside it
+cross the cut after it, costing their comm_s to the stages on both sides and their bytes
+to the one after (``_Crossing``). Drop what only adds (outputs kept for later stages, the
+backward transient, tied copies, deferred weight gradients, values sent back down). The
+stage cost formula (``cost.memory_parts``) on those sums under-prices every stage in
+time and in memory, so the best split of the relaxation is no slower than the program's
+optimum.
 
 The chain. A stage holds D_j \\ D_{j-1} for ideals (downward closed sets of exact groups)
 D_{j-1} of D_j. A *separator* s is comparable (ancestor or descendant) with every group
@@ -21,9 +24,10 @@ their costs zeroed, which only lowers the bound. Between consecutive separators 
 segments, and an ideal is all segments before some k plus an ideal of segment k. The
 ideals of a segment are enumerated (once per distinct segment: identical layers are one
 enumeration) and their sums binned by compute into cells; for each cell, ``lo`` and
-``hi`` are the least and most of each sum over its ideals. A stage from a cell a to a
-later cell b then holds at least lo(b) - hi(a) of each sum (the DP also tries pairs of
-cells whose ideals do not nest, which can only lower the bound).
+``hi`` are the least and most of each sum over its ideals, and ``sent`` the least its
+ideals send. A stage from a cell a to a later cell b then holds at least lo(b) - hi(a)
+of each sum and receives and sends at least sent(a) and sent(b) (the DP also tries
+pairs of cells whose ideals do not nest, which can only lower the bound).
 
 The bound is the min-max DP of the interval DP (``baselines.min_max_dp``) over the cells
 in order, each block priced at those least sums; 1e-9 relative is taken off for the
@@ -42,6 +46,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -66,14 +71,16 @@ def block_bound(exact: Coarsening, *, upper_s: float = math.inf) -> float | None
         return None
     sums = _group_sums(exact)
     segments, preds = _segments(exact, sums)
-    cells = _cells(segments, preds, sums, CELL * float(sums[:, 0].sum()) / p.num_stages)
+    crossings = _crossings(exact, segments) if p.comm is Comm.NEIGHBOUR else None
+    cells = _cells(segments, preds, sums, crossings,
+                   CELL * float(sums[:, 0].sum()) / p.num_stages)
     if cells is None:
         return None
-    lo, hi = cells
+    lo, hi, sent = cells
     n = lo.shape[0] - 1  # positions 0..n: 0 is the empty ideal, n every group
     zeros = np.zeros(n + 1)
-    blocks = Blocks(p, lo[:, 0], lo[:, 1], lo[:, 2], lo[:, 3], zeros, np.zeros(n), zeros,
-                     zeros, [], np.array(stage_flights(p), dtype=np.int64)[:, None],
+    blocks = Blocks(p, lo[:, 0], lo[:, 1], lo[:, 2], lo[:, 3], zeros, np.zeros(n), sent[:, 0],
+                     sent[:, 1], [], np.array(stage_flights(p), dtype=np.int64)[:, None],
                      tuple(recompute_options(p)), hi[:, 0], hi[:, 1], hi[:, 2], hi[:, 3])
     best, _ = min_max_dp(blocks, n, upper_s=upper_s, allow_empty=True)
     value = float(best[p.num_stages - 1, n])
@@ -127,61 +134,28 @@ def _least_crossing(exact: Coarsening) -> tuple[Callable[[float], float], float]
     at least X seconds of counted compute (not every group) sends to a group outside it;
     ``uncounted`` the compute of the groups the block bound zeroes (``_segments``), which
     the counted compute of an ideal may lack. Every ideal's counted groups are all segments
-    before some k plus an ideal I of segment k; values from or to zeroed groups are left
-    out, which only lowers what an ideal sends. None beyond MAX_IDEALS."""
-    p = exact.problem
+    before some k plus an ideal I of segment k (what it sends: ``_Crossing``). None beyond
+    MAX_IDEALS."""
     sums = _group_sums(exact)
     compute = sums[:, 0].copy()
-    segments, _ = _segments(exact, sums)
+    segments, preds = _segments(exact, sums)
     counted = np.zeros(exact.num_coarse, dtype=bool)
-    segment_of = np.full(exact.num_coarse, -1)
-    place = np.zeros(exact.num_coarse, dtype=np.int64)
-    for k, segment in enumerate(segments):
-        for i, g in enumerate(segment):
-            counted[g], segment_of[g], place[g] = True, k, i
+    for segment in segments:
+        counted[segment] = True
     uncounted = float(compute[~counted].sum())
-    # per segment: the comm_s crossing it whatever its ideal (produced before, read after),
-    # (readers' bits, comm) of values from before read last in it, and (producer's bit,
-    # readers' bits, read after it, comm) of values produced in it
-    through = np.zeros(len(segments))
-    incoming: list[list[tuple[int, float]]] = [[] for _ in segments]
-    local: list[list[tuple[int, int, bool, float]]] = [[] for _ in segments]
-    for v, readers in enumerate(consumers(p)):
-        g = exact.group_of[v]
-        read = {exact.group_of[w] for w in readers} - {g}
-        read = {r for r in read if counted[r]}
-        comm = p.nodes[v].comm_s
-        if not counted[g] or not read or comm <= 0:
-            continue
-        k0, last = int(segment_of[g]), max(int(segment_of[r]) for r in read)
-        through[k0 + 1:last] += comm
-        if last > k0:
-            bits = sum(1 << int(place[r]) for r in read if segment_of[r] == last)
-            incoming[last].append((bits, comm))
-        bits = sum(1 << int(place[r]) for r in read if segment_of[r] == k0)
-        local[k0].append((1 << int(place[g]), bits, last > k0, comm))
     found: list[tuple[float, float]] = []
     before = 0.0
-    preds: list[list[int]] = [[] for _ in range(exact.num_coarse)]
-    for a, b in exact.order_edges:
-        preds[b].append(a)
-    for k, segment in enumerate(segments):
-        local_of = {g: i for i, g in enumerate(segment)}
-        masks = tuple(sum(1 << local_of[a] for a in preds[g] if a in local_of)
-                      for g in segment)
-        ideals = _ideals(masks, compute[segment])
+    for segment, crossing in zip(segments, _crossings(exact, segments), strict=True):
+        ideals = _ideals(_masks(segment, preds), sums[segment])
         if ideals is None:
             return None
+        bits, ideal_sums = ideals
         # Not the full ideal: before the last segment it is the next one's empty ideal; of
         # the last, it holds every counted group, which no other ideal does when every
         # zeroed group has a counted descendant (it must stay out with them).
-        ideals = [i for i in ideals if i[0] != (1 << len(segment)) - 1]
-        for ideal, seconds in ideals:
-            sent = through[k]
-            sent += sum(c for bits, c in incoming[k] if bits & ~ideal)
-            sent += sum(c for bit, bits, later, c in local[k]
-                        if ideal & bit and (later or bits & ~ideal))
-            found.append((before + seconds, sent))
+        full = (1 << len(segment)) - 1
+        found += [(before + float(row[0]), crossing.through[0] + crossing.sent(ideal)[0])
+                  for ideal, row in zip(bits, ideal_sums, strict=True) if ideal != full]
         before += float(compute[segment].sum())
     if not found or not _zeroed_lead_to_counted(exact, counted):
         return None
@@ -196,30 +170,61 @@ def _least_crossing(exact: Coarsening) -> tuple[Callable[[float], float], float]
     return least_from, uncounted
 
 
+@dataclass(frozen=True)
+class _Crossing:
+    """What an ideal of one segment sends with neighbour transport, as (comm_s, bytes):
+    values from or to groups the block bound zeroes are left out, which only lowers it."""
+
+    through: np.ndarray  # values produced before the segment and read after it: every
+    #                      ideal sends them
+    incoming: tuple[tuple[int, float, int], ...]  # (readers' bits, comm, bytes) of values
+    #                                               from before read last in the segment
+    local: tuple[tuple[int, int, bool, float, int], ...]  # (producer's bit, readers' bits,
+    #                      read after the segment, comm, bytes) of the segment's own values
+
+    def sent(self, ideal: int) -> tuple[float, int]:
+        """What ``ideal`` (bits of the segment's groups) sends beyond ``through``."""
+        crossing = [(c, b) for bits, c, b in self.incoming if bits & ~ideal]
+        crossing += [(c, b) for bit, bits, later, c, b in self.local
+                     if ideal & bit and (later or bits & ~ideal)]
+        return sum(c for c, _ in crossing), sum(b for _, b in crossing)
+
+
+def _crossings(exact: Coarsening, segments: list[list[int]]) -> list[_Crossing]:
+    """Per segment, what its ideals send (``_Crossing``)."""
+    p = exact.problem
+    segment_of = np.full(exact.num_coarse, -1)
+    place = np.zeros(exact.num_coarse, dtype=np.int64)
+    for k, segment in enumerate(segments):
+        for i, g in enumerate(segment):
+            segment_of[g], place[g] = k, i
+    through = np.zeros((len(segments), 2))
+    incoming: list[list[tuple[int, float, int]]] = [[] for _ in segments]
+    local: list[list[tuple[int, int, bool, float, int]]] = [[] for _ in segments]
+    for v, readers in enumerate(consumers(p)):
+        g = exact.group_of[v]
+        read = {exact.group_of[w] for w in readers} - {g}
+        read = {r for r in read if segment_of[r] >= 0}
+        comm, size = p.nodes[v].comm_s, p.nodes[v].output_bytes
+        if segment_of[g] < 0 or not read or (comm <= 0 and size <= 0):
+            continue
+        k0, last = int(segment_of[g]), max(int(segment_of[r]) for r in read)
+        through[k0 + 1:last] += (comm, size)
+        if last > k0:
+            bits = sum(1 << int(place[r]) for r in read if segment_of[r] == last)
+            incoming[last].append((bits, comm, size))
+        bits = sum(1 << int(place[r]) for r in read if segment_of[r] == k0)
+        local[k0].append((1 << int(place[g]), bits, last > k0, comm, size))
+    return [_Crossing(through[k], tuple(incoming[k]), tuple(local[k]))
+            for k in range(len(segments))]
+
+
 def _zeroed_lead_to_counted(exact: Coarsening, counted: np.ndarray) -> bool:
     """Whether every group not counted has a counted group among its descendants."""
     leads = counted.copy()
     for a, b in sorted(exact.order_edges, reverse=True):  # groups in a topological order
         leads[a] |= leads[b]
     return bool(leads.all())
-
-
-def _ideals(masks: tuple[int, ...], compute: np.ndarray) -> list[tuple[int, float]] | None:
-    """(bits, compute) of every ideal of a segment (see ``_ideal_sums``); None beyond
-    MAX_IDEALS."""
-    seconds = compute.tolist()
-    found: list[tuple[int, float]] = [(0, 0.0)]
-    stack: list[tuple[int, int, float]] = [(0, 0, 0.0)]
-    while stack:
-        ideal, first, total = stack.pop()
-        for g in range(first, len(masks)):
-            if masks[g] & ~ideal == 0:
-                grown = (ideal | (1 << g), total + seconds[g])
-                found.append(grown)
-                if len(found) > MAX_IDEALS:
-                    return None
-                stack.append((grown[0], g + 1, grown[1]))
-    return found
 
 
 def _hull(exact: Coarsening, groups: set[int]) -> list[int]:
@@ -293,59 +298,84 @@ def _segments(exact: Coarsening, sums: np.ndarray) -> tuple[list[list[int]], lis
     return [segment for segment in segments if segment], preds
 
 
+def _masks(segment: list[int], preds: list[list[int]]) -> tuple[int, ...]:
+    """Per group of the segment, the bits of its predecessors in it (a predecessor outside
+    it is in every ideal that reaches it)."""
+    local = {g: i for i, g in enumerate(segment)}
+    return tuple(sum(1 << local[a] for a in preds[g] if a in local) for g in segment)
+
+
 def _cells(segments: list[list[int]], preds: list[list[int]], sums: np.ndarray,
-           width: float) -> tuple[np.ndarray, np.ndarray] | None:
-    """(lo, hi), each (positions, 4): the empty ideal, then per segment its cells in order
-    of compute, then every group. None when a segment has more than MAX_IDEALS ideals."""
+           crossings: list[_Crossing] | None, width: float,
+           ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """(lo, hi, sent): lo and hi (positions, 4), sent (positions, 2): the empty ideal,
+    then per segment its cells in order of compute, then every group; sent the least
+    comm_s and the least bytes any of the cell's ideals sends (0 without ``crossings``,
+    at the empty ideal and at every group). None when a segment has more than MAX_IDEALS
+    ideals."""
+    enumerated: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (sums, sent, through)
+    cache: dict[tuple[object, ...], tuple[np.ndarray, np.ndarray] | None] = {}
+    for k, segment in enumerate(segments):
+        masks = _masks(segment, preds)
+        crossing = crossings[k] if crossings is not None else _Crossing(np.zeros(2), (), ())
+        # identical layers: one enumeration
+        key = (masks, sums[segment].tobytes(), crossing.incoming, crossing.local)
+        if key not in cache:
+            ideals = _ideals(masks, sums[segment])
+            cache[key] = None if ideals is None else (
+                ideals[1], np.array([crossing.sent(i) for i in ideals[0]], dtype=float))
+        found = cache[key]
+        if found is None:
+            return None
+        enumerated.append((*found, crossing.through))
     lo_rows: list[np.ndarray] = [np.zeros((1, 4))]
     hi_rows: list[np.ndarray] = [np.zeros((1, 4))]
+    sent_rows: list[np.ndarray] = [np.zeros((1, 2))]
     before = np.zeros(4)
-    cache: dict[tuple[object, ...], tuple[np.ndarray, np.ndarray] | None] = {}
-    for segment in segments:
-        local = {g: i for i, g in enumerate(segment)}
-        # A group's predecessors outside the segment are in every ideal that reaches it.
-        masks = tuple(sum(1 << local[a] for a in preds[g] if a in local) for g in segment)
-        key = (masks, sums[segment].tobytes())  # identical layers: one enumeration
-        if key not in cache:
-            ideals = _ideal_sums(masks, sums[segment])
-            cache[key] = None if ideals is None else _bin(ideals, width)
-        binned = cache[key]
-        if binned is None:
-            return None
-        lo_rows.append(before + binned[0])
-        hi_rows.append(before + binned[1])
+    binned: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    for segment, (ideal_sums, sent, through) in zip(segments, enumerated, strict=True):
+        if id(ideal_sums) not in binned:
+            binned[id(ideal_sums)] = _bin(ideal_sums, sent, width)
+        lo, hi, least = binned[id(ideal_sums)]
+        lo_rows.append(before + lo)
+        hi_rows.append(before + hi)
+        sent_rows.append(through + least)
         before = before + sums[segment].sum(axis=0)
     lo_rows.append(before[None, :])
     hi_rows.append(before[None, :])
-    return np.concatenate(lo_rows), np.concatenate(hi_rows)
+    sent_rows.append(np.zeros((1, 2)))
+    return np.concatenate(lo_rows), np.concatenate(hi_rows), np.concatenate(sent_rows)
 
 
-def _ideal_sums(masks: tuple[int, ...], sums: np.ndarray) -> np.ndarray | None:
-    """(ideals, 4): the sums of every ideal of a segment (``masks[i]``: the bits of group
-    i's predecessors in it, groups in a topological order), the empty one included; None
-    beyond MAX_IDEALS. Each ideal is made once, from the ideal of its groups but the last
-    (in order), which is one too."""
+def _ideals(masks: tuple[int, ...], sums: np.ndarray) -> tuple[list[int], np.ndarray] | None:
+    """(bits, sums (ideals, 4)) of every ideal of a segment (``masks[i]``: the bits of
+    group i's predecessors in it, groups in a topological order), the empty one first;
+    None beyond MAX_IDEALS. Each ideal is made once, from the ideal of its groups but the
+    last (in order), which is one too."""
     rows = sums.tolist()
-    found: list[list[float]] = [[0.0, 0.0, 0.0, 0.0]]
+    bits: list[int] = [0]
+    found: list[list[float]] = [[0.0] * sums.shape[1]]
     stack: list[tuple[int, int, list[float]]] = [(0, 0, found[0])]  # (ideal, next group, sums)
     while stack:
         ideal, first, total = stack.pop()
         for g in range(first, len(masks)):
             if masks[g] & ~ideal == 0:
                 grown = [a + b for a, b in zip(total, rows[g], strict=True)]
+                bits.append(ideal | (1 << g))
                 found.append(grown)
                 if len(found) > MAX_IDEALS:
                     return None
-                stack.append((ideal | (1 << g), g + 1, grown))
-    return np.array(found)
+                stack.append((bits[-1], g + 1, grown))
+    return bits, np.array(found)
 
 
-def _bin(ideals: np.ndarray, width: float) -> tuple[np.ndarray, np.ndarray]:
+def _bin(ideals: np.ndarray, sent: np.ndarray, width: float,
+         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per cell of ``width`` seconds of compute (in order), the least and the most of each
-    sum over the ideals whose compute falls in it."""
+    sum over the ideals whose compute falls in it, and the least of each they send."""
     cell = np.floor(ideals[:, 0] / width) if width > 0 else np.zeros(len(ideals))
     order = np.argsort(cell, kind="stable")
-    ideals, cell = ideals[order], cell[order]
+    ideals, cell, sent = ideals[order], cell[order], sent[order]
     starts = np.flatnonzero(np.concatenate(([True], cell[1:] != cell[:-1])))
     return (np.minimum.reduceat(ideals, starts, axis=0),
-            np.maximum.reduceat(ideals, starts, axis=0))
+            np.maximum.reduceat(ideals, starts, axis=0), np.minimum.reduceat(sent, starts))

@@ -37,17 +37,19 @@ def test_block_bound_is_below_every_split_that_fits(problem: Problem) -> None:
 
 
 @st.composite
-def layered(draw: st.DrawFn, *, comm: bool, branches: bool = True) -> Problem:
+def layered(draw: st.DrawFn, *, comm: bool, branches: bool = True,
+            limited: bool = True) -> Problem:
     """Identical layers in a chain, each a diamond (in -> two branches -> out) or, always
-    without ``branches``, a single node, under a memory limit that may force recompute, on
-    up to 3 stages; ``comm``: values cost time and bytes to send (which the bound leaves
-    out)."""
+    without ``branches``, a single node, under a memory limit that may force recompute
+    (unless not ``limited``), on up to 3 stages; ``comm``: values cost time and bytes to
+    send (the bound counts the least a cut sends, not what a stage keeps for later)."""
     diamond = branches and draw(st.booleans())
     layers = draw(st.integers(1, 3 if diamond else 8))
     size = 4 if diamond else 1
-    # Without comm, distinct times: no two ideals of a layer share a cell of the bound.
-    times = draw(st.lists(st.integers(0 if comm else 1, 9), min_size=size, max_size=size,
-                          unique=not comm))
+    # Distinct times unless comm may make ties: no two ideals of a layer share a cell.
+    distinct = not comm or not limited
+    times = draw(st.lists(st.integers(0 if not distinct else 1, 9), min_size=size,
+                          max_size=size, unique=distinct))
     shape = [(t, draw(st.integers(0, 5)), draw(st.integers(0, 4)), draw(st.integers(0, 3)))
              for t in times]
     nodes, edges = [], []
@@ -64,12 +66,13 @@ def layered(draw: st.DrawFn, *, comm: bool, branches: bool = True) -> Problem:
             edges += [Edge(first, first + 1), Edge(first, first + 2), Edge(first + 1, first + 3),
                       Edge(first + 2, first + 3)]
     K = draw(st.integers(1, min(3, len(nodes))))
+    limits = [float("inf"), 800, 1500, 3000] if limited else [float("inf")]
     return Problem(nodes=tuple(nodes), edges=tuple(edges), num_stages=K,
-                   memory_limit=draw(st.sampled_from([float("inf"), 800, 1500, 3000])),
+                   memory_limit=draw(st.sampled_from(limits)),
                    schedule=ScheduleKind.ONE_F_ONE_B, microbatches=draw(st.integers(1, 4)) * K,
                    recompute=draw(st.sampled_from(Recompute)),
-                   # Without comm, empty stages allowed, as the bound allows them.
-                   allow_empty_stages=not comm or draw(st.booleans()))
+                   # Without comm or a limit, empty stages allowed, as the bound allows them.
+                   allow_empty_stages=not comm or not limited or draw(st.booleans()))
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -89,6 +92,19 @@ def test_block_bound_is_the_optimum_when_nothing_is_left_out(problem: Problem) -
     relaxation is the problem itself, so the bound is the best split (up to its float
     margin). (With branches it may be lower: a stage between two cells of a segment is
     priced as if the later cell's ideal held the earlier one's.)"""
+    best, _, _ = brute_force(problem)
+    bound = block_bound(exact_groups(problem))
+    assert bound is not None
+    if best is not None:
+        assert bound == pytest.approx(best, rel=1e-6, abs=1e-12)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layered(comm=True, branches=False, limited=False))
+def test_block_bound_counts_what_each_cut_sends(problem: Problem) -> None:
+    """A chain with transfers and no memory limit: each cut sends exactly the value it
+    crosses, to both stages beside it, and the bound charges it so: the bound is the
+    best split."""
     best, _, _ = brute_force(problem)
     bound = block_bound(exact_groups(problem))
     assert bound is not None
