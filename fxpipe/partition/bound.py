@@ -313,8 +313,11 @@ def _cells(segments: list[list[int]], preds: list[list[int]], sums: np.ndarray,
     comm_s and the least bytes any of the cell's ideals sends (0 without ``crossings``,
     at the empty ideal and at every group). None when a segment has more than MAX_IDEALS
     ideals."""
-    enumerated: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (sums, sent, through)
-    cache: dict[tuple[object, ...], tuple[np.ndarray, np.ndarray] | None] = {}
+    lo_rows: list[np.ndarray] = [np.zeros((1, 4))]
+    hi_rows: list[np.ndarray] = [np.zeros((1, 4))]
+    sent_rows: list[np.ndarray] = [np.zeros((1, 2))]
+    before = np.zeros(4)
+    cache: dict[tuple[object, ...], tuple[np.ndarray, np.ndarray, np.ndarray] | None] = {}
     for k, segment in enumerate(segments):
         masks = _masks(segment, preds)
         crossing = crossings[k] if crossings is not None else _Crossing(np.zeros(2), (), ())
@@ -322,24 +325,14 @@ def _cells(segments: list[list[int]], preds: list[list[int]], sums: np.ndarray,
         key = (masks, sums[segment].tobytes(), crossing.incoming, crossing.local)
         if key not in cache:
             ideals = _ideals(masks, sums[segment])
-            cache[key] = None if ideals is None else (
-                ideals[1], np.array([crossing.sent(i) for i in ideals[0]], dtype=float))
-        found = cache[key]
-        if found is None:
+            cache[key] = None if ideals is None else _bin(
+                ideals[1], np.array([crossing.sent(i) for i in ideals[0]], dtype=float), width)
+        binned = cache[key]
+        if binned is None:
             return None
-        enumerated.append((*found, crossing.through))
-    lo_rows: list[np.ndarray] = [np.zeros((1, 4))]
-    hi_rows: list[np.ndarray] = [np.zeros((1, 4))]
-    sent_rows: list[np.ndarray] = [np.zeros((1, 2))]
-    before = np.zeros(4)
-    binned: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
-    for segment, (ideal_sums, sent, through) in zip(segments, enumerated, strict=True):
-        if id(ideal_sums) not in binned:
-            binned[id(ideal_sums)] = _bin(ideal_sums, sent, width)
-        lo, hi, least = binned[id(ideal_sums)]
-        lo_rows.append(before + lo)
-        hi_rows.append(before + hi)
-        sent_rows.append(through + least)
+        lo_rows.append(before + binned[0])
+        hi_rows.append(before + binned[1])
+        sent_rows.append(crossing.through + binned[2])
         before = before + sums[segment].sum(axis=0)
     lo_rows.append(before[None, :])
     hi_rows.append(before[None, :])
