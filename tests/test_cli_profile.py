@@ -1,15 +1,16 @@
-"""``fxpipe profile`` through the real command line: bad model files fail with one
-clear line and exit code 2; good ones print a table or JSON."""
+"""``fxpipe profile`` as the command runs (in this process, see ``tests/_cli.py``): bad
+model files fail with one clear line and exit code 2; good ones print a table or JSON."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from tests._cli import Ran, fxpipe_process
+from tests._cli import fxpipe as run_in_process
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "examples" / "gpt.py"
@@ -30,9 +31,8 @@ INPUTS = "\ndef example_inputs():\n    return (torch.ones(2, 4),)\n"
 BUILD = "\ndef build_model():\n    return M()\n"
 
 
-def fxpipe(*args: str | Path, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    command = [sys.executable, "-m", "fxpipe.cli", "profile", *map(str, args)]
-    return subprocess.run(command, capture_output=True, text=True, cwd=cwd, timeout=300)
+def fxpipe(*args: str | Path) -> Ran:
+    return run_in_process("profile", *args, cwd=ROOT)
 
 
 def model_file(tmp_path: Path, text: str, name: str = "model.py") -> Path:
@@ -45,7 +45,7 @@ def model_with_forward(body: str) -> str:
     return MODEL.format(forward=textwrap.indent(textwrap.dedent(body), " " * 8)) + BUILD + INPUTS
 
 
-def user_error(result: subprocess.CompletedProcess[str]) -> str:
+def user_error(result: Ran) -> str:
     """The one error line of a failed run, after checking the failure is a clean one."""
     output = result.stdout + result.stderr
     assert result.returncode == 2, output
@@ -202,7 +202,8 @@ def test_table_prints_the_json_figures_in_the_shared_format() -> None:
 def test_json_is_not_mixed_with_the_model_files_own_prints(tmp_path: Path) -> None:
     text = model_with_forward('        print("in forward")\n        return self.lin(x)')
     text = 'print("importing")\n' + text.replace("return M()", 'print("building")\n    return M()')
-    result = fxpipe(model_file(tmp_path, text), "--json")
+    # a new interpreter: the streams are the process's own
+    result = fxpipe_process("profile", model_file(tmp_path, text), "--json", cwd=ROOT)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["rows"]
     assert all(word in result.stderr for word in ("importing", "building", "in forward"))

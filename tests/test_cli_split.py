@@ -1,32 +1,28 @@
-"""`fxpipe split` end to end through the real command: outputs, errors, atomic writing."""
+"""`fxpipe split` end to end through the real command (one run in a new interpreter, the
+rest in this one: `tests/_cli.py`): outputs, errors, atomic writing."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests._cli import fxpipe, fxpipe_process
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = str(ROOT / "examples" / "gpt.py")
 MLP = str(ROOT / "examples" / "mlp.py")
 
 
-def fxpipe(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "fxpipe.cli", *args],
-        cwd=cwd, capture_output=True, text=True, timeout=300,
-    )
-
-
 @pytest.fixture(scope="module")
 def gpt_split(tmp_path_factory: pytest.TempPathFactory) -> Path:
     work = tmp_path_factory.mktemp("split")
-    done = fxpipe("split", GPT, "--gpus", "4", "--microbatches", "8", "--out", "out", cwd=work)
+    # a new interpreter, as a user runs it; the other tests run the command in this one
+    done = fxpipe_process("split", GPT, "--gpus", "4", "--microbatches", "8", "--out", "out",
+                          cwd=work)
     assert done.returncode == 0, done.stderr
     return work / "out"
 
@@ -190,7 +186,9 @@ def test_precision_is_recorded_in_plan_and_report(tmp_path: Path) -> None:
     assert "precision bf16-mixed" in (out / "report.md").read_text()
 
 
-def test_a_drawing_graphviz_fails_on_leaves_the_plan_and_says_why(tmp_path: Path) -> None:
+def test_a_drawing_graphviz_fails_on_leaves_the_plan_and_says_why(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """dot failing on the partition diagram (its "trouble in init_rank" on some clustered
     graphs) is not the plan's failure: the split succeeds, without partition.svg, and
     says why in one note; the report does not point at a missing file."""
@@ -198,11 +196,8 @@ def test_a_drawing_graphviz_fails_on_leaves_the_plan_and_says_why(tmp_path: Path
     fake.mkdir()
     (fake / "dot").write_text("#!/bin/sh\necho 'trouble in init_rank' >&2\nexit 1\n")
     (fake / "dot").chmod(0o755)
-    env = {**os.environ, "PATH": f"{fake}{os.pathsep}{os.environ['PATH']}"}
-    done = subprocess.run(
-        [sys.executable, "-m", "fxpipe.cli", "split", MLP, "--gpus", "2", "--out", "out"],
-        capture_output=True, text=True, cwd=tmp_path, env=env, timeout=300,
-    )
+    monkeypatch.setenv("PATH", f"{fake}{os.pathsep}{os.environ['PATH']}")
+    done = fxpipe("split", MLP, "--gpus", "2", "--out", "out", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert ("note: Graphviz's dot could not draw partition.svg (trouble in init_rank); "
             "partition.dot holds the diagram") in done.stdout

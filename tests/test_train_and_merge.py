@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests._cli import fxpipe
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -20,8 +22,8 @@ def run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def gpt_package(tmp_path_factory: pytest.TempPathFactory) -> Path:
     work = tmp_path_factory.mktemp("train")
-    done = run("-m", "fxpipe.cli", "split", str(ROOT / "examples" / "gpt.py"), "--gpus", "3",
-               "--microbatches", "2", "--schedule", "gpipe", "--out", "pipe", cwd=work)
+    done = fxpipe("split", ROOT / "examples" / "gpt.py", "--gpus", "3", "--microbatches", "2",
+                  "--schedule", "gpipe", "--out", "pipe", cwd=work)
     assert done.returncode == 0, done.stderr
     return work / "pipe"
 
@@ -52,7 +54,7 @@ def test_merge_joins_stage_checkpoints_into_the_model_checkpoint(
     for k, stage in enumerate(package.build_stages(model)):
         paths.append(str(tmp_path / f"stage{k}.pt"))
         torch.save(stage.state_dict(), paths[-1])
-    done = run("-m", "fxpipe.cli", "merge", *paths, "--out", "model.pt", cwd=tmp_path)
+    done = fxpipe("merge", *paths, "--out", "model.pt", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "pass --plan DIR to check that every stage is here" in done.stdout
     merged = torch.load(tmp_path / "model.pt", weights_only=True)
@@ -62,22 +64,21 @@ def test_merge_joins_stage_checkpoints_into_the_model_checkpoint(
 
     # Checked against the plan: every stage, in order, else nothing is written.
     plan = ("--plan", str(gpt_package))
-    checked = run("-m", "fxpipe.cli", "merge", *paths, "--out", "checked.pt", *plan, cwd=tmp_path)
+    checked = fxpipe("merge", *paths, "--out", "checked.pt", *plan, cwd=tmp_path)
     assert checked.returncode == 0 and "--plan" not in checked.stdout, checked.stderr
     assert torch.load(tmp_path / "checked.pt", weights_only=True).keys() == expected.keys()
     for wrong in (paths[:-1], [paths[1], paths[0], *paths[2:]]):
-        refused = run("-m", "fxpipe.cli", "merge", *wrong, "--out", "wrong.pt", *plan,
-                      cwd=tmp_path)
+        refused = fxpipe("merge", *wrong, "--out", "wrong.pt", *plan, cwd=tmp_path)
         assert refused.returncode == 2 and "one file per stage, in stage order" in refused.stderr
         assert not (tmp_path / "wrong.pt").exists()
 
     # A key held by two stages (an export graph's tied weight) must agree, else nothing is written.
     torch.save({"shared.weight": torch.zeros(2)}, tmp_path / "a.pt")
     torch.save({"shared.weight": torch.ones(2)}, tmp_path / "b.pt")
-    bad = run("-m", "fxpipe.cli", "merge", "a.pt", "b.pt", "--out", "bad.pt", cwd=tmp_path)
+    bad = fxpipe("merge", "a.pt", "b.pt", "--out", "bad.pt", cwd=tmp_path)
     assert bad.returncode == 2 and "differs between stage 0 and stage 1" in bad.stderr
     assert not (tmp_path / "bad.pt").exists()
-    missing = run("-m", "fxpipe.cli", "merge", "nope.pt", "--out", "x.pt", cwd=tmp_path)
+    missing = fxpipe("merge", "nope.pt", "--out", "x.pt", cwd=tmp_path)
     assert missing.returncode == 2 and "nope.pt: no such file" in missing.stderr
 
 
