@@ -59,7 +59,7 @@ from fxpipe.report import (
     render_svg,
     schedule_svg,
 )
-from fxpipe.report.card import Card
+from fxpipe.report.card import Card, overlap_caveat
 from fxpipe.schedules import ScheduleKind, schedule_table
 from fxpipe.units import format_ms
 
@@ -430,9 +430,7 @@ def _calibration_note(card: Card, fitted: calibrate.Calibration, new_ops: int) -
         line += ", memory not calibrated (no per-stage peak measured)"
     line += "; communication not calibrated"
     for device, stages in card.overlapped.items():
-        line += (f"; stages {', '.join(map(str, stages))} shared {device} side by side on "
-                 f"streams, so each one's times include the others' kernels (measure with "
-                 f"runner.measure(serial=True) to time each alone)")
+        line += f"; {overlap_caveat(device, stages)}"
     if new_ops:
         median = fitted.median
         line += (f"; {new_ops} ops the measured plan did not have took the median factors "

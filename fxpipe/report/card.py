@@ -17,7 +17,7 @@ from fxpipe.plan import Plan
 from fxpipe.runtime.measure import Measured
 from fxpipe.units import format_bytes, format_ms
 
-__all__ = ["Card", "StageRow", "compare", "render_card"]
+__all__ = ["Card", "StageRow", "compare", "overlap_caveat", "render_card"]
 
 
 @dataclass(frozen=True)
@@ -208,12 +208,18 @@ def _shared_lines(card: Card) -> list[str]:
                      f"most {format_bytes(together)} with every stage at its peak at once: "
                      f"×{peak / together:.2f})")
         lines.append(line + ".")
-    if card.overlapped:
-        lines.append(f"On {', '.join(card.overlapped)} the stages ran side by side on streams "
-                     "of their own, so each stage's times include its neighbours' kernels; "
-                     "measure with runner.measure(serial=True) for each stage alone, the "
-                     "times to calibrate from.")
+    for device, ks in card.overlapped.items():
+        caveat = overlap_caveat(device, ks)
+        lines.append(caveat[0].upper() + caveat[1:] + ".")
     return lines
+
+
+def overlap_caveat(device: str, ks: tuple[int, ...]) -> str:
+    """Why the times of stages that ran side by side on one GPU are not each stage's own
+    (``Card.overlapped``), in the words of the card and of a calibrated plan's note."""
+    return (f"stages {_listed(ks)} ran side by side on {device}, on streams of their own, "
+            "so each one's times include the others' kernels; measure with "
+            "runner.measure(serial=True) to time each alone, the times to calibrate from")
 
 
 def _listed(ks: tuple[int, ...]) -> str:

@@ -101,7 +101,7 @@ def test_calibrating_from_stages_that_overlapped_on_one_gpu_says_so() -> None:
                            calibrate_from=compare(plan, measured))
         return " ".join(again.notes)
 
-    warning = "stages 0, 1, 2 shared cuda:0 side by side on streams"
+    warning = "stages 0, 1 and 2 ran side by side on cuda:0, on streams of their own"
     assert warning in notes("cuda:0", serial=False)
     assert warning not in notes("cuda:0", serial=True)
     assert "side by side" not in notes("cpu", serial=False)  # the CPU runs stages in turn
