@@ -46,7 +46,7 @@ from fxpipe.partition import (
     violations,
 )
 from fxpipe.partition.solve import WORK_LIMIT
-from fxpipe.passes import annotate_all, annotate_memory, annotate_modules, annotate_shapes
+from fxpipe.passes import annotate_all, annotate_memory, annotate_modules
 from fxpipe.passes.base import OP_NODES, AnalysisError
 from fxpipe.plan import DynamicDim, Plan
 from fxpipe.planning import build_plan
@@ -320,10 +320,11 @@ def _fitting_precision(traced: Traced, options: SplitOptions, fits_on: int | Non
     other options as given, and None; else the one that fits on the fewest GPUs
     (``fewest_gpus``), fewer than ``fits_on`` (the fewest at the current precision; None:
     none), and that count. Found by costing the graph's bytes at it (the shape and
-    byte passes once more; FLOPs and times, which do not decide a fit, are left as they
-    are: the FLOP pass is the slowest) and a fast fitting split (``dp_fits``); the graph's
-    own annotations are restored afterwards. A precision the passes cannot run the graph
-    at is not named (it could not be planned either).
+    byte passes once more, in one run; FLOPs and times, which do not decide a fit, are
+    left as they are: the FLOP pass is the slowest) and a fast fitting split
+    (``dp_fits``); the GPU counts are searched only when no precision fits as given. The
+    graph's own annotations are restored afterwards. A precision the passes cannot run
+    the graph at is not named (it could not be planned either).
 
     On a graph torch.export captured, the bytes at a ``*-true`` precision are those of the
     traced casts (a float32 trace keeps RMSNorm's ``to(float32)`` where the cast model
@@ -331,26 +332,28 @@ def _fitting_precision(traced: Traced, options: SplitOptions, fits_on: int | Non
     the model is planned at that precision, which traces it cast."""
     current = options.precision or default_precision(traced.gm)
     gm, inputs = traced.gm, traced.flat_inputs
-    on_more: tuple[Precision, int | None] | None = None
+    costed: list[tuple[Precision, Problem]] = []
     for candidate in _LEANER.get(current, ()):
         saved = {node: dict(node.meta) for node in gm.graph.nodes}
         try:
-            execution = _execution(options.device, candidate)
-            annotate_shapes(gm, *inputs, execution=execution)
+            annotate_memory(gm, *inputs, execution=_execution(options.device, candidate),
+                            shapes=True)
             annotate_modules(gm)
-            annotate_memory(gm, *inputs, execution=execution)
             problem = _lowered(traced, replace(options, precision=candidate)).problem
-            if dp_fits(problem):
-                return candidate, None
-            gpus = fewest_gpus(problem)
-            fewest = on_more[1] if on_more is not None else fits_on
-            if gpus is not None and (fewest is None or gpus < fewest):
-                on_more = candidate, gpus
         except AnalysisError:
             continue
         finally:
             for node, meta in saved.items():
                 node.meta = meta
+        if dp_fits(problem):
+            return candidate, None
+        costed.append((candidate, problem))
+    on_more: tuple[Precision, int | None] | None = None
+    for candidate, problem in costed:
+        gpus = fewest_gpus(problem)
+        fewest = on_more[1] if on_more is not None else fits_on
+        if gpus is not None and (fewest is None or gpus < fewest):
+            on_more = candidate, gpus
     return on_more
 
 

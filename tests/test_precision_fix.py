@@ -94,15 +94,16 @@ def test_a_precision_the_passes_cannot_run_is_not_named(
     from fxpipe.kernels import Execution
     from fxpipe.passes import AnalysisError
 
-    annotate_shapes = fxpipe.compiler.annotate_shapes
+    annotate_memory = fxpipe.compiler.annotate_memory
 
-    def failing(gm: torch.fx.GraphModule, *inputs: object, execution: Execution) -> object:
+    def failing(gm: torch.fx.GraphModule, *inputs: object, execution: Execution,
+                shapes: bool) -> object:
         if execution.precision is Precision.BF16_MIXED:
-            raise AnalysisError("shape propagation failed at %linear")
-        return annotate_shapes(gm, *inputs, execution=execution)
+            raise AnalysisError("memory accounting failed at %linear")
+        return annotate_memory(gm, *inputs, execution=execution, shapes=shapes)
 
     source, traced, options = _split(tmp_path, WIDE, "5MiB")
-    monkeypatch.setattr(fxpipe.compiler, "annotate_shapes", failing)
+    monkeypatch.setattr(fxpipe.compiler, "annotate_memory", failing)
     with pytest.raises(InfeasibleMemoryError) as caught:
         plan_split(traced, label=source.label, options=options)
     assert caught.value.precision == "bf16-true"

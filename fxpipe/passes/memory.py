@@ -20,6 +20,7 @@ from fxpipe import meta
 from fxpipe.kernels import Execution
 from fxpipe.metadevice import named_state
 from fxpipe.passes.base import OP_NODES, MetaInterpreter, tensor_leaves
+from fxpipe.passes.shapes import value_info
 
 __all__ = ["annotate_memory"]
 
@@ -31,8 +32,10 @@ def _nbytes(t: torch.Tensor) -> int:
 class _MemoryCount(MetaInterpreter):
     pass_name = "memory accounting"
 
-    def __init__(self, gm: torch.fx.GraphModule, execution: Execution | None) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, execution: Execution | None,
+                 shapes: bool) -> None:
         super().__init__(gm, execution)
+        self.shapes = shapes
         self.parameter_names = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
         # Every name of a tensor -> the first name it has (tied parameters share one).
         first: dict[int, str] = {}
@@ -74,6 +77,8 @@ class _MemoryCount(MetaInterpreter):
         return result
 
     def visit(self, node: torch.fx.Node, result: Any) -> None:
+        if self.shapes:
+            meta.SHAPE.set(node, value_info(result))
         names: list[str] = []
         if node.op == "get_attr" and isinstance(result, torch.Tensor):
             names.append(str(node.target))
@@ -94,10 +99,13 @@ class _MemoryCount(MetaInterpreter):
 
 
 def annotate_memory(
-    gm: torch.fx.GraphModule, *flat_inputs: Any, execution: Execution | None = None
+    gm: torch.fx.GraphModule, *flat_inputs: Any, execution: Execution | None = None,
+    shapes: bool = False,
 ) -> torch.fx.GraphModule:
-    """Fill ``meta.BYTES`` on every node."""
-    counter = _MemoryCount(gm, execution)
+    """Fill ``meta.BYTES`` on every node; with ``shapes``, ``meta.SHAPE`` too, as
+    ``annotate_shapes`` would, from the same run of the graph (each run is seconds on a
+    model of thousands of ops)."""
+    counter = _MemoryCount(gm, execution, shapes)
     counter.analyze(*flat_inputs)
     for node, owned in counter.owned.items():
         saved = counter.intermediate.get(node, 0)

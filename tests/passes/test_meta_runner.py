@@ -1,4 +1,5 @@
-"""The meta-device interpreter every pass shares: device literals, grad mode, failures."""
+"""The meta-device interpreter every pass shares: device literals, grad mode, failures,
+and the byte pass recording shapes in the same run."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ import torch
 
 from fxpipe import meta
 from fxpipe.frontend import trace
-from fxpipe.passes import AnalysisError, annotate_shapes
+from fxpipe.kernels import Execution
+from fxpipe.passes import AnalysisError, annotate_memory, annotate_shapes
+from fxpipe.precision import Precision
+from tests.passes.test_flops import import_example
 
 
 class DeviceLiterals(torch.nn.Module):
@@ -42,3 +46,22 @@ def test_a_failed_analysis_names_the_node_and_restores_grad_mode() -> None:
             annotate_shapes(gm, torch.randn(2, 4))
         assert not torch.is_grad_enabled()  # the caller's mode, restored
     assert torch.is_grad_enabled()
+
+
+@pytest.mark.parametrize("precision", [None, Precision.BF16_MIXED])
+def test_the_byte_pass_records_the_shapes_the_shape_pass_does(
+        precision: Precision | None) -> None:
+    """annotate_all takes shapes and bytes from one run of the graph (annotate_memory with
+    shapes=True): every node's record is the one the shape pass gives, under autocast too."""
+    model = import_example("hf_llama")
+    traced = trace(model.build_model(), kwargs=model.example_inputs())
+    execution = Execution(precision=precision)
+    gm = traced.gm
+    annotate_shapes(gm, *traced.flat_inputs, execution=execution)
+    alone = {node: meta.SHAPE.get(node) for node in gm.graph.nodes}
+    for node in gm.graph.nodes:
+        del node.meta[meta.SHAPE.name]
+    annotate_memory(gm, *traced.flat_inputs, execution=execution, shapes=True)
+    assert {node: meta.SHAPE.get(node) for node in gm.graph.nodes} == alone
+    dtypes = {t.dtype for info in alone.values() for t in info.tensors}
+    assert ("bfloat16" in dtypes) == (precision is Precision.BF16_MIXED)
