@@ -118,6 +118,26 @@ def test_the_fewest_gpus_search_stops_at_eight_times_the_gpus(
                            "allow 144.0 GiB per GPU.")
 
 
+@pytest.mark.parametrize("needed_gib", [None, 0.5, 40.0, 66.0, 400.0])
+def test_the_fewest_gpus_from_the_memory_needed_are_the_fewest_that_fit(
+        needed_gib: float | None) -> None:
+    """Started from the count the memory needed suggests, the search answers the fewest
+    count on which the DP fits, whether the guess is right, low or far too high."""
+    # 24 layers keeping 1 GiB each per micro-batch, 1F1B (M = 24), 12 GiB per GPU: stage j of
+    # n keeps n - j micro-batches, so 5 stages or fewer hold too few layers, and from 12
+    # on stage 0 cannot hold even one. The guesses: 2 x needed / 12 GiB = 3 (low), 7 and
+    # 11 (high, in the range), 67 (past it, taken as 24: only the search up from 2 finds 6).
+    nodes = tuple(Node(f"n{i}", 1, 1, activation_bytes=GiB, output_bytes=1024)
+                  for i in range(24))
+    p = Problem(nodes, tuple(Edge(i, i + 1) for i in range(23)), num_stages=2,
+                memory_limit=12 * GiB, schedule=ScheduleKind.ONE_F_ONE_B, microbatches=24)
+    fit = [n for n in range(2, 25)
+           if nothing_fits.dp_fits(replace(p, num_stages=n, num_devices=0))]
+    assert fit == list(range(6, 12))
+    needed = None if needed_gib is None else needed_gib * GiB
+    assert nothing_fits._fewest_gpus(p, needed)[0] == 6
+
+
 def test_min_memory_is_a_split_that_fits_when_the_search_runs_out_of_time() -> None:
     # With no time the memory program finds nothing and proves only 0 B; the answer is
     # then the leanest split the interval DP found, never 0 B.
