@@ -110,7 +110,9 @@ def stage_source(
     sub = sub_graph(gm.graph, io)
     written = written_inputs(gm, set(io.nodes))
     checks = [(name, (fixed or {})[name]) for name in io.inputs if name in (fixed or {})]
-    shapes = {n.name: _shape_comment(n) for n in gm.graph.nodes if meta.SHAPE.has(n)}
+    own = {n.name for n in sub.nodes}  # the stage's values: its nodes and what it receives
+    shapes = {n.name: _shape_comment(n) for n in gm.graph.nodes
+              if n.name in own and meta.SHAPE.has(n)}
     binding = _binding(gm, sub)
     code = sub.python_code(root_module="self")
     src, globals_, functions = _wrapped_functions(code.src, code.globals, gm, binding.paths)
