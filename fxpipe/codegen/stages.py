@@ -292,6 +292,8 @@ def _wrapped_functions(
     src = "\n".join(line for line in src.splitlines() if not line.startswith(_WRAP))
     globals_ = dict(globals_)
     functions: dict[str, tuple[str, str]] = {}
+    if not wrapped:  # most models: no names to choose, so none to parse for
+        return src, globals_, functions
     taken = set(names_in(src)) | set(globals_) | set(builtins.__dict__)
     roots = {path.split(".")[0] for path in paths}
     for line in wrapped:
