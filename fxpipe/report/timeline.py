@@ -14,22 +14,19 @@ several virtual stages per GPU, which runs them one action at a time in schedule
 order); the chart then has a row per GPU and labels each box with the
 micro-batch and the chunk letter, as ``fxpipe.schedules.render_ascii`` does.
 
-The SVG is deterministic (fixed ``svg.hashsalt``, no date), so a committed
+The SVG is written as text, element by element (a chart of 32 GPUs x 128 micro-batches
+is 8,000 boxes: matplotlib took 2 s to draw it), and is deterministic, so a committed
 chart diffs cleanly. ``schedule_svg`` draws a plan's chart (schedule.svg of the output
 folder).
 """
 
 from __future__ import annotations
 
-import tempfile
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-import matplotlib
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.patches import Patch
+from xml.sax.saxutils import escape
 
 from fxpipe.runtime.schedule import Action, dependencies, events
 from fxpipe.schedules import chunk_label
@@ -38,11 +35,19 @@ from fxpipe.units import format_seconds
 if TYPE_CHECKING:
     from fxpipe.plan import Plan
 
-__all__ = ["action_times", "bubble_fraction", "draw_timeline", "schedule_svg"]
+__all__ = ["action_times", "bubble_fraction", "draw_timeline", "schedule_svg",
+           "timeline_svg"]
 
 # K: number of stages, j: a stage, d: a device, m: a micro-batch.
 
-LABELLED_ACTIONS = 2048  # charts with more boxes draw them without micro-batch labels
+# The chart's geometry in pixels: each row's height (its bars take _BAR of it), the
+# margins around the rows, the width per action in a row (charts of many micro-batches
+# are wide rather than crowded), and about what a character of the labels takes.
+_ROW, _BAR = 28, 0.8
+_LEFT, _RIGHT, _TOP, _BOTTOM = 64, 16, 46, 44
+_MIN_WIDTH, _PER_ACTION = 432.0, 25.0
+_CHAR = 5.5
+_FONT = "DejaVu Sans, Arial, sans-serif"
 
 _COLOURS = {"F": "#4c72b0", "B": "#dd8452", "I": "#dd8452", "W": "#55a868"}
 _LEGEND = {"F": "forward", "B": "backward", "I": "input gradient (B)",
@@ -135,6 +140,22 @@ def draw_timeline(
     predicted step time in seconds (the end of the last action). With ``devices``
     (stage j on device ``devices[j]``) the rows are devices, not stages. A
     zero-bubble table draws I and W apart (``backward_weight_s``: W's seconds)."""
+    svg, makespan = timeline_svg(schedule, forward_s, backward_s, title=title,
+                                 devices=devices, backward_weight_s=backward_weight_s)
+    Path(path).write_text(svg, encoding="utf-8")
+    return makespan
+
+
+def timeline_svg(
+    schedule: Sequence[Sequence[Action]],
+    forward_s: Sequence[float],
+    backward_s: Sequence[float],
+    *,
+    title: str,
+    devices: Sequence[int] | None = None,
+    backward_weight_s: Sequence[float] | None = None,
+) -> tuple[str, float]:
+    """``draw_timeline``'s chart as SVG text, and the predicted step time."""
     times = action_times(schedule, forward_s, backward_s, devices, backward_weight_s)
     num_stages = len(forward_s)
     row_of = _device_of(devices, num_stages)
@@ -147,40 +168,79 @@ def draw_timeline(
     bubble = _bubble(times, len(set(row_of)))
 
     scale, unit = (1e3, "ms") if makespan < 1.0 else (1.0, "s")
-    ticks_per_row = len(times) / max(num_rows, 1)
-    fig = Figure(figsize=(max(6.0, 0.35 * ticks_per_row + 3), 1 + 0.5 * num_rows))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    # One bar collection per (row, kind): a chart of K x 2M boxes stays quick to draw.
-    # Text is what is slow (a layout per label, each drawn twice): a label per box only
-    # up to LABELLED_ACTIONS boxes (32 GPUs x 128 micro-batches took 15-38 s with them),
-    # and none of them in the layout pass (they sit inside the axes).
-    labelled = len(times) <= LABELLED_ACTIONS
-    bars: dict[tuple[int, str], list[tuple[float, float]]] = {}
-    for (j, kind, m), (start, end) in sorted(times.items(), key=lambda kv: (kv[1][0], kv[0])):
-        width = (end - start) * scale
-        bars.setdefault((row_of[j], kind), []).append((start * scale, width))
-        if labelled:
-            label = ax.text(start * scale + width / 2, row_of[j], f"{m}{suffix[j]}",
-                            ha="center", va="center", color="white", fontsize=7)
-            label.set_in_layout(False)
-    for (row, kind), spans in sorted(bars.items()):
-        ax.broken_barh(spans, (row - 0.4, 0.8), facecolors=_COLOURS[kind], edgecolor="white",
-                       linewidth=0.8)
+    width = max(_MIN_WIDTH, _PER_ACTION * len(times) / max(num_rows, 1))
+    span = makespan * scale if makespan > 0 else 1.0
+    x_of = width / span  # pixels per displayed time unit
+    height = _TOP + _ROW * num_rows + _BOTTOM
+    out = [
+        '<?xml version="1.0" encoding="utf-8"?>',
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{_LEFT + width + _RIGHT:.0f}" '
+        f'height="{height}" font-family="{_FONT}">',
+        '<rect width="100%" height="100%" fill="white"/>',
+        f'<text x="{_LEFT}" y="18" font-size="12">'
+        f"{escape(f'{title}  (step {format_seconds(makespan)}, bubble {bubble:.0%})')}</text>",
+        *_legend([k for k in _LEGEND if any(kind == k for _j, kind, _m in times)] or ["F", "B"],
+                 _LEFT + width),
+    ]
     name = "stage" if devices is None else "gpu"
-    ax.set_yticks(range(num_rows), [f"{name} {r}" for r in range(num_rows)])
-    ax.set_ylim(num_rows - 0.5, -0.5)  # row 0 on top
-    ax.set_xlim(0, makespan * scale if makespan > 0 else 1)
-    ax.set_xlabel(f"predicted time ({unit})")
-    ax.set_title(f"{title}  (step {format_seconds(makespan)}, bubble {bubble:.0%})",
-                 fontsize=9)
-    kinds = [k for k in _LEGEND if any(kind == k for _j, kind, _m in times)] or ["F", "B"]
-    ax.legend(handles=[Patch(color=_COLOURS[k], label=_LEGEND[k]) for k in kinds],
-              loc="upper right", fontsize=7, ncols=len(kinds))
-    fig.tight_layout()
-    with matplotlib.rc_context({"svg.hashsalt": "fxpipe", "svg.fonttype": "none"}):
-        fig.savefig(Path(path), format="svg", metadata={"Date": None})
-    return makespan
+    for row in range(num_rows):
+        middle = _TOP + _ROW * row + _ROW / 2
+        out.append(f'<text x="{_LEFT - 6}" y="{middle:.1f}" font-size="10" '
+                   f'text-anchor="end" dominant-baseline="central">{name} {row}</text>')
+    out.append('<g stroke="white" stroke-width="0.8">')
+    labels: list[str] = []
+    for (j, kind, m), (start, end) in sorted(times.items(), key=lambda kv: (kv[1][0], kv[0])):
+        left, box = _LEFT + start * scale * x_of, (end - start) * scale * x_of
+        top = _TOP + _ROW * row_of[j] + _ROW * (1 - _BAR) / 2
+        out.append(f'<rect x="{left:.2f}" y="{top:.1f}" width="{box:.2f}" '
+                   f'height="{_ROW * _BAR:.1f}" fill="{_COLOURS[kind]}"/>')
+        label = f"{m}{suffix[j]}"
+        if box >= _CHAR * len(label) + 2:  # only where it fits inside the box
+            labels.append(f'<text x="{left + box / 2:.2f}" y="{top + _ROW * _BAR / 2:.1f}">'
+                          f"{label}</text>")
+    out.append("</g>")
+    if labels:
+        out += ['<g font-size="8" fill="white" text-anchor="middle" '
+                'dominant-baseline="central">', *labels, "</g>"]
+    out += _axis(span, width, _TOP + _ROW * num_rows, unit)
+    out.append("</svg>")
+    return "\n".join(out) + "\n", makespan
+
+
+def _legend(kinds: list[str], right: float) -> list[str]:
+    """A swatch and a name per kind of action, in a line that ends at ``right``."""
+    out: list[str] = []
+    x = right
+    for kind in reversed(kinds):
+        text = _LEGEND[kind]
+        x -= _CHAR * len(text) + 16
+        out.append(f'<rect x="{x:.1f}" y="26" width="10" height="10" '
+                   f'fill="{_COLOURS[kind]}"/>')
+        out.append(f'<text x="{x + 14:.1f}" y="35" font-size="10">{escape(text)}</text>')
+        x -= 10
+    return out
+
+
+def _axis(span: float, width: float, top: float, unit: str) -> list[str]:
+    """The time axis under the rows: a line, ticks at round values, and its name."""
+    step = _tick_step(span)
+    out = [f'<line x1="{_LEFT}" y1="{top}" x2="{_LEFT + width:.2f}" y2="{top}" '
+           'stroke="black" stroke-width="0.8"/>']
+    for i in range(int(span / step + 1e-9) + 1):
+        x = _LEFT + i * step * width / span
+        out.append(f'<line x1="{x:.2f}" y1="{top}" x2="{x:.2f}" y2="{top + 4}" '
+                   'stroke="black" stroke-width="0.8"/>')
+        out.append(f'<text x="{x:.2f}" y="{top + 15}" font-size="9" '
+                   f'text-anchor="middle">{i * step:g}</text>')
+    out.append(f'<text x="{_LEFT + width / 2:.2f}" y="{top + 32}" font-size="10" '
+               f'text-anchor="middle">predicted time ({unit})</text>')
+    return out
+
+
+def _tick_step(span: float) -> float:
+    """A round step (1, 2 or 5 times a power of ten) giving at most about 10 ticks."""
+    power = 10.0 ** math.floor(math.log10(span / 10))
+    return next(power * f for f in (1, 2, 5, 10) if span / (power * f) <= 10)
 
 
 def schedule_svg(plan: Plan, schedule: Sequence[Sequence[Action]]) -> bytes:
@@ -195,9 +255,7 @@ def schedule_svg(plan: Plan, schedule: Sequence[Sequence[Action]]) -> bytes:
     devices = None
     if plan.virtual_stages > 1:  # one row per GPU, its stage modules in turn
         devices = [plan.devices_of(j)[0] for j in range(plan.num_stages)]
-    with tempfile.TemporaryDirectory() as scratch:
-        path = Path(scratch) / "schedule.svg"
-        title = f"{plan.model}: {plan.schedule}, K={plan.num_stages}, M={plan.microbatches}"
-        draw_timeline(schedule, forward, backward, path, title=title, devices=devices,
-                      backward_weight_s=[s.backward_weight_s for s in plan.stages])
-        return path.read_bytes()
+    title = f"{plan.model}: {plan.schedule}, K={plan.num_stages}, M={plan.microbatches}"
+    svg, _ = timeline_svg(schedule, forward, backward, title=title, devices=devices,
+                          backward_weight_s=[s.backward_weight_s for s in plan.stages])
+    return svg.encode("utf-8")
