@@ -211,13 +211,19 @@ def phases_child(spec: str, gpus: int, recompute: str, profile: int) -> None:
     options = SplitOptions(gpus=gpus, device=device, memory_limit=float(device.memory_bytes),
                            microbatches=4 * gpus, schedule=ScheduleKind("1f1b"),
                            recompute=Recompute(recompute))
-    plan = plan_split(traced, label=source.label, options=options, progress=phase)
-    mark("lower + build plan")
-    files = output_files(traced, plan, label=source.label, progress=phase)
-    mark("plan.json, report.md, partition.dot")
-    with tempfile.TemporaryDirectory(prefix="fxpipe-split-phases-") as scratch:
-        write_folder(Path(scratch) / "out", files, force=False)
-    mark("write folder")
+    plan, error = None, None
+    try:
+        plan = plan_split(traced, label=source.label, options=options, progress=phase)
+        mark("lower + build plan")
+    except ValueError as exc:  # nothing fits: the time to the user's error is timed
+        error = str(exc)
+        mark("finding what would fit, the error")
+    if plan is not None:
+        files = output_files(traced, plan, label=source.label, progress=phase)
+        mark("plan.json, report.md, partition.dot")
+        with tempfile.TemporaryDirectory(prefix="fxpipe-split-phases-") as scratch:
+            write_folder(Path(scratch) / "out", files, force=False)
+        mark("write folder")
     if profiler is not None:
         import io
         import pstats
@@ -232,8 +238,9 @@ def phases_child(spec: str, gpus: int, recompute: str, profile: int) -> None:
                 "timings": [(name, t) for name, t in timings if name != "(between phases)"
                             or t > 0.05],
                 "nodes": len(traced.gm.graph.nodes),
-                "solved_nodes": plan.solver.solved_nodes,
-                "solver_wall_s": plan.solver.wall_s,
+                "solved_nodes": plan.solver.solved_nodes if plan is not None else 0,
+                "solver_wall_s": plan.solver.wall_s if plan is not None else None,
+                "error": error,
             }
         )
     )
@@ -277,10 +284,11 @@ def phases(only: str, profile: int) -> None:
         print(f"| interpreter start-up and exit | {rest:.2f} | {rest / total:.0%} |")
         print(f"| **total (child wall)** | **{total:.2f}** | |")
         print()
-        print(
-            f"`partition()` took {data['solver_wall_s']:.2f} s: baselines, coarsening, the "
-            "interval DP and the CP-SAT solves."
-        )
+        if data["error"] is not None:
+            print(f"No plan: {data['error']}")
+        else:
+            print(f"`partition()` took {data['solver_wall_s']:.2f} s: baselines, coarsening, "
+                  "the interval DP and the CP-SAT solves.")
         if profile:
             print()
             print("```")

@@ -128,3 +128,26 @@ def test_zero_bubble_tables_time_input_and_weight_gradients_apart(tmp_path) -> N
     path = tmp_path / "zb.svg"
     draw_timeline(zb1p(k, m), ones, [2.0] * k, path, title="ZB-H1", backward_weight_s=ones)
     assert b"weight gradient (W)" in path.read_bytes()
+
+
+def test_the_chart_draws_each_action_once_as_a_box_of_its_length(tmp_path) -> None:
+    import xml.etree.ElementTree as ET
+
+    schedule = one_f_one_b(3, 5)
+    forward, backward = [1.0, 2.0, 1.5], [2.0, 4.0, 3.0]
+    times = action_times(schedule, forward, backward)
+    path = tmp_path / "chart.svg"
+    makespan = draw_timeline(schedule, forward, backward, path, title="a <b> & c")
+    root = ET.parse(path).getroot()  # well-formed, the title's markup escaped
+    ns = "{http://www.w3.org/2000/svg}"
+    boxes = [r for g in root.iter(f"{ns}g") if g.get("stroke") == "white"
+             for r in g.iter(f"{ns}rect")]
+    assert len(boxes) == len(times) == 3 * 5 * 2
+    per_second = max(float(r.get("x")) + float(r.get("width")) for r in boxes) - min(
+        float(r.get("x")) for r in boxes)
+    per_second /= makespan
+    widths = sorted(round(float(r.get("width")) / per_second, 2) for r in boxes)
+    assert widths == sorted(round(end - start, 2) for start, end in times.values())
+    bubble = bubble_fraction(schedule, forward, backward)
+    assert next(t.text for t in root.iter(f"{ns}text")) == (
+        f"a <b> & c  (step {makespan:.2f} s, bubble {bubble:.0%})")
