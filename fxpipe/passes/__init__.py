@@ -28,7 +28,7 @@ def annotate_all(
 ) -> torch.fx.GraphModule:
     """Shapes, modules, FLOPs and bytes: every record the cost models need, as
     ``execution`` runs the graph (default: a GPU's fused kernels, the model's precision)."""
-    annotate_memory(gm, *flat_inputs, execution=execution, shapes=True)  # one run for both
+    # one run of the graph for the three
+    annotate_memory(gm, *flat_inputs, execution=execution, shapes=True, flops=True)
     annotate_modules(gm)
-    annotate_flops(gm, *flat_inputs, execution=execution)
     return gm

@@ -20,7 +20,31 @@ from fxpipe import kernels, meta
 from fxpipe.kernels import Execution
 from fxpipe.passes.base import OP_NODES, MetaInterpreter, grad_outputs_of
 
-__all__ = ["annotate_flops"]
+__all__ = ["FlopCounter", "annotate_flops"]
+
+
+class FlopCounter:
+    """Counts the FLOPs of op nodes as a ``MetaInterpreter`` reaches them, into
+    ``meta.FLOPS``. A function's FLOPs follow from what it is called with: the layers of a
+    model repeat the same calls, counted (forward and two backwards) once each."""
+
+    def __init__(self) -> None:
+        self.counted: dict[Hashable, meta.FlopInfo] = {}
+
+    def count(self, runner: MetaInterpreter, n: torch.fx.Node) -> None:
+        """``n``'s FLOPs, its inputs in ``runner``'s environment (before ``n`` runs or
+        after: the op is run again on copies of them, under a counter, when not known)."""
+        if n.op not in OP_NODES:
+            meta.FLOPS.set(n, meta.FlopInfo(0, 0))
+            return
+        key = _call(runner, n)
+        if key is not None and key in self.counted:
+            meta.FLOPS.set(n, self.counted[key])
+            return
+        info = _count(runner, n)
+        meta.FLOPS.set(n, info)
+        if key is not None:
+            self.counted[key] = info
 
 
 class _FlopCount(MetaInterpreter):
@@ -28,60 +52,51 @@ class _FlopCount(MetaInterpreter):
 
     def __init__(self, gm: torch.fx.GraphModule, execution: Execution | None) -> None:
         super().__init__(gm, execution)
-        # A function's FLOPs follow from what it is called with: the layers of a model
-        # repeat the same calls, counted (forward and two backwards) once each.
-        self.counted: dict[Hashable, meta.FlopInfo] = {}
+        self.counter = FlopCounter()
 
     def execute(self, n: torch.fx.Node) -> Any:
-        if n.op not in OP_NODES:
-            meta.FLOPS.set(n, meta.FlopInfo(0, 0))
-            return super().execute(n)
-        key = self._call(n)
-        if key is not None and key in self.counted:
-            meta.FLOPS.set(n, self.counted[key])
-            return super().execute(n)
-        result = self._count(n)
-        if key is not None:
-            self.counted[key] = meta.FLOPS.get(n)
-        return result
+        self.counter.count(self, n)
+        return super().execute(n)
 
-    def _call(self, n: torch.fx.Node) -> Hashable | None:
-        """What the FLOPs of ``n`` depend on: a function or method with its arguments,
-        each tensor by shape, dtype, whether it requires grad and whether it is a
-        parameter; None for a module call (its state and code are its own)."""
-        if n.op == "call_module":
-            return None
-        def spec(value: Any) -> Any:
-            if isinstance(value, torch.Tensor):
-                return ("tensor", tuple(value.shape), value.dtype, value.requires_grad,
-                        id(value) in self.state_ids, value.stride())
-            if isinstance(value, (tuple, list)):
-                return (type(value).__name__, *map(spec, value))
-            if isinstance(value, dict):
-                return ("dict", *((k, spec(v)) for k, v in value.items()))
-            if isinstance(value, torch.nn.Module):  # a region's body: its own code
-                return ("module", id(value))
-            return ("value", type(value).__name__, repr(value))
 
-        args, kwargs = self.fetch_args_kwargs_from_env(n)
-        return (n.op, n.target, spec(args), spec(kwargs))
+def _call(runner: MetaInterpreter, n: torch.fx.Node) -> Hashable | None:
+    """What the FLOPs of ``n`` depend on: a function or method with its arguments, each
+    tensor by shape, dtype, whether it requires grad and whether it is a parameter; None
+    for a module call (its state and code are its own)."""
+    if n.op == "call_module":
+        return None
 
-    def _count(self, n: torch.fx.Node) -> Any:
-        with FlopCounterMode(display=False, custom_mapping=kernels.FLOP_FORMULAS) as forward:
-            result, inputs, weights = self.run_op_split(n)
-        outputs = grad_outputs_of(result)
-        # FlopCounterMode counts matmul, convolution and attention ops; the backward of a
-        # node that has none of them in its forward has none either, so it is not run.
-        # The input gradient (B) and the weight gradient (W) are counted apart: two
-        # backward calls, one with respect to each set of leaves, as a zero-bubble
-        # schedule runs them.
-        if not (outputs and forward.get_total_flops() > 0):
-            inputs, weights = [], []
-        input_flops = _backward_flops(outputs, inputs, retain=bool(weights))
-        weight_flops = _backward_flops(outputs, weights, retain=False)
-        meta.FLOPS.set(n, meta.FlopInfo(forward.get_total_flops(), input_flops + weight_flops,
-                                        backward_weight=weight_flops))
-        return result
+    def spec(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return ("tensor", tuple(value.shape), value.dtype, value.requires_grad,
+                    id(value) in runner.state_ids, value.stride())
+        if isinstance(value, (tuple, list)):
+            return (type(value).__name__, *map(spec, value))
+        if isinstance(value, dict):
+            return ("dict", *((k, spec(v)) for k, v in value.items()))
+        if isinstance(value, torch.nn.Module):  # a region's body: its own code
+            return ("module", id(value))
+        return ("value", type(value).__name__, repr(value))
+
+    args, kwargs = runner.fetch_args_kwargs_from_env(n)
+    return (n.op, n.target, spec(args), spec(kwargs))
+
+
+def _count(runner: MetaInterpreter, n: torch.fx.Node) -> meta.FlopInfo:
+    with FlopCounterMode(display=False, custom_mapping=kernels.FLOP_FORMULAS) as forward:
+        result, inputs, weights = runner.run_op_split(n)
+    outputs = grad_outputs_of(result)
+    # FlopCounterMode counts matmul, convolution and attention ops; the backward of a
+    # node that has none of them in its forward has none either, so it is not run.
+    # The input gradient (B) and the weight gradient (W) are counted apart: two
+    # backward calls, one with respect to each set of leaves, as a zero-bubble
+    # schedule runs them.
+    if not (outputs and forward.get_total_flops() > 0):
+        inputs, weights = [], []
+    input_flops = _backward_flops(outputs, inputs, retain=bool(weights))
+    weight_flops = _backward_flops(outputs, weights, retain=False)
+    return meta.FlopInfo(forward.get_total_flops(), input_flops + weight_flops,
+                         backward_weight=weight_flops)
 
 
 def _backward_flops(outputs: list[torch.Tensor], wrt: list[torch.Tensor], *,

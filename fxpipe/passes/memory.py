@@ -20,6 +20,7 @@ from fxpipe import meta
 from fxpipe.kernels import Execution
 from fxpipe.metadevice import named_state
 from fxpipe.passes.base import OP_NODES, MetaInterpreter, tensor_leaves
+from fxpipe.passes.flops import FlopCounter
 from fxpipe.passes.shapes import value_info
 
 __all__ = ["annotate_memory"]
@@ -33,9 +34,12 @@ class _MemoryCount(MetaInterpreter):
     pass_name = "memory accounting"
 
     def __init__(self, gm: torch.fx.GraphModule, execution: Execution | None,
-                 shapes: bool) -> None:
+                 shapes: bool, flops: bool) -> None:
         super().__init__(gm, execution)
         self.shapes = shapes
+        self.flops = FlopCounter() if flops else None
+        if flops:
+            self.pass_name = "memory and FLOP accounting"
         self.parameter_names = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
         # Every name of a tensor -> the first name it has (tied parameters share one).
         first: dict[int, str] = {}
@@ -45,6 +49,8 @@ class _MemoryCount(MetaInterpreter):
         self.owned: dict[torch.fx.Node, meta.MemoryInfo] = {}  # saved_bytes filled at the end
 
     def execute(self, n: torch.fx.Node) -> Any:
+        if self.flops is not None:  # outside the hooks below: its own runs keep tensors
+            self.flops.count(self, n)
         if n.op not in OP_NODES:
             return super().execute(n)
         inputs = {
@@ -100,12 +106,13 @@ class _MemoryCount(MetaInterpreter):
 
 def annotate_memory(
     gm: torch.fx.GraphModule, *flat_inputs: Any, execution: Execution | None = None,
-    shapes: bool = False,
+    shapes: bool = False, flops: bool = False,
 ) -> torch.fx.GraphModule:
     """Fill ``meta.BYTES`` on every node; with ``shapes``, ``meta.SHAPE`` too, as
-    ``annotate_shapes`` would, from the same run of the graph (each run is seconds on a
-    model of thousands of ops)."""
-    counter = _MemoryCount(gm, execution, shapes)
+    ``annotate_shapes`` would, and with ``flops``, ``meta.FLOPS``, as ``annotate_flops``
+    would, from the same run of the graph (each run is seconds on a model of thousands of
+    ops)."""
+    counter = _MemoryCount(gm, execution, shapes, flops)
     counter.analyze(*flat_inputs)
     for node, owned in counter.owned.items():
         saved = counter.intermediate.get(node, 0)

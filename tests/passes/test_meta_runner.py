@@ -9,7 +9,7 @@ import torch
 from fxpipe import meta
 from fxpipe.frontend import trace
 from fxpipe.kernels import Execution
-from fxpipe.passes import AnalysisError, annotate_memory, annotate_shapes
+from fxpipe.passes import AnalysisError, annotate_flops, annotate_memory, annotate_shapes
 from fxpipe.precision import Precision
 from tests.passes.test_flops import import_example
 
@@ -65,3 +65,25 @@ def test_the_byte_pass_records_the_shapes_the_shape_pass_does(
     assert {node: meta.SHAPE.get(node) for node in gm.graph.nodes} == alone
     dtypes = {t.dtype for info in alone.values() for t in info.tensors}
     assert ("bfloat16" in dtypes) == (precision is Precision.BF16_MIXED)
+
+
+@pytest.mark.parametrize("precision", [None, Precision.BF16_MIXED])
+def test_the_byte_pass_counts_the_flops_and_bytes_the_passes_alone_do(
+        precision: Precision | None) -> None:
+    """annotate_all counts FLOPs in the byte pass's run too (annotate_memory with
+    flops=True): every node's FLOPs and bytes are the ones each pass gives alone, though
+    the FLOPs are counted outside the hooks that see what backward saves."""
+    model = import_example("hf_llama")
+    traced = trace(model.build_model(), kwargs=model.example_inputs())
+    execution = Execution(precision=precision)
+    gm = traced.gm
+    annotate_flops(gm, *traced.flat_inputs, execution=execution)
+    annotate_memory(gm, *traced.flat_inputs, execution=execution)
+    alone = {node: (meta.FLOPS.get(node), meta.BYTES.get(node)) for node in gm.graph.nodes}
+    for node in gm.graph.nodes:
+        del node.meta[meta.FLOPS.name], node.meta[meta.BYTES.name]
+    annotate_memory(gm, *traced.flat_inputs, execution=execution, flops=True)
+    together = {node: (meta.FLOPS.get(node), meta.BYTES.get(node)) for node in gm.graph.nodes}
+    assert together == alone
+    assert sum(flops.backward_weight for flops, _ in together.values()) > 0
+    assert sum(info.saved_bytes for _, info in together.values()) > 0
