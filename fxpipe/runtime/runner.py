@@ -51,7 +51,7 @@ from .schedule import Action, check_schedule, check_sizes
 from .split_backward import check_split, input_backward, weight_backward
 from .stashing import Stash, WeightStashes, check_optimizers, check_stashing
 from .stream import Streams
-from .values import GRAPH_INPUT, OnDemand, StepState, Wiring, sum_grads
+from .values import GRAPH_INPUT, OnDemand, StepState, Wiring, received_grads, sum_grads
 
 __all__ = ["PipelineRunner"]
 
@@ -339,7 +339,7 @@ class PipelineRunner(MeasuredSteps):
     def _backward(self, k: int, m: int, state: StepState, inputs_only: bool = False) -> None:
         inputs, outputs, rng, stash = state.saved.pop((k, m))
         values = state.values[m]
-        with self.streams.on(k):
+        with self.streams.on(k), received_grads(self.wiring, k, inputs) as grad_of:
             with (buffers_restored(self.stages[k], k, self._bound) if self.recompute[k]
                   else contextlib.nullcontext()):
                 if self.recompute[k]:
@@ -357,8 +357,7 @@ class PipelineRunner(MeasuredSteps):
                 p = self.wiring.producer_of(name)
                 if p in (GRAPH_INPUT, k):
                     continue
-                leaf_grads = [x.grad if isinstance(x, torch.Tensor) else None
-                              for x in pytree.tree_leaves(leaf_value)]
+                leaf_grads = [grad_of(x) for x in pytree.tree_leaves(leaf_value)]
                 if all(g is None for g in leaf_grads):
                     continue
                 with timed(self._recorder, k, "comm"):
@@ -398,3 +397,4 @@ class PipelineRunner(MeasuredSteps):
                     tensors.append(t)
                     grads.append(g)
         return tensors, grads, loss_inputs
+

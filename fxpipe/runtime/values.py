@@ -9,19 +9,23 @@ How a step moves data::
          │            requires_grad copied from the producer; outputs -> values[m]
          │            (k = K - 1: loss_m = loss_fn(build_output(values[m]), target_m) / M)
          └─◄ B(k, m): torch.autograd.backward(outputs that require grad, their grads)
-                      (k = K - 1: the loss); the grads of k's input leaves are
-                      added to grads[m][name] of the producer, summed over consumers
+                      (k = K - 1: the loss); the grads of k's input leaves, as
+                      autograd hands them over (``received_grads``), are added to
+                      grads[m][name] of the producer, summed over consumers
 """
 
-from collections.abc import Callable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from .stashing import Stash, WeightStashes
 
-__all__ = ["GRAPH_INPUT", "OnDemand", "StepState", "Wiring", "sum_grads"]
+__all__ = ["GRAPH_INPUT", "OnDemand", "StepState", "Wiring", "received_grads",
+           "sum_grads"]
 
 GRAPH_INPUT = -1  # producer index of a value that comes from the caller
 
@@ -140,3 +144,34 @@ def sum_grads(contributions: list[list[torch.Tensor | None]]) -> list[torch.Tens
                 total[i] = g if acc is None else acc + g
     return total
 
+
+@contextlib.contextmanager
+def received_grads(wiring: Wiring, k: int, inputs: Mapping[str, Any]
+                   ) -> Iterator[Callable[[Any], torch.Tensor | None]]:
+    """Around stage k's backward: the gradient of a leaf of ``inputs`` (its values by
+    name) as autograd handed it over, for the leaves received from another stage, else
+    its ``.grad`` (None for what is not a tensor). A leaf's ``.grad`` is laid out like the
+    leaf (autograd's layout contract), a transposed received value's gradient transposed
+    too, where the model passes it on as the reading op's backward made it; sent as it
+    came, the producer's backward reduces it in the model's order and rounds as the model
+    does (a float32 sum inside a float64 model differed by 1e-7 otherwise)."""
+    got: dict[int, torch.Tensor] = {}
+
+    def keeper(key: int) -> Callable[[torch.Tensor], None]:
+        def keep(grad: torch.Tensor) -> None:
+            got[key] = grad
+        return keep
+
+    def grad_of(x: Any) -> torch.Tensor | None:
+        return got.get(id(x), x.grad) if isinstance(x, torch.Tensor) else None
+
+    leaves = [x for name, value in inputs.items()
+              if wiring.producer_of(name) not in (GRAPH_INPUT, k)
+              for x in pytree.tree_leaves(value)
+              if isinstance(x, torch.Tensor) and x.requires_grad]
+    handles = [x.register_hook(keeper(id(x))) for x in leaves]
+    try:
+        yield grad_of
+    finally:
+        for handle in handles:
+            handle.remove()
