@@ -397,4 +397,3 @@ class PipelineRunner(MeasuredSteps):
                     tensors.append(t)
                     grads.append(g)
         return tensors, grads, loss_inputs
-

@@ -10,9 +10,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
-from .values import GRAPH_INPUT, Wiring
+from .values import Wiring, received_leaves
 
 __all__ = ["check_split", "input_backward", "weight_backward"]
 
@@ -30,8 +29,7 @@ def input_backward(wiring: Wiring, k: int, named: list[tuple[str, Any]],
                    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
     """I: the gradients of the values stage k received (``named``: its inputs and those
     the loss read), into their ``.grad``; returns what W differentiates later."""
-    received = [x for name, v in named if wiring.producer_of(name) not in (GRAPH_INPUT, k)
-                for x in pytree.tree_leaves(v) if getattr(x, "requires_grad", False)]
+    received = received_leaves(wiring, k, named)
     if tensors and received:
         torch.autograd.backward(tensors, grads, inputs=received, retain_graph=True)
     return tensors, grads

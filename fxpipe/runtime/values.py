@@ -15,7 +15,7 @@ How a step moves data::
 """
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -25,7 +25,7 @@ from torch.utils import _pytree as pytree
 from .stashing import Stash, WeightStashes
 
 __all__ = ["GRAPH_INPUT", "OnDemand", "StepState", "Wiring", "received_grads",
-           "sum_grads"]
+           "received_leaves", "sum_grads"]
 
 GRAPH_INPUT = -1  # producer index of a value that comes from the caller
 
@@ -145,6 +145,15 @@ def sum_grads(contributions: list[list[torch.Tensor | None]]) -> list[torch.Tens
     return total
 
 
+def received_leaves(wiring: Wiring, k: int, named: Iterable[tuple[str, Any]]
+                    ) -> list[torch.Tensor]:
+    """The tensors among ``named`` (stage k's values by name) that k received from another
+    stage and that need a gradient: the ones whose gradients k sends back."""
+    return [x for name, value in named if wiring.producer_of(name) not in (GRAPH_INPUT, k)
+            for x in pytree.tree_leaves(value)
+            if isinstance(x, torch.Tensor) and x.requires_grad]
+
+
 @contextlib.contextmanager
 def received_grads(wiring: Wiring, k: int, inputs: Mapping[str, Any]
                    ) -> Iterator[Callable[[Any], torch.Tensor | None]]:
@@ -165,11 +174,8 @@ def received_grads(wiring: Wiring, k: int, inputs: Mapping[str, Any]
     def grad_of(x: Any) -> torch.Tensor | None:
         return got.get(id(x), x.grad) if isinstance(x, torch.Tensor) else None
 
-    leaves = [x for name, value in inputs.items()
-              if wiring.producer_of(name) not in (GRAPH_INPUT, k)
-              for x in pytree.tree_leaves(value)
-              if isinstance(x, torch.Tensor) and x.requires_grad]
-    handles = [x.register_hook(keeper(id(x))) for x in leaves]
+    handles = [x.register_hook(keeper(id(x)))
+               for x in received_leaves(wiring, k, inputs.items())]
     try:
         yield grad_of
     finally:
