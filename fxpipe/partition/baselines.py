@@ -263,12 +263,10 @@ class Blocks:
         p = self.problem
         inf = float("inf")
         load = np.full((p.num_stages, starts.size), inf)
+        plain = np.maximum(self.T[end] - self.T0[starts], 0.0) + self.cut[starts] + self.cut[end]
         for recompute in reversed(self.options):  # the faster choice last: it wins where both fit
             rows = self.memory(end, starts, sent=sent, peak=peak, recompute=recompute)
-            seconds = (np.maximum(self.T[end] - self.T0[starts], 0.0)
-                       + self.cut[starts] + self.cut[end])
-            if recompute:
-                seconds = seconds + np.maximum(self.F[end] - self.F0[starts], 0.0)
+            seconds = plain + np.maximum(self.F[end] - self.F0[starts], 0.0) if recompute else plain
             load = np.where(rows <= p.memory_limit, seconds, load)
         if end == 0 and not allow_empty:
             load[0] = inf
@@ -284,13 +282,9 @@ class Blocks:
             "activations": np.maximum(self.A[end] - self.A0[starts], 0.0),
             "received": self.cut_bytes[starts], "kept": sent, "transient": peak,
         }
-        # j = -1: no stage's loss (every row); then the last row with its loss
-        every: Any = memory_parts(p, -1, flight=self.flights, recompute=recompute, **block)
-        last: Any = memory_parts(p, K - 1, flight=int(self.flights[K - 1, 0]),
-                                 recompute=recompute, **block)
-        rows = np.broadcast_to(sum(every.values()), (K, starts.size)).copy()
-        rows[K - 1] = sum(last.values())
-        return rows
+        parts = memory_parts(p, np.arange(K)[:, None], flight=self.flights,
+                             recompute=recompute, **block)
+        return np.broadcast_to(sum(parts.values()), (K, starts.size))
 
 
 @dataclass(frozen=True)

@@ -111,16 +111,18 @@ def _up(amount: Amount, replicas: int) -> Amount:
     return -(-amount // replicas)
 
 
-def memory_parts(problem: Problem, j: int, *, flight: int, params: Amount, activations: Amount,
-                 received: Amount, kept: Amount, transient: Amount, recompute: bool,
-                 replicas: int = 1, deferred: Amount = 0, waiting: int = 0,
-                 ) -> dict[str, Amount]:
+def memory_parts(problem: Problem, j: int | np.ndarray, *, flight: int | np.ndarray,
+                 params: Amount, activations: Amount, received: Amount, kept: Amount,
+                 transient: Amount, recompute: bool, replicas: int = 1, deferred: Amount = 0,
+                 waiting: int = 0) -> dict[str, Amount]:
     """Stage j's bytes by ``StageMemory`` field (grads and optimizer not yet rounded);
     ``flight``: its micro-batches in flight (``stage_flights``); ``waiting``: those whose
-    weight gradient waits (``stage_deferred``)."""
+    weight gradient waits (``stage_deferred``). The interval DP prices every stage at
+    once: ``j`` and ``flight`` are then a column of stages, the amounts a row of blocks."""
     keep = 1 if recompute else flight
     loss = problem.loss_saved_bytes * keep + problem.loss_grad_bytes
     grad_factor, optimizer_factor = state_split(problem.state_factor)
+    last = np.equal(j, problem.num_stages - 1)
     return {
         "params": params,
         "grads": params * grad_factor,
@@ -128,7 +130,8 @@ def memory_parts(problem: Problem, j: int, *, flight: int, params: Amount, activ
         "activations": _up(activations * keep, replicas),
         "received": _up(received * flight, replicas),
         "outputs": _up(kept * (flight + 1), replicas),
-        "loss": _up(loss, replicas) if j == problem.num_stages - 1 else 0 * params,
+        "loss": np.where(last, _up(loss, replicas), 0) + 0 * params if last.ndim else
+                _up(loss, replicas) if last else 0 * params,
         "backward": transient,
         "stashed": params * flight if problem.schedule.spec.stashes_weights else 0 * params,
         "workspace": problem.workspace_bytes + 0 * params,

@@ -24,6 +24,7 @@ from fxpipe.partition import (
     partition,
     violations,
 )
+from fxpipe.partition.baselines import Blocks, interval_dp, min_max_dp
 from fxpipe.schedules import ScheduleKind
 
 from ._brute import brute_force, valid_splits
@@ -317,3 +318,20 @@ def test_auto_recomputes_the_early_stages_where_none_does_not_fit() -> None:
         plain = evaluate(auto.problem, split, recompute=(False,) * 4)
         for j, stage in enumerate(plain.stages):
             assert chosen.recompute[j] == (stage.memory.total > chain.memory_limit)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_interval_dp_bottleneck_is_evaluates(problem: Problem) -> None:
+    """The interval DP prices every stage's row of a block at once (the loss on the last
+    row alone); the bottleneck it finds is evaluate()'s for the split it returns."""
+    exact = exact_groups(problem)
+    best, _back = min_max_dp(Blocks.of(exact), exact.num_coarse, upper_s=float("inf"),
+                            allow_empty=problem.allow_empty_stages)
+    found = interval_dp(exact)
+    if found is None:
+        return
+    K, n = problem.num_stages, exact.num_coarse
+    evaluation = evaluate(problem, exact.expand(found))
+    assert evaluation.estimate.fits
+    assert best[K - 1][n] == pytest.approx(evaluation.bottleneck_s, rel=1e-9, abs=1e-12)
