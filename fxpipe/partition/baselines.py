@@ -284,7 +284,9 @@ class Blocks:
         }
         parts = memory_parts(p, np.arange(K)[:, None], flight=self.flights,
                              recompute=recompute, **block)
-        return np.broadcast_to(sum(parts.values()), (K, starts.size))
+        # the parts of a block alone first, then those of each stage's row (whole bytes:
+        # the order of the sum does not change it)
+        return np.broadcast_to(sum(sorted(parts.values(), key=np.ndim)), (K, starts.size))
 
 
 @dataclass(frozen=True)

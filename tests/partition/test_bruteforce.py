@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -24,7 +25,8 @@ from fxpipe.partition import (
     partition,
     violations,
 )
-from fxpipe.partition.baselines import Blocks, interval_dp, min_max_dp
+from fxpipe.partition.baselines import Blocks
+from fxpipe.partition.cost import memory_parts
 from fxpipe.schedules import ScheduleKind
 
 from ._brute import brute_force, valid_splits
@@ -320,18 +322,30 @@ def test_auto_recomputes_the_early_stages_where_none_does_not_fit() -> None:
             assert chosen.recompute[j] == (stage.memory.total > chain.memory_limit)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(problems())
-def test_interval_dp_bottleneck_is_evaluates(problem: Problem) -> None:
-    """The interval DP prices every stage's row of a block at once (the loss on the last
-    row alone); the bottleneck it finds is evaluate()'s for the split it returns."""
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(), st.data())
+def test_interval_dp_prices_each_stage_by_the_stage_cost_formula(
+        problem: Problem, data: st.DataObject) -> None:
+    """The interval DP prices a block for every stage at once, each row with that stage's
+    micro-batches in flight and the loss on the last row alone: every row is the stage
+    cost formula's bytes for that stage, under each recompute choice."""
     exact = exact_groups(problem)
-    best, _back = min_max_dp(Blocks.of(exact), exact.num_coarse, upper_s=float("inf"),
-                            allow_empty=problem.allow_empty_stages)
-    found = interval_dp(exact)
-    if found is None:
-        return
-    K, n = problem.num_stages, exact.num_coarse
-    evaluation = evaluate(problem, exact.expand(found))
-    assert evaluation.estimate.fits
-    assert best[K - 1][n] == pytest.approx(evaluation.bottleneck_s, rel=1e-9, abs=1e-12)
+    blocks = Blocks.of(exact)
+    n, K = exact.num_coarse, problem.num_stages
+    end = data.draw(st.integers(0, n))
+    starts = np.arange(end + 1)
+    sent = np.array(data.draw(st.lists(st.integers(0, 300), min_size=end + 1,
+                                       max_size=end + 1)), dtype=float)
+    peak = np.array(data.draw(st.lists(st.integers(0, 300), min_size=end + 1,
+                                       max_size=end + 1)), dtype=float)
+    for recompute in (False, True):
+        rows = blocks.memory(end, starts, sent=sent, peak=peak, recompute=recompute)
+        for j in range(K):
+            for a in starts:
+                parts = memory_parts(
+                    problem, j, flight=int(blocks.flights[j, 0]), recompute=recompute,
+                    params=max(blocks.P[end] - blocks.P0[a], 0.0),
+                    activations=max(blocks.A[end] - blocks.A0[a], 0.0),
+                    received=blocks.cut_bytes[a], kept=sent[a], transient=peak[a])
+                assert rows[j, a] == pytest.approx(sum(parts.values()), rel=1e-12)
