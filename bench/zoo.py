@@ -4,6 +4,9 @@
     python bench/zoo.py --vision        # torchvision and timm models (needs both installed)
     python bench/zoo.py --only gpt2,t5  # a few models, by slug
     python bench/zoo.py --gpus 4        # every family onto 4 stages (default: its own, 2-4)
+    python bench/zoo.py --schedule zb1p # another schedule (default 1f1b; interleaved takes
+                                        # --virtual-stages, and M = 4 micro-batches a
+                                        # multiple of the GPUs: --gpus 2 or 4)
     python bench/zoo.py --layers 7      # 7 layers per stack instead of 2: stacks of six or
                                         # more identical layers are exported three deep
                                         # and copied (capture "export, copied")
@@ -60,6 +63,7 @@ from fxpipe.cost_models import get_device
 from fxpipe.output import write_folder
 from fxpipe.passes.base import OP_NODES
 from fxpipe.runtime.loading import import_file
+from fxpipe.schedules import ScheduleKind
 from fxpipe.tracing.repeats import KEPT
 
 MICRO = 2  # samples per micro-batch
@@ -604,7 +608,8 @@ def _verdict(row: Row, piped: Step, whole: Step, micro: Step, batchnorm: bool,
     raise Mismatch(closest.problem or full.problem)
 
 
-def check(family: Family, folder: Path) -> Row:
+def check(family: Family, folder: Path, schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B,
+          virtual_stages: int = 1) -> Row:
     """Split ``family`` as ``fxpipe split`` would and compare the pipeline with the model."""
     row = Row(family)
     start = time.perf_counter()
@@ -624,7 +629,8 @@ def check(family: Family, folder: Path) -> Row:
         phase = "plan"
         options = SplitOptions(gpus=family.stages, device=device,
                                memory_limit=float(device.memory_bytes),
-                               microbatches=MICROBATCHES, time_limit_s=60)
+                               microbatches=MICROBATCHES, time_limit_s=60,
+                               schedule=schedule, virtual_stages=virtual_stages)
         plan = plan_split(traced, label=source.label, options=options)
         row.stages = plan.num_stages
         row.solver = f"{plan.solver.status} {plan.solver.wall_s:.2f} s"
@@ -705,6 +711,12 @@ def main() -> int:
                         help="layers per stack of the transformers configs (default 2)")
     parser.add_argument("--gpus", type=int, default=None,
                         help="stages for every family (default: each family's own, 2-4)")
+    parser.add_argument("--schedule", type=ScheduleKind, default=ScheduleKind.ONE_F_ONE_B,
+                        choices=list(ScheduleKind), metavar="SCHEDULE",
+                        help="the pipeline schedule (default 1f1b)")
+    parser.add_argument("--virtual-stages", type=int, default=None,
+                        help="stage modules per GPU for --schedule interleaved (default 1; "
+                        "2 for the schedules that place two in a V)")
     parser.add_argument("--keep", type=Path,
                         help="write the model files and packages here (default: a temp folder)")
     args = parser.parse_args()
@@ -727,11 +739,12 @@ def main() -> int:
     if args.gpus is not None:
         families = [replace(f, stages=args.gpus) for f in families]
 
+    virtual_stages = args.virtual_stages or (2 if args.schedule.spec.v_placed else 1)
     with tempfile.TemporaryDirectory(prefix="fxpipe-zoo-") as tmp:
         base = args.keep or Path(tmp)
         rows = []
         for family in families:
-            row = check(family, base / family.slug)
+            row = check(family, base / family.slug, args.schedule, virtual_stages)
             rows.append(row)
             print(f"{family.slug}: {row.verdict if not row.reason else row.reason} "
                   f"({row.seconds:.1f} s)", file=sys.stderr, flush=True)

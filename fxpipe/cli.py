@@ -491,6 +491,9 @@ def _worded(exc: ValueError) -> str:
         if exc.precision is not None:
             on = "" if exc.precision_gpus is None else f" --gpus {exc.precision_gpus}"
             fixes.append(f"--precision {exc.precision}{on}")
+        if exc.samples is not None:
+            b, B, M = exc.samples
+            fixes.append(f"an example of {b} samples (not {B}) with --microbatches {M}")
         if len(fixes) == 1 and exc.alone is None and exc.searched is None:
             fixes.append("more --gpus" if exc.at_least is None
                          else f"--gpus {exc.at_least} or more")

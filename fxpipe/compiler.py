@@ -242,10 +242,16 @@ def plan_split(
                                time_limit_s=options.time_limit_s,
                                replicate=options.replicate)
         except InfeasibleMemoryError as exc:
+            fixes: dict[str, object] = {}
             leaner = _fitting_precision(traced, options, exc.fits_on)
-            if leaner is None:
+            if leaner is not None:
+                fixes.update(precision=leaner[0].value, precision_gpus=leaner[1])
+            samples = _fitting_samples(traced, options)
+            if samples is not None:
+                fixes.update(samples=samples)
+            if not fixes:
                 raise
-            raise exc.with_precision(leaner[0].value, leaner[1]) from None
+            raise exc.but(**fixes) from None
     evaluation = result.evaluation
     if calibrate_from is not None:
         evaluation, line = _against_measured(lowered, result.problem, evaluation,
@@ -355,6 +361,52 @@ def _fitting_precision(traced: Traced, options: SplitOptions, fits_on: int | Non
         if gpus is not None and (fewest is None or gpus < fewest):
             on_more = candidate, gpus
     return on_more
+
+
+def _fitting_samples(traced: Traced, options: SplitOptions) -> tuple[int, int, int] | None:
+    """Smaller micro-batches that fit with the other options as given: (b, B, M), micro-
+    batches of b of the example's B samples, M of them per step (as many samples as
+    before); the largest b of B / 2, B / 4, ... that fits, found as
+    ``_fitting_precision`` finds a precision (the graph's bytes costed again at that
+    size, and a fast fitting split). None where none of them fits, where the example
+    holds one sample, or where the graph does not take another batch size. The graph's
+    own annotations are restored afterwards."""
+    flat = traced.flat_inputs
+    batched = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.dim() > 0
+               and (not traced.batched or traced.batched[i])]
+    free = {shape.name: shape.dynamic[0] for shape in traced.inputs if shape.dynamic}
+    placeholders = [n.name for n in traced.gm.graph.nodes if n.op == "placeholder"]
+    sizes = {flat[i].shape[0] for i in batched}
+    if len(sizes) != 1 or any(free.get(placeholders[i]) is None for i in batched):
+        return None
+    (B,) = sizes
+    gm = traced.gm
+    execution = _execution(options.device, options.precision or default_precision(gm))
+    b = B
+    for _ in range(MAX_HALVINGS):
+        if b % 2:
+            return None
+        b //= 2
+        inputs = tuple(x.narrow(0, 0, b) if i in batched else x for i, x in enumerate(flat))
+        step = replace(options, microbatches=options.microbatches * B // b)
+        saved = {node: dict(node.meta) for node in gm.graph.nodes}
+        try:
+            annotate_memory(gm, *inputs, execution=execution, shapes=True)
+            annotate_modules(gm)
+            problem = _lowered(traced, step).problem
+        except AnalysisError:
+            return None
+        finally:
+            for node, meta in saved.items():
+                node.meta = meta
+        if dp_fits(problem):
+            return b, B, step.microbatches
+    return None
+
+
+# Micro-batch sizes tried when nothing fits: the example's batch halved up to this often
+# (each costs the graph's bytes once more).
+MAX_HALVINGS = 6
 
 
 def _check_pipedream_ties(problem: Problem) -> None:

@@ -199,6 +199,9 @@ CASES: dict[str, tuple[dict[str, str], list[str]]] = {
     "memory fits at a leaner precision": (
         model(WIDE), ["split", "model.py", "--gpus", "2", "--memory", "5MiB"]
     ),
+    "memory fits on smaller micro-batches": (
+        model(WIDE), ["split", "model.py", "--gpus", "2", "--memory", "2MiB"]
+    ),
     "memory fits on no GPU count searched": (
         model(LONG), ["split", "model.py", "--gpus", "2", "--memory", "3MiB"]
     ),

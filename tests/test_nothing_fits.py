@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fxpipe.cli import main
-from tests.test_error_table import DEEP
+from tests.test_error_table import DEEP, WIDE
 
 # eight 256-wide layers and a 256 -> 4096 head whose parameters and state alone (16 MiB
 # in float32 with Adam) exceed the limits below: no number of GPUs holds it
@@ -42,6 +42,26 @@ def _fixes(message: str) -> list[list[str]]:
     --gpus 4 as one fix."""
     tail = message.split(". Use ", 1)[1].rstrip().rstrip(".")
     return [re.findall(r"--[a-z-]+|\S+", fix) for fix in re.split(r", | or ", tail)]
+
+
+def _example_fix(fix: list[str]) -> tuple[int, int, str] | None:
+    """(b, B, M) of a fix "an example of b samples (not B) with --microbatches M"."""
+    match = re.fullmatch(r"an example of (\d+) samples \(not (\d+)\) with --microbatches "
+                         r"(\d+)", " ".join(fix))
+    return None if match is None else (int(match[1]), int(match[2]), match[3])
+
+
+def _applied(tmp_path: Path, text: str, flags: list[str], fix: list[str]
+             ) -> tuple[Path, list[str]]:
+    """The model file and flags with ``fix`` applied: its flags set, or the example's
+    batch of B rows cut to b."""
+    example = _example_fix(fix)
+    if example is None:
+        return _model(tmp_path, text), _with(flags, fix)
+    b, B, microbatches = example
+    assert f"torch.ones({B}, " in text
+    model = _model(tmp_path, text.replace(f"torch.ones({B}, ", f"torch.ones({b}, "))
+    return model, [*flags, "--microbatches", microbatches]
 
 
 def _with(flags: list[str], fix: list[str]) -> list[str]:
@@ -75,8 +95,36 @@ def test_every_fix_named_fits(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     for fix in named:
         assert fix.split() in fixes, message
     for fix in fixes:
-        code, again = _split(tmp_path, model, _with(flags, fix), capsys)
+        code, again = _split(tmp_path, *_applied(tmp_path, text, flags, fix), capsys)
         assert code == 0, (fix, again)
+
+
+def test_smaller_micro_batches_are_named_the_largest_that_fits(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """WIDE's activations dominate: at 2 MiB no GPU count holds its 2,048-row micro-batch
+    (one layer alone needs more), but micro-batches of 256 rows fit, as many more of them
+    as keep the rows per step; of 512 rows they do not."""
+    flags = ["--gpus", "2", "--memory", "2MiB"]
+    code, err = _split(tmp_path, _model(tmp_path, WIDE), flags, capsys)
+    assert code == 2, err
+    fix = next(f for f in _fixes(err.strip()) if _example_fix(f) is not None)
+    assert _example_fix(fix) == (256, 2048, "64")  # 8 micro-batches of 2,048 rows before
+    code, again = _split(tmp_path, *_applied(tmp_path, WIDE, flags, fix), capsys)
+    assert code == 0, again
+    larger = ["an", "example", "of", "512", "samples", "(not", "2048)", "with",
+              "--microbatches", "32"]
+    code, again = _split(tmp_path, *_applied(tmp_path, WIDE, flags, larger), capsys)
+    assert code == 2 and "No split" in again, again
+
+
+def test_no_smaller_micro_batch_is_named_for_an_example_of_one_sample(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    single = WIDE.replace("torch.ones(2048, 64)", "torch.ones(1, 64)").replace(
+        "torch.nn.Linear(64, 64)", "torch.nn.Linear(64, 4096), torch.nn.Linear(4096, 64)")
+    code, err = _split(tmp_path, _model(tmp_path, single), ["--gpus", "2", "--memory", "1MiB"],
+                       capsys)
+    assert code == 2 and "No split" in err, err
+    assert "an example of" not in err
 
 
 def test_an_op_too_big_for_one_gpu_rules_out_every_gpu_count(

@@ -9,6 +9,8 @@ cannot be had.
 
 from __future__ import annotations
 
+from typing import Any
+
 from fxpipe.units import format_bytes
 
 __all__ = [
@@ -91,8 +93,10 @@ class InfeasibleMemoryError(ValueError):
     not searched or none found), ``recompute`` the recompute policy (None when it would
     not help or is already allowed), ``precision`` a leaner training precision (None when
     none was tried or none fits; the caller, which costs the graph, tries them:
-    ``with_precision``), on ``precision_gpus`` GPUs where it needs more than asked.
-    What is proved cannot fit: fewer than ``at_least`` GPUs (None when not known), and,
+    ``but``), on ``precision_gpus`` GPUs where it needs more than asked; ``samples`` =
+    (b, B, M) micro-batches of b of the example's B samples, M of them per step (None
+    when none was tried or none fits; the caller tries them too). What is proved cannot
+    fit: fewer than ``at_least`` GPUs (None when not known), and,
     with ``alone`` = (name, bytes), any number of GPUs, since that one group of ops needs
     more than the limit on a stage of its own. ``searched``: when ``fits_on`` is None, the
     most GPUs the search for it tried (None: every count there can be)."""
@@ -101,7 +105,8 @@ class InfeasibleMemoryError(ValueError):
                  fits_on: int | None = None, recompute: str | None = None,
                  precision: str | None = None, at_least: int | None = None,
                  alone: tuple[str, float] | None = None,
-                 precision_gpus: int | None = None, searched: int | None = None) -> None:
+                 precision_gpus: int | None = None, searched: int | None = None,
+                 samples: tuple[int, int, int] | None = None) -> None:
         self.devices = devices
         self.limit = limit
         self.needed = needed
@@ -112,6 +117,7 @@ class InfeasibleMemoryError(ValueError):
         self.alone = alone
         self.precision_gpus = precision_gpus
         self.searched = searched
+        self.samples = samples
         fixes = [f"allow {format_bytes(needed)} per GPU"]
         if fits_on is not None:
             fixes.append(f"use {fits_on} GPUs")
@@ -120,6 +126,9 @@ class InfeasibleMemoryError(ValueError):
         if precision is not None:
             on = "" if precision_gpus is None else f" on {precision_gpus} GPUs"
             fixes.append(f"train at precision {precision}{on}")
+        if samples is not None:
+            b, B, M = samples
+            fixes.append(f"train on micro-batches of {b} samples, not {B} ({M} per step)")
         super().__init__(
             f"No split of the model onto {devices} GPUs fits in {format_bytes(limit)} per GPU; "
             f"the best split needs {format_bytes(needed)}{self.proved()}. To fit, "
@@ -140,14 +149,12 @@ class InfeasibleMemoryError(ValueError):
         searched = f"none was found on up to {self.searched} GPUs"
         return f", {fewer}, and {searched}" if fewer else f", and {searched}"
 
-    def with_precision(self, precision: str, gpus: int | None = None) -> InfeasibleMemoryError:
-        """The same error, naming ``precision`` as a fix too, on ``gpus`` GPUs (None: on
-        as many as asked)."""
-        return InfeasibleMemoryError(devices=self.devices, limit=self.limit,
-                                     needed=self.needed, fits_on=self.fits_on,
-                                     recompute=self.recompute, precision=precision,
-                                     at_least=self.at_least, alone=self.alone,
-                                     precision_gpus=gpus, searched=self.searched)
+    def but(self, **fixes: Any) -> InfeasibleMemoryError:
+        """The same error naming more fixes (``precision``, ``precision_gpus``,
+        ``samples``), found by a caller that costs the graph again."""
+        fields = ("devices", "limit", "needed", "fits_on", "recompute", "precision",
+                  "at_least", "alone", "precision_gpus", "searched", "samples")
+        return InfeasibleMemoryError(**{**{f: getattr(self, f) for f in fields}, **fixes})
 
 
 def _either(options: list[str]) -> str:
