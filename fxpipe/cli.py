@@ -494,6 +494,8 @@ def _worded(exc: ValueError) -> str:
         if exc.samples is not None:
             b, B, M = exc.samples
             fixes.append(f"an example of {b} samples (not {B}) with --microbatches {M}")
+        if exc.schedule is not None:
+            fixes.append(f"--schedule {exc.schedule}")
         if len(fixes) == 1 and exc.alone is None and exc.searched is None:
             fixes.append("more --gpus" if exc.at_least is None
                          else f"--gpus {exc.at_least} or more")

@@ -249,6 +249,8 @@ def plan_split(
             samples = _fitting_samples(traced, options)
             if samples is not None:
                 fixes.update(samples=samples)
+            if _fits_in_1f1b(traced, options):
+                fixes.update(schedule=ScheduleKind.ONE_F_ONE_B.value)
             if not fixes:
                 raise
             raise exc.but(**fixes) from None
@@ -402,6 +404,16 @@ def _fitting_samples(traced: Traced, options: SplitOptions) -> tuple[int, int, i
         if dp_fits(problem):
             return b, B, step.microbatches
     return None
+
+
+def _fits_in_1f1b(traced: Traced, options: SplitOptions) -> bool:
+    """Whether a split fits under 1F1B, which keeps the fewest micro-batches in flight
+    of the schedules (no weight stash, no deferred weight gradient), where another
+    schedule was asked for; found by a fast fitting split."""
+    if options.schedule is ScheduleKind.ONE_F_ONE_B:
+        return False
+    plain = replace(options, schedule=ScheduleKind.ONE_F_ONE_B, virtual_stages=1)
+    return dp_fits(_lowered(traced, plain).problem)
 
 
 # Micro-batch sizes tried when nothing fits: the example's batch halved up to this often

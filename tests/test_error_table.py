@@ -199,6 +199,10 @@ CASES: dict[str, tuple[dict[str, str], list[str]]] = {
     "memory fits at a leaner precision": (
         model(WIDE), ["split", "model.py", "--gpus", "2", "--memory", "5MiB"]
     ),
+    "memory fits under 1F1B": (
+        model(WIDE), ["split", "model.py", "--gpus", "2", "--memory", "8MiB", "--schedule",
+                      "gpipe"]
+    ),
     "memory fits on smaller micro-batches": (
         model(WIDE), ["split", "model.py", "--gpus", "2", "--memory", "2MiB"]
     ),

@@ -82,6 +82,9 @@ def _model(tmp_path: Path, text: str) -> Path:
     (DEEP, ["--gpus", "2", "--memory", "3MiB"], ["--gpus 4", "--precision bf16-true"]),
     # one layer per GPU in float32; in bfloat16 two, but not on 2 GPUs
     (DEEP, ["--gpus", "2", "--memory", "1.5MiB"], ["--gpus 8", "--precision bf16-true --gpus 4"]),
+    # GPipe keeps all 8 micro-batches in flight, 1F1B at most 2
+    (WIDE, ["--gpus", "2", "--memory", "8MiB", "--schedule", "gpipe"],
+     ["--schedule 1f1b", "--precision bf16-mixed"]),
 ])
 def test_every_fix_named_fits(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                               text: str, flags: list[str], named: list[str]) -> None:

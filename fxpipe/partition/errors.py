@@ -95,18 +95,20 @@ class InfeasibleMemoryError(ValueError):
     none was tried or none fits; the caller, which costs the graph, tries them:
     ``but``), on ``precision_gpus`` GPUs where it needs more than asked; ``samples`` =
     (b, B, M) micro-batches of b of the example's B samples, M of them per step (None
-    when none was tried or none fits; the caller tries them too). What is proved cannot
-    fit: fewer than ``at_least`` GPUs (None when not known), and,
-    with ``alone`` = (name, bytes), any number of GPUs, since that one group of ops needs
-    more than the limit on a stage of its own. ``searched``: when ``fits_on`` is None, the
-    most GPUs the search for it tried (None: every count there can be)."""
+    when none was tried or none fits; the caller tries them too); ``schedule`` a schedule
+    that keeps fewer micro-batches in flight. What is proved cannot fit: fewer than
+    ``at_least`` GPUs (None when not known), and, with ``alone`` = (name, bytes), any
+    number of GPUs, since that one group of ops needs more than the limit on a stage of
+    its own. ``searched``: when ``fits_on`` is None, the most GPUs the search for it
+    tried (None: every count there can be)."""
 
     def __init__(self, *, devices: int, limit: float, needed: float,
                  fits_on: int | None = None, recompute: str | None = None,
                  precision: str | None = None, at_least: int | None = None,
                  alone: tuple[str, float] | None = None,
                  precision_gpus: int | None = None, searched: int | None = None,
-                 samples: tuple[int, int, int] | None = None) -> None:
+                 samples: tuple[int, int, int] | None = None,
+                 schedule: str | None = None) -> None:
         self.devices = devices
         self.limit = limit
         self.needed = needed
@@ -118,6 +120,7 @@ class InfeasibleMemoryError(ValueError):
         self.precision_gpus = precision_gpus
         self.searched = searched
         self.samples = samples
+        self.schedule = schedule
         fixes = [f"allow {format_bytes(needed)} per GPU"]
         if fits_on is not None:
             fixes.append(f"use {fits_on} GPUs")
@@ -129,6 +132,8 @@ class InfeasibleMemoryError(ValueError):
         if samples is not None:
             b, B, M = samples
             fixes.append(f"train on micro-batches of {b} samples, not {B} ({M} per step)")
+        if schedule is not None:
+            fixes.append(f"use the {schedule} schedule")
         super().__init__(
             f"No split of the model onto {devices} GPUs fits in {format_bytes(limit)} per GPU; "
             f"the best split needs {format_bytes(needed)}{self.proved()}. To fit, "
@@ -153,7 +158,7 @@ class InfeasibleMemoryError(ValueError):
         """The same error naming more fixes (``precision``, ``precision_gpus``,
         ``samples``), found by a caller that costs the graph again."""
         fields = ("devices", "limit", "needed", "fits_on", "recompute", "precision",
-                  "at_least", "alone", "precision_gpus", "searched", "samples")
+                  "at_least", "alone", "precision_gpus", "searched", "samples", "schedule")
         return InfeasibleMemoryError(**{**{f: getattr(self, f) for f in fields}, **fixes})
 
 
