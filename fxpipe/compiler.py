@@ -365,6 +365,11 @@ def _fitting_precision(traced: Traced, options: SplitOptions, fits_on: int | Non
     return on_more
 
 
+# Micro-batch sizes tried when nothing fits: the example's batch halved up to this often
+# (each costs the graph's bytes once more).
+MAX_HALVINGS = 6
+
+
 def _fitting_samples(traced: Traced, options: SplitOptions) -> tuple[int, int, int] | None:
     """Smaller micro-batches that fit with the other options as given: (b, B, M), micro-
     batches of b of the example's B samples, M of them per step (as many samples as
@@ -414,11 +419,6 @@ def _fits_in_1f1b(traced: Traced, options: SplitOptions) -> bool:
         return False
     plain = replace(options, schedule=ScheduleKind.ONE_F_ONE_B, virtual_stages=1)
     return dp_fits(_lowered(traced, plain).problem)
-
-
-# Micro-batch sizes tried when nothing fits: the example's batch halved up to this often
-# (each costs the graph's bytes once more).
-MAX_HALVINGS = 6
 
 
 def _check_pipedream_ties(problem: Problem) -> None:

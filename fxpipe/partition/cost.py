@@ -122,7 +122,10 @@ def memory_parts(problem: Problem, j: int | np.ndarray, *, flight: int | np.ndar
     keep = 1 if recompute else flight
     loss = problem.loss_saved_bytes * keep + problem.loss_grad_bytes
     grad_factor, optimizer_factor = state_split(problem.state_factor)
-    last = np.equal(j, problem.num_stages - 1)
+    if np.ndim(j):  # a column of stages: the loss on the last stage's row alone
+        loss_bytes = np.where(j == problem.num_stages - 1, _up(loss, replicas), 0) + 0 * params
+    else:
+        loss_bytes = _up(loss, replicas) if j == problem.num_stages - 1 else 0 * params
     return {
         "params": params,
         "grads": params * grad_factor,
@@ -130,8 +133,7 @@ def memory_parts(problem: Problem, j: int | np.ndarray, *, flight: int | np.ndar
         "activations": _up(activations * keep, replicas),
         "received": _up(received * flight, replicas),
         "outputs": _up(kept * (flight + 1), replicas),
-        "loss": np.where(last, _up(loss, replicas), 0) + 0 * params if last.ndim else
-                _up(loss, replicas) if last else 0 * params,
+        "loss": loss_bytes,
         "backward": transient,
         "stashed": params * flight if problem.schedule.spec.stashes_weights else 0 * params,
         "workspace": problem.workspace_bytes + 0 * params,

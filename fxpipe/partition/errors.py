@@ -156,7 +156,7 @@ class InfeasibleMemoryError(ValueError):
 
     def but(self, **fixes: Any) -> InfeasibleMemoryError:
         """The same error naming more fixes (``precision``, ``precision_gpus``,
-        ``samples``), found by a caller that costs the graph again."""
+        ``samples``, ``schedule``), found by a caller that costs the graph again."""
         fields = ("devices", "limit", "needed", "fits_on", "recompute", "precision",
                   "at_least", "alone", "precision_gpus", "searched", "samples", "schedule")
         return InfeasibleMemoryError(**{**{f: getattr(self, f) for f in fields}, **fixes})
