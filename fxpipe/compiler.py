@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch.utils import _pytree as pytree
@@ -327,32 +327,22 @@ def _fitting_precision(traced: Traced, options: SplitOptions, fits_on: int | Non
     """The first leaner precision (``_LEANER``) at which a split of the model fits with the
     other options as given, and None; else the one that fits on the fewest GPUs
     (``fewest_gpus``), fewer than ``fits_on`` (the fewest at the current precision; None:
-    none), and that count. Found by costing the graph's bytes at it (the shape and
-    byte passes once more, in one run; FLOPs and times, which do not decide a fit, are
-    left as they are: the FLOP pass is the slowest) and a fast fitting split
-    (``dp_fits``); the GPU counts are searched only when no precision fits as given. The
-    graph's own annotations are restored afterwards. A precision the passes cannot run
-    the graph at is not named (it could not be planned either).
+    none), and that count. Found by costing the graph's bytes at it (``_bytes_again``)
+    and a fast fitting split (``dp_fits``); the GPU counts are searched only when no
+    precision fits as given. A precision the passes cannot run the graph at is not named
+    (it could not be planned either).
 
     On a graph torch.export captured, the bytes at a ``*-true`` precision are those of the
     traced casts (a float32 trace keeps RMSNorm's ``to(float32)`` where the cast model
     runs ``to(bfloat16)``): more than the cast model keeps, so a fit found here holds when
     the model is planned at that precision, which traces it cast."""
     current = options.precision or default_precision(traced.gm)
-    gm, inputs = traced.gm, traced.flat_inputs
     costed: list[tuple[Precision, Problem]] = []
     for candidate in _LEANER.get(current, ()):
-        saved = {node: dict(node.meta) for node in gm.graph.nodes}
-        try:
-            annotate_memory(gm, *inputs, execution=_execution(options.device, candidate),
-                            shapes=True)
-            annotate_modules(gm)
-            problem = _lowered(traced, replace(options, precision=candidate)).problem
-        except AnalysisError:
+        problem = _bytes_again(traced, replace(options, precision=candidate),
+                               traced.flat_inputs)
+        if problem is None:
             continue
-        finally:
-            for node, meta in saved.items():
-                node.meta = meta
         if dp_fits(problem):
             return candidate, None
         costed.append((candidate, problem))
@@ -375,9 +365,9 @@ def _fitting_samples(traced: Traced, options: SplitOptions) -> tuple[int, int, i
     batches of b of the example's B samples, M of them per step (as many samples as
     before); the largest b of B / 2, B / 4, ... that fits, found as
     ``_fitting_precision`` finds a precision (the graph's bytes costed again at that
-    size, and a fast fitting split). None where none of them fits, where the example
-    holds one sample, or where the graph does not take another batch size. The graph's
-    own annotations are restored afterwards."""
+    size, ``_bytes_again``, and a fast fitting split). None where none of them fits,
+    where the example holds one sample, or where the graph does not take another batch
+    size."""
     flat = traced.flat_inputs
     batched = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.dim() > 0
                and (not traced.batched or traced.batched[i])]
@@ -387,8 +377,6 @@ def _fitting_samples(traced: Traced, options: SplitOptions) -> tuple[int, int, i
     if len(sizes) != 1 or any(free.get(placeholders[i]) is None for i in batched):
         return None
     (B,) = sizes
-    gm = traced.gm
-    execution = _execution(options.device, options.precision or default_precision(gm))
     b = B
     for _ in range(MAX_HALVINGS):
         if b % 2:
@@ -396,19 +384,32 @@ def _fitting_samples(traced: Traced, options: SplitOptions) -> tuple[int, int, i
         b //= 2
         inputs = tuple(x.narrow(0, 0, b) if i in batched else x for i, x in enumerate(flat))
         step = replace(options, microbatches=options.microbatches * B // b)
-        saved = {node: dict(node.meta) for node in gm.graph.nodes}
-        try:
-            annotate_memory(gm, *inputs, execution=execution, shapes=True)
-            annotate_modules(gm)
-            problem = _lowered(traced, step).problem
-        except AnalysisError:
+        problem = _bytes_again(traced, step, inputs)
+        if problem is None:
             return None
-        finally:
-            for node, meta in saved.items():
-                node.meta = meta
         if dp_fits(problem):
             return b, B, step.microbatches
     return None
+
+
+def _bytes_again(traced: Traced, options: SplitOptions, inputs: tuple[Any, ...]
+                 ) -> Problem | None:
+    """The problem ``options`` make of the graph with its shapes and bytes costed once
+    more, on ``inputs`` at the options' precision (one run of the graph; FLOPs and times,
+    which do not decide a fit, are left as they are: the FLOP pass is the slowest); None
+    where the passes cannot run it. The graph's own annotations are restored after."""
+    gm = traced.gm
+    execution = _execution(options.device, options.precision or default_precision(gm))
+    saved = {node: dict(node.meta) for node in gm.graph.nodes}
+    try:
+        annotate_memory(gm, *inputs, execution=execution, shapes=True)
+        annotate_modules(gm)
+        return _lowered(traced, options).problem
+    except AnalysisError:
+        return None
+    finally:
+        for node, meta in saved.items():
+            node.meta = meta
 
 
 def _fits_in_1f1b(traced: Traced, options: SplitOptions) -> bool:
