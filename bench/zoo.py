@@ -8,8 +8,9 @@
                                         # --virtual-stages, and M = 4 micro-batches a
                                         # multiple of the GPUs: --gpus 2 or 4)
     python bench/zoo.py --layers 7      # 7 layers per stack instead of 2: stacks of six or
-                                        # more identical layers are exported three deep
-                                        # and copied (capture "export, copied")
+                                        # more identical layers are exported two deep
+                                        # (three where the first runs unlike the others)
+                                        # and copied (capture "export, copied 2 deep")
 
 For every model the benchmark writes a model file the way a user would (``build_model``,
 ``example_inputs``, ``example_target``, ``loss_fn``; random weights from a config,
@@ -64,7 +65,7 @@ from fxpipe.output import write_folder
 from fxpipe.passes.base import OP_NODES
 from fxpipe.runtime.loading import import_file
 from fxpipe.schedules import ScheduleKind
-from fxpipe.tracing.repeats import KEPT
+from fxpipe.tracing.repeats import DEPTHS
 
 MICRO = 2  # samples per micro-batch
 MICROBATCHES = 4
@@ -622,8 +623,9 @@ def check(family: Family, folder: Path, schedule: ScheduleKind = ScheduleKind.ON
         phase = "trace"  # load, trace and analyse, as `fxpipe split model.py` does
         device = get_device("h100")
         source, traced = analyze_file(str(model_file), device=device, solvable=True)
-        copied = any(note.startswith(f"exported {KEPT} layers") for note in traced.notes)
-        row.capture = f"{traced.tracer}, copied" if copied else traced.tracer
+        depth = next((depth for depth in DEPTHS for note in traced.notes
+                      if note.startswith(f"exported {depth} layers")), None)
+        row.capture = f"{traced.tracer}, copied {depth} deep" if depth else traced.tracer
         row.nodes = sum(1 for n in traced.gm.graph.nodes if n.op in OP_NODES)
 
         phase = "plan"

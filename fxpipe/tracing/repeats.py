@@ -1,24 +1,29 @@
-"""Exporting a model whose layers repeat: export three of them, copy the third for the rest.
+"""Exporting a model whose layers repeat: export two of them, copy the second for the rest.
 
 torch.export spends milliseconds per op on symbolic shapes: 9.6 s of a 10.5 s trace of
 a 32-layer Llama-3-8B, 36 s for an 80-layer 70B. The layers of such a model are one
 class with one structure, stored in an ``nn.ModuleList``. The model is exported with
-each long list cut to its first three layers, and the graph of the third is copied
-for the others, each copy reading its own layer's parameters and the previous copy's
-values where the third read the second's.
+each long list cut to its first two layers, and the graph of the second is copied for
+the others, each copy reading its own layer's parameters and the previous copy's values
+where the second read the first's. Where the first layer runs unlike the others (they
+read its output, say), three are exported and the third is copied.
 
-A copy is only right if every layer really runs as the third does, which nothing in a
-model's structure promises (a layer may read its index, as Gemma-2's alternating
+A copy is only right if every later layer really runs as the copied one does, which
+nothing in a model's structure promises (a layer may read its index, as Gemma-2's alternating
 sliding windows do, or the model may read every layer's output). So the whole model is
 first run on fake tensors (static shapes, about a second) recording, at the level of
 ``torch`` functions, every call with its arguments: each tensor named by where it came
 from (this layer's call c, the previous layer's call c, a parameter by its name inside
 the layer, anything else by what it is), each other value as it is, with the grad
 mode and autocast state. The cut model is recorded too. The copy is made only when
-the layers after the third record exactly as the third, the cut model records exactly
-as the whole model's first three layers and everything outside them, and the exported
-graphs of the second and third layers match node for node; otherwise the whole model
-is exported as it is.
+the layers after the copied one record exactly as it, the cut model records exactly as
+the whole model's first layers and everything outside them, and the exported graphs of
+the last two exported layers match node for node (the first layer reading from before
+the layers what the second reads from the first); otherwise the whole model is exported
+as it is.
+
+The whole model's run, seconds of Python on a long model, is recorded in a forked child
+(``forked.py``) while the cut model is exported here.
 """
 
 from __future__ import annotations
@@ -36,11 +41,14 @@ from torch.utils import _pytree as pytree
 
 from fxpipe.runtime.binding import bind
 from fxpipe.tracing.export import export_program, exported_graph, quiet_stderr
+from fxpipe.tracing.forked import Forked
 from fxpipe.tracing.records import InputShape
 
 __all__ = ["export_in_layers"]
 
-KEPT = 3  # layers exported: the first may differ, the second and third must match
+# Layers exported: two, the second copied for the others; three where the first runs
+# unlike the others (every later layer reads its output, say), the third copied.
+DEPTHS = (2, 3)
 MIN_LAYERS = 6  # shorter lists are exported whole: the copy would save too little
 
 
@@ -83,13 +91,13 @@ def _structure(module: torch.nn.Module) -> tuple[Any, ...]:
 
 
 @contextmanager
-def cut(lists: Sequence[Layers]) -> Iterator[None]:
-    """Each list holds only its first ``KEPT`` layers inside the block; the model's own
+def cut(lists: Sequence[Layers], depth: int) -> Iterator[None]:
+    """Each list holds only its first ``depth`` layers inside the block; the model's own
     lists are put back after it."""
     originals = [getattr(layers.parent, layers.attr) for layers in lists]
     try:
         for layers in lists:
-            setattr(layers.parent, layers.attr, torch.nn.ModuleList(layers.modules[:KEPT]))
+            setattr(layers.parent, layers.attr, torch.nn.ModuleList(layers.modules[:depth]))
         yield
     finally:
         for layers, original in zip(lists, originals, strict=True):
@@ -266,20 +274,20 @@ def _hooked(recorder: _Recorder, module: torch.nn.Module, which: tuple[int, int]
         after.remove()
 
 
-def same_run(whole: Run, kept: Run, lists: Sequence[Layers]) -> bool:
-    """Whether the model cut to ``KEPT`` layers per list ran as the whole model did, and
-    every layer of the whole model after the ``KEPT``-th as that one."""
+def same_run(whole: Run, kept: Run, lists: Sequence[Layers], depth: int) -> bool:
+    """Whether the model cut to ``depth`` layers per list ran as the whole model did, and
+    every layer of the whole model after the ``depth``-th as that one."""
     if whole.outside != kept.outside:
         return False
-    if [w for w in whole.order if w[1] < KEPT] != kept.order:
+    if [w for w in whole.order if w[1] < depth] != kept.order:
         return False
     for which, layers in enumerate(lists):
         if [i for w, i in whole.order if w == which] != list(range(len(layers.modules))):
             return False
-        last = whole.inside[(which, KEPT - 1)]
-        if any(kept.inside[(which, i)] != whole.inside[(which, i)] for i in range(KEPT)):
+        last = whole.inside[(which, depth - 1)]
+        if any(kept.inside[(which, i)] != whole.inside[(which, i)] for i in range(depth)):
             return False
-        if any(whole.inside[(which, i)] != last for i in range(KEPT, len(layers.modules))):
+        if any(whole.inside[(which, i)] != last for i in range(depth, len(layers.modules))):
             return False
     return True
 
@@ -289,46 +297,66 @@ def export_in_layers(
 ) -> tuple[torch.fx.GraphModule, tuple[Any, ...], tuple[InputShape, ...],
            Exception | None, str] | None:
     """``export_program`` and ``exported_graph`` with each long list of layers exported
-    as three and copied (the module docstring), and a note saying so; None when the model
-    has no such list or its layers do not all run as the third."""
+    two (or three) deep and copied (the module docstring), and a note saying so; None when
+    the model has no such list or its later layers do not all run alike."""
     lists = layer_lists(model)
     if not lists:
         return None
-    whole = record(model, args, kwargs, lists)
+    with Forked(lambda: record(model, args, kwargs, lists)) as recorded:
+        shallow = _cut_export(model, args, kwargs, lists, DEPTHS[0])
+        whole = recorded.result()
     if whole is None:
         return None
+    for depth in DEPTHS:
+        attempt = shallow if depth == DEPTHS[0] else _cut_export(model, args, kwargs, lists,
+                                                                depth, whole)
+        if attempt is None or not same_run(whole, attempt[0], lists, depth):
+            continue
+        gm, flat, inputs = exported_graph(attempt[1], args, kwargs)
+        if all(copy_layers(gm, model, layers, depth) for layers in lists):
+            shown = ", ".join(f"{len(layers.modules)} of {layers.path}" for layers in lists)
+            note = (f"exported {depth} layers of each list of identical layers ({shown}) and "
+                    f"copied the last for the others: every later layer ran as layer "
+                    f"{depth - 1} did")
+            return gm, flat, inputs, attempt[2], note
+    return None
+
+
+def _cut_export(
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+    lists: Sequence[Layers], depth: int, whole: Run | None = None,
+) -> tuple[Run, torch.export.ExportedProgram, Exception | None] | None:
+    """The model cut to ``depth`` layers per list: its recorded run, its export and the
+    error that kept export from free dimensions (``export_program``); None where it
+    cannot be recorded or exported, or did not run as ``whole`` (when given) did."""
     try:
-        with cut(lists):
+        with cut(lists, depth):
             kept = record(model, args, kwargs, lists)
-            if kept is None or not same_run(whole, kept, lists):
+            if kept is None or (whole is not None and not same_run(whole, kept, lists, depth)):
                 return None
             program, fixed_shapes = export_program(model, args, kwargs)
     except Exception:
         return None  # the whole model may still export: it is tried next
-    gm, flat, inputs = exported_graph(program, args, kwargs)
-    if not all(copy_layers(gm, model, layers) for layers in lists):
-        return None
-    shown = ", ".join(f"{len(layers.modules)} of {layers.path}" for layers in lists)
-    note = (f"exported {KEPT} layers of each list of identical layers ({shown}) and copied "
-            f"the last for the others: every later layer ran as layer {KEPT - 1} did")
-    return gm, flat, inputs, fixed_shapes, note
+    return kept, program, fixed_shapes
 
 
-def copy_layers(gm: torch.fx.GraphModule, model: torch.nn.Module, layers: Layers) -> bool:
-    """Copy the exported graph's last layer of ``layers`` for each layer the cut left out,
-    each copy reading its own layer's parameters from ``model``; False (and ``gm`` is then
-    to be dropped) when the graphs of the last two exported layers differ."""
+def copy_layers(gm: torch.fx.GraphModule, model: torch.nn.Module, layers: Layers,
+                depth: int) -> bool:
+    """Copy the exported graph's last layer of ``layers`` (``depth`` of them exported)
+    for each layer the cut left out, each copy reading its own layer's parameters from
+    ``model``; False (and ``gm`` is then to be dropped) when the graphs of the last two
+    exported layers differ."""
     members = _members(gm, layers.path)
-    if sorted(members) != list(range(KEPT)) or not _same_layer(members, layers.path):
+    if sorted(members) != list(range(depth)) or not _same_layer(members, layers.path, depth):
         return False
-    template, previous = members[KEPT - 1], members[KEPT - 2]
+    template, previous = members[depth - 1], members[depth - 2]
     at = {node: p for p, node in enumerate(template)}
     at_previous = {node: p for p, node in enumerate(previous)}
     order = {node: p for p, node in enumerate(gm.graph.nodes)}
     readers = {user: None for node in template for user in node.users if user not in at}
     if any(order[user] < order[template[-1]] for user in readers):
         return False  # something outside the layer runs inside it: not a layer to copy
-    attrs = _own_attrs(gm, layers.path, KEPT - 1)
+    attrs = _own_attrs(gm, layers.path, depth - 1)
     last_attr = max(attrs, key=order.__getitem__, default=None)
     # The lifted constants (see _members) are copied after the last one, where a whole
     # export has them; the rest after the copy before.
@@ -336,7 +364,7 @@ def copy_layers(gm: torch.fx.GraphModule, model: torch.nn.Module, layers: Layers
     is_lifted = set(lifted)
     before, after = template, template[-1]
     after_lifted = lifted[-1] if lifted else None
-    for index in range(KEPT, len(layers.modules)):
+    for index in range(depth, len(layers.modules)):
         names, last_attr = _add_attrs(gm, model, f"{layers.path}.{index}.", attrs, last_attr)
 
         def source(node: torch.fx.Node, made: list[torch.fx.Node],
@@ -350,7 +378,7 @@ def copy_layers(gm: torch.fx.GraphModule, model: torch.nn.Module, layers: Layers
 
         made = _copy(gm, template, after, source, is_lifted, after_lifted)
         for node, copy in zip(template, made, strict=True):
-            copy.meta = _moved_meta(node.meta, layers.path, index)
+            copy.meta = _moved_meta(node.meta, layers.path, depth - 1, index)
         before, after = made, made[-1]
         if lifted:
             after_lifted = made[at[lifted[-1]]]
@@ -389,31 +417,38 @@ def _members(gm: torch.fx.GraphModule, path: str) -> dict[int, list[torch.fx.Nod
     return {i: sorted(nodes, key=order.__getitem__) for i, nodes in members.items()}
 
 
-def _same_layer(members: dict[int, list[torch.fx.Node]], path: str) -> bool:
-    """Whether the last two exported layers are one graph: the same ops in the same order,
-    each argument the same value, the same node outside the layer, the same position in
-    the layer, a value of an earlier layer, or the same parameter of the layer's own."""
+def _same_layer(members: dict[int, list[torch.fx.Node]], path: str, depth: int) -> bool:
+    """Whether the last two of the ``depth`` exported layers are one graph: the same ops in
+    the same order, each argument the same value, the same node outside the layers, the
+    same position in the layer, the same parameter of the layer's own, or a value of an
+    earlier layer (the layer before, as a copy reads the copy before it, or layer 0,
+    which every later layer may read as one fixed value: the recorded runs tell the two
+    apart). Layer 0 reads from before the layers what layer 1 reads from layer 0 (the
+    embedding, where layer 1 reads layer 0's output): those values stand for an earlier
+    layer's there."""
+    def reads(index: int) -> set[torch.fx.Node]:
+        return {a for node in members[index] for a in node.all_input_nodes}
+
     def shape(index: int) -> list[tuple[Any, ...]]:
         here = {node: p for p, node in enumerate(members[index])}
-        # An earlier layer's value: the layer before (layer 2's only, as a copy reads
-        # the copy before it) or layer 0 (which every later layer may read as one fixed
-        # value: the recorded runs tell the two apart).
         before = {node for earlier in range(index) for node in members[earlier]}
+        if index == 0:
+            before = reads(0) - reads(1)
         prefix = f"{path}.{index}."
 
         def kind(node: torch.fx.Node) -> Any:
             if node in here:
                 return ("here", here[node])
-            if node in before:
-                return ("before",)
             if node.op == "get_attr" and str(node.target).startswith(prefix):
                 return ("own", str(node.target)[len(prefix):])
+            if node in before:
+                return ("before",)
             return node
 
         return [(n.op, n.target, torch.fx.map_arg(n.args, kind), torch.fx.map_arg(n.kwargs, kind))
                 for n in members[index]]
 
-    return shape(KEPT - 2) == shape(KEPT - 1)
+    return shape(depth - 2) == shape(depth - 1)
 
 
 def _own_attrs(gm: torch.fx.GraphModule, path: str, index: int) -> dict[torch.fx.Node, str]:
@@ -464,12 +499,14 @@ def _copy(
     return made
 
 
-def _moved_meta(meta: dict[str, Any], path: str, index: int) -> dict[str, Any]:
-    """A copy's ``node.meta``: the template's, its module stack naming layer ``index``."""
+def _moved_meta(meta: dict[str, Any], path: str, template: int, index: int
+                ) -> dict[str, Any]:
+    """A copy's ``node.meta``: the template's (layer ``template``), its module stack naming
+    layer ``index``."""
     moved = dict(meta)
     stack = meta.get("nn_module_stack")
     if stack:
-        pattern = re.compile(re.escape(f"{path}.{KEPT - 1}") + r"(?=\.|$)")
+        pattern = re.compile(re.escape(f"{path}.{template}") + r"(?=\.|$)")
         renamed = f"{path}.{index}"
         moved["nn_module_stack"] = {
             pattern.sub(renamed, key): (pattern.sub(renamed, module_path), kind)

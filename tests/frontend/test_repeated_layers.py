@@ -1,4 +1,4 @@
-"""Exporting three layers of a long list of identical layers and copying the third
+"""Exporting two (or three) layers of a long list of identical layers and copying the last
 (fxpipe.tracing.repeats) gives the graph a whole export gives, or is not done.
 
 The copy is compared with a whole export node by node (op, arguments by position,
@@ -20,6 +20,7 @@ from torch import nn
 from fxpipe.frontend import trace
 from fxpipe.tracing.export import export_program, exported_graph
 from fxpipe.tracing.repeats import (
+    DEPTHS,
     MIN_LAYERS,
     cut,
     export_in_layers,
@@ -123,6 +124,7 @@ def test_the_copies_are_the_graph_a_whole_export_gives(make: Any) -> None:
     assert layered is not None, "the layers were not copied"
     gm, flat, inputs, fixed, note = layered
     assert fixed is None and f"{LAYERS} of" in note
+    assert note.startswith(f"exported {DEPTHS[0]} layers"), note
     program, _ = export_program(model, (), kwargs)
     whole, _, whole_inputs = exported_graph(program, (), kwargs)
     assert _canonical(gm) == _canonical(whole)
@@ -156,6 +158,12 @@ class _MakesItsIndex(_Layer):
         return super().forward(x) * torch.tensor([float(self.index)])
 
 
+class _AddsTheFirst(_Layer):
+    def forward(self, x: torch.Tensor, first: torch.Tensor | None = None) -> torch.Tensor:
+        y = super().forward(x)
+        return y if first is None else y + first
+
+
 class _Stack(nn.Module):
     """Layers in a list, run as ``how`` says."""
 
@@ -172,11 +180,26 @@ class _Stack(nn.Module):
             order = order + order
         outputs = []
         for layer in order:
-            x = layer(x)
+            x = layer(x, outputs[0]) if self.how == "reads the first" and outputs else layer(x)
             outputs.append(x)
         if self.how == "every output":
             return torch.stack(outputs).sum(0)
         return x
+
+
+def test_layers_that_read_the_first_ones_output_are_copied_three_deep() -> None:
+    """Every layer after the first adds the first's output: layer 1 reads it as the layer
+    before, the later ones as one fixed value, so layer 1 is not the one to copy; three
+    are exported and the third copied, which is the graph a whole export gives."""
+    model, x = _Stack("reads the first", _AddsTheFirst), torch.randn(4, 16)
+    layered = export_in_layers(model, (x,), {})
+    assert layered is not None, "the layers were not copied"
+    assert layered[4].startswith(f"exported {DEPTHS[1]} layers"), layered[4]
+    program, _ = export_program(model, (x,), {})
+    whole, _, _ = exported_graph(program, (x,), {})
+    assert _canonical(layered[0]) == _canonical(whole)
+    with torch.no_grad():
+        torch.testing.assert_close(_run(layered[0], layered[1]), model(x))
 
 
 def test_a_constant_every_layer_makes_is_copied_with_each_layer() -> None:
@@ -216,14 +239,16 @@ def test_layers_that_do_not_all_run_alike_are_exported_whole(model: nn.Module) -
 def test_the_recorded_runs_tell_layers_that_differ(model: nn.Module, args: tuple[Any, ...],
                                                    kwargs: dict[str, Any]) -> None:
     """The check on its own, before any export: each of these runs otherwise than the
-    model cut to three layers and copied would."""
+    model cut to two or three layers and copied would."""
     lists = layer_lists(model)
     assert [len(layers.modules) for layers in lists] == [LAYERS]
     whole = record(model, args, kwargs, lists)
-    with cut(lists):
-        kept = record(model, args, kwargs, lists)
-    assert whole is not None and kept is not None
-    assert not same_run(whole, kept, lists)
+    assert whole is not None
+    for depth in DEPTHS:
+        with cut(lists, depth):
+            kept = record(model, args, kwargs, lists)
+        assert kept is not None
+        assert not same_run(whole, kept, lists, depth)
 
 
 def test_the_same_layers_in_order_are_copied() -> None:
@@ -288,7 +313,7 @@ def test_the_recorded_runs_leave_the_model_as_it_was() -> None:
     x = torch.randn(4, 16)
     lists = layer_lists(model)
     assert record(model, (x,), {}, lists) is not None
-    with cut(lists):
+    with cut(lists, DEPTHS[0]):
         assert record(model, (x,), {}, lists) is not None
     assert not any(hasattr(layer, "scale") for layer in model.layers)
     assert isinstance(model.layers, nn.ModuleList) and len(model.layers) == LAYERS

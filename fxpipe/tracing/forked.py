@@ -1,0 +1,117 @@
+"""Work done in a forked child while the parent goes on, its answer pickled back.
+
+Tracing a model of repeated layers runs two independent pieces of Python that each take
+seconds: the recorded run of the whole model and the export of the cut one (see
+``repeats.py``). A forked child shares the parent's objects as they were at the fork, with
+their ids, so it can run one of them on the same model while the parent runs the other, on
+a second core.
+
+A fork is made only where it is safe and can gain: on Linux, with more than one core
+available to the process, and with CUDA not initialized (a forked child cannot use it). A
+child that fails, cannot pickle its answer or does not answer within ``WAIT_S`` of being
+asked is no answer: the caller then does the work itself, so the result is the same as
+without a child, only slower.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import select
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+import torch
+
+__all__ = ["Forked"]
+
+T = TypeVar("T")
+
+# The longest the parent waits for the child's answer once it asks for it (seconds). The
+# whole-model record of an 80-layer Llama-3-70B takes 4 s on two cores.
+WAIT_S = 120.0
+
+
+class Forked(Generic[T]):
+    """``work()`` run in a forked child (see the module docstring), or at once where no
+    child can be made; ``result()`` is its answer, or ``work()``'s in the parent where the
+    child gave none. Used as a context manager: a child not asked for its answer by the
+    end of the block is stopped."""
+
+    def __init__(self, work: Callable[[], T]) -> None:
+        self._work = work
+        self._pid: int | None = None
+        self._pipe = -1
+        self._done: tuple[T] | None = None
+        if not _can_fork():
+            self._done = (work(),)
+            return
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: answer through the pipe, then leave without cleanup
+            os.close(read)
+            _answer(work, write)
+        os.close(write)
+        self._pid, self._pipe = pid, read
+
+    def __enter__(self) -> Forked[T]:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._pid is not None:
+            pid, self._pid = self._pid, None
+            os.close(self._pipe)
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+
+    def result(self) -> T:
+        if self._done is None:
+            self._done = self._collect() or (self._work(),)
+        return self._done[0]
+
+    def _collect(self) -> tuple[T] | None:
+        """The child's answer as a 1-tuple; None where there is no child or no answer."""
+        if self._pid is None:
+            return None
+        pid, self._pid = self._pid, None
+        data = bytearray()
+        deadline = time.monotonic() + WAIT_S
+        answered = False
+        try:
+            while (left := deadline - time.monotonic()) > 0:
+                if not select.select([self._pipe], [], [], left)[0]:
+                    break
+                chunk = os.read(self._pipe, 1 << 20)
+                if not chunk:  # the child closed the pipe: all it wrote is here
+                    answered = True
+                    break
+                data += chunk
+        finally:
+            os.close(self._pipe)
+            if not answered:
+                os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        try:
+            answer = pickle.loads(data) if answered and data else None
+        except Exception:
+            return None
+        return answer if isinstance(answer, tuple) and len(answer) == 1 else None
+
+
+def _can_fork() -> bool:
+    return (sys.platform == "linux" and len(os.sched_getaffinity(0)) > 1
+            and not torch.cuda.is_initialized())
+
+
+def _answer(work: Callable[[], T], pipe: int) -> None:
+    """In the child: write ``(work(),)`` pickled to ``pipe`` (nothing where it fails) and
+    exit at once, leaving the parent's files, buffers and exit handlers alone."""
+    try:
+        data = pickle.dumps((work(),))
+        with os.fdopen(pipe, "wb") as out:
+            out.write(data)
+    finally:
+        os._exit(0)

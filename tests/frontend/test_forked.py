@@ -1,0 +1,89 @@
+"""Work in a forked child (fxpipe.tracing.forked): its answer comes back, computed in the
+child where one can be made, and the parent does the work itself whenever the child gives
+no answer: it fails, cannot pickle what it made, or takes too long."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from fxpipe.tracing import forked
+from fxpipe.tracing.forked import Forked
+
+PARENT = os.getpid()
+fork = pytest.mark.skipif(not forked._can_fork(), reason="no child is made on this machine "
+                          "(one core, not Linux, or CUDA initialized)")
+
+
+def _reaped(pid: int) -> bool:
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return True
+    return False
+
+
+@fork
+def test_the_answer_is_made_in_a_child_that_shares_the_parents_objects() -> None:
+    shared = ["as at the fork"]
+
+    def work() -> tuple[int, int, str]:
+        mine = shared[0]
+        shared[0] = "changed in the child"
+        return os.getpid(), id(shared), mine
+
+    with Forked(work) as job:
+        pid, where, seen = job.result()
+    assert pid != PARENT
+    assert where == id(shared) and seen == "as at the fork"
+    assert shared == ["as at the fork"]  # the child's change stays in the child
+    assert _reaped(pid)
+
+
+def test_without_a_child_the_work_is_done_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(forked, "_can_fork", lambda: False)
+    calls: list[int] = []
+    job = Forked(lambda: calls.append(os.getpid()) or len(calls))
+    assert calls == [PARENT]  # before the result is asked for
+    assert job.result() == 1 and job.result() == 1
+    assert calls == [PARENT]
+
+
+@fork
+@pytest.mark.parametrize("fails", ["raises", "unpicklable"])
+def test_a_child_that_gives_no_answer_leaves_the_work_to_the_parent(fails: str) -> None:
+    def work() -> object:
+        if os.getpid() == PARENT:
+            return "the parent's"
+        if fails == "raises":
+            raise RuntimeError("only in the child")
+        return lambda: None  # pickle cannot send a lambda
+
+    with Forked(work) as job:
+        assert job.result() == "the parent's"
+
+
+@fork
+def test_a_child_that_takes_too_long_is_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(forked, "WAIT_S", 0.5)
+
+    def work() -> str:
+        if os.getpid() != PARENT:
+            time.sleep(60)
+        return "the parent's"
+
+    start = time.monotonic()
+    with Forked(work) as job:
+        pid = job._pid
+        assert job.result() == "the parent's"
+    assert time.monotonic() - start < 30
+    assert pid is not None and _reaped(pid)
+
+
+@fork
+def test_a_child_not_asked_for_its_answer_is_stopped_at_the_end_of_the_block() -> None:
+    with Forked(lambda: time.sleep(60)) as job:
+        pid = job._pid
+    assert pid is not None and _reaped(pid)
