@@ -37,6 +37,7 @@ from fxpipe.codegen.stages import (
     stage_source,
     wrap_line,
 )
+from fxpipe.codegen.wrap import wrap_tuple
 from fxpipe.cut import StageIO
 from fxpipe.frontend import Traced
 from fxpipe.plan import Plan
@@ -200,8 +201,7 @@ def runner_header(traced: Traced, plan: Plan) -> str:
         "SCHEDULE = [",
     ]
     for tick in table:
-        actions = [f'({j}, "{kind}", {mb})' for j, kind, mb in tick]
-        lines += wrap_line(f"    {tuple_literal(actions)},", LINE_LENGTH)
+        lines += wrap_tuple([f'({j}, "{kind}", {mb})' for j, kind, mb in tick], "    ", ",")
     lines += [
         "]",
         f"MICROBATCHES = {m}",

@@ -21,8 +21,9 @@ from __future__ import annotations
 import ast
 import io
 import tokenize
+from collections.abc import Sequence
 
-__all__ = ["LINE_LENGTH", "wrap_line"]
+__all__ = ["LINE_LENGTH", "wrap_line", "wrap_tuple"]
 
 LINE_LENGTH = 100  # the runtime copied into runner.py is written to 100 columns
 
@@ -55,6 +56,19 @@ def wrap_line(line: str, limit: int = LINE_LENGTH) -> list[str]:
     after = _dump(harness[0] + "\n".join(_dedent(lines, indent)) + harness[1])
     assert before == after, f"wrapping changed the meaning of {line!r}: {lines}"
     return lines
+
+
+def wrap_tuple(items: Sequence[str], indent: str, suffix: str = "",
+               limit: int = LINE_LENGTH) -> list[str]:
+    """The tuple display of ``items`` (the texts of its elements) after ``indent`` and
+    before ``suffix``, as ``wrap_line`` writes that line (on one line where it fits, else
+    an element per line), without parsing it: a schedule's thousands of ticks."""
+    line = f"{indent}({items[0]},){suffix}" if len(items) == 1 else (
+        f"{indent}({', '.join(items)}){suffix}")
+    broken = [f"{indent}(", *(f"{indent}{_STEP}{item}," for item in items), f"{indent}){suffix}"]
+    if len(line) <= limit or max(map(len, broken)) > limit:
+        return wrap_line(line, limit)
+    return broken
 
 
 def _dump(source: str) -> str:

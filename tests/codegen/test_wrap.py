@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fxpipe.codegen.wrap import wrap_line
+from fxpipe.codegen.wrap import wrap_line, wrap_tuple
 
 NAMES = st.sampled_from(["x", "h", "self", "torch", "getitem_1", "a_rather_long_value_name"])
 ATOMS = st.one_of(
@@ -80,6 +80,18 @@ def test_wrapped_statements_parse_to_the_same_tree(statement: str, depth: int, l
 def test_wrapped_display_elements_parse_to_the_same_tree(element: str, limit: int) -> None:
     lines = wrap_line(f"    {element},", limit)
     assert _tree("[\n" + "\n".join(lines) + "\n]") == _tree(f"[{element},]")
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(EXPRESSIONS, min_size=1, max_size=12), st.integers(0, 2),
+       st.sampled_from(["", ","]), st.integers(20, 100))
+def test_a_tuple_is_written_as_wrap_line_writes_its_line(items: list[str], depth: int,
+                                                          suffix: str, limit: int) -> None:
+    """The schedule's ticks skip the parse: the lines must be wrap_line's to the byte."""
+    indent = "    " * depth
+    literal = f"({items[0]},)" if len(items) == 1 else f"({', '.join(items)})"
+    assert wrap_tuple(items, indent, suffix, limit) == wrap_line(
+        f"{indent}{literal}{suffix}", limit)
 
 
 def test_a_single_index_gets_no_trailing_comma() -> None:
