@@ -16,9 +16,10 @@ want to know on the way (which tracer captured the model, its notes).
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -27,6 +28,7 @@ from torch.utils import _pytree as pytree
 
 from fxpipe.codegen import generate
 from fxpipe.cost_models import Device, analytic, calibrate, measured
+from fxpipe.forked import Forked
 from fxpipe.frontend import ModelSource, Traced, load_model_file, trace_source
 from fxpipe.kernels import Execution
 from fxpipe.lower import Lowered, lower
@@ -337,15 +339,20 @@ def _fitting_precision(traced: Traced, options: SplitOptions, fits_on: int | Non
     runs ``to(bfloat16)``): more than the cast model keeps, so a fit found here holds when
     the model is planned at that precision, which traces it cast."""
     current = options.precision or default_precision(traced.gm)
+    candidates = _LEANER.get(current, ())
     costed: list[tuple[Precision, Problem]] = []
-    for candidate in _LEANER.get(current, ()):
-        problem = _bytes_again(traced, replace(options, precision=candidate),
-                               traced.flat_inputs)
-        if problem is None:
-            continue
-        if dp_fits(problem):
-            return candidate, None
-        costed.append((candidate, problem))
+    with ExitStack() as children:
+        # Seconds each on a large model: all but the first in forked children meanwhile
+        later = {candidate: children.enter_context(Forked(functools.partial(
+            _fit_at, traced, options, candidate))) for candidate in candidates[1:]}
+        for candidate in candidates:
+            job = later.get(candidate)
+            problem, fits = job.result() if job else _fit_at(traced, options, candidate)
+            if problem is None:
+                continue
+            if fits:
+                return candidate, None
+            costed.append((candidate, problem))
     on_more: tuple[Precision, int | None] | None = None
     for candidate, problem in costed:
         gpus = fewest_gpus(problem)
@@ -353,6 +360,14 @@ def _fitting_precision(traced: Traced, options: SplitOptions, fits_on: int | Non
         if gpus is not None and (fewest is None or gpus < fewest):
             on_more = candidate, gpus
     return on_more
+
+
+def _fit_at(traced: Traced, options: SplitOptions, precision: Precision
+            ) -> tuple[Problem | None, bool]:
+    """The problem of the graph's bytes at ``precision`` (``_bytes_again``; None where the
+    passes cannot run it), and whether a fast split of it fits (``dp_fits``)."""
+    problem = _bytes_again(traced, replace(options, precision=precision), traced.flat_inputs)
+    return problem, problem is not None and dp_fits(problem)
 
 
 # Micro-batch sizes tried when nothing fits: the example's batch halved up to this often

@@ -7,8 +7,7 @@ graph fxpipe can cut and the shapes of its inputs:
                  checks removed, lifted constants turned back into ops, the ranges
                  export assumed
     repeats.py   export of a model whose layers repeat: two of them exported, the
-                 second copied for the rest, where every later layer runs alike
-    forked.py    work in a forked child while the parent goes on (repeats.py records
-                 the whole model there while the cut one is exported)
+                 second copied for the rest, where every later layer runs alike (the whole
+                 model recorded in a forked child, fxpipe/forked.py)
     records.py   InputShape and TraceError, which both report
 """

@@ -39,9 +39,9 @@ import torch.fx
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from fxpipe.forked import Forked
 from fxpipe.runtime.binding import bind
 from fxpipe.tracing.export import export_program, exported_graph, quiet_stderr
-from fxpipe.tracing.forked import Forked
 from fxpipe.tracing.records import InputShape
 
 __all__ = ["export_in_layers"]

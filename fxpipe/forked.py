@@ -1,16 +1,18 @@
 """Work done in a forked child while the parent goes on, its answer pickled back.
 
-Tracing a model of repeated layers runs two independent pieces of Python that each take
-seconds: the recorded run of the whole model and the export of the cut one (see
-``repeats.py``). A forked child shares the parent's objects as they were at the fork, with
-their ids, so it can run one of them on the same model while the parent runs the other, on
-a second core.
+Some steps run independent pieces of Python that each take seconds: tracing a model of
+repeated layers records the whole model's run and exports the cut one
+(``tracing/repeats.py``); when nothing fits, the graph's bytes are costed again at each
+leaner precision (``compiler.py``). A forked child shares the parent's objects as they
+were at the fork, with their ids, so it can run one piece on the same model while the
+parent runs another, on a second core.
 
 A fork is made only where it is safe and can gain: on Linux, with more than one core
-available to the process, and with CUDA not initialized (a forked child cannot use it). A
-child that fails, cannot pickle its answer or does not answer within ``WAIT_S`` of being
-asked is no answer: the caller then does the work itself, so the result is the same as
-without a child, only slower.
+available to the process, and with CUDA not initialized (a forked child cannot use it).
+Elsewhere the work is done when its answer is asked for. A child that fails, cannot
+pickle its answer or does not answer within ``WAIT_S`` of being asked is no answer: the
+parent then does the work itself, so the result is the same as without a child, only
+slower.
 """
 
 from __future__ import annotations
@@ -31,15 +33,16 @@ __all__ = ["Forked"]
 T = TypeVar("T")
 
 # The longest the parent waits for the child's answer once it asks for it (seconds). The
-# whole-model record of an 80-layer Llama-3-70B takes 4 s on two cores.
+# whole-model record of an 80-layer Llama-3-70B takes 4 s on two cores, its bytes at
+# bf16-mixed 5 s.
 WAIT_S = 120.0
 
 
 class Forked(Generic[T]):
-    """``work()`` run in a forked child (see the module docstring), or at once where no
-    child can be made; ``result()`` is its answer, or ``work()``'s in the parent where the
-    child gave none. Used as a context manager: a child not asked for its answer by the
-    end of the block is stopped."""
+    """``work()`` run in a forked child (see the module docstring); ``result()`` is its
+    answer, or ``work()``'s in the parent where no child was made or it gave none. Used
+    as a context manager: a child not asked for its answer by the end of the block is
+    stopped."""
 
     def __init__(self, work: Callable[[], T]) -> None:
         self._work = work
@@ -47,7 +50,6 @@ class Forked(Generic[T]):
         self._pipe = -1
         self._done: tuple[T] | None = None
         if not _can_fork():
-            self._done = (work(),)
             return
         read, write = os.pipe()
         pid = os.fork()
