@@ -303,31 +303,42 @@ def export_in_layers(
     if not lists:
         return None
     with Forked(lambda: record(model, args, kwargs, lists)) as recorded:
-        shallow = _cut_export(model, args, kwargs, lists, DEPTHS[0])
+        # exported and copied while the child records the whole model; kept if that run
+        # shows every later layer ran as the copied one
+        layered = _layered(model, args, kwargs, lists, DEPTHS[0])
         whole = recorded.result()
     if whole is None:
         return None
-    for depth in DEPTHS:
-        attempt = shallow if depth == DEPTHS[0] else _cut_export(model, args, kwargs, lists,
-                                                                depth, whole)
-        if attempt is None or not same_run(whole, attempt[0], lists, depth):
-            continue
-        gm, flat, inputs = exported_graph(attempt[1], args, kwargs)
-        if all(copy_layers(gm, model, layers, depth) for layers in lists):
-            shown = ", ".join(f"{len(layers.modules)} of {layers.path}" for layers in lists)
-            note = (f"exported {depth} layers of each list of identical layers ({shown}) and "
-                    f"copied the last for the others: every later layer ran as layer "
-                    f"{depth - 1} did")
-            return gm, flat, inputs, attempt[2], note
-    return None
+    if (layered is None or layered.graph is None
+            or not same_run(whole, layered.run, lists, layered.depth)):
+        layered = _layered(model, args, kwargs, lists, DEPTHS[1], whole)
+    if layered is None or layered.graph is None:
+        return None
+    shown = ", ".join(f"{len(layers.modules)} of {layers.path}" for layers in lists)
+    note = (f"exported {layered.depth} layers of each list of identical layers ({shown}) "
+            f"and copied the last for the others: every later layer ran as layer "
+            f"{layered.depth - 1} did")
+    return (*layered.graph, layered.fixed_shapes, note)
 
 
-def _cut_export(
+@dataclass
+class _Layered:
+    """The model exported cut to ``depth`` layers per list: the cut model's recorded run,
+    the graph with the last layer copied for the others and its inputs (None where the
+    last two exported layers differ), and the error that kept export from free
+    dimensions (``export_program``)."""
+
+    depth: int
+    run: Run
+    graph: tuple[torch.fx.GraphModule, tuple[Any, ...], tuple[InputShape, ...]] | None
+    fixed_shapes: Exception | None
+
+
+def _layered(
     model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     lists: Sequence[Layers], depth: int, whole: Run | None = None,
-) -> tuple[Run, torch.export.ExportedProgram, Exception | None] | None:
-    """The model cut to ``depth`` layers per list: its recorded run, its export and the
-    error that kept export from free dimensions (``export_program``); None where it
+) -> _Layered | None:
+    """The model cut to ``depth`` layers per list, exported and copied; None where it
     cannot be recorded or exported, or did not run as ``whole`` (when given) did."""
     try:
         with cut(lists, depth):
@@ -337,7 +348,9 @@ def _cut_export(
             program, fixed_shapes = export_program(model, args, kwargs)
     except Exception:
         return None  # the whole model may still export: it is tried next
-    return kept, program, fixed_shapes
+    gm, flat, inputs = exported_graph(program, args, kwargs)
+    copied = all(copy_layers(gm, model, layers, depth) for layers in lists)
+    return _Layered(depth, kept, (gm, flat, inputs) if copied else None, fixed_shapes)
 
 
 def copy_layers(gm: torch.fx.GraphModule, model: torch.nn.Module, layers: Layers,
