@@ -1,11 +1,12 @@
 """Work done in a forked child while the parent goes on, its answer pickled back.
 
-Some steps run independent pieces of Python that each take seconds: tracing a model of
-repeated layers records the whole model's run and exports the cut one
-(``tracing/repeats.py``); when nothing fits, the graph's bytes are costed again at each
-leaner precision (``compiler.py``). A forked child shares the parent's objects as they
-were at the fork, with their ids, so it can run one piece on the same model while the
-parent runs another, on a second core.
+Some steps run independent pieces of Python that each take a second or more: tracing a
+model of repeated layers records the whole model's run and exports the cut one
+(``tracing/repeats.py``); ``symbolic_trace``'s graph is run once to check it and once
+per input size to learn which may vary (``tracing/symbolic.py``); when nothing fits, the
+graph's bytes are costed again at each leaner precision (``compiler.py``). A forked
+child shares the parent's objects as they were at the fork, with their ids, so it can
+run one piece on the same model while the parent runs another, on a second core.
 
 A fork is made only where it is safe and can gain: on Linux, with more than one core
 available to the process, and with CUDA not initialized (a forked child cannot use it).
@@ -44,12 +45,14 @@ class Forked(Generic[T]):
     as a context manager: a child not asked for its answer by the end of the block is
     stopped."""
 
-    def __init__(self, work: Callable[[], T]) -> None:
+    def __init__(self, work: Callable[[], T], *, in_child: bool = True) -> None:
+        """``in_child``: False where the work is too small to pay for a fork (25 ms with
+        torch loaded): it is then done when asked, as where no child can be made."""
         self._work = work
         self._pid: int | None = None
         self._pipe = -1
         self._done: tuple[T] | None = None
-        if not _can_fork():
+        if not (in_child and _can_fork()):
             return
         read, write = os.pipe()
         pid = os.fork()

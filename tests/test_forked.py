@@ -52,6 +52,12 @@ def test_without_a_child_the_work_is_done_when_its_answer_is_asked_for(
     assert calls == [PARENT]
 
 
+def test_work_too_small_for_a_child_is_done_when_asked() -> None:
+    calls: list[int] = []
+    job = Forked(lambda: calls.append(os.getpid()) or len(calls), in_child=False)
+    assert calls == [] and job.result() == 1 and calls == [PARENT]
+
+
 @fork
 @pytest.mark.parametrize("fails", ["raises", "unpicklable"])
 def test_a_child_that_gives_no_answer_leaves_the_work_to_the_parent(fails: str) -> None:
