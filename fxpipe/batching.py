@@ -16,9 +16,8 @@ The decision, per tensor leaf of the example inputs:
    per sample; a shared input fails the run when it is resized, a per-sample one when
    it is not, or, processed on its own (a second tower), leaves its outputs at b rows.
    Where every set that runs leaves some output at b rows (an output that is not per
-   sample), the smallest set that runs. Where all of A batched runs too (with b == 1,
-   where a per-sample input left at 1 broadcasts; with b > 1, every output following
-   the batch), an input may be either, and fxpipe cannot tell and says so;
+   sample), the smallest set that runs. With b == 1 a per-sample input left at 1 would
+   broadcast, so when both answers run, fxpipe cannot tell and says so;
 4. when the model does not run on the meta device at all (a data-dependent op), or with
    no set at b + 1 (a batch size fixed in its code), the inputs of A are taken as
    batched and the report says it was assumed.
@@ -124,14 +123,11 @@ def _batch_size(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str,
 def _chosen(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             same: list[torch.Tensor], b: int, size: int, found: list[frozenset[int]],
             device: str | None) -> InputBatching:
-    """The one set of ``size`` + 1 inputs in ``found``; ambiguous where there are more, or
-    where every input of the batch size batched runs too: with b == 1, where an input left
-    at one sample broadcasts, and with b > 1 where every output still follows the batch
-    (an input only a BatchNorm reads, its output unused: nothing returned tells, but
-    handed whole its running statistics would take the whole batch in every micro-batch)."""
-    rows = (_output_rows(model, args, kwargs, frozenset(id(t) for t in same), b + 1, device)
-            if size < len(same) - 1 else None)
-    if len(found) > 1 or (rows is not None and (b == 1 or b not in rows)):
+    """The one set of ``size`` + 1 inputs in ``found``; more than one, or (with b == 1,
+    where an input left at one sample broadcasts) a bigger set that runs too: ambiguous."""
+    if len(found) > 1 or (b == 1 and size < len(same) - 1
+                          and _output_rows(model, args, kwargs, frozenset(id(t) for t in same),
+                                           b + 1, device) is not None):
         raise BatchDimsError(_ambiguous(args, kwargs, same, b))
     return InputBatching(found[0], f"traced with batch sizes {b} and {b + 1}")
 

@@ -26,14 +26,13 @@ import copy
 import itertools
 import types
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
-from fxpipe.batching import BatchDimsError
 from fxpipe.compiler import SplitOptions, analyze, plan_split
 from fxpipe.cost_models import get_device
 from fxpipe.frontend import Traced, trace
@@ -94,14 +93,7 @@ def split(case: Case, directory: Path) -> Split:
     spec = case.spec
     model = build_model(spec)
     args, kwargs = example_inputs(spec, batch=case.batch, seed=1)
-    try:
-        traced = trace(model, args, kwargs, batch_dims=_batch_dims(case, args, kwargs))
-    except BatchDimsError:
-        # an input no output depends on may be per sample or shared: fxpipe says so, and
-        # the fix it names is batch_dims()
-        assert not case.declare
-        traced = trace(model, args, kwargs,
-                       batch_dims=_batch_dims(replace(case, declare=True), args, kwargs))
+    traced = trace(model, args, kwargs, batch_dims=_batch_dims(case, args, kwargs))
     regions = any(op.kind == "region" for op in spec.ops)
     assert (traced.tracer == "export") == (spec.untraceable or regions), traced.fallback_reason
     # Batched and shared inputs told apart (one no output depends on may be either).

@@ -142,27 +142,6 @@ def test_shared_inputs_may_outnumber_the_batched_one() -> None:
     assert decision.batched == {id(x)}
 
 
-def test_an_input_only_a_batch_norm_reads_cannot_be_told() -> None:
-    """An input whose BatchNorm output nothing reads: every output follows the batch
-    whether it is batched or not, but handed whole its running statistics would take the
-    whole batch in every micro-batch. fxpipe cannot tell, says so, and names the fix."""
-    class StatsOnly(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.norm = nn.BatchNorm1d(D)
-            self.out = nn.Linear(D, 2)
-
-        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            self.norm(y)  # running statistics only
-            return self.out(x)
-
-    x, y = torch.randn(2, D), torch.randn(2, D)
-    with pytest.raises(BatchDimsError, match=r"define batch_dims\(\)"):
-        decide_batching(StatsOnly().train(), (x, y), {})
-    decision = decide_batching(StatsOnly().train(), (x, y), {}, declared=(0, 0))
-    assert decision.batched == {id(x), id(y)}
-
-
 def test_a_forward_that_makes_a_tensor_is_tried_on_fake_tensors() -> None:
     """torch.arange in forward makes a CPU tensor, which meta tensors cannot meet: the trial
     runs use fake CPU tensors instead of assuming every input of the batch size batched."""
