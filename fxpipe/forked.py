@@ -55,7 +55,12 @@ class Forked(Generic[T]):
         if not (in_child and _can_fork()):
             return
         read, write = os.pipe()
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError:  # no memory or process slot for a child: the work is done when asked
+            os.close(read)
+            os.close(write)
+            return
         if pid == 0:  # the child: answer through the pipe, then leave without cleanup
             os.close(read)
             _answer(work, write)

@@ -52,6 +52,17 @@ def test_without_a_child_the_work_is_done_when_its_answer_is_asked_for(
     assert calls == [PARENT]
 
 
+def test_a_fork_that_fails_leaves_the_work_to_the_parent(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_fork() -> int:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(forked, "_can_fork", lambda: True)
+    monkeypatch.setattr(os, "fork", no_fork)
+    with Forked(os.getpid) as job:
+        assert job.result() == PARENT
+
+
 def test_work_too_small_for_a_child_is_done_when_asked() -> None:
     calls: list[int] = []
     job = Forked(lambda: calls.append(os.getpid()) or len(calls), in_child=False)

@@ -48,7 +48,7 @@ def symbolic_graph(
         )
     flat = _symbolic_inputs(model, gm, args, kwargs)
     # The graph run resized (a run per size) in a forked child while it is checked here
-    big = sum(1 for _ in gm.graph.nodes) >= FORK_MIN_NODES
+    big = len(gm.graph.nodes) >= FORK_MIN_NODES
     with Forked(lambda: _probe_dynamic(gm, flat), in_child=big) as probed:
         _check_runs(gm, flat)
         return gm, flat, probed.result()
