@@ -12,7 +12,9 @@ The decision, per tensor leaf of the example inputs:
    and every output follows (``forward(x, cos, sin)`` with cos and sin of another size);
 3. among A, the smallest set that contains the first of them and lets the model run
    on the meta device when exactly that set gets batch b + 1 (every other input kept
-   as it is), with no output left at b rows. One run for a model whose inputs are all
+   as it is), with no output left at b rows. The input of a batch norm that normalizes
+   with batch statistics counts as an output here: its rows are the samples its running
+   statistics take in, even where nothing reads its result. One run for a model whose inputs are all
    per sample; a shared input fails the run when it is resized, a per-sample one when
    it is not, or, processed on its own (a second tower), leaves its outputs at b rows.
    Where every set that runs leaves some output at b rows (an output that is not per
@@ -37,6 +39,7 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from fxpipe.metadevice import on_meta, to_meta
@@ -155,16 +158,39 @@ def _output_rows(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
             return torch.empty((size, *t.shape[1:]), dtype=t.dtype, device=device)
         return to_meta(t, device=device)
 
+    statistics = _BatchStatistics()
     try:
         with (FakeTensorMode() if device == "cpu" else contextlib.nullcontext()), \
-                torch.no_grad(), on_meta(model, device=device):
+                torch.no_grad(), on_meta(model, device=device), statistics:
             fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, storageless,
                                                           (args, kwargs))
             output = model(*fake_args, **fake_kwargs)
     except Exception:
         return None
     return {int(t.size(0)) for t in pytree.tree_leaves(output)
-            if isinstance(t, torch.Tensor) and t.dim() > 0}
+            if isinstance(t, torch.Tensor) and t.dim() > 0} | statistics.rows
+
+
+class _BatchStatistics(TorchFunctionMode):
+    """Notes dim 0 of every batch norm's input normalized with batch statistics (training
+    mode, or no running statistics): the samples it mixes, and those its running mean and
+    variance take in, must be one micro-batch's, as the rows of an output must."""
+
+    # batch_norm(input, ...) with ``training`` sixth, in both spellings
+    FUNCTIONS = (torch.nn.functional.batch_norm, torch.batch_norm)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: set[int] = set()
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in self.FUNCTIONS:
+            training = kwargs.get("training", args[5] if len(args) > 5 else False)
+            if training and isinstance(args[0], torch.Tensor) and args[0].dim() > 0:
+                self.rows.add(int(args[0].size(0)))
+        return func(*args, **kwargs)
 
 
 def _names(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int, str]:

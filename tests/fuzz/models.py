@@ -118,16 +118,18 @@ class ModelSpec:
 
     @property
     def live_inputs(self) -> set[int]:
-        """Indices (in forward's signature) of the inputs some output depends on: whether
-        another input is batched changes nothing the model returns (one only written in
-        place, say), so nothing can tell."""
+        """Indices (in forward's signature) of the inputs some output depends on, or the
+        running statistics of a batch norm in training mode: whether another input is
+        batched changes nothing the model returns or keeps (one only written in place,
+        say), so nothing can tell."""
         first = len(self.inputs)
         live = set(output_leaves(self.outputs))
         shared: set[int] = set()
         made = first + sum(len(op.out) for op in self.ops)  # the pool's size
         for op in reversed(self.ops):
             made -= len(op.out)
-            if live & set(range(made, made + len(op.out))):
+            if (live & set(range(made, made + len(op.out)))
+                    or (op.kind == "batchnorm" and self.train)):
                 live.update(op.srcs)
                 if op.kind == "shared":
                     shared.add(first + op.arg)

@@ -357,3 +357,27 @@ def test_a_batchnorm_called_twice_stays_on_one_stage(tmp_path: Path, untraceable
         case = Case(spec, stages=3, schedule=schedule, microbatches=3,
                     recompute=(False, True, False), batch=2)
         check_transparency(case, tmp_path / f"pkg_{schedule}")
+
+
+@pytest.mark.parametrize("untraceable", [True, False], ids=["export", "symbolic_trace"])
+def test_an_input_only_a_batchnorm_reads_is_split(tmp_path: Path, untraceable: bool) -> None:
+    # An input read only by a BatchNorm in training mode, whose output nothing reads:
+    # every output followed the batch whether it was split or not, so fxpipe took it as
+    # shared and handed all its rows to every micro-batch; each micro-batch's BatchNorm
+    # then took the whole batch into its running statistics (running_mean off, no error).
+    # Fixed: a batch norm's input normalized with batch statistics counts as an output
+    # whose rows follow the batch.
+    last = Op("branch", (2,), ((4,),)) if untraceable else Op("scalar", (2,), ((4,),),
+                                                               how="add")
+    ops = (Op("linear", (0,), ((4,),), module="linear0"),
+           Op("batchnorm", (1,), ((10,),), module="batchnorm1d1"),
+           last)
+    spec = ModelSpec(inputs=((6,), (10,)), ops=ops, outputs=(4,), seed=5,
+                     untraceable=untraceable,
+                     modules={"linear0": ("linear", (6, 4, True)),
+                              "batchnorm1d1": ("batchnorm1d", (10, 0.1, True))},
+                     min_batch=2)
+    assert spec.live_inputs == {0, 1}
+    case = Case(spec, stages=2, schedule="1f1b", microbatches=3, recompute=False, batch=2,
+                declare=False)
+    check_transparency(case, tmp_path / "pkg")
