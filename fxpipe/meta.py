@@ -17,6 +17,7 @@ import torch.fx
 
 __all__ = [
     "BYTES",
+    "COPY_OF",
     "FLOPS",
     "MEASURED_MEMORY",
     "MODULE",
@@ -164,6 +165,9 @@ MODULE = MetaKey("fxpipe.module", ModuleInfo, "fxpipe.passes.modules.annotate_mo
 FLOPS = MetaKey("fxpipe.flops", FlopInfo, "fxpipe.passes.flops.annotate_flops")
 BYTES = MetaKey("fxpipe.bytes", MemoryInfo, "fxpipe.passes.memory.annotate_memory")
 TIME = MetaKey("fxpipe.time", TimeInfo, "a cost model's annotate_times")
+# On a node of a layer that tracing copied rather than traced (fxpipe.tracing.repeats):
+# the name of the node of the traced layer it copies, which runs as it does.
+COPY_OF = MetaKey("fxpipe.copy_of", str, "fxpipe.tracing.repeats.copy_layers")
 MEASURED_MEMORY = MetaKey(
     "fxpipe.measured_memory", MeasuredMemory, "fxpipe.cost_models.measured.annotate_times"
 )

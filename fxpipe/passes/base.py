@@ -8,9 +8,10 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
+from fxpipe import meta
 from fxpipe.metadevice import MetaRunner
 
-__all__ = ["OP_NODES", "AnalysisError", "MetaInterpreter"]
+__all__ = ["OP_NODES", "AnalysisError", "MetaInterpreter", "copied_from"]
 
 OP_NODES = frozenset({"call_function", "call_method", "call_module"})
 
@@ -93,3 +94,33 @@ def tensor_leaves(value: Any) -> list[torch.Tensor]:
 def grad_outputs_of(result: Any) -> list[torch.Tensor]:
     """The result's tensors that carry gradient (the ones a backward starts from)."""
     return [t for t in tensor_leaves(result) if t.requires_grad]
+
+
+def copied_from(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, torch.fx.Node]:
+    """Each op node of a layer tracing copied (``meta.COPY_OF``) -> the node it copies, an
+    earlier node of the same op, target and number of inputs: the copy runs as it does,
+    its inputs the copy's own in the same places. A node whose record no longer names such
+    a node (the graph changed since) is left out, to be run."""
+    by_name: dict[str, torch.fx.Node] = {}
+    copies: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op in OP_NODES and meta.COPY_OF.has(node):
+            template = by_name.get(meta.COPY_OF.get(node))
+            if (template is not None and template.op == node.op
+                    and template.target == node.target
+                    and len(template.all_input_nodes) == len(node.all_input_nodes)):
+                copies[node] = template
+        by_name[node.name] = node
+    return copies
+
+
+def fresh_like(value: Any) -> Any:
+    """``value`` with every tensor leaf replaced by a new storage-less one of the same
+    shape, strides, dtype, device and ``requires_grad`` (not a leaf, so in-place ops on it
+    stay legal)."""
+
+    def fresh(t: torch.Tensor) -> torch.Tensor:
+        made = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        return made.requires_grad_().clone() if t.requires_grad else made
+
+    return pytree.tree_map_only(torch.Tensor, fresh, value)

@@ -6,11 +6,15 @@ classified. Parameters and buffers are not activations and are skipped. A saved
 tensor that is one of the node's inputs is charged once to the node that produced
 it (its output stays alive for backward), however many consumers save it; every
 other saved tensor is an intermediate of the node and charged to the node.
+
+A node of a layer tracing copied from another (``meta.COPY_OF``) is not run: it keeps
+what the node it copies keeps, of its own inputs in the same places, and costs the
+same FLOPs; its result is a new tensor shaped like that node's.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -19,7 +23,7 @@ import torch.fx
 from fxpipe import meta
 from fxpipe.kernels import Execution
 from fxpipe.metadevice import named_state
-from fxpipe.passes.base import OP_NODES, MetaInterpreter, tensor_leaves
+from fxpipe.passes.base import OP_NODES, MetaInterpreter, copied_from, fresh_like, tensor_leaves
 from fxpipe.passes.flops import FlopCounter
 from fxpipe.passes.shapes import value_info
 
@@ -28,6 +32,18 @@ __all__ = ["annotate_memory"]
 
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
+
+
+@dataclass(frozen=True)
+class _Ran:
+    """What running a node that others copy showed: the bytes backward keeps of its own,
+    the places (in ``all_input_nodes``) of the inputs it keeps, whether it keeps its
+    output, and its result."""
+
+    own: int
+    kept_inputs: tuple[int, ...]
+    keeps_output: bool
+    result: Any
 
 
 class _MemoryCount(MetaInterpreter):
@@ -47,8 +63,14 @@ class _MemoryCount(MetaInterpreter):
         self.intermediate: dict[torch.fx.Node, int] = {}
         self.output_saved: set[torch.fx.Node] = set()
         self.owned: dict[torch.fx.Node, meta.MemoryInfo] = {}  # saved_bytes filled at the end
+        self.copy_of = copied_from(gm)
+        self.copied = set(self.copy_of.values())
+        self.ran: dict[torch.fx.Node, _Ran] = {}  # the nodes in ``copied``, once run
 
     def execute(self, n: torch.fx.Node) -> Any:
+        template = self.copy_of.get(n)
+        if template in self.ran:
+            return self._as_copy(n, template)
         if self.flops is not None:  # outside the hooks below: its own runs keep tensors
             self.flops.count(self, n)
         if n.op not in OP_NODES:
@@ -67,20 +89,38 @@ class _MemoryCount(MetaInterpreter):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             result = super().execute(n)
         outputs = {id(t) for t in tensor_leaves(result)}
-        own = 0
+        own, kept, keeps_output = 0, set(), False
         for key, t in saved.items():
             base = t._base if t._base is not None else t
             if key in self.state_ids or id(base) in self.state_ids:
                 continue
             producer = inputs.get(key, inputs.get(id(base)))
             if producer is not None:
-                self.output_saved.add(producer)
+                kept.add(producer)
             elif key in outputs or id(base) in outputs:
-                self.output_saved.add(n)
+                keeps_output = True
             else:
                 own += _nbytes(t)
+        self.output_saved |= kept
+        if keeps_output:
+            self.output_saved.add(n)
         self.intermediate[n] = own
+        if n in self.copied:
+            places = tuple(i for i, node in enumerate(n.all_input_nodes) if node in kept)
+            self.ran[n] = _Ran(own, places, keeps_output, result)
         return result
+
+    def _as_copy(self, n: torch.fx.Node, template: torch.fx.Node) -> Any:
+        """``n`` as running it would record it: as ``template`` ran."""
+        ran = self.ran[template]
+        if self.flops is not None:
+            meta.FLOPS.set(n, meta.FLOPS.get(template))
+        inputs = n.all_input_nodes
+        self.output_saved.update(inputs[i] for i in ran.kept_inputs)
+        if ran.keeps_output:
+            self.output_saved.add(n)
+        self.intermediate[n] = ran.own
+        return fresh_like(ran.result)
 
     def visit(self, node: torch.fx.Node, result: Any) -> None:
         if self.shapes:

@@ -39,6 +39,7 @@ import torch.fx
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from fxpipe import meta
 from fxpipe.forked import Forked
 from fxpipe.runtime.binding import bind
 from fxpipe.tracing.export import export_program, exported_graph, quiet_stderr
@@ -392,6 +393,7 @@ def copy_layers(gm: torch.fx.GraphModule, model: torch.nn.Module, layers: Layers
         made = _copy(gm, template, after, source, is_lifted, after_lifted)
         for node, copy in zip(template, made, strict=True):
             copy.meta = _moved_meta(node.meta, layers.path, depth - 1, index)
+            meta.COPY_OF.set(copy, node.name)
         before, after = made, made[-1]
         if lifted:
             after_lifted = made[at[lifted[-1]]]
@@ -512,12 +514,12 @@ def _copy(
     return made
 
 
-def _moved_meta(meta: dict[str, Any], path: str, template: int, index: int
+def _moved_meta(node_meta: dict[str, Any], path: str, template: int, index: int
                 ) -> dict[str, Any]:
     """A copy's ``node.meta``: the template's (layer ``template``), its module stack naming
     layer ``index``."""
-    moved = dict(meta)
-    stack = meta.get("nn_module_stack")
+    moved = dict(node_meta)
+    stack = node_meta.get("nn_module_stack")
     if stack:
         pattern = re.compile(re.escape(f"{path}.{template}") + r"(?=\.|$)")
         renamed = f"{path}.{index}"

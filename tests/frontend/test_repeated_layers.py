@@ -17,7 +17,11 @@ import pytest
 import torch
 from torch import nn
 
+from fxpipe import meta
 from fxpipe.frontend import trace
+from fxpipe.kernels import Execution
+from fxpipe.passes import annotate_all
+from fxpipe.precision import Precision
 from fxpipe.tracing.export import export_program, exported_graph
 from fxpipe.tracing.repeats import (
     DEPTHS,
@@ -132,6 +136,36 @@ def test_the_copies_are_the_graph_a_whole_export_gives(make: Any) -> None:
     _assert_computes_the_model(gm, model, flat, kwargs)
 
 
+def _records(gm: torch.fx.GraphModule, flat: tuple[Any, ...],
+             execution: Execution) -> list[tuple[Any, ...]]:
+    """Every node's shapes, FLOPs, bytes and module path (a parameter's owner is a plain
+    holder module on both graphs, of another class on each)."""
+    annotate_all(gm, *flat, execution=execution)
+    return [(meta.SHAPE.get(n), meta.FLOPS.get(n), meta.BYTES.get(n), meta.MODULE.get(n).stack)
+            for n in gm.graph.nodes]
+
+
+@pytest.mark.parametrize("precision", [None, Precision.BF16_MIXED], ids=["fp32", "bf16-mixed"])
+@pytest.mark.parametrize("make", [_llama, _gpt2, _bert, _falcon],
+                         ids=["llama", "gpt2", "bert", "falcon"])
+def test_the_copies_are_annotated_as_a_whole_export_runs(make: Any,
+                                                        precision: Precision | None) -> None:
+    """The passes do not run a copied layer's ops: they take what the op it copies gave.
+    Every node's shapes, FLOPs, bytes and module are what running the whole export gives."""
+    model = _built(make)
+    kwargs = {"input_ids": _ids()}
+    layered = export_in_layers(model, (), kwargs)
+    assert layered is not None, "the layers were not copied"
+    gm, flat = layered[0], layered[1]
+    copies = sum(meta.COPY_OF.has(n) for n in gm.graph.nodes)
+    assert copies >= (LAYERS - DEPTHS[0]) * 10
+    program, _ = export_program(model, (), kwargs)
+    whole, whole_flat, _ = exported_graph(program, (), kwargs)
+    assert not any(meta.COPY_OF.has(n) for n in whole.graph.nodes)
+    execution = Execution(kernels="cuda", flash_attention=True, precision=precision)
+    assert _records(gm, flat, execution) == _records(whole, whole_flat, execution)
+
+
 class _Layer(nn.Module):
     def __init__(self, index: int) -> None:
         super().__init__()
@@ -200,6 +234,7 @@ def test_layers_that_read_the_first_ones_output_are_copied_three_deep() -> None:
     assert _canonical(layered[0]) == _canonical(whole)
     with torch.no_grad():
         torch.testing.assert_close(_run(layered[0], layered[1]), model(x))
+    assert _records(layered[0], layered[1], Execution()) == _records(whole, (x,), Execution())
 
 
 def test_a_constant_every_layer_makes_is_copied_with_each_layer() -> None:
