@@ -34,6 +34,7 @@ import math
 import time
 from dataclasses import dataclass, field, replace
 
+from fxpipe.forked import Forked
 from fxpipe.partition.baselines import baselines as run_baselines
 from fxpipe.partition.baselines import interval_dp
 from fxpipe.partition.bound import block_bound, shared_gpu_bound
@@ -239,12 +240,17 @@ def _bound_first(problem: Problem, exact: Coarsening,
     is within GAP of it, inf when no split fits, else None."""
     if not _large(problem, exact):
         return None
-    _add_dp_split(problem, exact, candidates)
+    # Two DPs of seconds each at 70B scale, independent given an upper bound: the bound's
+    # in a forked child, pruned by the baselines' best split, while the parent runs the
+    # interval DP.
+    upper = min((c[0] for c in candidates), default=math.inf)
+    with Forked(lambda: block_bound(exact, upper_s=upper)) as bounding:
+        _add_dp_split(problem, exact, candidates)
+        lower = bounding.result()  # without a split: inf when none fits
     best = min((c[0] for c in candidates), default=math.inf)
-    lower = block_bound(exact, upper_s=best)  # without a split: inf when none fits
     if lower is None or (lower < math.inf and best > lower * (1 + GAP)):
         return None
-    return lower
+    return min(lower, best)  # the baselines' best when no faster split of the relaxation
 
 
 def _search(problem: Problem, exact: Coarsening,

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fxpipe import forked
 from fxpipe.partition import (
     Edge,
     Node,
@@ -132,12 +133,16 @@ def _chain_of_blocks(layers: int, stages: int) -> Problem:
                    microbatches=2 * stages, recompute=Recompute.AUTO)
 
 
+@pytest.mark.parametrize("fork", [True, False], ids=["bound in a child", "one process"])
 def test_partition_stops_at_the_block_bound_on_a_large_model(monkeypatch: pytest.MonkeyPatch,
-                                                             ) -> None:
+                                                             fork: bool) -> None:
     """Beyond LARGE_MODEL placement variables, CP-SAT is not run when the bound is within
-    GAP of the interval DP's split: that split is the answer and the bound is reported."""
+    GAP of the interval DP's split: that split is the answer and the bound is reported,
+    the same whether the bound is found in a forked child or after the DP."""
     problem = _chain_of_blocks(layers=24, stages=6)
     monkeypatch.setattr(solve_module, "LARGE_MODEL", 50)
+    if not fork:
+        monkeypatch.setattr(forked, "_can_fork", lambda: False)
     result = partition(problem, workers=1)
     exact = exact_groups(problem)
     dp = evaluate(problem, exact.expand(interval_dp(exact) or ())).bottleneck_s
