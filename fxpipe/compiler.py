@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -481,19 +482,20 @@ def output_files(
         title=label,
     )
     files: dict[str, str | bytes] = {"plan.json": plan.to_json(), "partition.dot": dot}
-    with progress("drawing the partition and the schedule"):
+    with progress("drawing the diagrams and writing the stage modules"), \
+            ThreadPoolExecutor(max_workers=1) as graphviz:
+        drawing = graphviz.submit(render_svg, dot)  # dot's own process draws meanwhile
+        files["schedule.svg"] = schedule_svg(plan, schedule_table(plan))
+        files.update(generate(traced, plan))
         try:
-            svg = render_svg(dot)
+            svg = drawing.result()
         except DiagramError as exc:  # the plan and the stages stand without the drawing
             svg = None
             notify(f"Graphviz's dot could not draw partition.svg ({exc}); partition.dot "
                    "holds the diagram")
-        if svg is not None:
-            files["partition.svg"] = svg
-        files["schedule.svg"] = schedule_svg(plan, schedule_table(plan))
+    if svg is not None:
+        files["partition.svg"] = svg
     files["report.md"] = render_report(plan, svg=svg is not None)  # links what exists
-    with progress("writing the stage modules"):
-        files.update(generate(traced, plan))
     return files
 
 

@@ -39,6 +39,7 @@ from fxpipe.codegen.stages import (
 )
 from fxpipe.codegen.wrap import wrap_tuple
 from fxpipe.cut import StageIO
+from fxpipe.forked import FORK_MIN_NODES, Forked
 from fxpipe.frontend import Traced
 from fxpipe.plan import Plan
 from fxpipe.runtime.zero_bubble import ZERO_BUBBLE, requirement
@@ -59,7 +60,8 @@ def generate(traced: Traced, plan: Plan) -> dict[str, str]:
     batch = next((shape.shape[0] for shape in traced.inputs
                   if shape.shape and shape.name not in traced.shared_inputs), None)
     dims = BatchDims.of(gm.graph, batch, traced.shared_inputs)
-    files = {f"stage{io.index}.py": stage_source(gm, io, fixed, dims) for io in ios}
+    files = {f"stage{io.index}.py": source
+             for io, source in zip(ios, _stage_sources(gm, ios, fixed, dims), strict=True)}
     files["runner.py"] = runner_source(traced, plan)
     files["__init__.py"] = init_source(plan)
     files["plan.json"] = plan.to_json()
@@ -68,6 +70,21 @@ def generate(traced: Traced, plan: Plan) -> dict[str, str]:
     files["train_torchrun.py"] = launch_source(plan)
     files.update(runtime_files())
     return dict(sorted(files.items()))
+
+
+def _stage_sources(gm: torch.fx.GraphModule, ios: list[StageIO],
+                   fixed: dict[str, tuple[int | None, ...]], dims: BatchDims) -> list[str]:
+    """Each stage's module, in order. On a big graph (a second or more of writing at 70B
+    scale) the later stages are written in a forked child meanwhile: each stage's text
+    depends only on the graph and its own inputs and outputs."""
+    half = len(ios) // 2
+
+    def write(chunk: list[StageIO]) -> list[str]:
+        return [stage_source(gm, io, fixed, dims) for io in chunk]
+
+    big = len(gm.graph.nodes) >= FORK_MIN_NODES and half > 0
+    with Forked(lambda: write(ios[half:]), in_child=big) as later:
+        return write(ios[:half]) + later.result()
 
 
 def runtime_files() -> dict[str, str]:

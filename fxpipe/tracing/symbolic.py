@@ -18,15 +18,11 @@ from typing import Any
 import torch
 import torch.fx
 
-from fxpipe.forked import Forked
+from fxpipe.forked import FORK_MIN_NODES, Forked
 from fxpipe.metadevice import MetaRunner
 from fxpipe.tracing.records import InputShape
 
 __all__ = ["BufferUpdateError", "GradRegionError", "symbolic_graph"]
-
-# Graph nodes from which the probes run in a forked child: a run takes about 0.27 ms a
-# node on two cores, a fork 25 ms.
-FORK_MIN_NODES = 500
 
 
 def symbolic_graph(

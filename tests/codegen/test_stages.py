@@ -4,12 +4,14 @@ by name, compared with the unsplit model (outputs and gradients); checkpoints.""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from fxpipe.codegen import merge_stage_state_dicts, split_state_dict
+from fxpipe import forked
+from fxpipe.codegen import generate, merge_stage_state_dicts, package, split_state_dict
 from fxpipe.codegen.stages import PlanError
 
 from ._models import (
@@ -207,3 +209,29 @@ def test_the_models_own_modules_are_indexed_where_the_position_is_the_name() -> 
     assert parts("enc.odd", "2") == "[2]"
     assert parts("enc.table", "a-b") == '["a-b"]'
     assert parts("enc.layers", "01") == '["01"]'
+
+
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_stages_written_in_a_forked_child_are_the_ones_written_here(
+        monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    """On a big graph the later stages' modules are written in a forked child meanwhile;
+    the package is the same, byte for byte, as written in one process."""
+    _, tr = traced(name)
+    plan = contiguous_plan(tr.gm.graph, 4)
+    with monkeypatch.context() as patched:
+        patched.setattr(forked, "_can_fork", lambda: False)
+        want = generate(tr, plan)
+    forks: list[int] = []
+    real_fork = os.fork
+
+    def counted() -> int:
+        pid = real_fork()
+        if pid:
+            forks.append(pid)
+        return pid
+
+    monkeypatch.setattr(package, "FORK_MIN_NODES", 1)  # these graphs count as big
+    monkeypatch.setattr(forked, "_can_fork", lambda: True)  # a second core or not
+    monkeypatch.setattr(os, "fork", counted)
+    assert generate(tr, plan) == want
+    assert len(forks) == 1
