@@ -37,7 +37,7 @@ from fxpipe.metadevice import named_state
 from fxpipe.runtime.loading import NotPythonError, import_file
 from fxpipe.tracing.export import export_program, exported_graph
 from fxpipe.tracing.records import InputShape, TraceError
-from fxpipe.tracing.repeats import export_in_layers
+from fxpipe.tracing.repeats import export_in_layers, mark_copies
 from fxpipe.tracing.symbolic import symbolic_graph
 
 __all__ = [
@@ -276,6 +276,7 @@ def _trace(
 
     try:
         gm, flat, inputs = symbolic_graph(model, args, kwargs)
+        mark_copies(gm, model)  # the passes then take repeated layers' records as read
         return Traced(gm, "symbolic_trace", None, flat, tuple(notes), inputs)
     except Exception as exc:
         reason = _one_line(exc)

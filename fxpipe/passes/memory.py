@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch.utils import _pytree as pytree
 
 from fxpipe import meta
 from fxpipe.kernels import Execution
@@ -36,10 +37,11 @@ def _nbytes(t: torch.Tensor) -> int:
 
 @dataclass(frozen=True)
 class _Ran:
-    """What running a node that others copy showed: the bytes backward keeps of its own,
-    the places (in ``all_input_nodes``) of the inputs it keeps, whether it keeps its
-    output, and its result."""
+    """What running a node that others copy showed: what its inputs were (``_inputs``),
+    the bytes backward keeps of its own, the places (in ``all_input_nodes``) of the
+    inputs it keeps, whether it keeps its output, and its result."""
 
+    inputs: list[Any]
     own: int
     kept_inputs: tuple[int, ...]
     keeps_output: bool
@@ -69,7 +71,7 @@ class _MemoryCount(MetaInterpreter):
 
     def execute(self, n: torch.fx.Node) -> Any:
         template = self.copy_of.get(n)
-        if template in self.ran:
+        if template in self.ran and self._inputs(n) == self.ran[template].inputs:
             return self._as_copy(n, template)
         if self.flops is not None:  # outside the hooks below: its own runs keep tensors
             self.flops.count(self, n)
@@ -107,8 +109,18 @@ class _MemoryCount(MetaInterpreter):
         self.intermediate[n] = own
         if n in self.copied:
             places = tuple(i for i, node in enumerate(n.all_input_nodes) if node in kept)
-            self.ran[n] = _Ran(own, places, keeps_output, result)
+            self.ran[n] = _Ran(self._inputs(n), own, places, keeps_output, result)
         return result
+
+    def _inputs(self, n: torch.fx.Node) -> list[Any]:
+        """``n``'s input values, each tensor as its shape, strides, dtype, whether it
+        requires grad and whether it is a parameter or buffer."""
+
+        def spec(t: torch.Tensor) -> tuple[Any, ...]:
+            return (t.shape, t.stride(), t.dtype, t.requires_grad, id(t) in self.state_ids)
+
+        return [pytree.tree_map_only(torch.Tensor, spec, self.env[node])
+                for node in n.all_input_nodes]
 
     def _as_copy(self, n: torch.fx.Node, template: torch.fx.Node) -> Any:
         """``n`` as running it would record it: as ``template`` ran."""

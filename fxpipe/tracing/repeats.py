@@ -406,6 +406,53 @@ def copy_layers(gm: torch.fx.GraphModule, model: torch.nn.Module, layers: Layers
     return True
 
 
+def mark_copies(gm: torch.fx.GraphModule, model: torch.nn.Module) -> int:
+    """On a graph traced whole (``symbolic_trace``): name each op node of the layers after
+    the second of a list of identical layers a copy of the second layer's node in the same
+    place (``meta.COPY_OF``), where the layer's graph is the second's (``_layer_graph``),
+    so that the passes need not run it again. The number of nodes named; the passes check
+    each copy's inputs against its node's before they take that node's records."""
+    named = 0
+    for layers in layer_lists(model):
+        members = _members(gm, layers.path)
+        if sorted(members) != list(range(len(layers.modules))):
+            continue
+        second = _layer_graph(members, layers.path, 1)
+        for index in range(2, len(layers.modules)):
+            if _layer_graph(members, layers.path, index) != second:
+                continue
+            for node, copy in zip(members[1], members[index], strict=True):
+                if copy.op in ("call_function", "call_method", "call_module"):
+                    meta.COPY_OF.set(copy, node.name)
+                    named += 1
+    return named
+
+
+def _layer_graph(members: dict[int, list[torch.fx.Node]], path: str, index: int
+                 ) -> list[tuple[Any, ...]]:
+    """Layer ``index``'s nodes without what tells the layers apart: its own nodes by place,
+    the layer before's by place there, its modules and attributes by name inside it."""
+    here = {node: p for p, node in enumerate(members[index])}
+    before = {node: p for p, node in enumerate(members[index - 1])}
+    prefix = f"{path}.{index}."
+
+    def own(node: torch.fx.Node) -> Any:
+        target = str(node.target)
+        if node.op in ("call_module", "get_attr") and target.startswith(prefix):
+            return ("own", target[len(prefix):])
+        return node.target
+
+    def kind(node: torch.fx.Node) -> Any:
+        if node in here:
+            return ("here", here[node])
+        if node in before:
+            return ("before", before[node])
+        return node
+
+    return [(n.op, own(n), torch.fx.map_arg(n.args, kind), torch.fx.map_arg(n.kwargs, kind))
+            for n in members[index]]
+
+
 def _members(gm: torch.fx.GraphModule, path: str) -> dict[int, list[torch.fx.Node]]:
     """The nodes of each exported layer at ``path``, in graph order, by layer index (the
     outermost module on a node's ``nn_module_stack`` inside the list)."""

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 from unittest import mock
 
+import pytest
 import torch
 from torch import nn
 
 from fxpipe import meta
+from fxpipe.frontend import trace
 from fxpipe.passes import annotate_all
 from fxpipe.passes.base import copied_from
 from fxpipe.passes.memory import _MemoryCount
+from fxpipe.tracing.repeats import mark_copies
 
 
 class _Block(nn.Module):
@@ -53,20 +56,27 @@ def _mark_b_as_copy_of_a(gm: torch.fx.GraphModule) -> int:
     return len(b)
 
 
+def _copies_taken(gm: torch.fx.GraphModule, x: torch.Tensor) -> list[str]:
+    with mock.patch.object(_MemoryCount, "_as_copy", autospec=True,
+                           side_effect=_MemoryCount._as_copy) as taken:
+        annotate_all(gm, x)
+    return [call.args[1].name for call in taken.call_args_list]
+
+
 def test_a_copy_takes_the_records_of_the_node_it_copies_without_running() -> None:
     x = torch.randn(4, 8)
     want = _records(_graph(), x)
     gm = _graph()
     marked = _mark_b_as_copy_of_a(gm)
     copies = copied_from(gm)
-    # The linear of b is a call_module of another target: run, not taken (see below).
-    assert {c.name: t.name for c, t in copies.items()} == {"relu_1": "relu", "mul_1": "mul"}
+    # b's linear is another module, of the same class, configuration and parameters
+    assert {c.name: t.name for c, t in copies.items()} == {
+        "b_linear": "a_linear", "relu_1": "relu", "mul_1": "mul"}
     assert marked == 3
-    with mock.patch.object(_MemoryCount, "_as_copy", autospec=True,
-                           side_effect=_MemoryCount._as_copy) as taken:
-        got = _records(gm, x)
-    assert sorted(call.args[1].name for call in taken.call_args_list) == ["mul_1", "relu_1"]
-    assert got == want
+    # a reads the model's input, b a value that requires grad: b's linear and mul are
+    # given inputs unlike a's, so they are run; its relu is taken as a's
+    assert _copies_taken(gm, x) == ["relu_1"]
+    assert _records(gm, x) == want
 
 
 def test_a_record_that_names_no_such_node_is_run() -> None:
@@ -78,3 +88,53 @@ def test_a_record_that_names_no_such_node_is_run() -> None:
     assert copied_from(gm) == {}
     x = torch.randn(4, 8)
     assert _records(gm, x) == _records(_graph(), x)
+
+
+class _ConvBlock(nn.Module):
+    def __init__(self, stride: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(4, 4, 3, padding=1, stride=stride)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.conv(x)) * 2
+
+
+class _ConvStack(nn.Module):
+    """Six blocks of one structure (the same parameters); ``strides`` may set one apart."""
+
+    def __init__(self, strides: tuple[int, ...] = (1,) * 6) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_ConvBlock(s) for s in strides)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.sum()
+
+
+@pytest.mark.parametrize("strides", [(1,) * 6, (1, 1, 1, 2, 1, 1)],
+                         ids=["alike", "one stride apart"])
+def test_symbolic_layers_are_taken_as_copies_only_where_they_run_alike(
+        strides: tuple[int, ...]) -> None:
+    """A traced whole graph of identical layers names layers 2.. copies of layer 1
+    (``mark_copies``). A layer whose conv strides otherwise (the same weights) is not one,
+    and the layer after it, given a shorter input, is run too."""
+    torch.manual_seed(0)
+    model, x = _ConvStack(strides), torch.randn(2, 4, 16)
+    gm = trace(model, (x,)).gm  # symbolic_trace: the copies named as traced
+    assert mark_copies(gm, model) == 4 * 3  # conv, relu, mul of blocks 2..5
+    copies = copied_from(gm)
+    if strides[3] == 1:
+        assert len(copies) == 12
+    else:  # block 3's conv is not block 1's
+        assert "blocks_3_conv" not in {n.name for n in copies}
+    taken = _copies_taken(gm, x)
+    unmarked = trace(model, (x,)).gm
+    for node in unmarked.graph.nodes:
+        node.meta.pop(meta.COPY_OF.name, None)
+    want = _records(unmarked, x)
+    assert _records(gm, x) == want
+    if strides[3] == 1:
+        assert len(taken) == 12
+    else:  # only block 2 runs as block 1 does: blocks 3.. see inputs of another length
+        assert sorted(taken) == ["blocks_2_conv", "mul_2", "relu_2"]
