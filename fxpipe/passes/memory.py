@@ -9,7 +9,8 @@ other saved tensor is an intermediate of the node and charged to the node.
 
 A node of a layer tracing copied from another (``meta.COPY_OF``) is not run: it keeps
 what the node it copies keeps, of its own inputs in the same places, and costs the
-same FLOPs; its result is a new tensor shaped like that node's.
+same FLOPs. Its value is that node's result, which the next copies only compare with
+their own node's inputs; a node that runs gets new tensors of its shapes instead.
 """
 
 from __future__ import annotations
@@ -68,11 +69,17 @@ class _MemoryCount(MetaInterpreter):
         self.copy_of = copied_from(gm)
         self.copied = set(self.copy_of.values())
         self.ran: dict[torch.fx.Node, _Ran] = {}  # the nodes in ``copied``, once run
+        # Copies whose value is the copied node's own result: what other copies compare
+        # (``_inputs``) is the same, and a node that runs is first given a new one.
+        self.aliased: set[torch.fx.Node] = set()
 
     def execute(self, n: torch.fx.Node) -> Any:
         template = self.copy_of.get(n)
         if template in self.ran and self._inputs(n) == self.ran[template].inputs:
             return self._as_copy(n, template)
+        for node in self.aliased.intersection(n.all_input_nodes):  # run on values of its own
+            self.env[node] = fresh_like(self.env[node])
+            self.aliased.discard(node)
         if self.flops is not None:  # outside the hooks below: its own runs keep tensors
             self.flops.count(self, n)
         if n.op not in OP_NODES:
@@ -132,7 +139,8 @@ class _MemoryCount(MetaInterpreter):
         if ran.keeps_output:
             self.output_saved.add(n)
         self.intermediate[n] = ran.own
-        return fresh_like(ran.result)
+        self.aliased.add(n)
+        return ran.result
 
     def visit(self, node: torch.fx.Node, result: Any) -> None:
         if self.shapes:
