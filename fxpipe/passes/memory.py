@@ -38,15 +38,17 @@ def _nbytes(t: torch.Tensor) -> int:
 
 @dataclass(frozen=True)
 class _Ran:
-    """What running a node that others copy showed: what its inputs were (``_inputs``),
-    the bytes backward keeps of its own, the places (in ``all_input_nodes``) of the
-    inputs it keeps, whether it keeps its output, and its result."""
+    """What running a node that others copy showed: what its inputs were before it ran
+    (``_specs``), the bytes backward keeps of its own, the places (in
+    ``all_input_nodes``) of the inputs it keeps, whether it keeps its output, and its
+    result with what it was (an in-place op later may change it)."""
 
     inputs: list[Any]
     own: int
     kept_inputs: tuple[int, ...]
     keeps_output: bool
     result: Any
+    result_was: Any
 
 
 class _MemoryCount(MetaInterpreter):
@@ -75,8 +77,11 @@ class _MemoryCount(MetaInterpreter):
 
     def execute(self, n: torch.fx.Node) -> Any:
         template = self.copy_of.get(n)
-        if template in self.ran and self._inputs(n) == self.ran[template].inputs:
-            return self._as_copy(n, template)
+        given = self._inputs(n) if template is not None or n in self.copied else None
+        ran = self.ran.get(template) if template is not None else None
+        if (ran is not None and given == ran.inputs
+                and self._specs(ran.result) == ran.result_was):
+            return self._as_copy(n, ran)
         for node in self.aliased.intersection(n.all_input_nodes):  # run on values of its own
             self.env[node] = fresh_like(self.env[node])
             self.aliased.discard(node)
@@ -114,26 +119,31 @@ class _MemoryCount(MetaInterpreter):
         if keeps_output:
             self.output_saved.add(n)
         self.intermediate[n] = own
-        if n in self.copied:
+        # A node that changed its inputs in place (grad, shape) is no node to copy: its
+        # copies must change theirs.
+        if n in self.copied and given == self._inputs(n):
             places = tuple(i for i, node in enumerate(n.all_input_nodes) if node in kept)
-            self.ran[n] = _Ran(self._inputs(n), own, places, keeps_output, result)
+            assert given is not None
+            self.ran[n] = _Ran(given, own, places, keeps_output, result, self._specs(result))
         return result
 
     def _inputs(self, n: torch.fx.Node) -> list[Any]:
-        """``n``'s input values, each tensor as its shape, strides, dtype, whether it
-        requires grad and whether it is a parameter or buffer."""
+        """What ``n``'s input values are (``_specs``), in ``all_input_nodes`` order."""
+        return [self._specs(self.env[node]) for node in n.all_input_nodes]
+
+    def _specs(self, value: Any) -> Any:
+        """``value`` with each tensor as its shape, strides, dtype, whether it requires
+        grad and whether it is a parameter or buffer."""
 
         def spec(t: torch.Tensor) -> tuple[Any, ...]:
             return (t.shape, t.stride(), t.dtype, t.requires_grad, id(t) in self.state_ids)
 
-        return [pytree.tree_map_only(torch.Tensor, spec, self.env[node])
-                for node in n.all_input_nodes]
+        return pytree.tree_map_only(torch.Tensor, spec, value)
 
-    def _as_copy(self, n: torch.fx.Node, template: torch.fx.Node) -> Any:
-        """``n`` as running it would record it: as ``template`` ran."""
-        ran = self.ran[template]
+    def _as_copy(self, n: torch.fx.Node, ran: _Ran) -> Any:
+        """``n`` as running it would record it: as the node it copies ran (``ran``)."""
         if self.flops is not None:
-            meta.FLOPS.set(n, meta.FLOPS.get(template))
+            meta.FLOPS.set(n, meta.FLOPS.get(self.copy_of[n]))
         inputs = n.all_input_nodes
         self.output_saved.update(inputs[i] for i in ran.kept_inputs)
         if ran.keeps_output:

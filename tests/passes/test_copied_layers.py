@@ -138,3 +138,43 @@ def test_symbolic_layers_are_taken_as_copies_only_where_they_run_alike(
         assert len(taken) == 12
     else:  # only block 2 runs as block 1 does: blocks 3.. see inputs of another length
         assert sorted(taken) == ["blocks_2_conv", "mul_2", "relu_2"]
+
+
+class _MutatingBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        z = torch.zeros_like(x)
+        z.mul_(self.linear(x))  # z now requires grad: an in-place op changes its input
+        return torch.relu(z) * x
+
+
+class _MutatingStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_MutatingBlock() for _ in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.sum()
+
+
+def test_an_op_that_changes_its_inputs_in_place_is_run_in_every_copy() -> None:
+    """``z.mul_(w)`` makes ``z`` require grad: taken as a copy, it would leave the copy's
+    ``z`` as it was, and the ops after it would read a value unlike the copied layer's.
+    Such an op is run in every layer, and what it changed is what the copies after it
+    see; so is a node whose result an in-place op changed after it ran."""
+    torch.manual_seed(0)
+    model, x = _MutatingStack(), torch.randn(2, 8)
+    gm = trace(model, (x,)).gm
+    assert sum(meta.COPY_OF.has(n) for n in gm.graph.nodes) == 4 * 5
+    # zeros_like_k: its result z was changed by mul__k after it ran; mul__k changes z
+    assert _copies_taken(gm, x) == [
+        name for k in range(2, 6) for name in (f"blocks_{k}_linear", f"relu_{k}", f"mul_{k}")]
+    got = [(meta.SHAPE.get(n), meta.FLOPS.get(n), meta.BYTES.get(n)) for n in gm.graph.nodes]
+    for node in gm.graph.nodes:
+        node.meta.pop(meta.COPY_OF.name, None)
+    assert _records(gm, x) == got
