@@ -187,9 +187,10 @@ class _BatchStatistics(TorchFunctionMode):
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         if func in self.FUNCTIONS:
+            value = args[0] if args else kwargs.get("input")
             training = kwargs.get("training", args[5] if len(args) > 5 else False)
-            if training and isinstance(args[0], torch.Tensor) and args[0].dim() > 0:
-                self.rows.add(int(args[0].size(0)))
+            if training and isinstance(value, torch.Tensor) and value.dim() > 0:
+                self.rows.add(int(value.size(0)))
         return func(*args, **kwargs)
 
 

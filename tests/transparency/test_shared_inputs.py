@@ -155,6 +155,34 @@ def test_a_forward_that_makes_a_tensor_is_tried_on_fake_tensors() -> None:
     assert decision.batched == {id(x), id(y)}
 
 
+@pytest.mark.parametrize("by_keyword", [False, True], ids=["positional", "keywords"])
+def test_an_input_only_a_training_batch_norm_reads_is_batched(by_keyword: bool) -> None:
+    """Nothing reads the batch norm's result, but its running statistics take in the rows
+    of its input: they must be one micro-batch's, so the input is split. torch.batch_norm
+    called with keywords is read as well (the trial runs once failed on it, and every
+    input was then assumed batched)."""
+    class Statistics(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(6, 4)
+            self.register_buffer("mean", torch.zeros(10))
+            self.register_buffer("var", torch.ones(10))
+
+        def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+            if by_keyword:
+                torch.batch_norm(input=y, weight=None, bias=None, running_mean=self.mean,
+                                 running_var=self.var, training=True, momentum=0.1,
+                                 eps=1e-5, cudnn_enabled=False)
+            else:
+                torch.nn.functional.batch_norm(y, self.mean, self.var, training=True)
+            return self.a(x)
+
+    x, y = torch.randn(3, 6), torch.randn(3, 10)
+    decision = decide_batching(Statistics(), (x, y), {})
+    assert decision.batched == {id(x), id(y)}
+    assert decision.how == "traced with batch sizes 3 and 4"
+
+
 def test_one_sample_cannot_tell_and_batch_dims_can() -> None:
     """With a batch of 1 a (1, T) input may be per sample or shared: fxpipe says so and
     names the fix; batch_dims() decides."""
