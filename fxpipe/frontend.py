@@ -276,11 +276,13 @@ def _trace(
 
     try:
         gm, flat, inputs = symbolic_graph(model, args, kwargs)
-        mark_copies(gm, model)  # the passes then take repeated layers' records as read
-        return Traced(gm, "symbolic_trace", None, flat, tuple(notes), inputs)
     except Exception as exc:
         reason = _one_line(exc)
         symbolic_error = exc
+    else:
+        # outside the try: a fault here is fxpipe's, not a reason to export instead
+        mark_copies(gm, model)  # repeated layers named, for the passes not to run again
+        return Traced(gm, "symbolic_trace", None, flat, tuple(notes), inputs)
 
     layered = export_in_layers(model, args, kwargs)
     if layered is not None:

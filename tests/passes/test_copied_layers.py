@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from fxpipe import meta
+from fxpipe import frontend, meta
 from fxpipe.frontend import trace
 from fxpipe.passes import annotate_all
 from fxpipe.passes.base import copied_from
@@ -178,3 +178,15 @@ def test_an_op_that_changes_its_inputs_in_place_is_run_in_every_copy() -> None:
     for node in gm.graph.nodes:
         node.meta.pop(meta.COPY_OF.name, None)
     assert _records(gm, x) == got
+
+
+def test_a_fault_in_naming_the_copies_is_not_taken_for_a_tracing_failure(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``symbolic_trace`` worked: a bug in ``mark_copies`` must surface, not send the model
+    through torch.export as if symbolic_trace had failed."""
+    def broken(gm: torch.fx.GraphModule, model: nn.Module) -> int:
+        raise RuntimeError("mark_copies broke")
+
+    monkeypatch.setattr(frontend, "mark_copies", broken)
+    with pytest.raises(RuntimeError, match="mark_copies broke"):
+        trace(_ConvStack(), (torch.randn(2, 4, 16),))
