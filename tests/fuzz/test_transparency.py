@@ -4,7 +4,7 @@ virtual stages), micro-batch count and recompute setting, the generated package'
 forward equals the model's and its step leaves the model's gradients (see
 pipeline.py for the oracle of BatchNorm, bfloat16 autocast and PipeDream).
 
-Fast profile (default suite): 90 examples. Long profile:
+Fast profile (default suite): 80 examples. Long profile:
 ``FXPIPE_FUZZ_EXAMPLES=1000 pytest tests/fuzz/test_transparency.py`` or
 ``python bench/fuzz_long.py``.
 """
@@ -24,7 +24,7 @@ from fxpipe.schedules import ScheduleKind
 from .models import model_specs
 from .pipeline import Case, check_transparency
 
-EXAMPLES = int(os.environ.get("FXPIPE_FUZZ_EXAMPLES", "90"))
+EXAMPLES = int(os.environ.get("FXPIPE_FUZZ_EXAMPLES", "80"))
 
 
 SCHEDULES = [kind.value for kind in ScheduleKind]  # the single-process runner runs them all
