@@ -454,6 +454,7 @@ def distributed_source(traced: Traced, plan: Plan, ios: list[StageIO]) -> str:
         "    DEVICE_OF,",
         "    MICROBATCHES,",
         "    PRECISION,",
+        "    RECOMPUTE,",
         "    REPLICAS,",
         "    SCHEDULE,",
         "    SHARED_INPUTS,",
@@ -527,6 +528,7 @@ _DISTRIBUTED_FOOTER = '''PIPELINE = DistributedPipeline(
     precision=PRECISION,
     device_of=DEVICE_OF,
     shared_inputs=SHARED_INPUTS,
+    recompute=RECOMPUTE,
 )
 stage_module = PIPELINE.stage_module
 pipeline_stage = PIPELINE.pipeline_stage

@@ -11,6 +11,8 @@ ranks.py. Each rank's stage is a torch ``PipelineStage`` around a
 v stages, zb1p, zbv and dualpipev as zero_bubble.py says. When every stage has the
 same r, each of the r lanes is a whole ``PipelineStage`` pipeline on its own process
 group; stages with different replica counts run the runner's schedule table (table.py).
+A stage the plan recomputes (``RECOMPUTE``) keeps only what it receives and runs its
+forward again in the backward, as the plan's memory assumes (adapter.py).
 
 Memory: with ``checkpoint``, ``pipeline_stage`` allocates only the rank's own
 stage (materialize.py), so no rank holds the whole model::
@@ -83,8 +85,11 @@ class DistributedPipeline(RankLayout):
         precision: str = "32-true",
         device_of: Sequence[int] = (),
         shared_inputs: Collection[str] = (),
+        recompute: Sequence[bool] = (),
     ) -> None:
         assert len(wires) == len(stage_classes), (len(wires), len(stage_classes))
+        assert not recompute or len(recompute) == len(stage_classes), (len(recompute),
+                                                                       len(stage_classes))
         self.precision = check_precision(precision)
         super().__init__(len(stage_classes), replicas, virtual_stages, device_of)
         self.unsupported = unsupported  # why this plan cannot run under torchrun
@@ -97,6 +102,8 @@ class DistributedPipeline(RankLayout):
         self.flatten_inputs = flatten_inputs
         self.build_output = build_output
         self.shared_inputs = frozenset(shared_inputs)  # graph inputs whole in every micro-batch
+        # per stage: keep only its received values and run its forward again in the backward
+        self.recompute = tuple(recompute) or (False,) * len(stage_classes)
         # 16-mixed: this rank's GradScaler, made by build_schedule; every rank steps it
         self.scaler: torch.amp.GradScaler | None = None
 
@@ -126,7 +133,8 @@ class DistributedPipeline(RankLayout):
         stage = self.stage_classes[k](model)
         materialize(stage, device, load_state(checkpoint), k)
         adapter = StageAdapter(stage, receives, sends, constants, self.build_output,
-                               precision=self.precision, device=device)
+                               precision=self.precision, device=device,
+                               recompute=self.recompute[k])
 
         def example(value: Any) -> torch.Tensor:
             out = torch.empty(value.shape, dtype=value.dtype, device=device)

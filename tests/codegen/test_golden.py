@@ -137,6 +137,9 @@ def test_package_runs_the_tiny_mlp(tmp_path: Path) -> None:
     x = torch.randn(9, 4)
     runner = package.PipelineRunner(stages)
     torch.testing.assert_close(runner.forward(x), model(x))
+    # under torchrun too, the plan's stage 1 recomputes and stage 0 does not
+    adapters = [package.distributed.stage_module(model, k, "cpu", x)[0] for k in range(2)]
+    assert [adapter.recompute for adapter in adapters] == [False, True]
     # the default baked into flatten_inputs is the forward's own
     assert package.runner.flatten_inputs(x) == {"x": x, "scale": 2.0}
 

@@ -29,32 +29,34 @@ _names = itertools.count()
 # rows through the replicated middle stage). "interleaved": 4 stages on 2 ranks (rank 0
 # runs stages 0 and 2), torch's ScheduleInterleaved1F1B; the GPT's tied weight is on
 # ranks 0 and 1, the U-Net's skips go from rank 0 through rank 1 back to rank 0. Two
-# stages on one rank: the tied weight's two copies there become one.
+# stages on one rank: the tied weight's two copies there become one. The last field:
+# stages 0 and 2 recompute (their forward runs again in the backward).
 CASES = [
-    ("gpt", "1f1b", (1, 1)),
-    ("unet", "gpipe", (1, 1)),
-    ("gpt", "1f1b", (2, 2)),
-    ("gpt", "1f1b", (1, 2)),
-    ("unet", "1f1b", (1, 2, 1)),
-    ("gpt", "interleaved", (1, 1, 1, 1)),
-    ("unet", "interleaved", (1, 1, 1, 1)),
-    ("gpt", "interleaved", (1, 1)),
+    ("gpt", "1f1b", (1, 1), False),
+    ("unet", "gpipe", (1, 1), False),
+    ("gpt", "1f1b", (2, 2), False),
+    ("gpt", "1f1b", (1, 2), True),
+    ("unet", "1f1b", (1, 2, 1), False),
+    ("gpt", "interleaved", (1, 1, 1, 1), False),
+    ("unet", "interleaved", (1, 1, 1, 1), True),
+    ("gpt", "interleaved", (1, 1), False),
     # Hugging Face models (torch.export): GPT-2's output is a dict, rebuilt from the last
     # stage's tensors for the loss; T5 sends transposed (non-contiguous) values
-    ("hf_gpt2", "interleaved", (1, 1, 1, 1)),
-    ("hf_t5", "1f1b", (1, 1)),
+    ("hf_gpt2", "interleaved", (1, 1, 1, 1), False),
+    ("hf_t5", "1f1b", (1, 1), False),
 ]
 
 
-@pytest.mark.parametrize(("name", "schedule", "replicas"), CASES)
+@pytest.mark.parametrize(("name", "schedule", "replicas", "recompute"), CASES)
 def test_torchrun_matches_runner_and_model(tmp_path: Path, name: str, schedule: str,
-                                           replicas: tuple[int, ...]) -> None:
+                                           replicas: tuple[int, ...], recompute: bool) -> None:
     model_file = EXAMPLES / f"{name}.py"
     source, traced = load(str(model_file))
     v = 2 if schedule == "interleaved" else 1
     k, n = len(replicas), sum(replicas) // v
     plan = contiguous_plan(traced.gm.graph, k, schedule=schedule, microbatches=2,
-                           replicas=replicas, virtual_stages=v)
+                           replicas=replicas, virtual_stages=v,
+                           recompute=tuple(recompute and j % 2 == 0 for j in range(k)))
     files = write(tmp_path / "pkg", traced, plan)
     model = source.model
     torch.save(model.state_dict(), tmp_path / "model.pt")

@@ -39,3 +39,63 @@ def test_a_shared_input_is_fed_whole_at_its_built_shape() -> None:
         check_feed(*built, [torch.zeros(4, 4), torch.zeros(8, 4)], 2, {"mask"})
     with pytest.raises(ValueError, match=r"'mask' has shape \(4, 4\).*built for 2 micro-batches"):
         check_feed(*built, [torch.zeros(4, 4), torch.zeros(4, 4)], 2)  # not declared shared
+
+
+class Block(nn.Module):
+    """Dropout (random), BatchNorm in training mode (writes its running statistics) and
+    an in-place write into a graph input it receives."""
+
+    INPUTS = ("x", "bias")
+    OUTPUTS = ("y",)
+    WRITES = ("bias",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 64), nn.Linear(64, 16)
+        self.norm = nn.BatchNorm1d(64)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor]:
+        bias.mul_(2)
+        h = self.drop(torch.relu(self.norm(self.fc1(x))))
+        return (self.fc2(h) * bias,)
+
+
+def _step(recompute: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor, int, torch.Tensor]:
+    """One forward and backward of an adapter around ``Block`` that passes the written
+    input on: the gradients, the running mean after it, the bytes autograd saved in the
+    forward, and the input as sent on."""
+    torch.manual_seed(0)
+    block = Block()
+    adapter = StageAdapter(block, ("x", "bias"), ("y", "bias"), {}, lambda values: None,
+                           recompute=recompute)
+    x = torch.randn(32, 16, requires_grad=True)
+    bias = torch.ones(16)
+    saved: list[int] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t.untyped_storage().nbytes())
+        return t
+
+    torch.manual_seed(1)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y, sent = adapter(x, bias)
+    torch.manual_seed(2)  # the run again must not draw new dropout masks
+    y.square().sum().backward()
+    grads = {name: p.grad for name, p in block.named_parameters()}
+    grads["x"] = x.grad
+    return grads, block.norm.running_mean.clone(), sum(saved), sent
+
+
+def test_a_recomputed_stage_keeps_less_and_gives_the_same_gradients_and_buffers() -> None:
+    """Under torchrun a stage the plan recomputes runs under non-reentrant checkpoint: the
+    same gradients (the same dropout masks, the input it writes in place written once in
+    each run), BatchNorm's running statistics updated once, the written input passed on,
+    and only its inputs kept for the backward."""
+    plain, recomputed = _step(False), _step(True)
+    for name, grad in plain[0].items():
+        torch.testing.assert_close(recomputed[0][name], grad, rtol=0, atol=0, msg=name)
+    torch.testing.assert_close(recomputed[1], plain[1], rtol=0, atol=0)
+    torch.testing.assert_close(recomputed[3], plain[3], rtol=0, atol=0)
+    assert (plain[3] == 2).all()
+    assert recomputed[2] < plain[2] / 4, (recomputed[2], plain[2])

@@ -7,6 +7,7 @@ from .runner import (
     DEVICE_OF,
     MICROBATCHES,
     PRECISION,
+    RECOMPUTE,
     REPLICAS,
     SCHEDULE,
     SHARED_INPUTS,
@@ -68,6 +69,7 @@ PIPELINE = DistributedPipeline(
     precision=PRECISION,
     device_of=DEVICE_OF,
     shared_inputs=SHARED_INPUTS,
+    recompute=RECOMPUTE,
 )
 stage_module = PIPELINE.stage_module
 pipeline_stage = PIPELINE.pipeline_stage
