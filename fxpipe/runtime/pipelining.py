@@ -11,8 +11,6 @@ ranks.py. Each rank's stage is a torch ``PipelineStage`` around a
 v stages, zb1p, zbv and dualpipev as zero_bubble.py says. When every stage has the
 same r, each of the r lanes is a whole ``PipelineStage`` pipeline on its own process
 group; stages with different replica counts run the runner's schedule table (table.py).
-A stage the plan recomputes (``RECOMPUTE``) keeps only what it receives and runs its
-forward again in the backward, as the plan's memory assumes (adapter.py).
 
 Memory: with ``checkpoint``, ``pipeline_stage`` allocates only the rank's own
 stage (materialize.py), so no rank holds the whole model::
@@ -87,9 +85,10 @@ class DistributedPipeline(RankLayout):
         shared_inputs: Collection[str] = (),
         recompute: Sequence[bool] = (),
     ) -> None:
-        assert len(wires) == len(stage_classes), (len(wires), len(stage_classes))
-        assert not recompute or len(recompute) == len(stage_classes), (len(recompute),
-                                                                       len(stage_classes))
+        # per stage: keep only what it receives, run its forward again in the backward
+        self.recompute = tuple(recompute) or (False,) * len(stage_classes)
+        assert len(wires) == len(stage_classes) == len(self.recompute), (
+            len(wires), len(stage_classes), len(self.recompute))
         self.precision = check_precision(precision)
         super().__init__(len(stage_classes), replicas, virtual_stages, device_of)
         self.unsupported = unsupported  # why this plan cannot run under torchrun
@@ -102,8 +101,6 @@ class DistributedPipeline(RankLayout):
         self.flatten_inputs = flatten_inputs
         self.build_output = build_output
         self.shared_inputs = frozenset(shared_inputs)  # graph inputs whole in every micro-batch
-        # per stage: keep only its received values and run its forward again in the backward
-        self.recompute = tuple(recompute) or (False,) * len(stage_classes)
         # 16-mixed: this rank's GradScaler, made by build_schedule; every rank steps it
         self.scaler: torch.amp.GradScaler | None = None
 
@@ -133,8 +130,7 @@ class DistributedPipeline(RankLayout):
         stage = self.stage_classes[k](model)
         materialize(stage, device, load_state(checkpoint), k)
         adapter = StageAdapter(stage, receives, sends, constants, self.build_output,
-                               precision=self.precision, device=device,
-                               recompute=self.recompute[k])
+                               precision=self.precision, device=device, recompute=self.recompute[k])
 
         def example(value: Any) -> torch.Tensor:
             out = torch.empty(value.shape, dtype=value.dtype, device=device)
@@ -259,11 +255,9 @@ class DistributedPipeline(RankLayout):
                 f"the example micro-batch has {rows} rows along dim 0, which do not split "
                 f"into equal chunks for every stage's replicas "
                 f"({'-'.join(map(str, self.replicas))}); use a micro-batch size that is a "
-                f"multiple of each"
-            )
+                f"multiple of each")
         adapter, inputs, outputs = self.stage_module(
-            model, k, device, *example_args, checkpoint=checkpoint, **example_kwargs
-        )
+            model, k, device, *example_args, checkpoint=checkpoint, **example_kwargs)
         self._make_groups({k: adapter})
         return TableStage(self, adapter, k, replica, torch.device(device), inputs, outputs, rows)
 
@@ -319,18 +313,15 @@ class DistributedPipeline(RankLayout):
             if m != self.microbatches or kind != self.schedule:
                 raise ValueError(
                     f"a plan with unevenly replicated stages runs its own schedule table "
-                    f"({self.schedule}, M = {self.microbatches}); split again to change it"
-                )
+                    f"({self.schedule}, M = {self.microbatches}); split again to change it")
             return TableSchedule(stage, self.table, m, loss_fn)
         classes = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
         if kind not in classes:
             raise ValueError(f"unknown schedule {kind!r}; use one of {sorted(classes)}")
         if kind == "1f1b" and m < self.num_stages:
-            warnings.warn(
-                f"torch's Schedule1F1B needs at least as many micro-batches ({m}) as stages "
-                f"({self.num_stages}); running ScheduleGPipe, which gives the same gradients",
-                stacklevel=2,
-            )
+            warnings.warn(f"torch's Schedule1F1B needs at least as many micro-batches ({m}) as "
+                          f"stages ({self.num_stages}); running ScheduleGPipe, which gives the "
+                          "same gradients", stacklevel=2)
             kind = "gpipe"
         cast(StageAdapter, stage.submod).microbatches = m
         return classes[kind](stage, n_microbatches=m,
