@@ -90,7 +90,8 @@ def lower(
         loss_grad_bytes=returned_bytes * LOSS_FACTORS[1],
         tied=_tied_groups(readers, sizes, device),
         tied_policy=tied_policy,
-        colocate=_colocated(gm, ops, index) + fused + _shared_state(gm, ops, index),
+        colocate=(_colocated(gm, ops, index) + fused + _shared_state(gm, ops, index)
+                  + _unpacked(ops, index)),
         virtual_stages=virtual_stages,
         num_devices=num_devices,
         allreduce_bandwidth=device.intra_node_bandwidth,
@@ -206,6 +207,21 @@ def _colocated(
         for node in ops
         if (chain := _mutated_chain(gm, node, index))
     )
+
+
+def _unpacked(ops: tuple[torch.fx.Node, ...], index: dict[torch.fx.Node, int]
+              ) -> tuple[tuple[int, ...], ...]:
+    """An op that returns a tuple or list read only by indexing it (``torch.split``, a
+    no-grad region's body, a module's (output, weights)) stays with its indexing: a cut
+    between them would send the whole tuple, which torch.distributed.pipelining cannot
+    (it passes tensors), where a cut after them sends the tensors read, no more."""
+    groups = []
+    for node in ops:
+        users = list(node.users)
+        if users and all(user.op == "call_function" and user.target is operator.getitem
+                         and user.args[0] is node and user in index for user in users):
+            groups.append(tuple(sorted(index[n] for n in (node, *users))))
+    return tuple(groups)
 
 
 def _shared_state(

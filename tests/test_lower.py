@@ -101,3 +101,30 @@ def test_backward_splits_into_input_and_weight_parts_down_to_the_plan() -> None:
     raw = plan.to_dict()["stages"][0]
     assert raw["backward_input_s"] == pytest.approx(plan.stages[0].backward_input_s)
     assert type(plan).from_json(plan.to_json()).stages == plan.stages
+
+
+class Halves(nn.Module):
+    """A tuple read only by indexing (torch.split), and one returned whole (topk)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        a, b = torch.split(self.fc(x), 4, dim=1)
+        return a.relu(), b.tanh(), torch.topk(x, 2)
+
+
+def test_a_tuple_read_only_by_indexing_stays_with_its_indexing() -> None:
+    """torch.distributed.pipelining passes tensors between stages, not tuples: the split
+    shares a stage with its getitems, so the halves cross a cut, never the pair; topk's
+    pair, which the model returns whole, is not held to anything."""
+    traced = trace(Halves(), (torch.randn(4, 8),))
+    device = get_device("h100")
+    analyze(traced, device=device)
+    lowered = lower(traced.gm, num_stages=2, device=device, memory_limit=float("inf"),
+                    schedule=ScheduleKind.ONE_F_ONE_B, microbatches=2)
+    names = [{lowered.problem.nodes[i].name for i in group}
+             for group in lowered.problem.colocate]
+    assert {"split", "getitem", "getitem_1"} in names
+    assert not any("topk" in group for group in names)
