@@ -308,6 +308,10 @@ def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
 def _fake_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     # called inside FakeTensorMode: a fake tensor of t's shape on ``device``, whatever t's
     # device; a Parameter stays one (exported stages read theirs with get_parameter)
+    if not isinstance(t, nn.Parameter) and not t.is_meta and t.numel() == 1:
+        # a scalar buffer the forward may read as a number (BatchNorm's num_batches_tracked
+        # with momentum=None): a fake that keeps its value, through in-place updates too
+        return torch.tensor(t.tolist(), dtype=t.dtype, device=device)
     out = torch.empty(t.shape, dtype=t.dtype, device=device)
     if isinstance(t, nn.Parameter):
         return nn.Parameter(out, requires_grad=t.requires_grad)
