@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.fuzz.pipeline import Case, Split, check_transparency
+from tests.fuzz.pipeline import Case, Split, check_adapters, check_transparency
 from tests.fuzz.test_transparency import cases
 
 
@@ -53,6 +53,7 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             try:
                 done = check_transparency(case, Path(tmp) / "pkg")
+                check_adapters(case, done)
                 tracers[done.traced.tracer] += 1
                 stages[done.stages] += 1
                 schedules[_schedule(done, case)] += 1

@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import itertools
 import types
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,7 +45,7 @@ from tests.codegen._models import grads, import_and_forget, ruff, write_package
 
 from .models import ModelSpec, build_model, example_inputs, output_leaves
 
-__all__ = ["Case", "Split", "check_transparency", "split"]
+__all__ = ["Case", "Split", "check_adapters", "check_transparency", "split"]
 
 RTOL, ATOL = 1e-9, 1e-10  # float64; micro-batching only reorders sums
 LR = 0.1  # PipeDream's per-micro-batch SGD step
@@ -203,6 +204,68 @@ def check_transparency(case: Case, directory: Path) -> Split:
         _assert_close_dicts(got_grads, want_grads, "gradient of {}")
     _assert_close_dicts(_buffers(model), _buffers(reference), "buffer {} after step")
     return done
+
+
+def check_adapters(case: Case, done: Split) -> None:
+    """The torchrun path in one process: every stage as the ``StageAdapter`` that torch's
+    ``PipelineStage`` runs (``distributed.stage_module``), each recomputing under
+    checkpoint, chained on the traced example micro-batch (the shapes torchrun's stages
+    are built for): the model's output, loss, gradients and buffers. Plans torchrun does
+    not run (PipeDream's weight stashing) are skipped."""
+    distributed = done.package.distributed
+    if distributed.UNSUPPORTED:
+        return
+    spec = case.spec
+    model = build_model(spec)
+    reference = copy.deepcopy(model)
+    args, kwargs = example_inputs(spec, batch=case.batch, seed=3)
+    adapters = []
+    with warnings.catch_warnings():  # no checkpoint file: the stages bind the model's values
+        warnings.simplefilter("ignore")
+        for k in range(done.stages):
+            adapter = distributed.stage_module(model, k, "cpu", *args, **kwargs)[0]
+            adapter.recompute = True
+            adapters.append(adapter)
+    values = distributed.PIPELINE.flatten_inputs(*args, **kwargs)
+    flat = tuple(values[name] for name in adapters[0].receives)
+    torch.manual_seed(0)
+    for adapter in adapters:
+        flat = adapter(*flat)
+    last = adapters[-1]
+    output = flat if last.output_leaves is None else last.rebuild_output(flat)
+    torch.manual_seed(0)
+    a, kw = pytree.tree_map_only(torch.Tensor, torch.clone, (args, kwargs))
+    want = reference(*a, **kw)  # on copies: a model may write its inputs in place
+    _assert_trees_close(output, want, "torchrun stages' output")
+    loss, want_loss = loss_fn(output, None), loss_fn(want, None)
+    if want_loss.requires_grad:
+        loss.backward()
+        want_loss.backward()
+    _assert_close_dicts(_stage_sums(model, adapters, "grad"), grads(reference),
+                        "torchrun stages: gradient of {}")
+    _assert_close_dicts(_stage_sums(model, adapters, "buffer"), _buffers(reference),
+                        "torchrun stages: buffer {}")
+
+
+def _stage_sums(model: torch.nn.Module, adapters: Sequence[Any], what: str
+                ) -> dict[str, torch.Tensor]:
+    """Each stage holds copies of the model's tensors it uses (materialize.py): per name
+    in the model, the gradients of its parameter's copies summed over the stages (as
+    torchrun sums a tied one's over their ranks), or its buffer as the stage that holds
+    it left it (as the model has it where no stage reads it)."""
+    if what == "buffer":
+        return {**_buffers(model), **{name: b.detach().clone() for adapter in adapters
+                                      for name, b in adapter.stage.named_buffers()}}
+    owner = {name: id(p) for name, p in model.named_parameters(remove_duplicate=False)}
+    summed: dict[int, torch.Tensor] = {}
+    copies = {id(p): (name, p) for adapter in adapters  # stages may bind one module
+              for name, p in adapter.stage.named_parameters()}
+    for name, p in copies.values():
+        if p.grad is not None:
+            ident = owner[name]
+            summed[ident] = summed[ident] + p.grad if ident in summed else p.grad
+    return {name: summed[id(p)].detach().clone() for name, p in model.named_parameters()
+            if id(p) in summed}
 
 
 def versions_used(schedule: Sequence[Sequence[tuple[int, str, int]]], num_stages: int,

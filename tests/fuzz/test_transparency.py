@@ -2,7 +2,9 @@
 number of stages, under any schedule kind (with replicated stages and interleaved
 virtual stages), micro-batch count and recompute setting, the generated package's
 forward equals the model's and its step leaves the model's gradients (see
-pipeline.py for the oracle of BatchNorm, bfloat16 autocast and PipeDream).
+pipeline.py for the oracle of BatchNorm, bfloat16 autocast and PipeDream); and the same
+stages as torchrun runs them (each a ``StageAdapter``, recomputing), chained in one
+process on one micro-batch, give the model's output, gradients and buffers.
 
 Fast profile (default suite): 80 examples. Long profile:
 ``FXPIPE_FUZZ_EXAMPLES=1000 pytest tests/fuzz/test_transparency.py`` or
@@ -22,7 +24,7 @@ from hypothesis import strategies as st
 from fxpipe.schedules import ScheduleKind
 
 from .models import model_specs
-from .pipeline import Case, check_transparency
+from .pipeline import Case, check_adapters, check_transparency
 
 EXAMPLES = int(os.environ.get("FXPIPE_FUZZ_EXAMPLES", "80"))
 
@@ -81,4 +83,5 @@ def cases(draw: st.DrawFn) -> Case:
 @given(case=cases())
 def test_split_models_are_transparent(case: Case) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        check_transparency(case, Path(tmp) / "pkg")
+        done = check_transparency(case, Path(tmp) / "pkg")
+        check_adapters(case, done)
