@@ -177,7 +177,9 @@ def example_values(
         given = pytree.tree_map_only(torch.Tensor, fake, (args, kwargs))
         values.update(flatten_inputs(*given[0], **given[1]))
         for stage in stages:
-            state = {name: _fake_like(t, where) for name, t in _named_tensors(stage)}
+            fakes: dict[int, torch.Tensor] = {}  # one per tensor: a tied weight stays tied
+            state = {name: fakes.setdefault(id(t), _fake_like(t, where))
+                     for name, t in _named_tensors(stage)}
             inputs = {name: values[name] for name in cast(tuple[str, ...], stage.INPUTS)}
             with autocast(precision, where):
                 outputs = torch.func.functional_call(stage, state, (), inputs)

@@ -385,3 +385,21 @@ def test_an_input_only_a_batchnorm_reads_is_split(tmp_path: Path, untraceable: b
                 declare=False)
     check_transparency(case, tmp_path / "pkg")
 
+
+
+def test_a_weight_tied_inside_one_stage_runs_under_torchrun(tmp_path: Path) -> None:
+    # An Embedding whose weight a Linear reuses, both on one stage: the fake run that
+    # sizes torchrun's stages gave the two names two fake tensors, and functional_call
+    # refused them ("got multiple values for keys ... which are tied"), so
+    # train_torchrun.py could not start. Fixed: one fake per tensor (runtime/adapter.py).
+    spec = ModelSpec(
+        inputs=((6,), (5,)),
+        ops=(Op("linear", (0,), ((16,),), module="linear0"),
+             Op("embed", (1,), ((5, 15),), module="embedding1"),
+             Op("linear", (3,), ((5, 8),), module="linear2", tie="embedding1")),
+        outputs=(2, 4), seed=0, ids={1: 8},
+        modules={"linear0": ("linear", (6, 16, False)), "embedding1": ("embedding", (8, 15)),
+                 "linear2": ("linear", (15, 8, True))})
+    case = Case(spec, stages=1, schedule="interleaved", microbatches=4, recompute=False,
+                batch=1)
+    check_adapters(case, check_transparency(case, tmp_path / "pkg"))
