@@ -1,7 +1,11 @@
 """Re-materialization without side effects: a recomputed forward replays the random
 numbers (dropout masks) its first run drew, so its outputs and gradients match, and
 whatever it writes into buffers (BatchNorm's running statistics, a counter updated in
-place) is undone, so buffers change once per micro-batch, as without recompute."""
+place) is undone, so buffers change once per micro-batch, as without recompute.
+
+A recomputed stage's first run keeps no graph, so its outputs do not say which need a
+gradient: the step's first micro-batch runs with one to learn it (``grad_flags``; a
+detached value needs none), and then drops it (``detached``)."""
 
 import contextlib
 from collections.abc import Iterator, Mapping
@@ -9,8 +13,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
-__all__ = ["RngState", "buffers_restored", "rng_restored", "rng_state"]
+__all__ = ["RngState", "buffers_restored", "detached", "grad_flags", "rng_restored",
+           "rng_state"]
 
 RngState = tuple[torch.Tensor, torch.Tensor | None]  # (CPU state, CUDA state of the device)
 
@@ -61,3 +67,13 @@ def buffers_restored(stage: nn.Module, k: int,
         with torch.no_grad():
             for t, before in saved:
                 t.data.copy_(before)  # .data: a write autograd does not count
+
+
+def grad_flags(value: Any) -> list[bool]:
+    """Per leaf of ``value``: a tensor that requires grad."""
+    return [isinstance(x, torch.Tensor) and x.requires_grad for x in pytree.tree_leaves(value)]
+
+
+def detached(value: Any) -> Any:
+    """``value`` with every tensor detached from its graph."""
+    return pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, value)

@@ -45,7 +45,7 @@ from .microbatch import (
     written_back,
 )
 from .precision import autocast, check_precision, grad_scaler, warn_uncast
-from .recompute import buffers_restored, rng_restored, rng_state
+from .recompute import buffers_restored, detached, grad_flags, rng_restored, rng_state
 from .replicas import batch_sizes, check_replicas
 from .schedule import Action, check_schedule, check_sizes
 from .split_backward import check_split, input_backward, weight_backward
@@ -92,6 +92,8 @@ class PipelineRunner(MeasuredSteps):
         self.flatten_inputs = flatten_inputs
         self.build_output = build_output
         self.recompute = [bool(r) for r in recompute or [False] * num_stages]
+        # recomputed stage -> output -> per leaf, requires grad (learned anew each step)
+        self._needs_grad: dict[int, dict[str, list[bool]]] = {}
         self.replicas = [int(r) for r in replicas]
         self.weight_stashing = bool(weight_stashing)
         self.precision = check_precision(precision)
@@ -102,15 +104,12 @@ class PipelineRunner(MeasuredSteps):
         check_schedule(self.schedule, num_stages, microbatches)
         check_split(self.schedule, self.replicas, self.weight_stashing)
         self.wiring = Wiring(self.stages)
-
         # devices[k]: stage k's own device (its replica 0's); replica_devices[k][i]: replica i's
         self.devices: list[torch.device] | None = None
         self.replica_devices: list[list[torch.device]] | None = None
         if devices is not None:
-            self.replica_devices = [
-                replica_devices(k, d, r)
-                for k, (d, r) in enumerate(zip(devices, self.replicas, strict=True))
-            ]
+            self.replica_devices = [replica_devices(k, d, r) for k, (d, r)
+                                    in enumerate(zip(devices, self.replicas, strict=True))]
             self.devices = [devs[0] for devs in self.replica_devices]
         self.streams = Streams(self.devices, num_stages)
         # 16-mixed: scales the loss before backward; the caller steps and updates it
@@ -164,14 +163,12 @@ class PipelineRunner(MeasuredSteps):
         values = self._split(flat)
         num_mb = len(values)
         state = StepState(
-            values=values,
-            targets=split_microbatches(target, num_mb, "target"),
-            loss_fn=loss_fn,
+            values=values, targets=split_microbatches(target, num_mb, "target"), loss_fn=loss_fn,
             batch=batch_sizes(values, self.stages, self.replicas, self.shared_inputs),
             # the live Parameters, before _device_copies binds copies in their place
             stashes=(WeightStashes(self.stages, optimizers or ())
-                     if self.weight_stashing else None),
-        )
+                     if self.weight_stashing else None))
+        self._needs_grad.clear()
         with timed(self._recorder), self._device_copies(), self.streams.joined():
             for tick in self.schedule:
                 for k, kind, m in tick:
@@ -198,25 +195,24 @@ class PipelineRunner(MeasuredSteps):
             return contextlib.nullcontext()
         return device_copies(self.stages, self.devices, self.replica_devices, self._bound)
 
-    def _receive(self, value: Any, producer: int, k: int, event: Any, grad: bool) -> Any:
+    def _receive(self, value: Any, name: str, producer: int, k: int, event: Any,
+                 grad: bool) -> Any:
         """``value`` (made by ``producer``, -1 for a graph input) as stage k sees it:
         on k's device, ordered after ``event``; stage outputs become detached leaves
-        with the producer's requires_grad when ``grad`` (a recomputed producer ran
-        under no_grad, so every floating-point leaf of it may need a gradient)."""
+        with the producer's requires_grad when ``grad`` (a recomputed producer's, as
+        its step's first micro-batch showed: later ones run without grad)."""
         leaves, spec = pytree.tree_flatten(value)
         if not any(isinstance(x, torch.Tensor) for x in leaves):
             return value
         dev = self.streams.device(k)
+        flags = self._needs_grad.get(producer, {}).get(name, [False] * len(leaves))
         out = []
-        for x in leaves:
+        for x, needs_grad in zip(leaves, flags, strict=True):
             if isinstance(x, torch.Tensor):
                 if producer != GRAPH_INPUT:
                     x = self.streams.move(x, producer, k, event)
                     if grad:
-                        needs_grad = x.requires_grad or (
-                            self.recompute[producer] and (x.is_floating_point() or x.is_complex())
-                        )
-                        x = x.detach().requires_grad_(needs_grad)
+                        x = x.detach().requires_grad_(x.requires_grad or needs_grad)
                 elif dev is not None and x.device != dev:
                     x = x.to(dev)  # a graph input: differentiable, on k's stream
             out.append(x)
@@ -228,13 +224,12 @@ class PipelineRunner(MeasuredSteps):
         if name not in values:
             raise KeyError(
                 f"Stage {k} reads {name!r}, which no earlier stage produced and "
-                f"flatten_inputs did not return (it has {sorted(values)})."
-            )
+                f"flatten_inputs did not return (it has {sorted(values)}).")
         p = self.wiring.producer_of(name)
         if p == k:
             return values[name]  # the last stage's own outputs, read by the loss
         with timed(self._recorder, k, "comm"):
-            return self._receive(values[name], p, k, events.get(p), grad)
+            return self._receive(values[name], name, p, k, events.get(p), grad)
 
     def _lazy(self, values: Mapping[str, Any], k: int, grad: bool,
               events: Mapping[int, Any]) -> OnDemand:
@@ -307,9 +302,14 @@ class PipelineRunner(MeasuredSteps):
                 stash = state.stashes.stash(k, self.streams.device(k))
         if self.recompute[k]:
             rng = rng_state(self.streams.device(k))
-            with torch.no_grad():
-                inputs, _ = self._forward(k, values, True, events, state.batch[m], stash,
-                                          copy=True)
+            learn = k not in self._needs_grad  # with grad, to see which outputs need one
+            with torch.enable_grad() if learn else torch.no_grad():
+                inputs, outputs = self._forward(k, values, True, events, state.batch[m], stash,
+                                                copy=True)
+            if learn:  # and keep no graph
+                named = list(zip(self.wiring.outputs[k], outputs, strict=True))
+                self._needs_grad[k] = {name: grad_flags(v) for name, v in named}
+                values.update((name, detached(v)) for name, v in named)
             state.saved[(k, m)] = (inputs, None, rng, stash)
         else:
             inputs, outputs = self._forward(k, values, True, events, state.batch[m], stash)

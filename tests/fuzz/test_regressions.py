@@ -403,3 +403,25 @@ def test_a_weight_tied_inside_one_stage_runs_under_torchrun(tmp_path: Path) -> N
     case = Case(spec, stages=1, schedule="interleaved", microbatches=4, recompute=False,
                 batch=1)
     check_adapters(case, check_transparency(case, tmp_path / "pkg"))
+
+
+def test_a_detached_value_from_a_recomputed_stage_needs_no_gradient(tmp_path: Path) -> None:
+    # A recomputed stage's first run keeps no graph, so the runner took every
+    # floating-point value it sent as needing a gradient. A detached one then required
+    # grad on the next stage, autograd recorded the in-place relu_ that follows it, and
+    # the backward failed ("modified by an inplace operation ... output 0 of Relu"). Fixed:
+    # the step's first micro-batch of a recomputed stage runs with grad to learn which
+    # outputs need one (runtime/recompute.py, ``grad_flags``).
+    spec = ModelSpec(
+        inputs=((4, 3, 6),),
+        ops=(Op("linear", (0,), ((4, 3, 15),), module="linear0"),
+             Op("detach", (1,), ((4, 3, 15),)),
+             Op("reduce", (2,), ((4, 3),), how="amax", arg=(2, False)),
+             Op("mutate", (2,), ((4, 3, 15),), how="relu_:statement"),
+             Op("reduce", (2,), ((4, 3, 1),), how="amax", arg=(2, True))),
+        outputs=(3, {"rest": (4, 5, 1)}), seed=279, kwargs=True,
+        modules={"linear0": ("linear", (6, 15, False))})
+    for schedule in ("1f1b", "pipedream"):
+        case = Case(spec, stages=4, schedule=schedule, microbatches=3,
+                    recompute=(True, True, False, True), batch=2, declare=False)
+        check_adapters(case, check_transparency(case, tmp_path / schedule))
