@@ -219,6 +219,10 @@ def check_adapters(case: Case, done: Split) -> None:
     model = build_model(spec)
     reference = copy.deepcopy(model)
     args, kwargs = example_inputs(spec, batch=case.batch, seed=3)
+    # each stage_module puts its copies into the modules it binds, the model's own: name
+    # the model's parameters before (a tie the stages split is still one parameter)
+    owner = {name: id(p) for name, p in model.named_parameters(remove_duplicate=False)}
+    names = [name for name, _ in model.named_parameters()]
     adapters = []
     with warnings.catch_warnings():  # no checkpoint file: the stages bind the model's values
         warnings.simplefilter("ignore")
@@ -241,22 +245,18 @@ def check_adapters(case: Case, done: Split) -> None:
     if want_loss.requires_grad:
         loss.backward()
         want_loss.backward()
-    _assert_close_dicts(_stage_sums(model, adapters, "grad"), grads(reference),
+    _assert_close_dicts(_summed_grads(adapters, owner, names), grads(reference),
                         "torchrun stages: gradient of {}")
-    _assert_close_dicts(_stage_sums(model, adapters, "buffer"), _buffers(reference),
-                        "torchrun stages: buffer {}")
+    buffers = {**_buffers(model), **{name: b.detach().clone() for adapter in adapters
+                                     for name, b in adapter.stage.named_buffers()}}
+    _assert_close_dicts(buffers, _buffers(reference), "torchrun stages: buffer {}")
 
 
-def _stage_sums(model: torch.nn.Module, adapters: Sequence[Any], what: str
-                ) -> dict[str, torch.Tensor]:
-    """Each stage holds copies of the model's tensors it uses (materialize.py): per name
-    in the model, the gradients of its parameter's copies summed over the stages (as
-    torchrun sums a tied one's over their ranks), or its buffer as the stage that holds
-    it left it (as the model has it where no stage reads it)."""
-    if what == "buffer":
-        return {**_buffers(model), **{name: b.detach().clone() for adapter in adapters
-                                      for name, b in adapter.stage.named_buffers()}}
-    owner = {name: id(p) for name, p in model.named_parameters(remove_duplicate=False)}
+def _summed_grads(adapters: Sequence[Any], owner: dict[str, int], names: Sequence[str]
+                  ) -> dict[str, torch.Tensor]:
+    """Each stage holds copies of the model's parameters it uses (materialize.py): per
+    parameter (``owner``: name -> the model's parameter, before the copies), its copies'
+    gradients summed over the stages, as torchrun sums a tied one's over its ranks."""
     summed: dict[int, torch.Tensor] = {}
     copies = {id(p): (name, p) for adapter in adapters  # stages may bind one module
               for name, p in adapter.stage.named_parameters()}
@@ -264,8 +264,8 @@ def _stage_sums(model: torch.nn.Module, adapters: Sequence[Any], what: str
         if p.grad is not None:
             ident = owner[name]
             summed[ident] = summed[ident] + p.grad if ident in summed else p.grad
-    return {name: summed[id(p)].detach().clone() for name, p in model.named_parameters()
-            if id(p) in summed}
+    return {name: summed[owner[name]].detach().clone() for name in names
+            if owner[name] in summed}
 
 
 def versions_used(schedule: Sequence[Sequence[tuple[int, str, int]]], num_stages: int,
