@@ -177,9 +177,7 @@ def example_values(
         given = pytree.tree_map_only(torch.Tensor, fake, (args, kwargs))
         values.update(flatten_inputs(*given[0], **given[1]))
         for stage in stages:
-            fakes: dict[int, torch.Tensor] = {}  # one per tensor: a tied weight stays tied
-            state = {name: fakes.setdefault(id(t), _fake_like(t, where))
-                     for name, t in _named_tensors(stage)}
+            state = _fake_state(stage, where)
             inputs = {name: values[name] for name in cast(tuple[str, ...], stage.INPUTS)}
             with autocast(precision, where):
                 outputs = torch.func.functional_call(stage, state, (), inputs)
@@ -302,9 +300,16 @@ def _contiguous_grads(received: Sequence[torch.Tensor]) -> None:
             x._fxpipe_contiguous_grad = True  # type: ignore[attr-defined]
 
 
-def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    named = list(module.named_parameters(remove_duplicate=False))
-    return named + list(module.named_buffers(remove_duplicate=False))
+def _fake_state(module: nn.Module, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer name of ``module`` -> a fake of its tensor, one fake per
+    tensor (a weight tied under two names stays tied for ``functional_call``)."""
+    named = [*module.named_parameters(remove_duplicate=False),
+             *module.named_buffers(remove_duplicate=False)]
+    fakes: dict[int, torch.Tensor] = {}
+    for _, t in named:
+        if id(t) not in fakes:
+            fakes[id(t)] = _fake_like(t, device)
+    return {name: fakes[id(t)] for name, t in named}
 
 
 def _fake_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -313,8 +318,9 @@ def _fake_like(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if not isinstance(t, nn.Parameter) and not t.is_meta and t.numel() == 1:
         # a scalar buffer the forward may read as a number (BatchNorm's num_batches_tracked
         # with momentum=None): a fake that keeps its value, through in-place updates too
-        return torch.tensor(t.tolist(), dtype=t.dtype, device=device)
-    out = torch.empty(t.shape, dtype=t.dtype, device=device)
+        out = torch.tensor(t.tolist(), dtype=t.dtype, device=device)
+    else:
+        out = torch.empty(t.shape, dtype=t.dtype, device=device)
     if isinstance(t, nn.Parameter):
         return nn.Parameter(out, requires_grad=t.requires_grad)
     return out.requires_grad_(t.requires_grad) if t.is_floating_point() else out
