@@ -98,8 +98,9 @@ def analyze_file(
         source = load_model_file(spec)
     if precision is not None and not precision.mixed:
         source = _cast(source, precision)
-    with progress("tracing"):
-        traced = trace_source(source)
+    with progress("tracing"):  # a *-mixed model traced under its autocast (frontend.py)
+        traced = trace_source(source, autocast=precision.dtype if precision is not None
+                              and precision.mixed else None)
     if solvable:
         check_size(sum(1 for n in traced.gm.graph.nodes if n.op in OP_NODES))
     how = traced.tracer

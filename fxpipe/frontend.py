@@ -17,10 +17,17 @@ inputs. ``symbolic_trace`` keeps sizes symbolic by itself; ``torch.export`` is
 asked to with ``Dim.AUTO`` on every dimension of every input, and keeps symbolic
 the ones the model lets vary. Either way ``Traced.inputs`` records, per graph
 input, the traced shape and which dimensions are free (``InputShape``).
+
+A model trained under autocast (``--precision bf16-mixed``) is traced under it too:
+``torch.export`` writes into the graph the dtypes the model's Python reads off its
+values (an RMSNorm's ``x.to(input_dtype)``, T5's ``if x.dtype == torch.float16``), and
+under autocast a matmul's output is bfloat16, so only a trace under autocast computes
+what the model computes when it trains so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import traceback
 import types
 from collections.abc import Callable
@@ -239,16 +246,24 @@ def _one_line(exc: BaseException) -> str:
 
 def trace(
     model: torch.nn.Module, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None,
-    *, batch_dims: Any = None,
+    *, batch_dims: Any = None, autocast: torch.dtype | None = None,
 ) -> Traced:
     """Trace ``model`` on one micro-batch: symbolic_trace, else torch.export non-strict;
     and decide which inputs are batched (see batching.py; ``batch_dims`` is what the
-    model file's ``batch_dims()`` returned)."""
+    model file's ``batch_dims()`` returned). ``autocast``: the dtype the model trains
+    under autocast at, traced under it (the module docstring)."""
     kwargs = dict(kwargs or {})
     device = _model_device(model)
     if device is not None and device.type == "meta":
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
-    traced = _trace(model, args, kwargs)  # its flat inputs are these very tensors
+    with _autocast(device, autocast):
+        traced = _trace(model, args, kwargs)  # its flat inputs are these very tensors
+    if autocast is not None and traced.tracer == "export" and _on_meta(device):
+        traced = replace(traced, notes=(*traced.notes, (
+            f"traced on the meta device, where autocast does not run: where the model "
+            f"picks a dtype from a value autocast would make {_dtype_name(autocast)} (a "
+            f"norm casting back to its input's dtype), the stages keep float32; build "
+            f"the model on the CPU to trace it as autocast runs it")))
     decision = decide_batching(model, args, kwargs, batch_dims)
     batched = tuple(
         any(id(t) in decision.batched for t in pytree.tree_leaves(value)
@@ -256,6 +271,24 @@ def trace(
         for value in traced.flat_inputs
     )
     return replace(traced, batched=batched, batching=decision.how)
+
+
+def _autocast(device: torch.device | None, dtype: torch.dtype | None
+              ) -> contextlib.AbstractContextManager[object]:
+    """Autocast at ``dtype`` on the model's device, where autocast runs (the CPU, CUDA);
+    nothing for ``dtype`` None or a model on the meta device."""
+    device_type = device.type if device is not None else "cpu"
+    if dtype is None or not torch.amp.is_autocast_available(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=dtype)
+
+
+def _on_meta(device: torch.device | None) -> bool:
+    return device is not None and device.type == "meta"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _trace(
@@ -356,10 +389,11 @@ def _batch_norm_notes(model: torch.nn.Module) -> list[str]:
     ]
 
 
-def trace_source(source: ModelSource) -> Traced:
+def trace_source(source: ModelSource, *, autocast: torch.dtype | None = None) -> Traced:
     """``trace`` for a loaded model file; a trace error names the file and line."""
     try:
-        return trace(source.model, source.args, source.kwargs, batch_dims=source.batch_dims)
+        return trace(source.model, source.args, source.kwargs, batch_dims=source.batch_dims,
+                     autocast=autocast)
     except TraceError as exc:
         where = str(source.path)
         for cause in (exc.__cause__, exc.__context__):

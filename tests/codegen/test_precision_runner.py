@@ -17,12 +17,13 @@ import torch
 
 from fxpipe.compiler import analyze_file
 from fxpipe.cost_models import get_device
-from fxpipe.frontend import load_model_file
+from fxpipe.frontend import load_model_file, trace
 from fxpipe.precision import parse_precision
 
 from ._models import (
     EXAMPLES,
     grads,
+    import_file,
     import_package,
     leaves,
     mini_batch,
@@ -225,3 +226,106 @@ def test_torchrun_stages_send_at_the_autocast_dtype(tmp_path: Path, precision: s
     with torch.no_grad():
         real = adapter(*source.args)
     assert [y.dtype for y in real] == [y.dtype for y in outputs]
+
+
+# Python that reads the dtype autocast gives a value: what torch.export writes into the
+# graph is the branch and the cast it traced (T5 clamps float16 values; an RMSNorm casts
+# back to its input's dtype).
+DTYPE_READER = """
+    import torch
+    from torch import nn
+
+
+    class Norm(nn.Module):
+        def __init__(self, width):
+            super().__init__()
+            self.weight = nn.Parameter(torch.linspace(0.5, 1.5, width))
+
+        def forward(self, x):
+            dtype = x.dtype
+            y = x.float()
+            y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-6)
+            return self.weight * y.to(dtype)
+
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.up = nn.Linear(16, 32)
+            self.norm = Norm(32)
+            self.down = nn.Linear(32, 16)
+
+        def forward(self, x):
+            h = self.up(x)
+            if h.dtype == torch.bfloat16:  # symbolic_trace cannot branch on it: export
+                h = h.clamp(-0.5, 0.5)
+            return self.down(self.norm(h))
+
+
+    def build_model():
+        torch.manual_seed(0)
+        return Model()
+
+
+    def example_inputs():
+        return (torch.randn(4, 16, generator=torch.Generator().manual_seed(1)) * 4,)
+
+
+    def loss_fn(output, target):
+        return output.float().pow(2).mean()
+"""
+
+
+def test_bf16_mixed_is_traced_as_autocast_runs_the_model(tmp_path: Path) -> None:
+    """``--precision bf16-mixed`` traces the model under autocast: the stages take the
+    branch and the casts the model takes under it, so the pipeline's forward is the
+    model's bit for bit (a trace at float32 skipped the clamp: outputs 2x off)."""
+    spec = tmp_path / "dtype_reader.py"
+    spec.write_text(textwrap.dedent(DTYPE_READER))
+    source, tr = analyze_file(str(spec), device=get_device("cpu"),
+                              precision=parse_precision("bf16-mixed"))
+    assert tr.tracer == "export"
+    plan = contiguous_plan(tr.gm.graph, 2, schedule="1f1b", microbatches=2, model="reader")
+    write_package(tmp_path / "pkg", tr, dataclasses.replace(plan, precision="bf16-mixed"))
+    package = import_package(tmp_path / "pkg")
+    model = load_model_file(str(spec)).model
+    runner = package.PipelineRunner(package.build_stages(model))
+
+    (x,) = mini_batch(source.args)
+    with torch.no_grad():
+        got = runner.forward(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            want = model(x)
+            at_float32 = model.down(model.norm(model.up(x)))  # the branch not taken
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert torch.equal(got, want)
+    assert not torch.allclose(got.float(), at_float32.float(), rtol=RTOL, atol=RTOL)
+
+    # the step's gradients too, against the model micro-batch by micro-batch
+    runner.step((x,), None, source.loss_fn)
+    pipeline_grads = grads(model)
+    model.zero_grad(set_to_none=True)
+    for micro in x.chunk(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = source.loss_fn(model(micro), None) / 2
+        loss.backward()
+    model_grads = grads(model)
+    assert sorted(pipeline_grads) == sorted(model_grads)
+    for key, value in model_grads.items():
+        assert torch.equal(pipeline_grads[key], value), key
+
+
+def test_a_meta_model_traced_for_autocast_says_what_it_cannot_trace(tmp_path: Path) -> None:
+    """Autocast does not run on the meta device, so a model built there is traced at its
+    own dtype; the note says so and what to do."""
+    spec = tmp_path / "dtype_reader.py"
+    spec.write_text(textwrap.dedent(DTYPE_READER))
+    module = import_file(spec)
+    with torch.device("meta"):
+        model = module.build_model()
+    tr = trace(model, module.example_inputs(), autocast=torch.bfloat16)
+    assert tr.tracer == "export"
+    assert any("meta device, where autocast does not run" in note and "on the CPU" in note
+               for note in tr.notes), tr.notes
+    on_cpu = trace(module.build_model(), module.example_inputs(), autocast=torch.bfloat16)
+    assert not any("meta device" in note for note in on_cpu.notes)
