@@ -3,8 +3,9 @@ Hugging Face models whose Python control flow defeats ``symbolic_trace``.
 
 Export is asked to keep every input dimension symbolic (``Dim.AUTO``) and keeps the ones
 the model lets vary. Its graph is then made one fxpipe can cut: export's input guards and
-dtype assertions removed, the constants it lifts out of forward turned back into ops, and
-the range it assumed for each free dimension read off the program.
+dtype assertions removed, so are the slices of a whole tensor that eager indexing skips,
+the constants it lifts out of forward turned back into ops, and the range it assumed for
+each free dimension read off the program.
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ def exported_graph(
     gm = program.module()
     assert isinstance(gm, torch.fx.GraphModule)
     _drop_export_checks(gm)
+    _drop_full_slices(gm)
     _inline_lifted_constants(gm)
     flat = tuple(pytree.tree_leaves((args, kwargs)))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -110,6 +112,31 @@ def _drop_export_checks(gm: torch.fx.GraphModule) -> None:
                 if _is_dtype_check(node) and not node.users:
                     body.graph.erase_node(node)
             body.recompile()
+
+
+def _drop_full_slices(gm: torch.fx.GraphModule) -> None:
+    """Read the tensor itself where export recorded a slice of all of it (``x[:, None]``
+    traces as ``slice(x, 0, 0, 9223372036854775807)``). Eager indexing returns the tensor
+    itself for such a slice and records nothing, so the stages now run what the model
+    runs; a recorded one reads as noise in the stage code, and its backward copies the
+    whole gradient into a new tensor."""
+    for graph_module in gm.modules():
+        if not isinstance(graph_module, torch.fx.GraphModule):
+            continue
+        for node in list(graph_module.graph.nodes):
+            if _is_full_slice(node):
+                node.replace_all_uses_with(node.args[0])
+                graph_module.graph.erase_node(node)
+        graph_module.recompile()
+
+
+def _is_full_slice(node: torch.fx.Node) -> bool:
+    if not (node.op == "call_function" and node.target is torch.ops.aten.slice.Tensor):
+        return False
+    names = ("self", "dim", "start", "end", "step")
+    bound = {**dict(zip(names, node.args, strict=False)), **node.kwargs}
+    return (bound.get("start") in (None, 0) and bound.get("end") in (None, sys.maxsize)
+            and bound.get("step") in (None, 1) and isinstance(bound["self"], torch.fx.Node))
 
 
 def _is_dtype_check(node: torch.fx.Node) -> bool:

@@ -15,6 +15,7 @@ from fxpipe.frontend import load_model_file, trace
 from fxpipe.passes import annotate_all
 from fxpipe.passes.base import OP_NODES
 from fxpipe.profile import summarize
+from fxpipe.tracing.export import export_program
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -111,6 +112,43 @@ def test_export_checks_are_gone_from_higher_order_bodies_too() -> None:
     assert not _metadata_checks(traced.gm)
     llama = load_model_file(str(EXAMPLES / "hf_llama.py"))
     assert not _metadata_checks(trace(llama.model, llama.args, llama.kwargs).gm)
+
+
+class _RepeatedHeads(nn.Module):
+    """transformers' repeat_kv: ``x[:, :, None, :, :]`` traces under export as slices of
+    the whole of each dimension, which eager indexing does not run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x).view(x.shape[0], 2, x.shape[1], 4)
+        if h.dtype == torch.float16:  # a branch on a value: symbolic_trace cannot
+            h = h.clamp(-1, 1)
+        repeated = h[:, :, None, :, :].expand(x.shape[0], 2, 3, x.shape[1], 4)
+        return repeated.reshape(x.shape[0], 6, x.shape[1], 4)[..., 1:].sum(1)
+
+
+def test_slices_of_a_whole_tensor_are_not_in_the_graph() -> None:
+    """Export records ``x[:, :, None]`` as slices of all of ``x``; eager indexing returns
+    ``x`` itself. The graph reads ``x`` there, so the stages run what the model runs (and
+    their backward copies no gradient into a new tensor), and the partial slice stays."""
+    model, x = _RepeatedHeads(), torch.randn(2, 5, 8)
+    program, _fixed = export_program(model, (x,), {})  # free sizes: export keeps the slices
+    full = [n for n in program.module().graph.nodes if n.target is torch.ops.aten.slice.Tensor]
+    assert len(full) >= 3
+    traced = trace(model, (x,), {})
+    assert traced.tracer == "export"
+    slices = [n for n in traced.gm.graph.nodes if n.target is torch.ops.aten.slice.Tensor]
+    assert [n.args[2:] for n in slices] == [(1, 9223372036854775807)]  # the [..., 1:]
+    y = torch.randn(3, 7, 8, requires_grad=True)  # another batch and length
+    torch.testing.assert_close(traced.gm(y), model(y))
+    traced.gm(y).square().sum().backward()
+    want = y.grad.clone()
+    y.grad = None
+    model(y).square().sum().backward()
+    torch.testing.assert_close(want, y.grad)
 
 
 def _graphs(gm: torch.nn.Module) -> list[torch.fx.GraphModule]:
