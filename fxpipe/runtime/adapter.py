@@ -39,7 +39,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
 from .microbatch import torch_chunk_spec
-from .precision import autocast, example_device
+from .precision import as_activations, autocast, example_device
 from .recompute import buffers_restored
 
 __all__ = [
@@ -116,8 +116,12 @@ class StageAdapter(nn.Module):
                 if isinstance(values.get(name), torch.Tensor):
                     values[name] = values[name].clone()
         names = cast(tuple[str, ...], self.stage.INPUTS)
+        # every received tensor is a leaf torch's PipelineStage made (on the first stage
+        # the micro-batch, which needs no gradient)
+        inputs = as_activations(self.precision, {name: values[name] for name in names},
+                                lambda _name: True)
         with autocast(self.precision, self.device):  # one region per stage and micro-batch
-            outputs = self.stage(**{name: values[name] for name in names})
+            outputs = self.stage(**inputs)
             values.update(zip(cast(tuple[str, ...], self.stage.OUTPUTS), outputs, strict=True))
             output = self.build_output(values) if self.sends is None else None
         if self.sends is None:

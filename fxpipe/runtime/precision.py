@@ -37,7 +37,7 @@ from typing import Any, TypeVar, cast
 import torch
 from torch import nn
 
-__all__ = ["PRECISIONS", "autocast", "autocast_loss", "check_precision",
+__all__ = ["PRECISIONS", "as_activations", "autocast", "autocast_loss", "check_precision",
            "distributed_grad_scaler", "example_device", "grad_scaler", "true_dtype",
            "unscaled", "warn_uncast"]
 
@@ -78,6 +78,25 @@ def grad_scaler(precision: str, device: torch.device | None) -> torch.amp.GradSc
     if precision != "16-mixed":
         return None
     return torch.amp.GradScaler(device.type if device is not None else "cpu")
+
+
+def as_activations(precision: str, inputs: dict[str, Any],
+                   received: Callable[[str], bool]) -> dict[str, Any]:
+    """A stage's ``inputs`` by name, each ``received`` float32 leaf that requires grad
+    read through a view of it under a mixed precision.
+
+    Autocast caches its cast of a float32 leaf that requires grad for the rest of the
+    region (it takes one for a parameter): two ops of the stage reading one received
+    value would share one bfloat16 copy, and backward would sum their gradients in
+    bfloat16 before casting up once. In the model that value is an activation, cast
+    once per op, its gradients summed in float32. A view is no leaf to autocast, and
+    its gradient reaches the leaf unchanged."""
+    if not PRECISIONS[precision][1]:
+        return inputs
+    return {name: value.view_as(value) if (
+        received(name) and isinstance(value, torch.Tensor) and value.is_leaf
+        and value.requires_grad and value.dtype == torch.float32) else value
+        for name, value in inputs.items()}
 
 
 def distributed_grad_scaler(precision: str, device: torch.device, group: Any = None

@@ -44,7 +44,7 @@ from .microbatch import (
     split_replicas,
     written_back,
 )
-from .precision import autocast, check_precision, grad_scaler, warn_uncast
+from .precision import as_activations, autocast, check_precision, grad_scaler, warn_uncast
 from .recompute import buffers_restored, detached, grad_flags, rng_restored, rng_state
 from .replicas import batch_sizes, check_replicas
 from .schedule import Action, check_schedule, check_sizes
@@ -269,10 +269,9 @@ class PipelineRunner(MeasuredSteps):
             params = bound if stash is None else {
                 **bound, **{name: t.to(dev) for name, t in stash.items()}
             }
-        if params is None:
-            outputs = stage(**inputs)
-        else:
-            outputs = torch.func.functional_call(stage, params, (), inputs)
+        inputs = as_activations(self.precision, inputs, lambda name: self.wiring.received(k, name))
+        outputs = (stage(**inputs) if params is None
+                   else torch.func.functional_call(stage, params, (), inputs))
         self.wiring.check_outputs(k, outputs)
         if bound is not None:
             outputs = to_device(outputs, self.streams.device(k))

@@ -72,6 +72,10 @@ class Wiring:
     def producer_of(self, name: str) -> int:
         return self.producer.get(name, GRAPH_INPUT)
 
+    def received(self, k: int, name: str) -> bool:
+        """Whether stage k reads ``name`` from another stage (not a graph input)."""
+        return self.producer_of(name) not in (GRAPH_INPUT, k)
+
     def check_outputs(self, k: int, outputs: Any) -> None:
         """What stage k returned must be a tuple of its OUTPUTS."""
         expected = self.outputs[k]
@@ -149,7 +153,7 @@ def received_leaves(wiring: Wiring, k: int, named: Iterable[tuple[str, Any]]
                     ) -> list[torch.Tensor]:
     """The tensors among ``named`` (stage k's values by name) that k received from another
     stage and that need a gradient: the ones whose gradients k sends back."""
-    return [x for name, value in named if wiring.producer_of(name) not in (GRAPH_INPUT, k)
+    return [x for name, value in named if wiring.received(k, name)
             for x in pytree.tree_leaves(value)
             if isinstance(x, torch.Tensor) and x.requires_grad]
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 from fxpipe.compiler import analyze_file
 from fxpipe.cost_models import get_device
@@ -329,3 +330,77 @@ def test_a_meta_model_traced_for_autocast_says_what_it_cannot_trace(tmp_path: Pa
                for note in tr.notes), tr.notes
     on_cpu = trace(module.build_model(), module.example_inputs(), autocast=torch.bfloat16)
     assert not any("meta device" in note for note in on_cpu.notes)
+
+
+class _TwoReaders(nn.Module):
+    """A float32 value (bfloat16 matmul output times a float32 weight) that two matmuls of
+    the next stage read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(16, 32)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 32))
+        self.left = nn.Linear(32, 8)
+        self.right = nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.first(x)) * self.scale
+        return self.left(h) + self.right(h)
+
+
+def test_bf16_mixed_stages_sum_a_received_values_gradients_as_the_model(tmp_path: Path) -> None:
+    """Autocast caches its cast of a float32 leaf that requires grad: a received value is
+    one, so the two matmuls reading it shared one bfloat16 copy and backward summed their
+    gradients in bfloat16. In the model that value is an activation, cast per matmul and
+    its gradients summed in float32. The stages now read it as the model does, in one
+    process and as torchrun's stages, and give the model's gradients bit for bit."""
+    torch.manual_seed(0)
+    model, x = _TwoReaders(), torch.randn(4, 16)
+    tr = trace(model, (x,))
+    plan = contiguous_plan(tr.gm.graph, 2, schedule="1f1b", microbatches=2, model="readers")
+    assert [len(s.nodes) for s in plan.stages] == [4, 3]  # the cut right after the scale
+    write_package(tmp_path / "pkg", tr, dataclasses.replace(plan, precision="bf16-mixed"))
+    package = import_package(tmp_path / "pkg")
+
+    def loss_fn(output: torch.Tensor, target: Any) -> torch.Tensor:
+        return output.float().pow(2).mean()
+
+    model.zero_grad(set_to_none=True)
+    for micro in x.chunk(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_fn(model(micro), None) / 2
+        loss.backward()
+    want = grads(model)
+    model.zero_grad(set_to_none=True)
+    runner = package.PipelineRunner(package.build_stages(model))
+    runner.step((x,), None, loss_fn)
+    assert sorted(grads(model)) == sorted(want)
+    for key, value in grads(model).items():
+        assert torch.equal(value, want[key]), key
+
+    # torchrun's stages: each a StageAdapter, chained on one micro-batch
+    model.zero_grad(set_to_none=True)
+    micro = x[:2]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = loss_fn(model(micro), None)
+    loss.backward()
+    want = grads(model)
+    adapters = [package.distributed.stage_module(model, k, "cpu", micro)[0] for k in range(2)]
+    model.zero_grad(set_to_none=True)
+    flat: tuple[torch.Tensor, ...] = (micro,)
+    for adapter in adapters:
+        flat = tuple(y.detach().requires_grad_(y.is_floating_point()) for y in flat)
+        received = flat
+        out = adapter(*flat)
+        flat = out if isinstance(out, tuple) else (out,)
+        if adapter is adapters[0]:
+            sent = flat
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = loss_fn(flat[0], None)
+    loss.backward()
+    torch.autograd.backward(sent, [r.grad for r in received])
+    got = {name: p.grad for adapter in adapters
+           for name, p in adapter.stage.named_parameters() if p.grad is not None}
+    assert sorted(got) == sorted(want)
+    for key, value in got.items():
+        assert torch.equal(value, want[key]), key
