@@ -11,6 +11,10 @@
                                         # more identical layers are exported two deep
                                         # (three where the first runs unlike the others)
                                         # and copied (capture "export, copied 2 deep")
+    python bench/zoo.py --recompute all # every stage runs its forward again in backward
+    python bench/zoo.py --precision bf16-mixed  # float32 models planned, traced and
+                                        # trained under CPU autocast, against the model
+                                        # under autocast micro-batch by micro-batch
 
 For every model the benchmark writes a model file the way a user would (``build_model``,
 ``example_inputs``, ``example_target``, ``loss_fn``; random weights from a config,
@@ -31,13 +35,17 @@ the pipeline is compared with the model run micro-batch by micro-batch, gradient
 accumulated; the notes under the table say which. Tolerances: 1e-9 relative in float64,
 1e-5 in float32 (outputs and loss relative to their largest magnitude; a gradient to its
 own, or to 1e-6 of the model's largest gradient where it is zero up to rounding, as an
-attention key bias is). "ruff": the generated package under the project's rules.
+attention key bias is); 2e-2 under a ``*-mixed`` precision, whose bfloat16 rounds a
+sum taken in another order (a tensor laid out otherwise) by a last bit, with bfloat16's
+epsilon (2^-8) of the largest gradient as the floor. "ruff": the
+generated package under the project's rules.
 A row that fails gives the phase and the one-line reason; nothing stops the table.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import re
@@ -49,7 +57,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -62,7 +70,9 @@ from fxpipe.codegen.stages import LINE_LENGTH
 from fxpipe.compiler import SplitOptions, analyze_file, output_files, plan_split
 from fxpipe.cost_models import get_device
 from fxpipe.output import write_folder
+from fxpipe.partition import Recompute
 from fxpipe.passes.base import OP_NODES
+from fxpipe.precision import Precision, parse_precision
 from fxpipe.runtime.loading import import_file
 from fxpipe.schedules import ScheduleKind
 from fxpipe.tracing.repeats import DEPTHS
@@ -459,8 +469,17 @@ def _leaves(value: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
-def _tolerance(dtype: torch.dtype) -> float:
-    return 1e-9 if dtype == torch.float64 else 1e-5
+class Tolerance(NamedTuple):
+    relative: float  # of a tensor's difference to its largest magnitude
+    floor: float  # of the model's largest gradient: below it a gradient is rounding noise
+
+
+def _tolerance(dtype: torch.dtype, precision: Precision | None = None) -> Tolerance:
+    if precision is not None and precision.mixed:
+        # bfloat16 keeps 8 bits (tests/codegen/test_precision_runner.py's RTOL); a
+        # gradient that is zero up to rounding is noise of bfloat16's epsilon
+        return Tolerance(2e-2, 2.0**-8)
+    return Tolerance(1e-9 if dtype == torch.float64 else 1e-5, 1e-6)
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
@@ -471,9 +490,10 @@ def _relative(a: torch.Tensor, b: torch.Tensor, floor: float = 0.0) -> float:
     return diff / scale if scale > 0 else diff
 
 
-def _difference(got: Step, want: Step, tolerance: float) -> Difference:
+def _difference(got: Step, want: Step, tolerance: Tolerance) -> Difference:
     """How far ``got`` is from ``want``. A gradient is compared with its own largest
-    magnitude, or with 1e-6 of the model's largest gradient where it is smaller: an
+    magnitude, or with ``tolerance.floor`` of the model's largest gradient where it is
+    smaller (1e-6 but in reduced precision): an
     attention key bias has a gradient of zero up to rounding (softmax ignores a shift),
     whose rounding noise is no difference of meaning."""
     problems: list[str] = []
@@ -487,9 +507,9 @@ def _difference(got: Step, want: Step, tolerance: float) -> Difference:
                             f"{tuple(b.shape)}")
             continue
         output_abs = max(output_abs, (a.double() - b.double()).abs().max().item())
-        if _relative(a, b) > tolerance:
+        if _relative(a, b) > tolerance.relative:
             problems.append(f"output {i} differs by {_relative(a, b):.2e} (relative)")
-    if _relative(got.loss, want.loss) > tolerance:
+    if _relative(got.loss, want.loss) > tolerance.relative:
         problems.append(f"loss {float(got.loss):.12g}, the model's {float(want.loss):.12g}")
     largest = max((g.abs().max().item() for g in want.grads.values()
                    if g is not None and g.numel()), default=0.0)
@@ -499,13 +519,15 @@ def _difference(got: Step, want: Step, tolerance: float) -> Difference:
         if (a is None) != (b is None):
             problems.append(f"{key} has a gradient only "
                             f"{'in the model' if a is None else 'in the pipeline'}")
-        elif a is not None and b is not None and _relative(a, b, 1e-6 * largest) > grad_rel:
-            grad_rel, worst = _relative(a, b, 1e-6 * largest), key
-    if grad_rel > tolerance:
+        elif (a is not None and b is not None
+              and _relative(a, b, tolerance.floor * largest) > grad_rel):
+            grad_rel, worst = _relative(a, b, tolerance.floor * largest), key
+    if grad_rel > tolerance.relative:
         problems.append(f"the gradient of {worst} differs by {grad_rel:.2e} (relative)")
     for key, b in want.buffers.items():
         a = got.buffers[key]
-        if not torch.equal(a, b) and (not b.is_floating_point() or _relative(a, b) > tolerance):
+        if not torch.equal(a, b) and (not b.is_floating_point()
+                                      or _relative(a, b) > tolerance.relative):
             problems.append(f"buffer {key} differs after the step")
     return Difference(output_abs, grad_rel, problems[0] if problems else None)
 
@@ -544,24 +566,34 @@ def _state(model: nn.Module) -> tuple[dict[str, torch.Tensor | None], dict[str, 
 
 
 def _reference(model: nn.Module, batch: dict[str, torch.Tensor], target: torch.Tensor,
-               loss_fn: Callable[[Any, Any], torch.Tensor], per_microbatch: bool) -> Step:
+               loss_fn: Callable[[Any, Any], torch.Tensor], per_microbatch: bool,
+               precision: Precision | None = None) -> Step:
     """The unsplit model's step, on the whole mini-batch or micro-batch by micro-batch
-    (each micro-batch's loss divided by M, gradients accumulated)."""
+    (each micro-batch's loss divided by M, gradients accumulated); at a ``*-mixed``
+    ``precision`` each forward and its loss under autocast, as the runner runs them."""
+
+    def region() -> contextlib.AbstractContextManager[object]:
+        if precision is None or not precision.mixed:
+            return contextlib.nullcontext()
+        return torch.autocast("cpu", dtype=precision.dtype)
+
     if not per_microbatch:
-        loss = loss_fn(model(**batch), target)
+        with region():
+            loss = loss_fn(model(**batch), target)
         loss.backward()
         grads, buffers = _state(model)
-        with torch.no_grad():
+        with torch.no_grad(), region():
             outputs = _leaves(model(**batch))
         return Step(outputs, loss.detach(), grads, buffers)
     losses, parts = [], []
     for micro, micro_target in _micro_slices(batch, target):
-        loss = loss_fn(model(**micro), micro_target) / MICROBATCHES
+        with region():
+            loss = loss_fn(model(**micro), micro_target) / MICROBATCHES
         loss.backward()
         losses.append(loss.detach())
     grads, buffers = _state(model)
     for micro, _ in _micro_slices(batch, target):
-        with torch.no_grad():
+        with torch.no_grad(), region():
             parts.append(_leaves(model(**micro)))
     outputs = [torch.cat(column) for column in zip(*parts, strict=True)]
     return Step(outputs, torch.stack(losses).sum(), grads, buffers)
@@ -586,33 +618,40 @@ class Mismatch(AssertionError):
 
 
 def _verdict(row: Row, piped: Step, whole: Step, micro: Step, batchnorm: bool,
-             tolerance: float) -> None:
+             tolerance: Tolerance, autocast: bool = False) -> None:
     """Pass against the model on the whole mini-batch; or, where the model itself gives
     another answer micro-batch by micro-batch (BatchNorm's statistics; float32 inside a
-    float64 model, summed in another order), against the model run that way."""
+    float64 model, summed in another order), against the model run that way; under
+    ``autocast``, always so (the runner opens one autocast region per micro-batch)."""
     full = _difference(piped, whole, tolerance)
     by_micro = _difference(piped, micro, tolerance)
     itself = _difference(micro, whole, tolerance)
-    if full.problem is None and not batchnorm:
+    per_micro = batchnorm or autocast
+    if full.problem is None and not per_micro:
         row.output_diff, row.grad_diff, row.verdict = full.output_abs, full.grad_rel, "pass"
         return
-    if by_micro.problem is None and (batchnorm or itself.problem is not None):
+    if by_micro.problem is None and (per_micro or itself.problem is not None):
         row.note = ("BatchNorm in training mode: statistics per micro-batch, as in GPipe" if
-                    batchnorm else
-                    f"the model itself differs between the whole mini-batch and its "
+                    batchnorm else "under autocast, one region per micro-batch" if autocast
+                    else f"the model itself differs between the whole mini-batch and its "
                     f"micro-batches ({itself.problem}): it computes in float32 inside")
         row.output_diff, row.grad_diff = by_micro.output_abs, by_micro.grad_rel
         row.verdict = "pass (per micro-batch)"
         return
-    closest = by_micro if batchnorm else full
+    closest = by_micro if per_micro else full
     row.output_diff, row.grad_diff = closest.output_abs, closest.grad_rel
     raise Mismatch(closest.problem or full.problem)
 
 
 def check(family: Family, folder: Path, schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B,
-          virtual_stages: int = 1) -> Row:
-    """Split ``family`` as ``fxpipe split`` would and compare the pipeline with the model."""
+          virtual_stages: int = 1, precision: Precision | None = None,
+          recompute: Recompute = Recompute.AUTO) -> Row:
+    """Split ``family`` as ``fxpipe split`` would and compare the pipeline with the model
+    (at ``precision``: a ``*-mixed`` one traces and runs the float32 model under autocast,
+    and the model is run so too, micro-batch by micro-batch)."""
     row = Row(family)
+    if precision is not None and precision.mixed:
+        family = replace(family, dtype="float32")
     start = time.perf_counter()
     phase = "write"
     try:
@@ -622,7 +661,8 @@ def check(family: Family, folder: Path, schedule: ScheduleKind = ScheduleKind.ON
 
         phase = "trace"  # load, trace and analyse, as `fxpipe split model.py` does
         device = get_device("h100")
-        source, traced = analyze_file(str(model_file), device=device, solvable=True)
+        source, traced = analyze_file(str(model_file), device=device, solvable=True,
+                                       precision=precision)
         depth = next((depth for depth in DEPTHS for note in traced.notes
                       if note.startswith(f"exported {depth} layers")), None)
         row.capture = f"{traced.tracer}, copied {depth} deep" if depth else traced.tracer
@@ -632,7 +672,8 @@ def check(family: Family, folder: Path, schedule: ScheduleKind = ScheduleKind.ON
         options = SplitOptions(gpus=family.stages, device=device,
                                memory_limit=float(device.memory_bytes),
                                microbatches=MICROBATCHES, time_limit_s=60,
-                               schedule=schedule, virtual_stages=virtual_stages)
+                               schedule=schedule, virtual_stages=virtual_stages,
+                               precision=precision, recompute=recompute)
         plan = plan_split(traced, label=source.label, options=options)
         row.stages = plan.num_stages
         row.solver = f"{plan.solver.status} {plan.solver.wall_s:.2f} s"
@@ -662,9 +703,10 @@ def check(family: Family, folder: Path, schedule: ScheduleKind = ScheduleKind.ON
         piped = Step(outputs, loss, grads, buffers)
 
         phase = "compare"
-        whole = _reference(module.build_model(), batch, target, loss_fn, False)
-        micro = _reference(module.build_model(), batch, target, loss_fn, True)
-        _verdict(row, piped, whole, micro, batchnorm, _tolerance(dtype))
+        whole = _reference(module.build_model(), batch, target, loss_fn, False, precision)
+        micro = _reference(module.build_model(), batch, target, loss_fn, True, precision)
+        _verdict(row, piped, whole, micro, batchnorm, _tolerance(dtype, precision),
+                 autocast=precision is not None and precision.mixed)
     except Exception as exc:
         row.reason = f"{phase}: {_one_line(exc)}"
         if os.environ.get("ZOO_DEBUG"):
@@ -719,6 +761,13 @@ def main() -> int:
     parser.add_argument("--virtual-stages", type=int, default=None,
                         help="stage modules per GPU for --schedule interleaved (default 1; "
                         "2 for the schedules that place two in a V)")
+    parser.add_argument("--precision", type=parse_precision, default=None,
+                        help="plan and train at this precision (default: the model's, "
+                        "float64); a *-mixed one builds the models in float32")
+    parser.add_argument("--recompute", type=Recompute, default=Recompute.AUTO,
+                        choices=list(Recompute), metavar="RECOMPUTE",
+                        help="which stages run their forward again in backward (default "
+                        "auto, which at 80 GiB recomputes none; all: every stage)")
     parser.add_argument("--keep", type=Path,
                         help="write the model files and packages here (default: a temp folder)")
     args = parser.parse_args()
@@ -746,7 +795,8 @@ def main() -> int:
         base = args.keep or Path(tmp)
         rows = []
         for family in families:
-            row = check(family, base / family.slug, args.schedule, virtual_stages)
+            row = check(family, base / family.slug, args.schedule, virtual_stages,
+                        args.precision, args.recompute)
             rows.append(row)
             print(f"{family.slug}: {row.verdict if not row.reason else row.reason} "
                   f"({row.seconds:.1f} s)", file=sys.stderr, flush=True)
