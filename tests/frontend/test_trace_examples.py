@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -171,3 +172,66 @@ def test_an_export_graph_is_not_analysed_at_another_true_precision() -> None:
     with pytest.raises(ValueError, match=r"model\.to\(torch\.bfloat16\)"):
         analyze(traced, device=get_device("cpu"), precision=Precision.BF16_TRUE)
     analyze(traced, device=get_device("cpu"), precision=Precision.BF16_MIXED)  # autocast: fine
+
+
+class _Reverse(torch.autograd.Function):
+    """A gradient reversal layer: identity forward, negated gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return -grad
+
+
+class _Reversing(nn.Module):
+    def __init__(self, branch: bool) -> None:
+        super().__init__()
+        self.a, self.b, self.branch = nn.Linear(4, 4), nn.Linear(4, 2), branch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if not self.branch or h.shape[0] > 0:  # a branch on a size: export, not symbolic
+            h = _Reverse.apply(h)
+        return self.b(h)
+
+
+@pytest.mark.parametrize(("branch", "tracer"), [(False, "symbolic_trace"), (True, "export")])
+def test_a_custom_autograd_function_is_named_in_a_note(branch: bool, tracer: str) -> None:
+    """Neither tracer keeps a torch.autograd.Function's backward: the graph holds the ops
+    of its forward (here an identity, whose gradient is not the reversed one). The trace
+    says so, naming the Function and where it is defined."""
+    model, x = _Reversing(branch), torch.randn(3, 4)
+    apply = torch.autograd.Function.__dict__["apply"]
+    traced = trace(model, (x,), {})
+    assert traced.tracer == tracer
+    (note,) = [n for n in traced.notes if "torch.autograd.Function" in n]
+    assert f"_Reverse ({__file__}:" in note and "not its backward" in note
+    # what the note warns of: the graph's gradient is the identity's, the model's reversed
+    model(x).sum().backward()
+    want = model.a.weight.grad.clone()
+    model.zero_grad()
+    traced.gm(x).sum().backward()
+    torch.testing.assert_close(model.a.weight.grad, -want)
+    assert torch.autograd.Function.__dict__["apply"] is apply  # put back
+
+
+def test_torch_own_autograd_functions_are_not_named() -> None:
+    """A Function of torch's own (reentrant checkpoint's, whose backward runs the forward
+    again) computes the forward's derivative: no note."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] > 0:
+                return checkpoint(self.lin, x, use_reentrant=True)
+            return x
+
+    traced = trace(Checkpointed(), (torch.randn(3, 4, requires_grad=True),), {})
+    assert not [n for n in traced.notes if "torch.autograd.Function" in n], traced.notes
