@@ -3,19 +3,23 @@ numbers (dropout masks) its first run drew, so its outputs and gradients match, 
 whatever it writes into buffers (BatchNorm's running statistics, a counter updated in
 place) is undone, so buffers change once per micro-batch, as without recompute.
 
-A recomputed stage's first run keeps no graph, so its outputs do not say which need a
-gradient: the step's first micro-batch runs with one to learn it (``grad_flags``; a
-detached value needs none), and then drops it (``detached``)."""
+A recomputed stage's first run is the run again's twin: with grad, as the model runs it
+and as it runs again in the backward, since some kernels depend on it (on the CPU,
+attention with a mask that needs a gradient takes the math path, without grad the fused
+kernel: in bfloat16, values far apart, which the next stage would have read while the
+backward differentiated the others). It saves no tensor for the backward
+(``nothing_saved``); its outputs say which need a gradient and are passed on without
+their graph (``passed_on``)."""
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-__all__ = ["RngState", "buffers_restored", "detached", "grad_flags", "rng_restored",
+__all__ = ["RngState", "buffers_restored", "nothing_saved", "passed_on", "rng_restored",
            "rng_state"]
 
 RngState = tuple[torch.Tensor, torch.Tensor | None]  # (CPU state, CUDA state of the device)
@@ -69,11 +73,22 @@ def buffers_restored(stage: nn.Module, k: int,
                 t.data.copy_(before)  # .data: a write autograd does not count
 
 
-def grad_flags(value: Any) -> list[bool]:
-    """Per leaf of ``value``: a tensor that requires grad."""
-    return [isinstance(x, torch.Tensor) and x.requires_grad for x in pytree.tree_leaves(value)]
+def nothing_saved() -> contextlib.AbstractContextManager[None]:
+    """While open, autograd saves no tensor for the backward: a forward with grad that keeps
+    only its graph's nodes, for a backward that never runs."""
+
+    def never(_: None) -> torch.Tensor:
+        raise RuntimeError("a recomputed stage's first run has no backward; it runs again")
+
+    return torch.autograd.graph.saved_tensors_hooks(lambda _: None, never)
 
 
-def detached(value: Any) -> Any:
-    """``value`` with every tensor detached from its graph."""
-    return pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, value)
+def passed_on(names: Sequence[str], outputs: Sequence[Any]
+              ) -> tuple[dict[str, list[bool]], list[tuple[str, Any]]]:
+    """A first run's outputs by name: per leaf, whether it requires grad (a detached value
+    needs none), and the outputs without their graph, as later stages read them."""
+    named = list(zip(names, outputs, strict=True))
+    flags = {name: [isinstance(x, torch.Tensor) and x.requires_grad
+                    for x in pytree.tree_leaves(value)] for name, value in named}
+    return flags, [(name, pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, value))
+                   for name, value in named]

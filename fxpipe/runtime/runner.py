@@ -45,7 +45,7 @@ from .microbatch import (
     written_back,
 )
 from .precision import as_activations, autocast, check_precision, grad_scaler, warn_uncast
-from .recompute import buffers_restored, detached, grad_flags, rng_restored, rng_state
+from .recompute import buffers_restored, nothing_saved, passed_on, rng_restored, rng_state
 from .replicas import batch_sizes, check_replicas
 from .schedule import Action, check_schedule, check_sizes
 from .split_backward import check_split, input_backward, weight_backward
@@ -92,7 +92,7 @@ class PipelineRunner(MeasuredSteps):
         self.flatten_inputs = flatten_inputs
         self.build_output = build_output
         self.recompute = [bool(r) for r in recompute or [False] * num_stages]
-        # recomputed stage -> output -> per leaf, requires grad (learned anew each step)
+        # recomputed stage -> output -> per leaf, requires grad (of its last forward)
         self._needs_grad: dict[int, dict[str, list[bool]]] = {}
         self.replicas = [int(r) for r in replicas]
         self.weight_stashing = bool(weight_stashing)
@@ -199,8 +199,8 @@ class PipelineRunner(MeasuredSteps):
                  grad: bool) -> Any:
         """``value`` (made by ``producer``, -1 for a graph input) as stage k sees it:
         on k's device, ordered after ``event``; stage outputs become detached leaves
-        with the producer's requires_grad when ``grad`` (a recomputed producer's, as
-        its step's first micro-batch showed: later ones run without grad)."""
+        with the producer's requires_grad when ``grad`` (a recomputed producer's as its
+        first run found it: it passes its outputs on detached, see recompute.py)."""
         leaves, spec = pytree.tree_flatten(value)
         if not any(isinstance(x, torch.Tensor) for x in leaves):
             return value
@@ -301,14 +301,11 @@ class PipelineRunner(MeasuredSteps):
                 stash = state.stashes.stash(k, self.streams.device(k))
         if self.recompute[k]:
             rng = rng_state(self.streams.device(k))
-            learn = k not in self._needs_grad  # with grad, to see which outputs need one
-            with torch.enable_grad() if learn else torch.no_grad():
+            with torch.enable_grad(), nothing_saved():  # as it runs again (recompute.py)
                 inputs, outputs = self._forward(k, values, True, events, state.batch[m], stash,
                                                 copy=True)
-            if learn:  # and keep no graph
-                named = list(zip(self.wiring.outputs[k], outputs, strict=True))
-                self._needs_grad[k] = {name: grad_flags(v) for name, v in named}
-                values.update((name, detached(v)) for name, v in named)
+            self._needs_grad[k], passed = passed_on(self.wiring.outputs[k], outputs)
+            values.update(passed)
             state.saved[(k, m)] = (inputs, None, rng, stash)
         else:
             inputs, outputs = self._forward(k, values, True, events, state.batch[m], stash)

@@ -404,3 +404,4 @@ def test_bf16_mixed_stages_sum_a_received_values_gradients_as_the_model(tmp_path
     assert sorted(got) == sorted(want)
     for key, value in got.items():
         assert torch.equal(value, want[key]), key
+

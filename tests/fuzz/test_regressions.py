@@ -410,8 +410,8 @@ def test_a_detached_value_from_a_recomputed_stage_needs_no_gradient(tmp_path: Pa
     # floating-point value it sent as needing a gradient. A detached one then required
     # grad on the next stage, autograd recorded the in-place relu_ that follows it, and
     # the backward failed ("modified by an inplace operation ... output 0 of Relu"). Fixed:
-    # the step's first micro-batch of a recomputed stage runs with grad to learn which
-    # outputs need one (runtime/recompute.py, ``grad_flags``).
+    # a recomputed stage's first run runs with grad (saving nothing), and its outputs say
+    # which need one (runtime/recompute.py, ``passed_on``).
     spec = ModelSpec(
         inputs=((4, 3, 6),),
         ops=(Op("linear", (0,), ((4, 3, 15),), module="linear0"),
