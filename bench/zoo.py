@@ -477,7 +477,8 @@ class Tolerance(NamedTuple):
 def _tolerance(dtype: torch.dtype, precision: Precision | None = None) -> Tolerance:
     if precision is not None and precision.mixed:
         # bfloat16 keeps 8 bits (tests/codegen/test_precision_runner.py's RTOL); a
-        # gradient that is zero up to rounding is noise of bfloat16's epsilon
+        # gradient that is zero up to rounding is noise of bfloat16's epsilon (float16's
+        # is smaller)
         return Tolerance(2e-2, 2.0**-8)
     return Tolerance(1e-9 if dtype == torch.float64 else 1e-5, 1e-6)
 
@@ -567,10 +568,12 @@ def _state(model: nn.Module) -> tuple[dict[str, torch.Tensor | None], dict[str, 
 
 def _reference(model: nn.Module, batch: dict[str, torch.Tensor], target: torch.Tensor,
                loss_fn: Callable[[Any, Any], torch.Tensor], per_microbatch: bool,
-               precision: Precision | None = None) -> Step:
+               precision: Precision | None = None, scale: float = 1.0) -> Step:
     """The unsplit model's step, on the whole mini-batch or micro-batch by micro-batch
     (each micro-batch's loss divided by M, gradients accumulated); at a ``*-mixed``
-    ``precision`` each forward and its loss under autocast, as the runner runs them."""
+    ``precision`` each forward and its loss under autocast, as the runner runs them;
+    for ``16-mixed`` the loss multiplied by the runner's GradScaler ``scale`` before its
+    backward (float16 gradients underflow without) and the gradients divided by it after."""
 
     def region() -> contextlib.AbstractContextManager[object]:
         if precision is None or not precision.mixed:
@@ -580,23 +583,30 @@ def _reference(model: nn.Module, batch: dict[str, torch.Tensor], target: torch.T
     if not per_microbatch:
         with region():
             loss = loss_fn(model(**batch), target)
-        loss.backward()
+        (loss * scale).backward()
         grads, buffers = _state(model)
         with torch.no_grad(), region():
             outputs = _leaves(model(**batch))
-        return Step(outputs, loss.detach(), grads, buffers)
+        return Step(outputs, loss.detach(), _unscaled(grads, scale), buffers)
     losses, parts = [], []
     for micro, micro_target in _micro_slices(batch, target):
         with region():
             loss = loss_fn(model(**micro), micro_target) / MICROBATCHES
-        loss.backward()
+        (loss * scale).backward()
         losses.append(loss.detach())
     grads, buffers = _state(model)
+    grads = _unscaled(grads, scale)
     for micro, _ in _micro_slices(batch, target):
         with torch.no_grad(), region():
             parts.append(_leaves(model(**micro)))
     outputs = [torch.cat(column) for column in zip(*parts, strict=True)]
     return Step(outputs, torch.stack(losses).sum(), grads, buffers)
+
+
+def _unscaled(grads: dict[str, torch.Tensor | None], scale: float
+              ) -> dict[str, torch.Tensor | None]:
+    """Gradients of a loss multiplied by ``scale`` (a power of two: exact), divided by it."""
+    return {k: None if g is None else g / scale for k, g in grads.items()}
 
 
 def _check_deterministic(module: Any) -> None:
@@ -696,15 +706,17 @@ def check(family: Family, folder: Path, schedule: ScheduleKind = ScheduleKind.ON
         phase = "run"
         runner = package.PipelineRunner(package.build_stages(model))
         model.zero_grad(set_to_none=True)
+        scale = runner.scaler.get_scale() if runner.scaler is not None else 1.0
         loss = torch.as_tensor(runner.step(batch, target, loss_fn)).detach()
         grads, buffers = _state(model)
+        grads = _unscaled(grads, scale)
         with torch.no_grad():
             outputs = _leaves(runner.forward(**batch))
         piped = Step(outputs, loss, grads, buffers)
 
         phase = "compare"
-        whole = _reference(module.build_model(), batch, target, loss_fn, False, precision)
-        micro = _reference(module.build_model(), batch, target, loss_fn, True, precision)
+        whole = _reference(module.build_model(), batch, target, loss_fn, False, precision, scale)
+        micro = _reference(module.build_model(), batch, target, loss_fn, True, precision, scale)
         _verdict(row, piped, whole, micro, batchnorm, _tolerance(dtype, precision),
                  autocast=precision is not None and precision.mixed)
     except Exception as exc:
