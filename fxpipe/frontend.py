@@ -255,7 +255,7 @@ def trace(
     under autocast at, traced under it (the module docstring)."""
     kwargs = dict(kwargs or {})
     device = _model_device(model)
-    if device is not None and device.type == "meta":
+    if _on_meta(device):
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
     with _autocast(device, autocast), applied_functions() as functions:
         traced = _trace(model, args, kwargs)  # its flat inputs are these very tensors
@@ -302,7 +302,7 @@ def _trace(
     kwargs = dict(kwargs or {})
     notes: list[str] = []
     device = _model_device(model)
-    if device is not None and device.type == "meta":
+    if _on_meta(device):
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
     config = getattr(model, "config", None)
     if getattr(config, "use_cache", False):

@@ -8,11 +8,11 @@ and as it runs again in the backward, since some kernels depend on it (on the CP
 attention with a mask that needs a gradient takes the math path, without grad the fused
 kernel: in bfloat16, values far apart, which the next stage would have read while the
 backward differentiated the others). It saves no tensor for the backward
-(``nothing_saved``); its outputs say which need a gradient and are passed on without
-their graph (``passed_on``)."""
+(``nothing_saved``); its outputs are passed on without their graph, each still saying
+whether it needs a gradient (``passed_on``)."""
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -83,12 +83,8 @@ def nothing_saved() -> contextlib.AbstractContextManager[None]:
     return torch.autograd.graph.saved_tensors_hooks(lambda _: None, never)
 
 
-def passed_on(names: Sequence[str], outputs: Sequence[Any]
-              ) -> tuple[dict[str, list[bool]], list[tuple[str, Any]]]:
-    """A first run's outputs by name: per leaf, whether it requires grad (a detached value
-    needs none), and the outputs without their graph, as later stages read them."""
-    named = list(zip(names, outputs, strict=True))
-    flags = {name: [isinstance(x, torch.Tensor) and x.requires_grad
-                    for x in pytree.tree_leaves(value)] for name, value in named}
-    return flags, [(name, pytree.tree_map_only(torch.Tensor, torch.Tensor.detach, value))
-                   for name, value in named]
+def passed_on(outputs: Any) -> Any:
+    """A first run's outputs as later stages read them: without their graph, each tensor
+    a leaf that requires grad where the output did (a detached value needs none)."""
+    return pytree.tree_map_only(
+        torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), outputs)

@@ -92,8 +92,6 @@ class PipelineRunner(MeasuredSteps):
         self.flatten_inputs = flatten_inputs
         self.build_output = build_output
         self.recompute = [bool(r) for r in recompute or [False] * num_stages]
-        # recomputed stage -> output -> per leaf, requires grad (of its last forward)
-        self._needs_grad: dict[int, dict[str, list[bool]]] = {}
         self.replicas = [int(r) for r in replicas]
         self.weight_stashing = bool(weight_stashing)
         self.precision = check_precision(precision)
@@ -168,7 +166,6 @@ class PipelineRunner(MeasuredSteps):
             # the live Parameters, before _device_copies binds copies in their place
             stashes=(WeightStashes(self.stages, optimizers or ())
                      if self.weight_stashing else None))
-        self._needs_grad.clear()
         with timed(self._recorder), self._device_copies(), self.streams.joined():
             for tick in self.schedule:
                 for k, kind, m in tick:
@@ -195,24 +192,22 @@ class PipelineRunner(MeasuredSteps):
             return contextlib.nullcontext()
         return device_copies(self.stages, self.devices, self.replica_devices, self._bound)
 
-    def _receive(self, value: Any, name: str, producer: int, k: int, event: Any,
-                 grad: bool) -> Any:
+    def _receive(self, value: Any, producer: int, k: int, event: Any, grad: bool) -> Any:
         """``value`` (made by ``producer``, -1 for a graph input) as stage k sees it:
         on k's device, ordered after ``event``; stage outputs become detached leaves
-        with the producer's requires_grad when ``grad`` (a recomputed producer's as its
-        first run found it: it passes its outputs on detached, see recompute.py)."""
+        with the producer's requires_grad when ``grad`` (a recomputed producer passes
+        its outputs on as such leaves already, see recompute.py)."""
         leaves, spec = pytree.tree_flatten(value)
         if not any(isinstance(x, torch.Tensor) for x in leaves):
             return value
         dev = self.streams.device(k)
-        flags = self._needs_grad.get(producer, {}).get(name, [False] * len(leaves))
         out = []
-        for x, needs_grad in zip(leaves, flags, strict=True):
+        for x in leaves:
             if isinstance(x, torch.Tensor):
                 if producer != GRAPH_INPUT:
                     x = self.streams.move(x, producer, k, event)
                     if grad:
-                        x = x.detach().requires_grad_(x.requires_grad or needs_grad)
+                        x = x.detach().requires_grad_(x.requires_grad)
                 elif dev is not None and x.device != dev:
                     x = x.to(dev)  # a graph input: differentiable, on k's stream
             out.append(x)
@@ -229,7 +224,7 @@ class PipelineRunner(MeasuredSteps):
         if p == k:
             return values[name]  # the last stage's own outputs, read by the loss
         with timed(self._recorder, k, "comm"):
-            return self._receive(values[name], name, p, k, events.get(p), grad)
+            return self._receive(values[name], p, k, events.get(p), grad)
 
     def _lazy(self, values: Mapping[str, Any], k: int, grad: bool,
               events: Mapping[int, Any]) -> OnDemand:
@@ -304,8 +299,7 @@ class PipelineRunner(MeasuredSteps):
             with torch.enable_grad(), nothing_saved():  # as it runs again (recompute.py)
                 inputs, outputs = self._forward(k, values, True, events, state.batch[m], stash,
                                                 copy=True)
-            self._needs_grad[k], passed = passed_on(self.wiring.outputs[k], outputs)
-            values.update(passed)
+            values.update(zip(self.wiring.outputs[k], passed_on(outputs), strict=True))
             state.saved[(k, m)] = (inputs, None, rng, stash)
         else:
             inputs, outputs = self._forward(k, values, True, events, state.batch[m], stash)
