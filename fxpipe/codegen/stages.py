@@ -45,6 +45,7 @@ from fxpipe.codegen.wrap import LINE_LENGTH, wrap_line
 from fxpipe.cut import StageIO, cut_stages
 from fxpipe.lower import written_inputs
 from fxpipe.plan import Plan
+from fxpipe.tracing.functions import Applied
 
 __all__ = ["LINE_LENGTH", "PlanError", "stage_io", "stage_source", "wrap_line"]
 
@@ -265,8 +266,10 @@ def _class_header(io: StageIO, binding: _Binding, functions: dict[str, tuple[str
     for init in binding.inits:
         lines.append(f"        {init}")
     lookups = [(name, lookup) for name, (_, lookup) in sorted(functions.items()) if lookup]
-    if lookups:
-        lines.append("        # the model file's own functions that it marks with torch.fx.wrap")
+    kinds = {"its autograd.Functions" if call.endswith(".apply") else "its torch.fx.wrap functions"
+             for call, lookup in functions.values() if lookup}
+    if kinds:
+        lines.append(f"        # from the model file: {' and '.join(sorted(kinds, reverse=True))}")
     for _, lookup in lookups:
         lines += wrap_line(f"        {lookup}", LINE_LENGTH)
     return lines
@@ -278,15 +281,17 @@ _WRAP = "torch.fx._symbolic_trace.wrap("
 def _wrapped_functions(
     src: str, globals_: dict[str, object], gm: torch.fx.GraphModule, paths: list[str]
 ) -> tuple[str, dict[str, object], dict[str, tuple[str, str]]]:
-    """Functions the model marks with ``torch.fx.wrap``, called by their own names.
+    """Functions the model marks with ``torch.fx.wrap``, called by their own names, and
+    its own autograd.Functions, called as ``TheFunction.apply``.
 
-    fx prints them as ``torch.fx._symbolic_trace.wrap("pkg_mod_fn")`` above
+    fx prints both as ``torch.fx._symbolic_trace.wrap("pkg_mod_fn")`` above
     ``forward`` and calls a global ``pkg_mod_fn``. A function of an importable module
     is imported by its name; a function of the model file (which the package cannot
     import: the file is loaded under a name of the user's choosing) is taken from the
     module that defines the model's classes when the stage is built, as
-    ``self.fn``. Returns the source without the wrap lines, the globals to import,
-    and {fx's name: (the name the code uses, the line of ``__init__`` that binds it)}.
+    ``self.fn`` (a Function's class likewise: ``self.TheFunction.apply``). Returns the
+    source without the wrap lines, the globals to import, and {fx's name: (the name the
+    code uses, the line of ``__init__`` that binds it)}.
     """
     wrapped = [line for line in src.splitlines() if line.startswith(_WRAP)]
     src = "\n".join(line for line in src.splitlines() if not line.startswith(_WRAP))
@@ -299,8 +304,11 @@ def _wrapped_functions(
     for line in wrapped:
         name = ast.literal_eval(line[len(_WRAP) : -1])
         function = globals_.pop(name)
-        module, qualname = str(function.__module__), str(function.__qualname__)  # type: ignore[attr-defined]
-        if "." in qualname or "<" in qualname:
+        # a model's own autograd.Function: its class is what is imported or looked up
+        called, method = (function.function, ".apply") if isinstance(function, Applied) \
+            else (function, "")
+        module, qualname = str(called.__module__), str(called.__qualname__)  # type: ignore[attr-defined]
+        if "." in qualname or "<" in qualname:  # (a kept Function is top-level)
             raise PlanError(
                 f"the model marks {module}.{qualname} with torch.fx.wrap, but a nested "
                 "function cannot be called from another file; define it at the top level"
@@ -314,8 +322,8 @@ def _wrapped_functions(
             while alias in taken:
                 alias += "_function"
             taken.add(alias)
-            globals_[alias] = function
-            functions[name] = (alias, "")
+            globals_[alias] = called
+            functions[name] = (alias + method, "")
             continue
         attribute = qualname if qualname not in roots else f"{qualname}_function"
         owner = next(
@@ -324,7 +332,7 @@ def _wrapped_functions(
         )
         of = f'model.get_submodule("{owner}")' if owner else "model"
         functions[name] = (
-            f"self.{attribute}",
+            f"self.{attribute}{method}",
             f"self.{attribute} = sys.modules[type({of}).__module__].{qualname}",
         )
     return src, globals_, functions

@@ -1,7 +1,8 @@
 """Tracing with ``torch.fx.symbolic_trace``, the first choice: it keeps ``call_module``
 nodes, which read best in generated code.
 
-``symbolic_trace`` keeps sizes symbolic by itself, but it also runs through Python that
+``symbolic_trace`` keeps sizes symbolic by itself, and here a call of the model's own
+``torch.autograd.Function`` as one node (``functions.py``). It also runs through Python that
 it cannot record: a grad-mode or autocast region (refused here, so the caller falls back
 to ``torch.export``, which records them), a graph that traces and then fails to run (run
 once on meta tensors to find out). Which input dimensions may vary is learnt by running
@@ -20,6 +21,7 @@ import torch.fx
 
 from fxpipe.forked import FORK_MIN_NODES, Forked
 from fxpipe.metadevice import MetaRunner
+from fxpipe.tracing.functions import kept_functions
 from fxpipe.tracing.records import InputShape
 
 __all__ = ["BufferUpdateError", "GradRegionError", "symbolic_graph"]
@@ -31,7 +33,7 @@ def symbolic_graph(
     """``model`` traced by ``symbolic_trace``, the example inputs in placeholder order and
     the shape of each tensor input; raises whatever stops it."""
     # the grad-mode patches come off first: putting buffers back enters no_grad
-    with _buffer_updates(model) as updated, _grad_regions() as entered:
+    with _buffer_updates(model) as updated, _grad_regions() as entered, kept_functions():
         gm = torch.fx.symbolic_trace(model)
     if entered:
         raise GradRegionError(

@@ -1,7 +1,7 @@
 """Generated code means what the graph means: models whose stage lines are long
-enough to wrap, functions marked with ``torch.fx.wrap``, constants that
-``torch.export`` lifts. Each is split and compared with the unsplit model (outputs
-and gradients, float64)."""
+enough to wrap, functions marked with ``torch.fx.wrap``, the model's own
+``torch.autograd.Function``s, constants that ``torch.export`` lifts. Each is split and
+compared with the unsplit model (outputs and gradients, float64)."""
 
 from __future__ import annotations
 
@@ -135,6 +135,83 @@ def test_functions_marked_with_fx_wrap_are_called_by_name(tmp_path: Path, k: int
     assert "= scaled_residual_function(" in text
     assert "self.drop_path(" in text
     assert "self.drop_path = sys.modules[type(model).__module__].drop_path" in text
+
+
+FUNCTIONS_FILE = '''
+import torch
+from torch import nn
+
+from tests.codegen._wrapped import Quantized
+
+
+class Reverse(torch.autograd.Function):
+    """A gradient reversal layer: identity forward, the gradient negated and scaled."""
+
+    @staticmethod
+    def forward(ctx, x, alpha):
+        ctx.alpha = alpha
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return -ctx.alpha * grad, None
+
+
+class Pair(torch.autograd.Function):
+    """Two outputs, a saved input, a backward of its own."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.round(), x * 2
+
+    @staticmethod
+    def backward(ctx, grad_rounded, grad_doubled):
+        (x,) = ctx.saved_tensors
+        return grad_rounded * x.sign() + 2 * grad_doubled
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 6)
+        self.quantized = Quantized(6)
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x):
+        h = Reverse.apply(torch.tanh(self.a(x)), 0.5)
+        rounded, doubled = Pair.apply(self.quantized(h))
+        return self.head(rounded + doubled)
+
+
+def build_model():
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(3, 4),)
+'''
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_the_models_own_autograd_functions_run_their_backward(tmp_path: Path, k: int) -> None:
+    """Each call of a Function of the model file or of a library is one node that the stage
+    calls as ``TheFunction.apply``, so the stages' gradients are the model's (reversed,
+    straight through, of two outputs), not the derivative of the Function's forward."""
+    from fxpipe.frontend import load_model_file
+
+    (tmp_path / "model.py").write_text(FUNCTIONS_FILE, encoding="utf-8")
+    source = load_model_file(str(tmp_path / "model.py"))
+    traced = trace(source.model.double(), tuple(a.double() for a in source.args))
+    assert traced.tracer == "symbolic_trace"
+    assert not [n for n in traced.notes if "autograd.Function" in n], traced.notes
+    files = _assert_transparent(tmp_path, source.model, source.args, k)
+    text = "".join(v for name, v in files.items() if name.startswith("stage"))
+    assert "self.Reverse = sys.modules[type(model).__module__].Reverse" in text
+    assert "= self.Reverse.apply(tanh, 0.5)" in text
+    assert "= self.Pair.apply(" in text
+    assert "\nfrom tests.codegen._wrapped import StraightThrough\n" in text
+    assert "= StraightThrough.apply(" in text
 
 
 class ShadowedBlocks(nn.Module):

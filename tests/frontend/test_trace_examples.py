@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -198,23 +199,58 @@ class _Reversing(nn.Module):
         return self.b(h)
 
 
-@pytest.mark.parametrize(("branch", "tracer"), [(False, "symbolic_trace"), (True, "export")])
-def test_a_custom_autograd_function_is_named_in_a_note(branch: bool, tracer: str) -> None:
-    """Neither tracer keeps a torch.autograd.Function's backward: the graph holds the ops
-    of its forward (here an identity, whose gradient is not the reversed one). The trace
-    says so, naming the Function and where it is defined."""
-    model, x = _Reversing(branch), torch.randn(3, 4)
+def test_symbolic_trace_keeps_a_custom_autograd_function() -> None:
+    """symbolic_trace records the Function's call as one node: the graph runs its
+    backward, so its gradients are the model's; no note."""
+    model, x = _Reversing(branch=False), torch.randn(3, 4)
     apply = torch.autograd.Function.__dict__["apply"]
     traced = trace(model, (x,), {})
-    assert traced.tracer == tracer
-    (note,) = [n for n in traced.notes if "torch.autograd.Function" in n]
-    assert f"_Reverse ({__file__}:" in note and "not its backward" in note
-    # what the note warns of: the graph's gradient is the identity's, the model's reversed
+    assert traced.tracer == "symbolic_trace"
+    assert not [n for n in traced.notes if "torch.autograd.Function" in n], traced.notes
+    (call,) = [n for n in traced.gm.graph.nodes if n.op == "call_function"]
+    assert call.target.function is _Reverse
     model(x).sum().backward()
     want = model.a.weight.grad.clone()
     model.zero_grad()
     traced.gm(x).sum().backward()
-    torch.testing.assert_close(model.a.weight.grad, -want)
+    torch.testing.assert_close(model.a.weight.grad, want)
+    assert torch.autograd.Function.__dict__["apply"] is apply  # put back
+
+
+def _reversing_with_a_local_function() -> nn.Module:
+    class LocalReverse(_Reverse):  # defined in a function: no stage can find it by name
+        pass
+
+    class Local(_Reversing):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(LocalReverse.apply(self.a(x)))
+
+    return Local(branch=False)
+
+
+@pytest.mark.parametrize(("model", "tracer"), [
+    (lambda: _Reversing(branch=True), "export"),
+    (_reversing_with_a_local_function, "symbolic_trace"),
+], ids=["export", "local-class"])
+def test_a_custom_autograd_function_run_through_is_named_in_a_note(
+    model: Callable[[], nn.Module], tracer: str
+) -> None:
+    """torch.export does not keep a torch.autograd.Function's backward, nor symbolic_trace
+    one defined inside a function: the graph holds the ops of its forward (here an
+    identity, whose gradient is not the reversed one). The trace says so, naming the
+    Function and where it is defined."""
+    built, x = model(), torch.randn(3, 4)
+    apply = torch.autograd.Function.__dict__["apply"]
+    traced = trace(built, (x,), {})
+    assert traced.tracer == tracer
+    (note,) = [n for n in traced.notes if "torch.autograd.Function" in n]
+    assert f"Reverse ({__file__}:" in note and "not its backward" in note
+    # what the note warns of: the graph's gradient is the identity's, the model's reversed
+    built(x).sum().backward()
+    want = built.a.weight.grad.clone()
+    built.zero_grad()
+    traced.gm(x).sum().backward()
+    torch.testing.assert_close(built.a.weight.grad, -want)
     assert torch.autograd.Function.__dict__["apply"] is apply  # put back
 
 
