@@ -9,7 +9,7 @@ graph fxpipe can cut and the shapes of its inputs:
     repeats.py   export of a model whose layers repeat: two of them exported, the
                  second copied for the rest, where every later layer runs alike (the whole
                  model recorded in a forked child, fxpipe/forked.py)
-    functions.py the model's own torch.autograd.Functions: kept as one call each under
-                 symbolic_trace, named in a note where a tracer runs through them
+    functions.py the model's own torch.autograd.Functions, kept as one call each by both
+                 tracers, named in a note where a tracer runs through them
     records.py   InputShape and TraceError, which both report
 """

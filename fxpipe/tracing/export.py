@@ -4,8 +4,9 @@ Hugging Face models whose Python control flow defeats ``symbolic_trace``.
 Export is asked to keep every input dimension symbolic (``Dim.AUTO``) and keeps the ones
 the model lets vary. Its graph is then made one fxpipe can cut: export's input guards and
 dtype assertions removed, so are the slices of a whole tensor that eager indexing skips,
-the constants it lifts out of forward turned back into ops, and the range it assumed for
-each free dimension read off the program.
+the constants it lifts out of forward turned back into ops, each call of the model's own
+``torch.autograd.Function`` kept as one call (``functions.py``), and the range it assumed
+for each free dimension read off the program.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch.fx
 from torch.utils import _pytree as pytree
 from torch.utils._sympy.numbers import int_oo
 
+from fxpipe.tracing.functions import applied_calls, exported_functions
 from fxpipe.tracing.records import InputShape, TraceError
 
 __all__ = ["export_program", "exported_graph", "quiet_stderr", "running_stats"]
@@ -44,7 +46,8 @@ def export_program(
     attempts.append((args, kwargs))
     for trace_args, trace_kwargs in attempts:
         try:
-            with quiet_stderr():  # a failing export dumps its partial graph on stderr
+            # a failing export dumps its partial graph on stderr
+            with quiet_stderr(), exported_functions():
                 program = torch.export.export(
                     model,
                     trace_args,
@@ -55,7 +58,7 @@ def export_program(
             return program, None
         except Exception as exc:
             failure = exc
-    with quiet_stderr():
+    with quiet_stderr(), exported_functions():
         program = torch.export.export(model, args, kwargs, strict=False)
     return program, failure
 
@@ -68,6 +71,7 @@ def exported_graph(
     gm = program.module()
     assert isinstance(gm, torch.fx.GraphModule)
     _drop_export_checks(gm)
+    applied_calls(gm)
     _drop_full_slices(gm)
     _inline_lifted_constants(gm)
     flat = tuple(pytree.tree_leaves((args, kwargs)))

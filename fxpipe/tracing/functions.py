@@ -1,29 +1,32 @@
 """The model's own ``torch.autograd.Function``s, as a trace meets them.
 
-Left to itself, neither tracer keeps one: ``symbolic_trace`` and ``torch.export`` run
-its ``forward`` and record the ops inside, so the stages would differentiate those ops
-with autograd and never run its ``backward``. Where the backward is the forward's
-derivative written by hand (a fused or memory-saving activation, Bloom's GeLU) that
-changes only rounding; where it is not (a gradient reversal layer, a straight-through
-estimator) the pipeline's gradients would not be the model's.
+Left to themselves, both tracers run a Function's ``forward`` and record the ops inside,
+so the stages would differentiate those ops with autograd and never run its
+``backward``. Where the backward is the forward's derivative written by hand (a fused or
+memory-saving activation, Bloom's GeLU) that changes only rounding; where it is not (a
+gradient reversal layer, a straight-through estimator) the pipeline's gradients would
+not be the model's. So each call of one is kept as one node, whose target, an
+``Applied``, calls the Function's ``apply``: the stages run its forward and its backward
+as the model does, and the generated code calls ``TheFunction.apply(...)``.
 
-- ``symbolic_trace`` records each call of such a Function as one node (``kept``): its
-  target, an ``Applied``, calls the Function's ``apply``, so the stages run its forward
-  and its backward as the model does, and the generated code calls
-  ``TheFunction.apply(...)``. Only a Function defined at the top level of its module,
-  where the stage can find it by name.
-- ``torch.export`` runs through it, and so does ``symbolic_trace`` through a Function
-  defined inside a class or function. The frontend says so in a note, naming each Function
-  it ran and where it is defined (``applied_functions``, ``describe``).
+- ``symbolic_trace``: ``kept_functions`` records the call in place of running it.
+- ``torch.export``: ``exported_functions`` has export record it as a ``flat_apply``
+  node (torch's experimental ``allow_in_pre_dispatch_graph``), which ``applied_calls``
+  turns into the same call.
 
-torch's own Functions (reentrant checkpoint's, for one) are left to the tracers: their
-backward is the derivative of what they run.
+A call is kept where the Function is defined at the top level of its module, as a stage
+finds it by name there, and every argument is one a graph holds (not an object of the
+model's). Any other is run through, and the frontend says so in a note naming each such
+Function and where it is defined (``applied_functions``, ``describe``). torch's
+own Functions (reentrant checkpoint's, for one) are left to the tracers: their backward
+is the derivative of what they run.
 """
 
 from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,7 +34,8 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-__all__ = ["Applied", "applied_functions", "describe", "kept", "kept_functions"]
+__all__ = ["Applied", "applied_calls", "applied_functions", "describe", "exported_functions",
+           "kept", "kept_functions"]
 
 _APPLY = torch.autograd.Function.__dict__["apply"]  # a classmethod
 
@@ -44,6 +48,13 @@ def _own(cls: type[torch.autograd.Function]) -> bool:
 def _named(cls: type[torch.autograd.Function]) -> bool:
     """Defined at the top level of its module, where a generated stage can find it."""
     return "." not in cls.__qualname__ and "<" not in cls.__qualname__
+
+
+def _graphable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Every argument something a graph node can hold (a tensor, a traced value, a number,
+    a string...), not an object of the model's, which the call is run through with."""
+    kinds = (torch.fx.Proxy, type(None), *torch.fx.node.base_types)
+    return all(isinstance(v, kinds) for v in pytree.tree_leaves((args, kwargs)))
 
 
 @contextlib.contextmanager
@@ -92,11 +103,12 @@ def kept_functions() -> Iterator[None]:
     def apply(cls: type[torch.autograd.Function], *args: Any, **kwargs: Any) -> Any:
         proxies = [v for v in pytree.tree_leaves((args, kwargs))
                    if isinstance(v, torch.fx.Proxy)]
-        if not proxies or not _own(cls) or not _named(cls):
+        if not (proxies and _own(cls) and _named(cls) and _graphable(args, kwargs)):
             return before.__get__(None, cls)(*args, **kwargs)
         target = targets.setdefault(cls, Applied(cls))
         proxy = proxies[0].tracer.create_proxy("call_function", target, args, kwargs)
-        proxy.node.meta["is_wrapped"] = True  # fx prints it as a wrapped function's call
+        proxy.node.meta["is_wrapped"] = True  # fx prints it as a wrapped function's call,
+        # which codegen turns into the Function's (codegen/stages.py)
         return proxy
 
     torch.autograd.Function.apply = classmethod(apply)  # type: ignore[method-assign,assignment]
@@ -104,6 +116,77 @@ def kept_functions() -> Iterator[None]:
         yield
     finally:
         torch.autograd.Function.apply = before  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def exported_functions() -> Iterator[None]:
+    """While open (around ``torch.export``), a call of a model's own top-level Function is
+    recorded as one ``flat_apply`` node (torch's experimental
+    ``allow_in_pre_dispatch_graph``), which ``applied_calls`` turns into an ``Applied``
+    call. A call with an argument a graph cannot hold, and any call on a torch without
+    that wrapper, runs through the Function."""
+    try:
+        from torch._export.wrappers import allow_in_pre_dispatch_graph
+    except ImportError:
+        yield
+        return
+    before = torch.autograd.Function.__dict__["apply"]
+
+    def run(cls: type[torch.autograd.Function], *args: Any, **kwargs: Any) -> Any:
+        return before.__get__(None, cls)(*args, **kwargs)
+
+    run.__name__ = "apply"  # the name the wrapper accepts
+    recorded = allow_in_pre_dispatch_graph(run)
+
+    def apply(cls: type[torch.autograd.Function], *args: Any, **kwargs: Any) -> Any:
+        if _own(cls) and _named(cls) and _graphable(args, kwargs):
+            return recorded(cls, *args, **kwargs)
+        return run(cls, *args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(apply)  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = before  # type: ignore[method-assign]
+
+
+def applied_calls(gm: torch.fx.GraphModule) -> None:
+    """Each ``flat_apply`` node ``exported_functions`` left in ``gm`` made a call of an
+    ``Applied``, with the Function's own arguments; the constants it read removed."""
+    flat_apply = getattr(torch.ops.higher_order, "flat_apply", None)
+    targets: dict[str, Applied] = {}
+    read: set[str] = set()  # the attributes the rewritten nodes read
+    for node in list(gm.graph.nodes):
+        if flat_apply is None or node.op != "call_function" or node.target is not flat_apply:
+            continue
+        func_node, spec_node, *flat = node.args
+        assert isinstance(func_node, torch.fx.Node) and isinstance(spec_node, torch.fx.Node)
+        (name, *args), kwargs = pytree.tree_unflatten(flat, _attribute(gm, spec_node))
+        module, _, qualname = str(name).rpartition(".")
+        target = targets.setdefault(name, Applied(getattr(sys.modules[module], qualname)))
+        assert _attribute(gm, func_node).func.__name__.endswith("autograd_function_in_pre_dispatch")
+        with gm.graph.inserting_before(node):
+            call = gm.graph.call_function(target, tuple(args), kwargs)
+        call.meta = {**node.meta, "is_wrapped": True}
+        node.replace_all_uses_with(call)
+        gm.graph.erase_node(node)
+        for attribute in (func_node, spec_node):
+            if not attribute.users:
+                gm.graph.erase_node(attribute)
+                read.add(str(attribute.target))
+    still_read = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    for name in sorted(read - still_read):
+        delattr(gm, name)
+    gm.recompile()
+
+
+def _attribute(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Any:
+    """The constant a ``get_attr`` node of ``flat_apply`` reads: a TreeSpec, or the
+    constant function whose spec it is."""
+    value = getattr(gm, str(node.target))
+    if isinstance(value, pytree.TreeSpec) and value.num_leaves == 0:
+        return pytree.tree_unflatten([], value)
+    return value
 
 
 def kept(gm: torch.fx.GraphModule) -> set[type[torch.autograd.Function]]:

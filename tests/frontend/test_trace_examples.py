@@ -18,6 +18,7 @@ from fxpipe.passes import annotate_all
 from fxpipe.passes.base import OP_NODES
 from fxpipe.profile import summarize
 from fxpipe.tracing.export import export_program
+from fxpipe.tracing.functions import Applied
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -199,15 +200,16 @@ class _Reversing(nn.Module):
         return self.b(h)
 
 
-def test_symbolic_trace_keeps_a_custom_autograd_function() -> None:
-    """symbolic_trace records the Function's call as one node: the graph runs its
-    backward, so its gradients are the model's; no note."""
-    model, x = _Reversing(branch=False), torch.randn(3, 4)
+@pytest.mark.parametrize(("branch", "tracer"), [(False, "symbolic_trace"), (True, "export")])
+def test_a_custom_autograd_function_is_kept_as_one_call(branch: bool, tracer: str) -> None:
+    """Both tracers record the Function's call as one node: the graph runs its backward,
+    so its gradients are the model's; no note."""
+    model, x = _Reversing(branch), torch.randn(3, 4)
     apply = torch.autograd.Function.__dict__["apply"]
     traced = trace(model, (x,), {})
-    assert traced.tracer == "symbolic_trace"
+    assert traced.tracer == tracer
     assert not [n for n in traced.notes if "torch.autograd.Function" in n], traced.notes
-    (call,) = [n for n in traced.gm.graph.nodes if n.op == "call_function"]
+    (call,) = [n for n in traced.gm.graph.nodes if isinstance(n.target, Applied)]
     assert call.target.function is _Reverse
     model(x).sum().backward()
     want = model.a.weight.grad.clone()
@@ -217,40 +219,71 @@ def test_symbolic_trace_keeps_a_custom_autograd_function() -> None:
     assert torch.autograd.Function.__dict__["apply"] is apply  # put back
 
 
-def _reversing_with_a_local_function() -> nn.Module:
+def _reversing_with_a_local_function(branch: bool) -> nn.Module:
     class LocalReverse(_Reverse):  # defined in a function: no stage can find it by name
         pass
 
     class Local(_Reversing):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.b(LocalReverse.apply(self.a(x)))
+            h = self.a(x)
+            if not self.branch or h.shape[0] > 0:  # a branch on a size: export
+                h = LocalReverse.apply(h)
+            return self.b(h)
 
-    return Local(branch=False)
+    return Local(branch)
 
 
-@pytest.mark.parametrize(("model", "tracer"), [
-    (lambda: _Reversing(branch=True), "export"),
-    (_reversing_with_a_local_function, "symbolic_trace"),
-], ids=["export", "local-class"])
+class _Sign:
+    """An object of the model's, which no graph node can hold."""
+
+    value = -1.0
+
+
+class _Signed(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, sign: _Sign) -> torch.Tensor:
+        ctx.sign = sign.value
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.sign * grad, None
+
+
+def _reversing_by_an_object(branch: bool) -> nn.Module:
+    class BySign(_Reversing):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.a(x)
+            if not self.branch or h.shape[0] > 0:  # a branch on a size: export
+                h = _Signed.apply(h, _Sign())
+            return self.b(h)
+
+    return BySign(branch)
+
+
+@pytest.mark.parametrize("branch", [False, True], ids=["symbolic_trace", "export"])
+@pytest.mark.parametrize(("build", "name"), [
+    (_reversing_with_a_local_function, "LocalReverse"), (_reversing_by_an_object, "_Signed"),
+], ids=["defined-in-a-function", "given-an-object"])
 def test_a_custom_autograd_function_run_through_is_named_in_a_note(
-    model: Callable[[], nn.Module], tracer: str
+    build: Callable[[bool], nn.Module], name: str, branch: bool
 ) -> None:
-    """torch.export does not keep a torch.autograd.Function's backward, nor symbolic_trace
-    one defined inside a function: the graph holds the ops of its forward (here an
-    identity, whose gradient is not the reversed one). The trace says so, naming the
+    """Neither tracer keeps a torch.autograd.Function defined inside a function, nor a
+    call given an object no graph can hold: the graph holds the ops of its forward (here
+    an identity, whose gradient is not the reversed one). The trace says so, naming the
     Function and where it is defined."""
-    built, x = model(), torch.randn(3, 4)
+    model, x = build(branch), torch.randn(3, 4)
     apply = torch.autograd.Function.__dict__["apply"]
-    traced = trace(built, (x,), {})
-    assert traced.tracer == tracer
+    traced = trace(model, (x,), {})
+    assert traced.tracer == ("export" if branch else "symbolic_trace")
     (note,) = [n for n in traced.notes if "torch.autograd.Function" in n]
-    assert f"Reverse ({__file__}:" in note and "not its backward" in note
+    assert f"{name} ({__file__}:" in note and "not its backward" in note
     # what the note warns of: the graph's gradient is the identity's, the model's reversed
-    built(x).sum().backward()
-    want = built.a.weight.grad.clone()
-    built.zero_grad()
+    model(x).sum().backward()
+    want = model.a.weight.grad.clone()
+    model.zero_grad()
     traced.gm(x).sum().backward()
-    torch.testing.assert_close(built.a.weight.grad, -want)
+    torch.testing.assert_close(model.a.weight.grad, -want)
     assert torch.autograd.Function.__dict__["apply"] is apply  # put back
 
 
