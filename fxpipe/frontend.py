@@ -44,6 +44,7 @@ from fxpipe.metadevice import named_state
 from fxpipe.runtime.loading import NotPythonError, import_file
 from fxpipe.tracing.export import export_program, exported_graph
 from fxpipe.tracing.functions import applied_functions, describe, kept
+from fxpipe.tracing.hooks import dropped, tensor_hooks
 from fxpipe.tracing.records import InputShape, TraceError
 from fxpipe.tracing.repeats import export_in_layers, mark_copies
 from fxpipe.tracing.symbolic import symbolic_graph
@@ -257,11 +258,13 @@ def trace(
     device = _model_device(model)
     if _on_meta(device):
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
-    with _autocast(device, autocast), applied_functions() as functions:
+    with _autocast(device, autocast), applied_functions() as functions, \
+            tensor_hooks() as hook_sites:
         traced = _trace(model, args, kwargs)  # its flat inputs are these very tensors
     run_through = [f for f in functions if f not in kept(traced.gm)]
     if run_through:
         traced = replace(traced, notes=(*traced.notes, describe(run_through)))
+    traced = replace(traced, notes=(*traced.notes, *dropped(model, traced.gm, hook_sites)))
     if autocast is not None and traced.tracer == "export" and _on_meta(device):
         traced = replace(traced, notes=(*traced.notes, (
             f"traced on the meta device, where autocast does not run: where the model "

@@ -11,5 +11,7 @@ graph fxpipe can cut and the shapes of its inputs:
                  model recorded in a forked child, fxpipe/forked.py)
     functions.py the model's own torch.autograd.Functions, kept as one call each by both
                  tracers, named in a note where a tracer runs through them
+    hooks.py     backward hooks: a hooked module kept as one call under symbolic_trace,
+                 a note for each hook the stages would not run
     records.py   InputShape and TraceError, which both report
 """

@@ -2,7 +2,8 @@
 nodes, which read best in generated code.
 
 ``symbolic_trace`` keeps sizes symbolic by itself, and here a call of the model's own
-``torch.autograd.Function`` as one node (``functions.py``). It also runs through Python that
+``torch.autograd.Function`` as one node (``functions.py``), and a module with backward
+hooks as one call (``hooks.py``). It also runs through Python that
 it cannot record: a grad-mode or autocast region (refused here, so the caller falls back
 to ``torch.export``, which records them), a graph that traces and then fails to run (run
 once on meta tensors to find out). Which input dimensions may vary is learnt by running
@@ -22,6 +23,7 @@ import torch.fx
 from fxpipe.forked import FORK_MIN_NODES, Forked
 from fxpipe.metadevice import MetaRunner
 from fxpipe.tracing.functions import kept_functions
+from fxpipe.tracing.hooks import HookedLeaves
 from fxpipe.tracing.records import InputShape
 
 __all__ = ["BufferUpdateError", "GradRegionError", "symbolic_graph"]
@@ -34,7 +36,9 @@ def symbolic_graph(
     the shape of each tensor input; raises whatever stops it."""
     # the grad-mode patches come off first: putting buffers back enters no_grad
     with _buffer_updates(model) as updated, _grad_regions() as entered, kept_functions():
-        gm = torch.fx.symbolic_trace(model)
+        tracer = HookedLeaves()  # symbolic_trace's, keeping modules with backward hooks
+        graph = tracer.trace(model)
+        gm = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
     if entered:
         raise GradRegionError(
             f"forward enters {entered[0]}, which symbolic_trace does not record"

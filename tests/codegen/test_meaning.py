@@ -222,6 +222,47 @@ def test_the_models_own_autograd_functions_run_their_backward(tmp_path: Path, k:
     assert "= StraightThrough.apply(" in text
 
 
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.inner(x)) + x
+
+
+class HookedBlocks(nn.Module):
+    """Blocks whose backward hooks change the gradient: one scales what flows into the
+    block, one masks what flows out of a Linear inside another."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Block() for _ in range(3))
+        self.blocks[1].register_full_backward_hook(lambda m, gi, go: (gi[0] * -0.5,))
+        self.blocks[2].inner.register_full_backward_pre_hook(lambda m, go: (go[0] * 3,))
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_modules_with_backward_hooks_are_called_by_the_stages(tmp_path: Path, k: int) -> None:
+    """symbolic_trace keeps a module with backward hooks as one call: the stage calls the
+    model's module, whose hooks run, so the gradients are the model's."""
+    torch.manual_seed(0)
+    model, x = HookedBlocks(), torch.randn(3, 6)
+    traced = trace(model, (x,))
+    assert {str(n.target) for n in traced.gm.graph.nodes if n.op == "call_module"} >= {
+        "blocks.1", "blocks.2.inner"}
+    assert not [n for n in traced.notes if "hook" in n], traced.notes
+    files = _assert_transparent(tmp_path, model, (x,), k)
+    text = "".join(v for name, v in files.items() if name.startswith("stage"))
+    assert "self.blocks[1](" in text
+
+
 class ShadowedBlocks(nn.Module):
     """Residual blocks with stochastic depth from a package that hides the function's
     module behind the function (torchvision's efficientnet and convnext)."""

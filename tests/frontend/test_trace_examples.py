@@ -287,6 +287,49 @@ def test_a_custom_autograd_function_run_through_is_named_in_a_note(
     assert torch.autograd.Function.__dict__["apply"] is apply  # put back
 
 
+class _TensorHooked(_Reversing):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if h.shape[0] > 0 and h.requires_grad:  # a branch on a size: export
+            h.register_hook(lambda grad: -grad)
+        return self.b(h)
+
+
+@pytest.mark.parametrize("kind", ["module", "tensor", "every-module"])
+def test_backward_hooks_the_stages_do_not_run_are_named_in_a_note(kind: str) -> None:
+    """torch.export inlines every module, so a module's backward hooks do not run in the
+    stages; nor does a hook forward registers on a tensor, nor one registered for every
+    module around an inlined one. Each is named in a note, with what to do instead."""
+    model = _TensorHooked(branch=True) if kind == "tensor" else _Reversing(branch=True)
+    handles = []
+    if kind == "module":
+        handles.append(model.a.register_full_backward_hook(lambda m, gi, go: (-gi[0],)))
+    if kind == "every-module":
+        handles.append(torch.nn.modules.module.register_module_full_backward_hook(
+            lambda m, gi, go: None))
+    try:
+        traced = trace(model, (torch.randn(3, 4, requires_grad=True),), {})
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert traced.tracer == "export"
+    (note,) = [n for n in traced.notes if "hook" in n]
+    want = {"module": "the backward hooks of a do not run in the stages",
+            "tensor": f"forward registers a hook on a tensor it computes ({__file__}:",
+            "every-module": "backward hooks registered for every module run only"}[kind]
+    assert want in note, note
+    if kind != "every-module":
+        assert "torch.autograd.Function" in note  # what to do instead
+
+
+def test_parameter_hooks_are_not_named() -> None:
+    """A hook on a parameter fires in the stages, which train the model's parameters."""
+    model = _Reversing(branch=True)
+    model.a.weight.register_hook(lambda grad: -grad)
+    traced = trace(model, (torch.randn(3, 4),), {})
+    assert not [n for n in traced.notes if "hook" in n], traced.notes
+
+
 def test_torch_own_autograd_functions_are_not_named() -> None:
     """A Function of torch's own (reentrant checkpoint's, whose backward runs the forward
     again) computes the forward's derivative: no note."""
