@@ -45,6 +45,7 @@ from fxpipe.runtime.loading import NotPythonError, import_file
 from fxpipe.tracing.export import export_program, exported_graph
 from fxpipe.tracing.functions import applied_functions, describe, kept
 from fxpipe.tracing.hooks import dropped, tensor_hooks
+from fxpipe.tracing.masks import describe_masks
 from fxpipe.tracing.records import InputShape, TraceError
 from fxpipe.tracing.repeats import export_in_layers, mark_copies
 from fxpipe.tracing.symbolic import symbolic_graph
@@ -265,6 +266,9 @@ def trace(
     if run_through:
         traced = replace(traced, notes=(*traced.notes, describe(run_through)))
     traced = replace(traced, notes=(*traced.notes, *dropped(model, traced.gm, hook_sites)))
+    masks = describe_masks(traced.gm)
+    if masks:
+        traced = replace(traced, notes=(*traced.notes, masks))
     if autocast is not None and traced.tracer == "export" and _on_meta(device):
         traced = replace(traced, notes=(*traced.notes, (
             f"traced on the meta device, where autocast does not run: where the model "
