@@ -42,10 +42,11 @@ from torch.utils import _pytree as pytree
 from fxpipe.batching import decide_batching
 from fxpipe.metadevice import named_state
 from fxpipe.runtime.loading import NotPythonError, import_file
+from fxpipe.tracing.attention import attention_calls
+from fxpipe.tracing.attention import describe as describe_attention
 from fxpipe.tracing.export import export_program, exported_graph
 from fxpipe.tracing.functions import applied_functions, describe, kept
 from fxpipe.tracing.hooks import dropped, tensor_hooks
-from fxpipe.tracing.masks import describe_masks
 from fxpipe.tracing.records import InputShape, TraceError
 from fxpipe.tracing.repeats import export_in_layers, mark_copies
 from fxpipe.tracing.symbolic import symbolic_graph
@@ -261,14 +262,14 @@ def trace(
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
     with _autocast(device, autocast), applied_functions() as functions, \
             tensor_hooks() as hook_sites:
-        traced = _trace(model, args, kwargs)  # its flat inputs are these very tensors
+        traced = _trace(model, args, kwargs, autocast)  # its flat inputs: these tensors
     run_through = [f for f in functions if f not in kept(traced.gm)]
     if run_through:
         traced = replace(traced, notes=(*traced.notes, describe(run_through)))
     traced = replace(traced, notes=(*traced.notes, *dropped(model, traced.gm, hook_sites)))
-    masks = describe_masks(traced.gm)
-    if masks:
-        traced = replace(traced, notes=(*traced.notes, masks))
+    attention = describe_attention(traced.gm)
+    if attention:
+        traced = replace(traced, notes=(*traced.notes, attention))
     if autocast is not None and traced.tracer == "export" and _on_meta(device):
         traced = replace(traced, notes=(*traced.notes, (
             f"traced on the meta device, where autocast does not run: where the model "
@@ -303,10 +304,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _trace(
-    model: torch.nn.Module, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None,
+    autocast: torch.dtype | None,
 ) -> Traced:
     """symbolic_trace (``fxpipe.tracing.symbolic``), else torch.export
-    (``fxpipe.tracing.export``); a ``TraceError`` that says why when neither captures it."""
+    (``fxpipe.tracing.export``, with attention called as the model calls it eagerly:
+    ``fxpipe.tracing.attention``); a ``TraceError`` that says why when neither captures
+    it."""
     kwargs = dict(kwargs or {})
     notes: list[str] = []
     device = _model_device(model)
@@ -338,6 +342,7 @@ def _trace(
         except Exception as exc:
             raise _untraceable(model, args, kwargs, reason, exc, symbolic_error) from None
         gm, flat, inputs = exported_graph(program, args, kwargs)
+    attention_calls(gm, autocast)
     if fixed_shapes is not None:
         notes.append(
             f"torch.export could not keep input sizes symbolic ({_one_line(fixed_shapes)}); "

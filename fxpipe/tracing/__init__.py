@@ -13,5 +13,7 @@ graph fxpipe can cut and the shapes of its inputs:
                  tracers, named in a note where a tracer runs through them
     hooks.py     backward hooks: a hooked module kept as one call under symbolic_trace,
                  a note for each hook the stages would not run
+    attention.py attention called as the model calls it eagerly where export records it
+                 otherwise: is_causal for a causal mask of the sizes, enable_gqa
     records.py   InputShape and TraceError, which both report
 """

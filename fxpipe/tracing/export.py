@@ -5,9 +5,9 @@ Export is asked to keep every input dimension symbolic (``Dim.AUTO``) and keeps 
 the model lets vary. Its graph is then made one fxpipe can cut: export's input guards and
 dtype assertions removed, so are the slices of a whole tensor that eager indexing skips,
 the constants it lifts out of forward turned back into ops, each call of the model's own
-``torch.autograd.Function`` kept as one call (``functions.py``), the causal masks it
-builds from the input sizes given back to attention as ``is_causal`` (``masks.py``), and
-the range it assumed for each free dimension read off the program.
+``torch.autograd.Function`` kept as one call (``functions.py``), and the range it
+assumed for each free dimension read off the program. (The frontend then has attention
+called as the model calls it eagerly: ``attention.py``.)
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from torch.utils import _pytree as pytree
 from torch.utils._sympy.numbers import int_oo
 
 from fxpipe.tracing.functions import applied_calls, exported_functions
-from fxpipe.tracing.masks import causal_masks
 from fxpipe.tracing.records import InputShape, TraceError
 
 __all__ = ["export_program", "exported_graph", "quiet_stderr", "running_stats"]
@@ -75,7 +74,6 @@ def exported_graph(
     _drop_export_checks(gm)
     applied_calls(gm)
     _drop_full_slices(gm)
-    causal_masks(gm)
     _inline_lifted_constants(gm)
     flat = tuple(pytree.tree_leaves((args, kwargs)))
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
