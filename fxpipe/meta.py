@@ -16,6 +16,7 @@ from typing import Generic, TypeVar
 import torch.fx
 
 __all__ = [
+    "ATTENTION",
     "BYTES",
     "COPY_OF",
     "FLOPS",
@@ -168,6 +169,9 @@ TIME = MetaKey("fxpipe.time", TimeInfo, "a cost model's annotate_times")
 # On a node of a layer that tracing copied rather than traced (fxpipe.tracing.repeats):
 # the name of the node of the traced layer it copies, which runs as it does.
 COPY_OF = MetaKey("fxpipe.copy_of", str, "fxpipe.tracing.repeats.copy_layers")
+# On an attention call that tracing made the call the model makes eagerly
+# (fxpipe.tracing.attention): what changed, in order ("causal", "full", "grouped").
+ATTENTION = MetaKey("fxpipe.attention", tuple, "fxpipe.tracing.attention.attention_calls")
 MEASURED_MEMORY = MetaKey(
     "fxpipe.measured_memory", MeasuredMemory, "fxpipe.cost_models.measured.annotate_times"
 )

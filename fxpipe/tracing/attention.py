@@ -28,7 +28,7 @@ than the model does (the plan would say so), and differ from it in bfloat16.
   grouped heads (transformers' eager call runs the math kernel there), so the repeat
   stays.
 
-Each call rewritten says so in its ``meta[ATTENTION]``; ``describe`` words the note.
+Each call rewritten says so in its ``meta.ATTENTION`` record; ``describe`` words the note.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-__all__ = ["ATTENTION", "attention_calls", "describe"]
+from fxpipe import meta
 
-ATTENTION = "fxpipe.attention"  # node meta: what was rewritten ("causal", "full", "grouped")
+__all__ = ["attention_calls", "describe"]
 
 aten = torch.ops.aten
 _SDPA = aten.scaled_dot_product_attention.default
@@ -79,9 +79,14 @@ def _causal(gm: torch.fx.GraphModule) -> None:
             if call.args[4:5]:
                 kwargs["dropout_p"] = call.args[4]
             call.args, call.kwargs = tuple(args), kwargs
-            call.meta.setdefault(ATTENTION, []).append(kind)
+            _changed(call, kind)
         computed |= _ancestors(mask)[0] or set()
     _erase_unread(gm, computed)
+
+
+def _changed(call: torch.fx.Node, kind: str) -> None:
+    meta.ATTENTION.set(call, (*meta.ATTENTION.get(call), kind) if meta.ATTENTION.has(call)
+                       else (kind,))
 
 
 def _erase_unread(gm: torch.fx.GraphModule, nodes: set[torch.fx.Node]) -> None:
@@ -95,7 +100,7 @@ def _grouped(gm: torch.fx.GraphModule, autocast: torch.dtype | None) -> None:
     for call in gm.graph.nodes:
         if not (call.op == "call_function" and call.target is _SDPA):
             continue
-        if not call.meta.get(ATTENTION) or call.kwargs.get("enable_gqa"):
+        if not meta.ATTENTION.has(call) or call.kwargs.get("enable_gqa"):
             continue  # (a mask given back: the call transformers makes without one)
         query, key, value = call.args[:3]
         repeats = [_repeated(key), _repeated(value)]
@@ -110,7 +115,7 @@ def _grouped(gm: torch.fx.GraphModule, autocast: torch.dtype | None) -> None:
             continue
         call.args = (query, repeats[0][0], repeats[1][0], *call.args[3:])  # type: ignore[index]
         call.kwargs = {**call.kwargs, "enable_gqa": True}
-        call.meta.setdefault(ATTENTION, []).append("grouped")
+        _changed(call, "grouped")
         _erase_unread(gm, {key, value, *key.all_input_nodes, *value.all_input_nodes,
                            *[n for t in (key, value) for a in t.all_input_nodes
                              for n in a.all_input_nodes]})
@@ -128,7 +133,7 @@ def _repeated(node: Any) -> tuple[torch.fx.Node, int] | None:
     if not all(shapes) or len(shapes[0]) != 4:
         return None
     (b, h, s, d), (eb, eh, n, es, ed), (rb, rh, rs, rd) = shapes
-    if not ((eb, eh, es, ed) == (b, h, s, d) == (rb, h, rs, rd) and n.isdigit()
+    if not ((eb, eh, es, ed) == (b, h, s, d) and (rb, rs, rd) == (b, s, d) and n.isdigit()
             and int(n) > 1 and h.isdigit() and rh == str(int(h) * int(n))):
         return None
     return source, int(n)
@@ -150,7 +155,8 @@ def _shape(node: torch.fx.Node) -> tuple[str, ...]:
 
 def describe(gm: torch.fx.GraphModule) -> str | None:
     """The note for the attention calls ``attention_calls`` rewrote in ``gm``, if any."""
-    done = [kind for n in gm.graph.nodes for kind in n.meta.get(ATTENTION, ())]
+    done = [kind for n in gm.graph.nodes if meta.ATTENTION.has(n)
+            for kind in meta.ATTENTION.get(n)]
     if not done:
         return None
     said = {"causal": "a causal mask built from the input sizes alone now is_causal=True",
