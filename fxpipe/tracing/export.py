@@ -47,21 +47,30 @@ def export_program(
     attempts.append((args, kwargs))
     for trace_args, trace_kwargs in attempts:
         try:
-            # a failing export dumps its partial graph on stderr
-            with quiet_stderr(), exported_functions():
-                program = torch.export.export(
-                    model,
-                    trace_args,
-                    trace_kwargs,
-                    dynamic_shapes=_all_dims_auto(model, trace_args, trace_kwargs),
-                    strict=False,
-                )
-            return program, None
+            dims = _all_dims_auto(model, trace_args, trace_kwargs)
+            return _export(model, trace_args, trace_kwargs, dims), None
         except Exception as exc:
             failure = exc
-    with quiet_stderr(), exported_functions():
-        program = torch.export.export(model, args, kwargs, strict=False)
-    return program, failure
+    return _export(model, args, kwargs, None), failure
+
+
+def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+            dynamic_shapes: dict[str, Any] | None) -> torch.export.ExportedProgram:
+    """One ``torch.export`` non-strict, keeping the model's own autograd.Functions as one
+    call each (``functions.py``); where that fails (a Function called where export
+    cannot hold such a call, inside an autocast region), exported again running through
+    them, which the frontend names in a note."""
+    try:
+        # a failing export dumps its partial graph on stderr
+        with quiet_stderr(), exported_functions() as recorded:
+            return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes,
+                                       strict=False)
+    except Exception:
+        if not recorded:
+            raise
+    with quiet_stderr():
+        return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes,
+                                   strict=False)
 
 
 def exported_graph(

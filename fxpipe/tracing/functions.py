@@ -12,7 +12,8 @@ as the model does, and the generated code calls ``TheFunction.apply(...)``.
 - ``symbolic_trace``: ``kept_functions`` records the call in place of running it.
 - ``torch.export``: ``exported_functions`` has export record it as a ``flat_apply``
   node (torch's experimental ``allow_in_pre_dispatch_graph``), which ``applied_calls``
-  turns into the same call.
+  turns into the same call. Where export cannot hold that node (inside an autocast
+  region), the model is exported again running through the Function.
 
 A call is kept where the Function is defined at the top level of its module, as a stage
 finds it by name there, and every argument is one a graph holds (not an object of the
@@ -119,16 +120,18 @@ def kept_functions() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def exported_functions() -> Iterator[None]:
+def exported_functions() -> Iterator[list[type[torch.autograd.Function]]]:
     """While open (around ``torch.export``), a call of a model's own top-level Function is
     recorded as one ``flat_apply`` node (torch's experimental
     ``allow_in_pre_dispatch_graph``), which ``applied_calls`` turns into an ``Applied``
-    call. A call with an argument a graph cannot hold, and any call on a torch without
-    that wrapper, runs through the Function."""
+    call; yields the list of the Functions it recorded so. A call with an argument a graph
+    cannot hold, and any call on a torch without that wrapper, runs through the
+    Function."""
+    recorded: list[type[torch.autograd.Function]] = []  # the Functions it recorded so
     try:
         from torch._export.wrappers import allow_in_pre_dispatch_graph
     except ImportError:
-        yield
+        yield recorded
         return
     before = torch.autograd.Function.__dict__["apply"]
 
@@ -136,16 +139,17 @@ def exported_functions() -> Iterator[None]:
         return before.__get__(None, cls)(*args, **kwargs)
 
     run.__name__ = "apply"  # the name the wrapper accepts
-    recorded = allow_in_pre_dispatch_graph(run)
+    one_call = allow_in_pre_dispatch_graph(run)
 
     def apply(cls: type[torch.autograd.Function], *args: Any, **kwargs: Any) -> Any:
         if _own(cls) and _named(cls) and _graphable(args, kwargs):
-            return recorded(cls, *args, **kwargs)
+            recorded.append(cls)
+            return one_call(cls, *args, **kwargs)
         return run(cls, *args, **kwargs)
 
     torch.autograd.Function.apply = classmethod(apply)  # type: ignore[method-assign,assignment]
     try:
-        yield
+        yield recorded
     finally:
         torch.autograd.Function.apply = before  # type: ignore[method-assign]
 

@@ -287,6 +287,25 @@ def test_a_custom_autograd_function_run_through_is_named_in_a_note(
     assert torch.autograd.Function.__dict__["apply"] is apply  # put back
 
 
+class _ReversingWithoutAutocast(_Reversing):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        with torch.autocast("cpu", enabled=False):  # a region: export, as a higher-order op
+            h = _Reverse.apply(h.float())
+        return self.b(h)
+
+
+def test_a_function_export_cannot_keep_is_run_through_with_a_note() -> None:
+    """torch.export cannot hold a Function's call inside an autocast region; the model is
+    exported again running through it (as before it was kept anywhere), and named."""
+    model, x = _ReversingWithoutAutocast(branch=False), torch.randn(3, 4)
+    traced = trace(model, (x,), {})
+    assert traced.tracer == "export"
+    (note,) = [n for n in traced.notes if "torch.autograd.Function" in n]
+    assert f"_Reverse ({__file__}:" in note
+    assert not [n for n in traced.gm.graph.nodes if isinstance(n.target, Applied)]
+
+
 class _TensorHooked(_Reversing):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.a(x)
