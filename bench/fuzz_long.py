@@ -93,6 +93,8 @@ def _features(case: Case) -> set[str]:
         found.add("mutated input")
     if any(op.kind == "mutate" and op.srcs[0] >= first for op in spec.ops):
         found.add("mutated value with readers")
+    if any(op.kind == "function" for op in spec.ops):
+        found.add("autograd.Function")
     if spec.shared:
         found.add("shared inputs " + ("declared" if case.declare else "inferred"))
     if spec.batchnorm:

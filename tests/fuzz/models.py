@@ -46,6 +46,9 @@ or results are appended to the pool):
     inplace     relu_ / add_ / mul_ / += on a fresh intermediate, or relu_ on a view of it
     where       torch.where(x > 0, x, y) (a bool mask between two ops)
     detach      x.detach() * 2 (no gradient flows back)
+    function    ScaledGradient.apply(x, c), a torch.autograd.Function of this module: an
+                identity whose own backward scales the gradient by c (-1: a gradient
+                reversal layer), which only the Function's backward computes
     const       x + arange(size), x * ones_like(x).cumsum(-1), x - x.new_full(...)
     reduce      mean / sum / amax over a per-sample dim, keepdim or not
     scalar      x * c, x + c, softmax over the last dim
@@ -76,8 +79,8 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["ModelSpec", "Op", "build_model", "example_inputs", "model_specs", "output_leaves",
-           "runs_eagerly"]
+__all__ = ["ModelSpec", "Op", "ScaledGradient", "build_model", "example_inputs", "model_specs",
+           "output_leaves", "runs_eagerly"]
 
 Shape = tuple[int, ...]  # per-sample shape (the batch dimension excluded)
 
@@ -346,7 +349,8 @@ class _Builder:
 
     def random_op(self) -> None:
         kinds = ["linear", "conv", "norm", "act", "binary", "cat", "chunk", "reshape", "permute",
-                 "matmul", "inplace", "reduce", "scalar", "where", "detach", "const"]
+                 "matmul", "inplace", "reduce", "scalar", "where", "detach", "const",
+                 "function"]
         if self.draw(st.integers(0, 3)) == 0:  # a third of the models have each of these
             kinds = ["region", "mutate", "shared_input", "batchnorm"]
         getattr(self, self.draw(st.sampled_from(kinds)))(None)
@@ -553,6 +557,12 @@ class _Builder:
         assert src is not None
         self._add(Op("detach", (src,), (self.pool[src],)), False, self.contiguous[src])
 
+    def function(self, _: Any) -> None:
+        src = self._pick()
+        assert src is not None
+        scale = self.draw(st.sampled_from([-1.0, 0.5]))
+        self._add(Op("function", (src,), (self.pool[src],), arg=scale), self.grad[src])
+
     def const(self, _: Any) -> None:
         src = self._pick()
         assert src is not None
@@ -706,6 +716,19 @@ class _Builder:
 # ---------------------------------------------------------------------------- the module
 
 
+class ScaledGradient(torch.autograd.Function):
+    """The identity, whose backward scales the gradient (the ``function`` op)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad * ctx.scale, None
+
+
 def _make_module(kind: str, arg: Any) -> nn.Module:
     if kind == "linear":
         return nn.Linear(arg[0], arg[1], bias=arg[2])
@@ -832,6 +855,8 @@ class FuzzModel(nn.Module):
             return [torch.where(mask, x, xs[1])]
         if kind == "detach":
             return [x.detach() * 2.0]
+        if kind == "function":
+            return [ScaledGradient.apply(x, op.arg)]
         if kind == "const":
             # Tensors made inside forward, from a size or like an activation.
             if how == "arange":
