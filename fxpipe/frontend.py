@@ -44,6 +44,8 @@ from fxpipe.metadevice import named_state
 from fxpipe.runtime.loading import NotPythonError, import_file
 from fxpipe.tracing.attention import attention_calls
 from fxpipe.tracing.attention import describe as describe_attention
+from fxpipe.tracing.checkpoints import describe as describe_checkpoints
+from fxpipe.tracing.checkpoints import plain_calls
 from fxpipe.tracing.export import export_program, exported_graph
 from fxpipe.tracing.functions import applied_functions, describe, kept
 from fxpipe.tracing.hooks import dropped, tensor_hooks
@@ -261,7 +263,7 @@ def trace(
     if _on_meta(device):
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
     with _autocast(device, autocast), applied_functions() as functions, \
-            tensor_hooks() as hook_sites:
+            tensor_hooks() as hook_sites, plain_calls() as regions:
         traced = _trace(model, args, kwargs, autocast)  # its flat inputs: these tensors
     run_through = [f for f in functions if f not in kept(traced.gm)]
     if run_through:
@@ -270,6 +272,8 @@ def trace(
     attention = describe_attention(traced.gm)
     if attention:
         traced = replace(traced, notes=(*traced.notes, attention))
+    if regions:
+        traced = replace(traced, notes=(*traced.notes, describe_checkpoints(len(regions))))
     if autocast is not None and traced.tracer == "export" and _on_meta(device):
         traced = replace(traced, notes=(*traced.notes, (
             f"traced on the meta device, where autocast does not run: where the model "

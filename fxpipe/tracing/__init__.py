@@ -15,5 +15,6 @@ graph fxpipe can cut and the shapes of its inputs:
                  a note for each hook the stages would not run
     attention.py attention called as the model calls it eagerly where export records it
                  otherwise: is_causal for a causal mask of the sizes, enable_gqa
+    checkpoints.py the model's own torch.utils.checkpoint calls, traced as plain calls
     records.py   InputShape and TraceError, which both report
 """

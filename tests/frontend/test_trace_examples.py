@@ -366,3 +366,59 @@ def test_torch_own_autograd_functions_are_not_named() -> None:
 
     traced = trace(Checkpointed(), (torch.randn(3, 4, requires_grad=True),), {})
     assert not [n for n in traced.notes if "torch.autograd.Function" in n], traced.notes
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, reentrant: bool, branch: bool) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+        self.reentrant, self.branch = reentrant, branch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        if self.branch and x.shape[0] == 0:  # a branch on a size: export
+            return x
+        h = checkpoint(self.a, x, use_reentrant=self.reentrant)
+        return self.b(checkpoint(torch.tanh, h, use_reentrant=self.reentrant))
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("branch", [False, True], ids=["symbolic_trace", "export"])
+def test_the_models_own_checkpointing_is_named_in_a_note(reentrant: bool, branch: bool) -> None:
+    """The tracers record a checkpointed region's ops once: the note says the stages keep
+    what it saves and fxpipe's recompute decides instead; the graph computes the model's
+    gradients."""
+    model = _Checkpointed(reentrant, branch)
+    x = torch.randn(3, 4, requires_grad=True)
+    traced = trace(model, (x,), {})
+    (note,) = [n for n in traced.notes if "checkpoints its own activations" in n]
+    assert "(torch.utils.checkpoint of 2 callables)" in note
+    import torch.utils.checkpoint as checkpoint
+
+    assert checkpoint.CheckpointFunction.__name__ == "CheckpointFunction"  # put back
+    model(x).sum().backward()
+    want = model.a.weight.grad.clone()
+    model.zero_grad()
+    traced.gm(x).sum().backward()
+    torch.testing.assert_close(model.a.weight.grad, want)
+
+
+def test_transformers_gradient_checkpointing_trains_every_layer() -> None:
+    """transformers' gradient checkpointing is reentrant by default: traced as it runs,
+    each layer ran under no_grad and the graph gave its parameters no gradient. Traced as
+    plain calls, every parameter's gradient is the model's."""
+    pytest.importorskip("transformers")
+    source = load_model_file(str(EXAMPLES / "hf_llama.py"))
+    model = source.model
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    traced = trace(model, source.args, source.kwargs)
+    assert [n for n in traced.notes if "checkpoints its own activations" in n]
+    model.train()
+    model(**source.kwargs).logits.square().mean().backward()  # (reentrant: no .grad())
+    want = {name: p.grad for name, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    traced.gm(*source.args, **source.kwargs)["logits"].square().mean().backward()
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, want[name], msg=name)
