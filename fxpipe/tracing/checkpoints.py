@@ -1,10 +1,12 @@
 """The model's own activation checkpointing, traced as plain calls.
 
 A model may checkpoint its activations itself (``torch.utils.checkpoint``, transformers'
+``activation_checkpointing_enable``, reentrant by default in transformers 4 as
 ``gradient_checkpointing_enable``). Traced as it runs, a reentrant checkpoint is a
 Function whose forward runs under ``torch.no_grad()``: export records that region, and
-the graph's layers would get no gradient at all (their parameters silently never
-trained); symbolic_trace cannot record it. A non-reentrant one hooks the saved tensors.
+the graph's checkpointed layers get no gradient (transformers' Llama: its output needed
+none, and the first backward failed); symbolic_trace cannot record it. A non-reentrant
+one hooks the saved tensors.
 Neither is what the stages should run: recompute is fxpipe's choice, a whole stage at a
 time, where ``--recompute`` says (``auto``: where memory needs it), as the plan counts
 it. So while a model is traced, ``checkpoint`` calls the checkpointed function as is

@@ -405,13 +405,17 @@ def test_the_models_own_checkpointing_is_named_in_a_note(reentrant: bool, branch
 
 
 def test_transformers_gradient_checkpointing_trains_every_layer() -> None:
-    """transformers' gradient checkpointing is reentrant by default: traced as it runs,
+    """transformers' activation checkpointing, reentrant: traced as it runs,
     each layer ran under no_grad and the graph gave its parameters no gradient. Traced as
     plain calls, every parameter's gradient is the model's."""
     pytest.importorskip("transformers")
     source = load_model_file(str(EXAMPLES / "hf_llama.py"))
     model = source.model
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    reentrant = {"use_reentrant": True}
+    if hasattr(model, "activation_checkpointing_enable"):  # its name from transformers 5.x
+        model.activation_checkpointing_enable(reentrant)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=reentrant)
     traced = trace(model, source.args, source.kwargs)
     assert [n for n in traced.notes if "checkpoints its own activations" in n]
     model.train()
