@@ -56,6 +56,10 @@ class Execution:
 SDPA_TARGETS = frozenset(
     {F.scaled_dot_product_attention, aten.scaled_dot_product_attention.default}
 )
+# torch's own, which the device runs as it picks (the meta device: the math path); bound
+# here because the analysis puts this module's function in its place inside a node that
+# calls attention itself (fxpipe.metadevice)
+_MATH_OR_ANY = F.scaled_dot_product_attention
 
 Backend = Literal["cpu-flash", "flash", "efficient", "math"]
 
@@ -80,7 +84,7 @@ def scaled_dot_product_attention(
         query, key, value = (t.to(dtype) for t in (query, key, value))
     backend = attention_backend(execution, query, key, value, attn_mask, is_causal, enable_gqa)
     if backend == "math":
-        return F.scaled_dot_product_attention(
+        return _MATH_OR_ANY(
             query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
         )
     if attn_mask is not None and attn_mask.dtype == torch.bool:

@@ -5,7 +5,8 @@ same shape, dtype and ``requires_grad`` for the duration of a run, so a 70B
 model is analysed on a laptop and a real model is never touched.
 
 The run follows the target (``fxpipe.kernels.Execution``): fused attention as its device
-runs it, and its precision. ``*-true`` casts floating state and inputs to that dtype.
+runs it (inside a module the trace kept whole too: ``torch.nn.MultiheadAttention``), and
+its precision. ``*-true`` casts floating state and inputs to that dtype.
 ``*-mixed`` runs under ``torch.autocast``, which has no meta dispatch key: those runs use
 fake CPU tensors (``FakeTensorMode``, storage-less like meta ones) under CPU autocast, so
 autograd saves what autocast really makes, the weight copies included. So does a graph
@@ -21,6 +22,7 @@ from typing import Any
 
 import torch
 import torch.fx
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
@@ -117,6 +119,24 @@ def _autocast_region(gm: torch.fx.GraphModule) -> bool:
         for child in gm.children())
 
 
+@contextmanager
+def _fused_attention(execution: Execution) -> Iterator[None]:
+    """While open, ``torch.nn.functional.scaled_dot_product_attention`` called inside a
+    node (by a module the trace kept whole, as ``F.multi_head_attention_forward`` does,
+    or by a function it calls) runs as the target's kernel does, as a node of its own
+    does (``kernels.scaled_dot_product_attention``)."""
+    fused = F.scaled_dot_product_attention
+
+    def as_the_target_runs(*args: Any, **kwargs: Any) -> Any:
+        return kernels.scaled_dot_product_attention(execution, *args, **kwargs)
+
+    F.scaled_dot_product_attention = as_the_target_runs
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = fused
+
+
 class MetaRunner(torch.fx.Interpreter):
     """Runs a graph on the meta device, whatever device the trace recorded.
 
@@ -175,7 +195,16 @@ class MetaRunner(torch.fx.Interpreter):
                 return MetaRunner(body, self.execution, device=self.device).run(*inputs)
         if target in kernels.SDPA_TARGETS:
             return kernels.scaled_dot_product_attention(self.execution, *args, **kwargs)
-        return super().call_function(target, args, kwargs)
+        if isinstance(target, torch._ops.OpOverload):
+            return super().call_function(target, args, kwargs)
+        with _fused_attention(self.execution):  # a Python function may call attention
+            return super().call_function(target, args, kwargs)
+
+    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        # a module the trace kept whole (torch.nn.MultiheadAttention,
+        # TransformerEncoderLayer) calls attention inside
+        with _fused_attention(self.execution):
+            return super().call_module(target, args, kwargs)
 
     def call_method(self, target: Any, args: Any, kwargs: Any) -> Any:
         if target in ("cpu", "cuda") and isinstance(args[0], torch.Tensor):

@@ -135,3 +135,32 @@ def test_precision_names() -> None:
         parse_precision("fp8")
     assert default_precision(nn.Linear(2, 2)) is Precision.TRUE_32
     assert default_precision(nn.Linear(2, 2).to(torch.bfloat16)) is Precision.BF16_TRUE
+
+
+@pytest.mark.parametrize("kernels", ["cpu", "cuda"])
+def test_attention_inside_a_module_kept_whole_runs_as_the_target_runs_it(kernels: str) -> None:
+    """symbolic_trace keeps torch.nn's MultiheadAttention whole; the attention it calls
+    inside (``need_weights=False``) is the target's fused kernel too: nothing quadratic
+    saved, and the backward's recomputation counted."""
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention = nn.MultiheadAttention(H * D, H, batch_first=True)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.attention(x, x, x, need_weights=False)[0]
+
+    traced = trace(Layer(), (torch.randn(B, S, H * D, requires_grad=True),))
+    annotate_all(traced.gm, *traced.flat_inputs, execution=Execution(kernels))  # type: ignore[arg-type]
+    (node,) = [n for n in traced.gm.graph.nodes if n.op == "call_module"]
+    scores = B * H * S * S * 4
+    assert meta.BYTES.get(node).saved_bytes < scores  # q, k, v, out: (b, s, h·d) each
+    width, tokens = H * D, B * S
+    projections = 2 * tokens * width * 4 * width  # in (3 h·d wide) and out projections
+    flops = meta.FLOPS.get(node)
+    assert flops.forward == projections + 2 * MATMUL
+    # W alone: the projections' weight gradients, the out projection's input gradient on
+    # the way to the in projection's, and the attention backward between: five matmuls,
+    # the scores recomputed (the math path's backward has four)
+    assert flops.backward_weight == projections + 2 * tokens * width * width + 5 * MATMUL
