@@ -265,21 +265,20 @@ def trace(
     with _autocast(device, autocast), applied_functions() as functions, \
             tensor_hooks() as hook_sites, plain_calls() as regions:
         traced = _trace(model, args, kwargs, autocast)  # its flat inputs: these tensors
+    # what the trace kept otherwise than the model runs it, or could not keep
     run_through = [f for f in functions if f not in kept(traced.gm)]
-    if run_through:
-        traced = replace(traced, notes=(*traced.notes, describe(run_through)))
-    traced = replace(traced, notes=(*traced.notes, *dropped(model, traced.gm, hook_sites)))
+    notes = [describe(run_through)] if run_through else []
+    notes += dropped(model, traced.gm, hook_sites)
     attention = describe_attention(traced.gm)
-    if attention:
-        traced = replace(traced, notes=(*traced.notes, attention))
-    if regions:
-        traced = replace(traced, notes=(*traced.notes, describe_checkpoints(len(regions))))
+    notes += [attention] if attention else []
+    notes += [describe_checkpoints(len(regions))] if regions else []
     if autocast is not None and traced.tracer == "export" and _on_meta(device):
-        traced = replace(traced, notes=(*traced.notes, (
+        notes.append(
             f"traced on the meta device, where autocast does not run: where the model "
             f"picks a dtype from a value autocast would make {_dtype_name(autocast)} (a "
             f"norm casting back to its input's dtype), the stages keep float32; build "
-            f"the model on the CPU to trace it as autocast runs it")))
+            f"the model on the CPU to trace it as autocast runs it")
+    traced = replace(traced, notes=(*traced.notes, *notes))
     decision = decide_batching(model, args, kwargs, batch_dims)
     batched = tuple(
         any(id(t) in decision.batched for t in pytree.tree_leaves(value)

@@ -124,7 +124,8 @@ def _fused_attention(execution: Execution) -> Iterator[None]:
     """While open, ``torch.nn.functional.scaled_dot_product_attention`` called inside a
     node (by a module the trace kept whole, as ``F.multi_head_attention_forward`` does,
     or by a function it calls) runs as the target's kernel does, as a node of its own
-    does (``kernels.scaled_dot_product_attention``)."""
+    does (``kernels.scaled_dot_product_attention``). A node of its own is matched by its
+    target, torch's function, which the graph holds whatever this rebinds."""
     fused = F.scaled_dot_product_attention
 
     def as_the_target_runs(*args: Any, **kwargs: Any) -> Any:
@@ -166,6 +167,9 @@ class MetaRunner(torch.fx.Interpreter):
                 stack.enter_context(FakeTensorMode())
             if self.autocast is not None:
                 stack.enter_context(torch.autocast("cpu", dtype=self.autocast))
+            # attention a node calls inside (a module the trace kept whole,
+            # torch.nn.MultiheadAttention; a function) runs as a node of its own does
+            stack.enter_context(_fused_attention(self.execution))
             state = stack.enter_context(on_meta(self.module, dtype=self.cast, device=self.device))
             self.meta_state = state  # qualified name -> the tensor standing in for it
             self.state_ids = frozenset(id(t) for t in state.values())
@@ -195,16 +199,7 @@ class MetaRunner(torch.fx.Interpreter):
                 return MetaRunner(body, self.execution, device=self.device).run(*inputs)
         if target in kernels.SDPA_TARGETS:
             return kernels.scaled_dot_product_attention(self.execution, *args, **kwargs)
-        if isinstance(target, torch._ops.OpOverload):
-            return super().call_function(target, args, kwargs)
-        with _fused_attention(self.execution):  # a Python function may call attention
-            return super().call_function(target, args, kwargs)
-
-    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
-        # a module the trace kept whole (torch.nn.MultiheadAttention,
-        # TransformerEncoderLayer) calls attention inside
-        with _fused_attention(self.execution):
-            return super().call_module(target, args, kwargs)
+        return super().call_function(target, args, kwargs)
 
     def call_method(self, target: Any, args: Any, kwargs: Any) -> Any:
         if target in ("cpu", "cuda") and isinstance(args[0], torch.Tensor):
