@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -38,7 +38,24 @@ from torch.utils import _pytree as pytree
 __all__ = ["Applied", "applied_calls", "applied_functions", "describe", "exported_functions",
            "kept", "kept_functions"]
 
-_APPLY = torch.autograd.Function.__dict__["apply"]  # a classmethod
+Apply = Callable[..., Any]  # apply(cls, *args, **kwargs), as Function.apply is called
+
+
+@contextlib.contextmanager
+def _apply_replaced(make: Callable[[Apply], Apply]) -> Iterator[None]:
+    """While open, ``Function.apply`` is ``make(before)``, where ``before(cls, *args,
+    **kwargs)`` runs the ``apply`` in place when it opened (torch's, or an enclosing
+    one of these: they nest)."""
+    installed = torch.autograd.Function.__dict__["apply"]  # a classmethod
+
+    def before(cls: type[torch.autograd.Function], *args: Any, **kwargs: Any) -> Any:
+        return installed.__get__(None, cls)(*args, **kwargs)
+
+    torch.autograd.Function.apply = classmethod(make(before))  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        torch.autograd.Function.apply = installed  # type: ignore[method-assign]
 
 
 def _own(cls: type[torch.autograd.Function]) -> bool:
@@ -63,18 +80,16 @@ def applied_functions() -> Iterator[list[type[torch.autograd.Function]]]:
     """While open, every ``torch.autograd.Function`` subclass defined outside torch whose
     ``apply`` runs is appended, once, to the list it yields."""
     seen: list[type[torch.autograd.Function]] = []
-    before = torch.autograd.Function.__dict__["apply"]
 
-    def apply(cls: type[torch.autograd.Function], *args: Any, **kwargs: Any) -> Any:
-        if cls not in seen and _own(cls):
-            seen.append(cls)
-        return before.__get__(None, cls)(*args, **kwargs)
+    def noting(before: Apply) -> Apply:
+        def apply(cls: type[torch.autograd.Function], *args: Any, **kwargs: Any) -> Any:
+            if cls not in seen and _own(cls):
+                seen.append(cls)
+            return before(cls, *args, **kwargs)
+        return apply
 
-    torch.autograd.Function.apply = classmethod(apply)  # type: ignore[method-assign,assignment]
-    try:
+    with _apply_replaced(noting):
         yield seen
-    finally:
-        torch.autograd.Function.apply = before  # type: ignore[method-assign]
 
 
 class Applied:
@@ -98,25 +113,23 @@ class Applied:
 def kept_functions() -> Iterator[None]:
     """While open (around ``symbolic_trace``), a call of a model's own Function on a
     traced value is recorded as one node calling it, not run."""
-    before = torch.autograd.Function.__dict__["apply"]
     targets: dict[type[torch.autograd.Function], Applied] = {}
 
-    def apply(cls: type[torch.autograd.Function], *args: Any, **kwargs: Any) -> Any:
-        proxies = [v for v in pytree.tree_leaves((args, kwargs))
-                   if isinstance(v, torch.fx.Proxy)]
-        if not (proxies and _own(cls) and _named(cls) and _graphable(args, kwargs)):
-            return before.__get__(None, cls)(*args, **kwargs)
-        target = targets.setdefault(cls, Applied(cls))
-        proxy = proxies[0].tracer.create_proxy("call_function", target, args, kwargs)
-        proxy.node.meta["is_wrapped"] = True  # fx prints it as a wrapped function's call,
-        # which codegen turns into the Function's (codegen/stages.py)
-        return proxy
+    def recording(before: Apply) -> Apply:
+        def apply(cls: type[torch.autograd.Function], *args: Any, **kwargs: Any) -> Any:
+            proxies = [v for v in pytree.tree_leaves((args, kwargs))
+                       if isinstance(v, torch.fx.Proxy)]
+            if not (proxies and _own(cls) and _named(cls) and _graphable(args, kwargs)):
+                return before(cls, *args, **kwargs)
+            target = targets.setdefault(cls, Applied(cls))
+            proxy = proxies[0].tracer.create_proxy("call_function", target, args, kwargs)
+            proxy.node.meta["is_wrapped"] = True  # fx prints it as a wrapped function's
+            # call, which codegen turns into the Function's (codegen/stages.py)
+            return proxy
+        return apply
 
-    torch.autograd.Function.apply = classmethod(apply)  # type: ignore[method-assign,assignment]
-    try:
+    with _apply_replaced(recording):
         yield
-    finally:
-        torch.autograd.Function.apply = before  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager
@@ -133,25 +146,23 @@ def exported_functions() -> Iterator[list[type[torch.autograd.Function]]]:
     except ImportError:
         yield recorded
         return
-    before = torch.autograd.Function.__dict__["apply"]
 
-    def run(cls: type[torch.autograd.Function], *args: Any, **kwargs: Any) -> Any:
-        return before.__get__(None, cls)(*args, **kwargs)
+    def one_call_each(before: Apply) -> Apply:
+        def run(cls: type[torch.autograd.Function], *args: Any, **kwargs: Any) -> Any:
+            return before(cls, *args, **kwargs)
 
-    run.__name__ = "apply"  # the name the wrapper accepts
-    one_call = allow_in_pre_dispatch_graph(run)
+        run.__name__ = "apply"  # the name the wrapper accepts
+        one_call = allow_in_pre_dispatch_graph(run)
 
-    def apply(cls: type[torch.autograd.Function], *args: Any, **kwargs: Any) -> Any:
-        if _own(cls) and _named(cls) and _graphable(args, kwargs):
-            recorded.append(cls)
-            return one_call(cls, *args, **kwargs)
-        return run(cls, *args, **kwargs)
+        def apply(cls: type[torch.autograd.Function], *args: Any, **kwargs: Any) -> Any:
+            if _own(cls) and _named(cls) and _graphable(args, kwargs):
+                recorded.append(cls)
+                return one_call(cls, *args, **kwargs)
+            return before(cls, *args, **kwargs)
+        return apply
 
-    torch.autograd.Function.apply = classmethod(apply)  # type: ignore[method-assign,assignment]
-    try:
+    with _apply_replaced(one_call_each):
         yield recorded
-    finally:
-        torch.autograd.Function.apply = before  # type: ignore[method-assign]
 
 
 def applied_calls(gm: torch.fx.GraphModule) -> None:
