@@ -97,6 +97,7 @@ def _erase_unread(gm: torch.fx.GraphModule, nodes: set[torch.fx.Node]) -> None:
 
 
 def _grouped(gm: torch.fx.GraphModule, autocast: torch.dtype | None) -> None:
+    repeating: set[torch.fx.Node] = set()  # the repeats of the calls rewritten
     for call in gm.graph.nodes:
         if not (call.op == "call_function" and call.target is _SDPA):
             continue
@@ -116,9 +117,10 @@ def _grouped(gm: torch.fx.GraphModule, autocast: torch.dtype | None) -> None:
         call.args = (query, repeats[0][0], repeats[1][0], *call.args[3:])  # type: ignore[index]
         call.kwargs = {**call.kwargs, "enable_gqa": True}
         _changed(call, "grouped")
-        _erase_unread(gm, {key, value, *key.all_input_nodes, *value.all_input_nodes,
-                           *[n for t in (key, value) for a in t.all_input_nodes
-                             for n in a.all_input_nodes]})
+        repeating |= {key, value, *key.all_input_nodes, *value.all_input_nodes,
+                      *[n for t in (key, value) for a in t.all_input_nodes
+                        for n in a.all_input_nodes]}
+    _erase_unread(gm, repeating)
 
 
 def _repeated(node: Any) -> tuple[torch.fx.Node, int] | None:
