@@ -12,9 +12,11 @@ written out by hand (matmul, softmax) is left alone: the device runs it as writt
 Which backend, for the call's dtype, shapes and mask:
 
 - ``cpu``: PyTorch is asked (``torch._fused_sdp_choice``) on tiny CPU tensors with the
-  call's dtype, batch-free heads and head dims, causal flag and mask kind.
+  call's dtype, batch-free heads and head dims, dropout, causal flag and mask kind (the
+  CPU's flash kernel takes no dropout: attention dropout in training runs the math path).
 - ``cuda`` (no GPU here to ask): PyTorch's order, flash, then memory-efficient, then
-  math, under the constraints ``sdp_utils.cpp`` checks that a plan can see: flash needs
+  math, under the constraints ``sdp_utils.cpp`` checks that a plan can see (both fused
+  kernels take dropout, keeping only its random seed for backward): flash needs
   float16/bfloat16, no explicit mask, equal head dims of at most 256 and a GPU of
   compute capability 8.0 or later (``Execution.flash_attention``); memory-efficient takes
   float32 too and a mask, not grouped-query heads; float64 runs the math path.
@@ -82,7 +84,8 @@ def scaled_dot_product_attention(
     if device_type != "meta" and torch.is_autocast_enabled(device_type):
         dtype = torch.get_autocast_dtype(device_type)
         query, key, value = (t.to(dtype) for t in (query, key, value))
-    backend = attention_backend(execution, query, key, value, attn_mask, is_causal, enable_gqa)
+    backend = attention_backend(execution, query, key, value, attn_mask, dropout_p, is_causal,
+                                enable_gqa)
     if backend == "math":
         return _MATH_OR_ANY(
             query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
@@ -114,6 +117,7 @@ def attention_backend(
     key: torch.Tensor,
     value: torch.Tensor,
     attn_mask: torch.Tensor | None,
+    dropout_p: float,
     is_causal: bool,
     enable_gqa: bool,
 ) -> Backend:
@@ -123,7 +127,7 @@ def attention_backend(
     if execution.kernels == "cpu":  # ask PyTorch's CPU dispatcher, on tiny real tensors
         with unset_fake_temporarily():  # real tensors, even inside a fake-tensor analysis run
             choice = torch._fused_sdp_choice(
-                _probe(query), _probe(key), _probe(value), _probe_mask(attn_mask), 0.0,
+                _probe(query), _probe(key), _probe(value), _probe_mask(attn_mask), dropout_p,
                 is_causal, enable_gqa=enable_gqa,
             )
         return "cpu-flash" if choice == SDPBackend.FLASH_ATTENTION.value else "math"

@@ -92,13 +92,17 @@ def test_backend_choice() -> None:
     bf16 = q.to(torch.bfloat16)
     mask = torch.empty(S, S, dtype=torch.bool, device="meta")
     gpu, volta = Execution("cuda"), Execution("cuda", flash_attention=False)
-    assert attention_backend(gpu, bf16, bf16, bf16, None, True, False) == "flash"
-    assert attention_backend(gpu, q, q, q, None, True, False) == "efficient"
-    assert attention_backend(gpu, bf16, bf16, bf16, mask, False, False) == "efficient"
-    assert attention_backend(volta, bf16, bf16, bf16, None, True, False) == "efficient"
+    assert attention_backend(gpu, bf16, bf16, bf16, None, 0.0, True, False) == "flash"
+    assert attention_backend(gpu, q, q, q, None, 0.0, True, False) == "efficient"
+    assert attention_backend(gpu, bf16, bf16, bf16, mask, 0.0, False, False) == "efficient"
+    assert attention_backend(volta, bf16, bf16, bf16, None, 0.0, True, False) == "efficient"
     f64 = q.to(torch.float64)
-    assert attention_backend(gpu, f64, f64, f64, None, True, False) == "math"
-    assert attention_backend(Execution("cpu"), q, q, q, mask, False, False) == "cpu-flash"
+    assert attention_backend(gpu, f64, f64, f64, None, 0.0, True, False) == "math"
+    assert attention_backend(Execution("cpu"), q, q, q, mask, 0.0, False, False) == "cpu-flash"
+    # attention dropout in training: both GPU kernels take it, the CPU's flash kernel not
+    assert attention_backend(gpu, bf16, bf16, bf16, None, 0.1, True, False) == "flash"
+    assert attention_backend(gpu, q, q, q, None, 0.1, True, False) == "efficient"
+    assert attention_backend(Execution("cpu"), q, q, q, None, 0.1, False, False) == "math"
 
 
 def test_bf16_mixed_keeps_fp32_parameters_and_bf16_activations() -> None:
