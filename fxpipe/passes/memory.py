@@ -2,10 +2,13 @@
 
 Saved-for-backward bytes come from autograd itself: each op node runs alone under
 ``torch.autograd.graph.saved_tensors_hooks`` and every tensor its backward keeps is
-classified. Parameters and buffers are not activations and are skipped. A saved
-tensor that is one of the node's inputs is charged once to the node that produced
-it (its output stays alive for backward), however many consumers save it; every
-other saved tensor is an intermediate of the node and charged to the node.
+classified by its storage, since a view keeps all of its storage alive and two views
+of one storage take its bytes once. Parameters and buffers are not activations and are
+skipped. A saved tensor that shares storage with one of the node's inputs is charged
+once to the node that made that storage (its output stays alive for backward), however
+many consumers save it and through however many views and aliases (``reshape``, a
+``dropout`` of p = 0 that returns its input); every other saved storage is an
+intermediate of the node and charged to the node.
 
 A node of a layer tracing copied from another (``meta.COPY_OF``) is not run: it keeps
 what the node it copies keeps, of its own inputs in the same places, and costs the
@@ -20,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
 
 from fxpipe import meta
@@ -36,17 +40,24 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _storage(t: torch.Tensor) -> StorageWeakRef:
+    """What identifies ``t``'s storage while it lives (equal for its views and aliases)."""
+    return StorageWeakRef(t.untyped_storage())
+
+
 @dataclass(frozen=True)
 class _Ran:
     """What running a node that others copy showed: what its inputs were before it ran
     (``_specs``), the bytes backward keeps of its own, the places (in
-    ``all_input_nodes``) of the inputs it keeps, whether it keeps its output, and its
-    result with what it was (an in-place op later may change it)."""
+    ``all_input_nodes``) of the inputs it keeps, whether it keeps its output, the place
+    of the input whose storage its result is a view of (None: storage of its own), and
+    its result with what it was (an in-place op later may change it)."""
 
     inputs: list[Any]
     own: int
     kept_inputs: tuple[int, ...]
     keeps_output: bool
+    view_of: int | None
     result: Any
     result_was: Any
 
@@ -66,7 +77,11 @@ class _MemoryCount(MetaInterpreter):
         first: dict[int, str] = {}
         self.canonical = {name: first.setdefault(id(t), name) for name, t in named_state(gm)}
         self.intermediate: dict[torch.fx.Node, int] = {}
-        self.output_saved: set[torch.fx.Node] = set()
+        self.output_saved: set[torch.fx.Node] = set()  # nodes whose storage backward keeps
+        # A node whose result is a view or alias of an input -> the node that made that
+        # storage (its bytes are charged there once, whoever keeps which view of it).
+        self.made_by: dict[torch.fx.Node, torch.fx.Node] = {}
+        self.state_storages: set[StorageWeakRef] | None = None  # parameters' and buffers'
         self.owned: dict[torch.fx.Node, meta.MemoryInfo] = {}  # saved_bytes filled at the end
         self.copy_of = copied_from(gm)
         self.copied = set(self.copy_of.values())
@@ -89,43 +104,68 @@ class _MemoryCount(MetaInterpreter):
             self.flops.count(self, n)
         if n.op not in OP_NODES:
             return super().execute(n)
+        if self.state_storages is None:
+            self.state_storages = {_storage(t) for t in self.meta_state.values()}
+        # the storage of each input -> the node that made it
         inputs = {
-            id(t): producer
+            _storage(t): self._maker(producer)
             for producer in n.all_input_nodes
             for t in tensor_leaves(self.env.get(producer))
         }
-        saved: dict[int, torch.Tensor] = {}
+        saved: list[torch.Tensor] = []
 
         def pack(t: torch.Tensor) -> torch.Tensor:
-            saved.setdefault(id(t), t)
+            saved.append(t)
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             result = super().execute(n)
-        outputs = {id(t) for t in tensor_leaves(result)}
-        own, kept, keeps_output = 0, set(), False
-        for key, t in saved.items():
-            base = t._base if t._base is not None else t
-            if key in self.state_ids or id(base) in self.state_ids:
+        outputs = {_storage(t) for t in tensor_leaves(result)}
+        view_of = self._view_of(n, outputs, inputs)
+        own: dict[StorageWeakRef, int] = {}
+        kept, keeps_output = set(), False
+        for t in saved:
+            storage = _storage(t)
+            if storage in self.state_storages:
                 continue
-            producer = inputs.get(key, inputs.get(id(base)))
-            if producer is not None:
-                kept.add(producer)
-            elif key in outputs or id(base) in outputs:
+            maker = inputs.get(storage)
+            if maker is not None:
+                kept.add(maker)
+            elif storage in outputs:
                 keeps_output = True
             else:
-                own += _nbytes(t)
+                own[storage] = t.untyped_storage().nbytes()
         self.output_saved |= kept
         if keeps_output:
             self.output_saved.add(n)
-        self.intermediate[n] = own
+        self.intermediate[n] = sum(own.values())
         # A node that changed its inputs in place (grad, shape) is no node to copy: its
         # copies must change theirs.
         if n in self.copied and given == self._inputs(n):
-            places = tuple(i for i, node in enumerate(n.all_input_nodes) if node in kept)
+            places = tuple(i for i, node in enumerate(n.all_input_nodes)
+                           if self._maker(node) in kept)
             assert given is not None
-            self.ran[n] = _Ran(given, own, places, keeps_output, result, self._specs(result))
+            self.ran[n] = _Ran(given, self.intermediate[n], places, keeps_output, view_of,
+                               result, self._specs(result))
         return result
+
+    def _maker(self, node: torch.fx.Node) -> torch.fx.Node:
+        """The node that made ``node``'s storage: itself, unless its result is a view or
+        alias of an input's."""
+        return self.made_by.get(node, node)
+
+    def _view_of(self, n: torch.fx.Node, outputs: set[StorageWeakRef],
+                 inputs: dict[StorageWeakRef, torch.fx.Node]) -> int | None:
+        """Where ``n``'s result shares every storage with one input (a view, an alias, a
+        tuple of views of it): record that input's maker as the maker of ``n``'s and return
+        the input's place in ``all_input_nodes``."""
+        makers = {inputs.get(storage) for storage in outputs}
+        if len(makers) != 1 or None in makers:
+            return None
+        (maker,) = makers
+        assert maker is not None
+        self.made_by[n] = maker
+        return next(i for i, node in enumerate(n.all_input_nodes) if self._maker(node) is maker)
 
     def _inputs(self, n: torch.fx.Node) -> list[Any]:
         """What ``n``'s input values are (``_specs``), in ``all_input_nodes`` order."""
@@ -145,9 +185,11 @@ class _MemoryCount(MetaInterpreter):
         if self.flops is not None:
             meta.FLOPS.set(n, meta.FLOPS.get(self.copy_of[n]))
         inputs = n.all_input_nodes
-        self.output_saved.update(inputs[i] for i in ran.kept_inputs)
+        self.output_saved.update(self._maker(inputs[i]) for i in ran.kept_inputs)
+        if ran.view_of is not None:
+            self.made_by[n] = self._maker(inputs[ran.view_of])
         if ran.keeps_output:
-            self.output_saved.add(n)
+            self.output_saved.add(self._maker(n))
         self.intermediate[n] = ran.own
         self.aliased.add(n)
         return ran.result
