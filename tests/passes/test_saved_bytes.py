@@ -1,9 +1,10 @@
 """The plan's activation bytes against what autograd really saves on this CPU.
 
 One stage, one micro-batch, ``--device cpu``: the plan's ``activations`` for the stage
-must be within 10% of the bytes autograd keeps for backward (unique storages seen by
+must be within 2% of the bytes autograd keeps for backward (unique storages seen by
 ``saved_tensors_hooks``, parameters excluded) in a real forward of the traced graph,
-the graph the generated stages run, in float32 and under bf16 autocast.
+the graph the generated stages run, in float32 and under bf16 autocast. (Issue 14 asks
+for 10%; the plans are within 0.1%, so 2% catches a regression.)
 
 The real forward runs the traced graph rather than the eager model: torch.export records
 transformers' Llama with its causal mask materialised (eager transformers skips the mask
@@ -26,6 +27,7 @@ from fxpipe.precision import Precision
 from tests.passes.test_flops import import_example
 
 CPU = get_device("cpu")
+TOLERANCE = 0.02
 
 
 def real_saved_bytes(traced: Traced, autocast: torch.dtype | None) -> int:
@@ -89,7 +91,7 @@ def test_llama_activations_match_autograd(width: int, seq: int,
     traced = llama(width, seq)
     planned = planned_activation_bytes(traced, precision)
     real = real_saved_bytes(traced, precision.dtype if precision else None)
-    assert planned == pytest.approx(real, rel=0.10), (planned / 2**20, real / 2**20)
+    assert planned == pytest.approx(real, rel=TOLERANCE), (planned / 2**20, real / 2**20)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS, ids=["fp32", "bf16-mixed"])
@@ -99,7 +101,7 @@ def test_hand_written_attention_matches_autograd(width: int, seq: int,
     traced = hand_written_gpt(width, seq)
     planned = planned_activation_bytes(traced, precision)
     real = real_saved_bytes(traced, precision.dtype if precision else None)
-    assert planned == pytest.approx(real, rel=0.10), (planned / 2**20, real / 2**20)
+    assert planned == pytest.approx(real, rel=TOLERANCE), (planned / 2**20, real / 2**20)
 
 
 @functools.cache
@@ -124,7 +126,7 @@ def test_torch_transformer_encoder_matches_autograd(norm_first: bool, dropout: f
     traced = torch_encoder(norm_first, dropout)
     planned = planned_activation_bytes(traced, precision)
     real = real_saved_bytes(traced, precision.dtype if precision else None)
-    assert planned == pytest.approx(real, rel=0.10), (planned / 2**20, real / 2**20)
+    assert planned == pytest.approx(real, rel=TOLERANCE), (planned / 2**20, real / 2**20)
 
 
 class _SliceOfWide(torch.nn.Module):
@@ -140,8 +142,9 @@ class _SliceOfWide(torch.nn.Module):
 
 
 def test_a_kept_view_keeps_its_whole_storage() -> None:
-    traced = trace(_SliceOfWide(), (torch.randn(256, 64),))
+    x = torch.randn(256, 64)
+    traced = trace(_SliceOfWide(), (x,))
     planned = planned_activation_bytes(traced, None)
     real = real_saved_bytes(traced, None)
-    assert real >= 256 * 1024 * 4
-    assert planned == pytest.approx(real, rel=0.10), (planned, real)
+    # the plan counts the stage's input (which the Linear keeps) as received, not here
+    assert planned == real - x.numel() * x.element_size() == 256 * 1024 * 4
