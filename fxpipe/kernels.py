@@ -13,7 +13,8 @@ Which backend, for the call's dtype, shapes and mask:
 
 - ``cpu``: PyTorch is asked (``torch._fused_sdp_choice``) on tiny CPU tensors with the
   call's dtype, batch-free heads and head dims, dropout, causal flag and mask kind (the
-  CPU's flash kernel takes no dropout: attention dropout in training runs the math path).
+  CPU's flash kernel takes no dropout and no mask that needs a gradient: attention
+  dropout in training, and a trained bias, run the math path).
 - ``cuda`` (no GPU here to ask): PyTorch's order, flash, then memory-efficient, then
   math, under the constraints ``sdp_utils.cpp`` checks that a plan can see (both fused
   kernels take dropout, keeping only its random seed for backward): flash needs
@@ -151,13 +152,15 @@ def _probe(t: torch.Tensor) -> torch.Tensor:
 
 
 def _probe_mask(attn_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """A tiny zero copy of an attention mask: at most 4 x 4, the same dtype (its kind) and
-    rank, a 4-d mask's batch dim cut to one sample."""
+    """A tiny zero copy of an attention mask: at most 4 x 4, the same dtype (its kind),
+    rank and ``requires_grad`` (a trained bias, T5's: the CPU's flash kernel takes none),
+    a 4-d mask's batch dim cut to one sample."""
     if attn_mask is None:
         return None
     *lead, rows, cols = attn_mask.shape
     shape = [1 if len(lead) == 2 and i == 0 else d for i, d in enumerate(lead)]  # batch
-    return torch.zeros([*shape, min(rows, 4), min(cols, 4)], dtype=attn_mask.dtype)
+    return torch.zeros([*shape, min(rows, 4), min(cols, 4)], dtype=attn_mask.dtype,
+                       requires_grad=attn_mask.requires_grad)
 
 
 def _forward_flops(query_shape: Any, key_shape: Any, value_shape: Any, *args: Any,

@@ -103,6 +103,37 @@ def test_backend_choice() -> None:
     assert attention_backend(gpu, bf16, bf16, bf16, None, 0.1, True, False) == "flash"
     assert attention_backend(gpu, q, q, q, None, 0.1, True, False) == "efficient"
     assert attention_backend(Execution("cpu"), q, q, q, None, 0.1, False, False) == "math"
+    # a bias that is trained (T5's relative positions): the CPU's flash kernel has no
+    # gradient for it, the GPU's memory-efficient kernel has
+    bias = torch.zeros(S, S, device="meta", requires_grad=True)
+    assert attention_backend(Execution("cpu"), q, q, q, bias, 0.0, False, False) == "math"
+    assert attention_backend(gpu, q, q, q, bias, 0.0, False, False) == "efficient"
+
+
+class TrainedBias(nn.Module):
+    """Attention whose additive mask is a parameter, as T5's position bias is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(H * D, 3 * H * D)
+        self.bias = nn.Parameter(torch.zeros(1, H, S, S))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(B, S, 3, H, D).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias)
+
+
+@pytest.mark.parametrize("kernels", ["cpu", "cuda"])
+def test_a_trained_bias_is_analysed_as_the_device_runs_it(kernels: str) -> None:
+    """The CPU's flash kernel refuses a mask that needs a gradient: the analysis failed
+    ("not differentiable with respect to argument 'attn_mask'") on any float32 T5 with
+    ``--device cpu``; it now runs the math path, as the CPU does, and keeps the scores."""
+    node = sdpa_node(TrainedBias(), Execution(kernels))  # type: ignore[arg-type]
+    scores = B * H * S * S * 4
+    if kernels == "cpu":
+        assert meta.BYTES.get(node).saved_bytes >= scores
+    else:
+        assert meta.BYTES.get(node).saved_bytes < scores
 
 
 def test_bf16_mixed_keeps_fp32_parameters_and_bf16_activations() -> None:
