@@ -28,6 +28,8 @@ devices do, and the fused kernels keep that copy for backward (an L×L tensor pe
 
 from __future__ import annotations
 
+import contextlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -40,7 +42,7 @@ from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
 from fxpipe.precision import Precision
 
-__all__ = ["FLOP_FORMULAS", "SDPA_TARGETS", "Execution", "attention_backend",
+__all__ = ["FLOP_FORMULAS", "SDPA_TARGETS", "Execution", "attention_backend", "flop_formulas",
            "scaled_dot_product_attention"]
 
 aten = torch.ops.aten
@@ -173,9 +175,41 @@ def _backward_flops(grad_out_shape: Any, query_shape: Any, key_shape: Any, value
     return int(sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape))
 
 
+def _grouped_mm_flops(a_shape: Any, b_shape: Any, *args: Any, out_shape: Any = None,
+                      **kwargs: Any) -> int:
+    """A grouped matmul (mixture-of-experts layers): each group's rows times its matrix.
+    2-d by 3-d (rows grouped, one (K, N) matrix per group) and 3-d by 3-d: 2 K per output
+    element; 2-d by 2-d (K grouped, the weight gradient): 2 M K N over all groups."""
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    return 2 * math.prod(out_shape) * a_shape[-1]
+
+
+def _fallback_backward_flops(input_shape: Any, weight_shape: Any, *args: Any,
+                             out_shape: Any = None, **kwargs: Any) -> int:
+    """transformers' grouped-matmul fallback backward: the input's and the weight's gradient
+    (2 S I O each) in one op, whichever is asked for."""
+    return 4 * math.prod(input_shape) * weight_shape[-1]
+
+
 # FLOP formulas for fused ops torch.utils.flop_counter does not know: the CPU flash kernel
-# does the work of the GPU ones (its backward recomputes the scores too).
+# does the work of the GPU ones (its backward recomputes the scores too); grouped matmuls
+# do a mixture of experts' expert work, as many rows as tokens times experts per token.
 FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
     aten._scaled_dot_product_flash_attention_for_cpu: _forward_flops,
     aten._scaled_dot_product_flash_attention_for_cpu_backward: _backward_flops,
+    aten._grouped_mm: _grouped_mm_flops,
 }
+# transformers' own ops, where its grouped matmul cannot run (under torch.export in
+# float32, on the meta device): (op name, formula), counted once transformers defines them
+_TRANSFORMERS_FORMULAS = (("grouped_mm_fallback", _grouped_mm_flops),
+                          ("grouped_mm_fallback_backward", _fallback_backward_flops))
+
+
+def flop_formulas() -> dict[Any, Callable[..., int]]:
+    """``FLOP_FORMULAS`` and the formulas of the ops transformers has registered so far."""
+    formulas = dict(FLOP_FORMULAS)
+    for name, formula in _TRANSFORMERS_FORMULAS:
+        with contextlib.suppress(AttributeError, RuntimeError):
+            formulas[getattr(torch.ops.transformers, name)] = formula
+    return formulas

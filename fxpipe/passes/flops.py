@@ -83,20 +83,20 @@ def _call(runner: MetaInterpreter, n: torch.fx.Node) -> Hashable | None:
 
 
 def _count(runner: MetaInterpreter, n: torch.fx.Node) -> meta.FlopInfo:
-    with FlopCounterMode(display=False, custom_mapping=kernels.FLOP_FORMULAS) as forward:
+    with FlopCounterMode(display=False, custom_mapping=kernels.flop_formulas()) as forward:
         result, inputs, weights = runner.run_op_split(n)
     outputs = grad_outputs_of(result)
     # FlopCounterMode counts matmul, convolution and attention ops; the backward of a
     # node that has none of them in its forward has none either, so it is not run.
-    # The input gradient (B) and the weight gradient (W) are counted apart: two
-    # backward calls, one with respect to each set of leaves, as a zero-bubble
-    # schedule runs them.
+    # The whole backward and the weight gradient (W) are counted apart, the input
+    # gradient (B) being the rest: two backward calls, as a zero-bubble schedule splits
+    # them. (An op whose backward makes both gradients at once, transformers' grouped
+    # matmul, counts them whole in W and in the total, never twice.)
     if not (outputs and forward.get_total_flops() > 0):
         inputs, weights = [], []
-    input_flops = _backward_flops(outputs, inputs, retain=bool(weights))
-    weight_flops = _backward_flops(outputs, weights, retain=False)
-    return meta.FlopInfo(forward.get_total_flops(), input_flops + weight_flops,
-                         backward_weight=weight_flops)
+    total = _backward_flops(outputs, inputs + weights, retain=bool(weights))
+    weight_flops = min(_backward_flops(outputs, weights, retain=False), total)
+    return meta.FlopInfo(forward.get_total_flops(), total, backward_weight=weight_flops)
 
 
 def _backward_flops(outputs: list[torch.Tensor], wrt: list[torch.Tensor], *,
@@ -104,7 +104,7 @@ def _backward_flops(outputs: list[torch.Tensor], wrt: list[torch.Tensor], *,
     """FLOPs of the gradient of ``outputs`` with respect to ``wrt`` (0 for none)."""
     if not wrt:
         return 0
-    with FlopCounterMode(display=False, custom_mapping=kernels.FLOP_FORMULAS) as counter:
+    with FlopCounterMode(display=False, custom_mapping=kernels.flop_formulas()) as counter:
         torch.autograd.grad(
             outputs,
             wrt,

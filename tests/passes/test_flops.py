@@ -258,3 +258,51 @@ def test_regions_with_the_same_inputs_are_counted_each() -> None:
     regions = [meta.FLOPS.get(n).forward for n in traced.gm.graph.nodes
                if n.op == "call_function" and "wrap_with_set_grad_enabled" in str(n.target)]
     assert regions == [0, 2 * (4 * 8 * 4) + 2 * (4 * 4 * 8)]
+
+
+# A mixture of experts as transformers 5.x runs it by default (experts_implementation
+# "grouped_mm"): under torch.export in float32 its grouped matmul is a custom op of its own
+# (transformers::grouped_mm_fallback), which no FLOP counter knew: the experts cost nothing.
+MOE_WIDTH, MOE_FFN, EXPERTS, TOP_K, MOE_BATCH, MOE_SEQ = 32, 64, 4, 2, 2, 8
+
+
+def _mixtral(device: str | None = None) -> nn.Module:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(vocab_size=100, hidden_size=MOE_WIDTH, intermediate_size=MOE_FFN,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           num_local_experts=EXPERTS, num_experts_per_tok=TOP_K,
+                           max_position_embeddings=64, use_cache=False)
+    torch.manual_seed(0)
+    with torch.device(device or "cpu"):
+        return MixtralForCausalLM(config).train()
+
+
+def test_mixture_of_experts_counts_each_token_through_its_experts() -> None:
+    traced = trace(_mixtral(), (), {"input_ids": torch.randint(0, 100, (MOE_BATCH, MOE_SEQ))})
+    annotate_flops(traced.gm, *traced.flat_inputs)
+    experts = [n for n in traced.gm.graph.nodes if "grouped_mm" in str(n.target)]
+    assert experts, "the experts' grouped matmuls are in the graph"
+    rows = MOE_BATCH * MOE_SEQ * TOP_K  # every token through its top-k experts
+    per_layer = 2 * rows * MOE_WIDTH * 2 * MOE_FFN + 2 * rows * MOE_FFN * MOE_WIDTH  # gate_up, down
+    forward = sum(meta.FLOPS.get(n).forward for n in experts)
+    backward = sum(meta.FLOPS.get(n).backward for n in experts)
+    assert forward == 2 * per_layer
+    assert backward == 2 * forward  # the input's and the weight's gradient
+
+
+def test_grouped_matmul_flops() -> None:
+    """torch's own grouped matmul (what a GPU runs): rows grouped, one matrix per group."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from fxpipe.kernels import flop_formulas
+
+    a = torch.empty(32, 16, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    b = torch.empty(4, 24, 16, device="meta", dtype=torch.bfloat16).transpose(-2, -1)
+    offs = torch.tensor([8, 16, 24, 32], device="meta", dtype=torch.int32)
+    with FlopCounterMode(display=False, custom_mapping=flop_formulas()) as counter:
+        out = torch._grouped_mm(a, b, offs=offs)
+    assert counter.get_total_flops() == 2 * 32 * 16 * 24
+    with FlopCounterMode(display=False, custom_mapping=flop_formulas()) as counter:
+        torch.autograd.grad(out, [a], torch.ones_like(out))
+    assert counter.get_total_flops() == 2 * 32 * 16 * 24
