@@ -11,7 +11,9 @@ its precision. ``*-true`` casts floating state and inputs to that dtype.
 fake CPU tensors (``FakeTensorMode``, storage-less like meta ones) under CPU autocast, so
 autograd saves what autocast really makes, the weight copies included. So does a graph
 with an autocast region of its own (export's ``wrap_with_autocast``), whose body must
-run in the dtype autocast picks.
+run in the dtype autocast picks. A graph traced for the GPU may call what the CPU does
+not take (``histc`` of integers, transformers' expert counts): such a call runs as its
+result would be on the GPU (``_ON_FAKE_CPU``).
 """
 
 from __future__ import annotations
@@ -138,6 +140,19 @@ def _fused_attention(execution: Execution) -> Iterator[None]:
         F.scaled_dot_product_attention = fused
 
 
+def _histc(values: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """``histc`` of integers, which the GPU counts and the CPU refuses: counted in float,
+    returned in the input's dtype (a GPU's result)."""
+    if values.is_floating_point():
+        return torch.histc(values, *args, **kwargs)
+    return torch.histc(values.float(), *args, **kwargs).to(values.dtype)
+
+
+# Calls a graph traced on the meta device (where transformers takes its GPU paths) makes
+# that the fake CPU tensors of a *-mixed run would refuse, and what runs in their place.
+_ON_FAKE_CPU: dict[Any, Any] = {torch.ops.aten.histc.default: _histc, torch.histc: _histc}
+
+
 class MetaRunner(torch.fx.Interpreter):
     """Runs a graph on the meta device, whatever device the trace recorded.
 
@@ -199,6 +214,9 @@ class MetaRunner(torch.fx.Interpreter):
                 return MetaRunner(body, self.execution, device=self.device).run(*inputs)
         if target in kernels.SDPA_TARGETS:
             return kernels.scaled_dot_product_attention(self.execution, *args, **kwargs)
+        stand_in = _ON_FAKE_CPU.get(target) if self.device == "cpu" else None
+        if stand_in is not None:
+            return stand_in(*args, **kwargs)
         return super().call_function(target, args, kwargs)
 
     def call_method(self, target: Any, args: Any, kwargs: Any) -> Any:

@@ -87,3 +87,18 @@ def test_the_byte_pass_counts_the_flops_and_bytes_the_passes_alone_do(
     assert together == alone
     assert sum(flops.backward_weight for flops, _ in together.values()) > 0
     assert sum(info.saved_bytes for _, info in together.values()) > 0
+
+
+def test_a_graph_traced_for_the_gpu_runs_under_mixed_precision() -> None:
+    """A mixture of experts built on the meta device takes transformers' GPU path, which
+    counts tokens per expert with ``histc`` of integers; a *-mixed analysis runs on fake
+    CPU tensors, which refused it (an internal error on GPT-OSS-20B with bf16-mixed)."""
+    from tests.passes.test_flops import MOE_BATCH, MOE_SEQ, _mixtral
+
+    traced = trace(_mixtral("meta"), (), {"input_ids": torch.randint(0, 100, (MOE_BATCH,
+                                                                            MOE_SEQ))})
+    assert any("histc" in str(n.target) for n in traced.gm.graph.nodes)
+    execution = Execution("cuda", precision=Precision.BF16_MIXED)
+    annotate_flops(traced.gm, *traced.flat_inputs, execution=execution)
+    experts = [n for n in traced.gm.graph.nodes if "grouped_mm" in str(n.target)]
+    assert experts and all(meta.FLOPS.get(n).forward > 0 for n in experts)
