@@ -6,6 +6,7 @@ Each factory follows the model-file contract and carries its own micro-batch:
     fxpipe split bench/hf_shapes.py:build_llama3_70b --gpus 32
     fxpipe split bench/hf_shapes.py:build_gpt2_xl --gpus 8
     fxpipe split bench/hf_shapes.py:build_llama3_8b --gpus 8
+    fxpipe split bench/hf_shapes.py:build_gpt_oss_20b --gpus 8 --precision bf16-mixed
     fxpipe split bench/hf_shapes.py:build_gemma2_small --gpus 4   (random weights, CPU)
 
 Token ids are drawn below 1000, inside every vocabulary.
@@ -76,6 +77,19 @@ def _gemma2_small() -> nn.Module:
     return Gemma2ForCausalLM(cfg)
 
 
+def _gpt_oss_20b() -> nn.Module:
+    """GPT-OSS-20B's shape: 24 layers alternating sliding-window and full attention with
+    sinks (transformers runs it eagerly), 32 experts, 4 per token."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    cfg = GptOssConfig(vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                       num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8,
+                       head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+                       sliding_window=128, max_position_embeddings=8192,
+                       attention_dropout=0.0, use_cache=False)
+    return GptOssForCausalLM(cfg)
+
+
 build_llama3_70b = _factory(
     lambda: _on("meta", lambda: _llama(80, 8192, 64, 8, 28672, 128256)), 1, 4096,
     "build_llama3_70b")
@@ -83,6 +97,7 @@ build_llama3_8b = _factory(
     lambda: _on("meta", lambda: _llama(32, 4096, 32, 8, 14336, 128256)), 1, 4096,
     "build_llama3_8b")
 build_gpt2_xl = _factory(lambda: _on("meta", _gpt2_xl), 1, 1024, "build_gpt2_xl")
+build_gpt_oss_20b = _factory(lambda: _on("meta", _gpt_oss_20b), 1, 4096, "build_gpt_oss_20b")
 build_gemma2_small = _factory(lambda: _on(None, _gemma2_small), 2, 32, "build_gemma2_small")
 build_model = build_gemma2_small
 

@@ -60,9 +60,10 @@ def wrap_line(line: str, limit: int = LINE_LENGTH) -> list[str]:
 
 def wrap_tuple(items: Sequence[str], indent: str, suffix: str = "",
                limit: int = LINE_LENGTH) -> list[str]:
-    """The tuple display of ``items`` (the texts of its elements) after ``indent`` and
-    before ``suffix``, as ``wrap_line`` writes that line (on one line where it fits, else
-    an element per line), without parsing it: a schedule's thousands of ticks."""
+    """The tuple display of ``items`` (the texts of its elements, none enclosed whole in
+    parentheses of its own) after ``indent`` and before ``suffix``, as ``wrap_line``
+    writes that line (on one line where it fits, else an element per line), without
+    parsing it: a schedule's thousands of ticks."""
     line = f"{indent}({items[0]},){suffix}" if len(items) == 1 else (
         f"{indent}({', '.join(items)}){suffix}")
     broken = [f"{indent}(", *(f"{indent}{_STEP}{item}," for item in items), f"{indent}){suffix}"]

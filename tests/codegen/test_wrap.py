@@ -82,8 +82,16 @@ def test_wrapped_display_elements_parse_to_the_same_tree(element: str, limit: in
     assert _tree("[\n" + "\n".join(lines) + "\n]") == _tree(f"[{element},]")
 
 
+def _unenclosed(expression: str) -> bool:
+    """Not wrapped whole in parentheses of its own (``(self)``): wrap_line writes an
+    element as its source segment, which leaves those out; the elements fxpipe hands to
+    wrap_tuple (a schedule's ticks) never have them."""
+    tree = ast.parse(expression, mode="eval")
+    return ast.get_source_segment(expression, tree.body) == expression
+
+
 @settings(max_examples=150, deadline=None)
-@given(st.lists(EXPRESSIONS, min_size=1, max_size=12), st.integers(0, 2),
+@given(st.lists(EXPRESSIONS.filter(_unenclosed), min_size=1, max_size=12), st.integers(0, 2),
        st.sampled_from(["", ","]), st.integers(20, 100))
 def test_a_tuple_is_written_as_wrap_line_writes_its_line(items: list[str], depth: int,
                                                           suffix: str, limit: int) -> None:
