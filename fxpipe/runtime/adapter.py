@@ -14,6 +14,10 @@ The last stage returns the model's output (``build_output``) for ``loss_fn``;
 torch's schedules take only tensors from a stage, so an output with structure (a
 Hugging Face model's dict) leaves the stage as its tensor leaves and ``loss_fn``
 gets it rebuilt.
+A tensor travels as contiguous memory. One the model keeps in another order (a
+transposed result, or an elementwise op's result on one) travels in its own memory order
+(``memory_order``: permuted so that it is contiguous, no copy) and is permuted back on
+arrival: the next stage gets the strides the model had, which a ``view`` of it needs.
 Values that are not tensors (``x.size(1)``, a float keyword argument) cannot
 travel; they are read from the example micro-batch and baked into the
 adapters as constants (micro-batch shapes are fixed by the static metadata
@@ -47,9 +51,11 @@ __all__ = [
     "check_constants",
     "example_values",
     "is_constant",
+    "memory_order",
     "on_model_output",
     "split_wire",
     "torch_schedule_kwargs",
+    "wire_example",
 ]
 
 
@@ -90,6 +96,10 @@ class StageAdapter(nn.Module):
         # the shape of each received tensor in the example micro-batch it was built with:
         # torch's PipelineStage sends and receives at these shapes (see check_feed)
         self.input_shapes: tuple[tuple[int, ...], ...] = ()
+        # per received / sent tensor: the dim order it travels in (memory_order), None
+        # where it travels as it is
+        self.receive_orders: tuple[tuple[int, ...] | None, ...] = ()
+        self.send_orders: tuple[tuple[int, ...] | None, ...] = ()
         # last stage with a structured output: its leaves (None where a tensor goes) and
         # structure; it returns only the tensors, ``rebuild_output`` puts them back
         self.output_leaves: list[Any] | None = None
@@ -110,7 +120,9 @@ class StageAdapter(nn.Module):
 
     def _run(self, *flat: torch.Tensor) -> Any:
         values: dict[str, Any] = dict(self.constants)
-        values.update(zip(self.receives, flat, strict=True))
+        orders = self.receive_orders or (None,) * len(flat)
+        values.update((name, x if order is None else x.permute(_inverse(order)))
+                      for name, x, order in zip(self.receives, flat, orders, strict=True))
         if self.recompute:  # both runs start from the received values, not the written ones
             for name in getattr(self.stage, "WRITES", ()):
                 if isinstance(values.get(name), torch.Tensor):
@@ -128,11 +140,27 @@ class StageAdapter(nn.Module):
             if self.output_leaves is None:
                 return output
             return tuple(x for x in pytree.tree_leaves(output) if isinstance(x, torch.Tensor))
-        # sends need contiguous memory (a transposed view may be one of the values)
+        # sends need contiguous memory: each in its memory order (a transposed view may be
+        # one of the values)
+        orders = self.send_orders or (None,) * len(self.sends)
+        sent = [values[name] if order is None else values[name].permute(order)
+                for name, order in zip(self.sends, orders, strict=True)]
         if self.split_backward:
-            return tuple(values[name].clone(memory_format=torch.contiguous_format)
-                         for name in self.sends)
-        return tuple(values[name].contiguous() for name in self.sends)
+            return tuple(x.clone(memory_format=torch.contiguous_format) for x in sent)
+        return tuple(x.contiguous() for x in sent)
+
+    def travel_in_memory_order(self, examples: Mapping[str, Any], *, first: bool,
+                               device: torch.device) -> tuple[torch.Tensor, ...]:
+        """Set the order each tensor travels in (``memory_order`` of its example; the
+        first stage's come from the micro-batch as they are) and ``input_shapes``; return
+        empty tensors as this stage receives them."""
+        self.receive_orders = tuple(None if first else memory_order(examples[name])
+                                    for name in self.receives)
+        self.send_orders = tuple(memory_order(examples[name]) for name in self.sends or ())
+        inputs = tuple(wire_example(examples[name], order, device)
+                       for name, order in zip(self.receives, self.receive_orders, strict=True))
+        self.input_shapes = tuple(tuple(x.shape) for x in inputs)
+        return inputs
 
     def flatten_output(self, example: Any) -> None:
         """From now on return the tensor leaves of an output that is more than a tensor
@@ -292,6 +320,32 @@ class _EachTime:
 
     def __exit__(self, *exc: Any) -> Any:
         return self.entered.pop().__exit__(*exc)
+
+
+def memory_order(t: Any) -> tuple[int, ...] | None:
+    """The dims of ``t`` from its outermost in memory to its innermost, where ``t`` fills
+    its memory densely in another order than its own (a transpose's result): permuted so,
+    it is contiguous without a copy. None for a tensor in its own order, or not dense."""
+    if not isinstance(t, torch.Tensor) or t.dim() < 2 or t.is_contiguous():
+        return None
+    strides = t.stride()
+    order = tuple(sorted(range(t.dim()), key=lambda d: (-strides[d], d)))
+    return order if t.permute(order).is_contiguous() else None
+
+
+def wire_example(value: Any, order: tuple[int, ...] | None, device: torch.device
+                 ) -> torch.Tensor:
+    """An empty tensor as ``value`` travels (in ``order``): what torch allocates for it."""
+    shape = value.shape if order is None else [value.shape[d] for d in order]
+    out = torch.empty(shape, dtype=value.dtype, device=device)
+    return out.requires_grad_(value.requires_grad)
+
+
+def _inverse(order: Sequence[int]) -> tuple[int, ...]:
+    inverse = [0] * len(order)
+    for position, dim in enumerate(order):
+        inverse[dim] = position
+    return tuple(inverse)
 
 
 def _contiguous_grads(received: Sequence[torch.Tensor]) -> None:

@@ -49,6 +49,7 @@ from .adapter import (
     example_values,
     split_wire,
     torch_schedule_kwargs,
+    wire_example,
 )
 from .grads import reduce_grads
 from .materialize import Checkpoint, load_state, materialize, rebind
@@ -132,19 +133,16 @@ class DistributedPipeline(RankLayout):
         adapter = StageAdapter(stage, receives, sends, constants, self.build_output,
                                precision=self.precision, device=device, recompute=self.recompute[k])
 
-        def example(value: Any) -> torch.Tensor:
-            out = torch.empty(value.shape, dtype=value.dtype, device=device)
-            return out.requires_grad_(value.requires_grad)
-
-        inputs = tuple(example(examples[name]) for name in receives)
-        adapter.input_shapes = tuple(tuple(x.shape) for x in inputs)
+        inputs = adapter.travel_in_memory_order(examples, first=k == 0, device=device)
         if last:
             adapter.flatten_output(examples["__output__"])
             leaves = [v for v in pytree.tree_leaves(examples["__output__"])
                       if isinstance(v, torch.Tensor)]
-            outputs = tuple(example(v) for v in leaves)
+            outputs = tuple(wire_example(v, None, device) for v in leaves)
         else:
-            outputs = tuple(example(examples[name]) for name in sends or ())
+            outputs = tuple(wire_example(examples[name], order, device)
+                            for name, order in zip(sends or (), adapter.send_orders,
+                                                   strict=True))
         return adapter, inputs, outputs
 
     def pipeline_stage(

@@ -425,3 +425,34 @@ def test_a_detached_value_from_a_recomputed_stage_needs_no_gradient(tmp_path: Pa
         case = Case(spec, stages=4, schedule=schedule, microbatches=3,
                     recompute=(True, True, False, True), batch=2, declare=False)
         check_adapters(case, check_transparency(case, tmp_path / schedule))
+
+
+def test_a_transposed_value_crosses_stages_in_its_memory_order(tmp_path: Path) -> None:
+    # torchrun's stages sent every tensor contiguous: a value the model keeps transposed
+    # (group norm's output, permuted, then scaled: the scaling keeps the transposed
+    # layout) arrived in another layout, and the next stage's `.view` of it, permuted
+    # back, failed ("view size is not compatible with input tensor's size and stride").
+    # Fixed: a tensor travels in its memory order and is permuted back on arrival.
+    ops = (
+        Op("linear", (0,), ((13, 6),), module="linear0"),
+        Op("scalar", (2,), ((13, 6),), how="add"),
+        Op("inplace", (3,), ((13, 6),), how="view_relu_"),
+        Op("norm", (2,), ((13, 6),), module="groupnorm1"),
+        Op("permute", (2,), ((13, 6),), arg=((1, 0), True)),
+        Op("conv1d", (0,), ((16, 5),), module="conv1d2"),
+        Op("conv1d", (7,), ((9, 5),), module="conv1d3"),
+        Op("permute", (6,), ((13, 6),), arg=((1, 0), True)),
+        Op("reshape", (9,), ((78,),), how="view"),
+        Op("shared", (10,), ((78,),), how="add", arg=0),
+        Op("inplace", (11,), ((78,),), how="view_relu_"),
+    )
+    spec = ModelSpec(
+        inputs=((13, 5), (10,)), ops=ops, outputs=(4, {"rest": (5, 8, 12)}), seed=3081,
+        kwargs=True, modules={"linear0": ("linear", (5, 6, False)),
+                              "groupnorm1": ("groupnorm", (1, 13)),
+                              "conv1d2": ("conv1d", (13, 16, 1)),
+                              "conv1d3": ("conv1d", (16, 9, 1))},
+        shared=(((1,), 0),))
+    case = Case(spec, stages=3, schedule="dualpipev", microbatches=2, recompute=True,
+                batch=1, virtual_stages=2)
+    check_adapters(case, check_transparency(case, tmp_path / "pkg"))
