@@ -9,7 +9,7 @@ One known, bounded difference: a BatchNorm in eval mode keeps two empty statisti
 CPU where the meta kernel (which the plan runs) gives them one value per channel, so the
 plan may be over by 2 x channels elements per such call, never under.
 
-Fast profile (default suite): 16 examples. Long profile: ``FXPIPE_FUZZ_EXAMPLES=500``.
+Fast profile (default suite): 8 examples. Long profile: ``FXPIPE_FUZZ_EXAMPLES=500``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from fxpipe.frontend import Traced, trace
 
 from .models import ModelSpec, build_model, example_inputs, model_specs
 
-EXAMPLES = int(os.environ.get("FXPIPE_FUZZ_EXAMPLES", "16"))
+EXAMPLES = int(os.environ.get("FXPIPE_FUZZ_EXAMPLES", "8"))
 CPU = get_device("cpu")
 
 
