@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+import math
+from collections.abc import Iterable, Iterator
 
 from fxpipe.partition import Problem, Recompute, evaluate, violations
 
@@ -64,6 +65,20 @@ def recompute_choices(problem: Problem) -> list[tuple[bool, ...]]:
     if problem.recompute is Recompute.AUTO:
         return list(itertools.product((False, True), repeat=K))
     return [(problem.recompute is Recompute.ALL,) * K]
+
+
+def brute_force_size(problem: Problem, stage_counts: Iterable[int] | None = None) -> int:
+    """An upper bound on the splits ``brute_force`` evaluates for each of ``stage_counts``
+    (default: the problem's own), added up: every stage for every node, every way to share
+    the GPUs, every recompute choice."""
+    nodes, devices = len(problem.nodes), problem.devices
+    total = 0
+    for stages in stage_counts or (problem.num_stages,):
+        shared = problem.replicates and stages < devices
+        sharing = math.comb(devices - 1, stages - 1) if shared else 1
+        choices = 2**stages if problem.recompute is Recompute.AUTO else 1
+        total += stages**nodes * sharing * choices
+    return total
 
 
 def brute_force(problem: Problem) -> tuple[float | None, float | None, bool]:

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from fxpipe.partition import (
@@ -29,9 +29,14 @@ from fxpipe.partition.baselines import Blocks
 from fxpipe.partition.cost import memory_parts
 from fxpipe.schedules import ScheduleKind
 
-from ._brute import brute_force, valid_splits
+from ._brute import brute_force, brute_force_size, valid_splits
 
 MS = 1e-3
+
+
+# Splits a brute-force check may evaluate (seconds): a draw of 5 GPUs and 7 nodes with
+# every recompute choice is 2.5 million, minutes of one CI core.
+BRUTE_FORCE_LIMIT = 100_000
 
 
 @st.composite
@@ -231,6 +236,7 @@ def test_v_placement_ilp_matches_brute_force(problem: Problem) -> None:
 @given(problems(layout="replicated"))
 def test_replicated_stage_model_matches_brute_force(problem: Problem) -> None:
     """For a fixed stage count K < N GPUs the ILP chooses cuts and replicas together."""
+    assume(brute_force_size(problem) <= BRUTE_FORCE_LIMIT)
     best, _least, any_valid = brute_force(problem)
     exact = exact_groups(problem)
     if not problem.allow_empty_stages and exact.num_coarse < problem.num_stages:
@@ -256,6 +262,7 @@ def test_replicated_partition_is_the_best_stage_count(problem: Problem) -> None:
     """``partition`` tries N stages of one GPU, then every K < N with replicas: its answer
     is the best of all of them, by brute force over every K."""
     N = problem.devices
+    assume(brute_force_size(problem, range(1, N + 1)) <= BRUTE_FORCE_LIMIT)
     candidates = [brute_force(replace(problem, num_stages=K, num_devices=0 if K == N else N))[0]
                   for K in range(1, N + 1)]
     fitting = [c for c in candidates if c is not None]
