@@ -30,6 +30,7 @@ class FlopCounter:
 
     def __init__(self) -> None:
         self.counted: dict[Hashable, meta.FlopInfo] = {}
+        self.formulas = kernels.flop_formulas()  # the ops known by the time the pass runs
 
     def count(self, runner: MetaInterpreter, n: torch.fx.Node) -> None:
         """``n``'s FLOPs, its inputs in ``runner``'s environment (before ``n`` runs or
@@ -41,7 +42,7 @@ class FlopCounter:
         if key is not None and key in self.counted:
             meta.FLOPS.set(n, self.counted[key])
             return
-        info = _count(runner, n)
+        info = _count(runner, n, self.formulas)
         meta.FLOPS.set(n, info)
         if key is not None:
             self.counted[key] = info
@@ -82,8 +83,9 @@ def _call(runner: MetaInterpreter, n: torch.fx.Node) -> Hashable | None:
     return (n.op, n.target, spec(args), spec(kwargs))
 
 
-def _count(runner: MetaInterpreter, n: torch.fx.Node) -> meta.FlopInfo:
-    with FlopCounterMode(display=False, custom_mapping=kernels.flop_formulas()) as forward:
+def _count(runner: MetaInterpreter, n: torch.fx.Node, formulas: dict[Any, Any]
+           ) -> meta.FlopInfo:
+    with FlopCounterMode(display=False, custom_mapping=formulas) as forward:
         result, inputs, weights = runner.run_op_split(n)
     outputs = grad_outputs_of(result)
     # FlopCounterMode counts matmul, convolution and attention ops; the backward of a
@@ -94,17 +96,17 @@ def _count(runner: MetaInterpreter, n: torch.fx.Node) -> meta.FlopInfo:
     # matmul, counts them whole in W and in the total, never twice.)
     if not (outputs and forward.get_total_flops() > 0):
         inputs, weights = [], []
-    total = _backward_flops(outputs, inputs + weights, retain=bool(weights))
-    weight_flops = min(_backward_flops(outputs, weights, retain=False), total)
+    total = _backward_flops(outputs, inputs + weights, formulas, retain=bool(weights))
+    weight_flops = min(_backward_flops(outputs, weights, formulas, retain=False), total)
     return meta.FlopInfo(forward.get_total_flops(), total, backward_weight=weight_flops)
 
 
-def _backward_flops(outputs: list[torch.Tensor], wrt: list[torch.Tensor], *,
-                    retain: bool) -> int:
+def _backward_flops(outputs: list[torch.Tensor], wrt: list[torch.Tensor],
+                    formulas: dict[Any, Any], *, retain: bool) -> int:
     """FLOPs of the gradient of ``outputs`` with respect to ``wrt`` (0 for none)."""
     if not wrt:
         return 0
-    with FlopCounterMode(display=False, custom_mapping=kernels.flop_formulas()) as counter:
+    with FlopCounterMode(display=False, custom_mapping=formulas) as counter:
         torch.autograd.grad(
             outputs,
             wrt,
