@@ -27,44 +27,12 @@ import traceback
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-import torch.fx
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.zoo import TRANSFORMERS, Family
-from fxpipe.compiler import SplitOptions, analyze_file, plan_split
-from fxpipe.cost_models import get_device
-from fxpipe.frontend import Traced
+from fxpipe.compiler import analyze_file
 from fxpipe.precision import Precision
-
-CPU = get_device("cpu")
-
-
-def real_saved_bytes(traced: Traced, autocast: torch.dtype | None) -> int:
-    """Bytes of the unique storages autograd keeps in one real forward of the graph,
-    parameters, buffers and the graph's inputs excluded."""
-    skip = {t.untyped_storage().data_ptr()
-            for t in (*traced.gm.parameters(), *traced.gm.buffers(), *traced.flat_inputs)
-            if isinstance(t, torch.Tensor)}
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in skip:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    mixed = torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), mixed:
-        torch.fx.Interpreter(traced.gm).run(*traced.flat_inputs)
-    return sum(storages.values())
-
-
-def planned_bytes(traced: Traced, precision: Precision) -> int:
-    options = SplitOptions(gpus=1, device=CPU, memory_limit=float("inf"), microbatches=1,
-                           precision=precision, time_limit_s=5.0)
-    return plan_split(traced, label="saved-bytes", options=options).stages[0].memory.activations
+from tests.passes.test_saved_bytes import CPU, planned_activations, real_saved_bytes
 
 
 def lengthened(family: Family, seq: int) -> Family:
@@ -81,8 +49,8 @@ def measure(family: Family, precision: Precision, folder: Path) -> tuple[int, in
     model_file = folder / f"{family.slug}.py"
     model_file.write_text(family.source())
     _, traced = analyze_file(str(model_file), device=CPU, precision=precision)
-    return planned_bytes(traced, precision), real_saved_bytes(traced, precision.dtype
-                                                              if precision.mixed else None)
+    return planned_activations(traced, precision), real_saved_bytes(
+        traced, precision.dtype if precision.mixed else None)
 
 
 def main() -> int:

@@ -17,35 +17,15 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.fx
 from hypothesis import HealthCheck, Phase, given, settings
 
-from fxpipe.compiler import SplitOptions, analyze, plan_split
-from fxpipe.cost_models import get_device
-from fxpipe.frontend import Traced, trace
+from fxpipe.compiler import analyze
+from fxpipe.frontend import trace
+from tests.passes.test_saved_bytes import CPU, planned_activations, real_saved_bytes
 
 from .models import ModelSpec, build_model, example_inputs, model_specs
 
 EXAMPLES = int(os.environ.get("FXPIPE_FUZZ_EXAMPLES", "8"))
-CPU = get_device("cpu")
-
-
-def real_saved_bytes(traced: Traced) -> int:
-    """Bytes of the unique storages autograd keeps in one forward of the traced graph."""
-    skip = {t.untyped_storage().data_ptr()
-            for t in (*traced.gm.parameters(), *traced.gm.buffers(), *traced.flat_inputs)
-            if isinstance(t, torch.Tensor)}
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in skip:
-            storages[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        torch.fx.Interpreter(traced.gm).run(*traced.flat_inputs)
-    return sum(storages.values())
 
 
 def eval_batchnorm_slack(spec: ModelSpec) -> int:
@@ -65,8 +45,5 @@ def test_planned_activations_are_what_autograd_keeps(spec: ModelSpec) -> None:
     args, kwargs = example_inputs(spec, batch=max(2, spec.min_batch), seed=1)
     traced = trace(build_model(spec), args, kwargs)
     analyze(traced, device=CPU)
-    options = SplitOptions(gpus=1, device=CPU, memory_limit=float("inf"), microbatches=1,
-                           time_limit_s=30.0)
-    planned = plan_split(traced, label="fuzz", options=options).stages[0].memory.activations
-    real = real_saved_bytes(traced)
+    planned, real = planned_activations(traced), real_saved_bytes(traced)
     assert real <= planned <= real + eval_batchnorm_slack(spec), (planned, real)
