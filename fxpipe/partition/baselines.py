@@ -183,7 +183,7 @@ def min_max_dp(blocks: Blocks, n: int, *, upper_s: float, allow_empty: bool
             alive[a] -= size
             released += 1
         produced = np.concatenate(([0.0], np.cumsum(alive[:end])))  # produced[a]: [0, a)
-        peak = np.append(np.maximum.accumulate(blocks.grad[:end][::-1])[::-1], 0.0)
+        peak = blocks.peaks(end)
         # No block whose compute alone exceeds upper_s: starts from the first that fits.
         if end < gap:
             continue
@@ -192,7 +192,7 @@ def min_max_dp(blocks: Blocks, n: int, *, upper_s: float, allow_empty: bool
         if reach < float("inf"):
             first = max(first, int(np.searchsorted(held, blocks.P[end] - reach, side="left")))
         starts = np.arange(min(first, end - gap), end - gap + 1)
-        sent = produced[end] - produced[starts] + blocks.R[end] - blocks.R[starts]
+        sent = blocks.outputs(end, starts, produced)
         load = blocks.loads(end, starts, sent=sent, peak=peak[starts], allow_empty=allow_empty)
         # stage 0 starts at 0; stage j > 0 after the best split of [0, start) into j stages
         best[0, end], back[0, end] = (load[0, 0] if starts[0] == 0 else inf), 0
@@ -222,13 +222,14 @@ class Blocks:
     sends: list[tuple[int, int, int]]
     flights: Any  # (K, 1): micro-batches in flight per stage
     options: tuple[bool, ...]  # the recompute choices the policy allows
-    # What a block starting at a position has not got of T, F, P, A: the same prefix sums
-    # for the DP; for the lower bound of ``fxpipe.partition.bound``, the most any ideal at
-    # that position may hold (a block's sums are then at least X[end] - X0[start]).
+    # What a block starting at a position has not got of T, F, P, A, R: the same prefix
+    # sums for the DP; for the lower bound of ``fxpipe.partition.bound``, the most any
+    # ideal at that position may hold (a block's sums are then at least X[end] - X0[start]).
     T0: Any = None
     F0: Any = None
     P0: Any = None
     A0: Any = None
+    R0: Any = None
 
     @classmethod
     def of(cls, c: Coarsening) -> Blocks:
@@ -254,7 +255,16 @@ class Blocks:
                        if hi > c.group_of[v] and not p.nodes[v].returned)
         flights = np.array(stage_flights(p), dtype=np.int64)[:, None]
         return cls(p, T, F, P, A, R, grad, cut, cut_bytes, sends, flights,
-                   tuple(recompute_options(p)), T, F, P, A)
+                   tuple(recompute_options(p)), T, F, P, A, R)
+
+    def outputs(self, end: int, starts: Any, produced: Any) -> Any:
+        """sent[a] for each of ``starts``: the bytes a block [a, end) keeps of the values
+        it sends on or returns (``produced[a]``: those of [0, a) read at or after end)."""
+        return produced[end] - produced[starts] + self.R[end] - self.R0[starts]
+
+    def peaks(self, end: int) -> Any:
+        """peak[a] for a in 0..end: the largest backward transient of a block [a, end)."""
+        return np.append(np.maximum.accumulate(self.grad[:end][::-1])[::-1], 0.0)
 
     def loads(self, end: int, starts: Any, *, sent: Any, peak: Any, allow_empty: bool) -> Any:
         """(K, starts): the seconds of stage j's block [start, end) on row j, inf where

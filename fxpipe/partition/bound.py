@@ -7,27 +7,32 @@ recompute choice, and is valid for every split the CP-SAT program allows, not on
 contiguous ones the DP tries.
 
 The relaxation. Per stage, keep what is a sum over its nodes: compute C, forward F,
-parameter bytes P (its nodes' own), saved activations A; and, with neighbour transport,
-the least its cuts send: the values an ideal's groups produce for groups outside it
-cross the cut after it, costing their comm_s to the stages on both sides and their bytes
-to the one after (``_Crossing``). Drop what only adds (outputs kept for later stages, the
-backward transient, tied copies, deferred weight gradients, values sent back down). The
-stage cost formula (``cost.memory_parts``) on those sums under-prices every stage in
-time and in memory, so the best split of the relaxation is no slower than the program's
-optimum.
+parameter bytes P (its nodes' own), saved activations A, returned bytes R; and, with
+neighbour transport, the least its cuts send: the values an ideal's groups produce for
+groups outside it cross the cut after it, costing their comm_s to the stages on both
+sides and their bytes to the one after (``_Crossing``). Of what is not a sum, keep a
+part every such stage surely has (``_Cells``): the backward transient of the segments
+it holds whole, and of the outputs it keeps for later stages, those crossing the cut
+after it less those crossing the cut before it. Drop the rest (tied copies, deferred
+weight gradients, values sent back down). The stage cost formula
+(``cost.memory_parts``) on those parts under-prices every stage in time and in memory,
+so the best split of the relaxation is no slower than the program's optimum.
 
 The chain. A stage holds D_j \\ D_{j-1} for ideals (downward closed sets of exact groups)
 D_{j-1} of D_j. A *separator* s is comparable (ancestor or descendant) with every group
 that counts: an ideal either holds all of s's ancestors and s, or none of s's
-descendants. Groups too light to count (no parameters, next to no time or bytes) get
-their costs zeroed, which only lowers the bound. Between consecutive separators lie
-segments, and an ideal is all segments before some k plus an ideal of segment k. The
-ideals of a segment are enumerated (once per distinct segment: identical layers are one
-enumeration) and their sums binned by compute into cells; for each cell, ``lo`` and
-``hi`` are the least and most of each sum over its ideals, and ``sent`` the least its
-ideals send. A stage from a cell a to a later cell b then holds at least lo(b) - hi(a)
-of each sum and receives and sends at least sent(a) and sent(b) (the DP also tries
-pairs of cells whose ideals do not nest, which can only lower the bound).
+descendants. Groups too light to count (next to no time, parameters or bytes: a source
+reading a few bytes of parameters, say GPT-OSS's attention sinks, which a split may put
+in any stage before its reader) get their costs zeroed, which only lowers the bound.
+Between consecutive separators lie segments, and an ideal is all segments before some k
+plus an ideal of segment k. The ideals of a segment are enumerated (once per distinct
+segment: identical layers are one enumeration) and their sums binned by compute into
+cells; for each cell, ``lo`` and ``hi`` are the least and most of each sum over its
+ideals, and ``sent`` the least its ideals send (``sent_most`` the most bytes). A stage
+from a cell a to a later cell b then holds at least lo(b) - hi(a) of each sum, receives
+and sends at least sent(a) and sent(b), and keeps at least sent(b) - sent_most(a) bytes
+of outputs (the DP also tries pairs of cells whose ideals do not nest, which can only
+lower the bound).
 
 The bound is the min-max DP of the interval DP (``baselines.min_max_dp``) over the cells
 in order, each block priced at those least sums; 1e-9 relative is taken off for the
@@ -46,7 +51,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -59,7 +64,7 @@ from fxpipe.partition.problem import Comm, TiedPolicy, stage_flights
 __all__ = ["block_bound", "shared_gpu_bound"]
 
 MAX_IDEALS = 50_000  # per distinct segment; beyond, no bound (the enumeration's time)
-LIGHT = 1e-4  # a group with no parameters and below this share of time and bytes
+LIGHT = 1e-4  # a group below this share of time, parameters and bytes
 CELL = 1e-3  # a cell spans at most this share of the mean stage's compute
 
 
@@ -76,17 +81,82 @@ def block_bound(exact: Coarsening, *, upper_s: float = math.inf) -> float | None
                    CELL * float(sums[:, 0].sum()) / p.num_stages)
     if cells is None:
         return None
-    lo, hi, sent = cells
+    lo, hi, sent = cells.lo, cells.hi, cells.sent
     n = lo.shape[0] - 1  # positions 0..n: 0 is the empty ideal, n every group
-    zeros = np.zeros(n + 1)
-    blocks = Blocks(p, lo[:, 0], lo[:, 1], lo[:, 2], lo[:, 3], zeros, np.zeros(n), sent[:, 0],
-                     sent[:, 1], [], np.array(stage_flights(p), dtype=np.int64)[:, None],
-                     tuple(recompute_options(p)), hi[:, 0], hi[:, 1], hi[:, 2], hi[:, 3])
+    blocks = _Cells(p, lo[:, 0], lo[:, 1], lo[:, 2], lo[:, 3], lo[:, 4], np.zeros(n),
+                    sent[:, 0], sent[:, 1], [],
+                    np.array(stage_flights(p), dtype=np.int64)[:, None],
+                    tuple(recompute_options(p)), hi[:, 0], hi[:, 1], hi[:, 2], hi[:, 3],
+                    hi[:, 4], table=cells, segment_peak=_segment_peaks(exact, segments))
     best, _ = min_max_dp(blocks, n, upper_s=upper_s, allow_empty=True)
     value = float(best[p.num_stages - 1, n])
     if value == math.inf:  # no split of the relaxation is faster than upper_s, or fits
         return upper_s
     return value * (1 - 1e-9)
+
+
+@dataclass(frozen=True)
+class _Table:
+    """Per position of the relaxation's DP (the empty ideal, then each segment's cells in
+    order of compute, then every group): ``lo`` and ``hi`` (positions, 5) the least and
+    most of each sum (``_group_sums``) over the cell's ideals; ``sent`` (positions, 2) the
+    least comm_s and bytes they send, ``sent_most`` the most bytes; ``own`` the least
+    bytes of the values their groups in the segment make and send (0 without neighbour
+    transport, at the empty ideal and at every group); ``segment`` the cell's segment (-1
+    for the empty ideal, the number of segments for every group); ``whole`` the last
+    segment every ideal of the cell holds whole (the segment itself where the cell holds
+    only its full ideal, else the one before)."""
+
+    lo: np.ndarray
+    hi: np.ndarray
+    sent: np.ndarray
+    sent_most: np.ndarray
+    own: np.ndarray
+    segment: np.ndarray
+    whole: np.ndarray
+
+
+@dataclass(frozen=True)
+class _Cells(Blocks):
+    """The relaxation's blocks of cells, priced with what a stage from cell a to cell b
+    surely holds beyond its sums:
+
+    - its backward transient, the largest of the segments it holds whole: those after
+      a's (its first ideal holds none of them) up to ``whole[b]``;
+    - of the values it sends on, the bytes crossing the cut after it less the most
+      crossing the cut before it (a value made before the stage and read after it
+      crosses both, so the rest was made in it); where a lies in an earlier segment than
+      b, at least the bytes b's ideal makes in its segment and sends (``own``); or its
+      returned bytes, if more.
+
+    ``table``: the cells (``_Table``); ``segment_peak``: per segment, the largest backward
+    transient of its groups' nodes."""
+
+    table: _Table | None = None
+    segment_peak: np.ndarray = field(default_factory=lambda: np.zeros(0))
+
+    def peaks(self, end: int) -> np.ndarray:
+        assert self.table is not None
+        held = int(self.table.whole[end]) + 1  # segments [0, held) are held up to end
+        peak = np.append(np.maximum.accumulate(self.segment_peak[:held][::-1])[::-1], 0.0)
+        return peak[np.minimum(self.table.segment[:end + 1] + 1, max(held, 0))]
+
+    def outputs(self, end: int, starts: np.ndarray, produced: np.ndarray) -> np.ndarray:
+        t = self.table
+        assert t is not None
+        made = np.maximum(t.sent[end, 1] - t.sent_most[starts], 0.0)
+        own = np.where(t.segment[starts] < t.segment[end], t.own[end], 0.0)
+        return np.maximum(np.maximum(self.R[end] - self.R0[starts], made), own)
+
+
+def _segment_peaks(exact: Coarsening, segments: list[list[int]]) -> np.ndarray:
+    """Per segment, the largest backward transient of a node in its groups."""
+    p = exact.problem
+    group_peak = np.zeros(exact.num_coarse)
+    for v, node in enumerate(p.nodes):
+        g = exact.group_of[v]
+        group_peak[g] = max(group_peak[g], node.grad_bytes)
+    return np.array([group_peak[segment].max() for segment in segments])
 
 
 def shared_gpu_bound(exact: Coarsening, *, upper_s: float = math.inf) -> float | None:
@@ -182,12 +252,14 @@ class _Crossing:
     local: tuple[tuple[int, int, bool, float, int], ...]  # (producer's bit, readers' bits,
     #                      read after the segment, comm, bytes) of the segment's own values
 
-    def sent(self, ideal: int) -> tuple[float, int]:
-        """What ``ideal`` (bits of the segment's groups) sends beyond ``through``."""
+    def sent(self, ideal: int) -> tuple[float, int, int]:
+        """What ``ideal`` (bits of the segment's groups) sends beyond ``through``: comm_s,
+        bytes, and the bytes of those its own groups make."""
         crossing = [(c, b) for bits, c, b in self.incoming if bits & ~ideal]
-        crossing += [(c, b) for bit, bits, later, c, b in self.local
-                     if ideal & bit and (later or bits & ~ideal)]
-        return sum(c for c, _ in crossing), sum(b for _, b in crossing)
+        own = [(c, b) for bit, bits, later, c, b in self.local
+               if ideal & bit and (later or bits & ~ideal)]
+        return (sum(c for c, _ in crossing + own), sum(b for _, b in crossing + own),
+                sum(b for _, b in own))
 
 
 def _crossings(exact: Coarsening, segments: list[list[int]]) -> list[_Crossing]:
@@ -249,12 +321,14 @@ def _hull(exact: Coarsening, groups: set[int]) -> list[int]:
 
 
 def _group_sums(exact: Coarsening) -> np.ndarray:
-    """(G, 4): per exact group, its compute, forward, parameter and activation sums."""
+    """(G, 5): per exact group, its compute, forward, parameter, activation and returned
+    bytes sums (what its stage keeps of the model's outputs until their backward)."""
     p = exact.problem
-    sums = np.zeros((exact.num_coarse, 4))
+    sums = np.zeros((exact.num_coarse, 5))
     for v, node in enumerate(p.nodes):
         sums[exact.group_of[v]] += (node.forward_s + node.backward_s, node.forward_s,
-                                    node.param_bytes, node.activation_bytes)
+                                    node.param_bytes, node.activation_bytes,
+                                    node.output_bytes if node.returned else 0)
     return sums
 
 
@@ -277,7 +351,7 @@ def _segments(exact: Coarsening, sums: np.ndarray) -> tuple[list[list[int]], lis
         for b in succs[g]:
             descendants[g] |= descendants[b] | (1 << b)
     totals = np.maximum(sums.sum(axis=0), 1e-300)
-    light = (sums[:, 2] == 0) & np.all(sums <= LIGHT * totals, axis=1)
+    light = np.all(sums <= LIGHT * totals, axis=1)
     heavy = sum(1 << g for g in range(G) if not light[g])
     separators = [s for s in range(G)
                   if heavy & ((1 << s) - 1) & ~ancestors[s] == 0
@@ -306,18 +380,16 @@ def _masks(segment: list[int], preds: list[list[int]]) -> tuple[int, ...]:
 
 
 def _cells(segments: list[list[int]], preds: list[list[int]], sums: np.ndarray,
-           crossings: list[_Crossing] | None, width: float,
-           ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """(lo, hi, sent): lo and hi (positions, 4), sent (positions, 2): the empty ideal,
-    then per segment its cells in order of compute, then every group; sent the least
-    comm_s and the least bytes any of the cell's ideals sends (0 without ``crossings``,
-    at the empty ideal and at every group). None when a segment has more than MAX_IDEALS
-    ideals."""
-    lo_rows: list[np.ndarray] = [np.zeros((1, 4))]
-    hi_rows: list[np.ndarray] = [np.zeros((1, 4))]
-    sent_rows: list[np.ndarray] = [np.zeros((1, 2))]
-    before = np.zeros(4)
-    cache: dict[tuple[object, ...], tuple[np.ndarray, np.ndarray, np.ndarray] | None] = {}
+           crossings: list[_Crossing] | None, width: float) -> _Table | None:
+    """The relaxation's positions (``_Table``): the empty ideal, then per segment its
+    cells in order of compute but one holding only the empty ideal (the same set as the
+    previous segment's full ideal), then every group. None when a segment has more than
+    MAX_IDEALS ideals."""
+    rows: list[list[np.ndarray]] = [[np.zeros((1, 5))], [np.zeros((1, 5))],
+                                    [np.zeros((1, 2))], [np.zeros(1)], [np.zeros(1)],
+                                    [np.array([-1])], [np.array([-1])]]
+    before = np.zeros(5)
+    cache: dict[tuple[object, ...], tuple[np.ndarray, ...] | None] = {}
     for k, segment in enumerate(segments):
         masks = _masks(segment, preds)
         crossing = crossings[k] if crossings is not None else _Crossing(np.zeros(2), (), ())
@@ -326,22 +398,29 @@ def _cells(segments: list[list[int]], preds: list[list[int]], sums: np.ndarray,
         if key not in cache:
             ideals = _ideals(masks, sums[segment])
             cache[key] = None if ideals is None else _bin(
-                ideals[1], np.array([crossing.sent(i) for i in ideals[0]], dtype=float), width)
+                ideals[1], np.array([crossing.sent(i) for i in ideals[0]], dtype=float),
+                np.array(ideals[0]) == (1 << len(segment)) - 1, width)
         binned = cache[key]
         if binned is None:
             return None
-        lo_rows.append(before + binned[0])
-        hi_rows.append(before + binned[1])
-        sent_rows.append(crossing.through + binned[2])
+        lo, hi, sent, most, own, only_full, only_empty = binned
+        keep = ~only_empty
+        for row, value in zip(rows, (before + lo, before + hi, crossing.through + sent,
+                                     crossing.through[1] + most, own,
+                                     np.full(len(lo), k), np.where(only_full, k, k - 1)),
+                              strict=True):
+            row.append(value[keep])
         before = before + sums[segment].sum(axis=0)
-    lo_rows.append(before[None, :])
-    hi_rows.append(before[None, :])
-    sent_rows.append(np.zeros((1, 2)))
-    return np.concatenate(lo_rows), np.concatenate(hi_rows), np.concatenate(sent_rows)
+    last = len(segments)
+    for row, value in zip(rows, (before[None, :], before[None, :], np.zeros((1, 2)),
+                                 np.zeros(1), np.zeros(1), np.array([last]),
+                                 np.array([last - 1])), strict=True):
+        row.append(value)
+    return _Table(*(np.concatenate(row) for row in rows))
 
 
 def _ideals(masks: tuple[int, ...], sums: np.ndarray) -> tuple[list[int], np.ndarray] | None:
-    """(bits, sums (ideals, 4)) of every ideal of a segment (``masks[i]``: the bits of
+    """(bits, sums (ideals, 5)) of every ideal of a segment (``masks[i]``: the bits of
     group i's predecessors in it, groups in a topological order), the empty one first;
     None beyond MAX_IDEALS. Each ideal is made once, from the ideal of its groups but the
     last (in order), which is one too."""
@@ -362,13 +441,21 @@ def _ideals(masks: tuple[int, ...], sums: np.ndarray) -> tuple[list[int], np.nda
     return bits, np.array(found)
 
 
-def _bin(ideals: np.ndarray, sent: np.ndarray, width: float,
-         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per cell of ``width`` seconds of compute (in order), the least and the most of each
-    sum over the ideals whose compute falls in it, and the least of each they send."""
+def _bin(ideals: np.ndarray, sent: np.ndarray, full: np.ndarray, width: float,
+         ) -> tuple[np.ndarray, ...]:
+    """Per cell of ``width`` seconds of compute (in order) of a segment's ideals (the empty
+    one first; ``sent`` what each sends, ``_Crossing.sent``; ``full`` which is the full
+    one): the least and the most of each sum over the cell's ideals, the least comm_s
+    and bytes they send, the most bytes, the least bytes their own groups send, whether
+    the cell holds only the full ideal, and whether only the empty one."""
     cell = np.floor(ideals[:, 0] / width) if width > 0 else np.zeros(len(ideals))
     order = np.argsort(cell, kind="stable")
-    ideals, cell, sent = ideals[order], cell[order], sent[order]
+    ideals, cell, sent, full = ideals[order], cell[order], sent[order], full[order]
+    empty = np.zeros(len(order), dtype=bool)
+    empty[np.flatnonzero(order == 0)] = True
     starts = np.flatnonzero(np.concatenate(([True], cell[1:] != cell[:-1])))
     return (np.minimum.reduceat(ideals, starts, axis=0),
-            np.maximum.reduceat(ideals, starts, axis=0), np.minimum.reduceat(sent, starts))
+            np.maximum.reduceat(ideals, starts, axis=0),
+            np.minimum.reduceat(sent[:, :2], starts),
+            np.maximum.reduceat(sent[:, 1], starts), np.minimum.reduceat(sent[:, 2], starts),
+            np.logical_and.reduceat(full, starts), np.logical_and.reduceat(empty, starts))
