@@ -75,7 +75,6 @@ from fxpipe.passes.base import OP_NODES
 from fxpipe.precision import Precision, parse_precision
 from fxpipe.runtime.loading import import_file
 from fxpipe.schedules import ScheduleKind
-from fxpipe.tracing.repeats import DEPTHS
 
 MICRO = 2  # samples per micro-batch
 MICROBATCHES = 4
@@ -725,9 +724,10 @@ def check(family: Family, folder: Path, schedule: ScheduleKind = ScheduleKind.ON
         device = get_device("h100")
         source, traced = analyze_file(str(model_file), device=device, solvable=True,
                                        precision=precision)
-        depth = next((depth for depth in DEPTHS for note in traced.notes
-                      if note.startswith(f"exported {depth} layers")), None)
-        row.capture = f"{traced.tracer}, copied {depth} deep" if depth else traced.tracer
+        copied = next((found for note in traced.notes
+                       if (found := re.match(r"exported (\d+) layers", note))), None)
+        row.capture = (f"{traced.tracer}, copied {copied.group(1)} deep" if copied
+                       else traced.tracer)
         row.nodes = sum(1 for n in traced.gm.graph.nodes if n.op in OP_NODES)
 
         phase = "plan"

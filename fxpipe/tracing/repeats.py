@@ -1,29 +1,35 @@
-"""Exporting a model whose layers repeat: export two of them, copy the second for the rest.
+"""Exporting a model whose layers repeat: export a few of them, copy the last for the rest.
 
 torch.export spends milliseconds per op on symbolic shapes: 9.6 s of a 10.5 s trace of
 a 32-layer Llama-3-8B, 36 s for an 80-layer 70B. The layers of such a model are one
 class with one structure, stored in an ``nn.ModuleList``. The model is exported with
 each long list cut to its first two layers, and the graph of the second is copied for
 the others, each copy reading its own layer's parameters and the previous copy's values
-where the second read the first's. Where the first layer runs unlike the others (they
-read its output, say), three are exported and the third is copied.
+where the second read the first's.
+
+Layers of one structure need not all run alike, and the copy follows how they do
+(``Repeat``): where the first layer runs unlike the others (they read its output, say),
+three are exported and the third is copied; where they alternate with a period p
+(GPT-OSS's and Gemma-2's sliding-window and full attention, every other layer), 2p are
+exported and the last p copied in turn, layer i as the exported layer of its phase.
 
 A copy is only right if every later layer really runs as the copied one does, which
-nothing in a model's structure promises (a layer may read its index, as Gemma-2's alternating
-sliding windows do, or the model may read every layer's output). So the whole model is
-first run on fake tensors (static shapes, about a second) recording, at the level of
-``torch`` functions, every call with its arguments: each tensor named by where it came
-from (this layer's call c, the previous layer's call c, a parameter by its name inside
-the layer, anything else by what it is), each other value as it is, with the grad
-mode and autocast state. The cut model is recorded too. The copy is made only when
-the layers after the copied one record exactly as it, the cut model records exactly as
+nothing in a model's structure promises (a layer may read its index, or the model may
+read every layer's output). So the whole model is first run on fake tensors (static
+shapes, about a second) recording, at the level of ``torch`` functions, every call with
+its arguments: each tensor named by where it came from (this layer's call c, the
+previous layer's call c, a parameter by its name inside the layer, anything else by what
+it is), each other value as it is, with the grad mode and autocast state. The run shows
+the period and the first layer from which the layers repeat (``repeat_of``). The cut
+model is recorded too. The copy is made only when the layers after the exported ones
+record exactly as the exported layer of their phase, the cut model records exactly as
 the whole model's first layers and everything outside them, and the exported graphs of
-the last two exported layers match node for node (the first layer reading from before
-the layers what the second reads from the first); otherwise the whole model is exported
-as it is.
+the last two periods match node for node (the first layer reading from before the
+layers what the one a period later reads from the layer before it); otherwise the whole
+model is exported as it is.
 
 The whole model's run, seconds of Python on a long model, is recorded in a forked child
-(``forked.py``) while the cut model is exported here.
+(``forked.py``) while the model cut to two layers, the common case, is exported here.
 """
 
 from __future__ import annotations
@@ -47,10 +53,24 @@ from fxpipe.tracing.records import InputShape
 
 __all__ = ["export_in_layers"]
 
-# Layers exported: two, the second copied for the others; three where the first runs
-# unlike the others (every later layer reads its output, say), the third copied.
-DEPTHS = (2, 3)
 MIN_LAYERS = 6  # shorter lists are exported whole: the copy would save too little
+MAX_PERIOD = 8  # the longest period of layers that run alike looked for
+
+
+@dataclass(frozen=True)
+class Repeat:
+    """How a list's layers repeat: ``depth`` layers are exported, and each later layer i
+    is a copy of exported layer ``template(i)``, the one of its phase among the last
+    ``period``."""
+
+    depth: int
+    period: int = 1
+
+    def template(self, index: int) -> int:
+        return self.depth - self.period + (index - self.depth) % self.period
+
+
+FIRST = Repeat(2)  # exported while the whole model is recorded: the second layer copied
 
 
 @dataclass(frozen=True)
@@ -237,11 +257,26 @@ def record(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
             for which, modules in enumerate(live):
                 for index, module in enumerate(modules):
                     hooks.enter_context(_hooked(recorder, module, (which, index)))
-            with quiet_stderr(), mode, recorder:  # fake mode logs failures
+            with quiet_stderr(), _as_exported(), mode, recorder:  # fake mode logs failures
                 functional_call(model, state, fake_args, fake_kwargs, tie_weights=False)
     except Exception:
         return None
     return recorder.run
+
+
+@contextmanager
+def _as_exported() -> Iterator[None]:
+    """The run takes the branches an export takes: ``torch.compiler.is_compiling()`` and
+    ``is_exporting()`` are true inside (transformers then runs a mixture of experts'
+    float32 ``grouped_mm`` through its fallback op, as the export does, where fake CPU
+    tensors refuse the fused kernel)."""
+    try:
+        from torch._export.utils import _compiling_state_context
+    except ImportError:  # an older torch: the flags as they are
+        yield
+        return
+    with _compiling_state_context():
+        yield
 
 
 @contextmanager
@@ -275,61 +310,112 @@ def _hooked(recorder: _Recorder, module: torch.nn.Module, which: tuple[int, int]
         after.remove()
 
 
-def same_run(whole: Run, kept: Run, lists: Sequence[Layers], depth: int) -> bool:
-    """Whether the model cut to ``depth`` layers per list ran as the whole model did, and
-    every layer of the whole model after the ``depth``-th as that one."""
+def same_run(whole: Run, kept: Run, lists: Sequence[Layers], repeat: Repeat) -> bool:
+    """Whether the model cut to ``repeat.depth`` layers per list ran as the whole model
+    did, and every layer of the whole model after those as the exported layer of its
+    phase."""
+    depth = repeat.depth
     if whole.outside != kept.outside:
         return False
     if [w for w in whole.order if w[1] < depth] != kept.order:
         return False
     for which, layers in enumerate(lists):
-        if [i for w, i in whole.order if w == which] != list(range(len(layers.modules))):
+        count = len(layers.modules)
+        if [i for w, i in whole.order if w == which] != list(range(count)):
             return False
-        last = whole.inside[(which, depth - 1)]
+        if (count - depth) % repeat.period:  # the last layer must be a copy of the last
+            return False
         if any(kept.inside[(which, i)] != whole.inside[(which, i)] for i in range(depth)):
             return False
-        if any(whole.inside[(which, i)] != last for i in range(depth, len(layers.modules))):
+        if any(whole.inside[(which, i)] != whole.inside[(which, repeat.template(i))]
+               for i in range(depth, count)):
             return False
     return True
+
+
+def repeat_of(whole: Run, lists: Sequence[Layers]) -> Repeat | None:
+    """The fewest layers to export, and the shortest period, by which the whole model's
+    recorded run says every list's later layers run as an exported one (``same_run``
+    then checks the cut model); None when no period up to MAX_PERIOD leaves a period to
+    copy."""
+    counts = [len(layers.modules) for layers in lists]
+    for period in range(1, MAX_PERIOD + 1):
+        starts = [_periodic_from(whole, which, count, period)
+                  for which, count in enumerate(counts)]
+        depth = max(2 * period, *(start + period for start in starts))
+        while depth < min(counts) and any((count - depth) % period for count in counts):
+            depth += 1
+        if depth + period <= min(counts) and not any((c - depth) % period for c in counts):
+            return Repeat(depth, period)
+    return None
+
+
+def _periodic_from(whole: Run, which: int, count: int, period: int) -> int:
+    """The first layer of list ``which`` from which each layer runs as the one ``period``
+    after it."""
+    inside = [whole.inside.get((which, i)) for i in range(count)]
+    start = count - period
+    while start > 0 and inside[start - 1] == inside[start - 1 + period]:
+        start -= 1
+    return max(start, 0)
 
 
 def export_in_layers(
     model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[torch.fx.GraphModule, tuple[Any, ...], tuple[InputShape, ...],
            Exception | None, str] | None:
-    """``export_program`` and ``exported_graph`` with each long list of layers exported
-    two (or three) deep and copied (the module docstring), and a note saying so; None when
-    the model has no such list or its later layers do not all run alike."""
+    """``export_program`` and ``exported_graph`` with each long list of layers exported a
+    few deep and copied (the module docstring), and a note saying so; None when the
+    model has no such list or its later layers do not run as exported ones."""
     lists = layer_lists(model)
     if not lists:
         return None
     with Forked(lambda: record(model, args, kwargs, lists)) as recorded:
         # exported and copied while the child records the whole model; kept if that run
         # shows every later layer ran as the copied one
-        layered = _layered(model, args, kwargs, lists, DEPTHS[0])
+        layered = _layered(model, args, kwargs, lists, FIRST)
         whole = recorded.result()
     if whole is None:
         return None
     if (layered is None or layered.graph is None
-            or not same_run(whole, layered.run, lists, layered.depth)):
-        layered = _layered(model, args, kwargs, lists, DEPTHS[1], whole)
+            or not same_run(whole, layered.run, lists, layered.repeat)):
+        layered = None
+        for repeat in _to_try(repeat_of(whole, lists), lists):
+            layered = _layered(model, args, kwargs, lists, repeat, whole)
+            if layered is not None and layered.graph is not None:
+                break
     if layered is None or layered.graph is None:
         return None
     shown = ", ".join(f"{len(layers.modules)} of {layers.path}" for layers in lists)
-    note = (f"exported {layered.depth} layers of each list of identical layers ({shown}) "
-            f"and copied the last for the others: every later layer ran as layer "
-            f"{layered.depth - 1} did")
+    depth, period = layered.repeat.depth, layered.repeat.period
+    if period == 1:
+        how = f"copied the last for the others: every later layer ran as layer {depth - 1} did"
+    else:
+        how = (f"copied the last {period} in turn for the others: every later layer ran "
+               f"as the one {period} before it did")
+    note = f"exported {depth} layers of each list of identical layers ({shown}) and {how}"
     return (*layered.graph, layered.fixed_shapes, note)
+
+
+def _to_try(repeat: Repeat | None, lists: Sequence[Layers]) -> list[Repeat]:
+    """After ``FIRST``: the repeat the whole model's run shows, then one period deeper
+    (export may write the first layer otherwise than the later ones: shape arithmetic it
+    does once, say), each where a period is left to copy."""
+    if repeat is None:
+        return []
+    deeper = Repeat(repeat.depth + repeat.period, repeat.period)
+    fewest = min(len(layers.modules) for layers in lists)
+    return [r for r in (repeat, deeper) if r != FIRST and r.depth + r.period <= fewest]
 
 
 @dataclass
 class _Layered:
-    """The model exported cut to ``depth`` layers per list: the cut model's recorded run,
-    the graph with the last layer copied for the others and its inputs (None where the
-    last two exported layers differ), and the error that kept export from free
-    dimensions (``export_program``)."""
+    """The model exported cut to ``repeat.depth`` layers per list: the cut model's
+    recorded run, the graph with the exported layers copied for the others and its inputs
+    (None where the last two exported periods differ), and the error that kept export
+    from free dimensions (``export_program``)."""
 
-    depth: int
+    repeat: Repeat
     run: Run
     graph: tuple[torch.fx.GraphModule, tuple[Any, ...], tuple[InputShape, ...]] | None
     fixed_shapes: Exception | None
@@ -337,70 +423,86 @@ class _Layered:
 
 def _layered(
     model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-    lists: Sequence[Layers], depth: int, whole: Run | None = None,
+    lists: Sequence[Layers], repeat: Repeat, whole: Run | None = None,
 ) -> _Layered | None:
-    """The model cut to ``depth`` layers per list, exported and copied; None where it
-    cannot be recorded or exported, or did not run as ``whole`` (when given) did."""
+    """The model cut to ``repeat.depth`` layers per list, exported and copied; None where
+    it cannot be recorded or exported, or did not run as ``whole`` (when given) did."""
     try:
-        with cut(lists, depth):
+        with cut(lists, repeat.depth):
             kept = record(model, args, kwargs, lists)
-            if kept is None or (whole is not None and not same_run(whole, kept, lists, depth)):
+            if kept is None or (whole is not None
+                                and not same_run(whole, kept, lists, repeat)):
                 return None
             program, fixed_shapes = export_program(model, args, kwargs)
     except Exception:
         return None  # the whole model may still export: it is tried next
     gm, flat, inputs = exported_graph(program, args, kwargs)
-    copied = all(copy_layers(gm, model, layers, depth) for layers in lists)
-    return _Layered(depth, kept, (gm, flat, inputs) if copied else None, fixed_shapes)
+    copied = all(copy_layers(gm, model, layers, repeat) for layers in lists)
+    return _Layered(repeat, kept, (gm, flat, inputs) if copied else None, fixed_shapes)
 
 
 def copy_layers(gm: torch.fx.GraphModule, model: torch.nn.Module, layers: Layers,
-                depth: int) -> bool:
-    """Copy the exported graph's last layer of ``layers`` (``depth`` of them exported)
-    for each layer the cut left out, each copy reading its own layer's parameters from
-    ``model``; False (and ``gm`` is then to be dropped) when the graphs of the last two
-    exported layers differ."""
+                repeat: Repeat) -> bool:
+    """Copy the exported graph's last ``repeat.period`` layers of ``layers``
+    (``repeat.depth`` of them exported) in turn for each layer the cut left out, each
+    copy reading its own layer's parameters from ``model`` and the copy before it where
+    its template read the layer before; False (and ``gm`` is then to be dropped) when the
+    graphs of the last two exported periods differ."""
+    depth, period = repeat.depth, repeat.period
     members = _members(gm, layers.path)
-    if sorted(members) != list(range(depth)) or not _same_layer(members, layers.path, depth):
+    if (sorted(members) != list(range(depth))
+            or not _same_layers(members, layers.path, depth, period)):
         return False
-    template, previous = members[depth - 1], members[depth - 2]
-    at = {node: p for p, node in enumerate(template)}
-    at_previous = {node: p for p, node in enumerate(previous)}
+    templates = {t: members[t] for t in range(depth - period, depth)}
+    at = {t: {node: p for p, node in enumerate(nodes)} for t, nodes in templates.items()}
+    at_previous = {t: {node: p for p, node in enumerate(members[t - 1])} for t in templates}
+    inside = {node for nodes in templates.values() for node in nodes}
     order = {node: p for p, node in enumerate(gm.graph.nodes)}
-    readers = {user: None for node in template for user in node.users if user not in at}
-    if any(order[user] < order[template[-1]] for user in readers):
-        return False  # something outside the layer runs inside it: not a layer to copy
-    attrs = _own_attrs(gm, layers.path, depth - 1)
-    last_attr = max(attrs, key=order.__getitem__, default=None)
+    readers = {user: None for node in inside for user in node.users if user not in inside}
+    last = templates[depth - 1][-1]
+    if any(order[user] < order[last] for user in readers):
+        return False  # something outside the layers runs inside them: not layers to copy
+    if any(node not in at[depth - 1] for user in readers for node in user.all_input_nodes
+           if node in inside):
+        return False  # only the last layer's values are read after the layers
+    attrs = {t: _own_attrs(gm, layers.path, t) for t in templates}
+    last_attr = max((n for a in attrs.values() for n in a), key=order.__getitem__,
+                    default=None)
     # The lifted constants (see _members) are copied after the last one, where a whole
     # export has them; the rest after the copy before.
-    lifted = [node for node in template if not node.meta.get("nn_module_stack")]
+    lifted = [node for nodes in templates.values() for node in nodes
+              if not node.meta.get("nn_module_stack")]
     is_lifted = set(lifted)
-    before, after = template, template[-1]
-    after_lifted = lifted[-1] if lifted else None
+    before, after = members[depth - 1], last
+    after_lifted = max(lifted, key=order.__getitem__) if lifted else None
     for index in range(depth, len(layers.modules)):
-        names, last_attr = _add_attrs(gm, model, f"{layers.path}.{index}.", attrs, last_attr)
+        t = repeat.template(index)
+        names, last_attr = _add_attrs(gm, model, f"{layers.path}.{index}.", attrs[t],
+                                      last_attr)
 
         def source(node: torch.fx.Node, made: list[torch.fx.Node],
                    before: list[torch.fx.Node] = before,
-                   names: dict[torch.fx.Node, torch.fx.Node] = names) -> torch.fx.Node:
-            if node in at:
-                return made[at[node]]
-            if node in at_previous:
-                return before[at_previous[node]]
+                   names: dict[torch.fx.Node, torch.fx.Node] = names,
+                   t: int = t) -> torch.fx.Node:
+            if node in at[t]:
+                return made[at[t][node]]
+            if node in at_previous[t]:
+                return before[at_previous[t][node]]
             return names.get(node, node)
 
-        made = _copy(gm, template, after, source, is_lifted, after_lifted)
-        for node, copy in zip(template, made, strict=True):
-            copy.meta = _moved_meta(node.meta, layers.path, depth - 1, index)
+        made = _copy(gm, templates[t], after, source, is_lifted, after_lifted)
+        for node, copy in zip(templates[t], made, strict=True):
+            copy.meta = _moved_meta(node.meta, layers.path, t, index)
             meta.COPY_OF.set(copy, node.name)
         before, after = made, made[-1]
-        if lifted:
-            after_lifted = made[at[lifted[-1]]]
+        made_lifted = [copy for node, copy in zip(templates[t], made, strict=True)
+                       if node in is_lifted]
+        if made_lifted:
+            after_lifted = made_lifted[-1]
     for user in readers:  # what read the last exported layer reads the last copy
         for node in user.all_input_nodes:
-            if node in at:
-                user.replace_input_with(node, before[at[node]])
+            if node in at[depth - 1]:
+                user.replace_input_with(node, before[at[depth - 1][node]])
     gm.graph.lint()
     gm.recompile()
     return True
@@ -479,14 +581,16 @@ def _members(gm: torch.fx.GraphModule, path: str) -> dict[int, list[torch.fx.Nod
     return {i: sorted(nodes, key=order.__getitem__) for i, nodes in members.items()}
 
 
-def _same_layer(members: dict[int, list[torch.fx.Node]], path: str, depth: int) -> bool:
-    """Whether the last two of the ``depth`` exported layers are one graph: the same ops in
-    the same order, each argument the same value, the same node outside the layers, the
-    same position in the layer, the same parameter of the layer's own, or a value of an
-    earlier layer (the layer before, as a copy reads the copy before it, or layer 0,
-    which every later layer may read as one fixed value: the recorded runs tell the two
-    apart). Layer 0 reads from before the layers what layer 1 reads from layer 0 (the
-    embedding, where layer 1 reads layer 0's output): those values stand for an earlier
+def _same_layers(members: dict[int, list[torch.fx.Node]], path: str, depth: int,
+                 period: int) -> bool:
+    """Whether each of the last ``period`` of the ``depth`` exported layers is one graph
+    with the layer a period before it: the same ops in the same order, each argument the
+    same value, the same node outside the layers, the same position in the layer, the
+    same parameter of the layer's own, or a value of an earlier layer (the layer before,
+    as a copy reads the copy before it, or layer 0, which every later layer may read as
+    one fixed value: the recorded runs tell the two apart). Layer 0 reads from before
+    the layers what the layer a period later reads from earlier layers (the embedding,
+    where that one reads the layer before's output): those values stand for an earlier
     layer's there."""
     def reads(index: int) -> set[torch.fx.Node]:
         return {a for node in members[index] for a in node.all_input_nodes}
@@ -495,7 +599,7 @@ def _same_layer(members: dict[int, list[torch.fx.Node]], path: str, depth: int) 
         here = {node: p for p, node in enumerate(members[index])}
         before = {node for earlier in range(index) for node in members[earlier]}
         if index == 0:
-            before = reads(0) - reads(1)
+            before = reads(0) - reads(period)
         prefix = f"{path}.{index}."
 
         def kind(node: torch.fx.Node) -> Any:
@@ -510,7 +614,7 @@ def _same_layer(members: dict[int, list[torch.fx.Node]], path: str, depth: int) 
         return [(n.op, n.target, torch.fx.map_arg(n.args, kind), torch.fx.map_arg(n.kwargs, kind))
                 for n in members[index]]
 
-    return shape(depth - 2) == shape(depth - 1)
+    return all(shape(index - period) == shape(index) for index in range(depth - period, depth))
 
 
 def _own_attrs(gm: torch.fx.GraphModule, path: str, index: int) -> dict[torch.fx.Node, str]:

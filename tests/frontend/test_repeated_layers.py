@@ -1,11 +1,13 @@
-"""Exporting two (or three) layers of a long list of identical layers and copying the last
-(fxpipe.tracing.repeats) gives the graph a whole export gives, or is not done.
+"""Exporting two (or three, or two periods of) layers of a long list of identical layers
+and copying the last (fxpipe.tracing.repeats) gives the graph a whole export gives, or
+is not done.
 
 The copy is compared with a whole export node by node (op, arguments by position,
-parameters by name, module stack), and run against the model itself. Models whose
-layers do not all run alike (a layer that reads its index, Gemma-2's alternating
-sliding windows, an output made of every layer's output, layers run in another order or
-twice) are exported whole, and that whole graph still computes the model.
+parameters by name, module stack), and run against the model itself. Layers that
+alternate (Gemma-2's and GPT-OSS's sliding-window and full attention) are copied in
+turn. Models whose layers do not all run alike (a layer that reads its index, an output
+made of every layer's output, layers run in another order or twice) are exported whole,
+and that whole graph still computes the model.
 """
 
 from __future__ import annotations
@@ -24,12 +26,14 @@ from fxpipe.passes import annotate_all
 from fxpipe.precision import Precision
 from fxpipe.tracing.export import export_program, exported_graph
 from fxpipe.tracing.repeats import (
-    DEPTHS,
+    FIRST,
     MIN_LAYERS,
+    Repeat,
     cut,
     export_in_layers,
     layer_lists,
     record,
+    repeat_of,
     same_run,
 )
 from tests.codegen._models import assert_runner_matches, import_package, write_package
@@ -137,7 +141,7 @@ def test_the_copies_are_the_graph_a_whole_export_gives(make: Any) -> None:
     assert layered is not None, "the layers were not copied"
     gm, flat, inputs, fixed, note = layered
     assert fixed is None and f"{LAYERS} of" in note
-    assert note.startswith(f"exported {DEPTHS[0]} layers"), note
+    assert note.startswith(f"exported {FIRST.depth} layers"), note
     program, _ = export_program(model, (), kwargs)
     whole, whole_flat, whole_inputs = exported_graph(program, (), kwargs)
     assert _canonical(gm) == _canonical(whole)
@@ -145,7 +149,7 @@ def test_the_copies_are_the_graph_a_whole_export_gives(make: Any) -> None:
     _assert_computes_the_model(gm, model, flat, kwargs)
     # The passes take a copy's records from the node it copies, unrun: the records are
     # the whole export's (on fake CPU tensors too, as bf16-mixed runs them).
-    assert sum(meta.COPY_OF.has(n) for n in gm.graph.nodes) >= (LAYERS - DEPTHS[0]) * 10
+    assert sum(meta.COPY_OF.has(n) for n in gm.graph.nodes) >= (LAYERS - FIRST.depth) * 10
     assert not any(meta.COPY_OF.has(n) for n in whole.graph.nodes)
     for precision in (None, Precision.BF16_MIXED) if make is _llama else (None,):
         execution = Execution(precision=precision)
@@ -214,7 +218,7 @@ def test_layers_that_read_the_first_ones_output_are_copied_three_deep() -> None:
     model, x = _Stack("reads the first", _AddsTheFirst), torch.randn(4, 16)
     layered = export_in_layers(model, (x,), {})
     assert layered is not None, "the layers were not copied"
-    assert layered[4].startswith(f"exported {DEPTHS[1]} layers"), layered[4]
+    assert layered[4].startswith("exported 3 layers"), layered[4]
     program, _ = export_program(model, (x,), {})
     whole, _, _ = exported_graph(program, (x,), {})
     assert _canonical(layered[0]) == _canonical(whole)
@@ -260,16 +264,17 @@ def test_layers_that_do_not_all_run_alike_are_exported_whole(model: nn.Module) -
 def test_the_recorded_runs_tell_layers_that_differ(model: nn.Module, args: tuple[Any, ...],
                                                    kwargs: dict[str, Any]) -> None:
     """The check on its own, before any export: each of these runs otherwise than the
-    model cut to two or three layers and copied would."""
+    model cut to two or three layers and the last copied would (Gemma-2 repeats every
+    other layer, not every layer)."""
     lists = layer_lists(model)
     assert [len(layers.modules) for layers in lists] == [LAYERS]
     whole = record(model, args, kwargs, lists)
     assert whole is not None
-    for depth in DEPTHS:
-        with cut(lists, depth):
+    for repeat in (FIRST, Repeat(3)):
+        with cut(lists, repeat.depth):
             kept = record(model, args, kwargs, lists)
         assert kept is not None
-        assert not same_run(whole, kept, lists, depth)
+        assert not same_run(whole, kept, lists, repeat)
 
 
 def test_the_same_layers_in_order_are_copied() -> None:
@@ -283,16 +288,39 @@ def test_the_same_layers_in_order_are_copied() -> None:
         torch.testing.assert_close(_run(gm, flat), model(x))
 
 
-def test_alternating_layers_are_exported_whole() -> None:
-    """Gemma-2 alternates sliding-window and global attention layer by layer: its layers
-    share one class and one structure, and must not be copied."""
-    model = _built(_gemma2)
+def _gpt_oss() -> nn.Module:
+    config = transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=LAYERS + 2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=4, use_cache=False)
+    return transformers.GptOssForCausalLM(config)
+
+
+@pytest.mark.parametrize("make, depth", [(_gemma2, 4), (_gpt_oss, 6)], ids=["gemma2", "gpt_oss"])
+def test_alternating_layers_are_copied_in_turn(make: Any, depth: int) -> None:
+    """Gemma-2 and GPT-OSS alternate sliding-window and full attention layer by layer:
+    their recorded run repeats every other layer from the second, four layers are
+    exported and the last two copied in turn, which is the graph a whole export gives.
+    (GPT-OSS's export writes shape arithmetic into its first layer alone: six are
+    exported, and layers 2 and 3 are compared with 4 and 5.)"""
+    model = _built(make)
     kwargs = {"input_ids": _ids()}
-    traced = trace(model, (), kwargs)  # export_in_layers gives None: a whole export
-    assert traced.tracer == "export"
-    assert not any("copied" in note for note in traced.notes)
-    assert not any(meta.COPY_OF.has(n) for n in traced.gm.graph.nodes)
-    _assert_computes_the_model(traced.gm, model, traced.flat_inputs, kwargs)
+    lists = layer_lists(model)
+    whole_run = record(model, (), kwargs, lists)
+    assert whole_run is not None
+    assert repeat_of(whole_run, lists) == Repeat(4, 2)
+    layered = export_in_layers(model, (), kwargs)
+    assert layered is not None, "the layers were not copied"
+    gm, flat, inputs, _, note = layered
+    assert note.startswith(f"exported {depth} layers") and "last 2 in turn" in note, note
+    program, _ = export_program(model, (), kwargs)
+    whole, whole_flat, whole_inputs = exported_graph(program, (), kwargs)
+    assert _canonical(gm) == _canonical(whole)
+    assert inputs == whole_inputs
+    layers = len(lists[0].modules)
+    assert sum(meta.COPY_OF.has(n) for n in gm.graph.nodes) >= (layers - depth) * 10
+    _assert_computes_the_model(gm, model, flat, kwargs)
+    assert _records(gm, flat, Execution()) == _records(whole, whole_flat, Execution())
 
 
 def test_a_pipeline_of_copied_layers_is_transparent(tmp_path: Path) -> None:
@@ -334,7 +362,7 @@ def test_the_recorded_runs_leave_the_model_as_it_was() -> None:
     x = torch.randn(4, 16)
     lists = layer_lists(model)
     assert record(model, (x,), {}, lists) is not None
-    with cut(lists, DEPTHS[0]):
+    with cut(lists, FIRST.depth):
         assert record(model, (x,), {}, lists) is not None
     assert not any(hasattr(layer, "scale") for layer in model.layers)
     assert isinstance(model.layers, nn.ModuleList) and len(model.layers) == LAYERS

@@ -10,6 +10,9 @@ with at most one way the layers do not all run alike, drawn with the layer it to
     skip        the loop adds an earlier layer's output before that layer
     shared      every layer adds one tensor the model made before the layers (legit)
     first       every layer after the first adds the first layer's output (legit)
+    alternate   every other layer's block multiplies by another constant (legit: the
+                layers repeat with a period of two, as sliding-window and full
+                attention alternate)
 
 Copying is always allowed to refuse; what it must never do is copy and compute
 something else. The legit ones (and none at all) must be copied, so the property is
@@ -32,7 +35,7 @@ from fxpipe.tracing.repeats import MIN_LAYERS, export_in_layers
 WIDTH = 8
 EXAMPLES = int(os.environ.get("FXPIPE_FUZZ_EXAMPLES", "25"))
 OPS = ("linear", "relu", "gelu", "tanh", "norm", "residual", "scale_param", "softmax")
-LEGIT = (None, "shared", "first")
+LEGIT = (None, "shared", "first", "alternate")
 
 
 class _Block(nn.Module):
@@ -70,6 +73,11 @@ class _Block(nn.Module):
         return x * self.constant
 
 
+def _scaled(variation: str | None, index: int, at: int) -> bool:
+    """Whether layer ``index`` multiplies by another constant."""
+    return (variation == "scale" and index == at) or (variation == "alternate" and index % 2 == 1)
+
+
 class _Stack(nn.Module):
     def __init__(self, ops: tuple[str, ...], layers: int, variation: str | None,
                  at: int) -> None:
@@ -78,7 +86,7 @@ class _Stack(nn.Module):
         self.at = at
         self.embed = nn.Linear(WIDTH, WIDTH)
         self.layers = nn.ModuleList(
-            _Block(ops, i, 2.0 if variation == "scale" and i == at else 1.0,
+            _Block(ops, i, 2.0 if _scaled(variation, i, at) else 1.0,
                    at if variation == "index" else None)
             for i in range(layers))
         self.head = nn.Linear(WIDTH, 3)
@@ -101,7 +109,8 @@ class _Stack(nn.Module):
 def stacks(draw: st.DrawFn) -> tuple[_Stack, str | None]:
     ops = tuple(draw(st.lists(st.sampled_from(OPS), min_size=1, max_size=5)))
     layers = draw(st.integers(MIN_LAYERS, MIN_LAYERS + 3))
-    variation = draw(st.sampled_from([None, "scale", "index", "skip", "shared", "first"]))
+    variation = draw(st.sampled_from([None, "scale", "index", "skip", "shared", "first",
+                                      "alternate"]))
     at = draw(st.integers(2 if variation == "skip" else 0, layers - 1))
     torch.manual_seed(draw(st.integers(0, 2**16)))
     return _Stack(ops, layers, variation, at).double(), variation
