@@ -7,8 +7,11 @@ graph fxpipe can cut and the shapes of its inputs:
                  checks removed, lifted constants turned back into ops, the ranges
                  export assumed
     repeats.py   export of a model whose layers repeat: two of them exported, the
-                 second copied for the rest, where every later layer runs alike (the whole
-                 model recorded in a forked child, fxpipe/forked.py)
+                 second copied for the rest (two periods, the last copied in turn, where
+                 layers alternate), where every later layer runs alike
+    layer_runs.py the model's run recorded layer by layer on fake tensors, which says
+                 whether and with what period its layers run alike (the whole model's
+                 in a forked child, fxpipe/forked.py)
     functions.py the model's own torch.autograd.Functions, kept as one call each by both
                  tracers, named in a note where a tracer runs through them
     hooks.py     backward hooks: a hooked module kept as one call under symbolic_trace,

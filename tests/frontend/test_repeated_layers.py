@@ -25,17 +25,17 @@ from fxpipe.kernels import Execution
 from fxpipe.passes import annotate_all
 from fxpipe.precision import Precision
 from fxpipe.tracing.export import export_program, exported_graph
-from fxpipe.tracing.repeats import (
+from fxpipe.tracing.layer_runs import (
     FIRST,
     MIN_LAYERS,
     Repeat,
     cut,
-    export_in_layers,
     layer_lists,
     record,
     repeat_of,
     same_run,
 )
+from fxpipe.tracing.repeats import export_in_layers
 from tests.codegen._models import assert_runner_matches, import_package, write_package
 from tests.codegen._plans import contiguous_plan
 

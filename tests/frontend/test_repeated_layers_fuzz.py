@@ -30,7 +30,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from fxpipe.tracing.repeats import MIN_LAYERS, export_in_layers
+from fxpipe.tracing.layer_runs import MIN_LAYERS
+from fxpipe.tracing.repeats import export_in_layers
 
 WIDTH = 8
 EXAMPLES = int(os.environ.get("FXPIPE_FUZZ_EXAMPLES", "25"))
