@@ -51,6 +51,7 @@ from fxpipe.tracing.layer_runs import (
     record,
     repeat_of,
     same_run,
+    worth_copying,
 )
 from fxpipe.tracing.records import InputShape
 
@@ -76,7 +77,7 @@ def export_in_layers(
     if (layered is None or layered.graph is None
             or not same_run(whole, layered.run, lists, layered.repeat)):
         layered = None
-        for repeat in _to_try(repeat_of(whole, lists), lists):
+        for repeat in to_try(repeat_of(whole, lists), lists):
             layered = _layered(model, args, kwargs, lists, repeat, whole)
             if layered is not None and layered.graph is not None:
                 break
@@ -93,15 +94,14 @@ def export_in_layers(
     return (*layered.graph, layered.fixed_shapes, note)
 
 
-def _to_try(repeat: Repeat | None, lists: Sequence[Layers]) -> list[Repeat]:
+def to_try(repeat: Repeat | None, lists: Sequence[Layers]) -> list[Repeat]:
     """After ``FIRST``: the repeat the whole model's run shows, then one period deeper
     (export may write the first layer otherwise than the later ones: shape arithmetic it
-    does once, say), each where a period is left to copy."""
+    does once, say), each where it is worth copying."""
     if repeat is None:
         return []
     deeper = Repeat(repeat.depth + repeat.period, repeat.period)
-    fewest = min(len(layers.modules) for layers in lists)
-    return [r for r in (repeat, deeper) if r != FIRST and r.depth + r.period <= fewest]
+    return [r for r in (repeat, deeper) if r != FIRST and worth_copying(r, lists)]
 
 
 @dataclass

@@ -1,9 +1,10 @@
 """Random stacks of identical layers through the repeated-layer export
 (fxpipe.tracing.repeats): whenever the layers are copied, the graph computes the model.
 
-Each model is a list of 6 to 9 layers of one random block (a few of linear, activation,
-layer norm, a residual add, a product with a per-layer parameter, softmax) run in order,
-with at most one way the layers do not all run alike, drawn with the layer it touches:
+Each model is a list of 6 to 9 layers (8 to 12 where they alternate) of one random block
+(a few of linear, activation, layer norm, a residual add, a product with a per-layer
+parameter, softmax) run in order, with at most one way the layers do not all run alike,
+drawn with the layer it touches:
 
     scale       that layer's block multiplies by another constant (a Python attribute)
     index       that layer's forward branches on its own index
@@ -109,9 +110,12 @@ class _Stack(nn.Module):
 @st.composite
 def stacks(draw: st.DrawFn) -> tuple[_Stack, str | None]:
     ops = tuple(draw(st.lists(st.sampled_from(OPS), min_size=1, max_size=5)))
-    layers = draw(st.integers(MIN_LAYERS, MIN_LAYERS + 3))
     variation = draw(st.sampled_from([None, "scale", "index", "skip", "shared", "first",
                                       "alternate"]))
+    # alternating layers are copied where as many are left to copy as are exported:
+    # four of an even count from eight, five of an odd count from eleven
+    layers = draw(st.sampled_from((8, 10, 11, 12)) if variation == "alternate"
+                  else st.integers(MIN_LAYERS, MIN_LAYERS + 3))
     at = draw(st.integers(2 if variation == "skip" else 0, layers - 1))
     torch.manual_seed(draw(st.integers(0, 2**16)))
     return _Stack(ops, layers, variation, at).double(), variation
