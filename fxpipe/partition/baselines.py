@@ -197,9 +197,17 @@ def min_max_dp(blocks: Blocks, n: int, *, upper_s: float, allow_empty: bool
         # stage 0 starts at 0; stage j > 0 after the best split of [0, start) into j stages
         best[0, end], back[0, end] = (load[0, 0] if starts[0] == 0 else inf), 0
         if K > 1:
+            empty = load[:, -1] if gap == 0 else None  # each stage's load as [end, end)
             load = np.maximum(load[1:], best[:-1, starts])
             i = np.argmin(load, axis=1)
             best[1:, end], back[1:, end] = load[np.arange(K - 1), i], starts[i]
+            if empty is not None:
+                # an empty stage j after stages 0..j-1 ending at ``end``: that column's
+                # best[j - 1, end] is only known now, row by row
+                for j in range(1, K):
+                    tried = max(empty[j], best[j - 1, end])
+                    if tried < best[j, end]:
+                        best[j, end], back[j, end] = tried, end
     return best, back
 
 
