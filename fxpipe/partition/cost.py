@@ -122,7 +122,7 @@ def memory_parts(problem: Problem, j: int | np.ndarray, *, flight: int | np.ndar
     keep = 1 if recompute else flight
     loss = problem.loss_saved_bytes * keep + problem.loss_grad_bytes
     grad_factor, optimizer_factor = state_split(problem.state_factor)
-    if np.ndim(j):  # a column of stages: the loss on the last stage's row alone
+    if isinstance(j, np.ndarray) and j.ndim:  # a column of stages: the loss on the last row
         loss_bytes = np.where(j == problem.num_stages - 1, _up(loss, replicas), 0) + 0 * params
     else:
         loss_bytes = _up(loss, replicas) if j == problem.num_stages - 1 else 0 * params

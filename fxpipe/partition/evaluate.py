@@ -185,9 +185,12 @@ def evaluate(problem: Problem, stage_of: Sequence[int],
                            replicas=reps[j], waiting=waiting[j]) for j in range(K)]
 
     if recompute is None:
-        recompute = choose_recompute(problem, priced([False] * K), priced([True] * K))
-    assert len(recompute) == K, (len(recompute), K)
-    stages = priced(recompute)
+        plain, recomputed = priced([False] * K), priced([True] * K)
+        recompute = choose_recompute(problem, plain, recomputed)
+        stages = [recomputed[j] if recompute[j] else plain[j] for j in range(K)]
+    else:
+        assert len(recompute) == K, (len(recompute), K)
+        stages = priced(recompute)
     return Evaluation(stage_of=stage_of, stages=tuple(stages),
                       estimate=step_estimate(problem, stages))
 
