@@ -15,7 +15,14 @@ def valid_splits(problem: Problem) -> Iterator[tuple[int, ...]]:
     Walks the nodes in a topological order of the ordering edges, giving each node every
     stage from its predecessors' largest up; ``violations`` judges the rest.
     """
-    n, K = len(problem.nodes), problem.num_stages
+    for stage_of in _monotone(problem, problem.num_stages):
+        if not violations(problem, stage_of):
+            yield stage_of
+
+
+def _monotone(problem: Problem, stages: int) -> Iterator[tuple[int, ...]]:
+    """Every assignment of nodes to ``stages`` stages in which no ordering edge goes back."""
+    n = len(problem.nodes)
     preds: list[list[int]] = [[] for _ in range(n)]
     indegree = [0] * n
     for e in problem.edges:
@@ -38,11 +45,10 @@ def valid_splits(problem: Problem) -> Iterator[tuple[int, ...]]:
 
     def walk(i: int) -> Iterator[tuple[int, ...]]:
         if i == n:
-            if not violations(problem, stage):
-                yield tuple(stage)
+            yield tuple(stage)
             return
         v = order[i]
-        for s in range(max((stage[u] for u in preds[v]), default=0), K):
+        for s in range(max((stage[u] for u in preds[v]), default=0), stages):
             stage[v] = s
             yield from walk(i + 1)
 
@@ -67,17 +73,21 @@ def recompute_choices(problem: Problem) -> list[tuple[bool, ...]]:
     return [(problem.recompute is Recompute.ALL,) * K]
 
 
-def brute_force_size(problem: Problem, stage_counts: Iterable[int] | None = None) -> int:
-    """An upper bound on the splits ``brute_force`` evaluates for each of ``stage_counts``
-    (default: the problem's own), added up: every stage for every node, every way to share
-    the GPUs, every recompute choice."""
-    nodes, devices = len(problem.nodes), problem.devices
+def brute_force_size(problem: Problem, stage_counts: Iterable[int] | None = None, *,
+                     limit: int) -> int:
+    """The splits ``brute_force`` evaluates for each of ``stage_counts`` (default: the
+    problem's own), added up: every assignment no ordering edge goes back in, every way
+    to share the GPUs, every recompute choice; counted up to just past ``limit``."""
+    devices = problem.devices
     total = 0
     for stages in stage_counts or (problem.num_stages,):
         shared = problem.replicates and stages < devices
-        sharing = math.comb(devices - 1, stages - 1) if shared else 1
-        choices = 2**stages if problem.recompute is Recompute.AUTO else 1
-        total += stages**nodes * sharing * choices
+        each = (math.comb(devices - 1, stages - 1) if shared else 1) * (
+            2**stages if problem.recompute is Recompute.AUTO else 1)
+        for _ in _monotone(problem, stages):
+            total += each
+            if total > limit:
+                return total
     return total
 
 
