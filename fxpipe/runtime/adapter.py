@@ -51,7 +51,6 @@ __all__ = [
     "check_constants",
     "example_values",
     "is_constant",
-    "memory_order",
     "on_model_output",
     "split_wire",
     "torch_schedule_kwargs",
@@ -96,10 +95,10 @@ class StageAdapter(nn.Module):
         # the shape of each received tensor in the example micro-batch it was built with:
         # torch's PipelineStage sends and receives at these shapes (see check_feed)
         self.input_shapes: tuple[tuple[int, ...], ...] = ()
-        # per received / sent tensor: the dim order it travels in (memory_order), None
-        # where it travels as it is
-        self.receive_orders: tuple[tuple[int, ...] | None, ...] = ()
+        # per sent tensor: the dim order it travels in (memory_order); per received one:
+        # the order that puts it back as the model had it; None where it travels as it is
         self.send_orders: tuple[tuple[int, ...] | None, ...] = ()
+        self.restore_orders: tuple[tuple[int, ...] | None, ...] = ()
         # last stage with a structured output: its leaves (None where a tensor goes) and
         # structure; it returns only the tensors, ``rebuild_output`` puts them back
         self.output_leaves: list[Any] | None = None
@@ -120,8 +119,8 @@ class StageAdapter(nn.Module):
 
     def _run(self, *flat: torch.Tensor) -> Any:
         values: dict[str, Any] = dict(self.constants)
-        orders = self.receive_orders or (None,) * len(flat)
-        values.update((name, x if order is None else x.permute(_inverse(order)))
+        orders = self.restore_orders or (None,) * len(flat)
+        values.update((name, x if order is None else x.permute(order))
                       for name, x, order in zip(self.receives, flat, orders, strict=True))
         if self.recompute:  # both runs start from the received values, not the written ones
             for name in getattr(self.stage, "WRITES", ()):
@@ -154,11 +153,13 @@ class StageAdapter(nn.Module):
         """Set the order each tensor travels in (``memory_order`` of its example; the
         first stage's come from the micro-batch as they are) and ``input_shapes``; return
         empty tensors as this stage receives them."""
-        self.receive_orders = tuple(None if first else memory_order(examples[name])
-                                    for name in self.receives)
+        received = tuple(None if first else memory_order(examples[name])
+                         for name in self.receives)
+        self.restore_orders = tuple(None if order is None else _inverse(order)
+                                    for order in received)
         self.send_orders = tuple(memory_order(examples[name]) for name in self.sends or ())
         inputs = tuple(wire_example(examples[name], order, device)
-                       for name, order in zip(self.receives, self.receive_orders, strict=True))
+                       for name, order in zip(self.receives, received, strict=True))
         self.input_shapes = tuple(tuple(x.shape) for x in inputs)
         return inputs
 
