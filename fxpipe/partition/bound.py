@@ -385,9 +385,11 @@ def _cells(segments: list[list[int]], preds: list[list[int]], sums: np.ndarray,
     cells in order of compute but one holding only the empty ideal (the same set as the
     previous segment's full ideal), then every group. None when a segment has more than
     MAX_IDEALS ideals."""
-    rows: list[list[np.ndarray]] = [[np.zeros((1, 5))], [np.zeros((1, 5))],
-                                    [np.zeros((1, 2))], [np.zeros(1)], [np.zeros(1)],
-                                    [np.array([-1])], [np.array([-1])]]
+    # per _Table field, its rows: the empty ideal's first
+    rows: dict[str, list[np.ndarray]] = {
+        "lo": [np.zeros((1, 5))], "hi": [np.zeros((1, 5))], "sent": [np.zeros((1, 2))],
+        "sent_most": [np.zeros(1)], "own": [np.zeros(1)], "segment": [np.array([-1])],
+        "whole": [np.array([-1])]}
     before = np.zeros(5)
     cache: dict[tuple[object, ...], tuple[np.ndarray, ...] | None] = {}
     for k, segment in enumerate(segments):
@@ -405,18 +407,20 @@ def _cells(segments: list[list[int]], preds: list[list[int]], sums: np.ndarray,
             return None
         lo, hi, sent, most, own, only_full, only_empty = binned
         keep = ~only_empty
-        for row, value in zip(rows, (before + lo, before + hi, crossing.through + sent,
-                                     crossing.through[1] + most, own,
-                                     np.full(len(lo), k), np.where(only_full, k, k - 1)),
-                              strict=True):
-            row.append(value[keep])
+        for name, value in (("lo", before + lo), ("hi", before + hi),
+                            ("sent", crossing.through + sent),
+                            ("sent_most", crossing.through[1] + most), ("own", own),
+                            ("segment", np.full(len(lo), k)),
+                            ("whole", np.where(only_full, k, k - 1))):
+            rows[name].append(value[keep])
         before = before + sums[segment].sum(axis=0)
-    last = len(segments)
-    for row, value in zip(rows, (before[None, :], before[None, :], np.zeros((1, 2)),
-                                 np.zeros(1), np.zeros(1), np.array([last]),
-                                 np.array([last - 1])), strict=True):
-        row.append(value)
-    return _Table(*(np.concatenate(row) for row in rows))
+    last = len(segments)  # every group: what the last segment's full ideal holds
+    for name, value in (("lo", before[None, :]), ("hi", before[None, :]),
+                        ("sent", np.zeros((1, 2))), ("sent_most", np.zeros(1)),
+                        ("own", np.zeros(1)), ("segment", np.array([last])),
+                        ("whole", np.array([last - 1]))):
+        rows[name].append(value)
+    return _Table(**{name: np.concatenate(row) for name, row in rows.items()})
 
 
 def _ideals(masks: tuple[int, ...], sums: np.ndarray) -> tuple[list[int], np.ndarray] | None:
@@ -451,8 +455,7 @@ def _bin(ideals: np.ndarray, sent: np.ndarray, full: np.ndarray, width: float,
     cell = np.floor(ideals[:, 0] / width) if width > 0 else np.zeros(len(ideals))
     order = np.argsort(cell, kind="stable")
     ideals, cell, sent, full = ideals[order], cell[order], sent[order], full[order]
-    empty = np.zeros(len(order), dtype=bool)
-    empty[np.flatnonzero(order == 0)] = True
+    empty = order == 0  # the empty ideal is the first
     starts = np.flatnonzero(np.concatenate(([True], cell[1:] != cell[:-1])))
     return (np.minimum.reduceat(ideals, starts, axis=0),
             np.maximum.reduceat(ideals, starts, axis=0),
