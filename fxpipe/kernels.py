@@ -165,14 +165,25 @@ def _probe_mask(attn_mask: torch.Tensor | None) -> torch.Tensor | None:
                        requires_grad=attn_mask.requires_grad)
 
 
+def _as_query_heads(query_shape: Any, shape: Any) -> tuple[int, ...]:
+    """A key's or value's shape with the query's heads: grouped-query attention
+    (``enable_gqa``) pairs every query head with a key head, so the kernel does the work of
+    as many heads as the query has. torch's counter before 2.13 rejects unequal heads."""
+    batch, _, seq, dim = shape
+    return (batch, query_shape[1], seq, dim)
+
+
 def _forward_flops(query_shape: Any, key_shape: Any, value_shape: Any, *args: Any,
                    out_shape: Any = None, **kwargs: Any) -> int:
-    return int(sdpa_flop_count(query_shape, key_shape, value_shape))
+    return int(sdpa_flop_count(query_shape, _as_query_heads(query_shape, key_shape),
+                               _as_query_heads(query_shape, value_shape)))
 
 
 def _backward_flops(grad_out_shape: Any, query_shape: Any, key_shape: Any, value_shape: Any,
                     *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
-    return int(sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape))
+    return int(sdpa_backward_flop_count(grad_out_shape, query_shape,
+                                        _as_query_heads(query_shape, key_shape),
+                                        _as_query_heads(query_shape, value_shape)))
 
 
 def _grouped_mm_flops(a_shape: Any, b_shape: Any, *args: Any, out_shape: Any = None,
@@ -192,12 +203,19 @@ def _fallback_backward_flops(input_shape: Any, weight_shape: Any, *args: Any,
     return 4 * math.prod(input_shape) * weight_shape[-1]
 
 
-# FLOP formulas for fused ops torch.utils.flop_counter does not know: the CPU flash kernel
-# does the work of the GPU ones (its backward recomputes the scores too); grouped matmuls
-# do a mixture of experts' expert work, as many rows as tokens times experts per token.
+# FLOP formulas for the fused ops, where torch.utils.flop_counter does not know them or
+# (before torch 2.13) rejects grouped-query attention: the CPU flash kernel does the work of
+# the GPU ones (its backward recomputes the scores too); grouped matmuls do a mixture of
+# experts' expert work, as many rows as tokens times experts per token.
 FLOP_FORMULAS: dict[Any, Callable[..., int]] = {
-    aten._scaled_dot_product_flash_attention_for_cpu: _forward_flops,
-    aten._scaled_dot_product_flash_attention_for_cpu_backward: _backward_flops,
+    **dict.fromkeys((aten._scaled_dot_product_flash_attention_for_cpu,
+                     aten._scaled_dot_product_flash_attention,
+                     aten._scaled_dot_product_efficient_attention,
+                     aten._scaled_dot_product_cudnn_attention), _forward_flops),
+    **dict.fromkeys((aten._scaled_dot_product_flash_attention_for_cpu_backward,
+                     aten._scaled_dot_product_flash_attention_backward,
+                     aten._scaled_dot_product_efficient_attention_backward,
+                     aten._scaled_dot_product_cudnn_attention_backward), _backward_flops),
     aten._grouped_mm: _grouped_mm_flops,
 }
 # transformers' own ops, where its grouped matmul cannot run (under torch.export in
