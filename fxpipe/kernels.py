@@ -42,8 +42,8 @@ from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
 
 from fxpipe.precision import Precision
 
-__all__ = ["FLOP_FORMULAS", "SDPA_TARGETS", "Execution", "attention_backend", "flop_formulas",
-           "scaled_dot_product_attention"]
+__all__ = ["FLOP_FORMULAS", "SDPA_TARGETS", "Execution", "attention_backend",
+           "backward_flop_formulas", "flop_formulas", "scaled_dot_product_attention"]
 
 aten = torch.ops.aten
 
@@ -224,10 +224,29 @@ _TRANSFORMERS_FORMULAS = (("grouped_mm_fallback", _grouped_mm_flops),
                           ("grouped_mm_fallback_backward", _fallback_backward_flops))
 
 
+# Ops whose backward FLOPs follow from their forward operands' shapes, counted so instead
+# of run: transformers 5.17 runs its grouped-matmul fallback's backward as Python that reads
+# the groups' offsets (``offs.tolist()``), which a meta tensor does not hold (later versions
+# make that backward an op of its own, counted by the formula above).
+_TRANSFORMERS_BACKWARD = (("grouped_mm_fallback", _fallback_backward_flops),)
+
+
 def flop_formulas() -> dict[Any, Callable[..., int]]:
     """``FLOP_FORMULAS`` and the formulas of the ops transformers has registered so far."""
-    formulas = dict(FLOP_FORMULAS)
-    for name, formula in _TRANSFORMERS_FORMULAS:
+    return _registered(FLOP_FORMULAS, _TRANSFORMERS_FORMULAS)
+
+
+def backward_flop_formulas() -> dict[Any, Callable[..., int]]:
+    """Op -> its backward's FLOPs from the shapes of its tensor operands (see above), for
+    the ops transformers has registered so far."""
+    return _registered({}, _TRANSFORMERS_BACKWARD)
+
+
+def _registered(known: dict[Any, Callable[..., int]],
+                transformers_ops: tuple[tuple[str, Callable[..., int]], ...]
+                ) -> dict[Any, Callable[..., int]]:
+    formulas = dict(known)
+    for name, formula in transformers_ops:
         with contextlib.suppress(AttributeError, RuntimeError):
             formulas[getattr(torch.ops.transformers, name)] = formula
     return formulas

@@ -4,7 +4,9 @@ No hand-written formulas: each op node runs on meta tensors under a
 ``FlopCounterMode``, then its backward runs alone (``torch.autograd.grad`` of
 its outputs with respect to its inputs and parameters that require grad) under
 another. Which inputs require grad is what the model says: parameters do, data
-inputs do not unless the example input itself requires grad.
+inputs do not unless the example input itself requires grad. The fused ops torch's
+counter does not know, and the backward of an op that reads tensor data (which meta
+tensors do not hold), are counted by the formulas of ``fxpipe.kernels``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ class FlopCounter:
 
     def __init__(self) -> None:
         self.counted: dict[Hashable, meta.FlopInfo] = {}
-        self.formulas = kernels.flop_formulas()  # the ops known by the time the pass runs
+        # the ops known by the time the pass runs
+        self.formulas = kernels.flop_formulas()
+        self.backward_formulas = kernels.backward_flop_formulas()
 
     def count(self, runner: MetaInterpreter, n: torch.fx.Node) -> None:
         """``n``'s FLOPs, its inputs in ``runner``'s environment (before ``n`` runs or
@@ -42,7 +46,7 @@ class FlopCounter:
         if key is not None and key in self.counted:
             meta.FLOPS.set(n, self.counted[key])
             return
-        info = _count(runner, n, self.formulas)
+        info = _count(runner, n, self.formulas, self.backward_formulas)
         meta.FLOPS.set(n, info)
         if key is not None:
             self.counted[key] = info
@@ -83,11 +87,17 @@ def _call(runner: MetaInterpreter, n: torch.fx.Node) -> Hashable | None:
     return (n.op, n.target, spec(args), spec(kwargs))
 
 
-def _count(runner: MetaInterpreter, n: torch.fx.Node, formulas: dict[Any, Any]
-           ) -> meta.FlopInfo:
+def _count(runner: MetaInterpreter, n: torch.fx.Node, formulas: dict[Any, Any],
+           backward_formulas: dict[Any, Any]) -> meta.FlopInfo:
     with FlopCounterMode(display=False, custom_mapping=formulas) as forward:
         result, inputs, weights = runner.run_op_split(n)
     outputs = grad_outputs_of(result)
+    backward = backward_formulas.get(getattr(n.target, "overloadpacket", n.target))
+    if backward is not None:  # both gradients at once, as below: whole in W and the total
+        args, _ = runner.fetch_args_kwargs_from_env(n)
+        flops = backward(*(tuple(a.shape) for a in args if isinstance(a, torch.Tensor)))
+        return meta.FlopInfo(forward.get_total_flops(), flops if inputs or weights else 0,
+                             backward_weight=flops if weights else 0)
     # FlopCounterMode counts matmul, convolution and attention ops; the backward of a
     # node that has none of them in its forward has none either, so it is not run.
     # The whole backward and the weight gradient (W) are counted apart, the input

@@ -291,6 +291,61 @@ def test_mixture_of_experts_counts_each_token_through_its_experts() -> None:
     assert backward == 2 * forward  # the input's and the weight's gradient
 
 
+@torch.library.custom_op("fxpipe_test::rows_by_offsets", mutates_args=())
+def _rows_by_offsets(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return x @ weight
+
+
+@_rows_by_offsets.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[1])
+
+
+def _setup(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    ctx.save_for_backward(inputs[0], inputs[1])
+    ctx.offs = inputs[2]
+
+
+def _backward_reading_offsets(ctx, grad):  # type: ignore[no-untyped-def]
+    x, weight = ctx.saved_tensors
+    ctx.offs.tolist()  # as transformers 5.17's grouped-matmul fallback does: no meta data
+    return grad @ weight.T, x.T @ grad, None
+
+
+_rows_by_offsets.register_autograd(_backward_reading_offsets, setup_context=_setup)
+
+
+class RowsByOffsets(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.fxpipe_test.rows_by_offsets(x, self.weight, torch.tensor([3, 6]))
+
+
+def test_a_backward_that_reads_data_is_counted_from_its_formula(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An op whose backward reads tensor data cannot run on meta: on transformers 5.17
+    every mixture of experts failed the analysis there. Its backward is counted from the
+    forward's shapes."""
+    from fxpipe import kernels
+
+    def formula(x_shape, weight_shape, offs_shape):  # type: ignore[no-untyped-def]
+        return 4 * x_shape[0] * x_shape[1] * weight_shape[1]
+
+    monkeypatch.setattr(kernels, "backward_flop_formulas",
+                        lambda: {torch.ops.fxpipe_test.rows_by_offsets: formula})
+    monkeypatch.setattr(kernels, "FLOP_FORMULAS", {
+        **kernels.FLOP_FORMULAS,
+        torch.ops.fxpipe_test.rows_by_offsets: lambda x, w, *_, **__: 2 * x[0] * x[1] * w[1]})
+    traced = trace(RowsByOffsets(), (torch.randn(6, 8),))
+    annotate_flops(traced.gm, *traced.flat_inputs)
+    (node,) = [n for n in traced.gm.graph.nodes if "rows_by_offsets" in str(n.target)]
+    flops = meta.FLOPS.get(node)
+    assert (flops.forward, flops.backward, flops.backward_weight) == (384, 768, 768)
+
+
 def test_grouped_matmul_flops() -> None:
     """torch's own grouped matmul (what a GPU runs): rows grouped, one matrix per group."""
     from torch.utils.flop_counter import FlopCounterMode
