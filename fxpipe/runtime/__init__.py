@@ -28,6 +28,7 @@ runs without fxpipe installed. One idea per module:
     zero_bubble.py  zb1p, zbv and dualpipev on torch's zero-bubble schedule classes
     rank_measure.py the report card under torchrun: each rank's stages, gathered
     materialize.py  building only this rank's stage from a checkpoint
+    older_torch.py  what torch 2.11's pipelining needs to run the stages
     launch.py       the torchrun entry point (train_torchrun.py)
 
 The torchrun modules import ``torch.distributed.pipelining``; this package's

@@ -54,6 +54,7 @@ from .adapter import (
 from .grads import reduce_grads
 from .materialize import Checkpoint, load_state, materialize, rebind
 from .microbatch import batch_size, lane_share, shared_leaves
+from .older_torch import skip_warmup_sends_to_self, step
 from .precision import autocast_loss, check_precision, unscaled
 from .ranks import RankLayout
 from .table import TableSchedule, TableStage
@@ -213,9 +214,10 @@ class DistributedPipeline(RankLayout):
                 lane_group = dist.new_group([j * r + i for j in range(self.num_stages)])
                 if i == lane:
                     group = lane_group
-        return [PipelineStage(adapter, k, self.num_stages, torch.device(device),
-                              input_args=inputs, output_args=outputs, group=group)
-                for k, (adapter, inputs, outputs) in built.items()]
+        return skip_warmup_sends_to_self([
+            PipelineStage(adapter, k, self.num_stages, torch.device(device), input_args=inputs,
+                          output_args=outputs, group=group)
+            for k, (adapter, inputs, outputs) in built.items()])
 
     def _check_launch(self, world_size: int) -> None:
         if self.unsupported:
@@ -361,9 +363,9 @@ class DistributedPipeline(RankLayout):
         if last is not None:
             target = self.lane_share(target, lane, microbatches=m, what="the target")
             target = pytree.tree_map_only(torch.Tensor, lambda t: t.to(last.device), target)
-            schedule.step(*feed, target=target, losses=losses)
+            step(schedule, stages, *feed, target=target, losses=losses)
         else:
-            schedule.step(*feed)
+            step(schedule, stages, *feed)
         if not schedule.scale_grads:  # built unscaled, see build_schedule
             for param in {id(p): p for s in stages for p in s.submod.parameters()}.values():
                 if param.grad is not None:
