@@ -28,6 +28,7 @@ what the model computes when it trains so.
 from __future__ import annotations
 
 import contextlib
+import sysconfig
 import traceback
 import types
 from collections.abc import Callable
@@ -371,13 +372,26 @@ def _untraceable(
         return error
     error = TraceError(
         f"cannot trace {type(model).__name__}: symbolic_trace failed ({reason}) and "
-        f"torch.export failed ({_one_line(export_error)}); make forward free of "
-        "data-dependent Python control flow"
+        f"torch.export failed{_raised_at(export_error)} ({_one_line(export_error)}); make "
+        "forward free of data-dependent Python control flow"
     )
     # Their tracebacks locate the failing line of the model file.
     error.__cause__ = export_error
     error.__context__ = symbolic_error
     return error
+
+
+def _raised_at(exc: BaseException) -> str:
+    """' at FILE:LINE, `code`': the innermost line of ``exc``'s traceback in the model's
+    own code (outside torch, fxpipe and the standard library); '' where there is none."""
+    outside = (str(Path(torch.__file__).parent), str(Path(__file__).parent),
+               sysconfig.get_paths()["stdlib"], "<")
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.startswith(outside)]
+    if not frames:
+        return ""
+    code = f", `{frames[-1].line.strip()}`" if frames[-1].line else ""
+    return f" at {frames[-1].filename}:{frames[-1].lineno}{code}"
 
 
 def _eager_failure(

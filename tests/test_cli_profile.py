@@ -152,6 +152,29 @@ def test_untraceable_model_error_is_one_line_with_file_and_line(tmp_path: Path) 
     assert f"{path}:" in line
 
 
+def test_untraceable_library_line_is_named_with_its_code(tmp_path: Path) -> None:
+    """Where export fails inside a library the model calls (transformers 5.17's OPT, BART
+    and Whisper branch on a random draw in training: ``if dropout_probability <
+    self.layerdrop``), the error names that file, line and code, not only the model file."""
+    (tmp_path / "library.py").write_text(textwrap.dedent("""
+        import torch
+
+        def maybe_skip(layer, x):
+            if torch.rand([]) + x.sum() < 0.0:
+                return x
+            return layer(x)
+    """))
+    path = model_file(tmp_path, model_with_forward("""
+        import sys
+        sys.path.insert(0, __file__.rsplit("/", 1)[0])
+        from library import maybe_skip
+        return maybe_skip(self.lin, x)
+    """))
+    line = user_error(fxpipe(path))
+    library = tmp_path / "library.py"
+    assert f"torch.export failed at {library}:5, `if torch.rand([]) + x.sum() < 0.0:`" in line
+
+
 def test_json_has_rows_and_total() -> None:
     result = fxpipe(GPT, "--json")
     assert result.returncode == 0, result.stderr
