@@ -344,7 +344,8 @@ def _trace(
         try:
             program, fixed_shapes = export_program(model, args, kwargs)
         except Exception as exc:
-            raise _untraceable(model, args, kwargs, reason, exc, symbolic_error) from None
+            error = _untraceable(model, args, kwargs, reason, exc, symbolic_error)
+            raise error from error.__cause__  # the failure that locates the model's line
         gm, flat, inputs = exported_graph(program, args, kwargs)
     attention_calls(gm, autocast)
     if fixed_shapes is not None:
@@ -372,8 +373,8 @@ def _untraceable(
         return error
     error = TraceError(
         f"cannot trace {type(model).__name__}: symbolic_trace failed ({reason}) and "
-        f"torch.export failed{_raised_at(export_error)} ({_one_line(export_error)}); make "
-        "forward free of data-dependent Python control flow"
+        f"torch.export failed ({_one_line(export_error)}); make forward free of "
+        "data-dependent Python control flow"
     )
     # Their tracebacks locate the failing line of the model file.
     error.__cause__ = export_error
@@ -381,17 +382,21 @@ def _untraceable(
     return error
 
 
-def _raised_at(exc: BaseException) -> str:
-    """' at FILE:LINE, `code`': the innermost line of ``exc``'s traceback in the model's
-    own code (outside torch, fxpipe and the standard library); '' where there is none."""
+def _library_line(model_file: Path, exc: BaseException | None) -> str:
+    """' (at FILE:LINE, `code`)': where ``exc`` was raised, the innermost line of its
+    traceback outside torch, fxpipe and the standard library, when that is not in the model
+    file (whose line the error starts with) but in a library it calls (transformers'
+    modeling code, say); '' otherwise."""
+    if exc is None:
+        return ""
     outside = (str(Path(torch.__file__).parent), str(Path(__file__).parent),
                sysconfig.get_paths()["stdlib"], "<")
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
               if not f.filename.startswith(outside)]
-    if not frames:
+    if not frames or Path(frames[-1].filename).resolve() == model_file.resolve():
         return ""
     code = f", `{frames[-1].line.strip()}`" if frames[-1].line else ""
-    return f" at {frames[-1].filename}:{frames[-1].lineno}{code}"
+    return f" (at {frames[-1].filename}:{frames[-1].lineno}{code})"
 
 
 def _eager_failure(
@@ -433,7 +438,7 @@ def trace_source(source: ModelSource, *, autocast: torch.dtype | None = None) ->
             if cause is not None and _where(source.path, cause) != where:
                 where = _where(source.path, cause)
                 break
-        raise TraceError(f"{where}: {exc}") from None
+        raise TraceError(f"{where}: {exc}{_library_line(source.path, exc.__cause__)}") from None
 
 
 def _model_device(model: torch.nn.Module) -> torch.device | None:

@@ -172,7 +172,7 @@ def test_untraceable_library_line_is_named_with_its_code(tmp_path: Path) -> None
     """))
     line = user_error(fxpipe(path))
     library = tmp_path / "library.py"
-    assert f"torch.export failed at {library}:5, `if torch.rand([]) + x.sum() < 0.0:`" in line
+    assert line.endswith(f"(at {library}:5, `if torch.rand([]) + x.sum() < 0.0:`)")
 
 
 def test_json_has_rows_and_total() -> None:
