@@ -62,15 +62,52 @@ def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     them, which the frontend names in a note."""
     try:
         # a failing export dumps its partial graph on stderr
-        with quiet_stderr(), exported_functions() as recorded:
+        with quiet_stderr(), masks_broadcast(), exported_functions() as recorded:
             return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes,
                                        strict=False)
     except Exception:
         if not recorded:
             raise
-    with quiet_stderr():
+    with quiet_stderr(), masks_broadcast():
         return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes,
                                    strict=False)
+
+
+@contextmanager
+def masks_broadcast() -> Iterator[None]:
+    """transformers 4.x builds its attention masks with ``torch.vmap`` over the batch, head,
+    query and key indices; export keeps that as functorch batching ops, which neither the
+    analysis nor a stage module can run. Its mask functions compare and index tensors
+    elementwise, so the same mask is the function called once on the indices broadcast
+    against each other, which is what transformers 5 does: while exporting, 4.x's vmap
+    helper is replaced by that."""
+    masking = sys.modules.get("transformers.masking_utils")
+    vmapped = getattr(masking, "_vmap_for_bhqkv", None)
+    if vmapped is None:
+        yield
+        return
+    masking._vmap_for_bhqkv = _broadcast_for_bhqkv  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        masking._vmap_for_bhqkv = vmapped  # type: ignore[union-attr]
+
+
+def _broadcast_for_bhqkv(mask_function: Any, bh_indices: bool = True) -> Any:
+    """transformers 4.x's ``_vmap_for_bhqkv`` by broadcasting: a (batch, heads, queries,
+    keys) mask, or (queries, keys) without batch and head indices."""
+
+    def mask(batch_idx: Any, head_idx: Any, q_idx: torch.Tensor, kv_idx: torch.Tensor
+             ) -> torch.Tensor:
+        if not bh_indices:
+            out = mask_function(batch_idx, head_idx, q_idx[:, None], kv_idx[None, :])
+            return out.expand(q_idx.shape[0], kv_idx.shape[0]).contiguous()
+        out = mask_function(batch_idx[:, None, None, None], head_idx[None, :, None, None],
+                            q_idx[None, None, :, None], kv_idx[None, None, None, :])
+        shape = (batch_idx.shape[0], head_idx.shape[0], q_idx.shape[0], kv_idx.shape[0])
+        return out.expand(shape).contiguous()
+
+    return mask
 
 
 def exported_graph(
