@@ -26,7 +26,6 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
-from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
 from fxpipe import kernels
@@ -69,16 +68,39 @@ def on_meta(
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Swap the module's state for storage-less copies (``to_meta``); yields name -> copy.
 
-    Tied parameters stay tied: one copy serves every name of one original.
+    Tied parameters stay tied: one copy serves every name of one original. Each slot (a
+    submodule's attribute) is swapped once and put back after, also where one submodule
+    has several names (transformers 4.x registers T5's shared embedding as ``shared``,
+    ``encoder.embed_tokens`` and ``decoder.embed_tokens``): torch's
+    ``_reparametrize_module`` swaps such a slot once per name and so put a copy back.
     """
     by_identity: dict[int, torch.Tensor] = {}
     state: dict[str, torch.Tensor] = {}
+    slots: dict[tuple[int, str], tuple[torch.nn.Module, str, torch.Tensor]] = {}
     for name, tensor in named_state(module):
         if id(tensor) not in by_identity:
             by_identity[id(tensor)] = to_meta(tensor, dtype=dtype, device=device)
         state[name] = by_identity[id(tensor)]
-    with _reparametrize_module(module, state, tie_weights=True):
+        path, _, attribute = name.rpartition(".")
+        owner = module.get_submodule(path)
+        slots.setdefault((id(owner), attribute), (owner, attribute, state[name]))
+    originals = [(owner, attribute, _swap(owner, attribute, copy))
+                 for owner, attribute, copy in slots.values()]
+    try:
         yield state
+    finally:
+        for owner, attribute, original in originals:
+            _swap(owner, attribute, original)
+
+
+def _swap(owner: torch.nn.Module, attribute: str, value: torch.Tensor) -> torch.Tensor:
+    """Put ``value`` in the parameter or buffer slot ``attribute`` of ``owner`` (a plain
+    tensor too, as a parameter's stand-in); return what was there."""
+    slots = owner._parameters if attribute in owner._parameters else owner._buffers
+    previous = slots[attribute]
+    assert previous is not None
+    slots[attribute] = value  # type: ignore[assignment]
+    return previous
 
 
 def inputs_to_meta(

@@ -9,6 +9,7 @@ import torch
 from fxpipe import meta
 from fxpipe.frontend import trace
 from fxpipe.kernels import Execution
+from fxpipe.metadevice import on_meta
 from fxpipe.passes import AnalysisError, annotate_flops, annotate_memory, annotate_shapes
 from fxpipe.precision import Precision
 from tests.passes.test_flops import import_example
@@ -102,3 +103,34 @@ def test_a_graph_traced_for_the_gpu_runs_under_mixed_precision() -> None:
     annotate_flops(traced.gm, *traced.flat_inputs, execution=execution)
     experts = [n for n in traced.gm.graph.nodes if "grouped_mm" in str(n.target)]
     assert experts and all(meta.FLOPS.get(n).forward > 0 for n in experts)
+
+
+class Aliased(torch.nn.Module):
+    """One embedding registered under three names and tied to the head, as transformers
+    4.x registers T5's: ``shared``, ``encoder.embed_tokens``, ``decoder.embed_tokens``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = torch.nn.Embedding(10, 4)
+        self.encoder, self.decoder = torch.nn.Module(), torch.nn.Module()
+        self.encoder.embed_tokens = self.decoder.embed_tokens = self.shared
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        self.head.weight = self.shared.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder.embed_tokens(ids) + self.decoder.embed_tokens(ids))
+
+
+def test_a_module_of_several_names_gets_its_own_parameters_back() -> None:
+    """torch's reparametrization swapped such a slot once per name and put a meta copy
+    back: after tracing, T5's embedding was a meta tensor, untied from its LM head, and the
+    pipeline's gradient never reached it ('shared.weight has a gradient only in the model')."""
+    model = Aliased()
+    weight = model.shared.weight
+    with on_meta(model) as state:
+        assert model.shared.weight.is_meta and model.head.weight is model.shared.weight
+        assert state["encoder.embed_tokens.weight"] is state["head.weight"]
+    assert model.shared.weight is weight and model.head.weight is weight
+    traced = trace(model, (torch.randint(0, 10, (2, 3)),))
+    annotate_memory(traced.gm, *traced.flat_inputs)
+    assert model.shared.weight is weight and model.head.weight is weight
