@@ -6,8 +6,9 @@ the model lets vary. Its graph is then made one fxpipe can cut: export's input g
 dtype assertions removed, so are the slices of a whole tensor that eager indexing skips,
 the constants it lifts out of forward turned back into ops, each call of the model's own
 ``torch.autograd.Function`` kept as one call (``functions.py``), and the range it
-assumed for each free dimension read off the program. (The frontend then has attention
-called as the model calls it eagerly: ``attention.py``.)
+assumed for each free dimension read off the program. transformers 4.x's attention masks,
+which it builds with ``torch.vmap``, are exported as broadcasts (``_masks_broadcast``).
+(The frontend then has attention called as the model calls it eagerly: ``attention.py``.)
 """
 
 from __future__ import annotations
@@ -62,19 +63,19 @@ def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     them, which the frontend names in a note."""
     try:
         # a failing export dumps its partial graph on stderr
-        with quiet_stderr(), masks_broadcast(), exported_functions() as recorded:
+        with quiet_stderr(), _masks_broadcast(), exported_functions() as recorded:
             return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes,
                                        strict=False)
     except Exception:
         if not recorded:
             raise
-    with quiet_stderr(), masks_broadcast():
+    with quiet_stderr(), _masks_broadcast():
         return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes,
                                    strict=False)
 
 
 @contextmanager
-def masks_broadcast() -> Iterator[None]:
+def _masks_broadcast() -> Iterator[None]:
     """transformers 4.x builds its attention masks with ``torch.vmap`` over the batch, head,
     query and key indices; export keeps that as functorch batching ops, which neither the
     analysis nor a stage module can run. Its mask functions compare and index tensors

@@ -1,5 +1,5 @@
 """transformers 4.x's attention masks, built with torch.vmap, exported as broadcasts
-(fxpipe/tracing/export.py: masks_broadcast)."""
+(fxpipe/tracing/export.py: _masks_broadcast)."""
 
 from __future__ import annotations
 
