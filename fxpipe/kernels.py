@@ -168,7 +168,8 @@ def _probe_mask(attn_mask: torch.Tensor | None) -> torch.Tensor | None:
 def _as_query_heads(query_shape: Any, shape: Any) -> tuple[int, ...]:
     """A key's or value's shape with the query's heads: grouped-query attention
     (``enable_gqa``) pairs every query head with a key head, so the kernel does the work of
-    as many heads as the query has. torch's counter before 2.13 rejects unequal heads."""
+    as many heads as the query has. torch 2.11's counter rejects unequal heads (2.13's
+    takes them)."""
     batch, _, seq, dim = shape
     return (batch, query_shape[1], seq, dim)
 
@@ -204,7 +205,7 @@ def _fallback_backward_flops(input_shape: Any, weight_shape: Any, *args: Any,
 
 
 # FLOP formulas for the fused ops, where torch.utils.flop_counter does not know them or
-# (before torch 2.13) rejects grouped-query attention: the CPU flash kernel does the work of
+# (torch 2.11's) rejects grouped-query attention: the CPU flash kernel does the work of
 # the GPU ones (its backward recomputes the scores too); grouped matmuls do a mixture of
 # experts' expert work, as many rows as tokens times experts per token.
 FLOP_FORMULAS: dict[Any, Callable[..., int]] = {

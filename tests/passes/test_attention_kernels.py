@@ -70,7 +70,7 @@ class GroupedQuery(nn.Module):
 
 
 def _equal_heads_only(count):  # type: ignore[no-untyped-def]
-    """torch's FLOP count as it was before 2.13: it rejected fewer key heads than query heads."""
+    """torch's FLOP count as torch 2.11 has it: it rejects fewer key heads than query heads."""
 
     def strict(*shapes):  # type: ignore[no-untyped-def]
         if len({shape[1] for shape in shapes}) > 1:
