@@ -6,7 +6,7 @@ pipeline.py for the oracle of BatchNorm, bfloat16 autocast and PipeDream); and t
 stages as torchrun runs them (each a ``StageAdapter``, recomputing), chained in one
 process on one micro-batch, give the model's output, gradients and buffers.
 
-Fast profile (default suite): 48 examples, drawn anew each run. Long profile:
+Fast profile (default suite): 48 examples in two halves, drawn anew each run. Long profile:
 ``FXPIPE_FUZZ_EXAMPLES=1000 pytest tests/fuzz/test_transparency.py`` or
 ``python bench/fuzz_long.py``.
 """
@@ -18,6 +18,7 @@ import random
 import tempfile
 from pathlib import Path
 
+import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -77,11 +78,15 @@ def cases(draw: st.DrawFn) -> Case:
 
 
 # No shrinking: a model that fails is printed in full (its Case repr rebuilds it), and
-# shrinking one through the whole pipeline takes minutes.
-@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck),
-          database=None, phases=[Phase.explicit, Phase.generate])
+# shrinking one through the whole pipeline takes minutes. Two halves of the examples, each
+# drawn anew, so that the suite's two workers share them (48 took 48-150 s as one test,
+# often the last one running).
+@pytest.mark.parametrize("half", ["first", "second"])
+@settings(max_examples=max(1, EXAMPLES // 2), deadline=None,
+          suppress_health_check=list(HealthCheck), database=None,
+          phases=[Phase.explicit, Phase.generate])
 @given(case=cases())
-def test_split_models_are_transparent(case: Case) -> None:
+def test_split_models_are_transparent(half: str, case: Case) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         done = check_transparency(case, Path(tmp) / "pkg")
         check_adapters(case, done)
