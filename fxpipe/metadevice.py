@@ -26,6 +26,7 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
+from torch.nn.utils._named_member_accessor import swap_tensor
 from torch.utils import _pytree as pytree
 
 from fxpipe import kernels
@@ -84,23 +85,13 @@ def on_meta(
         path, _, attribute = name.rpartition(".")
         owner = module.get_submodule(path)
         slots.setdefault((id(owner), attribute), (owner, attribute, state[name]))
-    originals = [(owner, attribute, _swap(owner, attribute, copy))
+    originals = [(owner, attribute, swap_tensor(owner, attribute, copy))
                  for owner, attribute, copy in slots.values()]
     try:
         yield state
     finally:
         for owner, attribute, original in originals:
-            _swap(owner, attribute, original)
-
-
-def _swap(owner: torch.nn.Module, attribute: str, value: torch.Tensor) -> torch.Tensor:
-    """Put ``value`` in the parameter or buffer slot ``attribute`` of ``owner`` (a plain
-    tensor too, as a parameter's stand-in); return what was there."""
-    slots = owner._parameters if attribute in owner._parameters else owner._buffers
-    previous = slots[attribute]
-    assert previous is not None
-    slots[attribute] = value  # type: ignore[assignment]
-    return previous
+            swap_tensor(owner, attribute, original)
 
 
 def inputs_to_meta(
