@@ -184,6 +184,7 @@ def test_partition_stops_at_the_block_bound_on_a_large_model(monkeypatch: pytest
     the same whether the bound is found in a forked child or after the DP."""
     problem = _chain_of_blocks(layers=24, stages=6)
     monkeypatch.setattr(solve_module, "LARGE_MODEL", 50)
+    monkeypatch.setattr(solve_module, "BOUND_FIRST", 50)
     if not fork:
         monkeypatch.setattr(forked, "_can_fork", lambda: False)
     result = partition(problem, workers=1)
@@ -224,3 +225,28 @@ def test_empty_stages_in_a_row_before_the_only_one_that_fits() -> None:
     assert interval_dp(exact) == (3,)
     result = partition(problem, workers=1)
     assert result.report.status == "OPTIMAL" and result.stage_of == (3,)
+
+
+@pytest.mark.parametrize(("layers", "stages", "settled"), [(24, 6, True), (24, 7, False)],
+                         ids=["bound proves the DP's split", "bound 2 % below it"])
+def test_a_big_program_is_solved_only_where_the_bound_leaves_a_gap(
+        monkeypatch: pytest.MonkeyPatch, layers: int, stages: int, settled: bool) -> None:
+    """Beyond BOUND_FIRST placement variables (and below LARGE_MODEL) the block bound runs
+    before CP-SAT: where the interval DP's split is within PROVED of it, that split is
+    the answer, OPTIMAL, and no CP-SAT program is built; where it is further, CP-SAT
+    searches as before, with the bound kept for its report."""
+    problem = _chain_of_blocks(layers=layers, stages=stages)
+    monkeypatch.setattr(solve_module, "BOUND_FIRST", 50)
+    result = partition(problem, workers=1)
+    exact = exact_groups(problem)
+    dp = evaluate(problem, exact.expand(interval_dp(exact) or ())).bottleneck_s
+    bound = block_bound(exact, upper_s=dp)
+    assert bound is not None
+    assert (dp <= bound * (1 + solve_module.PROVED)) == settled
+    assert (result.phases == ()) == settled
+    assert result.report.status == "OPTIMAL"
+    assert result.report.bound >= min(bound, result.report.objective) * (1 - 1e-12)
+    monkeypatch.setattr(solve_module, "BOUND_FIRST", 10**9)
+    searched = partition(problem, workers=1)
+    assert searched.phases != ()
+    assert result.report.objective == pytest.approx(searched.report.objective, rel=1e-9)
