@@ -88,7 +88,10 @@ class StagePlan(StageTimes):
 
 @dataclass(frozen=True)
 class SolverReport:
-    method: str  # "cp-sat", "uniform-layers", "parameters", "greedy-time", "hand-written"
+    # "cp-sat"; "interval-dp" where the block bound settled the best of the interval DP's
+    # and the baselines' splits and no CP-SAT program ran; "uniform-layers",
+    # "parameters", "greedy-time", "hand-written"
+    method: str
     status: str  # "OPTIMAL", "FEASIBLE", "INFEASIBLE", "HEURISTIC"
     objective: float  # bottleneck seconds found
     bound: float  # best proved lower bound on the bottleneck

@@ -201,11 +201,12 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
         lower = block_bound(exact, upper_s=evaluation.bottleneck_s)
         if lower is None:
             lower = shared_gpu_bound(exact, upper_s=evaluation.bottleneck_s)
+    report = _exact_report(problem, exact, evaluation, result, phases, start=start,
+                           lower=lower)
     return Partition(
         stage_of=tuple(best),
         problem=problem,
-        report=_exact_report(problem, exact, evaluation, result, phases, start=start,
-                             lower=lower),
+        report=replace(report, method="interval-dp") if settled else report,
         evaluation=evaluation,
         baselines={name: ev.estimate for name, ev in scored.items()},
         baseline_splits=splits,

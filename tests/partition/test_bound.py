@@ -191,6 +191,7 @@ def test_partition_stops_at_the_block_bound_on_a_large_model(monkeypatch: pytest
     exact = exact_groups(problem)
     dp = evaluate(problem, exact.expand(interval_dp(exact) or ())).bottleneck_s
     assert result.phases == ()
+    assert result.report.method == "interval-dp"
     assert result.report.objective == dp
     bound = block_bound(exact, upper_s=dp)
     assert bound is not None
@@ -244,6 +245,7 @@ def test_a_big_program_is_solved_only_where_the_bound_leaves_a_gap(
     assert bound is not None
     assert (dp <= bound * (1 + solve_module.PROVED)) == settled
     assert (result.phases == ()) == settled
+    assert result.report.method == ("interval-dp" if settled else "cp-sat")
     assert result.report.status == "OPTIMAL"
     assert result.report.bound >= min(bound, result.report.objective) * (1 - 1e-12)
     monkeypatch.setattr(solve_module, "BOUND_FIRST", 10**9)
