@@ -28,6 +28,15 @@ than the model does (the plan would say so), and differ from it in bfloat16.
   grouped heads (transformers' eager call runs the math kernel there), so the repeat
   stays.
 
+- **Layouts** (``_layouts``): which memory layout an attention call's output has is the
+  kernel's choice: the flash kernels (the CPU's too) give (batch, seq, heads, dim) in
+  memory, the math kernel (float64, or float32 with grouped heads, on a GPU) the
+  logical order. transformers 4.x writes ``out.transpose(1, 2).contiguous().view(...)``,
+  and export, tracing on the CPU's flash kernel, dropped the ``contiguous`` (a no-op
+  there), so the ``view`` failed wherever the math kernel ran. Views of an attention
+  output, through transposes and permutes, are reshapes: the same view where it holds, a
+  copy where it would fail.
+
 Each call rewritten says so in its ``meta.ATTENTION`` record; ``describe`` words the note.
 """
 
@@ -56,6 +65,7 @@ def attention_calls(gm: torch.fx.GraphModule, autocast: torch.dtype | None) -> N
     trains under ``autocast`` (a dtype, or None), as the module docstring says."""
     _causal(gm)
     _grouped(gm, autocast)
+    _layouts(gm)
     gm.recompile()
 
 
@@ -121,6 +131,21 @@ def _grouped(gm: torch.fx.GraphModule, autocast: torch.dtype | None) -> None:
                       *[n for t in (key, value) for a in t.all_input_nodes
                         for n in a.all_input_nodes]}
     _erase_unread(gm, repeating)
+
+
+def _layouts(gm: torch.fx.GraphModule) -> None:
+    """Make reshapes of the views of each attention output (see the module docstring)."""
+    reordering = (aten.transpose.int, aten.permute.default)
+    for call in gm.graph.nodes:
+        if not (call.op == "call_function" and call.target is _SDPA):
+            continue
+        reached = list(call.users)
+        while reached:
+            node = reached.pop()
+            if node.target in reordering:
+                reached.extend(node.users)
+            elif node.target is aten.view.default:
+                node.target = aten.reshape.default
 
 
 def _repeated(node: Any) -> tuple[torch.fx.Node, int] | None:

@@ -172,3 +172,47 @@ def test_transformers_attention_under_autocast_is_the_eager_call_bit_for_bit() -
     got_grads = torch.autograd.grad(got.float().square().mean(), list(params.values()))
     for name, a, b in zip(params, got_grads, want_grads, strict=True):
         assert torch.equal(a, b), name
+
+
+class Unshaped(nn.Module):
+    """transformers 4.x's DistilBERT attention: heads split by view and transpose, the
+    output put back with ``transpose(1, 2).contiguous().view(...)``; a branch on a size:
+    export."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.out = nn.Linear(16, 48), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 0:
+            return x
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, 4, 4).transpose(1, 2) for t in self.qkv(x).chunk(3, -1))
+        h = F.scaled_dot_product_attention(q, k, v)
+        return self.out(h.transpose(1, 2).contiguous().view(b, s, 16))
+
+
+def test_a_view_of_attention_output_holds_on_every_kernel() -> None:
+    """Export, on the CPU's flash kernel, drops the ``contiguous`` (its output is
+    contiguous once transposed); the math kernel's output is not, and the view failed
+    there: in the analysis for a GPU in float64 and in a stage run on one. The view is a
+    reshape: the graph computes the model on either kernel, and the analysis passes."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from fxpipe.compiler import analyze
+    from fxpipe.cost_models import get_device
+
+    torch.manual_seed(0)
+    model = Unshaped().double()
+    traced = trace(model, (torch.randn(2, 6, 16, dtype=torch.float64),), {})
+    assert traced.tracer == "export"
+    assert not [n for n in traced.gm.graph.nodes if n.target is torch.ops.aten.clone.default]
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.MATH):
+        x = torch.randn(3, 7, 16, dtype=torch.float64, requires_grad=True)
+        with sdpa_kernel(backend):
+            want, got = model(x), traced.gm(x)
+        (want_grad,) = torch.autograd.grad(want.sum(), x)
+        (got_grad,) = torch.autograd.grad(got.sum(), x)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(got_grad, want_grad)
+    analyze(traced, device=get_device("h100"))  # the math kernel there: float64
