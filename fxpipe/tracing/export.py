@@ -8,6 +8,9 @@ the constants it lifts out of forward turned back into ops, each call of the mod
 ``torch.autograd.Function`` kept as one call (``functions.py``), and the range it
 assumed for each free dimension read off the program. transformers 4.x's attention masks,
 which it builds with ``torch.vmap``, are exported as broadcasts (``_masks_broadcast``).
+An export with free dimensions that fails leaves no marks on the inputs (``_unmarked``),
+so the export at fixed shapes that follows sees them as they were. A graph that makes a
+tensor whose size depends on the data is refused, with where (``data_sized``).
 (The frontend then has attention called as the model calls it eagerly: ``attention.py``.)
 """
 
@@ -19,17 +22,19 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.fx
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils import _pytree as pytree
 from torch.utils._sympy.numbers import int_oo
 
 from fxpipe.tracing.functions import applied_calls, exported_functions
 from fxpipe.tracing.records import InputShape, TraceError
 
-__all__ = ["export_program", "exported_graph", "quiet_stderr", "running_stats"]
+__all__ = ["data_sized", "export_program", "exported_graph", "quiet_stderr", "running_stats"]
 
 
 def export_program(
@@ -49,10 +54,28 @@ def export_program(
     for trace_args, trace_kwargs in attempts:
         try:
             dims = _all_dims_auto(model, trace_args, trace_kwargs)
-            return _export(model, trace_args, trace_kwargs, dims), None
+            with _unmarked(trace_args, trace_kwargs):
+                return _export(model, trace_args, trace_kwargs, dims), None
         except Exception as exc:
             failure = exc
     return _export(model, args, kwargs, None), failure
+
+
+@contextmanager
+def _unmarked(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
+    """Take off the input tensors what an export with free dimensions marked on them. One
+    that fails leaves its marks (``_dynamo_weak_dynamic_indices`` and others, torch 2.13),
+    and the next export of the same tensors, at fixed shapes too, traced them symbolic
+    again: transformers 4.57's Falcon, OLMoE and Nemotron then failed where a symbolic
+    bool reached ``scaled_dot_product_attention``."""
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    had = [set(vars(t)) for t in tensors]
+    try:
+        yield
+    finally:
+        for tensor, names in zip(tensors, had, strict=True):
+            for name in set(vars(tensor)) - names:
+                delattr(tensor, name)
 
 
 def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -126,6 +149,29 @@ def exported_graph(
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     assert len(flat) == len(placeholders), (len(flat), len(placeholders))
     return gm, flat, _exported_shapes(program, placeholders, flat)
+
+
+def data_sized(gm: torch.fx.GraphModule) -> str | None:
+    """Where the exported ``gm`` first makes a tensor whose size depends on the data
+    (indexing by a mask, ``nonzero``, a 4.x mixture of experts' routing): the op, its
+    size and the innermost line of the model's source that called it; None when every
+    size follows from the input sizes. Such a graph can be neither costed (every op is
+    sized without data) nor cut into stages of known shapes."""
+    for node in gm.graph.nodes:
+        sized = [t for t in pytree.tree_leaves(node.meta.get("val"))
+                 if isinstance(t, torch.Tensor) and free_unbacked_symbols(t)]
+        if not sized:
+            continue
+        frames = [line.strip() for line in str(node.meta.get("stack_trace", "")).splitlines()
+                  if line.strip()]
+        where = ""
+        if len(frames) >= 2 and frames[-2].startswith('File "'):
+            path, _, rest = frames[-2].removeprefix('File "').partition('", line ')
+            if Path(path).resolve().is_relative_to(Path.cwd()):
+                path = os.path.relpath(path)
+            where = f" at {path}:{rest.split(',')[0]}: {frames[-1]}"
+        return f"{node.target} of size {tuple(sized[0].shape)}{where}"
+    return None
 
 
 @contextmanager

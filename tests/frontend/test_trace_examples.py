@@ -426,3 +426,30 @@ def test_transformers_gradient_checkpointing_trains_every_layer() -> None:
     for name, p in model.named_parameters():
         assert p.grad is not None, name
         torch.testing.assert_close(p.grad, want[name], msg=name)
+
+
+class SizeCausal(nn.Module):
+    """Attention that is causal where there is more than one position, as transformers
+    4.57's Falcon and Nemotron decide it (``is_causal=q_len > 1``): a symbolic bool under
+    free dimensions, which ``scaled_dot_product_attention`` refuses; a branch on a size:
+    export."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 0:
+            return x
+        b, s, _ = x.shape
+        q = x.view(b, s, 2, 4).transpose(1, 2)
+        h = nn.functional.scaled_dot_product_attention(q, q, q, is_causal=s > 1)
+        return h.transpose(1, 2).reshape(b, s, 8)
+
+
+def test_a_failed_export_with_free_dimensions_leaves_the_inputs_as_they_were() -> None:
+    """That export fails and leaves its dimension marks on the input tensors; the export
+    at fixed shapes then traced them symbolic again and failed too. The marks are taken
+    off: the model is exported at the example's shapes, with the note saying so."""
+    x = torch.randn(2, 6, 8)
+    traced = trace(SizeCausal(), (x,), {})
+    assert traced.tracer == "export"
+    assert [n for n in traced.notes if "could not keep input sizes symbolic" in n]
+    assert not [name for name in vars(x) if "dynamo" in name]
+    torch.testing.assert_close(traced.gm(x), SizeCausal()(x))
