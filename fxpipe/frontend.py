@@ -47,7 +47,7 @@ from fxpipe.tracing.attention import attention_calls
 from fxpipe.tracing.attention import describe as describe_attention
 from fxpipe.tracing.checkpoints import describe as describe_checkpoints
 from fxpipe.tracing.checkpoints import plain_calls
-from fxpipe.tracing.export import export_program, exported_graph
+from fxpipe.tracing.export import data_sized, export_program, exported_graph
 from fxpipe.tracing.functions import applied_functions, describe, kept
 from fxpipe.tracing.hooks import dropped, tensor_hooks
 from fxpipe.tracing.records import InputShape, TraceError
@@ -347,6 +347,15 @@ def _trace(
             error = _untraceable(model, args, kwargs, reason, exc, symbolic_error)
             raise error from error.__cause__  # the failure that locates the model's line
         gm, flat, inputs = exported_graph(program, args, kwargs)
+    sized = data_sized(gm)
+    if sized is not None:
+        raise TraceError(
+            f"{type(model).__name__} makes a tensor whose size depends on the data "
+            f"({sized}), and fxpipe sizes every op from the input sizes alone; give each "
+            "tensor a size that follows from the input sizes (a mask or a fixed top-k "
+            "rather than indexing by a condition; transformers 5 routes a mixture of "
+            "experts so)"
+        )
     attention_calls(gm, autocast)
     if fixed_shapes is not None:
         notes.append(

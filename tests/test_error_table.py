@@ -163,6 +163,29 @@ CASES: dict[str, tuple[dict[str, str], list[str]]] = {
         ),
         ["profile", "model.py"],
     ),
+    "a tensor sized by the data": (
+        model(
+            """
+            import torch
+
+
+            class Picked(torch.nn.Module):
+                def forward(self, x):
+                    if x.shape[0] == 0:  # torch.export, not symbolic_trace
+                        return x
+                    return x[x > 0].sum() + x
+
+
+            def build_model():
+                return Picked()
+
+
+            def example_inputs():
+                return (torch.ones(4, 8),)
+            """
+        ),
+        ["split", "model.py", "--gpus", "2"],
+    ),
     "unknown device": (model(GOOD), ["split", "model.py", "--gpus", "2", "--device", "h900"]),
     "malformed --memory": (model(GOOD), ["split", "model.py", "--gpus", "2", "--memory", "lots"]),
     "--gpus below 1": (model(GOOD), ["split", "model.py", "--gpus", "0"]),
