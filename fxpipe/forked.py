@@ -82,6 +82,14 @@ class Forked(Generic[T]):
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
 
+    def ready(self) -> bool:
+        """Whether ``result()`` would answer without waiting for work: it has, or the
+        child has begun to write its answer (or ended). False where no child was made:
+        the work is then done when asked."""
+        if self._done is not None:
+            return True
+        return self._pid is not None and bool(select.select([self._pipe], [], [], 0)[0])
+
     def result(self) -> T:
         if self._done is None:
             self._done = self._collect() or (self._work(),)

@@ -105,3 +105,26 @@ def test_a_child_not_asked_for_its_answer_is_stopped_at_the_end_of_the_block() -
     with Forked(lambda: time.sleep(60)) as job:
         pid = job._pid
     assert pid is not None and _reaped(pid)
+
+
+@fork
+def test_ready_says_whether_the_answer_waits_on_the_child() -> None:
+    """Not while the child works; once it has answered; and always after the answer was
+    taken."""
+    with Forked(lambda: time.sleep(0.5) or 7) as job:
+        assert not job.ready()
+        deadline = time.monotonic() + 30
+        while not job.ready() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert job.ready()
+        assert job.result() == 7
+        assert job.ready()
+
+
+def test_ready_is_false_without_a_child(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The work is then done when the answer is asked for: not ready before."""
+    monkeypatch.setattr(forked, "_can_fork", lambda: False)
+    with Forked(lambda: 7) as job:
+        assert not job.ready()
+        assert job.result() == 7
+        assert job.ready()

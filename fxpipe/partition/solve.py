@@ -167,7 +167,7 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
         # may prove that no split fits, which CP-SAT would take its whole limit to find.
         raise infeasible(problem, exact, work_limit=work_limit, time_limit_s=time_limit_s,
                          workers=workers)
-    lower, settled = _bound_first(problem, exact, candidates)
+    lower, settled, prepared = _bound_first(problem, exact, candidates)
     if lower == math.inf:  # not even the block bound's relaxation fits: proved
         raise infeasible(problem, exact, work_limit=work_limit, time_limit_s=time_limit_s,
                          workers=workers)
@@ -179,7 +179,7 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
         level, phases, result = _search(
             problem, exact, candidates, coarsen=coarsen,
             dp_done=exact.num_coarse * problem.num_stages > BOUND_FIRST,
-            work_limit=work_limit, deadline=deadline, workers=workers)
+            work_limit=work_limit, deadline=deadline, workers=workers, prepared=prepared)
     best = min(candidates, key=lambda c: c[0])[1] if candidates else None
 
     if result.stage_of is not None:
@@ -247,32 +247,47 @@ def _not_run(exact: Coarsening) -> IlpResult:
 
 
 def _bound_first(problem: Problem, exact: Coarsening,
-                 candidates: list[tuple[float, tuple[int, ...]]]) -> tuple[float | None, bool]:
+                 candidates: list[tuple[float, tuple[int, ...]]]
+                 ) -> tuple[float | None, bool, StageModel | None]:
     """On a big exact program (BOUND_FIRST): the interval DP over the exact groups (its
     split added to ``candidates``) and the block bound first. Returns the bound (None
-    where not tried or the relaxation gives none; inf when no split fits) and whether it
+    where not tried or the relaxation gives none; inf when no split fits); whether it
     settles the search: the best split is within PROVED of it, or within GAP where
-    CP-SAT cannot help (LARGE_MODEL)."""
+    CP-SAT cannot help (LARGE_MODEL); and, where the bound was not ready when the DP
+    was, the first exact program, built meanwhile (``_search`` solves it)."""
     if exact.num_coarse * problem.num_stages <= BOUND_FIRST:
-        return None, False
+        return None, False, None
+    large = _large(problem, exact)
     # Two DPs of seconds each at 70B scale, independent given an upper bound: the bound's
     # in a forked child, pruned by the baselines' best split, while the parent runs the
-    # interval DP.
+    # interval DP, then builds the program CP-SAT would solve first if the bound leaves
+    # a gap (the same program whenever it is built: the answer does not depend on it).
     upper = min((c[0] for c in candidates), default=math.inf)
+    prepared = None
     with Forked(lambda: block_bound(exact, upper_s=upper)) as bounding:
         _add_dp_split(problem, exact, candidates)
+        if not (large or bounding.ready()) and exact.num_coarse <= PROOF_MAX_GROUPS \
+                and candidates:
+            prepared = _first_program(exact, candidates)
         lower = bounding.result()  # without a split: inf when none fits
     if lower is None or lower == math.inf:
-        return lower, lower is not None
+        return lower, lower is not None, prepared
     best = min((c[0] for c in candidates), default=math.inf)
-    margin = GAP if _large(problem, exact) else PROVED
     # the baselines' best when the relaxation has no faster split
-    return min(lower, best), best <= lower * (1 + margin)
+    return min(lower, best), best <= lower * (1 + (GAP if large else PROVED)), prepared
+
+
+def _first_program(exact: Coarsening, candidates: list[tuple[float, tuple[int, ...]]]
+                   ) -> StageModel:
+    """The exact program hinted with the best split so far: CP-SAT's first try."""
+    best = min(candidates, key=lambda c: c[0])[1]
+    return StageModel(exact, hint=exact.restrict(best))
 
 
 def _search(problem: Problem, exact: Coarsening,
             candidates: list[tuple[float, tuple[int, ...]]], *, coarsen: bool,
             dp_done: bool, work_limit: float, deadline: float, workers: int,
+            prepared: StageModel | None = None,
             ) -> tuple[Coarsening, list[IlpResult], IlpResult]:
     """The graph the warm start was solved on, the CP-SAT solves, and the answer for the
     exact groups (the last solve, or ``_not_run`` where it was skipped). First the exact
@@ -283,7 +298,8 @@ def _search(problem: Problem, exact: Coarsening,
     the rest of the work; where GPUs run several stage modules, hinted with the shared-GPU
     search's split when that is the best; on a model too big there (``_shared_large``)
     neither exact solve runs.
-    ``dp_done``: the interval DP's split is in ``candidates`` already (``_bound_first``)."""
+    ``dp_done``: the interval DP's split is in ``candidates`` already (``_bound_first``);
+    ``prepared``: the first exact program, built already (``_first_program``)."""
     tried: list[IlpResult] = []
     skip_exact = _shared_large(problem, exact)
     proving = exact.num_coarse <= PROOF_MAX_GROUPS and not skip_exact
@@ -291,8 +307,7 @@ def _search(problem: Problem, exact: Coarsening,
         _add_dp_split(problem, exact, candidates)
         dp_done = True
     if proving and candidates:
-        best = min(candidates, key=lambda c: c[0])[1]
-        first = StageModel(exact, hint=exact.restrict(best)).solve(
+        first = (prepared or _first_program(exact, candidates)).solve(
             work_limit=work_limit * PROOF_SHARE, time_limit_s=_left(deadline),
             workers=workers)
         if first.status in ("OPTIMAL", "INFEASIBLE"):

@@ -248,6 +248,12 @@ def test_a_big_program_is_solved_only_where_the_bound_leaves_a_gap(
     assert result.report.method == ("interval-dp" if settled else "cp-sat")
     assert result.report.status == "OPTIMAL"
     assert result.report.bound >= min(bound, result.report.objective) * (1 - 1e-12)
+    # The bound still out when the DP is done: the first program is built meanwhile, the
+    # same program, so the same answer.
+    monkeypatch.setattr(forked.Forked, "ready", lambda self: False)
+    late = partition(problem, workers=1)
+    assert (late.stage_of, late.report.status, late.report.bound) == \
+        (result.stage_of, result.report.status, result.report.bound)
     monkeypatch.setattr(solve_module, "BOUND_FIRST", 10**9)
     searched = partition(problem, workers=1)
     assert searched.phases != ()
