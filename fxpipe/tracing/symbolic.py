@@ -3,7 +3,9 @@ nodes, which read best in generated code.
 
 ``symbolic_trace`` keeps sizes symbolic by itself, and here a call of the model's own
 ``torch.autograd.Function`` as one node (``functions.py``), and a module with backward
-hooks as one call (``hooks.py``). It also runs through Python that
+hooks as one call (``hooks.py``). It keeps every other torch.nn module as one call too,
+but for torch.nn's stacks of layers (``_STACKS``): a stack of 48 layers as one node
+could not be cut between its layers. It also runs through Python that
 it cannot record: a grad-mode or autocast region (refused here, so the caller falls back
 to ``torch.export``, which records them), a graph that traces and then fails to run (run
 once on meta tensors to find out). Which input dimensions may vary is learnt by running
@@ -23,10 +25,23 @@ import torch.fx
 from fxpipe.forked import FORK_MIN_NODES, Forked
 from fxpipe.metadevice import MetaRunner
 from fxpipe.tracing.functions import kept_functions
-from fxpipe.tracing.hooks import HookedLeaves
+from fxpipe.tracing.hooks import HookedLeaves, backward_hooked
 from fxpipe.tracing.records import InputShape
 
 __all__ = ["BufferUpdateError", "GradRegionError", "symbolic_graph"]
+
+# Traced through, not kept as one call: each of their layers is one. (Their forward
+# branches on its inputs, so a model holding one is exported instead.)
+_STACKS = (torch.nn.TransformerEncoder, torch.nn.TransformerDecoder, torch.nn.Transformer)
+
+
+class _Tracer(HookedLeaves):
+    """``HookedLeaves``, tracing through torch.nn's stacks of layers (``_STACKS``)."""
+
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        if isinstance(m, _STACKS) and not backward_hooked(m):
+            return False
+        return super().is_leaf_module(m, module_qualified_name)
 
 
 def symbolic_graph(
@@ -36,7 +51,7 @@ def symbolic_graph(
     the shape of each tensor input; raises whatever stops it."""
     # the grad-mode patches come off first: putting buffers back enters no_grad
     with _buffer_updates(model) as updated, _grad_regions() as entered, kept_functions():
-        tracer = HookedLeaves()  # symbolic_trace's, keeping modules with backward hooks
+        tracer = _Tracer()
         graph = tracer.trace(model)
         gm = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
     if entered:

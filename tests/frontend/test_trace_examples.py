@@ -453,3 +453,38 @@ def test_a_failed_export_with_free_dimensions_leaves_the_inputs_as_they_were() -
     assert [n for n in traced.notes if "could not keep input sizes symbolic" in n]
     assert not [name for name in vars(x) if "dynamo" in name]
     torch.testing.assert_close(traced.gm(x), SizeCausal()(x))
+
+
+class TorchStack(nn.Module):
+    """torch.nn's own stack of transformer layers inside a model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+        self.head = nn.Linear(16, 50)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(self.emb(ids)))
+
+
+def test_torch_nn_stacks_of_layers_are_traced_through() -> None:
+    """symbolic_trace keeps every torch.nn module as one call: the four layers of an
+    nn.TransformerEncoder were one node, which no split could cut between its layers.
+    Each layer's ops are now in the graph, and the graph computes the model."""
+    torch.manual_seed(0)
+    model = TorchStack()
+    ids = torch.randint(0, 50, (3, 7))
+    traced = trace(model, (ids,), {})
+    stacks = {str(path) for node in traced.gm.graph.nodes
+              for path, _ in node.meta.get("nn_module_stack", {}).values()}
+    assert {f"enc.layers.{i}" for i in range(4)} <= stacks
+    assert not [n for n in traced.gm.graph.nodes if n.op == "call_module" and n.target == "enc"]
+    want = model(ids)
+    got = traced.gm(ids)
+    torch.testing.assert_close(got, want)
+    params = list(model.parameters())
+    for a, b in zip(torch.autograd.grad(got.square().mean(), params),
+                    torch.autograd.grad(want.square().mean(), params), strict=True):
+        torch.testing.assert_close(a, b)
