@@ -27,7 +27,7 @@ from ._brute import brute_force
 from .test_bruteforce import MS, problems, small_enough
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
 def test_block_bound_is_below_every_split_that_fits(problem: Problem) -> None:
     assume(small_enough(problem))

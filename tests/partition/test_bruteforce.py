@@ -121,7 +121,7 @@ def problems(draw: st.DrawFn, layout: str = "one per GPU") -> Problem:
     )
 
 
-@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
 def test_ilp_matches_brute_force(problem: Problem) -> None:
     assume(small_enough(problem))

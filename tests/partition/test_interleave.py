@@ -238,7 +238,7 @@ def test_warm_start_balances_memory_bound_layers() -> None:
     assert evaluate(problem, split).bottleneck_s <= best
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(shared, st.sampled_from([1.0, 1.5, 4.0]))
 def test_shared_gpu_bound_is_below_every_faster_split(problem: Problem, slack: float) -> None:
     assume(small_enough(problem))
