@@ -7,7 +7,9 @@ dtype assertions removed, so are the slices of a whole tensor that eager indexin
 the constants it lifts out of forward turned back into ops, each call of the model's own
 ``torch.autograd.Function`` kept as one call (``functions.py``), and the range it
 assumed for each free dimension read off the program. transformers 4.x's attention masks,
-which it builds with ``torch.vmap``, are exported as broadcasts (``_masks_broadcast``).
+which it builds with ``torch.vmap``, are exported as broadcasts (``_masks_broadcast``),
+and torch.nn's transformer stacks detect no causal mask by its values
+(``_causal_undetected``).
 An export with free dimensions that fails leaves no marks on the inputs (``_unmarked``),
 so the export at fixed shapes that follows sees them as they were. A graph that makes a
 tensor whose size depends on the data is refused, with where (``data_sized``).
@@ -86,15 +88,37 @@ def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     them, which the frontend names in a note."""
     try:
         # a failing export dumps its partial graph on stderr
-        with quiet_stderr(), _masks_broadcast(), exported_functions() as recorded:
+        with quiet_stderr(), _masks_broadcast(), _causal_undetected(), \
+                exported_functions() as recorded:
             return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes,
                                        strict=False)
     except Exception:
         if not recorded:
             raise
-    with quiet_stderr(), _masks_broadcast():
+    with quiet_stderr(), _masks_broadcast(), _causal_undetected():
         return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes,
                                    strict=False)
+
+
+@contextmanager
+def _causal_undetected() -> Iterator[None]:
+    """torch.nn's ``TransformerEncoder`` and ``TransformerDecoder``, given a mask and no
+    ``is_causal``, compare the mask with a causal one to pass the layers a hint, a branch
+    on data that export cannot take. The hint changes no result (the mask is applied
+    either way), so while exporting none is detected; the frontend then gives back
+    ``is_causal=True`` for a mask of the sizes alone that is causal (``attention.py``),
+    as the hint would have."""
+    transformer = torch.nn.modules.transformer
+    detect = transformer._detect_is_causal_mask
+
+    def hinted_only(mask: Any, is_causal: bool | None = None, size: Any = None) -> bool:
+        return is_causal is True
+
+    transformer._detect_is_causal_mask = hinted_only
+    try:
+        yield
+    finally:
+        transformer._detect_is_causal_mask = detect
 
 
 @contextmanager
@@ -357,8 +381,10 @@ def _exported_shapes(
     assert len(user_inputs) == len(placeholders), (user_inputs, placeholders)
     shapes = []
     for node, user_input, value in zip(placeholders, user_inputs, flat, strict=True):
+        if not isinstance(value, torch.Tensor):
+            continue  # a constant input (export names it by its value): no shape
         fake = by_name[str(user_input)].meta.get("val")
-        if not isinstance(value, torch.Tensor) or not isinstance(fake, torch.Tensor):
+        if not isinstance(fake, torch.Tensor):
             continue
         dynamic: list[tuple[int, int | None] | None] = []
         for size, traced in zip(value.shape, fake.shape, strict=True):

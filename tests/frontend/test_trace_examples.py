@@ -465,8 +465,9 @@ class TorchStack(nn.Module):
         self.enc = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
         self.head = nn.Linear(16, 50)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.enc(self.emb(ids)))
+    def forward(self, ids: torch.Tensor, causal: bool = False) -> torch.Tensor:
+        mask = nn.Transformer.generate_square_subsequent_mask(ids.size(1)) if causal else None
+        return self.head(self.enc(self.emb(ids), mask=mask))
 
 
 def test_torch_nn_stacks_of_layers_are_traced_through() -> None:
@@ -488,3 +489,20 @@ def test_torch_nn_stacks_of_layers_are_traced_through() -> None:
     for a, b in zip(torch.autograd.grad(got.square().mean(), params),
                     torch.autograd.grad(want.square().mean(), params), strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_a_torch_stack_given_a_causal_mask_is_exported_with_is_causal() -> None:
+    """nn.TransformerEncoder compares a mask it is given with a causal one (a branch on
+    data, which export cannot take); while exporting it detects none, and the frontend
+    gives back is_causal=True for the mask of the sizes alone, as the hint would have.
+    The graph computes the model."""
+    torch.manual_seed(0)
+    model = TorchStack()
+    ids = torch.randint(0, 50, (3, 7))
+    traced = trace(model, (ids,), {"causal": True})
+    sdpa = torch.ops.aten.scaled_dot_product_attention.default
+    calls = [n for n in traced.gm.graph.nodes if n.target is sdpa]
+    assert len(calls) == 4 and all(c.kwargs.get("is_causal") is True for c in calls)
+    want = model(ids, causal=True)
+    got = traced.gm(ids, causal=True)
+    torch.testing.assert_close(got, want)
