@@ -473,36 +473,25 @@ class TorchStack(nn.Module):
 def test_torch_nn_stacks_of_layers_are_traced_through() -> None:
     """symbolic_trace keeps every torch.nn module as one call: the four layers of an
     nn.TransformerEncoder were one node, which no split could cut between its layers.
-    Each layer's ops are now in the graph, and the graph computes the model."""
-    torch.manual_seed(0)
-    model = TorchStack()
-    ids = torch.randint(0, 50, (3, 7))
-    traced = trace(model, (ids,), {})
-    stacks = {str(path) for node in traced.gm.graph.nodes
-              for path, _ in node.meta.get("nn_module_stack", {}).values()}
-    assert {f"enc.layers.{i}" for i in range(4)} <= stacks
-    assert not [n for n in traced.gm.graph.nodes if n.op == "call_module" and n.target == "enc"]
-    want = model(ids)
-    got = traced.gm(ids)
-    torch.testing.assert_close(got, want)
-    params = list(model.parameters())
-    for a, b in zip(torch.autograd.grad(got.square().mean(), params),
-                    torch.autograd.grad(want.square().mean(), params), strict=True):
-        torch.testing.assert_close(a, b)
-
-
-def test_a_torch_stack_given_a_causal_mask_is_exported_with_is_causal() -> None:
-    """nn.TransformerEncoder compares a mask it is given with a causal one (a branch on
-    data, which export cannot take); while exporting it detects none, and the frontend
-    gives back is_causal=True for the mask of the sizes alone, as the hint would have.
-    The graph computes the model."""
+    Each layer's ops are now in the graph. Given a mask and no is_causal, the stack
+    compares the mask with a causal one (a branch on data, which export cannot take);
+    while exporting it detects none, and the frontend gives back is_causal=True for the
+    mask of the sizes alone, as the hint would have. The graph computes the model."""
     torch.manual_seed(0)
     model = TorchStack()
     ids = torch.randint(0, 50, (3, 7))
     traced = trace(model, (ids,), {"causal": True})
+    stacks = {str(path) for node in traced.gm.graph.nodes
+              for path, _ in node.meta.get("nn_module_stack", {}).values()}
+    assert {f"enc.layers.{i}" for i in range(4)} <= stacks
+    assert not [n for n in traced.gm.graph.nodes if n.op == "call_module" and n.target == "enc"]
     sdpa = torch.ops.aten.scaled_dot_product_attention.default
     calls = [n for n in traced.gm.graph.nodes if n.target is sdpa]
     assert len(calls) == 4 and all(c.kwargs.get("is_causal") is True for c in calls)
     want = model(ids, causal=True)
     got = traced.gm(ids, causal=True)
     torch.testing.assert_close(got, want)
+    params = list(model.parameters())
+    for a, b in zip(torch.autograd.grad(got.square().mean(), params),
+                    torch.autograd.grad(want.square().mean(), params), strict=True):
+        torch.testing.assert_close(a, b)

@@ -81,7 +81,7 @@ def layered(draw: st.DrawFn, *, comm: bool, branches: bool = True, limited: bool
                    allow_empty_stages=exact or not comm or not limited or draw(st.booleans()))
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(layered(comm=True))
 def test_block_bound_on_layers_is_below_brute_force(problem: Problem) -> None:
     best, _, _ = brute_force(problem)
@@ -91,7 +91,7 @@ def test_block_bound_on_layers_is_below_brute_force(problem: Problem) -> None:
         assert bound <= best
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(layered(comm=False, branches=False))
 def test_block_bound_is_the_optimum_when_nothing_is_left_out(problem: Problem) -> None:
     """A chain with no transfers, no kept values, no transients, empty stages allowed: the
@@ -105,7 +105,7 @@ def test_block_bound_is_the_optimum_when_nothing_is_left_out(problem: Problem) -
         assert bound == pytest.approx(best, rel=1e-6, abs=1e-12)
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(layered(comm=True, branches=False, transients=True, exact=True))
 def test_block_bound_is_the_optimum_of_a_chain_that_keeps_and_sends(problem: Problem) -> None:
     """A chain with transfers, backward transients and a memory limit, empty stages
@@ -120,7 +120,7 @@ def test_block_bound_is_the_optimum_of_a_chain_that_keeps_and_sends(problem: Pro
         assert bound == pytest.approx(best, rel=1e-6, abs=1e-12)
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(layered(comm=True, branches=False, limited=False))
 def test_block_bound_counts_what_each_cut_sends(problem: Problem) -> None:
     """A chain with transfers and no memory limit: each cut sends exactly the value it

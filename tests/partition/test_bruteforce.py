@@ -221,7 +221,7 @@ def _check_against_brute_force(problem: Problem) -> None:
     assert result.report.objective == pytest.approx(best, rel=1e-9, abs=1e-12)
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems(layout="interleaved"))
 def test_interleaved_ilp_matches_brute_force(problem: Problem) -> None:
     """K = N * v stage modules, GPU d running modules d, d + N, ...: per-GPU time and
@@ -229,7 +229,7 @@ def test_interleaved_ilp_matches_brute_force(problem: Problem) -> None:
     _check_against_brute_force(problem)
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems(layout="v"))
 def test_v_placement_ilp_matches_brute_force(problem: Problem) -> None:
     """ZB-V and DualPipeV: K = 2N stage modules, GPU d running stages d and K - 1 - d, so
@@ -240,7 +240,7 @@ def test_v_placement_ilp_matches_brute_force(problem: Problem) -> None:
     _check_against_brute_force(problem)
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems(layout="replicated"))
 def test_replicated_stage_model_matches_brute_force(problem: Problem) -> None:
     """For a fixed stage count K < N GPUs the ILP chooses cuts and replicas together."""

@@ -58,7 +58,7 @@ def _cuts(assignment: tuple[int, ...], K: int) -> list[int]:
     return [0, *(sum(1 for s in assignment if s < j) for j in range(1, K)), len(assignment)]
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=90, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(shared, st.data())
 def test_prices_are_evaluates(problem: Problem, data: st.DataObject) -> None:
     """On a contiguous split of the order, the search's GPU loads are ``evaluate``'s GPU
@@ -83,7 +83,7 @@ def test_prices_are_evaluates(problem: Problem, data: st.DataObject) -> None:
     assert loads == pytest.approx(times, rel=1e-9, abs=1e-12)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=90, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(shared, st.integers(0, 5))
 def test_search_never_makes_the_slowest_gpu_slower(problem: Problem, which: int) -> None:
     exact = exact_groups(problem)
@@ -183,7 +183,7 @@ def _rounds_chains(draw: st.DrawFn) -> tuple[Problem, tuple[int, ...]]:
     return problem, tuple(sum(1 for s in sizes if s <= g) for g in range(n))
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=90, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_rounds_chains())
 def test_two_round_window_lowers_the_gpu_times(case: tuple[Problem, tuple[int, ...]]
                                                  ) -> None:
