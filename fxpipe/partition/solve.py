@@ -178,7 +178,7 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
     else:
         level, phases, result = _search(
             problem, exact, candidates, coarsen=coarsen,
-            dp_done=exact.num_coarse * problem.num_stages > BOUND_FIRST,
+            dp_done=_bounded_first(problem, exact),
             work_limit=work_limit, deadline=deadline, workers=workers, prepared=prepared)
     best = min(candidates, key=lambda c: c[0])[1] if candidates else None
 
@@ -229,6 +229,12 @@ def _baselines(problem: Problem, exact: Coarsening) -> tuple[
     return splits, scored, candidates
 
 
+def _bounded_first(problem: Problem, exact: Coarsening) -> bool:
+    """Whether the exact program is big enough for the block bound to run before CP-SAT
+    (see BOUND_FIRST)."""
+    return exact.num_coarse * problem.num_stages > BOUND_FIRST
+
+
 def _large(problem: Problem, exact: Coarsening) -> bool:
     """Whether the exact model is too big for CP-SAT to help (see LARGE_MODEL)."""
     return exact.num_coarse * problem.num_stages > LARGE_MODEL
@@ -255,7 +261,7 @@ def _bound_first(problem: Problem, exact: Coarsening,
     settles the search: the best split is within PROVED of it, or within GAP where
     CP-SAT cannot help (LARGE_MODEL); and, where the bound was not ready when the DP
     was, the first exact program, built meanwhile (``_search`` solves it)."""
-    if exact.num_coarse * problem.num_stages <= BOUND_FIRST:
+    if not _bounded_first(problem, exact):
         return None, False, None
     large = _large(problem, exact)
     # Two DPs of seconds each at 70B scale, independent given an upper bound: the bound's
