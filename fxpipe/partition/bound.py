@@ -50,7 +50,6 @@ Legend: G exact groups, s a separator, k a segment, D an ideal, a..b a block of 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -169,11 +168,12 @@ def shared_gpu_bound(exact: Coarsening, *, upper_s: float = math.inf) -> float |
       gradient whenever more than one stage holds one: a stage holding every reader of
       it holds all compute between them (stages are convex along the ordering edges),
       so when that alone is ``upper_s`` or more, a faster split has at least two copies;
-    - with neighbour transport, each boundary b charges the values crossing it to both
-      sides. The stages after b run on r_b distinct GPUs, each faster than ``upper_s``,
-      so the ideal before b holds at least total - r_b * upper_s of compute; it then
-      sends at least the least any such ideal sends (``_least_crossing``). The last
-      round's boundaries are the ones this says something about.
+    - with neighbour transport, what the K - 1 cuts send, charged to both sides
+      (``_Sends.together``). The stages after cut b run on r_b distinct GPUs, each faster
+      than ``upper_s``, so the ideal before b holds at least total - r_b * upper_s of
+      compute and sends at least the least any such ideal sends; and the cuts' ideals
+      are distinct, so together they send at least the K - 1 least of what distinct
+      ideals can send.
 
     None for one GPU per stage (``block_bound``'s domain) and for replicated stages."""
     p = exact.problem
@@ -182,62 +182,158 @@ def shared_gpu_bound(exact: Coarsening, *, upper_s: float = math.inf) -> float |
     compute = np.zeros(exact.num_coarse)
     for v, node in enumerate(p.nodes):
         compute[exact.group_of[v]] += node.forward_s + node.backward_s
-    work = float(compute.sum())
+    total = float(compute.sum())
+    work = total
     if p.tied_policy is TiedPolicy.REPLICATE:
         for tied in p.tied:
             readers = {exact.group_of[v] for v in tied.nodes}
             if len(readers) > 1 and float(compute[_hull(exact, readers)].sum()) >= upper_s:
                 work += 2 * tied.allreduce_s
-    if p.comm is Comm.NEIGHBOUR and upper_s < math.inf and not p.allow_empty_stages:
-        crossing = _least_crossing(exact)
-        if crossing is not None:
-            least, uncounted = crossing
+    if p.comm is Comm.NEIGHBOUR and not p.allow_empty_stages:
+        sends = _least_sends(exact)
+        if sends is not None:
             K = p.num_stages
-            for b in range(K - 1):
-                after = len({p.device_of(j) for j in range(b + 1, K)})
-                work += 2 * least(float(compute.sum()) - after * upper_s - uncounted)
+            each = [sends.least_from(total - sends.uncounted - upper_s
+                                     * len({p.device_of(j) for j in range(b + 1, K)}))
+                    for b in range(K - 1)]
+            work += 2 * sends.together(each)
     return min(upper_s, work / p.devices) * (1 - 1e-9)
 
 
-def _least_crossing(exact: Coarsening) -> tuple[Callable[[float], float], float] | None:
-    """(least, uncounted): least(X) is the least comm_s of the values that an ideal with
-    at least X seconds of counted compute (not every group) sends to a group outside it;
-    ``uncounted`` the compute of the groups the block bound zeroes (``_segments``), which
-    the counted compute of an ideal may lack. Every ideal's counted groups are all segments
-    before some k plus an ideal I of segment k (what it sends: ``_Crossing``). None beyond
-    MAX_IDEALS."""
+@dataclass(frozen=True)
+class _Sends:
+    """The least the cuts between stages send with neighbour transport (comm_s), over the
+    ideals of counted groups (``_least_sends``): a cut's real ideal sends at least what
+    its counted groups send to counted groups outside it.
+
+    - ``at``, ``least``: ideals by counted compute, ascending; ``least[i]`` the least
+      any ideal from ``at[i]`` on sends;
+    - ``uncounted``: the compute of the groups the block bound zeroes (``_segments``),
+      which the counted compute of an ideal may lack;
+    - ``cheapest``: ascending, per number of counted groups, the least an ideal of that
+      many sends; and per zeroed group z, the least an ideal that z may follow sends:
+      holding every counted ancestor of z, no counted descendant.
+
+    Why the cuts together send at least the K - 1 least of ``cheapest``: cut b follows
+    stage b. Where stage b holds a counted group, cut b's counted ideal is larger than
+    cut b - 1's, so these cuts' counted ideals have distinct sizes, one or more. Where it
+    holds none, it holds a zeroed group z, and cut b's counted ideal is one z may follow;
+    stages are disjoint, so these z are distinct."""
+
+    at: np.ndarray
+    least: np.ndarray
+    uncounted: float
+    cheapest: np.ndarray
+
+    def least_from(self, x: float) -> float:
+        """The least any ideal with at least ``x`` seconds of counted compute sends."""
+        i = int(np.searchsorted(self.at, x * (1 - 1e-9) - 1e-15, side="left"))
+        return float(self.least[i]) if i < len(self.least) else 0.0
+
+    def together(self, each: list[float]) -> float:
+        """The least all the cuts send together, given ``each`` the least cut b sends
+        alone: the L largest of ``each`` and the len(each) - L least of ``cheapest``, at
+        the L where that is most (the L cuts' ideals may be among those least ones)."""
+        largest = np.concatenate(([0.0], np.cumsum(sorted(each, reverse=True))))
+        least = np.concatenate(([0.0], np.cumsum(self.cheapest)))
+        least = np.concatenate((least, np.full(len(each) + 1, least[-1])))
+        return max(float(largest[L] + least[len(each) - L]) for L in range(len(each) + 1))
+
+
+def _least_sends(exact: Coarsening) -> _Sends | None:
+    """What ideals of counted groups send (``_Sends``). Every ideal's counted groups are
+    all segments before some k plus an ideal I of segment k, other than its full one
+    (that is the next segment's empty ideal; of the last segment, it holds every counted
+    group, which no cut's ideal does when every zeroed group has a counted descendant: it
+    must stay out with them). What it sends: ``_Crossing``. None beyond MAX_IDEALS."""
     sums = _group_sums(exact)
     compute = sums[:, 0].copy()
     segments, preds = _segments(exact, sums)
     counted = np.zeros(exact.num_coarse, dtype=bool)
     for segment in segments:
         counted[segment] = True
-    uncounted = float(compute[~counted].sum())
-    found: list[tuple[float, float]] = []
-    before = 0.0
+    if not _zeroed_lead_to_counted(exact, counted):
+        return None
+    at: list[float] = []
+    sent: list[float] = []
+    sized: dict[int, float] = {}  # number of counted groups -> the least sent
+    per_segment: list[tuple[list[int], np.ndarray]] = []
+    before, held = 0.0, 0
     for segment, crossing in zip(segments, _crossings(exact, segments), strict=True):
         ideals = _ideals(_masks(segment, preds), sums[segment])
         if ideals is None:
             return None
-        bits, ideal_sums = ideals
-        # Not the full ideal: before the last segment it is the next one's empty ideal; of
-        # the last, it holds every counted group, which no other ideal does when every
-        # zeroed group has a counted descendant (it must stay out with them).
         full = (1 << len(segment)) - 1
-        found += [(before + float(row[0]), crossing.through[0] + crossing.sent(ideal)[0])
-                  for ideal, row in zip(bits, ideal_sums, strict=True) if ideal != full]
+        bits = [ideal for ideal in ideals[0] if ideal != full]
+        sends = np.array([crossing.through[0] + crossing.sent(ideal)[0] for ideal in bits])
+        per_segment.append((bits, sends))
+        at += [before + float(row[0]) for ideal, row in zip(ideals[0], ideals[1], strict=True)
+               if ideal != full]
+        sent += sends.tolist()
+        for ideal, value in zip(bits, sends, strict=True):
+            size = held + ideal.bit_count()
+            if size:  # a stage with a counted group lies before the cut
+                sized[size] = min(sized.get(size, math.inf), float(value))
         before += float(compute[segment].sum())
-    if not found or not _zeroed_lead_to_counted(exact, counted):
+        held += len(segment)
+    if not at:
         return None
-    found.sort()
-    at = np.array([f[0] for f in found])
-    least = np.minimum.accumulate(np.array([f[1] for f in found])[::-1])[::-1]
+    order = np.argsort(at, kind="stable")
+    least = np.minimum.accumulate(np.array(sent)[order][::-1])[::-1]
+    followed = _least_followed(exact, segments, counted, per_segment)
+    return _Sends(np.array(at)[order], least, float(compute[~counted].sum()),
+                  np.sort(np.array(list(sized.values()) + followed)))
 
-    def least_from(x: float) -> float:
-        i = int(np.searchsorted(at, x * (1 - 1e-9) - 1e-15, side="left"))
-        return float(least[i]) if i < len(least) else 0.0
 
-    return least_from, uncounted
+def _least_followed(exact: Coarsening, segments: list[list[int]], counted: np.ndarray,
+                    per_segment: list[tuple[list[int], np.ndarray]]) -> list[float]:
+    """Per zeroed group z, the least an ideal that z may follow sends (``_Sends``): an
+    ideal in segment k holds z's counted ancestors when they lie before k, or in k within
+    its bits; and none of z's counted descendants when they lie after k, or in k outside
+    its bits. So every ideal of a segment strictly between the last holding an ancestor
+    and the first holding a descendant will do, and of those two segments the ideals
+    whose bits say so."""
+    G = exact.num_coarse
+    segment_of = np.full(G, -1)
+    bit = [0] * G
+    for k, segment in enumerate(segments):
+        for i, g in enumerate(segment):
+            segment_of[g], bit[g] = k, 1 << i
+    preds: list[list[int]] = [[] for _ in range(G)]
+    succs: list[list[int]] = [[] for _ in range(G)]
+    for a, b in exact.order_edges:
+        preds[b].append(a)
+        succs[a].append(b)
+
+    def nearest(step: list[list[int]], order: range, later: bool) -> list[tuple[int, int]]:
+        """Per group, the segment nearest it holding a counted group it reaches by ``step``
+        (ancestors: the last; descendants: the first), and the bits of those there."""
+        found = [(-1, 0) if later else (len(segments), 0)] * G
+        for g in order:
+            for w in step[g]:
+                for k, bits in (found[w], (int(segment_of[w]), bit[w]) if counted[w]
+                                else found[w]):
+                    now = found[g][0]
+                    if k == now:
+                        found[g] = (k, found[g][1] | bits)
+                    elif (k > now) == later:
+                        found[g] = (k, bits)
+        return found
+
+    above = nearest(preds, range(G), later=True)  # groups are in a topological order
+    below = nearest(succs, range(G - 1, -1, -1), later=False)
+    lowest = [float(sends.min()) if len(sends) else math.inf for _, sends in per_segment]
+    followed: list[float] = []
+    for z in np.flatnonzero(~counted):
+        (ka, held), (kd, out) = above[z], below[z]
+        options = lowest[ka + 1:kd]
+        for k in {ka, kd} & set(range(len(segments))):
+            bits, sends = per_segment[k]
+            options += [float(s) for ideal, s in zip(bits, sends, strict=True)
+                        if (k != ka or ideal & held == held) and (k != kd or ideal & out == 0)]
+        if options:
+            followed.append(min(options))
+    return followed
 
 
 @dataclass(frozen=True)
