@@ -295,16 +295,7 @@ class _Search:
     def _pair_prices(self, j: int, starts: Any, ends: Any) -> tuple[Any, ...]:
         """Stage j on [y, x) for every y of ``starts`` and x of ``ends``: ``block``'s
         arrays, (starts, ends) shaped, inf in time where y > x - gap (no stage)."""
-        size = 2 * len(self.prices.options)
-        out = [np.full((starts.size, ends.size), np.inf if i % 2 == 0 else 0.0)
-               for i in range(size)]
-        for at, x in enumerate(ends.tolist()):
-            ok = starts <= x - self.gap
-            if ok.any():
-                priced = self.prices.block(j, starts[ok], np.full(int(ok.sum()), x))
-                for i in range(size):
-                    out[i][ok, at] = priced[i]
-        return tuple(out)
+        return self.prices.pairs(j, starts, ends, self.gap)
 
 
 def cuts_of(c: Coarsening, coarse: Sequence[int]) -> tuple[int, ...]:
@@ -345,6 +336,7 @@ class _Prices:
         self.problem = p = c.problem
         self.blocks = Blocks.of(c)
         self.priced = 0  # blocks priced so far (see PRICE_BUDGET)
+        self.sparse: Any = None  # built by _sparse on first use
         self.flights = stage_flights(p)
         self.waiting = stage_deferred(p)
         self.options = recompute_options(p)
@@ -402,10 +394,72 @@ class _Prices:
     def block(self, j: int, starts: Any, ends: Any) -> tuple[Any, ...]:
         """Stage j on [start, end), per pair: (time, memory) per recompute choice, in
         ``self.options`` order, flattened."""
-        p, x = self.problem, self.blocks
         self.priced += starts.size
+        return self._priced(j, starts, ends, self._kept(starts, ends), self._peak(starts, ends))
+
+    def pairs(self, j: int, starts: Any, ends: Any, gap: int) -> tuple[Any, ...]:
+        """``block`` for every start y of ``starts`` and end x of ``ends`` at once, shaped
+        (starts, ends): inf in time (and no memory) where y > x - ``gap`` (no stage)."""
+        ok = starts[:, None] <= ends[None, :] - gap
+        self.priced += int(ok.sum())
+        kept, peak = self._kept_grid(starts, ends), self._peak_grid(starts, ends)
+        grid = np.broadcast_arrays(starts[:, None], ends[None, :])
+        priced = self._priced(j, grid[0], grid[1], kept, peak)
+        return tuple(np.where(ok, a, np.inf if i % 2 == 0 else 0.0)
+                     for i, a in enumerate(priced))
+
+    def _kept_grid(self, starts: Any, ends: Any) -> Any:
+        """``_kept`` for every start and end at once, (starts, ends) shaped: the bytes of
+        the values made at a and last read at b with start <= a < end <= b. (Bytes are
+        whole numbers: summed in any order, the same as ``_kept``'s.)"""
+        lo = int(starts.min())
+        hi = max(lo, int(ends.max()))
+        made = (self.send_from >= lo) & (self.send_from < hi)
+        a, b, size = self.send_from[made], self.send_to[made], self.send_bytes[made]
+        order = np.argsort(ends, kind="stable")
+        first = np.searchsorted(ends[order], a, side="right")  # the ends after a
+        last = np.maximum(np.searchsorted(ends[order], b, side="right"), first)  # up to b
+        change = np.zeros((hi - lo + 1, ends.size + 1))  # per a, along the ends
+        np.add.at(change, (a - lo, first), size)
+        np.add.at(change, (a - lo, last), -size)
+        at_a = np.cumsum(change, axis=1)[:, :-1]
+        from_a = np.cumsum(at_a[::-1], axis=0)[::-1]  # made at a or later
+        kept = np.empty((starts.size, ends.size))
+        kept[:, order] = from_a[np.clip(starts - lo, 0, hi - lo)]
+        return kept
+
+    def _peak_grid(self, starts: Any, ends: Any) -> Any:
+        """``_peak`` for every start and end at once, (starts, ends) shaped: the larger of
+        the two halving ranges' maxima (``_sparse``) that cover [start, end)."""
+        table = self._sparse()
+        s, e = np.broadcast_arrays(starts[:, None], ends[None, :])
+        length = np.maximum(e - s, 1)
+        level = np.frexp(length)[1] - 1  # floor(log2(length))
+        right = np.clip(e - (1 << level), 0, table.shape[1] - 1)
+        left = np.clip(s, 0, table.shape[1] - 1)
+        peak = np.maximum(table[level, left], table[level, right])
+        return np.where(e > s, peak, 0.0)
+
+    def _sparse(self) -> Any:
+        """table[k, i]: the largest backward transient of the blocks' groups [i, i + 2^k)
+        (clipped at the end of the order)."""
+        if self.sparse is None:
+            grad = np.asarray(self.blocks.grad, dtype=float)
+            rows = [grad]
+            while (1 << len(rows)) <= grad.size:
+                half = 1 << (len(rows) - 1)
+                prev = rows[-1]
+                rows.append(np.maximum(prev, np.append(prev[half:], np.zeros(half))))
+            self.sparse = np.array(rows)
+        return self.sparse
+
+    def _priced(self, j: int, starts: Any, ends: Any, kept: Any, peak: Any
+                ) -> tuple[Any, ...]:
+        """``block`` with the bytes produced in each block and read after it (``_kept``)
+        and its largest backward transient (``_peak``) given."""
+        p, x = self.problem, self.blocks
         params = np.maximum(x.P[ends] - x.P0[starts], 0.0)
-        kept = self._kept(starts, ends) + x.R[ends] - x.R[starts]
+        kept = kept + x.R[ends] - x.R[starts]
         seconds = (np.maximum(x.T[ends] - x.T0[starts], 0.0)
                    + x.cut[starts] + x.cut[ends])
         for readers, size, allreduce in self.tied:  # a copy where a reader is, summed
@@ -419,7 +473,7 @@ class _Prices:
             parts = memory_parts(
                 p, j, flight=self.flights[j], params=params,
                 activations=np.maximum(x.A[ends] - x.A0[starts], 0.0),
-                received=x.cut_bytes[starts], kept=kept, transient=self._peak(starts, ends),
+                received=x.cut_bytes[starts], kept=kept, transient=peak,
                 recompute=recompute, deferred=self.deferred[ends] - self.deferred[starts],
                 waiting=self.waiting[j])
             again = np.maximum(x.F[ends] - x.F0[starts], 0.0) if recompute else 0.0

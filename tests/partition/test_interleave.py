@@ -1,7 +1,7 @@
 """The shared-GPU warm start (``fxpipe.partition.interleave``) and bound
 (``bound.shared_gpu_bound``): its prices are ``evaluate``'s, its moves never make the
 slowest GPU slower, it balances across rounds, and the bound (tied all-reduces and the
-least transfers across the last round's boundaries) is below brute force."""
+least the cuts send) is below brute force."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from fxpipe.partition import (
 from fxpipe.partition import solve as solve_module
 from fxpipe.partition.bound import shared_gpu_bound
 from fxpipe.partition.interleave import (
+    _Prices,
     _Search,
     round_profiles,
     shared_gpu_search,
@@ -81,6 +82,31 @@ def test_prices_are_evaluates(problem: Problem, data: st.DataObject) -> None:
     if near_limit:  # evaluate rounds each memory part to whole bytes
         return
     assert loads == pytest.approx(times, rel=1e-9, abs=1e-12)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shared, st.data())
+def test_pair_prices_are_blocks_priced_one_end_at_a_time(problem: Problem,
+                                                          data: st.DataObject) -> None:
+    """The window moves price every (start, end) pair at once (``_Prices.pairs``): the
+    same figures as ``block`` with the end fixed, and the same count of blocks priced."""
+    exact = exact_groups(problem)
+    n, gap = exact.num_coarse, data.draw(st.integers(0, 1))
+    first = data.draw(st.integers(0, n))
+    starts = np.arange(first, data.draw(st.integers(first + 1, n + 1)))
+    first = data.draw(st.integers(0, n))
+    ends = np.arange(first, data.draw(st.integers(first + 1, n + 1)))
+    j = data.draw(st.integers(0, problem.num_stages - 1))
+    grid, one = _Prices(exact), _Prices(exact)
+    priced = grid.pairs(j, starts, ends, gap)
+    for at, x in enumerate(ends.tolist()):
+        ok = starts <= x - gap
+        alone = one.block(j, starts[ok], np.full(int(ok.sum()), x)) if ok.any() else None
+        for i, figures in enumerate(priced):
+            assert np.all(figures[~ok, at] == (np.inf if i % 2 == 0 else 0.0))
+            if alone is not None:
+                assert np.array_equal(figures[ok, at], alone[i])
+    assert grid.priced == one.priced
 
 
 @settings(max_examples=90, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -239,8 +265,15 @@ def test_warm_start_balances_memory_bound_layers() -> None:
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(shared, st.sampled_from([1.0, 1.5, 4.0]))
-def test_shared_gpu_bound_is_below_every_faster_split(problem: Problem, slack: float) -> None:
+@given(shared, st.sampled_from([1.0, 1.5, 4.0]), st.sets(st.integers(0, 6), max_size=2))
+def test_shared_gpu_bound_is_below_every_faster_split(problem: Problem, slack: float,
+                                                      light: set[int]) -> None:
+    """Also with nodes made free (no time, parameters or bytes kept, though they may send):
+    the light groups the bound zeroes, which a stage may hold alone."""
+    free = {"forward_s": 0.0, "backward_s": 0.0, "backward_weight_s": 0.0, "param_bytes": 0,
+            "activation_bytes": 0, "grad_bytes": 0, "deferred_bytes": 0, "returned": False}
+    problem = replace(problem, nodes=tuple(replace(node, **free) if i in light else node
+                                           for i, node in enumerate(problem.nodes)))
     assume(small_enough(problem))
     best, _, _ = brute_force(problem)
     if best is None:
@@ -248,6 +281,22 @@ def test_shared_gpu_bound_is_below_every_faster_split(problem: Problem, slack: f
     bound = shared_gpu_bound(exact_groups(problem), upper_s=best * slack + 1e-12)
     assert bound is not None
     assert bound <= best
+
+
+def test_shared_gpu_bound_counts_every_cut() -> None:
+    """Each layer sends 1 ms to the next: whatever the split, its 3 cuts send 3 ms, charged
+    to both sides, so no split beats (24 + 6) / 2 ms, which 2 layers a stage reach. Only
+    the last round's cut is one that a split at that time must place after 9 ms of
+    compute; the other two could lie anywhere, but not at one ideal."""
+    base = _chain(8, gpus=2, v=2)
+    problem = replace(base, comm=Comm.NEIGHBOUR,
+                      nodes=tuple(replace(node, comm_s=MS) for node in base.nodes))
+    exact = exact_groups(problem)
+    assert shared_gpu_bound(exact) == pytest.approx(15 * MS)
+    result = partition(problem, workers=1)
+    assert result.report.status == "OPTIMAL"
+    assert result.report.objective == pytest.approx(15 * MS)
+    assert result.report.bound >= 15 * MS * (1 - 1e-6)
 
 
 def test_shared_gpu_bound_counts_a_tied_all_reduce() -> None:
