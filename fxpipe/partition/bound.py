@@ -264,11 +264,11 @@ def _least_sends(exact: Coarsening) -> _Sends | None:
         if ideals is None:
             return None
         full = (1 << len(segment)) - 1
-        bits = [ideal for ideal in ideals[0] if ideal != full]
+        keep = [i for i, ideal in enumerate(ideals[0]) if ideal != full]
+        bits = [ideals[0][i] for i in keep]
         sends = np.array([crossing.through[0] + crossing.sent(ideal)[0] for ideal in bits])
         per_segment.append((bits, sends))
-        at += [before + float(row[0]) for ideal, row in zip(ideals[0], ideals[1], strict=True)
-               if ideal != full]
+        at += (before + ideals[1][keep, 0]).tolist()
         sent += sends.tolist()
         for ideal, value in zip(bits, sends, strict=True):
             size = held + ideal.bit_count()
