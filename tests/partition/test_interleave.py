@@ -285,9 +285,9 @@ def test_shared_gpu_bound_is_below_every_faster_split(problem: Problem, slack: f
 
 def test_shared_gpu_bound_counts_every_cut() -> None:
     """Each layer sends 1 ms to the next: whatever the split, its 3 cuts send 3 ms, charged
-    to both sides, so no split beats (24 + 6) / 2 ms, which 2 layers a stage reach. Only
-    the last round's cut is one that a split at that time must place after 9 ms of
-    compute; the other two could lie anywhere, but not at one ideal."""
+    to both sides, so no split beats (24 + 6) / 2 ms, which 2 layers a stage reach. The
+    bound knew this before of the last round's cut alone (it must follow 9 ms of compute
+    in a split that fast); the other two cuts may lie anywhere, but not at one ideal."""
     base = _chain(8, gpus=2, v=2)
     problem = replace(base, comm=Comm.NEIGHBOUR,
                       nodes=tuple(replace(node, comm_s=MS) for node in base.nodes))
