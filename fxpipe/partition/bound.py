@@ -294,16 +294,8 @@ def _least_followed(exact: Coarsening, segments: list[list[int]], counted: np.nd
     and the first holding a descendant will do, and of those two segments the ideals
     whose bits say so."""
     G = exact.num_coarse
-    segment_of = np.full(G, -1)
-    bit = [0] * G
-    for k, segment in enumerate(segments):
-        for i, g in enumerate(segment):
-            segment_of[g], bit[g] = k, 1 << i
-    preds: list[list[int]] = [[] for _ in range(G)]
-    succs: list[list[int]] = [[] for _ in range(G)]
-    for a, b in exact.order_edges:
-        preds[b].append(a)
-        succs[a].append(b)
+    segment_of, place = _places(G, segments)
+    preds, succs = _neighbours(exact)
 
     def nearest(step: list[list[int]], order: range, later: bool) -> list[tuple[int, int]]:
         """Per group, the segment nearest it holding a counted group it reaches by ``step``
@@ -311,8 +303,8 @@ def _least_followed(exact: Coarsening, segments: list[list[int]], counted: np.nd
         found = [(-1, 0) if later else (len(segments), 0)] * G
         for g in order:
             for w in step[g]:
-                for k, bits in (found[w], (int(segment_of[w]), bit[w]) if counted[w]
-                                else found[w]):
+                for k, bits in (found[w], (int(segment_of[w]), 1 << int(place[w]))
+                                if counted[w] else found[w]):
                     now = found[g][0]
                     if k == now:
                         found[g] = (k, found[g][1] | bits)
@@ -361,11 +353,7 @@ class _Crossing:
 def _crossings(exact: Coarsening, segments: list[list[int]]) -> list[_Crossing]:
     """Per segment, what its ideals send (``_Crossing``)."""
     p = exact.problem
-    segment_of = np.full(exact.num_coarse, -1)
-    place = np.zeros(exact.num_coarse, dtype=np.int64)
-    for k, segment in enumerate(segments):
-        for i, g in enumerate(segment):
-            segment_of[g], place[g] = k, i
+    segment_of, place = _places(exact.num_coarse, segments)
     through = np.zeros((len(segments), 2))
     incoming: list[list[tuple[int, float, int]]] = [[] for _ in segments]
     local: list[list[tuple[int, int, bool, float, int]]] = [[] for _ in segments]
@@ -395,14 +383,30 @@ def _zeroed_lead_to_counted(exact: Coarsening, counted: np.ndarray) -> bool:
     return bool(leads.all())
 
 
+def _neighbours(exact: Coarsening) -> tuple[list[list[int]], list[list[int]]]:
+    """Per exact group, its predecessors and its successors along the ordering edges."""
+    preds: list[list[int]] = [[] for _ in range(exact.num_coarse)]
+    succs: list[list[int]] = [[] for _ in range(exact.num_coarse)]
+    for a, b in exact.order_edges:
+        preds[b].append(a)
+        succs[a].append(b)
+    return preds, succs
+
+
+def _places(G: int, segments: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Per exact group, its segment (-1 for a zeroed group) and its place in it."""
+    segment_of = np.full(G, -1)
+    place = np.zeros(G, dtype=np.int64)
+    for k, segment in enumerate(segments):
+        for i, g in enumerate(segment):
+            segment_of[g], place[g] = k, i
+    return segment_of, place
+
+
 def _hull(exact: Coarsening, groups: set[int]) -> list[int]:
     """The groups on an ordering path between two of ``groups`` (and those): what a stage
     holding all of ``groups`` holds."""
-    succs: list[list[int]] = [[] for _ in range(exact.num_coarse)]
-    preds: list[list[int]] = [[] for _ in range(exact.num_coarse)]
-    for a, b in exact.order_edges:
-        succs[a].append(b)
-        preds[b].append(a)
+    preds, succs = _neighbours(exact)
 
     def reach(step: list[list[int]]) -> set[int]:
         seen, todo = set(groups), list(groups)
@@ -433,11 +437,7 @@ def _segments(exact: Coarsening, sums: np.ndarray) -> tuple[list[list[int]], lis
     group's predecessors; the light groups that some separator is not comparable with
     get their sums zeroed (in ``sums``)."""
     G = exact.num_coarse
-    preds: list[list[int]] = [[] for _ in range(G)]
-    succs: list[list[int]] = [[] for _ in range(G)]
-    for a, b in exact.order_edges:
-        preds[b].append(a)
-        succs[a].append(b)
+    preds, succs = _neighbours(exact)
     ancestors = [0] * G  # bit sets; groups are numbered in a topological order
     for g in range(G):
         for a in preds[g]:
