@@ -213,7 +213,7 @@ class _Search:
         for k, j in enumerate(stages, start=1):
             # over (y, x): the GPU's time with stage j on [y, x), inf where none fits
             load = prices.gpu(p.device_of(j), self.stage,
-                              {j: self._pair_prices(j, spots[k - 1], spots[k])})
+                              {j: prices.pairs(j, spots[k - 1], spots[k], gap)})
             load = np.maximum(load, best[k - 1][:, None])
             came = np.argmin(load, axis=0)
             best.append(load[came, np.arange(spots[k].size)])
@@ -259,7 +259,7 @@ class _Search:
         back: list[Any] = []
         for k in range(1, w + 1):
             j0, j1 = first + k - 1, first + N + k - 1
-            here = [self._pair_prices(j, spots[r][k - 1], spots[r][k])
+            here = [prices.pairs(j, spots[r][k - 1], spots[r][k], self.gap)
                     for r, j in enumerate((j0, j1))]
             # time and memory over (y0, y1, x0, x1): round 0's block on axes 0, 2
             trial = {j0: tuple(a[:, None, :, None] for a in here[0]),
@@ -291,11 +291,6 @@ class _Search:
                            min(hi - gap, cuts[i] + ROUNDS_REACH) + 1)
                  for i in range(first + 1, first + w)]
         return [np.array([lo]), *inner, np.array([hi])]
-
-    def _pair_prices(self, j: int, starts: Any, ends: Any) -> tuple[Any, ...]:
-        """Stage j on [y, x) for every y of ``starts`` and x of ``ends``: ``block``'s
-        arrays, (starts, ends) shaped, inf in time where y > x - gap (no stage)."""
-        return self.prices.pairs(j, starts, ends, self.gap)
 
 
 def cuts_of(c: Coarsening, coarse: Sequence[int]) -> tuple[int, ...]:
@@ -375,22 +370,6 @@ class _Prices:
         np.add.at(change, np.minimum(b[alive] + 1, last + 1), -size[alive])
         return np.cumsum(change)[ends]
 
-    def _peak(self, starts: Any, ends: Any) -> Any:
-        """The largest backward transient in [start, end), per pair (one side fixed)."""
-        grad = self.blocks.grad
-        if np.all(starts == starts[0]):
-            run = np.maximum.accumulate(grad[starts[0]:ends.max()]) if ends.max() > starts[0] \
-                else np.zeros(0)
-            return np.where(ends > starts, run[np.maximum(ends - starts[0] - 1, 0)]
-                            if run.size else 0.0, 0.0)
-        assert np.all(ends == ends[0]), "one end of the blocks is fixed"
-        end = int(ends[0])
-        first = int(starts.min())
-        run = np.maximum.accumulate(grad[first:end][::-1])[::-1] if end > first \
-            else np.zeros(0)
-        return np.where(starts < end, run[np.minimum(starts - first, max(run.size - 1, 0))]
-                        if run.size else 0.0, 0.0)
-
     def block(self, j: int, starts: Any, ends: Any) -> tuple[Any, ...]:
         """Stage j on [start, end), per pair: (time, memory) per recompute choice, in
         ``self.options`` order, flattened."""
@@ -402,7 +381,7 @@ class _Prices:
         (starts, ends): inf in time (and no memory) where y > x - ``gap`` (no stage)."""
         ok = starts[:, None] <= ends[None, :] - gap
         self.priced += int(ok.sum())
-        kept, peak = self._kept_grid(starts, ends), self._peak_grid(starts, ends)
+        kept, peak = self._kept_grid(starts, ends), self._peak(starts[:, None], ends[None, :])
         grid = np.broadcast_arrays(starts[:, None], ends[None, :])
         priced = self._priced(j, grid[0], grid[1], kept, peak)
         return tuple(np.where(ok, a, np.inf if i % 2 == 0 else 0.0)
@@ -411,7 +390,9 @@ class _Prices:
     def _kept_grid(self, starts: Any, ends: Any) -> Any:
         """``_kept`` for every start and end at once, (starts, ends) shaped: the bytes of
         the values made at a and last read at b with start <= a < end <= b. (Bytes are
-        whole numbers: summed in any order, the same as ``_kept``'s.)"""
+        whole numbers: summed in any order, the same as ``_kept``'s. ``_kept`` stays the
+        one-dimensional form: the sweeps price a row or a column at a time, where a grid
+        would cost rows times columns.)"""
         lo = int(starts.min())
         hi = max(lo, int(ends.max()))
         made = (self.send_from >= lo) & (self.send_from < hi)
@@ -428,11 +409,12 @@ class _Prices:
         kept[:, order] = from_a[np.clip(starts - lo, 0, hi - lo)]
         return kept
 
-    def _peak_grid(self, starts: Any, ends: Any) -> Any:
-        """``_peak`` for every start and end at once, (starts, ends) shaped: the larger of
-        the two halving ranges' maxima (``_sparse``) that cover [start, end)."""
+    def _peak(self, starts: Any, ends: Any) -> Any:
+        """The largest backward transient in [start, end), per pair (starts and ends
+        broadcast together), 0 where empty: the larger of the maxima of the two halving
+        ranges (``_sparse``) that cover it."""
         table = self._sparse()
-        s, e = np.broadcast_arrays(starts[:, None], ends[None, :])
+        s, e = np.broadcast_arrays(starts, ends)
         length = np.maximum(e - s, 1)
         level = np.frexp(length)[1] - 1  # floor(log2(length))
         right = np.clip(e - (1 << level), 0, table.shape[1] - 1)
