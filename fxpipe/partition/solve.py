@@ -272,8 +272,7 @@ def _bound_first(problem: Problem, exact: Coarsening,
     prepared = None
     with Forked(lambda: block_bound(exact, upper_s=upper)) as bounding:
         _add_dp_split(problem, exact, candidates)
-        if not (large or bounding.ready()) and exact.num_coarse <= PROOF_MAX_GROUPS \
-                and candidates:
+        if not (large or bounding.ready()) and _proving(problem, exact) and candidates:
             prepared = _first_program(exact, candidates)
         lower = bounding.result()  # without a split: inf when none fits
     if lower is None or lower == math.inf:
@@ -281,6 +280,12 @@ def _bound_first(problem: Problem, exact: Coarsening,
     best = min((c[0] for c in candidates), default=math.inf)
     # the baselines' best when the relaxation has no faster split
     return min(lower, best), best <= lower * (1 + (GAP if large else PROVED)), prepared
+
+
+def _proving(problem: Problem, exact: Coarsening) -> bool:
+    """Whether CP-SAT first tries to prove the best split so far on the exact program
+    (``_first_program``): up to PROOF_MAX_GROUPS groups, where the exact solves run."""
+    return exact.num_coarse <= PROOF_MAX_GROUPS and not _shared_large(problem, exact)
 
 
 def _first_program(exact: Coarsening, candidates: list[tuple[float, tuple[int, ...]]]
@@ -308,7 +313,7 @@ def _search(problem: Problem, exact: Coarsening,
     ``prepared``: the first exact program, built already (``_first_program``)."""
     tried: list[IlpResult] = []
     skip_exact = _shared_large(problem, exact)
-    proving = exact.num_coarse <= PROOF_MAX_GROUPS and not skip_exact
+    proving = _proving(problem, exact)
     if proving and not dp_done:
         _add_dp_split(problem, exact, candidates)
         dp_done = True
