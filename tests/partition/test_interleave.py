@@ -29,12 +29,12 @@ from fxpipe.partition import (
 from fxpipe.partition import solve as solve_module
 from fxpipe.partition.bound import shared_gpu_bound
 from fxpipe.partition.interleave import (
-    _Prices,
     _Search,
     round_profiles,
     shared_gpu_search,
     shared_gpu_warm_start,
 )
+from fxpipe.partition.prices import Prices
 from fxpipe.schedules import ScheduleKind
 
 from ._brute import brute_force
@@ -88,7 +88,7 @@ def test_prices_are_evaluates(problem: Problem, data: st.DataObject) -> None:
 @given(shared, st.data())
 def test_pair_prices_are_blocks_priced_one_end_at_a_time(problem: Problem,
                                                           data: st.DataObject) -> None:
-    """The window moves price every (start, end) pair at once (``_Prices.pairs``): the
+    """The window moves price every (start, end) pair at once (``Prices.pairs``): the
     same figures as ``block`` with the end fixed, and the same count of blocks priced."""
     exact = exact_groups(problem)
     n, gap = exact.num_coarse, data.draw(st.integers(0, 1))
@@ -97,7 +97,7 @@ def test_pair_prices_are_blocks_priced_one_end_at_a_time(problem: Problem,
     first = data.draw(st.integers(0, n))
     ends = np.arange(first, data.draw(st.integers(first + 1, n + 1)))
     j = data.draw(st.integers(0, problem.num_stages - 1))
-    grid, one = _Prices(exact), _Prices(exact)
+    grid, one = Prices(exact), Prices(exact)
     priced = grid.pairs(j, starts, ends, gap)
     for at, x in enumerate(ends.tolist()):
         ok = starts <= x - gap
