@@ -113,14 +113,21 @@ class _Rounds:
                        for h in second_prices[:-1]]
         last = second_prices[-1]  # its blocks all end at hi
         self.last = [(last[2 * z][:, 0], last[2 * z + 1][:, 0]) for z in self.options]
-        # per GPU: (time, memory) of its other stages, one pair per recompute choice
+        # per GPU: the recompute choices of its two blocks worth trying, each with its
+        # other stages' (time, memory) under theirs: every combination, or only none
+        # recomputing (the first, the fastest) where that fits whatever the blocks
         moving = {*first, *second}
-        self.fixed = []
+        self.choices: list[list[tuple[int, int, float, float]]] = []
         for d in range(N):
             held = [[(float(stage[j][2 * z][0]), float(stage[j][2 * z + 1][0]))
                      for z in self.options] for j in prices.on[d] if j not in moving]
-            self.fixed.append([(sum(t for t, _ in pick), sum(m for _, m in pick))
-                               for pick in itertools.product(*held)])
+            every = [(z1, z2, sum(t for t, _ in pick), sum(m for _, m in pick))
+                     for z1, z2 in itertools.product(self.options, self.options)
+                     for pick in itertools.product(*held)]
+            z1, z2, _, m0 = every[0]
+            most = (_most(self.first[d][2 * z1], self.first[d][2 * z1 + 1])
+                    + _most(second_prices[d][2 * z2], second_prices[d][2 * z2 + 1]) + m0)
+            self.choices.append(every[:1] if most <= self.limit else every)
 
     def _near(self, j: int) -> Any:
         """The places cut j (before stage j) may take."""
@@ -142,8 +149,7 @@ class _Rounds:
             live = reach >= 0
             at = np.where(live, reach, 0)
             furthest = np.full((at.size, self.a[g + 1].size), -1)
-            for z1, z2, (t0, m0) in itertools.product(self.options, self.options,
-                                                      self.fixed[g]):
+            for z1, z2, t0, m0 in self.choices[g]:
                 time, memory, first_end = self.rising[g][z2]
                 t_left = T - t0 - self.first[g][2 * z1]
                 m_left = limit - m0 - self.first[g][2 * z1 + 1]
@@ -160,8 +166,7 @@ class _Rounds:
         live = reach >= 0
         at = np.where(live, reach, 0)
         ok = np.zeros(at.size, dtype=bool)
-        for z1, z2, (t0, m0) in itertools.product(self.options, self.options,
-                                                  self.fixed[N - 1]):
+        for z1, z2, t0, m0 in self.choices[N - 1]:
             time, memory = self.last[z2]
             ok |= ((self.first[N - 1][2 * z1][:, s] + time[at] + t0 <= T)
                    & (self.first[N - 1][2 * z1 + 1][:, s] + memory[at] + m0 <= limit))
@@ -182,6 +187,12 @@ class _Rounds:
             a = int(came[a])
         cuts[(r + 1) * N] = int(self.middle[s])
         return cuts
+
+
+def _most(time: Any, memory: Any) -> float:
+    """The largest memory of a table's valid blocks (finite time); -inf where none is."""
+    valid = np.isfinite(time)
+    return float(memory[valid].max()) if valid.any() else -math.inf
 
 
 def _rising(time: Any, memory: Any) -> tuple[Any, Any, Any]:
