@@ -43,7 +43,7 @@ from fxpipe.partition.prices import Prices
 __all__ = ["recut_rounds"]
 
 REACH = 48  # groups each cut of the two rounds may move: most of a transformer layer
-MIDDLE_REACH = 48  # groups the cut between the rounds may move
+MIDDLE_REACH = 24  # groups the cut between the rounds may move (per move; it repeats)
 BISECTIONS = 10  # halvings of a 3 % step of the time T: to 0.003 %
 MAX_STEPS_DOWN = 100  # 3 % steps down from the slowest GPU, at most: to 5 % of it
 # Time (s) and memory (bytes) offsets that keep the rows of a block table apart when
