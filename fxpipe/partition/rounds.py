@@ -3,8 +3,8 @@
 In interleaved 1F1B, GPU g runs stage g of each round of N stages, so its load is the
 sum of one block per round. The search's other moves (``interleave.py``) re-cut a few
 stages at a time, each cut within a few groups of where it is; on Llama-3-8B, v = 2 onto
-8, they stop at 423.9 ms where a split of 420.7 ms exists (found by CP-SAT after 600 s):
-it moves the cut between the rounds by 48 groups and the other cuts by up to 45 at once.
+8, they stopped at 423.9 ms where a split of 420.5 ms exists (CP-SAT found it in 600 s):
+it moves the cut between the rounds by 48 groups and the other cuts by up to 47 at once.
 
 This move re-cuts rounds r and r + 1 over the span [lo, hi) they hold, every cut free
 within REACH groups of where it is and the cut s between them within MIDDLE_REACH, the
@@ -19,8 +19,9 @@ is a dynamic program over the GPUs in order:
 Furthest is best: a later cut leaves the later GPUs less of the round, and round r + 1's
 blocks hold hundreds of groups, so taking at least one never binds. (Round r's blocks
 may be a few groups, which is why they, not round r + 1's, index the table.) A block's
-time and memory grow with its end but for the cut's own transfers, so the search reads
-them as running maxima along the end: it may miss a split, never accept one over T.
+time and memory grow with its end but for the cut's own transfers and the values kept
+past it, so the table reads them as running maxima along the end: it may miss a split,
+never accept one over T.
 For each s, nearest the current one first, where some split meets the best T so far, T
 steps down by 3 % until none does and is then bisected; the split found is the
 furthest-cut one at the least T.

@@ -56,7 +56,7 @@ def _recut(problem: Problem, cuts: list[int], r: int) -> tuple[float, list[int] 
     return now, recut_rounds(search.prices, search.stage, search.cuts, search.gap, r, now)
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_chains())
 def test_a_recut_only_moves_its_rounds_and_lowers_every_gpu(
         case: tuple[Problem, list[int], int]) -> None:
@@ -97,7 +97,7 @@ def _best_recut(problem: Problem, cuts: list[int], r: int) -> float:
     return float(loads.max(axis=1).min())
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_chains(exact=True))
 def test_a_recut_is_the_best_split_of_its_rounds_where_furthest_is_best(
         case: tuple[Problem, list[int], int]) -> None:
@@ -115,7 +115,7 @@ def test_a_recut_is_the_best_split_of_its_rounds_where_furthest_is_best(
     assert max(_loads(problem, found)) <= best * (1 + 1e-4) + 1e-12
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_chains(), st.floats(0.5, 1.0), st.data())
 def test_the_table_only_finds_splits_that_meet_its_time(
         case: tuple[Problem, list[int], int], share: float, data: st.DataObject) -> None:
