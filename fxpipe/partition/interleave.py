@@ -27,11 +27,11 @@ the GPU times, sorted from the slowest, decrease lexicographically and the searc
             cuts after a GPU, one per round, each within ROUNDS_REACH groups of where
             it is. Work then moves between rounds on each GPU while it moves along the
             chain of GPUs, which balances what single-round moves leave uneven.
-    whole   (interleaved only) where those stall too, and only from the best split of
-    rounds  all the starts: re-cut two consecutive rounds across every GPU at once,
-            every cut free within about a layer's groups (``rounds.py``). Seconds
-            per move where the others take milliseconds; on Llama-3-8B it reaches
-            420.9 ms where they stop at 423.9.
+    whole   where those stall too, and only from the best split of all the starts:
+    rounds  re-cut two consecutive rounds (the two arms of a V) across every GPU at
+            once, every cut free within about a layer's groups (``rounds.py``).
+            Seconds per move where the others take milliseconds; on Llama-3-8B,
+            v = 2, it reaches 420.9 ms where they stop at 423.9.
 
 Each GPU takes its fastest recompute choice that fits (``cost.choose_recompute``'s
 rule). Blocks are priced like the interval DP prices them (``baselines.Blocks``: the
@@ -46,6 +46,7 @@ for one cut, z a recompute choice.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -55,7 +56,7 @@ import numpy as np
 from fxpipe.partition.coarsen import Coarsening
 from fxpipe.partition.evaluate import evaluate, violations
 from fxpipe.partition.prices import Prices
-from fxpipe.partition.rounds import recut_rounds
+from fxpipe.partition.rounds import recut_rounds, recut_vee
 
 __all__ = ["cuts_of", "round_profiles", "shared_gpu_search", "shared_gpu_warm_start"]
 
@@ -100,7 +101,7 @@ def shared_gpu_warm_start(c: Coarsening, starts: Sequence[Sequence[int]]
         if start not in tried:
             tried.add(start)
             keep(shared_gpu_search(c, start))
-    if best is not None and p.schedule.spec.interleaved:
+    if best is not None and (p.schedule.spec.interleaved or p.schedule.spec.v_placed):
         keep(shared_gpu_search(c, c.restrict(best[1]), whole_rounds=True))
     return None if best is None else best[1]
 
@@ -295,26 +296,32 @@ class _Search:
         return True
 
     def recut_rounds(self) -> bool:
-        """The move of ``rounds.py`` on each two consecutive rounds, until one lowers the
-        slowest GPU: True then."""
-        p, N = self.problem, self.problem.devices
-        if not p.schedule.spec.interleaved or p.num_stages < 2 * N:
-            return False
+        """The move of ``rounds.py`` on each two consecutive rounds (the two arms of a
+        V), until one lowers the slowest GPU: True then."""
+        p, N, K = self.problem, self.problem.devices, self.problem.num_stages
         now = max(self.loads())
-        for r in range(p.num_stages // N - 1):
+        if p.schedule.spec.v_placed and K == 2 * N:
+            tries = [functools.partial(recut_vee, self.prices, self.stage, self.cuts,
+                                       self.gap, now)]
+        elif p.schedule.spec.interleaved and K >= 2 * N:
+            tries = [functools.partial(recut_rounds, self.prices, self.stage, self.cuts,
+                                       self.gap, r, now) for r in range(K // N - 1)]
+        else:
+            return False
+        for recut in tries:
             if self.spent():
                 return False
-            cuts = recut_rounds(self.prices, self.stage, self.cuts, self.gap, r, now)
+            cuts = recut()
             if cuts is None:
                 continue
             kept, self.cuts[:] = list(self.cuts), cuts
             self.stage = [self.prices.block(j, np.array([cuts[j]]), np.array([cuts[j + 1]]))
-                          for j in range(p.num_stages)]
+                          for j in range(K)]
             if max(self.loads()) < now:
                 return True
             self.cuts[:] = kept  # the table's running maxima keep T: not expected
             self.stage = [self.prices.block(j, np.array([kept[j]]), np.array([kept[j + 1]]))
-                          for j in range(p.num_stages)]
+                          for j in range(K)]
         return False
 
     def _spots(self, first: int, w: int) -> list[Any]:

@@ -1,4 +1,4 @@
-"""Two consecutive rounds of an interleaved split re-cut together, across every GPU.
+"""Two rounds of an interleaved split, or the two arms of a V, re-cut at once on every GPU.
 
 In interleaved 1F1B, GPU g runs stage g of each round of N stages, so its load is the
 sum of one block per round. The search's other moves (``interleave.py``) re-cut a few
@@ -26,22 +26,28 @@ For each s, nearest the current one first, where some split meets the best T so 
 steps down by 3 % until none does and is then bisected; the split found is the
 furthest-cut one at the least T.
 
+A V (ZB-V, DualPipeV: stage j and K - 1 - j on GPU j) is the same with the second arm
+walked from its end (``_Vee``): the table keeps the least place of that arm's cut, and
+the two arms meet on the last GPU, which tries every middle cut itself, so there is no
+loop over it.
+
 Legend: N GPUs, r the first of the two rounds, s the cut between them, a and b places of
 the cuts of rounds r and r + 1, T a time every GPU must meet, z a recompute choice.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from fxpipe.partition.prices import Prices
 
-__all__ = ["recut_rounds"]
+__all__ = ["recut_rounds", "recut_vee"]
 
 REACH = 48  # groups each cut of the two rounds may move: most of a transformer layer
 MIDDLE_REACH = 24  # groups the cut between the rounds may move (per move; it repeats)
@@ -64,26 +70,46 @@ def recut_rounds(prices: Prices, stage: Sequence[tuple[Any, ...]], cuts: Sequenc
     rounds = _Rounds(prices, stage, cuts, gap, r)
     best: tuple[float, int, list[Any]] | None = None
     for s in rounds.middle_order():
-        high = (best[0] if best is not None else now) * (1 - 1e-9)
-        found = rounds.fits(high, s)
-        if found is None:
-            continue
-        low = high
-        for _ in range(MAX_STEPS_DOWN):  # down in steps of 3 % to a T that fails
-            low *= 0.97
-            tighter = rounds.fits(low, s)
-            if tighter is None:
-                break
-            high, found = low, tighter
-        for _ in range(BISECTIONS):
-            mid = (low + high) / 2
-            tighter = rounds.fits(mid, s)
-            if tighter is None:
-                low = mid
-            else:
-                high, found = mid, tighter
-        best = (high, s, found)
+        least = _least(functools.partial(rounds.fits, s=s),
+                       (best[0] if best is not None else now) * (1 - 1e-9))
+        if least is not None:
+            best = (least[0], s, least[1])
     return None if best is None else rounds.cuts_of(best[1], best[2])
+
+
+def recut_vee(prices: Prices, stage: Sequence[tuple[Any, ...]], cuts: Sequence[int],
+              gap: int, now: float) -> list[int] | None:
+    """``recut_rounds`` for a V (ZB-V, DualPipeV: stage j and K - 1 - j on GPU j): the
+    two rounds walked from both ends at once (``_Vee``)."""
+    if not 0 < now < math.inf:
+        return None
+    vee = _Vee(prices, stage, cuts, gap)
+    least = _least(vee.fits, now * (1 - 1e-9))
+    return None if least is None else vee.cuts_of(least[1])
+
+
+def _least(fits: Callable[[float], Any], high: float) -> tuple[float, Any] | None:
+    """The least time T, to BISECTIONS halvings of a 3 % step below ``high``, at which
+    ``fits`` finds a split, and what it returned there; None when it finds none at
+    ``high``."""
+    found = fits(high)
+    if found is None:
+        return None
+    low = high
+    for _ in range(MAX_STEPS_DOWN):  # down in steps of 3 % to a T that fails
+        low *= 0.97
+        tighter = fits(low)
+        if tighter is None:
+            break
+        high, found = low, tighter
+    for _ in range(BISECTIONS):
+        mid = (low + high) / 2
+        tighter = fits(mid)
+        if tighter is None:
+            low = mid
+        else:
+            high, found = mid, tighter
+    return high, found
 
 
 class _Rounds:
@@ -114,21 +140,9 @@ class _Rounds:
                        for h in second_prices[:-1]]
         last = second_prices[-1]  # its blocks all end at hi
         self.last = [(last[2 * z][:, 0], last[2 * z + 1][:, 0]) for z in self.options]
-        # per GPU: the recompute choices of its two blocks worth trying, each with its
-        # other stages' (time, memory) under theirs: every combination, or only none
-        # recomputing (the first, the fastest) where that fits whatever the blocks
         moving = {*first, *second}
-        self.choices: list[list[tuple[int, int, float, float]]] = []
-        for d in range(N):
-            held = [[(float(stage[j][2 * z][0]), float(stage[j][2 * z + 1][0]))
-                     for z in self.options] for j in prices.on[d] if j not in moving]
-            every = [(z1, z2, sum(t for t, _ in pick), sum(m for _, m in pick))
-                     for z1, z2 in itertools.product(self.options, self.options)
-                     for pick in itertools.product(*held)]
-            z1, z2, _, m0 = every[0]
-            most = (_most(self.first[d][2 * z1], self.first[d][2 * z1 + 1])
-                    + _most(second_prices[d][2 * z2], second_prices[d][2 * z2 + 1]) + m0)
-            self.choices.append(every[:1] if most <= self.limit else every)
+        self.choices = [_choices(prices, stage, moving, d, _most(self.first[d])
+                                 + _most(second_prices[d])) for d in range(N)]
 
     def _near(self, j: int) -> Any:
         """The places cut j (before stage j) may take."""
@@ -190,8 +204,120 @@ class _Rounds:
         return cuts
 
 
-def _most(time: Any, memory: Any) -> float:
-    """The largest memory of a table's valid blocks (finite time); -inf where none is."""
+class _Vee:
+    """``_Rounds`` for a V: GPU g runs stage g, on [a_g, a_g+1), and stage K - 1 - g, on
+    [b_g+1, b_g), b the cuts from the end (b_0 = hi); the last GPU runs the two stages
+    that meet at the middle cut m. The table keeps, per place of a after GPU g, the
+    least b reachable: furthest from the end. No loop over the middle cut: the last GPU
+    tries every m between its a and b."""
+
+    def __init__(self, prices: Prices, stage: Sequence[tuple[Any, ...]],
+                 cuts: Sequence[int], gap: int) -> None:
+        p = prices.problem
+        self.N = N = p.devices
+        self.K = K = p.num_stages
+        self.cuts, self.gap, self.limit = list(cuts), gap, p.memory_limit
+        options = range(len(prices.options))
+        self.lo, self.hi = cuts[0], cuts[K]
+        self.a = [np.array([self.lo]), *(self._near(g) for g in range(1, N))]
+        self.b = [np.array([self.hi]), *(self._near(K - g) for g in range(1, N))]
+        self.middle = self._near(N)
+        # GPU g < N - 1: stage g on (a[g], a[g + 1]); stage K - 1 - g on (b[g + 1], b[g]),
+        # read per end b[g] with its starts from the last down (furthest first)
+        self.first = [prices.pairs(g, self.a[g], self.a[g + 1], gap) for g in range(N - 1)]
+        second = [prices.pairs(K - 1 - g, self.b[g + 1], self.b[g], gap)
+                  for g in range(N - 1)]
+        self.rising = [[_rising(h[2 * z].T[:, ::-1], h[2 * z + 1].T[:, ::-1])
+                        for z in options] for h in second]
+        # the last GPU: stage N - 1 on (a[N - 1], middle), stage N on (middle, b[N - 1])
+        self.left = prices.pairs(N - 1, self.a[N - 1], self.middle, gap)
+        self.right = prices.pairs(N, self.middle, self.b[N - 1], gap)
+        tables = [*zip(self.first, second, strict=True), (self.left, self.right)]
+        self.choices = [_choices(prices, stage, {d, K - 1 - d}, d,
+                                 _most(tables[d][0]) + _most(tables[d][1]))
+                        for d in range(N)]
+
+    def _near(self, j: int) -> Any:
+        """The places cut j (before stage j) may take."""
+        return np.arange(max(self.lo + self.gap, self.cuts[j] - REACH),
+                         min(self.hi - self.gap, self.cuts[j] + REACH) + 1)
+
+    def fits(self, T: float) -> list[Any] | None:
+        """The dynamic program at time T: per GPU, the table's back pointers (see
+        ``cuts_of``); None when no split meets T."""
+        N, gap, limit = self.N, self.gap, self.limit
+        reach = np.array([0])  # over a[0]: the index in b[0] of the cut from the end
+        back: list[Any] = []
+        for g in range(N - 1):
+            live = reach >= 0
+            at = np.where(live, reach, 0)
+            size = self.b[g + 1].size
+            least = np.full((at.size, self.a[g + 1].size), size)  # size: none fits
+            for z1, z2, t0, m0 in self.choices[g]:
+                time, memory, first_valid = self.rising[g][z2]
+                t_left = T - t0 - self.first[g][2 * z1]
+                m_left = limit - m0 - self.first[g][2 * z1 + 1]
+                count = np.minimum(_within(time, at, t_left, _ROW_APART[0]),
+                                   _within(memory, at, m_left, _ROW_APART[1]))
+                start = np.where(count - 1 >= first_valid[at][:, None], size - count, size)
+                least = np.minimum(least, start)
+            # the two cuts must not cross: the stages between them need room
+            place = self.b[g + 1][np.minimum(least, size - 1)]
+            place = np.maximum(place, self.a[g + 1][None, :] + gap * 2 * (N - 1 - g))
+            ends = self.b[g][at][:, None]
+            ok = live[:, None] & (least < size) & (place <= ends - gap) & (
+                place <= self.b[g + 1][-1])
+            index = np.where(ok, place - self.b[g + 1][0], size)
+            came = np.argmin(index, axis=0)
+            best = index[came, np.arange(came.size)]
+            reach = np.where(best < size, best, -1)
+            back.append((came, reach))
+        # the last GPU: its two stages meet at some middle cut between its a and b
+        live = reach >= 0
+        at = np.where(live, reach, 0)
+        ok = np.zeros((at.size, self.middle.size), dtype=bool)
+        for z1, z2, t0, m0 in self.choices[N - 1]:
+            ok |= ((self.left[2 * z1] + self.right[2 * z2][:, at].T + t0 <= T)
+                   & (self.left[2 * z1 + 1] + self.right[2 * z2 + 1][:, at].T + m0 <= limit))
+        ok &= live[:, None]
+        if not ok.any():
+            return None
+        a, m = np.unravel_index(int(np.argmax(ok)), ok.shape)
+        return [*back, (int(a), int(m))]
+
+    def cuts_of(self, back: list[Any]) -> list[int]:
+        """The split the back pointers of ``fits`` lead to."""
+        N, K = self.N, self.K
+        cuts = list(self.cuts)
+        a, m = back[-1]
+        cuts[N] = int(self.middle[m])
+        for g in range(N - 2, -1, -1):
+            came, reach = back[g]
+            cuts[g + 1] = int(self.a[g + 1][a])
+            cuts[K - g - 1] = int(self.b[g + 1][reach[a]])
+            a = int(came[a])
+        return cuts
+
+
+def _choices(prices: Prices, stage: Sequence[tuple[Any, ...]], moving: set[int], d: int,
+             most: float) -> list[tuple[int, int, float, float]]:
+    """GPU d's recompute choices (z1, z2) of its two moving blocks worth trying, each with
+    its other stages' (time, memory) under theirs: every combination, or only the first
+    (none recomputing where the policy allows: the fastest) where that fits whatever the
+    blocks (``most``: the largest memory the two blocks can have under it)."""
+    options = range(len(prices.options))
+    held = [[(float(stage[j][2 * z][0]), float(stage[j][2 * z + 1][0])) for z in options]
+            for j in prices.on[d] if j not in moving]
+    every = [(z1, z2, sum(t for t, _ in pick), sum(m for _, m in pick))
+             for z1, z2 in itertools.product(options, options)
+             for pick in itertools.product(*held)]
+    return every[:1] if most + every[0][3] <= prices.problem.memory_limit else every
+
+
+def _most(table: tuple[Any, ...]) -> float:
+    """The largest memory of a table's valid blocks (finite time) under its first
+    recompute choice; -inf where none is valid."""
+    time, memory = table[0], table[1]
     valid = np.isfinite(time)
     return float(memory[valid].max()) if valid.any() else -math.inf
 

@@ -10,20 +10,23 @@ from hypothesis import strategies as st
 
 from fxpipe.partition import Edge, Node, Problem, Recompute, exact_groups, violations
 from fxpipe.partition.interleave import _Search
-from fxpipe.partition.rounds import _Rounds, recut_rounds
+from fxpipe.partition.rounds import _Rounds, _Vee, recut_rounds, recut_vee
 from fxpipe.schedules import ScheduleKind
 
 from .test_bruteforce import MS
 
 
 @st.composite
-def _chains(draw: st.DrawFn, *, exact: bool = False) -> tuple[Problem, list[int], int]:
-    """Chains of 6-9 layers on 2-3 GPUs x 2-3 rounds, a contiguous split of them as cuts,
-    and the first of two rounds to re-cut. Memory sometimes binds, transfers cost time,
-    and empty stages are sometimes allowed; where ``exact``, no transfer, no memory
-    limit, and empty stages allowed."""
+def _chains(draw: st.DrawFn, *, exact: bool = False, vee: bool = False
+            ) -> tuple[Problem, list[int], int]:
+    """Chains of 6-9 layers on 2-3 GPUs x 2-3 rounds (two in a V where ``vee``: ZB-V,
+    DualPipeV), a contiguous split of them as cuts, and the first of two rounds to
+    re-cut. Memory sometimes binds, transfers cost time, and empty stages are sometimes
+    allowed; where ``exact``, no transfer, no memory limit, and empty stages allowed."""
     gpus = draw(st.integers(2, 3))
-    v = 2 if gpus == 3 else draw(st.integers(2, 3))
+    v = 2 if gpus == 3 or vee else draw(st.integers(2, 3))
+    schedule = (draw(st.sampled_from([s for s in ScheduleKind if s.spec.v_placed])) if vee
+                else ScheduleKind.INTERLEAVED)
     n = draw(st.integers(gpus * v, 9 if gpus == 3 else 10))
     nodes = tuple(Node(f"n{i}", forward_s=draw(st.integers(0, 9)) * MS,
                        backward_s=draw(st.integers(0, 9)) * MS,
@@ -35,7 +38,7 @@ def _chains(draw: st.DrawFn, *, exact: bool = False) -> tuple[Problem, list[int]
     empty = True if exact else draw(st.booleans())
     problem = Problem(nodes=nodes, edges=tuple(Edge(i, i + 1) for i in range(n - 1)),
                       num_stages=gpus * v, virtual_stages=v,
-                      schedule=ScheduleKind.INTERLEAVED, microbatches=2 * gpus,
+                      schedule=schedule, microbatches=2 * gpus,
                       memory_limit=float("inf") if exact
                       else draw(st.sampled_from([300.0, 600.0, float("inf")])),
                       recompute=draw(st.sampled_from(list(Recompute))),
@@ -53,16 +56,22 @@ def _loads(problem: Problem, cuts: list[int]) -> list[float]:
 def _recut(problem: Problem, cuts: list[int], r: int) -> tuple[float, list[int] | None]:
     search = _Search(exact_groups(problem), list(cuts))
     now = max(search.loads())
+    if problem.schedule.spec.v_placed:
+        return now, recut_vee(search.prices, search.stage, search.cuts, search.gap, now)
     return now, recut_rounds(search.prices, search.stage, search.cuts, search.gap, r, now)
 
 
+def _either(**kw: bool) -> st.SearchStrategy[tuple[Problem, list[int], int]]:
+    return st.one_of(_chains(**kw), _chains(vee=True, **kw))
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(_chains())
+@given(_either())
 def test_a_recut_only_moves_its_rounds_and_lowers_every_gpu(
         case: tuple[Problem, list[int], int]) -> None:
-    """What the move returns re-cuts only rounds r and r + 1, keeps every stage (none
-    empty unless allowed), and has every GPU, priced afresh, faster than the slowest
-    GPU before."""
+    """What the move returns re-cuts only rounds r and r + 1 (a V: both arms), keeps
+    every stage (none empty unless allowed), and has every GPU, priced afresh, faster
+    than the slowest GPU before."""
     problem, cuts, r = case
     N = problem.devices
     now, found = _recut(problem, cuts, r)
@@ -98,7 +107,7 @@ def _best_recut(problem: Problem, cuts: list[int], r: int) -> float:
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(_chains(exact=True))
+@given(_either(exact=True))
 def test_a_recut_is_the_best_split_of_its_rounds_where_furthest_is_best(
         case: tuple[Problem, list[int], int]) -> None:
     """With no transfers, no memory limit and empty stages allowed, a later cut never
@@ -116,7 +125,7 @@ def test_a_recut_is_the_best_split_of_its_rounds_where_furthest_is_best(
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(_chains(), st.floats(0.5, 1.0), st.data())
+@given(_either(), st.floats(0.5, 1.0), st.data())
 def test_the_table_only_finds_splits_that_meet_its_time(
         case: tuple[Problem, list[int], int], share: float, data: st.DataObject) -> None:
     """Whatever split the dynamic program finds at time T and a middle cut, priced afresh,
@@ -127,11 +136,15 @@ def test_the_table_only_finds_splits_that_meet_its_time(
     now = max(search.loads())
     if now == float("inf"):
         return
-    rounds = _Rounds(search.prices, search.stage, search.cuts, search.gap, r)
-    s = data.draw(st.integers(0, rounds.middle.size - 1)) if rounds.middle.size else None
-    if s is None:
-        return
     T = now * share
-    back = rounds.fits(T, s)
-    if back is not None:
-        assert max(_loads(problem, rounds.cuts_of(s, back))) <= T * (1 + 1e-12)
+    if problem.schedule.spec.v_placed:
+        vee = _Vee(search.prices, search.stage, search.cuts, search.gap)
+        back = vee.fits(T)
+        found = None if back is None else vee.cuts_of(back)
+    else:
+        rounds = _Rounds(search.prices, search.stage, search.cuts, search.gap, r)
+        s = data.draw(st.integers(0, max(0, rounds.middle.size - 1)))
+        back = rounds.fits(T, s) if rounds.middle.size else None
+        found = None if back is None else rounds.cuts_of(s, back)
+    if found is not None:
+        assert max(_loads(problem, found)) <= T * (1 + 1e-12)
