@@ -1,8 +1,9 @@
 """Interleaved programs (v stage modules per GPU) on the Hugging Face shapes: how close
 ``fxpipe split`` gets to proving them, and how long ``partition()`` takes.
 
-Each case is ``fxpipe split SPEC --gpus N --schedule interleaved --virtual-stages v``
-with default flags otherwise, run as a subprocess (``split_speed.split_once``); the
+Each case is ``fxpipe split SPEC --gpus N --schedule interleaved --virtual-stages v``,
+or ``--schedule zbv`` (two stage modules per GPU in a V; the target is issue 18's for
+the interleaved cases), with default flags otherwise, run as a subprocess (``split_speed.split_once``); the
 table gives the solver's status and gap, ``partition()``'s wall time (``solver.wall_s``
 of plan.json), the bottleneck, the end-to-end wall time and the load average. Target:
 OPTIMAL or gap <= 1 % within 60 s of solving. ``--against DIR`` runs every case also
@@ -25,12 +26,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from split_speed import ROOT, TARGET_GAP, split_once
 
-# label -> (model spec, GPUs, virtual stages per GPU)
-CASES: dict[str, tuple[str, int, int]] = {
-    "HF Llama-3-8B, v = 2": ("bench/hf_shapes.py:build_llama3_8b", 8, 2),
-    "HF Llama-3-8B, v = 4": ("bench/hf_shapes.py:build_llama3_8b", 8, 4),
-    "HF GPT-2 XL, v = 2": ("bench/hf_shapes.py:build_gpt2_xl", 8, 2),
-    "HF GPT-2 XL, v = 4": ("bench/hf_shapes.py:build_gpt2_xl", 8, 4),
+# label -> (model spec, GPUs, schedule flags)
+CASES: dict[str, tuple[str, int, tuple[str, ...]]] = {
+    f"HF {name}, {how}": (f"bench/hf_shapes.py:build_{model}", 8, flags)
+    for name, model in (("Llama-3-8B", "llama3_8b"), ("GPT-2 XL", "gpt2_xl"))
+    for how, flags in (
+        ("v = 2", ("--schedule", "interleaved", "--virtual-stages", "2")),
+        ("v = 4", ("--schedule", "interleaved", "--virtual-stages", "4")),
+        ("ZB-V", ("--schedule", "zbv")),  # not a target of its own: a V, two per GPU
+    )
 }
 SOLVE_TARGET_S = 60.0
 
@@ -46,10 +50,9 @@ def main() -> None:
           "| load | target |")
     print("|---|---|---|---:|---:|---:|---:|---:|---|")
     commands: list[str] = []
-    for label, (spec, gpus, v) in CASES.items():
+    for label, (spec, gpus, flags) in CASES.items():
         if args.only.lower() not in label.lower():
             continue
-        flags = ("--schedule", "interleaved", "--virtual-stages", str(v))
         runs: dict[str, list[dict]] = {name: [] for name, _ in roots}
         for _ in range(args.repeat):
             for name, root in roots:
