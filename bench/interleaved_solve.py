@@ -5,8 +5,9 @@ Each case is ``fxpipe split SPEC --gpus N --schedule interleaved --virtual-stage
 or ``--schedule zbv`` (two stage modules per GPU in a V; the target is issue 18's for
 the interleaved cases), with default flags otherwise, run as a subprocess
 (``split_speed.split_once``); the table gives the solver's status and gap,
-``partition()``'s wall time (``solver.wall_s`` of plan.json), the bottleneck, the end-to-end wall time and the load average. Target:
-OPTIMAL or gap <= 1 % within 60 s of solving. ``--against DIR`` runs every case also
+``partition()``'s wall time (``solver.wall_s`` of plan.json), the bottleneck, the
+end-to-end wall time and the load average. Target: OPTIMAL or gap <= 1 % within 60 s
+of solving. ``--against DIR`` runs every case also
 with the fxpipe of another checkout, run by run, so both see the same load.
 
     python bench/interleaved_solve.py [--repeat 1] [--only gpt2] [--against ../base]
