@@ -319,7 +319,7 @@ class _Search:
                           for j in range(K)]
             if max(self.loads()) < now:
                 return True
-            self.cuts[:] = kept  # the table's running maxima keep T: not expected
+            self.cuts[:] = kept  # not expected: the table keeps every GPU within T < now
             self.stage = [self.prices.block(j, np.array([kept[j]]), np.array([kept[j + 1]]))
                           for j in range(K)]
         return False
