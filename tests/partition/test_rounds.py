@@ -129,8 +129,9 @@ def test_a_recut_is_the_best_split_of_its_rounds_where_furthest_is_best(
 def test_the_table_only_finds_splits_that_meet_its_time(
         case: tuple[Problem, list[int], int], share: float, data: st.DataObject) -> None:
     """Whatever split the dynamic program finds at time T (interleaved: and a middle cut),
-    priced afresh, has every GPU at or under T: transfers and the values kept past a block's end make
-    its price fall as well as rise along the end, which the running maxima cover."""
+    priced afresh, has every GPU at or under T: transfers and the values kept past a
+    block's end make its price fall as well as rise along the end, which the running
+    maxima cover."""
     problem, cuts, r = case
     search = _Search(exact_groups(problem), list(cuts))
     now = max(search.loads())
