@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -152,8 +152,14 @@ class _Search:
         self.cuts = cuts
         self.gap = 0 if p.allow_empty_stages else 1
         # per stage: (time, memory) under each recompute choice, arrays of one position
-        self.stage = [self.prices.block(j, np.array([cuts[j]]), np.array([cuts[j + 1]]))
-                      for j in range(p.num_stages)]
+        self.stage: list[tuple[Any, ...]] = [() for _ in range(p.num_stages)]
+        self._price(range(p.num_stages))
+
+    def _price(self, stages: Iterable[int]) -> None:
+        """Price ``stages`` afresh at the current cuts."""
+        for j in stages:
+            self.stage[j] = self.prices.block(j, np.array([self.cuts[j]]),
+                                              np.array([self.cuts[j + 1]]))
 
     def spent(self) -> bool:
         return self.prices.priced > PRICE_BUDGET
@@ -237,8 +243,7 @@ class _Search:
         for k in range(len(stages), 1, -1):
             i = int(back[k][i])
             cuts[stages.start + k - 1] = int(spots[k - 1][i])
-        for j in stages:
-            self.stage[j] = prices.block(j, np.array([cuts[j]]), np.array([cuts[j + 1]]))
+        self._price(stages)
         return True
 
     def rounds_around_slowest(self) -> bool:
@@ -291,8 +296,7 @@ class _Search:
             at = (y0, y1)
             for r in (0, 1):
                 cuts[first + r * N + k - 1] = int(spots[r][k - 1][at[r]])
-        for j in (*range(first, first + w), *range(first + N, first + N + w)):
-            self.stage[j] = prices.block(j, np.array([cuts[j]]), np.array([cuts[j + 1]]))
+        self._price((*range(first, first + w), *range(first + N, first + N + w)))
         return True
 
     def recut_rounds(self) -> bool:
@@ -315,13 +319,11 @@ class _Search:
             if cuts is None:
                 continue
             kept, self.cuts[:] = list(self.cuts), cuts
-            self.stage = [self.prices.block(j, np.array([cuts[j]]), np.array([cuts[j + 1]]))
-                          for j in range(K)]
+            self._price(range(K))
             if max(self.loads()) < now:
                 return True
             self.cuts[:] = kept  # not expected: the table keeps every GPU within T < now
-            self.stage = [self.prices.block(j, np.array([kept[j]]), np.array([kept[j + 1]]))
-                          for j in range(K)]
+            self._price(range(K))
         return False
 
     def _spots(self, first: int, w: int) -> list[Any]:
