@@ -124,13 +124,12 @@ class _Rounds:
         self.limit = p.memory_limit
         self.options = range(len(prices.options))
         first, second = [r * N + g for g in range(N)], [(r + 1) * N + g for g in range(N)]
-        self.lo, self.hi = cuts[r * N], cuts[(r + 2) * N]
-        middle = cuts[(r + 1) * N]
-        self.middle = np.arange(max(self.lo + gap * N, middle - MIDDLE_REACH),
-                                min(self.hi - gap * N, middle + MIDDLE_REACH) + 1)
+        lo, hi = cuts[r * N], cuts[(r + 2) * N]
+        self.middle = _places(cuts[(r + 1) * N], MIDDLE_REACH, lo + gap * N, hi - gap * N)
+        near = [_places(cut, REACH, lo + gap, hi - gap) for cut in cuts]
         # places of round r's cuts after GPU g (a), and of round r + 1's (b), g = 0..N
-        self.a = [np.array([self.lo]), *(self._near(j) for j in first[1:]), self.middle]
-        self.b = [self.middle, *(self._near(j) for j in second[1:]), np.array([self.hi])]
+        self.a = [np.array([lo]), *(near[j] for j in first[1:]), self.middle]
+        self.b = [self.middle, *(near[j] for j in second[1:]), np.array([hi])]
         # per GPU g, per recompute choice: (time, memory) of its block of each round
         self.first = [prices.pairs(j, self.a[g], self.a[g + 1], gap)
                       for g, j in enumerate(first)]
@@ -143,11 +142,6 @@ class _Rounds:
         moving = {*first, *second}
         self.choices = [_choices(prices, stage, moving, d, _most(self.first[d])
                                  + _most(second_prices[d])) for d in range(N)]
-
-    def _near(self, j: int) -> Any:
-        """The places cut j (before stage j) may take."""
-        return np.arange(max(self.lo + self.gap, self.cuts[j] - REACH),
-                         min(self.hi - self.gap, self.cuts[j] + REACH) + 1)
 
     def middle_order(self) -> list[int]:
         """Indices of ``middle``, nearest the current cut first."""
@@ -168,8 +162,7 @@ class _Rounds:
                 time, memory, first_end = self.rising[g][z2]
                 t_left = T - t0 - self.first[g][2 * z1]
                 m_left = limit - m0 - self.first[g][2 * z1 + 1]
-                end = np.minimum(_within(time, at, t_left, _ROW_APART[0]),
-                                 _within(memory, at, m_left, _ROW_APART[1])) - 1
+                end = _fitting(time, memory, at, t_left, m_left) - 1
                 furthest = np.maximum(furthest, np.where(end >= first_end[at][:, None], end, -1))
             # round r's cut leaves room for a block on each GPU after g
             room = self.a[g + 1] <= self.middle[s] - gap * (N - 1 - g)
@@ -218,10 +211,11 @@ class _Vee:
         self.K = K = p.num_stages
         self.cuts, self.gap, self.limit = list(cuts), gap, p.memory_limit
         options = range(len(prices.options))
-        self.lo, self.hi = cuts[0], cuts[K]
-        self.a = [np.array([self.lo]), *(self._near(g) for g in range(1, N))]
-        self.b = [np.array([self.hi]), *(self._near(K - g) for g in range(1, N))]
-        self.middle = self._near(N)
+        lo, hi = cuts[0], cuts[K]
+        near = [_places(cut, REACH, lo + gap, hi - gap) for cut in cuts]
+        self.a = [np.array([lo]), *(near[g] for g in range(1, N))]
+        self.b = [np.array([hi]), *(near[K - g] for g in range(1, N))]
+        self.middle = near[N]
         # GPU g < N - 1: stage g on (a[g], a[g + 1]); stage K - 1 - g on (b[g + 1], b[g]),
         # read per end b[g] with its starts from the last down (furthest first)
         self.first = [prices.pairs(g, self.a[g], self.a[g + 1], gap) for g in range(N - 1)]
@@ -236,11 +230,6 @@ class _Vee:
         self.choices = [_choices(prices, stage, {d, K - 1 - d}, d,
                                  _most(tables[d][0]) + _most(tables[d][1]))
                         for d in range(N)]
-
-    def _near(self, j: int) -> Any:
-        """The places cut j (before stage j) may take."""
-        return np.arange(max(self.lo + self.gap, self.cuts[j] - REACH),
-                         min(self.hi - self.gap, self.cuts[j] + REACH) + 1)
 
     def fits(self, T: float) -> list[Any] | None:
         """The dynamic program at time T: per GPU, the table's back pointers (see
@@ -257,8 +246,7 @@ class _Vee:
                 time, memory, first_valid = self.rising[g][z2]
                 t_left = T - t0 - self.first[g][2 * z1]
                 m_left = limit - m0 - self.first[g][2 * z1 + 1]
-                count = np.minimum(_within(time, at, t_left, _ROW_APART[0]),
-                                   _within(memory, at, m_left, _ROW_APART[1]))
+                count = _fitting(time, memory, at, t_left, m_left)
                 start = np.where(count - 1 >= first_valid[at][:, None], size - count, size)
                 least = np.minimum(least, start)
             # the two cuts must not cross: the stages between them need room
@@ -329,6 +317,19 @@ def _rising(time: Any, memory: Any) -> tuple[Any, Any, Any]:
     rising = [np.maximum.accumulate(np.where(valid, a, -np.inf), axis=1) for a in (time, memory)]
     first = np.where(valid.any(axis=1), np.argmax(valid, axis=1), time.shape[1])
     return rising[0], rising[1], first
+
+
+def _places(cut: int, reach: int, lo: int, hi: int) -> Any:
+    """The places a cut at ``cut`` may take: within ``reach`` of it, in [lo, hi]."""
+    return np.arange(max(lo, cut - reach), min(hi, cut + reach) + 1)
+
+
+def _fitting(time: Any, memory: Any, at: Any, t_left: Any, m_left: Any) -> Any:
+    """Per (i, k): how many entries of the rising rows ``time[at[i]]`` and
+    ``memory[at[i]]`` (``_rising``) are within ``t_left[i, k]`` and ``m_left[i, k]``
+    both."""
+    return np.minimum(_within(time, at, t_left, _ROW_APART[0]),
+                      _within(memory, at, m_left, _ROW_APART[1]))
 
 
 def _within(rows: Any, at: Any, budget: Any, apart: float) -> Any:
