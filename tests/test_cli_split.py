@@ -3,6 +3,7 @@ rest in this one: `tests/_cli.py`): outputs, errors, atomic writing."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -121,6 +122,16 @@ def test_existing_foreign_folder_is_not_replaced(tmp_path: Path) -> None:
     assert again.returncode == 0, again.stderr
     assert json.loads((tmp_path / "out" / "plan.json").read_text())["num_stages"] == 3
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no staging folders left behind
+
+
+def test_main_leaves_the_garbage_collector_of_its_caller_as_it_was(tmp_path: Path) -> None:
+    """Only the console script (``cli.run``), whose process is fxpipe's alone, retunes the
+    collector and freezes what each step built; ``main`` called from a program (as here)
+    leaves both as they were."""
+    before = (gc.get_threshold(), gc.get_freeze_count())
+    done = fxpipe("split", MLP, "--gpus", "2", "--out", "out", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert (gc.get_threshold(), gc.get_freeze_count()) == before
 
 
 def test_solver_errors_are_worded_with_the_flags(
