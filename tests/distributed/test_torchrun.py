@@ -31,15 +31,19 @@ _names = itertools.count()
 # ranks 0 and 1, the U-Net's skips go from rank 0 through rank 1 back to rank 0. Two
 # stages on one rank: the tied weight's two copies there become one. The last field:
 # stages 0 and 2 recompute (their forward runs again in the backward).
+# Each case costs a torchrun (10-25 s of a 2-core machine); the two marked slow are each
+# another case with less in it: GPT 1f1b on two ranks is "1-2" without the replica and
+# the recompute (and runs in test_precision_torchrun.py and test_report_card_torchrun.py),
+# interleaved on one rank is "interleaved" on fewer ranks.
 CASES = [
-    ("gpt", "1f1b", (1, 1), False),
+    pytest.param("gpt", "1f1b", (1, 1), False, marks=pytest.mark.slow),
     ("unet", "gpipe", (1, 1), False),
     ("gpt", "1f1b", (2, 2), False),
     ("gpt", "1f1b", (1, 2), True),
     ("unet", "1f1b", (1, 2, 1), False),
     ("gpt", "interleaved", (1, 1, 1, 1), False),
     ("unet", "interleaved", (1, 1, 1, 1), True),
-    ("gpt", "interleaved", (1, 1), False),
+    pytest.param("gpt", "interleaved", (1, 1), False, marks=pytest.mark.slow),
     # Hugging Face models (torch.export): GPT-2's output is a dict, rebuilt from the last
     # stage's tensors for the loss; T5 sends transposed (non-contiguous) values
     ("hf_gpt2", "interleaved", (1, 1, 1, 1), False),
