@@ -114,13 +114,22 @@ def check_against_closed_form(gm: torch.fx.GraphModule, label: str, **shape: int
     assert abs(step / (3 * forward) - 1) < 0.02, report
 
 
-def test_hf_gpt2_small_flops_match_closed_form() -> None:
+@pytest.fixture(scope="module")
+def hf_gpt2_small() -> tuple[torch.nn.Module, torch.fx.GraphModule]:
+    """transformers' GPT-2 small on meta, exported and its FLOPs counted (5-8 s of a
+    2-core machine, so once for the tests that read it)."""
     model = hf_gpt2_small_on_meta()
     ids = torch.zeros(GPT2["b"], GPT2["s"], dtype=torch.long)
     traced = trace(model, (), {"input_ids": ids})
     assert traced.tracer == "export"
     annotate_flops(traced.gm, *traced.flat_inputs)
-    check_against_closed_form(traced.gm, "transformers GPT-2 small", **GPT2)
+    return model, traced.gm
+
+
+def test_hf_gpt2_small_flops_match_closed_form(
+        hf_gpt2_small: tuple[torch.nn.Module, torch.fx.GraphModule]) -> None:
+    model, gm = hf_gpt2_small
+    check_against_closed_form(gm, "transformers GPT-2 small", **GPT2)
     assert all(p.is_meta for p in model.parameters())
 
 
@@ -198,14 +207,12 @@ def test_matmul_of_two_activations_is_all_input_gradient() -> None:
     assert records and all(r.backward_weight == 0 for r in records)
 
 
-def test_gpt2_weight_gradients_are_the_linears_and_head() -> None:
+def test_gpt2_weight_gradients_are_the_linears_and_head(
+        hf_gpt2_small: tuple[torch.nn.Module, torch.fx.GraphModule]) -> None:
     """Under torch.export the weights are get_attr inputs of aten ops; W is still found:
     one GEMM per linear per token (2·t·in·out), the LM head included."""
-    model = hf_gpt2_small_on_meta()
-    ids = torch.zeros(GPT2["b"], GPT2["s"], dtype=torch.long)
-    traced = trace(model, (), {"input_ids": ids})
-    annotate_flops(traced.gm, *traced.flat_inputs)
-    weight = sum(meta.FLOPS.get(n).backward_weight for n in traced.gm.graph.nodes)
+    _, gm = hf_gpt2_small
+    weight = sum(meta.FLOPS.get(n).backward_weight for n in gm.graph.nodes)
     d, v, t, n = GPT2["d"], GPT2["v"], GPT2["b"] * GPT2["s"], GPT2["n"]
     expected = n * 2 * t * (3 * d * d + d * d + 4 * d * d + 4 * d * d) + 2 * t * d * v
     assert abs(weight / expected - 1) < 0.01, (weight, expected)
