@@ -94,6 +94,13 @@ SHARED_STARTS = 2  # best candidates the shared-GPU search starts from (besides 
 # of partition()'s time or more) and on bench/partition_graphs.py's synthetic graph, v = 2,
 # at 12,800 and 19,200; at 1,600-6,400 they found better splits or bounds.
 SHARED_LARGE = 10_000
+# Placement variables up to which, where GPUs run several stage modules, the exact
+# program is the only CP-SAT solve, given the whole work limit and started from the
+# shared-GPU search's split. The first exact solve (5 % of the work) and the coarse one
+# (25 %) proved nothing there that one solve does not: on the 48 zoo families whose ZB-V
+# plans took over 5 s (536-1,830), as many proved OPTIMAL (25), 6 splits were faster and
+# none slower, and partition() took 647 s instead of 798 (BENCHMARKS.md).
+SHARED_SMALL = 2_000
 GAP = 0.01
 # The CP-SAT model keeps n x n reachability matrices over the graph's groups (bool, then
 # int64: 9 bytes a pair), so memory grows with the square of the op count: 10,000 ops
@@ -247,6 +254,13 @@ def _shared_large(problem: Problem, exact: Coarsening) -> bool:
     return shared and exact.num_coarse * problem.num_stages > SHARED_LARGE
 
 
+def _shared_small(problem: Problem, exact: Coarsening) -> bool:
+    """Whether GPUs run several stage modules on an exact program small enough for one
+    CP-SAT solve to take all the work (see SHARED_SMALL)."""
+    shared = problem.virtual_stages > 1 and not problem.replicates
+    return shared and exact.num_coarse * problem.num_stages <= SHARED_SMALL
+
+
 def _not_run(exact: Coarsening) -> IlpResult:
     """The exact solve's place when it is skipped: nothing found, nothing proved."""
     return IlpResult("UNKNOWN", None, None, math.inf, 0.0, 0.0, exact.num_coarse)
@@ -308,9 +322,13 @@ def _search(problem: Problem, exact: Coarsening,
     bf16-mixed). When it does not, the coarse warm start, then the exact program again on
     the rest of the work; where GPUs run several stage modules, hinted with the shared-GPU
     search's split when that is the best; on a model too big there (``_shared_large``)
-    neither exact solve runs.
+    neither exact solve runs, on a small one (``_shared_small``) only the last, on all of
+    the work.
     ``dp_done``: the interval DP's split is in ``candidates`` already (``_bound_first``);
     ``prepared``: the first exact program, built already (``_first_program``)."""
+    if _shared_small(problem, exact):
+        return _search_shared_small(problem, exact, candidates, dp_done=dp_done,
+                                    work_limit=work_limit, deadline=deadline, workers=workers)
     tried: list[IlpResult] = []
     skip_exact = _shared_large(problem, exact)
     proving = _proving(problem, exact)
@@ -339,6 +357,23 @@ def _search(problem: Problem, exact: Coarsening,
         work_limit=work_limit * (1 - COARSE_SHARE if phases else 1),
         time_limit_s=_left(deadline), workers=workers)
     return level, [*tried, *phases, result], result
+
+
+def _search_shared_small(problem: Problem, exact: Coarsening,
+                         candidates: list[tuple[float, tuple[int, ...]]], *, dp_done: bool,
+                         work_limit: float, deadline: float, workers: int,
+                         ) -> tuple[Coarsening, list[IlpResult], IlpResult]:
+    """``_search`` where GPUs run several stage modules on a small exact program
+    (SHARED_SMALL): the interval DP's split and the shared-GPU search's from the best
+    candidates, then the exact program on the whole work limit, hinted with the best."""
+    if not dp_done:
+        _add_dp_split(problem, exact, candidates)
+    _shared_gpu_start(problem, exact, candidates)
+    best = min(candidates, key=lambda c: c[0])[1] if candidates else None
+    hint = exact.restrict(best) if best is not None else None
+    result = StageModel(exact, hint=hint).solve(
+        work_limit=work_limit, time_limit_s=_left(deadline), workers=workers)
+    return exact, [result], result
 
 
 def _add_dp_split(problem: Problem, exact: Coarsening,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -239,11 +240,39 @@ def test_large_shared_gpu_problems_skip_the_exact_solves(monkeypatch: pytest.Mon
     solved = partition(problem, workers=1)
     assert any(phase.num_nodes == exact.num_coarse for phase in solved.phases)
     monkeypatch.setattr(solve_module, "SHARED_LARGE", exact.num_coarse * problem.num_stages - 1)
+    monkeypatch.setattr(solve_module, "SHARED_SMALL", 0)
     skipped = partition(problem, workers=1)
     assert all(phase.num_nodes < exact.num_coarse for phase in skipped.phases)
     assert not violations(problem, skipped.stage_of)
     assert skipped.report.status == "OPTIMAL"
     assert skipped.report.objective == pytest.approx(solved.report.objective)
+
+
+def test_small_shared_gpu_problems_solve_the_exact_program_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up to SHARED_SMALL placement variables the exact program is the only CP-SAT solve,
+    on the whole work limit; beyond, the first exact solve gets a share of it, as for one
+    module per GPU. Either way the split is valid and proved on an even chain."""
+    solves: list[tuple[int, float]] = []  # (groups, work limit) of each CP-SAT solve
+    solve = solve_module.StageModel.solve
+
+    def spied(self: Any, *, work_limit: float, **kw: Any) -> Any:
+        solves.append((self.coarsening.num_coarse, work_limit))
+        return solve(self, work_limit=work_limit, **kw)
+
+    monkeypatch.setattr(solve_module.StageModel, "solve", spied)
+    problem = _chain(24, gpus=2, v=2)
+    exact = exact_groups(problem)
+    once = partition(problem, work_limit=4.0, workers=1)
+    assert solves == [(exact.num_coarse, 4.0)]
+    solves.clear()
+    monkeypatch.setattr(solve_module, "SHARED_SMALL", exact.num_coarse * problem.num_stages - 1)
+    phased = partition(problem, work_limit=4.0, workers=1)
+    assert solves[0] == (exact.num_coarse, pytest.approx(4.0 * solve_module.PROOF_SHARE))
+    for solved in (once, phased):
+        assert not violations(problem, solved.stage_of)
+        assert solved.report.status == "OPTIMAL"
+    assert once.report.objective == pytest.approx(phased.report.objective)
 
 
 def test_warm_start_balances_memory_bound_layers() -> None:
