@@ -250,15 +250,18 @@ def _large(problem: Problem, exact: Coarsening) -> bool:
 def _shared_large(problem: Problem, exact: Coarsening) -> bool:
     """Whether GPUs run several stage modules and the exact model is too big for CP-SAT
     to help there (see SHARED_LARGE)."""
-    shared = problem.virtual_stages > 1 and not problem.replicates
-    return shared and exact.num_coarse * problem.num_stages > SHARED_LARGE
+    return _shared(problem) and exact.num_coarse * problem.num_stages > SHARED_LARGE
 
 
 def _shared_small(problem: Problem, exact: Coarsening) -> bool:
     """Whether GPUs run several stage modules on an exact program small enough for one
     CP-SAT solve to take all the work (see SHARED_SMALL)."""
-    shared = problem.virtual_stages > 1 and not problem.replicates
-    return shared and exact.num_coarse * problem.num_stages <= SHARED_SMALL
+    return _shared(problem) and exact.num_coarse * problem.num_stages <= SHARED_SMALL
+
+
+def _shared(problem: Problem) -> bool:
+    """Whether GPUs run several stage modules (interleaved, V-placed)."""
+    return problem.virtual_stages > 1 and not problem.replicates
 
 
 def _not_run(exact: Coarsening) -> IlpResult:
@@ -351,11 +354,8 @@ def _search(problem: Problem, exact: Coarsening,
     _shared_gpu_start(problem, exact, candidates)
     if skip_exact:
         return level, [*tried, *phases], _not_run(exact)
-    best_split = min(candidates, key=lambda c: c[0])[1] if candidates else None
-    hint = exact.restrict(best_split) if best_split is not None else None
-    result = StageModel(exact, hint=hint).solve(
-        work_limit=work_limit * (1 - COARSE_SHARE if phases else 1),
-        time_limit_s=_left(deadline), workers=workers)
+    result = _solve_from_best(exact, candidates, work_limit=work_limit * (
+        1 - COARSE_SHARE if phases else 1), deadline=deadline, workers=workers)
     return level, [*tried, *phases, result], result
 
 
@@ -369,11 +369,18 @@ def _search_shared_small(problem: Problem, exact: Coarsening,
     if not dp_done:
         _add_dp_split(problem, exact, candidates)
     _shared_gpu_start(problem, exact, candidates)
+    result = _solve_from_best(exact, candidates, work_limit=work_limit, deadline=deadline,
+                              workers=workers)
+    return exact, [result], result
+
+
+def _solve_from_best(exact: Coarsening, candidates: list[tuple[float, tuple[int, ...]]], *,
+                     work_limit: float, deadline: float, workers: int) -> IlpResult:
+    """The exact program on ``work_limit``, hinted with the best of ``candidates``."""
     best = min(candidates, key=lambda c: c[0])[1] if candidates else None
     hint = exact.restrict(best) if best is not None else None
-    result = StageModel(exact, hint=hint).solve(
-        work_limit=work_limit, time_limit_s=_left(deadline), workers=workers)
-    return exact, [result], result
+    return StageModel(exact, hint=hint).solve(work_limit=work_limit,
+                                              time_limit_s=_left(deadline), workers=workers)
 
 
 def _add_dp_split(problem: Problem, exact: Coarsening,
@@ -426,7 +433,7 @@ def _shared_gpu_start(problem: Problem, exact: Coarsening,
     """Where GPUs run several stage modules (interleaved, V-placed): add to ``candidates``
     the split that moving cuts between GPUs' loads reaches from each of them
     (``interleave.py``); CP-SAT alone finds little there within its work limit."""
-    if problem.virtual_stages == 1 or problem.replicates:
+    if not _shared(problem):
         return
     starts = [exact.restrict(split) for _, split in sorted(candidates)[:SHARED_STARTS]]
     split = shared_gpu_warm_start(exact, starts)
