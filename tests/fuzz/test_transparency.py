@@ -6,7 +6,7 @@ pipeline.py for the oracle of BatchNorm, bfloat16 autocast and PipeDream); and t
 stages as torchrun runs them (each a ``StageAdapter``, recomputing), chained in one
 process on one micro-batch, give the model's output, gradients and buffers.
 
-Fast profile (default suite): 24 examples in two halves, drawn anew each run (the suite
+Fast profile (default suite): 16 examples in two halves, drawn anew each run (the suite
 keeps within its 10 minutes on 2 cores). Long profile:
 ``FXPIPE_FUZZ_EXAMPLES=1000 pytest tests/fuzz/test_transparency.py`` or
 ``python bench/fuzz_long.py``.
@@ -28,7 +28,7 @@ from fxpipe.schedules import ScheduleKind
 from .models import model_specs
 from .pipeline import Case, check_adapters, check_transparency
 
-EXAMPLES = int(os.environ.get("FXPIPE_FUZZ_EXAMPLES", "24"))
+EXAMPLES = int(os.environ.get("FXPIPE_FUZZ_EXAMPLES", "16"))
 
 
 SCHEDULES = [kind.value for kind in ScheduleKind]  # the single-process runner runs them all
