@@ -23,8 +23,9 @@ periods match node for node (the first layer reading from before the layers what
 one a period later reads from the layer before it); otherwise the whole model is
 exported as it is.
 
-The whole model's run, seconds of Python on a long model, is recorded in a forked child
-(``forked.py``) while the model cut to two layers, the common case, is exported here.
+The whole model's run, seconds of Python on a long model, and the cut model's are
+recorded in a forked child (``forked.py``) while the model cut to two layers, the common
+case, is exported here.
 """
 
 from __future__ import annotations
@@ -67,15 +68,15 @@ def export_in_layers(
     lists = layer_lists(model)
     if not lists:
         return None
-    with Forked(lambda: record(model, args, kwargs, lists)) as recorded:
-        # exported and copied while the child records the whole model; kept if that run
-        # shows every later layer ran as the copied one
+    with Forked(lambda: _runs(model, args, kwargs, lists)) as recorded:
+        # exported and copied while the child records the whole model and the cut one;
+        # kept if those runs show every later layer ran as the copied one
         layered = _layered(model, args, kwargs, lists, FIRST)
-        whole = recorded.result()
+        whole, kept = recorded.result()
     if whole is None:
         return None
-    if (layered is None or layered.graph is None
-            or not same_run(whole, layered.run, lists, layered.repeat)):
+    if (layered is None or layered.graph is None or kept is None
+            or not same_run(whole, kept, lists, FIRST)):
         layered = None
         for repeat in to_try(repeat_of(whole, lists), lists):
             layered = _layered(model, args, kwargs, lists, repeat, whole)
@@ -104,15 +105,22 @@ def to_try(repeat: Repeat | None, lists: Sequence[Layers]) -> list[Repeat]:
     return [r for r in (repeat, deeper) if r != FIRST and worth_copying(r, lists)]
 
 
+def _runs(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+          lists: Sequence[Layers]) -> tuple[Run | None, Run | None]:
+    """The recorded runs of the whole model and of the model cut to ``FIRST``."""
+    whole = record(model, args, kwargs, lists)
+    with cut(lists, FIRST.depth):
+        return whole, record(model, args, kwargs, lists)
+
+
 @dataclass
 class _Layered:
-    """The model exported cut to ``repeat.depth`` layers per list: the cut model's
-    recorded run, the graph with the exported layers copied for the others and its inputs
-    (None where the last two exported periods differ), and the error that kept export
-    from free dimensions (``export_program``)."""
+    """The model exported cut to ``repeat.depth`` layers per list: the graph with the
+    exported layers copied for the others and its inputs (None where the last two
+    exported periods differ), and the error that kept export from free dimensions
+    (``export_program``)."""
 
     repeat: Repeat
-    run: Run
     graph: tuple[torch.fx.GraphModule, tuple[Any, ...], tuple[InputShape, ...]] | None
     fixed_shapes: Exception | None
 
@@ -122,19 +130,21 @@ def _layered(
     lists: Sequence[Layers], repeat: Repeat, whole: Run | None = None,
 ) -> _Layered | None:
     """The model cut to ``repeat.depth`` layers per list, exported and copied; None where
-    it cannot be recorded or exported, or did not run as ``whole`` (when given) did."""
+    it cannot be exported, or, given ``whole``, cannot be recorded or did not run as
+    ``whole`` did (without it the caller checks the run: ``FIRST``'s is recorded beside
+    the whole model's, ``_runs``)."""
     try:
         with cut(lists, repeat.depth):
-            kept = record(model, args, kwargs, lists)
-            if kept is None or (whole is not None
-                                and not same_run(whole, kept, lists, repeat)):
-                return None
+            if whole is not None:
+                kept = record(model, args, kwargs, lists)
+                if kept is None or not same_run(whole, kept, lists, repeat):
+                    return None
             program, fixed_shapes = export_program(model, args, kwargs)
     except Exception:
         return None  # the whole model may still export: it is tried next
     gm, flat, inputs = exported_graph(program, args, kwargs)
     copied = all(copy_layers(gm, model, layers, repeat) for layers in lists)
-    return _Layered(repeat, kept, (gm, flat, inputs) if copied else None, fixed_shapes)
+    return _Layered(repeat, (gm, flat, inputs) if copied else None, fixed_shapes)
 
 
 def copy_layers(gm: torch.fx.GraphModule, model: torch.nn.Module, layers: Layers,
