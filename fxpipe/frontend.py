@@ -47,6 +47,7 @@ from fxpipe.tracing.attention import attention_calls
 from fxpipe.tracing.attention import describe as describe_attention
 from fxpipe.tracing.checkpoints import describe as describe_checkpoints
 from fxpipe.tracing.checkpoints import plain_calls
+from fxpipe.tracing.export import advice as export_advice
 from fxpipe.tracing.export import data_sized, export_program, exported_graph
 from fxpipe.tracing.functions import applied_functions, describe, kept
 from fxpipe.tracing.hooks import dropped, tensor_hooks
@@ -382,8 +383,7 @@ def _untraceable(
         return error
     error = TraceError(
         f"cannot trace {type(model).__name__}: symbolic_trace failed ({reason}) and "
-        f"torch.export failed ({_one_line(export_error)}); make forward free of "
-        "data-dependent Python control flow"
+        f"torch.export failed ({_one_line(export_error)}); {export_advice(export_error)}"
     )
     # Their tracebacks locate the failing line of the model file.
     error.__cause__ = export_error

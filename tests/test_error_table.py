@@ -163,6 +163,60 @@ CASES: dict[str, tuple[dict[str, str], list[str]]] = {
         ),
         ["profile", "model.py"],
     ),
+    "model that changes its tensors while it runs": (
+        model(
+            """
+            import torch
+
+
+            class Clamped(torch.nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.lin = torch.nn.Linear(4, 4)
+
+                def forward(self, x):
+                    if x.shape[0] > 0:  # a branch: symbolic_trace fails, export is tried
+                        self.lin.weight.data.clamp_(-1, 1)
+                    return self.lin(x)
+
+
+            def build_model():
+                return Clamped()
+
+
+            def example_inputs():
+                return (torch.ones(2, 4),)
+            """
+        ),
+        ["profile", "model.py"],
+    ),
+    "model that casts its modules while it runs": (
+        model(
+            """
+            import torch
+
+
+            class Cast(torch.nn.Module):
+                def __init__(self):
+                    super().__init__()
+                    self.lin = torch.nn.Linear(4, 4)
+
+                def forward(self, x):
+                    if x.shape[0] > 0:
+                        self.lin = self.lin.to(torch.float64)
+                    return self.lin(x.double())
+
+
+            def build_model():
+                return Cast()
+
+
+            def example_inputs():
+                return (torch.ones(2, 4),)
+            """
+        ),
+        ["profile", "model.py"],
+    ),
     "a tensor sized by the data": (
         model(
             """

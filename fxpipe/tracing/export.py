@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,7 +37,8 @@ from torch.utils._sympy.numbers import int_oo
 from fxpipe.tracing.functions import applied_calls, exported_functions
 from fxpipe.tracing.records import InputShape, TraceError
 
-__all__ = ["data_sized", "export_program", "exported_graph", "quiet_stderr", "running_stats"]
+__all__ = ["advice", "data_sized", "export_program", "exported_graph", "quiet_stderr",
+           "running_stats"]
 
 
 def export_program(
@@ -98,6 +100,26 @@ def _export(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     with quiet_stderr(), _uncached(), _masks_broadcast(), _causal_undetected():
         return torch.export.export(model, args, kwargs, dynamic_shapes=dynamic_shapes,
                                    strict=False)
+
+
+def advice(error: BaseException) -> str:
+    """What to change in forward so that torch.export captures it, by what stopped it."""
+    text = str(error)
+    if "fake tensor in the exported program constant" in text:
+        # torch names the tensor: "... refer to following model attribute: lin.lifted_tensor_0"
+        found = re.search(r"model attribute: (\S+?)\.?(?:\s|$)", text)
+        owner = found.group(1).rpartition(".")[0] if found else ""
+        where = f" (in {owner})" if owner else ""
+        return (f"make forward leave the model's tensors as they are: it changes one in "
+                f"place through .data or keeps a tensor it made{where}, which torch.export "
+                f"cannot capture")
+    if "Couldn't swap" in text:
+        return ("make forward leave the model's modules as they are: it moves or casts one "
+                "(module.to(...)), which torch.export cannot capture")
+    if "data-dependent" in text or "DataDependent" in type(error).__name__:
+        return "make forward free of data-dependent Python control flow"
+    return ("make forward run under torch.export, which may take other branches than an "
+            "eager run (torch.compiler.is_compiling() is true there)")
 
 
 def _uncached() -> contextlib.AbstractContextManager[object]:
