@@ -27,11 +27,15 @@ from torch.utils import _pytree as pytree
 
 from fxpipe.tracing.export import quiet_stderr
 
-__all__ = ["FIRST", "Layers", "Repeat", "Run", "cut", "layer_lists", "record", "repeat_of",
-           "same_run", "worth_copying"]
+__all__ = ["FIRST", "Layers", "Repeat", "Run", "cut", "first_repeat", "layer_lists", "record",
+           "repeat_of", "same_run", "worth_copying"]
 
 MIN_LAYERS = 6  # shorter lists are exported whole: the copy would save too little
 MAX_PERIOD = 8  # the longest period of layers that run alike looked for
+# The most layers a list may start with that are built otherwise than the rest (dense
+# feed-forward layers before the experts: DeepSeek-V3's first 3 of 61, GLM-4.5's first 3);
+# they are exported, and so are the two after them, before any is copied.
+MAX_UNLIKE = 4
 
 
 @dataclass(frozen=True)
@@ -52,17 +56,20 @@ FIRST = Repeat(2)  # exported while the whole model is recorded: the second laye
 
 @dataclass(frozen=True)
 class Layers:
-    """One ``nn.ModuleList`` of structurally identical layers, at ``path`` in the model."""
+    """One ``nn.ModuleList`` at ``path`` in the model whose layers from ``alike_from`` on
+    are structurally identical (the ones before are built otherwise)."""
 
     path: str
     parent: torch.nn.Module
     attr: str
     modules: tuple[torch.nn.Module, ...]
+    alike_from: int = 0
 
 
 def layer_lists(model: torch.nn.Module) -> list[Layers]:
-    """The outermost module lists of at least ``MIN_LAYERS`` distinct layers of one class
-    with the same parameters and buffers (names, shapes, dtypes) and submodule classes."""
+    """The outermost module lists of distinct layers that end in at least ``MIN_LAYERS``
+    layers of one class with the same parameters and buffers (names, shapes, dtypes) and
+    submodule classes, after at most ``MAX_UNLIKE`` others."""
     found: list[Layers] = []
     for path, module in model.named_modules():
         if not isinstance(module, torch.nn.ModuleList) or len(module) < MIN_LAYERS:
@@ -72,11 +79,24 @@ def layer_lists(model: torch.nn.Module) -> list[Layers]:
         layers = tuple(module)
         if len({id(m) for m in layers}) < len(layers):
             continue
-        if len({_structure(m) for m in layers}) != 1:
+        structures = [_structure(m) for m in layers]
+        alike_from = len(layers) - 1
+        while alike_from > 0 and structures[alike_from - 1] == structures[-1]:
+            alike_from -= 1
+        if alike_from > MAX_UNLIKE or len(layers) - alike_from < MIN_LAYERS:
             continue
         owner, _, attr = path.rpartition(".")
-        found.append(Layers(path, model.get_submodule(owner), attr, layers))
+        found.append(Layers(path, model.get_submodule(owner), attr, layers, alike_from))
     return found
+
+
+def first_repeat(lists: Sequence[Layers]) -> Repeat:
+    """The repeat tried first, while the whole model is recorded: ``FIRST``, two layers
+    exported and the second copied; where a list starts with layers built otherwise, the
+    first alike layer reads one of those, so it runs unlike the next: the two exported
+    and compared are the two after it."""
+    unlike = max(layers.alike_from for layers in lists)
+    return Repeat(FIRST.depth + unlike + 1) if unlike else FIRST
 
 
 def _structure(module: torch.nn.Module) -> tuple[Any, ...]:

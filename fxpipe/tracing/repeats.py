@@ -11,7 +11,10 @@ Layers of one structure need not all run alike, and the copy follows how they do
 (``Repeat``): where the first layer runs unlike the others (they read its output, say),
 three are exported and the third is copied; where they alternate with a period p
 (GPT-OSS's and Gemma-2's sliding-window and full attention, every other layer), 2p are
-exported and the last p copied in turn, layer i as the exported layer of its phase.
+exported and the last p copied in turn, layer i as the exported layer of its phase. A
+list may start with a few layers built otherwise (dense feed-forward layers before the
+experts, as in DeepSeek-V3 and GLM-4.5): those are exported too, with three alike ones
+after them (``first_repeat``).
 
 A copy is only right if every later layer really runs as the copied one does, which
 nothing in a model's structure promises. So the whole model's run is recorded first
@@ -43,11 +46,11 @@ from fxpipe.forked import Forked
 from fxpipe.runtime.binding import bind
 from fxpipe.tracing.export import export_program, exported_graph
 from fxpipe.tracing.layer_runs import (
-    FIRST,
     Layers,
     Repeat,
     Run,
     cut,
+    first_repeat,
     layer_lists,
     record,
     repeat_of,
@@ -68,23 +71,27 @@ def export_in_layers(
     lists = layer_lists(model)
     if not lists:
         return None
-    with Forked(lambda: _runs(model, args, kwargs, lists)) as recorded:
+    first = first_repeat(lists)
+    with Forked(lambda: _runs(model, args, kwargs, lists, first)) as recorded:
         # exported and copied while the child records the whole model and the cut one;
         # kept if those runs show every later layer ran as the copied one
-        layered = _layered(model, args, kwargs, lists, FIRST)
+        layered = _layered(model, args, kwargs, lists, first)
         whole, kept = recorded.result()
     if whole is None:
         return None
     if (layered is None or layered.graph is None or kept is None
-            or not same_run(whole, kept, lists, FIRST)):
+            or not same_run(whole, kept, lists, first)):
         layered = None
-        for repeat in to_try(repeat_of(whole, lists), lists):
+        for repeat in to_try(repeat_of(whole, lists), lists, first):
             layered = _layered(model, args, kwargs, lists, repeat, whole)
             if layered is not None and layered.graph is not None:
                 break
     if layered is None or layered.graph is None:
         return None
-    shown = ", ".join(f"{len(layers.modules)} of {layers.path}" for layers in lists)
+    shown = ", ".join(
+        f"{len(layers.modules)} of {layers.path}"
+        + (f", the first {layers.alike_from} built otherwise" if layers.alike_from else "")
+        for layers in lists)
     depth, period = layered.repeat.depth, layered.repeat.period
     if period == 1:
         how = f"copied the last for the others: every later layer ran as layer {depth - 1} did"
@@ -95,21 +102,21 @@ def export_in_layers(
     return (*layered.graph, layered.fixed_shapes, note)
 
 
-def to_try(repeat: Repeat | None, lists: Sequence[Layers]) -> list[Repeat]:
-    """After ``FIRST``: the repeat the whole model's run shows, then one period deeper
-    (export may write the first layer otherwise than the later ones: shape arithmetic it
-    does once, say), each where it is worth copying."""
+def to_try(repeat: Repeat | None, lists: Sequence[Layers], first: Repeat) -> list[Repeat]:
+    """After ``first`` (``first_repeat``): the repeat the whole model's run shows, then
+    one period deeper (export may write the first layer otherwise than the later ones:
+    shape arithmetic it does once, say), each where it is worth copying."""
     if repeat is None:
         return []
     deeper = Repeat(repeat.depth + repeat.period, repeat.period)
-    return [r for r in (repeat, deeper) if r != FIRST and worth_copying(r, lists)]
+    return [r for r in (repeat, deeper) if r != first and worth_copying(r, lists)]
 
 
 def _runs(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-          lists: Sequence[Layers]) -> tuple[Run | None, Run | None]:
-    """The recorded runs of the whole model and of the model cut to ``FIRST``."""
+          lists: Sequence[Layers], first: Repeat) -> tuple[Run | None, Run | None]:
+    """The recorded runs of the whole model and of the model cut to ``first``."""
     whole = record(model, args, kwargs, lists)
-    with cut(lists, FIRST.depth):
+    with cut(lists, first.depth):
         return whole, record(model, args, kwargs, lists)
 
 
@@ -131,8 +138,8 @@ def _layered(
 ) -> _Layered | None:
     """The model cut to ``repeat.depth`` layers per list, exported and copied; None where
     it cannot be exported, or, given ``whole``, cannot be recorded or did not run as
-    ``whole`` did (without it the caller checks the run: ``FIRST``'s is recorded beside
-    the whole model's, ``_runs``)."""
+    ``whole`` did (without it the caller checks the run: the first repeat's is recorded
+    beside the whole model's, ``_runs``)."""
     try:
         with cut(lists, repeat.depth):
             if whole is not None:
@@ -172,8 +179,12 @@ def copy_layers(gm: torch.fx.GraphModule, model: torch.nn.Module, layers: Layers
            if node in inside):
         return False  # only the last layer's values are read after the layers
     attrs = {t: _own_attrs(gm, layers.path, t) for t in templates}
-    last_attr = max((n for a in attrs.values() for n in a), key=order.__getitem__,
-                    default=None)
+    # A whole export reads every parameter before any buffer: each copy's parameters go
+    # after the last parameter read so far, its buffers after the last buffer.
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    read = [n for a in attrs.values() for n in a]
+    last_attr = {kind: max((n for n in read if (str(n.target) in params) == kind),
+                           key=order.__getitem__, default=None) for kind in (True, False)}
     # The lifted constants (see _members) are copied after the last one, where a whole
     # export has them; the rest after the copy before.
     lifted = [node for nodes in templates.values() for node in nodes
@@ -183,8 +194,7 @@ def copy_layers(gm: torch.fx.GraphModule, model: torch.nn.Module, layers: Layers
     after_lifted = max(lifted, key=order.__getitem__) if lifted else None
     for index in range(depth, len(layers.modules)):
         t = repeat.template(index)
-        names, last_attr = _add_attrs(gm, model, f"{layers.path}.{index}.", attrs[t],
-                                      last_attr)
+        names = _add_attrs(gm, model, f"{layers.path}.{index}.", attrs[t], last_attr, params)
 
         def source(node: torch.fx.Node, made: list[torch.fx.Node],
                    before: list[torch.fx.Node] = before,
@@ -332,19 +342,24 @@ def _own_attrs(gm: torch.fx.GraphModule, path: str, index: int) -> dict[torch.fx
 
 def _add_attrs(
     gm: torch.fx.GraphModule, model: torch.nn.Module, prefix: str,
-    attrs: dict[torch.fx.Node, str], after: torch.fx.Node | None,
-) -> tuple[dict[torch.fx.Node, torch.fx.Node], torch.fx.Node | None]:
+    attrs: dict[torch.fx.Node, str], after: dict[bool, torch.fx.Node | None],
+    params: set[str],
+) -> dict[torch.fx.Node, torch.fx.Node]:
     """The model's tensors under ``prefix`` for each of ``attrs`` bound on ``gm`` under
-    their own names, as a stage binds them, and read by new ``get_attr`` nodes after
-    ``after``: template node -> its copy, and the last."""
+    their own names, as a stage binds them, and read by new ``get_attr`` nodes, each after
+    ``after[whether it is a parameter (its name in params)]``, which then is that node:
+    template node -> its copy."""
     copies: dict[torch.fx.Node, torch.fx.Node] = {}
     for node, name in attrs.items():
-        bind(gm, model, f"{prefix}{name}")
-        assert after is not None
-        with gm.graph.inserting_after(after):
-            after = copies[node] = gm.graph.get_attr(f"{prefix}{name}")
-        after.meta = dict(node.meta)
-    return copies, after
+        target = f"{prefix}{name}"
+        bind(gm, model, target)
+        kind = target in params
+        place = after[kind]
+        assert place is not None
+        with gm.graph.inserting_after(place):
+            after[kind] = copies[node] = gm.graph.get_attr(target)
+        copies[node].meta = dict(node.meta)
+    return copies
 
 
 def _copy(

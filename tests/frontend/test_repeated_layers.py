@@ -30,6 +30,7 @@ from fxpipe.tracing.layer_runs import (
     MIN_LAYERS,
     Repeat,
     cut,
+    first_repeat,
     layer_lists,
     record,
     repeat_of,
@@ -154,6 +155,38 @@ def test_the_copies_are_the_graph_a_whole_export_gives(make: Any) -> None:
     for precision in (None, Precision.BF16_MIXED) if make is _llama else (None,):
         execution = Execution(precision=precision)
         assert _records(gm, flat, execution) == _records(whole, whole_flat, execution)
+
+
+def _glm4_moe() -> nn.Module:
+    # The first layer's feed-forward is dense, the next six route to experts.
+    config = transformers.Glm4MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS + 1,
+        num_attention_heads=4, num_key_value_heads=2, moe_intermediate_size=16,
+        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        first_k_dense_replace=1, n_group=1, topk_group=1, use_cache=False,
+        experts_implementation="batched_mm")
+    return transformers.Glm4MoeForCausalLM(config)
+
+
+def test_layers_after_a_dense_first_one_are_copied_from_the_fourth() -> None:
+    """A list whose first layer is built otherwise (a dense feed-forward before the
+    experts) is exported four deep: the second layer reads the first, so it runs unlike
+    the third, and the third and fourth are the two compared; the fourth is copied. The
+    graph is the one a whole export gives, and it computes the model's logits."""
+    model = _built(_glm4_moe)
+    (layers,) = layer_lists(model)
+    assert layers.alike_from == 1 and first_repeat([layers]) == Repeat(4)
+    kwargs = {"input_ids": _ids()}
+    layered = export_in_layers(model, (), kwargs)
+    assert layered is not None, "the layers were not copied"
+    gm, flat, inputs, _, note = layered
+    assert note.startswith("exported 4 layers"), note
+    assert sum(meta.COPY_OF.has(n) for n in gm.graph.nodes) >= (LAYERS - 3) * 10
+    program, _ = export_program(model, (), kwargs)
+    whole, _, whole_inputs = exported_graph(program, (), kwargs)
+    assert _canonical(gm) == _canonical(whole)
+    assert inputs == whole_inputs
+    _assert_computes_the_model(gm, model, flat, kwargs)
 
 
 class _Layer(nn.Module):
@@ -332,7 +365,7 @@ def test_a_mixture_of_experts_that_alternates_is_recorded_and_copied_one_period_
     whole_run = record(model, (), kwargs, lists)
     assert whole_run is not None
     assert repeat_of(whole_run, lists) == Repeat(4, 2)
-    assert to_try(Repeat(4, 2), lists) == [Repeat(4, 2)]  # six deep is not worth it here
+    assert to_try(Repeat(4, 2), lists, FIRST) == [Repeat(4, 2)]  # six deep: not worth it
     layered = _layered(model, (), kwargs, lists, Repeat(6, 2), whole_run)
     assert layered is not None and layered.graph is not None
     gm, flat, _ = layered.graph
