@@ -118,6 +118,9 @@ def advice(error: BaseException) -> str:
                 "(module.to(...)), which torch.export cannot capture")
     if "data-dependent" in text or "DataDependent" in type(error).__name__:
         return "make forward free of data-dependent Python control flow"
+    if ".numpy()" in text or "data pointer" in text or "tolist" in text:
+        return ("make forward free of data-dependent Python code: it reads a tensor's values "
+                "out of torch (.numpy(), .tolist()), which torch.export cannot trace")
     return ("make forward run under torch.export, which may take other branches than an "
             "eager run (torch.compiler.is_compiling() is true there)")
 

@@ -27,7 +27,9 @@ def test_a_tensor_kept_or_changed_in_forward_names_its_module(attribute: str,
 def test_each_cause_has_its_own_fix() -> None:
     swapped = advice(RuntimeError("_apply(): Couldn't swap Linear.weight"))
     branched = advice(RuntimeError("Could not guard on data-dependent expression Eq(u0, 1)"))
+    numpy = advice(RuntimeError(".numpy() is not supported for tensor subclasses."))
     other = advice(TypeError("'NoneType' object is not subscriptable"))
     assert "module.to(...)" in swapped
     assert branched == "make forward free of data-dependent Python control flow"
+    assert "data-dependent" in numpy and ".numpy()" in numpy
     assert "data-dependent" not in other and "is_compiling()" in other
