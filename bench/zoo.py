@@ -188,6 +188,14 @@ _BART = dict(vocab_size=100, d_model=32, encoder_layers=2, decoder_layers=2,
              use_cache=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
              decoder_start_token_id=2, forced_eos_token_id=2)
 
+# Sizes shared by the speech encoders (a waveform through a small convolution stack).
+_AUDIO = dict(vocab_size=32, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+              intermediate_size=64, conv_dim=(16, 16), conv_kernel=(10, 3), conv_stride=(5, 2),
+              num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, hidden_dropout=0.0,
+              activation_dropout=0.0, attention_dropout=0.0, feat_proj_dropout=0.0,
+              final_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0, mask_feature_prob=0.0,
+              classifier_proj_size=16, num_labels=10)
+
 TRANSFORMERS = [
     Family("gpt2", "GPT-2", "decoder",
            _hf("GPT2LMHeadModel", "GPT2Config", vocab_size=100, n_positions=64, n_embd=32,
@@ -357,14 +365,7 @@ TRANSFORMERS = [
            ("speech2text", {"mels": 16, "frames": 32, "vocab": 100, "seq": 8, "start": 3}),
            stages=3),
     Family("wav2vec2", "Wav2Vec2", "audio",
-           _hf("Wav2Vec2ForSequenceClassification", "Wav2Vec2Config", vocab_size=32,
-               hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-               intermediate_size=64, conv_dim=(16, 16), conv_kernel=(10, 3),
-               conv_stride=(5, 2), num_conv_pos_embeddings=16,
-               num_conv_pos_embedding_groups=4, hidden_dropout=0.0, activation_dropout=0.0,
-               attention_dropout=0.0, feat_proj_dropout=0.0, final_dropout=0.0,
-               layerdrop=0.0, mask_time_prob=0.0, mask_feature_prob=0.0,
-               classifier_proj_size=16, num_labels=10),
+           _hf("Wav2Vec2ForSequenceClassification", "Wav2Vec2Config", **_AUDIO),
            ("waveform", {"samples": 400, "classes": 10}), stages=2),
     # Added on 2026-11-27: more decoders, MoE and hybrid models of transformers 5.x, and
     # encoders with their own attention (disentangled, local and global).
@@ -655,14 +656,7 @@ TRANSFORMERS = [
                drop_path_rate=0.0, num_labels=10),
            ("image", {"size": 32, "key": "pixel_values", "classes": 10}), stages=3),
     Family("hubert", "HuBERT", "audio",
-           _hf("HubertForSequenceClassification", "HubertConfig", vocab_size=32,
-               hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-               intermediate_size=64, conv_dim=(16, 16), conv_kernel=(10, 3),
-               conv_stride=(5, 2), num_conv_pos_embeddings=16,
-               num_conv_pos_embedding_groups=4, hidden_dropout=0.0, activation_dropout=0.0,
-               attention_dropout=0.0, feat_proj_dropout=0.0, final_dropout=0.0,
-               layerdrop=0.0, mask_time_prob=0.0, mask_feature_prob=0.0,
-               classifier_proj_size=16, num_labels=10),
+           _hf("HubertForSequenceClassification", "HubertConfig", **_AUDIO),
            ("waveform", {"samples": 400, "classes": 10}), stages=2),
 ]
 
