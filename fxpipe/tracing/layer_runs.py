@@ -34,7 +34,8 @@ MIN_LAYERS = 6  # shorter lists are exported whole: the copy would save too litt
 MAX_PERIOD = 8  # the longest period of layers that run alike looked for
 # The most layers a list may start with that are built otherwise than the rest (dense
 # feed-forward layers before the experts: DeepSeek-V3's first 3 of 61, GLM-4.5's first 3);
-# they are exported, and so are the two after them, before any is copied.
+# they are exported, and so are the three after them, before any is copied
+# (``first_repeat``).
 MAX_UNLIKE = 4
 
 

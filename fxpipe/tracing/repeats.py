@@ -114,8 +114,11 @@ def to_try(repeat: Repeat | None, lists: Sequence[Layers], first: Repeat) -> lis
 
 def _runs(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
           lists: Sequence[Layers], first: Repeat) -> tuple[Run | None, Run | None]:
-    """The recorded runs of the whole model and of the model cut to ``first``."""
+    """The recorded runs of the whole model and of the model cut to ``first`` (None, None
+    when the whole model cannot be recorded: nothing is copied then)."""
     whole = record(model, args, kwargs, lists)
+    if whole is None:
+        return None, None
     with cut(lists, first.depth):
         return whole, record(model, args, kwargs, lists)
 
