@@ -228,21 +228,27 @@ def copy_layers(gm: torch.fx.GraphModule, model: torch.nn.Module, layers: Layers
 
 
 def mark_copies(gm: torch.fx.GraphModule, model: torch.nn.Module) -> int:
-    """On a graph traced whole (``symbolic_trace``): name each op node of the layers after
-    the second of a list of identical layers a copy of the second layer's node in the same
-    place (``meta.COPY_OF``), where the layer's graph is the second's (``_layer_graph``),
-    so that the passes need not run it again. The number of nodes named; the passes check
-    each copy's inputs against its node's before they take that node's records."""
+    """On a graph traced whole (``symbolic_trace``): name each op node of a list's layer a
+    copy of the node in the same place of the first layer, from the second on, whose graph
+    (``_layer_graph``) it has (``meta.COPY_OF``), so that the passes need not run it again.
+    The number of nodes named; the passes check each copy's inputs against its node's
+    before they take that node's records."""
     named = 0
     for layers in layer_lists(model):
         members = _members(gm, layers.path)
         if sorted(members) != list(range(len(layers.modules))):
             continue
-        second = _layer_graph(members, layers.path, 1)
-        for index in range(2, len(layers.modules)):
-            if _layer_graph(members, layers.path, index) != second:
+        # Each layer's graph against the first of the layers from the second on that has
+        # it: a list that starts with layers built otherwise (DeepSeek-V3's dense ones)
+        # has its later layers named copies of the first alike one's successor.
+        seen: list[tuple[list[tuple[Any, ...]], int]] = []
+        for index in range(1, len(layers.modules)):
+            graph = _layer_graph(members, layers.path, index)
+            first = next((i for g, i in seen if g == graph), None)
+            if first is None:
+                seen.append((graph, index))
                 continue
-            for node, copy in zip(members[1], members[index], strict=True):
+            for node, copy in zip(members[first], members[index], strict=True):
                 if copy.op in ("call_function", "call_method", "call_module"):
                     meta.COPY_OF.set(copy, node.name)
                     named += 1

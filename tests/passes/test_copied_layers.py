@@ -140,6 +140,33 @@ def test_symbolic_layers_are_taken_as_copies_only_where_they_run_alike(
         assert sorted(taken) == ["blocks_2_conv", "mul_2", "relu_2"]
 
 
+class _Stem(nn.Module):
+    """A first layer built otherwise than the rest (as DeepSeek-V3's dense ones are)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(4, 4, 5, padding=2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.conv(x))
+
+
+def test_layers_after_one_built_otherwise_are_taken_as_copies_of_the_first_alike_one(
+        ) -> None:
+    """Block 1 reads the stem, so it runs unlike the blocks after it; block 2 is the first
+    of those, and blocks 3.. are named its copies and take its records."""
+    torch.manual_seed(0)
+    model, x = _ConvStack((1,) * 7), torch.randn(2, 4, 16)
+    model.blocks[0] = _Stem()  # six alike blocks follow: a list (``layer_lists``)
+    gm = trace(model, (x,)).gm
+    assert mark_copies(gm, model) == 4 * 3  # conv, relu, mul of blocks 3..6
+    assert {t.name for t in copied_from(gm).values()} == {"blocks_2_conv", "relu_1", "mul_1"}
+    taken = _copies_taken(gm, x)
+    assert len(taken) == 12
+    unmarked = trace(model, (x,)).gm
+    assert _records(gm, x) == _records(unmarked, x)
+
+
 class _MutatingBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()
