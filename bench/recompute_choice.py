@@ -17,7 +17,11 @@ shape (80 layers, width 8192, 64 heads, 8 KV heads, FFN 28672) on 16 and 32 GPUs
 4096 and 8192 tokens.
 
     python bench/recompute_choice.py [--only 8b 70b] [--cases 70b:4096:32 ...]
-                                     [--time-limit 30]
+                                     [--time-limit 30] [--precision bf16-mixed]
+
+``--precision`` plans every case at that precision (``fxpipe split --precision``), as
+LLMs train: under ``bf16-mixed`` the activations are bfloat16 while the weights,
+gradients and Adam state stay float32.
 
 Where ``all`` does not fit, ``auto`` cannot either (recomputing everywhere is the least
 memory any choice has), so it is not planned; at more tokens the same GPUs do not fit
@@ -40,6 +44,7 @@ from fxpipe.compiler import SplitOptions, plan_split
 from fxpipe.cost_models import get_device
 from fxpipe.partition import InfeasibleMemoryError, NoSolutionError, Recompute
 from fxpipe.plan import Plan
+from fxpipe.precision import Precision, parse_precision
 
 ROOT = Path(__file__).resolve().parents[1]
 BASELINES = ("uniform-layers", "parameters", "greedy-time")
@@ -74,12 +79,12 @@ CASES = [("8b", 4096, 8), ("70b", 4096, 16), ("70b", 4096, 32), ("70b", 8192, 16
 
 
 def plan(traced: object, *, gpus: int, recompute: Recompute, time_limit: float,
-         ) -> tuple[Plan | None, float]:
+         precision: Precision | None) -> tuple[Plan | None, float]:
     """The plan (None if nothing fits) and the wall time of planning."""
     device = get_device("h100")
     options = SplitOptions(gpus=gpus, device=device, memory_limit=float(device.memory_bytes),
                            microbatches=4 * gpus, recompute=recompute,
-                           time_limit_s=time_limit)
+                           time_limit_s=time_limit, precision=precision)
     start = time.perf_counter()
     try:
         result = plan_split(traced, label="llama", options=options)  # type: ignore[arg-type]
@@ -105,11 +110,16 @@ def main() -> int:
     parser.add_argument("--cases", nargs="*", default=None,
                         help="SHAPE:TOKENS:GPUS, e.g. 70b:4096:32 (default: all listed)")
     parser.add_argument("--time-limit", type=float, default=30.0)
+    parser.add_argument("--precision", default=None,
+                        help="32-true, bf16-mixed, bf16-true or 16-mixed (default: the "
+                             "model's, float32)")
     args = parser.parse_args()
+    precision = None if args.precision is None else parse_precision(args.precision)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                             capture_output=True, text=True).stdout.strip()
     print(f"commit {commit}, load average before {os.getloadavg()}, "
-          f"time limit {args.time_limit:g} s per plan\n")
+          f"time limit {args.time_limit:g} s per plan, "
+          f"precision {args.precision or '32-true (the model)'}\n")
     header = ["model", "tokens", "GPUs", "none", "all", "auto", "all / auto",
               "auto recomputes stages", "auto status"] + [
         f"{b} (all / auto)" for b in BASELINES]
@@ -127,7 +137,9 @@ def main() -> int:
                 path = Path(folder) / f"llama_{shape}_{seq}.py"
                 path.write_text(textwrap.dedent(LLAMA.format(seq=seq, **SHAPES[shape])))
                 start = time.perf_counter()
-                traced_cache[key] = cli.analyze_model(str(path), device="h100", quiet=True)[1]
+                traced_cache[key] = cli.analyze_model(str(path), device="h100",
+                                                           precision=args.precision,
+                                                           quiet=True)[1]
                 print(f"{SHAPES[shape]['name']} {seq} tokens: traced and costed in "
                       f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
             traced = traced_cache[key]
@@ -137,7 +149,8 @@ def main() -> int:
                     plans[policy] = None  # the least memory does not fit: nothing does
                     continue
                 plans[policy], wall = plan(traced, gpus=gpus, recompute=policy,
-                                           time_limit=args.time_limit)
+                                           time_limit=args.time_limit,
+                                           precision=precision)
                 print(f"  {gpus} GPUs, --recompute {policy.value}: {ms(plans[policy])} "
                       f"({wall:.1f} s)", file=sys.stderr)
             auto, everywhere = plans[Recompute.AUTO], plans[Recompute.ALL]
