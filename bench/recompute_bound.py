@@ -27,6 +27,7 @@ boundaries only add time); the ratio of two relaxed bottlenecks says how far apa
 choices can be, not a proof. Prints a markdown table and the load average.
 
     python bench/recompute_bound.py [--cases 70b:4096:32 70b:8192:32 8b:4096:8]
+                                    [--precision bf16-mixed]
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from fxpipe.compiler import SplitOptions, _lowered
 from fxpipe.cost_models import get_device
 from fxpipe.partition import Node, Problem, Recompute
 from fxpipe.partition.problem import stage_flights
+from fxpipe.precision import parse_precision
 
 LAYERS = "model.layers."
 # The ops whose outputs selective activation checkpointing saves under the usual policy
@@ -160,8 +162,12 @@ def main() -> int:
     parser.add_argument("--cases", nargs="*", default=["70b:4096:32", "70b:8192:32",
                                                          "8b:4096:8"],
                         help="SHAPE:TOKENS:GPUS")
+    parser.add_argument("--precision", default=None,
+                        help="as fxpipe split --precision (default: the model's, float32)")
     args = parser.parse_args()
-    print(f"load average before {os.getloadavg()}\n")
+    precision = None if args.precision is None else parse_precision(args.precision)
+    print(f"load average before {os.getloadavg()}, "
+          f"precision {args.precision or '32-true (the model)'}\n")
     names = ("none", "all", "per stage", "per block", "op-level", "SAC")
     header = ["model", "tokens", "GPUs", *(f"{c} (ms)" for c in names),
               *(f"all / {c}" for c in names[2:])]
@@ -174,10 +180,12 @@ def main() -> int:
             path = Path(folder) / f"llama_{shape}_{seq}.py"
             path.write_text(textwrap.dedent(LLAMA.format(seq=seq, **SHAPES[shape])))
             start = time.perf_counter()
-            traced = cli.analyze_model(str(path), device="h100", quiet=True)[1]
+            traced = cli.analyze_model(str(path), device="h100", precision=args.precision,
+                                       quiet=True)[1]
             options = SplitOptions(gpus=int(gpus), device=device,
                                    memory_limit=float(device.memory_bytes),
-                                   microbatches=4 * int(gpus), recompute=Recompute.AUTO)
+                                   microbatches=4 * int(gpus), recompute=Recompute.AUTO,
+                                   precision=precision)
             fluid = Fluid(_lowered(traced, options).problem)
             found = {name: fluid.bottleneck(options)
                      for name, options in fluid.choices().items()}
