@@ -31,32 +31,57 @@ runs without fxpipe installed. One idea per module:
     older_torch.py  what torch 2.11's pipelining needs to run the stages
     launch.py       the torchrun entry point (train_torchrun.py)
 
-The torchrun modules import ``torch.distributed.pipelining``; this package's
-top level imports only the single-process ones.
+The torchrun modules import ``torch.distributed.pipelining``. This package's top level
+names the single-process ones' public objects and imports each module on first use, so
+that reading schedule.py (pure Python: fxpipe's command line checks schedules with it)
+does not wait for torch.
 """
 
-from .binding import bind
-from .checkpoint import check_stage_states, merge_stage_state_dicts, split_state_dict
-from .devices import place_stages, stage_devices
-from .loading import import_file, load_package
-from .measure import ReportCard, load_card
-from .runner import PipelineRunner
-from .schedule import check_schedule, dependencies
-from .shapes import check_shape
+from __future__ import annotations
 
-__all__ = [
-    "PipelineRunner",
-    "ReportCard",
-    "bind",
-    "check_schedule",
-    "check_shape",
-    "check_stage_states",
-    "dependencies",
-    "import_file",
-    "load_card",
-    "load_package",
-    "merge_stage_state_dicts",
-    "place_stages",
-    "split_state_dict",
-    "stage_devices",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the names as type checkers see them (``X as X``: re-exported)
+    from .binding import bind as bind
+    from .checkpoint import check_stage_states as check_stage_states
+    from .checkpoint import merge_stage_state_dicts as merge_stage_state_dicts
+    from .checkpoint import split_state_dict as split_state_dict
+    from .devices import place_stages as place_stages
+    from .devices import stage_devices as stage_devices
+    from .loading import import_file as import_file
+    from .loading import load_package as load_package
+    from .measure import ReportCard as ReportCard
+    from .measure import load_card as load_card
+    from .runner import PipelineRunner as PipelineRunner
+    from .schedule import check_schedule as check_schedule
+    from .schedule import dependencies as dependencies
+    from .shapes import check_shape as check_shape
+
+# Each public name and the module that defines it.
+_HOMES = {
+    "PipelineRunner": "runner",
+    "ReportCard": "measure",
+    "bind": "binding",
+    "check_schedule": "schedule",
+    "check_shape": "shapes",
+    "check_stage_states": "checkpoint",
+    "dependencies": "schedule",
+    "import_file": "loading",
+    "load_card": "measure",
+    "load_package": "loading",
+    "merge_stage_state_dicts": "checkpoint",
+    "place_stages": "devices",
+    "split_state_dict": "checkpoint",
+    "stage_devices": "devices",
+}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_HOMES[name]}", __name__), name)
+    globals()[name] = value  # later reads find it without this function
+    return value

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import ast
+import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 import fxpipe.runtime
 
@@ -32,3 +35,25 @@ def test_no_module_class_or_function_is_a_god_object() -> None:
             limit = limits.get(type(node))
             if limit is not None:
                 assert node.end_lineno - node.lineno < limit, (path.name, node.name)
+
+
+def test_each_public_name_is_found_where_its_home_says_and_read_once() -> None:
+    """The top level imports a module on first use of one of its names (``_HOMES``); each
+    name is the object its module defines, and after the first read a plain attribute."""
+    homes = fxpipe.runtime._HOMES
+    assert fxpipe.runtime.__all__ == sorted(homes)
+    for name, module in homes.items():
+        value = getattr(fxpipe.runtime, name)
+        assert getattr(sys.modules[f"fxpipe.runtime.{module}"], name) is value, name
+        assert vars(fxpipe.runtime)[name] is value, name
+    with pytest.raises(AttributeError, match="no attribute 'Runner'"):
+        fxpipe.runtime.Runner  # noqa: B018
+
+
+def test_the_command_line_starts_without_torch() -> None:
+    """``fxpipe --help`` and a mistyped flag answer before torch is imported (seconds on
+    a cold start): the command line reads the schedules, which read runtime/schedule.py."""
+    code = "import sys, fxpipe.cli; print('torch' in sys.modules)"
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True)
+    assert found.stdout.strip() == "False"
