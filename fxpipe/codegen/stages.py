@@ -394,8 +394,7 @@ def _body_class(body: torch.fx.GraphModule, class_name: str, target: str) -> str
     follow_stage_device(graph, {copy.name: original for original, copy in env.items()})
     code = graph.python_code(root_module="self")
     io = StageIO(-1, (), (), ())
-    lines, _ = forward_lines(code.src, io, {})
-    lines[1] = '        """The body of a higher-order op, as traced."""'
+    lines, _ = forward_lines(code.src, io, {}, doc="The body of a higher-order op, as traced.")
     if inits:
         lines[:0] = ["    def __init__(self) -> None:", "        super().__init__()", *inits,
                      ""]

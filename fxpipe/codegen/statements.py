@@ -36,18 +36,19 @@ def forward_lines(
     renamed: dict[str, str] | None = None,
     entry: list[str] | None = None,
     index: Index | None = None,
+    doc: str | None = None,
 ) -> tuple[list[str], set[str]]:
     """fx's ``forward`` re-indented into the class, frees as ``del``, long lines wrapped.
 
-    ``readable``: value name -> the full-name read (``self.get_parameter("a.0.w")``) of a
+    ``doc``: its docstring (default: what it returns, ``io.outputs``). ``readable``: value name -> the full-name read (``self.get_parameter("a.0.w")``) of a
     parameter or buffer, for a read that cannot be written as attributes and indices
     (``index``) or is too long that way. ``index``: how the stage indexes its modules."""
     raw = [line for line in src.strip("\n").splitlines() if line.strip()]
     assert raw[0].startswith("def forward(self"), raw[0]
     out = wrap_line(indent + raw[0], LINE_LENGTH)
     outs = ", ".join(io.outputs)
-    out += [f'{indent}    """Returns ({outs})."""' if outs else f'{indent}    """Returns ()."""']
-    if len(out[-1]) > LINE_LENGTH:
+    out += [f'{indent}    """{doc or f"Returns ({outs})."}"""']
+    if doc is None and len(out[-1]) > LINE_LENGTH:
         out[-1:] = [f'{indent}    """Returns, in order:', *(f"{indent}    {o}" for o in io.outputs),
                     f'{indent}    """']
     out += entry or []
