@@ -40,9 +40,10 @@ def forward_lines(
 ) -> tuple[list[str], set[str]]:
     """fx's ``forward`` re-indented into the class, frees as ``del``, long lines wrapped.
 
-    ``doc``: its docstring (default: what it returns, ``io.outputs``). ``readable``: value name -> the full-name read (``self.get_parameter("a.0.w")``) of a
-    parameter or buffer, for a read that cannot be written as attributes and indices
-    (``index``) or is too long that way. ``index``: how the stage indexes its modules."""
+    ``doc``: its docstring (default: what it returns, ``io.outputs``). ``readable``: value
+    name -> the full-name read (``self.get_parameter("a.0.w")``) of a parameter or buffer,
+    for a read that cannot be written as attributes and indices (``index``) or is too long
+    that way. ``index``: how the stage indexes its modules."""
     raw = [line for line in src.strip("\n").splitlines() if line.strip()]
     assert raw[0].startswith("def forward(self"), raw[0]
     out = wrap_line(indent + raw[0], LINE_LENGTH)

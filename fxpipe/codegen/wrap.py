@@ -35,7 +35,7 @@ def wrap_line(line: str, limit: int = LINE_LENGTH) -> list[str]:
     """``line`` as lines of at most ``limit`` columns that parse to the same tree.
 
     A piece that cannot be broken (a long name, string or operator chain) stays
-    whole and its line is marked ``# noqa: E501``.
+    whole and its line is marked ``# noqa: E501`` (``_fit``).
     """
     if len(line) <= limit:
         return [line]
@@ -51,7 +51,7 @@ def wrap_line(line: str, limit: int = LINE_LENGTH) -> list[str]:
         lines = _statement(text, indent, limit)
         harness = ("", "")
     if lines is None:
-        return [line + _NOQA]
+        return [_fit(line, limit)]
     before = _dump(harness[0] + text + harness[1])
     after = _dump(harness[0] + "\n".join(_dedent(lines, indent)) + harness[1])
     assert before == after, f"wrapping changed the meaning of {line!r}: {lines}"
@@ -168,7 +168,7 @@ def _expr(
     if bracketed:
         items = _display_items(node)
         return _bracketed(text, prefix, whole[0], items, whole[-1], suffix, indent, limit, True)
-    return [prefix + whole + suffix + _NOQA]
+    return [_fit(prefix + whole + suffix, limit)]
 
 
 def _bracketed(
@@ -271,7 +271,10 @@ def _parenthesized(text: str, node: ast.Tuple) -> bool:
 
 
 def _fit(line: str, limit: int) -> str:
-    return line if len(line) <= limit else line + _NOQA
+    """``line``, marked ``# noqa: E501`` where ruff would flag it as too long: over
+    ``limit`` and of more than one word (ruff lets a line of one word run on, and flags a
+    mark that marks nothing)."""
+    return line if len(line) <= limit or len(line.split()) < 2 else line + _NOQA
 
 
 def _operators(text: str) -> list[tuple[int, str]]:
