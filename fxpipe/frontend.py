@@ -49,7 +49,7 @@ from fxpipe.tracing.checkpoints import describe as describe_checkpoints
 from fxpipe.tracing.checkpoints import plain_calls
 from fxpipe.tracing.export import advice as export_advice
 from fxpipe.tracing.export import data_sized, export_program, exported_graph
-from fxpipe.tracing.functions import applied_functions, describe, kept
+from fxpipe.tracing.functions import applied_functions, describe, kept, refusal
 from fxpipe.tracing.hooks import dropped, tensor_hooks
 from fxpipe.tracing.records import InputShape, TraceError
 from fxpipe.tracing.repeats import export_in_layers, mark_copies
@@ -264,11 +264,13 @@ def trace(
     device = _model_device(model)
     if _on_meta(device):
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
-    with _autocast(device, autocast), applied_functions() as functions, \
+    with _autocast(device, autocast), applied_functions() as calls, \
             tensor_hooks() as hook_sites, plain_calls() as regions:
         traced = _trace(model, args, kwargs, autocast)  # its flat inputs: these tensors
     # what the trace kept otherwise than the model runs it, or could not keep
-    run_through = [f for f in functions if f not in kept(traced.gm)]
+    run_through = [f for f in calls.functions if f not in kept(traced.gm)]
+    if any(f in calls.grad_mode for f in run_through):
+        raise TraceError(refusal([f for f in run_through if f in calls.grad_mode]))
     notes = [describe(run_through)] if run_through else []
     notes += dropped(model, traced.gm, hook_sites)
     attention = describe_attention(traced.gm)

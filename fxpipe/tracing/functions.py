@@ -18,7 +18,11 @@ as the model does, and the generated code calls ``TheFunction.apply(...)``.
 A call is kept where the Function is defined at the top level of its module, as a stage
 finds it by name there, and every argument is one a graph holds (not an object of the
 model's). Any other is run through, and the frontend says so in a note naming each such
-Function and where it is defined (``applied_functions``, ``describe``). torch's
+Function and where it is defined (``applied_functions``, ``describe``); or refuses the
+model (``refusal``) where that Function's forward sets the grad mode (a memory-saving one
+that runs its layers under ``no_grad`` and again in its backward, as Reformer's reversible
+layers do): torch runs a Function's forward without grad, and export records the mode
+its forward leaves for the rest of the model. torch's
 own Functions (reentrant checkpoint's, for one) are left to the tracers: their backward
 is the derivative of what they run.
 """
@@ -29,14 +33,16 @@ import contextlib
 import inspect
 import sys
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-__all__ = ["Applied", "applied_calls", "applied_functions", "describe", "exported_functions",
-           "kept", "kept_functions"]
+__all__ = ["Applied", "Calls", "applied_calls", "applied_functions", "describe",
+           "exported_functions", "kept", "kept_functions", "refusal"]
 
 Apply = Callable[..., Any]  # apply(cls, *args, **kwargs), as Function.apply is called
 
@@ -75,21 +81,52 @@ def _graphable(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return all(isinstance(v, kinds) for v in pytree.tree_leaves((args, kwargs)))
 
 
+@dataclass
+class Calls:
+    """The model's own Functions whose ``apply`` ran while ``applied_functions`` was open,
+    each once: ``functions`` all of them, ``grad_mode`` those whose forward set the grad
+    mode as it ran (``torch.no_grad()``, ``enable_grad()``, ``set_grad_enabled()``)."""
+
+    functions: list[type[torch.autograd.Function]] = field(default_factory=list)
+    grad_mode: set[type[torch.autograd.Function]] = field(default_factory=set)
+
+
+class _GradModeSet(TorchFunctionMode):
+    """Whether a call under it set the grad mode: each of torch's ways to goes through
+    ``torch._C._set_grad_enabled``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = False
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        if func is torch._C._set_grad_enabled:
+            self.seen = True
+        return func(*args, **(kwargs or {}))
+
+
 @contextlib.contextmanager
-def applied_functions() -> Iterator[list[type[torch.autograd.Function]]]:
-    """While open, every ``torch.autograd.Function`` subclass defined outside torch whose
-    ``apply`` runs is appended, once, to the list it yields."""
-    seen: list[type[torch.autograd.Function]] = []
+def applied_functions() -> Iterator[Calls]:
+    """While open, what the model's own ``torch.autograd.Function``s do when their
+    ``apply`` runs (``Calls``)."""
+    calls = Calls()
 
     def noting(before: Apply) -> Apply:
         def apply(cls: type[torch.autograd.Function], *args: Any, **kwargs: Any) -> Any:
-            if cls not in seen and _own(cls):
-                seen.append(cls)
-            return before(cls, *args, **kwargs)
+            if not _own(cls):
+                return before(cls, *args, **kwargs)
+            if cls not in calls.functions:
+                calls.functions.append(cls)
+            with _GradModeSet() as mode:
+                out = before(cls, *args, **kwargs)
+            if mode.seen:
+                calls.grad_mode.add(cls)
+            return out
         return apply
 
     with _apply_replaced(noting):
-        yield seen
+        yield calls
 
 
 class Applied:
@@ -216,6 +253,19 @@ def describe(functions: list[type[torch.autograd.Function]]) -> str:
             f"its forward and autograd's derivative of them, not its backward; where that "
             f"backward is not the forward's derivative (a gradient reversal, a "
             f"straight-through estimator) the pipeline's gradients are not the model's")
+
+
+def refusal(functions: list[type[torch.autograd.Function]]) -> str:
+    """The error for Functions run through whose forward sets the grad mode: torch.export
+    records the forward's ops (which torch runs without grad) as the model's, and the
+    mode the forward leaves for every op after the call."""
+    names = ", ".join(f"{cls.__qualname__} ({_where(cls)})" for cls in functions)
+    return (f"the model's torch.autograd.Function {names} sets the grad mode in its "
+            f"forward (as a Function that recomputes in its backward does), and fxpipe, "
+            f"which runs its forward's ops rather than calling it, would leave them and "
+            f"the rest of the model without gradients; define it at the top level of its "
+            f"module and pass it only tensors, numbers and strings (no modules or other "
+            f"objects), so that the stages call it as the model does")
 
 
 def _where(cls: type) -> str:

@@ -19,6 +19,7 @@ from fxpipe.passes.base import OP_NODES
 from fxpipe.profile import summarize
 from fxpipe.tracing.export import export_program
 from fxpipe.tracing.functions import Applied
+from fxpipe.tracing.records import TraceError
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -304,6 +305,79 @@ def test_a_function_export_cannot_keep_is_run_through_with_a_note() -> None:
     (note,) = [n for n in traced.notes if "torch.autograd.Function" in n]
     assert f"_Reverse ({__file__}:" in note
     assert not [n for n in traced.gm.graph.nodes if isinstance(n.target, Applied)]
+
+
+class _Recomputed(torch.autograd.Function):
+    """A memory-saving Function (as Reformer's reversible layers): its forward runs the
+    block under no_grad, its backward runs it again with grad and differentiates that."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, block: nn.Module) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        ctx.block = block
+        with torch.no_grad():
+            return block(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None]:
+        (x,) = ctx.saved_tensors
+        with torch.enable_grad():
+            x = x.detach().requires_grad_()
+            torch.autograd.backward(ctx.block(x), grad)
+        return x.grad, None
+
+
+class _Scaled(torch.autograd.Function):
+    """Its forward sets the grad mode too, but it takes only tensors: it is kept."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 2
+
+
+class _Reversible(_Reversing):
+    def __init__(self, function: type[torch.autograd.Function]) -> None:
+        super().__init__(branch=True)
+        self.block, self.function = nn.Sequential(nn.Linear(4, 4), nn.Tanh()), function
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        if self.function is _Recomputed:
+            h = _Recomputed.apply(h, self.block)
+        else:
+            h = _Scaled.apply(self.block(h))
+        return self.b(h)
+
+
+def test_a_function_run_through_that_sets_the_grad_mode_is_refused() -> None:
+    """Run through (it is given a module), the Function's forward ops run without grad,
+    and export records the mode its no_grad leaves for every op after it: the pipeline
+    would have no gradients from there on. The trace refuses it in one line naming it."""
+    model = _Reversible(_Recomputed)
+    with pytest.raises(TraceError) as refused:
+        trace(model, (torch.randn(3, 4),), {})
+    message = str(refused.value)
+    assert "\n" not in message
+    assert f"_Recomputed ({__file__}:" in message and "sets the grad mode" in message
+
+
+def test_a_kept_function_that_sets_the_grad_mode_is_called_as_the_model_does() -> None:
+    """Kept as one call, such a Function runs its own backward in the stages: no refusal,
+    and the graph's gradients are the model's."""
+    model, x = _Reversible(_Scaled), torch.randn(3, 4)
+    traced = trace(model, (x,), {})
+    assert [n for n in traced.gm.graph.nodes if isinstance(n.target, Applied)]
+    model(x).sum().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    traced.gm(x).sum().backward()
+    for got, expected in zip((p.grad for p in model.parameters()), want, strict=True):
+        torch.testing.assert_close(got, expected)
 
 
 class _TensorHooked(_Reversing):
