@@ -45,6 +45,7 @@ A row that fails gives the phase and the one-line reason; nothing stops the tabl
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
 import importlib.util
 import os
@@ -658,17 +659,135 @@ TRANSFORMERS = [
     Family("hubert", "HuBERT", "audio",
            _hf("HubertForSequenceClassification", "HubertConfig", **_AUDIO),
            ("waveform", {"samples": 400, "classes": 10}), stages=2),
+    # Added on 2026-11-28: families tried as a new user would, chosen for architecture
+    # ideas not yet here (local and n-gram attention in enc-decs, routed experts in an
+    # enc-dec, a convolution front end before a speech enc-dec, rotary and character-level
+    # encoders, sliding-window attention, an RNN, reversible layers with LSH attention,
+    # dynamic-mask attention, shifted windows).
+    # builds its attention mask only when not compiling, and without one its
+    # transient-global bias does not broadcast over the batch: refused (transparent where
+    # an attention_mask is passed, which the seq2seq batches do not)
+    Family("longt5", "LongT5 (transient-global attention)", "enc-dec",
+           _hf("LongT5ForConditionalGeneration", "LongT5Config", vocab_size=100, d_model=32,
+               d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+               local_radius=2, global_block_size=4, encoder_attention_type="transient-global",
+               dropout_rate=0.0, use_cache=False, pad_token_id=0, eos_token_id=1,
+               decoder_start_token_id=0),
+           ("seq2seq", {"vocab": 100, "seq": 8, "start": 0}), stages=3),
+    Family("prophetnet", "ProphetNet (n-gram streams)", "enc-dec",
+           _hf("ProphetNetForConditionalGeneration", "ProphetNetConfig", vocab_size=100,
+               hidden_size=32, encoder_ffn_dim=64, decoder_ffn_dim=64, num_encoder_layers=2,
+               num_decoder_layers=2, num_encoder_attention_heads=4,
+               num_decoder_attention_heads=4, ngram=2, num_buckets=8, relative_max_distance=16,
+               max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+               activation_dropout=0.0, use_cache=False, pad_token_id=0, bos_token_id=1,
+               eos_token_id=2, decoder_start_token_id=2),
+           ("seq2seq", {"vocab": 100, "seq": 8, "start": 2}), stages=3),
+    # casts its router (module.to) in forward, then loops over the experts hit: refused
+    Family("nllb_moe", "NLLB-MoE", "MoE",
+           _hf("NllbMoeForConditionalGeneration", "NllbMoeConfig", **_BART, num_experts=4,
+               expert_capacity=16, encoder_sparse_step=2, decoder_sparse_step=2,
+               moe_token_dropout=0.0),
+           ("seq2seq", {"vocab": 100, "seq": 8, "start": 2}), stages=3),
+    # 32 frames of 16 features (the "mels" and "frames" fields give the shape's order)
+    Family("speech2text", "Speech2Text (convolution subsampler)", "audio",
+           _hf("Speech2TextForConditionalGeneration", "Speech2TextConfig", **_BART,
+               max_source_positions=64, max_target_positions=32, num_conv_layers=2,
+               conv_kernel_sizes=[5, 5], conv_channels=32, input_feat_per_channel=16,
+               input_channels=1),
+           ("speech2text", {"mels": 32, "frames": 16, "vocab": 100, "seq": 8, "start": 2}),
+           stages=3),
+    Family("esm", "ESM (rotary)", "encoder",
+           _hf("EsmForMaskedLM", "EsmConfig", **_ENCODER, position_embedding_type="rotary",
+               mask_token_id=3, emb_layer_norm_before=False, token_dropout=False),
+           _tokens(), stages=2),
+    # casts its extended attention mask (float64's smallest value) to float32, which
+    # overflows to -inf: NaN in float64, so float32
+    Family("canine", "CANINE (characters, downsampled, float32)", "encoder",
+           _hf("CanineForTokenClassification", "CanineConfig", hidden_size=32,
+               num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+               max_position_embeddings=64, downsampling_rate=4, upsampling_kernel_size=4,
+               num_hash_functions=4, num_hash_buckets=64, local_transformer_stride=4,
+               num_labels=100),
+           _tokens(), stages=2, dtype="float32"),
+    # branches on whether any token attends globally (a tensor read as a bool): refused
+    Family("longformer", "Longformer (sliding-window attention)", "encoder",
+           _hf("LongformerForMaskedLM", "LongformerConfig", **_ENCODER, attention_window=4),
+           _tokens(), stages=2),
+    Family("rwkv", "RWKV", "RNN",
+           _hf("RwkvForCausalLM", "RwkvConfig", vocab_size=100, hidden_size=32,
+               num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64,
+               context_length=64, rescale_every=0, use_cache=False, bos_token_id=1,
+               eos_token_id=2),
+           _tokens(), stages=2),
+    # its reversible layers run under no_grad inside a torch.autograd.Function given the
+    # layers, which a trace can only run through, without their gradients: refused
+    # (fxpipe/tracing/functions.py); hash_seed makes LSH deterministic
+    Family("reformer", "Reformer (LSH attention, reversible layers)", "decoder",
+           _hf("ReformerModelWithLMHead", "ReformerConfig", vocab_size=100, hidden_size=32,
+               num_attention_heads=4, attention_head_size=8, attn_layers=["local", "lsh"],
+               feed_forward_size=64, axial_pos_embds=False, max_position_embeddings=64,
+               local_attn_chunk_length=4, lsh_attn_chunk_length=4, num_buckets=2,
+               num_hashes=1, hash_seed=0, is_decoder=True, hidden_dropout_prob=0.0,
+               local_attention_probs_dropout_prob=0.0,
+               lsh_attention_probs_dropout_prob=0.0, use_cache=False, pad_token_id=0,
+               eos_token_id=2),
+           _tokens(), stages=2),
+    Family("doge", "Doge (dynamic mask attention)", "decoder",
+           _hf("DogeForCausalLM", "DogeConfig", **_DECODER, keep_window_size=4),
+           _tokens(), stages=3),
+    Family("ernie4_5_moe", "ERNIE-4.5-MoE", "MoE",
+           _hf("Ernie4_5_MoeForCausalLM", "Ernie4_5_MoeConfig", **_DECODER,
+               moe_intermediate_size=16, moe_k=2, moe_num_experts=4, moe_num_shared_experts=1,
+               moe_layer_start_index=1, moe_layer_end_index=1,
+               experts_implementation="batched_mm"),
+           _tokens(), stages=3),
+    Family("swin", "Swin (shifted windows)", "vision",
+           _hf("SwinForImageClassification", "SwinConfig", image_size=32, patch_size=2,
+               embed_dim=16, depths=[2, 2], num_heads=[2, 4], window_size=4, mlp_ratio=2.0,
+               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+               drop_path_rate=0.0, num_labels=10),
+           ("image", {"size": 32, "key": "pixel_values", "classes": 10}), stages=3),
 ]
 
 
 # The config fields that count layers, each 2 in the families above.
-_LAYER_FIELDS = re.compile(r"\b((?:num_hidden_|num_decoder_|encoder_|decoder_|num_|n_)"
-                           r"layers?)=2\b")
+_LAYER_FIELDS = re.compile(r"\b((?:num_hidden_|num_encoder_|num_decoder_|encoder_|decoder_|"
+                           r"num_|n_)layers?)=2\b")
+# The config fields that list each layer's kind, as the families above write them:
+# one kind per layer, or GPT-Neo's [[kinds, repeats], ...].
+_KIND_LISTS = ("layers_block_type", "layer_types", "attention_types")
 
 
 def deeper(family: Family, layers: int) -> Family:
-    """``family`` with ``layers`` layers in each stack of its config instead of 2."""
-    return replace(family, build=_LAYER_FIELDS.sub(rf"\1={layers}", family.build))
+    """``family`` with ``layers`` layers in each stack of its config instead of 2, and
+    its lists of layer kinds cycled to as many."""
+    build = _LAYER_FIELDS.sub(rf"\1={layers}", family.build)
+    for name in _KIND_LISTS:
+        start = build.find(f"{name}=[")
+        if start < 0:
+            continue
+        value_start = start + len(name) + 1
+        end = _closing(build, value_start)
+        kinds = ast.literal_eval(build[value_start:end + 1])
+        if name == "attention_types":
+            flat = [kind for group, repeats in kinds for _ in range(repeats) for kind in group]
+            value = [[[flat[i % len(flat)] for i in range(layers)], 1]]
+        else:
+            value = [kinds[i % len(kinds)] for i in range(layers)]
+        build = f"{build[:value_start]}{value!r}{build[end + 1:]}"
+    return replace(family, build=build)
+
+
+def _closing(text: str, start: int) -> int:
+    """The index of the bracket that closes the one at ``text[start]``."""
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"[": 1, "]": -1}.get(text[i], 0)
+        if depth == 0:
+            return i
+    raise ValueError(f"unclosed bracket at {start} in {text!r}")
 
 
 def _image(size: int) -> tuple[str, dict[str, Any]]:
@@ -836,7 +955,8 @@ def _ruff(folder: Path) -> str:
                           text=True, cwd=folder)
     if done.returncode == 0:
         return "clean"
-    problems = [line for line in done.stdout.splitlines() if line[:1].isupper()]
+    problems = [line for line in done.stdout.splitlines()
+                if line[:1].isupper() and not line.startswith("Found ")]
     return f"{len(problems) or 'some'} problems"
 
 
