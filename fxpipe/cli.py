@@ -470,6 +470,8 @@ def _run_merge(args: argparse.Namespace) -> int:
 def _worded(exc: ValueError) -> str:
     """The message for the user of this command: the solver's errors carry their figures
     (stages, bytes, seconds) and are worded here with the flags that change them."""
+    if "fxpipe.partition" not in sys.modules:  # no solver ran (a mistyped flag): as raised
+        return str(exc)
     from fxpipe.partition import (
         InfeasibleMemoryError,
         NoSolutionError,

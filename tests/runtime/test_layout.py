@@ -53,7 +53,10 @@ def test_each_public_name_is_found_where_its_home_says_and_read_once() -> None:
 def test_the_command_line_starts_without_torch() -> None:
     """``fxpipe --help`` and a mistyped flag answer before torch is imported (seconds on
     a cold start): the command line reads the schedules, which read runtime/schedule.py."""
-    code = "import sys, fxpipe.cli; print('torch' in sys.modules)"
+    code = ("import sys, fxpipe.cli; "
+            "code = fxpipe.cli.main(['split', 'model.py', '--gpus', '2', '--nodes', '2']); "
+            "print(code, 'torch' in sys.modules)")
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                            check=True)
-    assert found.stdout.strip() == "False"
+    assert found.stdout.strip() == "2 False", found
+    assert "unrecognized arguments: --nodes 2" in found.stderr
