@@ -129,6 +129,15 @@ BATCHES = {
     start = torch.full((size, 1), {start})
     decoder_ids = torch.cat([start, labels[:, :-1]], dim=1)
     return {{"input_ids": ids, "decoder_input_ids": decoder_ids}}, labels""",
+    # the same with an attention mask (every token kept) for a model that needs one
+    "seq2seq_masked": """\
+    ids = torch.randint(3, {vocab}, (size, {seq}), generator=g)
+    labels = torch.randint(3, {vocab}, (size, {seq} // 2), generator=g)
+    start = torch.full((size, 1), {start})
+    decoder_ids = torch.cat([start, labels[:, :-1]], dim=1)
+    inputs = {{"input_ids": ids, "attention_mask": torch.ones(size, {seq}, dtype=torch.long),
+              "decoder_input_ids": decoder_ids}}
+    return inputs, labels""",
     "speech2text": """\
     features = torch.randn(size, {mels}, {frames}, generator=g, dtype=torch.{dtype})
     labels = torch.randint(3, {vocab}, (size, {seq}), generator=g)
@@ -665,15 +674,14 @@ TRANSFORMERS = [
     # encoders, sliding-window attention, an RNN, reversible layers with LSH attention,
     # dynamic-mask attention, shifted windows).
     # builds its attention mask only when not compiling, and without one its
-    # transient-global bias does not broadcast over the batch: refused (transparent where
-    # an attention_mask is passed, which the seq2seq batches do not)
+    # transient-global bias does not broadcast over the batch: given one
     Family("longt5", "LongT5 (transient-global attention)", "enc-dec",
            _hf("LongT5ForConditionalGeneration", "LongT5Config", vocab_size=100, d_model=32,
                d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
                local_radius=2, global_block_size=4, encoder_attention_type="transient-global",
                dropout_rate=0.0, use_cache=False, pad_token_id=0, eos_token_id=1,
                decoder_start_token_id=0),
-           ("seq2seq", {"vocab": 100, "seq": 8, "start": 0}), stages=3),
+           ("seq2seq_masked", {"vocab": 100, "seq": 8, "start": 0}), stages=3),
     Family("prophetnet", "ProphetNet (n-gram streams)", "enc-dec",
            _hf("ProphetNetForConditionalGeneration", "ProphetNetConfig", vocab_size=100,
                hidden_size=32, encoder_ffn_dim=64, decoder_ffn_dim=64, num_encoder_layers=2,
