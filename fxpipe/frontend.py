@@ -373,7 +373,9 @@ def _untraceable(
     export_error: Exception, symbolic_error: Exception,
 ) -> TraceError:
     """The error when both tracers fail: the inputs do not fit the model (it fails when run
-    on them), or forward defeats both tracers."""
+    on them), or forward defeats both tracers. Export's failure comes first: the fix the
+    error names follows from it, and symbolic_trace's can be far from the cause (on
+    transformers' models, its own ``co_varnames is too small``)."""
     failed = _eager_failure(model, args, kwargs)
     if failed is not None:  # not a tracing problem: the inputs do not fit the model
         error = TraceError(
@@ -384,8 +386,9 @@ def _untraceable(
         error.__cause__ = failed
         return error
     error = TraceError(
-        f"cannot trace {type(model).__name__}: symbolic_trace failed ({reason}) and "
-        f"torch.export failed ({_one_line(export_error)}); {export_advice(export_error)}"
+        f"cannot trace {type(model).__name__}: torch.export failed "
+        f"({_one_line(export_error)}) and so did symbolic_trace ({reason}); "
+        f"{export_advice(export_error)}"
     )
     # Their tracebacks locate the failing line of the model file.
     error.__cause__ = export_error

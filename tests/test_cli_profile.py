@@ -142,7 +142,7 @@ def test_untraceable_model_is_reported_not_crashed(tmp_path: Path, forward: str)
     assert result.returncode == 2, output
     assert "Traceback" not in output, output
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("fxpipe: error: ") and "cannot trace M: symbolic_trace failed" in last
+    assert last.startswith("fxpipe: error: ") and "cannot trace M: torch.export failed" in last
     assert "torch.export failed" in last and "data-dependent" in last
 
 
