@@ -772,30 +772,18 @@ def deeper(family: Family, layers: int) -> Family:
     """``family`` with ``layers`` layers in each stack of its config instead of 2, and
     its lists of layer kinds cycled to as many."""
     build = _LAYER_FIELDS.sub(rf"\1={layers}", family.build)
-    for name in _KIND_LISTS:
-        start = build.find(f"{name}=[")
-        if start < 0:
-            continue
-        value_start = start + len(name) + 1
-        end = _closing(build, value_start)
-        kinds = ast.literal_eval(build[value_start:end + 1])
-        if name == "attention_types":
+    kind_lists = [node for node in ast.walk(ast.parse(build, mode="eval"))
+                  if isinstance(node, ast.keyword) and node.arg in _KIND_LISTS]
+    for keyword in sorted(kind_lists, key=lambda k: k.value.col_offset, reverse=True):
+        kinds = ast.literal_eval(keyword.value)
+        if keyword.arg == "attention_types":
             flat = [kind for group, repeats in kinds for _ in range(repeats) for kind in group]
             value = [[[flat[i % len(flat)] for i in range(layers)], 1]]
         else:
             value = [kinds[i % len(kinds)] for i in range(layers)]
-        build = f"{build[:value_start]}{value!r}{build[end + 1:]}"
+        at, end = keyword.value.col_offset, keyword.value.end_col_offset
+        build = f"{build[:at]}{value!r}{build[end:]}"
     return replace(family, build=build)
-
-
-def _closing(text: str, start: int) -> int:
-    """The index of the bracket that closes the one at ``text[start]``."""
-    depth = 0
-    for i in range(start, len(text)):
-        depth += {"[": 1, "]": -1}.get(text[i], 0)
-        if depth == 0:
-            return i
-    raise ValueError(f"unclosed bracket at {start} in {text!r}")
 
 
 def _image(size: int) -> tuple[str, dict[str, Any]]:

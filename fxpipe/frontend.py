@@ -269,8 +269,9 @@ def trace(
         traced = _trace(model, args, kwargs, autocast)  # its flat inputs: these tensors
     # what the trace kept otherwise than the model runs it, or could not keep
     run_through = [f for f in calls.functions if f not in kept(traced.gm)]
-    if any(f in calls.grad_mode for f in run_through):
-        raise TraceError(refusal([f for f in run_through if f in calls.grad_mode]))
+    grad_mode_set = [f for f in run_through if f in calls.grad_mode]
+    if grad_mode_set:
+        raise TraceError(refusal(grad_mode_set))
     notes = [describe(run_through)] if run_through else []
     notes += dropped(model, traced.gm, hook_sites)
     attention = describe_attention(traced.gm)

@@ -92,7 +92,8 @@ class Calls:
 
 
 class _GradModeSet(TorchFunctionMode):
-    """Whether a call under it set the grad mode: each of torch's ways to goes through
+    """Whether a call under it set the grad mode: each of torch's ways to set it
+    (``no_grad``, ``enable_grad``, ``set_grad_enabled``) goes through
     ``torch._C._set_grad_enabled``."""
 
     def __init__(self) -> None:
