@@ -23,9 +23,10 @@ travel; they are read from the example micro-batch and baked into the
 adapters as constants (micro-batch shapes are fixed by the static metadata
 anyway), and ``train_step`` checks that a baked graph input keeps its value.
 
-A stage the plan recomputes keeps only what it receives per micro-batch: its forward
-runs under ``torch.utils.checkpoint`` (non-reentrant), which runs it again in the
-backward with the random state of the first run (the same dropout masks); what the
+A stage the plan recomputes keeps only what it receives per micro-batch (and, recomputed
+selectively, the outputs of its matmuls and attention): its forward runs under
+``torch.utils.checkpoint`` (non-reentrant), which runs it again in the backward with the
+random state of the first run (the same dropout masks); what the
 run again writes into buffers is undone (recompute.py), and graph inputs the stage
 writes in place are written in copies, so both runs start from the same values. Under
 a zero-bubble schedule torch runs the backward in two passes (input, then weight
@@ -44,7 +45,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .microbatch import torch_chunk_spec
 from .precision import as_activations, autocast, example_device
-from .recompute import buffers_restored
+from .recompute import EachTime, buffers_restored, modes, selective_contexts
 
 __all__ = [
     "StageAdapter",
@@ -73,12 +74,13 @@ class StageAdapter(nn.Module):
         *,
         precision: str = "32-true",
         device: torch.device | None = None,
-        recompute: bool = False,
+        recompute: str | bool = "none",
     ) -> None:
         super().__init__()
         self.stage = stage
-        # the plan recomputes this stage: its forward runs again in the backward
-        self.recompute = recompute
+        # how the plan recomputes this stage (recompute.MODES): "full" runs its forward again
+        # in the backward, "selective" all of it but the matmuls and attention
+        (self.recompute,) = modes([recompute], 1)
         # the plan's precision: the stage's forward runs under its autocast on ``device``
         self.precision = precision
         self.device = device
@@ -107,22 +109,27 @@ class StageAdapter(nn.Module):
     def forward(self, *flat: torch.Tensor) -> Any:
         if self.split_backward:
             _contiguous_grads(flat)
-        if self.recompute and torch.is_grad_enabled():
+        if self.recompute != "none" and torch.is_grad_enabled():
             return checkpoint(self._run, *flat, use_reentrant=False,
                               context_fn=self._recompute_contexts)
         return self._run(*flat)
 
     def _recompute_contexts(self) -> tuple[Any, Any]:
         """(the first run's context, the run again's): each run again leaves buffers as
-        the first run left them."""
-        return contextlib.nullcontext(), _EachTime(lambda: buffers_restored(self.stage, 0, {}))
+        the first run left them; a selective stage's keeps the matmuls' outputs."""
+        def restored() -> contextlib.AbstractContextManager[None]:
+            return buffers_restored(self.stage, 0, {})
+
+        if self.recompute == "selective":
+            return selective_contexts(restored)
+        return contextlib.nullcontext(), EachTime(restored)
 
     def _run(self, *flat: torch.Tensor) -> Any:
         values: dict[str, Any] = dict(self.constants)
         orders = self.restore_orders or (None,) * len(flat)
         values.update((name, x if order is None else x.permute(order))
                       for name, x, order in zip(self.receives, flat, orders, strict=True))
-        if self.recompute:  # both runs start from the received values, not the written ones
+        if self.recompute != "none":  # both runs start from the received values, not written ones
             for name in getattr(self.stage, "WRITES", ()):
                 if isinstance(values.get(name), torch.Tensor):
                     values[name] = values[name].clone()
@@ -304,23 +311,6 @@ def is_constant(value: Any) -> bool:
     if isinstance(value, (tuple, list)):
         return all(is_constant(v) for v in value)
     return False
-
-
-class _EachTime:
-    """A context manager that enters a fresh ``make()`` each time it is entered (checkpoint
-    enters the run again's context once per backward pass over the stage)."""
-
-    def __init__(self, make: Callable[[], Any]) -> None:
-        self.make = make
-        self.entered: list[Any] = []
-
-    def __enter__(self) -> Any:
-        context = self.make()
-        self.entered.append(context)
-        return context.__enter__()
-
-    def __exit__(self, *exc: Any) -> Any:
-        return self.entered.pop().__exit__(*exc)
 
 
 def memory_order(t: Any) -> tuple[int, ...] | None:

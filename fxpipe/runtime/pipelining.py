@@ -57,6 +57,7 @@ from .microbatch import batch_size, lane_share, shared_leaves
 from .older_torch import skip_warmup_sends_to_self, step
 from .precision import autocast_loss, check_precision, unscaled
 from .ranks import RankLayout
+from .recompute import modes
 from .table import TableSchedule, TableStage
 from .zero_bubble import ZERO_BUBBLE, zero_bubble_schedule
 
@@ -85,10 +86,10 @@ class DistributedPipeline(RankLayout):
         precision: str = "32-true",
         device_of: Sequence[int] = (),
         shared_inputs: Collection[str] = (),
-        recompute: Sequence[bool] = (),
+        recompute: Sequence[str | bool] = (),
     ) -> None:
-        # per stage: keep only what it receives, run its forward again in the backward
-        self.recompute = tuple(recompute) or (False,) * len(stage_classes)
+        # per stage, how it recomputes (recompute.MODES)
+        self.recompute = modes(tuple(recompute) or None, len(stage_classes))
         assert len(wires) == len(stage_classes) == len(self.recompute), (
             len(wires), len(stage_classes), len(self.recompute))
         self.precision = check_precision(precision)

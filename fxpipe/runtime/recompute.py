@@ -9,18 +9,45 @@ attention with a mask that needs a gradient takes the math path, without grad th
 kernel: in bfloat16, values far apart, which the next stage would have read while the
 backward differentiated the others). It saves no tensor for the backward
 (``nothing_saved``); its outputs are passed on without their graph, each still saying
-whether it needs a gradient (``passed_on``)."""
+whether it needs a gradient (``passed_on``).
+
+A stage recomputes in one of three ways, named as the plan names them (``MODES``):
+``"none"`` keeps what its backward needs for every micro-batch in flight; ``"full"``
+keeps only what it receives and runs its whole forward again in the backward;
+``"selective"`` (selective activation checkpointing, torch's SAC) also keeps the outputs
+of the matrix multiplications and the fused attention kernels (``SELECTIVE_KEEPS``) and
+runs only the other ops again, which are cheap for their bytes. The planner prices a
+selective stage from the same op list (fxpipe.passes.memory), so what it plans is what
+``selective_contexts`` keeps."""
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
-__all__ = ["RngState", "buffers_restored", "nothing_saved", "passed_on", "rng_restored",
-           "rng_state"]
+__all__ = ["MODES", "SELECTIVE_KEEPS", "EachTime", "RngState", "buffers_restored", "modes",
+           "nothing_saved", "passed_on", "rng_restored", "rng_state", "selective_contexts",
+           "selective_run"]
+
+MODES = ("none", "selective", "full")  # how a stage recomputes (see the module docstring)
+
+aten = torch.ops.aten
+# The aten ops whose outputs a selective stage keeps: the matrix multiplications and the
+# fused attention kernels (each kernel torch has; older torch lacks some).
+SELECTIVE_KEEPS = frozenset(
+    getattr(aten, name) for name in (
+        "mm", "addmm", "bmm", "baddbmm",
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    ) if hasattr(aten, name))
 
 RngState = tuple[torch.Tensor, torch.Tensor | None]  # (CPU state, CUDA state of the device)
 
@@ -88,3 +115,78 @@ def passed_on(outputs: Any) -> Any:
     a leaf that requires grad where the output did (a detached value needs none)."""
     return pytree.tree_map_only(
         torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), outputs)
+
+
+def modes(recompute: Sequence[str | bool] | None, num_stages: int) -> tuple[str, ...]:
+    """Each stage's recompute mode (``MODES``) from one entry per stage: a mode, or a bool
+    (True: ``"full"``, as plans before selective recompute said it)."""
+    if recompute is None:
+        return ("none",) * num_stages
+    if len(recompute) != num_stages:
+        raise ValueError(f"recompute has {len(recompute)} entries for {num_stages} stages: "
+                         f"pass one per stage ({', '.join(MODES)}).")
+    out = []
+    for mode in recompute:
+        if isinstance(mode, bool):
+            mode = "full" if mode else "none"
+        if mode not in MODES:
+            raise ValueError(f"recompute mode {mode!r} is not one of {', '.join(MODES)}.")
+        out.append(str(mode))
+    return tuple(out)
+
+
+class EachTime:
+    """A context manager that enters a fresh ``make()`` each time it is entered (checkpoint
+    enters the run again's context once per backward pass over the stage)."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self.make = make
+        self.entered: list[Any] = []
+
+    def __enter__(self) -> Any:
+        context = self.make()
+        self.entered.append(context)
+        return context.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        return self.entered.pop().__exit__(*exc)
+
+
+def _keep_matmuls(_ctx: Any, op: Any, *_args: Any, **_kwargs: Any) -> CheckpointPolicy:
+    return (CheckpointPolicy.MUST_SAVE if op.overloadpacket in SELECTIVE_KEEPS
+            else CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+def selective_contexts(restored: Callable[[], contextlib.AbstractContextManager[Any]]
+                       ) -> tuple[Any, Any]:
+    """``torch.utils.checkpoint``'s ``context_fn`` result for a selective stage: (the first
+    run's context, which keeps the outputs of ``SELECTIVE_KEEPS``; the run again's, which
+    reads them back and, each time, runs inside ``restored()``, which undoes what it
+    writes into buffers)."""
+    first, again = create_selective_checkpoint_contexts(_keep_matmuls)
+
+    @contextlib.contextmanager
+    def both() -> Iterator[None]:
+        with restored(), again:  # the restore's own copies outside what SAC replays
+            yield
+
+    return first, EachTime(both)
+
+
+def selective_run(run: Callable[..., Any], inputs: dict[str, Any], written: Sequence[str],
+                  restored: Callable[[], contextlib.AbstractContextManager[Any]]) -> Any:
+    """``run(**inputs)`` under torch's SAC (``selective_contexts``). Its run again in the
+    backward must start from the inputs as received: an input it writes in place
+    (``written``) is given to both runs as a copy taken first, each run writes a copy of
+    that, and the first run's is written into the input, as ``run`` would have."""
+
+    def copied(**given: Any) -> tuple[Any, tuple[Any, ...]]:
+        given.update((name, given[name].clone()) for name in written)
+        return run(**given), tuple(given[name] for name in written)
+
+    received = {**inputs, **{name: inputs[name].clone() for name in written}}
+    outputs, after = checkpoint(copied, use_reentrant=False,
+                                context_fn=lambda: selective_contexts(restored), **received)
+    for name, value in zip(written, after, strict=True):
+        inputs[name].copy_(value)
+    return outputs

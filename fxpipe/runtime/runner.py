@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from . import recompute as remat
 from .devices import Device, device_copies, replica_devices, to_device
 from .measure import MeasuredSteps, timed
 from .microbatch import (
@@ -45,7 +46,6 @@ from .microbatch import (
     written_back,
 )
 from .precision import as_activations, autocast, check_precision, grad_scaler, warn_uncast
-from .recompute import buffers_restored, nothing_saved, passed_on, rng_restored, rng_state
 from .replicas import batch_sizes, check_replicas
 from .schedule import Action, check_schedule, check_sizes
 from .split_backward import check_split, input_backward, weight_backward
@@ -75,14 +75,15 @@ class PipelineRunner(MeasuredSteps):
         microbatches: int,
         flatten_inputs: Callable[..., dict[str, Any]],
         build_output: Callable[[dict[str, Any]], Any],
-        recompute: Sequence[bool] | None = None,
+        recompute: Sequence[str | bool] | None = None,
         replicas: Sequence[int] | None = None,
         weight_stashing: bool = False,
         precision: str = "32-true",
         shared_inputs: Collection[str] = (),
     ) -> None:
         num_stages = len(stages)
-        check_sizes(num_stages, microbatches, devices, recompute)
+        check_sizes(num_stages, microbatches, devices)
+        recompute_modes = remat.modes(recompute, num_stages)
         replicas = [1] * num_stages if replicas is None else replicas
         check_replicas(replicas, num_stages)
         self.stages = list(stages)
@@ -91,7 +92,10 @@ class PipelineRunner(MeasuredSteps):
         self.microbatches = microbatches
         self.flatten_inputs = flatten_inputs
         self.build_output = build_output
-        self.recompute = [bool(r) for r in recompute or [False] * num_stages]
+        # per stage (recompute.MODES): "full" keeps its inputs only and runs its forward again
+        # in the backward; "selective" also its matmuls' and attention's outputs (SAC)
+        self.recompute = [mode == "full" for mode in recompute_modes]
+        self.selective = [mode == "selective" for mode in recompute_modes]
         self.replicas = [int(r) for r in replicas]
         self.weight_stashing = bool(weight_stashing)
         self.precision = check_precision(precision)
@@ -100,7 +104,7 @@ class PipelineRunner(MeasuredSteps):
         warn_uncast(self.stages, self.precision)
         self.shared_inputs = frozenset(shared_inputs)
         check_schedule(self.schedule, num_stages, microbatches)
-        check_split(self.schedule, self.replicas, self.weight_stashing)
+        check_split(self.schedule, self.replicas, self.weight_stashing, recompute_modes)
         self.wiring = Wiring(self.stages)
         # devices[k]: stage k's own device (its replica 0's); replica_devices[k][i]: replica i's
         self.devices: list[torch.device] | None = None
@@ -265,8 +269,15 @@ class PipelineRunner(MeasuredSteps):
                 **bound, **{name: t.to(dev) for name, t in stash.items()}
             }
         inputs = as_activations(self.precision, inputs, lambda name: self.wiring.received(k, name))
-        outputs = (stage(**inputs) if params is None
-                   else torch.func.functional_call(stage, params, (), inputs))
+
+        def run(**given: Any) -> tuple[Any, ...]:
+            return (stage(**given) if params is None
+                    else torch.func.functional_call(stage, params, (), given))
+        if self.selective[k] and torch.is_grad_enabled():
+            outputs = remat.selective_run(run, inputs, sorted(self.wiring.written & set(inputs)),
+                                          lambda: remat.buffers_restored(stage, k, self._bound))
+        else:
+            outputs = run(**inputs)
         self.wiring.check_outputs(k, outputs)
         if bound is not None:
             outputs = to_device(outputs, self.streams.device(k))
@@ -295,11 +306,11 @@ class PipelineRunner(MeasuredSteps):
             with self.streams.on(k):
                 stash = state.stashes.stash(k, self.streams.device(k))
         if self.recompute[k]:
-            rng = rng_state(self.streams.device(k))
-            with torch.enable_grad(), nothing_saved():  # as it runs again (recompute.py)
+            rng = remat.rng_state(self.streams.device(k))
+            with torch.enable_grad(), remat.nothing_saved():  # as it runs again (recompute.py)
                 inputs, outputs = self._forward(k, values, True, events, state.batch[m], stash,
                                                 copy=True)
-            values.update(zip(self.wiring.outputs[k], passed_on(outputs), strict=True))
+            values.update(zip(self.wiring.outputs[k], remat.passed_on(outputs), strict=True))
             state.saved[(k, m)] = (inputs, None, rng, stash)
         else:
             inputs, outputs = self._forward(k, values, True, events, state.batch[m], stash)
@@ -330,10 +341,10 @@ class PipelineRunner(MeasuredSteps):
         inputs, outputs, rng, stash = state.saved.pop((k, m))
         values = state.values[m]
         with self.streams.on(k), received_grads(self.wiring, k, inputs) as grad_of:
-            with (buffers_restored(self.stages[k], k, self._bound) if self.recompute[k]
+            with (remat.buffers_restored(self.stages[k], k, self._bound) if self.recompute[k]
                   else contextlib.nullcontext()):
                 if self.recompute[k]:
-                    with torch.enable_grad(), rng_restored(self.streams.device(k), rng):
+                    with torch.enable_grad(), remat.rng_restored(self.streams.device(k), rng):
                         outputs = self._run_stage(k, inputs, state.batch[m], stash)
                     values.update(zip(self.wiring.outputs[k], outputs, strict=True))
                 tensors, grads, loss_inputs = self._output_grads(k, m, outputs, state)

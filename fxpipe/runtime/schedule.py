@@ -87,8 +87,7 @@ def check_schedule(schedule: Sequence[Sequence[Action]], num_stages: int, num_mb
                 )
 
 
-def check_sizes(num_stages: int, microbatches: int, devices: Sequence[Any] | None,
-                recompute: Sequence[bool] | None) -> None:
+def check_sizes(num_stages: int, microbatches: int, devices: Sequence[Any] | None) -> None:
     """The runner's stage count, micro-batches and per-stage settings, checked."""
     if num_stages < 1:
         raise ValueError("PipelineRunner needs at least one stage.")
@@ -98,9 +97,4 @@ def check_sizes(num_stages: int, microbatches: int, devices: Sequence[Any] | Non
         raise ValueError(
             f"Got {len(devices)} devices for {num_stages} stages: pass one device per "
             f"stage (or devices=None to run every stage on the CPU in order)."
-        )
-    if recompute is not None and len(recompute) != num_stages:
-        raise ValueError(
-            f"recompute has {len(recompute)} entries for {num_stages} stages: pass one "
-            f"bool per stage."
         )

@@ -17,11 +17,16 @@ __all__ = ["check_split", "input_backward", "weight_backward"]
 
 
 def check_split(schedule: Sequence[Sequence[tuple[int, str, int]]], replicas: Sequence[int],
-                weight_stashing: bool) -> None:
-    if any(a[1] == "W" for t in schedule for a in t) and (
-            weight_stashing or max(replicas) > 1):
+                weight_stashing: bool, recompute: Sequence[str] = ()) -> None:
+    if not any(a[1] == "W" for t in schedule for a in t):
+        return
+    if weight_stashing or max(replicas) > 1:
         raise ValueError("A schedule with I and W actions needs replicas=None and "
                          "weight_stashing=False.")
+    if "selective" in recompute:  # torch's SAC runs each region's backward once
+        raise ValueError("A schedule with I and W actions runs each stage's backward in two "
+                         "passes, which selective recompute cannot: recompute those stages "
+                         "\"full\" or \"none\", or use a schedule without W actions.")
 
 
 def input_backward(wiring: Wiring, k: int, named: list[tuple[str, Any]],

@@ -104,6 +104,10 @@ def zero_bubble_schedule(
                          f"in one process)")
     for stage in stages:
         adapter = cast(StageAdapter, stage.submod)
+        if adapter.recompute == "selective":
+            raise ValueError(f"{kind} runs each stage's backward in two passes, which "
+                             f"selective recompute cannot: split again with --recompute "
+                             f"full or none, or another --schedule")
         adapter.microbatches = m
         adapter.split_backward = True  # clone sends, contiguous input gradients (point 1)
     from torch.distributed import pipelining  # seconds to import; codegen reads this module

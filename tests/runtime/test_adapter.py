@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxpipe.runtime.adapter import StageAdapter, check_feed
 
@@ -61,10 +65,24 @@ class Block(nn.Module):
         return (self.fc2(h) * bias,)
 
 
-def _step(recompute: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor, int, torch.Tensor]:
+class MatmulsRun(TorchDispatchMode):
+    """Counts the matrix multiplications that run (``addmm``: each linear's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        self.count += func.overloadpacket in (torch.ops.aten.addmm, torch.ops.aten.mm)
+        return func(*args, **(kwargs or {}))
+
+
+def _step(recompute: str | bool, matmuls: MatmulsRun | None = None
+          ) -> tuple[dict[str, torch.Tensor], torch.Tensor, int, torch.Tensor]:
     """One forward and backward of an adapter around ``Block`` that passes the written
     input on: the gradients, the running mean after it, the bytes autograd saved in the
-    forward, and the input as sent on."""
+    forward, and the input as sent on; ``matmuls`` counts the forward matmuls that run."""
     torch.manual_seed(0)
     block = Block()
     adapter = StageAdapter(block, ("x", "bias"), ("y", "bias"), {}, lambda values: None,
@@ -78,10 +96,13 @@ def _step(recompute: bool) -> tuple[dict[str, torch.Tensor], torch.Tensor, int, 
         return t
 
     torch.manual_seed(1)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with (torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+          matmuls or contextlib.nullcontext()):
         y, sent = adapter(x, bias)
     torch.manual_seed(2)  # the run again must not draw new dropout masks
-    y.square().sum().backward()
+    loss = y.square().sum()
+    with matmuls or contextlib.nullcontext():
+        loss.backward()
     grads = {name: p.grad for name, p in block.named_parameters()}
     grads["x"] = x.grad
     return grads, block.norm.running_mean.clone(), sum(saved), sent
@@ -99,3 +120,21 @@ def test_a_recomputed_stage_keeps_less_and_gives_the_same_gradients_and_buffers(
     torch.testing.assert_close(recomputed[3], plain[3], rtol=0, atol=0)
     assert (plain[3] == 2).all()
     assert recomputed[2] < plain[2] / 4, (recomputed[2], plain[2])
+
+
+def test_a_selective_stage_runs_its_matmuls_once_and_gives_the_same_gradients() -> None:
+    """Recomputed selectively (torch's SAC), a stage keeps its matmuls' outputs: its
+    backward runs the other ops again (dropout with the same masks, BatchNorm with its
+    running statistics updated once, the written input written once in each run) and
+    none of the matmuls, which a stage recomputed in full runs twice."""
+    plain = _step(False)
+    counts = {mode: MatmulsRun() for mode in ("none", "selective", "full")}
+    for mode, matmuls in counts.items():
+        grads, running_mean, _, sent = _step(mode, matmuls)
+        for name, grad in plain[0].items():
+            torch.testing.assert_close(grads[name], grad, rtol=0, atol=0, msg=f"{mode} {name}")
+        torch.testing.assert_close(running_mean, plain[1], rtol=0, atol=0)
+        torch.testing.assert_close(sent, plain[3], rtol=0, atol=0)
+    forward = 2  # fc1 and fc2; the backward's matmuls are the same in every mode
+    assert counts["full"].count == counts["none"].count + forward
+    assert counts["selective"].count == counts["none"].count

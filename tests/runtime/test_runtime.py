@@ -97,7 +97,7 @@ def data(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
             torch.randn(BATCH, 3, generator=g, dtype=dtype))
 
 
-def runner(stages: list[nn.Module], schedule_fn: Any, m: int, recompute: bool = False,
+def runner(stages: list[nn.Module], schedule_fn: Any, m: int, recompute: str | bool = False,
            devices: Any = None) -> PipelineRunner:
     return PipelineRunner(
         stages, devices, schedule=schedule_fn(len(stages), m), microbatches=m,
@@ -136,9 +136,9 @@ def test_forward_equals_unsplit(dtype: torch.dtype, m: int) -> None:
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("schedule_fn", [gpipe, one_f_one_b])
 @pytest.mark.parametrize("m", [1, 2, 4])
-@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("recompute", [False, True, "selective"])
 def test_step_equals_unsplit(dtype: torch.dtype, schedule_fn: Any, m: int,
-                             recompute: bool) -> None:
+                             recompute: str | bool) -> None:
     model, stages = make(dtype)
     x, y = data(dtype)
     ref_loss, ref_grads = reference_grads(model, x, y, 2)
@@ -167,7 +167,8 @@ def test_mixed_recompute_with_dropout_replays_the_same_masks() -> None:
     """Stage 1 (with dropout) recomputed vs. kept: the same seed gives the same grads."""
     x, y = data(torch.float64)
     results = []
-    for recompute in ([False, False, False], [True, True, False], [False, True, True]):
+    for recompute in ([False, False, False], [True, True, False], [False, True, True],
+                      ["selective", "selective", "full"], ["none", "selective", "none"]):
         model, stages = make(torch.float64, p_drop=0.5)
         pipe = PipelineRunner(stages, schedule=gpipe(3, 4), microbatches=4,
                               flatten_inputs=flatten_inputs, build_output=build_output,
