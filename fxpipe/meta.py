@@ -133,6 +133,9 @@ class MemoryInfo:
     buffer_bytes: int  # buffers this node reads directly
     output_bytes: int  # bytes of everything it returns
     saved_bytes: int  # bytes autograd keeps for backward (excluding parameters)
+    # bytes a stage recomputed selectively keeps of it: the outputs of its matmuls and fused
+    # attention (fxpipe.runtime.recompute.SELECTIVE_KEEPS), which its backward does not rerun
+    selective_bytes: int = 0
     # (canonical qualified name, bytes) of those parameters and buffers. A tied parameter
     # has one canonical name (its first in ``named_parameters()``) whichever name a node uses.
     params: tuple[tuple[str, int], ...] = field(default=())

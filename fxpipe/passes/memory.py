@@ -10,6 +10,10 @@ many consumers save it and through however many views and aliases (``reshape``, 
 ``dropout`` of p = 0 that returns its input); every other saved storage is an
 intermediate of the node and charged to the node.
 
+What a stage recomputed selectively (torch's SAC) keeps of a node comes from the same run:
+the outputs of the aten ops the runtime's policy keeps (``SELECTIVE_KEEPS``: the matmuls
+and the fused attention kernels), as a dispatch mode sees them run.
+
 A node of a layer tracing copied from another (``meta.COPY_OF``) is not run: it keeps
 what the node it copies keeps, of its own inputs in the same places, and costs the
 same FLOPs. Its value is that node's result, which the next copies only compare with
@@ -25,6 +29,7 @@ import torch
 import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxpipe import meta
 from fxpipe.kernels import Execution
@@ -32,6 +37,7 @@ from fxpipe.metadevice import named_state
 from fxpipe.passes.base import OP_NODES, MetaInterpreter, copied_from, fresh_like, tensor_leaves
 from fxpipe.passes.flops import FlopCounter
 from fxpipe.passes.shapes import value_info
+from fxpipe.runtime.recompute import SELECTIVE_KEEPS
 
 __all__ = ["annotate_memory"]
 
@@ -45,13 +51,30 @@ def _storage(t: torch.Tensor) -> StorageWeakRef:
     return StorageWeakRef(t.untyped_storage())
 
 
+class _KeptBySelective(TorchDispatchMode):
+    """Bytes of the storages that the ops selective recompute keeps produce while open."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages: dict[StorageWeakRef, int] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        result = func(*args, **(kwargs or {}))
+        if func.overloadpacket in SELECTIVE_KEEPS:
+            for t in tensor_leaves(result):
+                self.storages[_storage(t)] = t.untyped_storage().nbytes()
+        return result
+
+
 @dataclass(frozen=True)
 class _Ran:
     """What running a node that others copy showed: what its inputs were before it ran
     (``_specs``), the bytes backward keeps of its own, the places (in
     ``all_input_nodes``) of the inputs it keeps, whether it keeps its output, the place
     of the input whose storage its result is a view of (None: storage of its own), and
-    its result with what it was (an in-place op later may change it)."""
+    its result with what it was (an in-place op later may change it), and what selective
+    recompute keeps of it."""
 
     inputs: list[Any]
     own: int
@@ -60,6 +83,7 @@ class _Ran:
     view_of: int | None
     result: Any
     result_was: Any
+    selective: int
 
 
 class _MemoryCount(MetaInterpreter):
@@ -77,6 +101,7 @@ class _MemoryCount(MetaInterpreter):
         first: dict[int, str] = {}
         self.canonical = {name: first.setdefault(id(t), name) for name, t in named_state(gm)}
         self.intermediate: dict[torch.fx.Node, int] = {}
+        self.selective: dict[torch.fx.Node, int] = {}  # kept by selective recompute
         self.output_saved: set[torch.fx.Node] = set()  # nodes whose storage backward keeps
         # A node whose result is a view or alias of an input -> the node that made that
         # storage (its bytes are charged there once, whoever keeps which view of it).
@@ -118,8 +143,10 @@ class _MemoryCount(MetaInterpreter):
             saved.append(t)
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        kept_by_selective = _KeptBySelective()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), kept_by_selective:
             result = super().execute(n)
+        self.selective[n] = sum(kept_by_selective.storages.values())
         outputs = {_storage(t) for t in tensor_leaves(result)}
         view_of = self._view_of(n, outputs, inputs)
         own: dict[StorageWeakRef, int] = {}
@@ -146,7 +173,7 @@ class _MemoryCount(MetaInterpreter):
                            if self._maker(node) in kept)
             assert given is not None
             self.ran[n] = _Ran(given, self.intermediate[n], places, keeps_output, view_of,
-                               result, self._specs(result))
+                               result, self._specs(result), self.selective[n])
         return result
 
     def _maker(self, node: torch.fx.Node) -> torch.fx.Node:
@@ -191,6 +218,7 @@ class _MemoryCount(MetaInterpreter):
         if ran.keeps_output:
             self.output_saved.add(self._maker(n))
         self.intermediate[n] = ran.own
+        self.selective[n] = ran.selective
         self.aliased.add(n)
         return ran.result
 
@@ -230,5 +258,6 @@ def annotate_memory(
         saved = counter.intermediate.get(node, 0)
         if node in counter.output_saved and node.op in OP_NODES:
             saved += owned.output_bytes
-        meta.BYTES.set(node, replace(owned, saved_bytes=saved))
+        meta.BYTES.set(node, replace(owned, saved_bytes=saved,
+                                     selective_bytes=counter.selective.get(node, 0)))
     return gm
