@@ -74,9 +74,11 @@ def _split_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="?",
         const="all",
         default="auto",
-        metavar="{auto,all,none}",
-        help="stages that keep only their inputs and recompute activations in backward: "
-        "auto (default: the solver chooses per stage), all (also a bare --recompute), none",
+        metavar="{auto,all,selective,none}",
+        help="stages that keep less than their backward reads and recompute it in the "
+        "backward: auto (default: the solver chooses none, selective or full per stage), "
+        "all (also a bare --recompute), selective (each keeps its matmuls' and attention's "
+        "outputs), none",
     )
     parser.add_argument(
         "--work-limit", type=float, default=10.0,

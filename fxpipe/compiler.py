@@ -187,7 +187,7 @@ class SplitOptions:
     microbatches: int
     schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B
     optimizer: str = "adam"
-    recompute: Recompute = Recompute.AUTO  # per stage: none, all, or chosen by the solver
+    recompute: Recompute = Recompute.AUTO  # per stage: none, selective, all, or the solver's
     time_limit_s: float = 120.0  # wall-clock safety net (the work limit normally stops first)
     work_limit: float = WORK_LIMIT  # CP-SAT deterministic time: the same plan at any load
     virtual_stages: int = 1  # interleaved schedule: stage modules per GPU

@@ -158,6 +158,9 @@ def _nodes(
                 returned=node in returned,
                 backward_weight_s=time.backward_weight_s,
                 deferred_bytes=_deferred_bytes(node),
+                selective_bytes=memory.selective_bytes,
+                # a node whose output selective recompute keeps is not run again
+                selective_kept_s=time.forward_s if memory.selective_bytes else 0.0,
             )
         )
     return tuple(nodes)

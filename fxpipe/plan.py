@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from enum import Enum
 from typing import Any
 
 __all__ = ["DynamicDim", "Estimate", "Plan", "SolverReport", "StageMemory", "StagePlan",
-           "StageTimes"]
+           "StageRecompute", "StageTimes"]
 
 PLAN_FORMAT = 1
 
@@ -43,6 +44,17 @@ class StageMemory:
             + self.outputs + self.loss + self.backward + self.stashed + self.workspace
             + self.deferred
         )
+
+
+class StageRecompute(str, Enum):
+    """How a stage recomputes: what it keeps for its backward per micro-batch in flight
+    (the runtime's modes, fxpipe.runtime.recompute.MODES, in the order of the bytes kept)."""
+
+    NONE = "none"  # everything its backward reads
+    # its inputs and the outputs of its matmuls and fused attention (torch's selective
+    # activation checkpointing): the other ops run again in the backward
+    SELECTIVE = "selective"
+    FULL = "full"  # its inputs only: its whole forward runs again in the backward
 
 
 class StageTimes:
@@ -78,7 +90,7 @@ class StagePlan(StageTimes):
     backward_s: float = 0.0  # input gradient (B) + weight gradient (W)
     comm_s: float = 0.0  # send + receive time per micro-batch
     memory: StageMemory = field(default_factory=StageMemory)
-    recompute: bool = False
+    recompute: StageRecompute = StageRecompute.NONE
     # GPUs running this stage data-parallel ("2-1-1": stage 0 on two GPUs, each taking half
     # of every micro-batch, gradients all-reduced). forward_s/backward_s are per replica
     # (already divided by replicas); comm_s includes the all-reduce.
@@ -226,6 +238,10 @@ class Plan:
                 k: tuple(raw[k]) for k in ("nodes", "inputs", "outputs", "parameters") if k in raw
             }
             fields: dict[str, Any] = {**raw, **tuples}
+            if "recompute" in raw:  # a bool in plans written before selective recompute
+                was = raw["recompute"]
+                fields["recompute"] = StageRecompute(
+                    {True: "full", False: "none"}.get(was, was))
             return StagePlan(**fields, memory=StageMemory(**memory))
 
         solver = dict(data["solver"])

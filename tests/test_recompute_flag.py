@@ -12,11 +12,12 @@ from fxpipe import cli
 from fxpipe.compiler import SplitOptions, plan_split
 from fxpipe.cost_models import get_device
 from fxpipe.partition import InfeasibleMemoryError, Recompute
-from fxpipe.plan import Plan
+from fxpipe.plan import Plan, StageRecompute
 from fxpipe.report import render_report
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = str(ROOT / "examples" / "gpt.py")
+NONE, SELECTIVE, FULL = StageRecompute
 
 
 def test_recompute_values() -> None:
@@ -24,7 +25,7 @@ def test_recompute_values() -> None:
     split = ["split", GPT, "--gpus", "2"]
     assert parser.parse_args(split).recompute == "auto"  # the default
     assert parser.parse_args([*split, "--recompute"]).recompute == "all"  # bare: as before
-    for name in ("auto", "all", "none"):
+    for name in ("auto", "all", "selective", "none"):
         value = parser.parse_args([*split, "--recompute", name]).recompute
         assert cli._recompute(value) is Recompute(name)
 
@@ -36,7 +37,8 @@ def test_bad_recompute_value_is_one_line_error(tmp_path: Path,
     assert code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1
-    assert lines[0].startswith("fxpipe: error: --recompute takes one of auto, all, none")
+    assert lines[0].startswith("fxpipe: error: --recompute takes one of auto, all, selective, "
+                               "none")
     assert "'sometimes'" in lines[0]
     assert not (tmp_path / "out").exists()
 
@@ -50,16 +52,46 @@ def test_gpt_recomputes_where_it_must_and_the_plan_says_where() -> None:
         return plan_split(traced, label="gpt", options=options)
 
     everywhere = split(Recompute.ALL, float("inf"))
-    assert all(stage.recompute for stage in everywhere.stages)
+    assert all(stage.recompute is FULL for stage in everywhere.stages)
     limit = float(everywhere.estimate.max_memory)
     with pytest.raises(InfeasibleMemoryError):
         split(Recompute.NONE, limit)
     auto = split(Recompute.AUTO, limit)
-    flags = [stage.recompute for stage in auto.stages]
-    assert any(flags) and not flags[-1]
+    modes = [stage.recompute for stage in auto.stages]
+    assert modes[-1] is NONE and any(mode is not NONE for mode in modes)
     assert auto.estimate.fits
     assert auto.estimate.iteration_s < everywhere.estimate.iteration_s
     # plan.json and the report carry the choice
-    assert [s.recompute for s in Plan.from_json(auto.to_json()).stages] == flags
-    chosen = ", ".join(str(j) for j, flag in enumerate(flags) if flag)
-    assert f"- recompute: stages {chosen} (" in render_report(auto)
+    assert [s.recompute for s in Plan.from_json(auto.to_json()).stages] == modes
+    report = render_report(auto)
+    for mode, said in ((FULL, "in full"), (SELECTIVE, "selectively")):
+        chosen = ", ".join(str(j) for j, m in enumerate(modes) if m is mode)
+        assert (f"stages {chosen} {said}" in report) == bool(chosen), report
+
+
+def test_selective_recompute_keeps_the_matmuls_and_pays_for_the_rest() -> None:
+    """Every stage recomputed selectively: the hand-written GPT's matmuls' outputs kept, so
+    it needs less memory than keeping everything and more than recomputing everything,
+    and pays less time than recomputing everything and more than none."""
+    _, traced = cli.analyze_model(GPT, device="h100", quiet=True)
+    plans = {policy: plan_split(traced, label="gpt", options=SplitOptions(
+        gpus=4, device=get_device("h100"), memory_limit=float("inf"), microbatches=16,
+        recompute=policy, time_limit_s=20)) for policy in (Recompute.NONE,
+                                                           Recompute.SELECTIVE, Recompute.ALL)}
+    selective = plans[Recompute.SELECTIVE]
+    assert all(stage.recompute is SELECTIVE for stage in selective.stages)
+    memory = [plans[p].estimate.max_memory for p in plans]
+    time = [plans[p].estimate.iteration_s for p in plans]
+    assert memory[0] > memory[1] > memory[2]
+    assert time[0] < time[1] < time[2]
+
+
+def test_selective_recompute_under_a_schedule_that_splits_the_backward_is_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = cli.main(["split", GPT, "--gpus", "2", "--schedule", "zb1p", "--recompute",
+                     "selective", "--out", str(tmp_path / "out")])
+    assert code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert "selective recompute cannot: use --recompute all, auto or none" in lines[0]
+    assert not (tmp_path / "out").exists()

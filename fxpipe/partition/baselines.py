@@ -14,8 +14,8 @@ order of the co-location groups, so they are valid pipelines:
                       and memory ignored, as there).
 
 The baselines' recompute choice is ``evaluate``'s (``Problem.recompute``; under AUTO
-each baseline's cut recomputes on exactly the stages that do not fit otherwise), so they
-are compared with the solver on the same terms.
+each stage of a baseline's cut takes the fastest choice that fits), so they are compared
+with the solver on the same terms.
 
 ``interval_dp`` is DESIGN's O(K n^2) warm start: the best contiguous split of the
 order with cut communication and memory (the stage cost formula of ``cost``: received
@@ -32,8 +32,9 @@ from typing import Any
 import numpy as np
 
 from fxpipe.partition.coarsen import Coarsening, exact_groups
-from fxpipe.partition.cost import memory_parts, recompute_options, state_split
+from fxpipe.partition.cost import memory_parts, recompute_options, run_again_s, state_split
 from fxpipe.partition.problem import Problem, stage_flights
+from fxpipe.plan import StageRecompute
 
 __all__ = ["BASELINES", "Blocks", "baselines", "interval_dp", "leanest_dp", "linear_partition",
            "min_max_dp"]
@@ -229,21 +230,26 @@ class Blocks:
     # reader: returned values are in R wherever their readers are
     sends: list[tuple[int, int, int]]
     flights: Any  # (K, 1): micro-batches in flight per stage
-    options: tuple[bool, ...]  # the recompute choices the policy allows
-    # What a block starting at a position has not got of T, F, P, A, R: the same prefix
-    # sums for the DP; for the lower bound of ``fxpipe.partition.bound``, the most any
-    # ideal at that position may hold (a block's sums are then at least X[end] - X0[start]).
+    options: tuple[StageRecompute, ...]  # the recompute choices the policy allows
+    # What a block starting at a position has not got of T, F, P, A, R, S, G: the same
+    # prefix sums for the DP; for the lower bound of ``fxpipe.partition.bound``, the most
+    # any ideal at that position may hold (a block's sums are then at least
+    # X[end] - X0[start]).
     T0: Any = None
     F0: Any = None
     P0: Any = None
     A0: Any = None
     R0: Any = None
+    S: Any = None  # bytes kept per micro-batch when recomputed selectively
+    G: Any = None  # forward time run again when recomputed selectively
+    S0: Any = None
+    G0: Any = None
 
     @classmethod
     def of(cls, c: Coarsening) -> Blocks:
         p = c.problem
         n = c.num_coarse
-        t, fwd, params, act, ret = (np.zeros(n + 1) for _ in range(5))
+        t, fwd, params, act, ret, sel, again = (np.zeros(n + 1) for _ in range(7))
         grad = np.zeros(n)
         for v, node in enumerate(p.nodes):
             g = c.group_of[v]
@@ -252,10 +258,12 @@ class Blocks:
             params[g + 1] += node.param_bytes
             act[g + 1] += node.activation_bytes
             ret[g + 1] += node.output_bytes if node.returned else 0
+            sel[g + 1] += node.selective_bytes
+            again[g + 1] += node.forward_s - node.selective_kept_s
             grad[g] = max(grad[g], node.grad_bytes)
         for tied in p.tied:
             params[min(c.group_of[v] for v in tied.nodes) + 1] += tied.param_bytes
-        T, F, P, A, R = (np.cumsum(x) for x in (t, fwd, params, act, ret))
+        T, F, P, A, R, S, G = (np.cumsum(x) for x in (t, fwd, params, act, ret, sel, again))
         span = _spans(c)
         cut, cut_bytes = _cut_costs(c, span)
         sends = sorted((hi, c.group_of[v], p.nodes[v].output_bytes)
@@ -263,7 +271,7 @@ class Blocks:
                        if hi > c.group_of[v] and not p.nodes[v].returned)
         flights = np.array(stage_flights(p), dtype=np.int64)[:, None]
         return cls(p, T, F, P, A, R, grad, cut, cut_bytes, sends, flights,
-                   tuple(recompute_options(p)), T, F, P, A, R)
+                   tuple(recompute_options(p)), T, F, P, A, R, S, G, S, G)
 
     def outputs(self, end: int, starts: Any, produced: Any) -> Any:
         """sent[a] for each of ``starts``: the bytes a block [a, end) keeps of the values
@@ -284,13 +292,19 @@ class Blocks:
         plain = np.maximum(self.T[end] - self.T0[starts], 0.0) + self.cut[starts] + self.cut[end]
         for recompute in reversed(self.options):  # the faster choice last: it wins where both fit
             rows = self.memory(end, starts, sent=sent, peak=peak, recompute=recompute)
-            seconds = plain + np.maximum(self.F[end] - self.F0[starts], 0.0) if recompute else plain
+            seconds = plain + self.run_again(recompute, end, starts)
             load = np.where(rows <= p.memory_limit, seconds, load)
         if end == 0 and not allow_empty:
             load[0] = inf
         return load
 
-    def memory(self, end: int, starts: Any, *, sent: Any, peak: Any, recompute: bool) -> Any:
+    def run_again(self, recompute: StageRecompute, end: Any, starts: Any) -> Any:
+        """The forward seconds a block [start, end) runs again in its backward."""
+        return run_again_s(recompute, np.maximum(self.F[end] - self.F0[starts], 0.0),
+                           np.maximum(self.G[end] - self.G0[starts], 0.0))
+
+    def memory(self, end: int, starts: Any, *, sent: Any, peak: Any,
+               recompute: StageRecompute) -> Any:
         """(K, starts): the bytes of stage j's block [start, end) on row j with the given
         recompute choice; the loss is the last stage's alone."""
         p = self.problem
@@ -299,6 +313,7 @@ class Blocks:
             "params": np.maximum(self.P[end] - self.P0[starts], 0.0),
             "activations": np.maximum(self.A[end] - self.A0[starts], 0.0),
             "received": self.cut_bytes[starts], "kept": sent, "transient": peak,
+            "selective": np.maximum(self.S[end] - self.S0[starts], 0.0),
         }
         parts = memory_parts(p, np.arange(K)[:, None], flight=self.flights,
                              recompute=recompute, **block)

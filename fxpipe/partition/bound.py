@@ -62,6 +62,7 @@ from fxpipe.partition.problem import Comm, TiedPolicy, stage_flights
 
 __all__ = ["block_bound", "shared_gpu_bound"]
 
+SUMS = 7  # the sums per group the relaxation tracks (``_group_sums``)
 MAX_IDEALS = 50_000  # per distinct segment; beyond, no bound (the enumeration's time)
 LIGHT = 1e-4  # a group below this share of time, parameters and bytes
 CELL = 1e-3  # a cell spans at most this share of the mean stage's compute
@@ -86,7 +87,8 @@ def block_bound(exact: Coarsening, *, upper_s: float = math.inf) -> float | None
                     sent[:, 0], sent[:, 1], [],
                     np.array(stage_flights(p), dtype=np.int64)[:, None],
                     tuple(recompute_options(p)), hi[:, 0], hi[:, 1], hi[:, 2], hi[:, 3],
-                    hi[:, 4], table=cells, segment_peak=_segment_peaks(exact, segments))
+                    hi[:, 4], lo[:, 5], lo[:, 6], hi[:, 5], hi[:, 6], table=cells,
+                    segment_peak=_segment_peaks(exact, segments))
     best, _ = min_max_dp(blocks, n, upper_s=upper_s, allow_empty=True)
     value = float(best[p.num_stages - 1, n])
     if value == math.inf:  # no split of the relaxation is faster than upper_s, or fits
@@ -97,7 +99,7 @@ def block_bound(exact: Coarsening, *, upper_s: float = math.inf) -> float | None
 @dataclass(frozen=True)
 class _Table:
     """Per position of the relaxation's DP (the empty ideal, then each segment's cells in
-    order of compute, then every group): ``lo`` and ``hi`` (positions, 5) the least and
+    order of compute, then every group): ``lo`` and ``hi`` (positions, SUMS) the least and
     most of each sum (``_group_sums``) over the cell's ideals; ``sent`` (positions, 2) the
     least comm_s and bytes they send, ``sent_most`` the most bytes; ``own`` the least
     bytes of the values their groups in the segment make and send (0 without neighbour
@@ -421,14 +423,17 @@ def _hull(exact: Coarsening, groups: set[int]) -> list[int]:
 
 
 def _group_sums(exact: Coarsening) -> np.ndarray:
-    """(G, 5): per exact group, its compute, forward, parameter, activation and returned
-    bytes sums (what its stage keeps of the model's outputs until their backward)."""
+    """(G, SUMS): per exact group, its compute, forward, parameter, activation and returned
+    bytes sums (what its stage keeps of the model's outputs until their backward), and
+    what a selective recompute keeps and runs again (``Blocks``' S and G)."""
     p = exact.problem
-    sums = np.zeros((exact.num_coarse, 5))
+    sums = np.zeros((exact.num_coarse, SUMS))
     for v, node in enumerate(p.nodes):
         sums[exact.group_of[v]] += (node.forward_s + node.backward_s, node.forward_s,
                                     node.param_bytes, node.activation_bytes,
-                                    node.output_bytes if node.returned else 0)
+                                    node.output_bytes if node.returned else 0,
+                                    node.selective_bytes,
+                                    node.forward_s - node.selective_kept_s)
     return sums
 
 
@@ -483,10 +488,10 @@ def _cells(segments: list[list[int]], preds: list[list[int]], sums: np.ndarray,
     MAX_IDEALS ideals."""
     # per _Table field, its rows: the empty ideal's first
     rows: dict[str, list[np.ndarray]] = {
-        "lo": [np.zeros((1, 5))], "hi": [np.zeros((1, 5))], "sent": [np.zeros((1, 2))],
+        "lo": [np.zeros((1, SUMS))], "hi": [np.zeros((1, SUMS))], "sent": [np.zeros((1, 2))],
         "sent_most": [np.zeros(1)], "own": [np.zeros(1)], "segment": [np.array([-1])],
         "whole": [np.array([-1])]}
-    before = np.zeros(5)
+    before = np.zeros(SUMS)
     cache: dict[tuple[object, ...], tuple[np.ndarray, ...] | None] = {}
     for k, segment in enumerate(segments):
         masks = _masks(segment, preds)
@@ -520,7 +525,7 @@ def _cells(segments: list[list[int]], preds: list[list[int]], sums: np.ndarray,
 
 
 def _ideals(masks: tuple[int, ...], sums: np.ndarray) -> tuple[list[int], np.ndarray] | None:
-    """(bits, sums (ideals, 5)) of every ideal of a segment (``masks[i]``: the bits of
+    """(bits, sums (ideals, SUMS)) of every ideal of a segment (``masks[i]``: the bits of
     group i's predecessors in it, groups in a topological order), the empty one first;
     None beyond MAX_IDEALS. Each ideal is made once, from the ideal of its groups but the
     last (in order), which is one too."""

@@ -7,21 +7,28 @@ tests/partition check them against it.
 
 Per stage j, for one micro-batch, from ``StageSums`` (sums over its nodes):
 
-    time        forward_s + backward_s + comm_s; a recomputed stage runs its forward
-                again in the backward (backward_s + forward_s)
+    time        forward_s + backward_s + comm_s; a stage recomputed in full runs its
+                forward again in the backward (backward_s + forward_s), one recomputed
+                selectively all of it but its matmuls and attention (backward_s +
+                forward_s - selective_kept_s)
     memory (StageMemory)
         params      parameter bytes held (its nodes' and its tied copies)
         grads       params * clamp(state_factor - 1, 0, 1)
         optimizer   params * max(state_factor - 2, 0)
                     (so params + grads + optimizer = params * state_factor for factor >= 1)
         activations activations * keep(j): the micro-batches in flight, or 1 when the stage
-                    recomputes (one micro-batch's activations while its backward reruns the
-                    forward; the inputs it keeps per micro-batch are ``received``)
+                    recomputes in full (one micro-batch's activations while its backward
+                    reruns the forward; the inputs it keeps per micro-batch are
+                    ``received``); recomputed selectively, activations + selective *
+                    (flight - 1): the matmuls' and attention's outputs of the micro-batches
+                    in flight and all of one while its backward runs
         received    received * in_flight(j)
         outputs     kept * (in_flight(j) + 1): values sent on or returned, held until their
                     micro-batch's backward, plus one micro-batch of their gradients (the same
                     with recompute: the runner keeps what it sends until the backward)
-        loss        last stage only: loss_saved_bytes * keep(j) + loss_grad_bytes
+        loss        last stage only: loss_saved_bytes * keep(j) + loss_grad_bytes (the
+                    loss runs outside a selective stage's region: all micro-batches'
+                    kept)
         backward    the largest backward transient of its nodes (one micro-batch)
         stashed     PipeDream weight stashing: params * in_flight(j)
         deferred    zero-bubble schedules: deferred * waiting(j), what the weight gradients
@@ -34,10 +41,12 @@ A stage on r replicas (GPUs running it data-parallel) divides forward_s, backwar
 activations, received, outputs and loss by r (rounded up), and adds the ring all-reduce of
 its own parameters' gradients to its time.
 
-Recompute per stage (``Problem.recompute``): NONE and ALL decide it for every stage;
-AUTO recomputes on exactly the stages (the GPU's stage modules, when interleaved) that
-do not fit otherwise (``choose_recompute``), which for a fixed split is the fastest choice
-that fits: recomputing only ever adds time and removes memory.
+Recompute per stage (``Problem.recompute``, a ``StageRecompute`` per stage): NONE, SELECTIVE
+and ALL decide it for every stage; AUTO chooses none, selective or full per stage (per
+GPU, when interleaved) as the fastest choice that fits (``choose_recompute``): for a fixed
+split each step from none to selective to full only adds time and removes memory.
+Schedules that split the backward (zero bubble) leave selective out: torch's SAC runs a
+region's backward once.
 
 Legend: j a stage, r its replicas, K stages (see problem.py).
 """
@@ -45,13 +54,13 @@ Legend: j a stage, r its replicas, K stages (see problem.py).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from fxpipe.partition.problem import Problem, Recompute, allreduce_s
-from fxpipe.plan import StageMemory, StageTimes
+from fxpipe.plan import StageMemory, StageRecompute, StageTimes
 
 __all__ = [
     "StageCost",
@@ -59,6 +68,8 @@ __all__ = [
     "choose_recompute",
     "memory_parts",
     "recompute_options",
+    "run_again_s",
+    "saved_activations",
     "stage_cost",
     "state_split",
 ]
@@ -82,16 +93,18 @@ class StageSums:
     kept: int = 0  # values its nodes produce that a later stage reads or the model returns
     backward_weight_s: float = 0.0  # the weight-gradient (W) part of backward_s
     deferred: int = 0  # bytes W keeps from its micro-batch's B until it runs
+    selective: int = 0  # bytes kept per micro-batch when recomputed selectively
+    selective_kept_s: float = 0.0  # forward seconds a selective recompute does not run again
 
 
 @dataclass(frozen=True)
 class StageCost(StageTimes):
     forward_s: float
-    backward_s: float  # includes the recomputed forward when ``recompute``
+    backward_s: float  # includes the forward run again when it recomputes
     comm_s: float
     memory: StageMemory
     replicas: int = 1
-    recompute: bool = False
+    recompute: StageRecompute = StageRecompute.NONE
     backward_weight_s: float = 0.0  # the W part of backward_s (a recomputed forward is B's)
 
 
@@ -111,15 +124,27 @@ def _up(amount: Amount, replicas: int) -> Amount:
     return -(-amount // replicas)
 
 
+def saved_activations(recompute: StageRecompute, activations: Amount, selective: Amount,
+                      flight: int | np.ndarray) -> Amount:
+    """What a stage keeps for its backward (``activations`` and ``selective``: one
+    micro-batch's; see the module docstring)."""
+    if recompute is StageRecompute.FULL:
+        return activations
+    if recompute is StageRecompute.SELECTIVE:
+        return activations + selective * (flight - 1)
+    return activations * flight
+
+
 def memory_parts(problem: Problem, j: int | np.ndarray, *, flight: int | np.ndarray,
                  params: Amount, activations: Amount, received: Amount, kept: Amount,
-                 transient: Amount, recompute: bool, replicas: int = 1, deferred: Amount = 0,
-                 waiting: int = 0) -> dict[str, Amount]:
+                 transient: Amount, recompute: StageRecompute, replicas: int = 1,
+                 deferred: Amount = 0, waiting: int = 0, selective: Amount = 0
+                 ) -> dict[str, Amount]:
     """Stage j's bytes by ``StageMemory`` field (grads and optimizer not yet rounded);
     ``flight``: its micro-batches in flight (``stage_flights``); ``waiting``: those whose
     weight gradient waits (``stage_deferred``). The interval DP prices every stage at
     once: ``j`` and ``flight`` are then a column of stages, the amounts a row of blocks."""
-    keep = 1 if recompute else flight
+    keep = 1 if recompute is StageRecompute.FULL else flight
     loss = problem.loss_saved_bytes * keep + problem.loss_grad_bytes
     grad_factor, optimizer_factor = state_split(problem.state_factor)
     if isinstance(j, np.ndarray) and j.ndim:  # a column of stages: the loss on the last row
@@ -130,7 +155,8 @@ def memory_parts(problem: Problem, j: int | np.ndarray, *, flight: int | np.ndar
         "params": params,
         "grads": params * grad_factor,
         "optimizer": params * optimizer_factor,
-        "activations": _up(activations * keep, replicas),
+        "activations": _up(saved_activations(recompute, activations, selective, flight),
+                           replicas),
         "received": _up(received * flight, replicas),
         "outputs": _up(kept * (flight + 1), replicas),
         "loss": loss_bytes,
@@ -141,47 +167,70 @@ def memory_parts(problem: Problem, j: int | np.ndarray, *, flight: int | np.ndar
     }
 
 
-def stage_cost(problem: Problem, j: int, sums: StageSums, *, flight: int, recompute: bool,
-               replicas: int = 1, waiting: int = 0) -> StageCost:
+def run_again_s(recompute: StageRecompute, forward_s: Amount, selective_s: Amount) -> Amount:
+    """The forward seconds a stage runs again in its backward: all of ``forward_s`` in
+    full, ``selective_s`` (all but its matmuls and attention) selectively."""
+    if recompute is StageRecompute.FULL:
+        return forward_s
+    if recompute is StageRecompute.SELECTIVE:
+        return selective_s
+    return 0.0 * forward_s
+
+
+def stage_cost(problem: Problem, j: int, sums: StageSums, *, flight: int,
+               recompute: StageRecompute, replicas: int = 1, waiting: int = 0) -> StageCost:
     """Stage j's time and memory (see the module docstring)."""
     parts = memory_parts(problem, j, flight=flight, params=sums.params,
                          activations=sums.activations, received=sums.received,
                          kept=sums.kept, transient=sums.transient, recompute=recompute,
-                         replicas=replicas, deferred=sums.deferred, waiting=waiting)
+                         replicas=replicas, deferred=sums.deferred, waiting=waiting,
+                         selective=sums.selective)
     memory = StageMemory(**{name: round(float(value)) for name, value in parts.items()})
-    backward_s = sums.backward_s + (sums.forward_s if recompute else 0.0)
+    backward_s = sums.backward_s + float(run_again_s(recompute, sums.forward_s,
+                                                     sums.forward_s - sums.selective_kept_s))
     return StageCost(sums.forward_s / replicas, backward_s / replicas,
                      sums.comm_s + allreduce_s(problem, sums.own_params, replicas), memory,
                      replicas, recompute, sums.backward_weight_s / replicas)
 
 
-def recompute_options(problem: Problem) -> tuple[bool, ...]:
-    """The per-stage recompute choices ``problem.recompute`` allows."""
-    return {Recompute.NONE: (False,), Recompute.ALL: (True,),
-            Recompute.AUTO: (False, True)}[problem.recompute]
+def recompute_options(problem: Problem) -> tuple[StageRecompute, ...]:
+    """The per-stage recompute choices ``problem.recompute`` allows, from the most bytes
+    kept (and least time) to the fewest."""
+    none, selective, full = StageRecompute
+    if problem.recompute is Recompute.AUTO:
+        return (none, full) if problem.schedule.spec.splits_backward else (none, selective, full)
+    return {Recompute.NONE: (none,), Recompute.SELECTIVE: (selective,),
+            Recompute.ALL: (full,)}[problem.recompute]
 
 
-def choose_recompute(problem: Problem, plain: Sequence[StageCost],
-                     recomputed: Sequence[StageCost]) -> tuple[bool, ...]:
-    """Per stage, whether it recomputes: given by the policy for NONE and ALL; for AUTO the
+def choose_recompute(problem: Problem, costs: Mapping[StageRecompute, Sequence[StageCost]]
+                     ) -> tuple[StageRecompute, ...]:
+    """Per stage, how it recomputes: given by the policy but for AUTO, where it is the
     fastest choice that fits, per GPU (a GPU holds v stage modules when interleaved, which
-    share its memory and its time), preferring the fewest recomputed modules; where nothing
-    fits, recompute everywhere on that GPU (the least memory)."""
+    share its memory and its time); where nothing fits, the fewest bytes on that GPU (full
+    recompute everywhere).
+    ``costs``: per option of ``recompute_options``, every stage's cost."""
     K = problem.num_stages
-    if problem.recompute is not Recompute.AUTO:
-        return (problem.recompute is Recompute.ALL,) * K
-    chosen = [False] * K
+    options = recompute_options(problem)
+    if len(options) == 1:
+        return options * K
+    chosen = [options[0]] * K
     for d in range(K // problem.virtual_stages):
         held = [j for j in range(K) if problem.device_of(j) == d]
-        best: tuple[bool, float, int, tuple[bool, ...]] | None = None
-        for choice in itertools.product((False, True), repeat=len(held)):
-            costs = [recomputed[j] if c else plain[j] for j, c in zip(held, choice, strict=True)]
-            fits = sum(c.memory.total for c in costs) <= problem.memory_limit
-            key = (not fits, sum(c.time_s for c in costs), sum(choice), choice)
+        best: tuple[bool, float, int, int, tuple[int, ...]] | None = None
+        for choice in itertools.product(range(len(options)), repeat=len(held)):
+            picked = [costs[options[c]][j] for j, c in zip(held, choice, strict=True)]
+            fits = sum(c.memory.total for c in picked) <= problem.memory_limit
+            taken = [options[c] for c in choice]
+            # on a tie in time (a selective stage that keeps nothing is a full one), the
+            # fewest recomputing stages, then the fewest selective ones
+            key = (not fits, sum(c.time_s for c in picked),
+                   sum(o is not StageRecompute.NONE for o in taken),
+                   taken.count(StageRecompute.SELECTIVE), choice)
             if best is None or key < best:
                 best = key
         assert best is not None
         fits_nowhere = best[0]
-        for j, c in zip(held, best[3], strict=True):
-            chosen[j] = True if fits_nowhere else c
+        for j, c in zip(held, best[-1], strict=True):
+            chosen[j] = options[-1] if fits_nowhere else options[c]
     return tuple(chosen)

@@ -23,8 +23,8 @@ where values travel:
                stage j only passes on (NEIGHBOUR) is in received, not here.
     params     its nodes' parameters, + tied parameters (see TiedPolicy)
 
-Which stages recompute: given (``recompute``), or by ``Problem.recompute``
-(``choose_recompute``: under AUTO, exactly the stages that do not fit otherwise).
+How each stage recomputes: given (``recompute``), or by ``Problem.recompute``
+(``choose_recompute``: under AUTO, the fastest choice per stage that fits).
 
 Replicated stage j (r_j GPUs, ``replicas``): each replica computes 1/r_j of every
 micro-batch, so forward_s, backward_s, activations, received, outputs and loss are
@@ -72,6 +72,7 @@ from fxpipe.partition.cost import (
     StageCost,
     StageSums,
     choose_recompute,
+    recompute_options,
     stage_cost,
     state_split,
 )
@@ -82,7 +83,7 @@ from fxpipe.partition.problem import (
     stage_deferred,
     stage_flights,
 )
-from fxpipe.plan import Estimate
+from fxpipe.plan import Estimate, StageRecompute
 
 __all__ = [
     "Evaluation",
@@ -106,8 +107,8 @@ class Evaluation:
         return tuple(s.replicas for s in self.stages)
 
     @property
-    def recompute(self) -> tuple[bool, ...]:
-        """Per stage: whether it recomputes its forward in the backward."""
+    def recompute(self) -> tuple[StageRecompute, ...]:
+        """Per stage: how it recomputes its forward in the backward."""
         return tuple(s.recompute for s in self.stages)
 
     @property
@@ -167,7 +168,7 @@ def violations(problem: Problem, stage_of: Sequence[int],
 
 def evaluate(problem: Problem, stage_of: Sequence[int],
              replicas: Sequence[int] | None = None,
-             recompute: Sequence[bool] | None = None) -> Evaluation:
+             recompute: Sequence[StageRecompute] | None = None) -> Evaluation:
     """Cost of putting node v on stage ``stage_of[v]``, stage j on ``replicas[j]`` GPUs
     (default one each) and recomputing where ``recompute[j]`` (default: as
     ``Problem.recompute`` says; see the module docstring)."""
@@ -180,14 +181,14 @@ def evaluate(problem: Problem, stage_of: Sequence[int],
     waiting = stage_deferred(problem)
     sums = stage_sums(problem, stage_of)
 
-    def priced(choice: Sequence[bool]) -> list[StageCost]:
+    def priced(choice: Sequence[StageRecompute]) -> list[StageCost]:
         return [stage_cost(problem, j, sums[j], flight=flight[j], recompute=choice[j],
                            replicas=reps[j], waiting=waiting[j]) for j in range(K)]
 
     if recompute is None:
-        plain, recomputed = priced([False] * K), priced([True] * K)
-        recompute = choose_recompute(problem, plain, recomputed)
-        stages = [recomputed[j] if recompute[j] else plain[j] for j in range(K)]
+        costs = {option: priced([option] * K) for option in recompute_options(problem)}
+        recompute = choose_recompute(problem, costs)
+        stages = [costs[recompute[j]][j] for j in range(K)]
     else:
         assert len(recompute) == K, (len(recompute), K)
         stages = priced(recompute)
@@ -207,6 +208,8 @@ def stage_sums(problem: Problem, stage_of: Sequence[int]) -> list[StageSums]:
     params = [0] * K
     own_params = [0] * K
     activations = [0] * K
+    selective = [0] * K
+    selective_kept = [0.0] * K
     transient = [0] * K
     received = [0] * K
     kept = [0] * K
@@ -220,6 +223,8 @@ def stage_sums(problem: Problem, stage_of: Sequence[int]) -> list[StageSums]:
         params[j] += node.param_bytes
         own_params[j] += node.param_bytes
         activations[j] += node.activation_bytes
+        selective[j] += node.selective_bytes
+        selective_kept[j] += node.selective_kept_s
         transient[j] = max(transient[j], node.grad_bytes)
 
     readers = consumers(problem)
@@ -261,7 +266,8 @@ def stage_sums(problem: Problem, stage_of: Sequence[int]) -> list[StageSums]:
                       params=params[j], own_params=own_params[j],
                       activations=activations[j], transient=transient[j],
                       received=received[j], kept=kept[j], backward_weight_s=weight[j],
-                      deferred=deferred[j]) for j in range(K)]
+                      deferred=deferred[j], selective=selective[j],
+                      selective_kept_s=selective_kept[j]) for j in range(K)]
 
 
 def step_estimate(problem: Problem, stages: Sequence[StageCost]) -> Estimate:

@@ -24,12 +24,16 @@ Variables
     tied parameter G (replicated): u[G,j] = [stage j holds a copy], m[G] = [more than one
       copy], a[G,j] = [stage j all-reduces]
     recompute chosen per stage (Problem.recompute AUTO, where memory counts):
-      z[j]    = [stage j recomputes: keeps one micro-batch's activations, runs its
+      z[j]    = [stage j recomputes in full: keeps one micro-batch's activations, runs its
                 forward again in the backward]
-      A[j]    = bytes of its saved activations and loss >= those kept for its micro-batches
-                in flight (where not z[j]) or for one (where z[j])
-      R[j]    = ticks of its forward run again >= its forward (where z[j])
-      (under NONE or ALL, or with nothing to gain, z[j] is a constant and A, R are terms)
+      s[j]    = [stage j recomputes selectively: keeps its matmuls' and attention's
+                outputs per micro-batch, runs the rest of its forward again]
+                (not where the schedule splits the backward); z[j] + s[j] <= 1
+      A[j]    = bytes of its saved activations and loss >= those its choice keeps
+                (``cost.saved_activations``)
+      R[j]    = ticks of its forward run again >= those its choice runs again
+      (under NONE, SELECTIVE or ALL, or with nothing to gain, the choice is a constant and
+      A, R are terms)
     replicated stages (N GPUs > K stages): y[j,r] = [stage j runs on r GPUs], r = 1..N-K+1,
       one r per stage, sum_j sum_r r * y[j,r] = N; stage j's time and memory rows hold
       only where y[j,r] (CP-SAT enforcement literals), with compute and activations / r
@@ -64,7 +68,7 @@ objective, the hints and the result.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -82,6 +86,7 @@ from fxpipe.partition.ilp_inputs import (
 from fxpipe.partition.ilp_rows import StageRows
 from fxpipe.partition.ilp_search import run_search, stop_searches
 from fxpipe.partition.ilp_terms import Term, TermBuilder, Terms, expr, total
+from fxpipe.plan import StageRecompute
 
 __all__ = ["IlpResult", "StageModel", "stop_searches", "ticks_per_second"]
 
@@ -95,7 +100,7 @@ class IlpResult:
     wall_s: float
     num_nodes: int  # coarse nodes the model had
     replicas: tuple[int, ...] | None = None  # GPUs per stage when the model chose them
-    recompute: tuple[bool, ...] | None = None  # per stage, as the model chose (z[j])
+    recompute: tuple[StageRecompute, ...] | None = None  # per stage, as the model chose
     wall_clock_stopped: bool = False  # the wall-clock safety net, not the work limit, ended it
 
     @property
@@ -148,9 +153,9 @@ class StageModel:
         self.options = self._recompute_options()
         # Rounded coefficients in one row (a row: one GPU; interleaved, v stage modules).
         self._rounding_terms = (
-            ((2 if self.replicating else 1) + (1 if True in self.options else 0)) * G
+            ((2 if self.replicating else 1) + (self.options != (StageRecompute.NONE,))) * G
             + 4 * p.virtual_stages * len(classes) + len(costs.replicated) + 1)
-        self._hint_recompute: tuple[bool, ...] | None = None
+        self._hint_recompute: tuple[StageRecompute, ...] | None = None
         self.upper_ticks = self._upper_ticks(hint, upper_s)
 
         self.model = cp_model.CpModel()
@@ -172,15 +177,15 @@ class StageModel:
 
     # -- bounds from the problem, before any variable ---------------------------------------
 
-    def _recompute_options(self) -> tuple[bool, ...]:
+    def _recompute_options(self) -> tuple[StageRecompute, ...]:
         """The recompute choices the policy leaves, narrowed to those that can matter
         (without a memory limit recomputing only costs time; minimising memory, it only
-        saves bytes)."""
+        saves bytes). From the most bytes kept to the fewest."""
         options = recompute_options(self.problem)
         if self.objective == "memory":
-            return (max(options),)
+            return options[-1:]
         if not self.limited:
-            return (min(options),)
+            return options[:1]
         return options
 
     def _upper_ticks(self, hint: Sequence[int] | None, upper_s: float | None) -> int | None:
@@ -254,23 +259,30 @@ class StageModel:
         self.replica_choice = self.y
 
     def _add_recompute(self) -> None:
-        """z[j]: stage j recomputes (a constant where the policy or the problem decides);
-        A[j] >= its saved bytes and R[j] >= its forward run again, under each recompute
-        choice and replica count where they hold."""
-        self.z: list[Term] = [self.model.new_bool_var(f"z[{j}]") if len(self.options) > 1
-                              else int(self.options[0]) for j in self.all_stages]
-        self.kept: list[Terms] = []  # per stage: A[j], or nothing where z[j] is decided
-        self.again: list[Terms] = []  # per stage: R[j], or nothing where z[j] is decided
+        """z[j], s[j]: how stage j recomputes (nothing where the policy or the problem
+        decides); A[j] >= its saved bytes and R[j] >= its forward run again, under each
+        recompute choice and replica count where they hold."""
+        names = {StageRecompute.FULL: "z", StageRecompute.SELECTIVE: "s"}
+        self.z: list[list[Term]] = []  # per stage, per option after the first: [j takes it]
+        self.kept: list[Terms] = []  # per stage: A[j], or nothing where the choice is decided
+        self.again: list[Terms] = []  # per stage: R[j], or nothing where it is decided
         for j in self.all_stages:
-            z = self.z[j]
-            if isinstance(z, int):  # decided: the terms themselves, per replica count
+            if len(self.options) == 1:
+                self.z.append([])
                 self.kept.append([])
                 self.again.append([])
                 continue
+            picks: list[Term] = [self.model.new_bool_var(f"{names[o]}[{j}]")
+                                 for o in self.options[1:]]
+            if len(picks) > 1:
+                self.model.add_at_most_one(picks)
+            self.z.append(picks)
             choices = self.replica_choice[j].items()
-            kept_rows = [(self.rows.saved(j, r, choice), [(y, True), (z, choice)])
-                         for r, y in choices for choice in (False, True)]
-            again_rows = [(self.rows.run_again(j, r), [(y, True), (z, True)]) for r, y in choices]
+            taking = {o: _taking(self.options, picks, o) for o in self.options}
+            kept_rows = [(self.rows.saved(j, r, o), [(y, True), *taking[o]])
+                         for r, y in choices for o in self.options]
+            again_rows = [(self.rows.run_again(j, r, o), [(y, True), *taking[o]])
+                          for r, y in choices for o in self.options if o is not StageRecompute.NONE]
             self.kept.append([(1, self.terms.max_where(kept_rows, f"A[{j}]"))])
             self.again.append([(1, self.terms.max_where(again_rows, f"R[{j}]"))])
 
@@ -278,9 +290,9 @@ class StageModel:
 
     def _recomputed(self, j: int, r: int) -> tuple[Terms, Terms]:
         """Stage j's (saved bytes, forward run again) on r replicas."""
-        z = self.z[j]
-        if isinstance(z, int):
-            return self.rows.saved(j, r, bool(z)), self.rows.run_again(j, r) if z else []
+        if not self.z[j]:
+            option = self.options[0]
+            return self.rows.saved(j, r, option), self.rows.run_again(j, r, option)
         return self.kept[j], self.again[j]
 
     def _stage_time(self, j: int, r: int) -> Terms:
@@ -368,7 +380,7 @@ class StageModel:
             return None
         return math.ceil(evaluation.bottleneck_s * self.scale + self._rounding_terms * 0.5)
 
-    def _values(self, assignment: Sequence[int], recompute: Sequence[bool],
+    def _values(self, assignment: Sequence[int], recompute: Sequence[StageRecompute],
                 ) -> tuple[dict[int, int], dict[int, cp_model.IntVar]]:
         """Every variable's value (by index) at a coarse assignment and recompute choice:
         d from the assignment, z from the choice, the others at the least their rows allow."""
@@ -379,14 +391,15 @@ class StageModel:
                 if not isinstance(var, int):
                     values[var.index] = int(assignment[g] <= j)
                     variables[var.index] = var
-        for j, z in enumerate(self.z):
-            if not isinstance(z, int):
-                values[z.index] = int(recompute[j])
+        for j, picks in enumerate(self.z):
+            for option, z in zip(self.options[1:], picks, strict=True):
+                assert isinstance(z, cp_model.IntVar)
+                values[z.index] = int(recompute[j] is option)
                 variables[z.index] = z
         self.terms.least_values(values, variables)
         return values, variables
 
-    def rows_at(self, assignment: Sequence[int], recompute: Sequence[bool],
+    def rows_at(self, assignment: Sequence[int], recompute: Sequence[StageRecompute],
                 ) -> tuple[list[int], list[int]]:
         """Each GPU's time row (ticks) and memory row (bytes) at a coarse assignment and
         recompute choice: the linear form of the stage cost formula, which tests hold
@@ -397,7 +410,7 @@ class StageModel:
                 [total(row, values) for row in self.memory_terms])
 
     def _add_hints(self, hint: Sequence[int]) -> None:
-        """Hint every variable: d from the assignment, z from ``evaluate``'s recompute
+        """Hint every variable: d from the assignment, z and s from ``evaluate``'s recompute
         choice for it, indicators from their definitions."""
         if self.replicating or not self._hint_is_valid(hint):
             return
@@ -441,7 +454,24 @@ class StageModel:
         objective = solver.objective_value / unit
         bound = max(0.0, solver.best_objective_bound / unit - margin)
         replicas = tuple(next(r for r, y in row.items() if solver.value(y)) for row in self.y)
-        recompute = tuple(bool(z if isinstance(z, int) else solver.value(z)) for z in self.z)
+        recompute = tuple(_choice(self.options, picks, solver.value) for picks in self.z)
         return IlpResult(name, coarse, self.coarsening.expand(coarse), objective,
                          min(bound, objective), search.wall_s, self.num_nodes, replicas or None,
                          recompute, wall_clock_stopped=search.wall_clock_stopped)
+
+
+def _taking(options: Sequence[StageRecompute], picks: Sequence[Term], option: StageRecompute
+            ) -> list[tuple[Term, bool]]:
+    """The literals (and values) that mean a stage takes ``option``: ``picks`` are its
+    literals of the options after the first."""
+    i = options.index(option)
+    if i == 0:
+        return [(z, False) for z in picks]
+    return [(picks[i - 1], True)]
+
+
+def _choice(options: Sequence[StageRecompute], picks: Sequence[Term],
+            value: Callable[[Term], int]) -> StageRecompute:
+    """A stage's recompute choice, its literals' values read by ``value``."""
+    taken = [i + 1 for i, z in enumerate(picks) if value(z)]
+    return options[taken[0] if taken else 0]

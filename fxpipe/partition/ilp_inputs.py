@@ -61,6 +61,8 @@ class GroupCosts:
     returned: list[int]  # bytes of the model's output it produces
     grad: list[int]  # the largest backward transient of its nodes (Node.grad_bytes)
     deferred: list[int]  # what its weight gradients keep until they run, per micro-batch
+    selective: list[int]  # bytes a selective recompute keeps of it, per micro-batch
+    selective_fwd: list[float]  # forward seconds a selective recompute runs again
     # tied groups whose copies are replicated over several coarse nodes: (group, holders)
     replicated: list[tuple[TiedGroup, list[int]]]
 
@@ -81,9 +83,13 @@ def group_costs(coarsening: Coarsening, scale: int) -> GroupCosts:
     returned = [0] * G
     grad = [0] * G
     deferred = [0] * G
+    selective = [0] * G
+    selective_fwd = [0.0] * G
     for v, node in enumerate(p.nodes):
         g = group_of[v]
         deferred[g] += node.deferred_bytes
+        selective[g] += node.selective_bytes
+        selective_fwd[g] += node.forward_s - node.selective_kept_s
         returned[g] += node.output_bytes if node.returned else 0
         secs[g] += node.forward_s + node.backward_s
         fwd[g] += node.forward_s
@@ -103,7 +109,7 @@ def group_costs(coarsening: Coarsening, scale: int) -> GroupCosts:
     return GroupCosts(state=state, secs=secs, ticks=[round(s * scale) for s in secs], fwd=fwd,
                       state_bytes=[round(b) for b in param_state], params=params, held=held,
                       act=act, returned=returned, grad=grad, deferred=deferred,
-                      replicated=replicated)
+                      selective=selective, selective_fwd=selective_fwd, replicated=replicated)
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,11 @@ a). Recompute (z, A, R) is chosen by the program, which adds it to these rows.
 
 from __future__ import annotations
 
+from fxpipe.partition.cost import run_again_s, saved_activations
 from fxpipe.partition.ilp_inputs import GroupCosts, ValueClass
 from fxpipe.partition.ilp_terms import Term, TermBuilder, Terms
 from fxpipe.partition.problem import Comm, Problem, allreduce_terms, stage_deferred, stage_flights
+from fxpipe.plan import StageRecompute
 
 __all__ = ["StageRows"]
 
@@ -155,12 +157,14 @@ class StageRows:
         return [(ticks[g] * c, v) for g in self.all_nodes for c, v in self.x(g, j)] + [
             (round(fixed * scale), 1)]
 
-    def saved(self, j: int, r: int, recompute: bool) -> Terms:
-        """Stage j's saved activations and loss on each of r replicas: for its
-        micro-batches in flight, or for one when it recomputes."""
-        act = self.costs.act
-        keep = 1 if recompute else self.flight[j]
-        return [(-(-act[g] * keep // r) * c, v) for g in self.all_nodes if act[g]
+    def saved(self, j: int, r: int, recompute: StageRecompute) -> Terms:
+        """Stage j's saved activations and loss on each of r replicas, as ``recompute``
+        keeps them (``cost.saved_activations``)."""
+        costs, flight = self.costs, self.flight[j]
+        saved = [int(saved_activations(recompute, costs.act[g], costs.selective[g], flight))
+                 for g in self.all_nodes]
+        keep = 1 if recompute is StageRecompute.FULL else flight
+        return [(-(-saved[g] // r) * c, v) for g in self.all_nodes if saved[g]
                 for c, v in self.x(g, j)] + [(-(-self._loss_bytes(j, keep) // r), 1)]
 
     def _loss_bytes(self, j: int, keep: int) -> int:
@@ -170,9 +174,11 @@ class StageRows:
             return 0
         return p.loss_saved_bytes * keep + p.loss_grad_bytes
 
-    def run_again(self, j: int, r: int) -> Terms:
-        """Stage j's forward, run again in its backward when it recomputes."""
-        ticks = [round(self.costs.fwd[g] / r * self.scale) for g in self.all_nodes]
+    def run_again(self, j: int, r: int, recompute: StageRecompute) -> Terms:
+        """Stage j's forward seconds run again in its backward (``cost.run_again_s``)."""
+        again = [float(run_again_s(recompute, self.costs.fwd[g], self.costs.selective_fwd[g]))
+                 for g in self.all_nodes]
+        ticks = [round(a / r * self.scale) for a in again]
         return [(ticks[g] * c, v) for g in self.all_nodes if ticks[g] for c, v in self.x(g, j)]
 
     def memory(self, j: int, r: int) -> Terms:

@@ -23,6 +23,7 @@ from fxpipe.partition.errors import InfeasibleMemoryError
 from fxpipe.partition.evaluate import evaluate, violations
 from fxpipe.partition.ilp import StageModel
 from fxpipe.partition.problem import Problem, Recompute
+from fxpipe.plan import StageRecompute
 
 __all__ = ["dp_fits", "fewest_gpus", "heaviest_group", "infeasible", "min_memory"]
 
@@ -72,8 +73,8 @@ def infeasible(problem: Problem, exact: Coarsening, *, work_limit: float,
     needed = min_memory(problem, exact, work_limit=work_limit,
                         time_limit_s=max(1.0, time_limit_s / 2), workers=workers)
     recompute = None
-    if problem.recompute is Recompute.NONE and dp_fits(replace(problem,
-                                                              recompute=Recompute.AUTO)):
+    if problem.recompute in (Recompute.NONE, Recompute.SELECTIVE) and dp_fits(
+            replace(problem, recompute=Recompute.AUTO)):
         recompute = Recompute.AUTO.value
     name, alone = heaviest_group(problem, exact)
     if alone > problem.memory_limit:  # no stage can hold it, whatever the GPU count
@@ -107,7 +108,8 @@ def heaviest_group(problem: Problem, exact: Coarsening) -> tuple[str, float]:
     for g, group in enumerate(exact.groups):
         nodes = [problem.nodes[v] for v in group]
         parts = memory_parts(
-            problem, problem.num_stages - 1 if g == sink else -1, flight=1, recompute=False,
+            problem, problem.num_stages - 1 if g == sink else -1, flight=1,
+            recompute=StageRecompute.NONE,
             params=sum(n.param_bytes for n in nodes),
             activations=sum(n.activation_bytes for n in nodes), received=0,
             kept=sum(n.output_bytes for n in nodes if n.returned),

@@ -158,9 +158,8 @@ class Prices:
                 activations=np.maximum(x.A[ends] - x.A0[starts], 0.0),
                 received=x.cut_bytes[starts], kept=kept, transient=peak,
                 recompute=recompute, deferred=self.deferred[ends] - self.deferred[starts],
-                waiting=self.waiting[j])
-            again = np.maximum(x.F[ends] - x.F0[starts], 0.0) if recompute else 0.0
-            out += [seconds + again, sum(parts.values())]
+                waiting=self.waiting[j], selective=np.maximum(x.S[ends] - x.S0[starts], 0.0))
+            out += [seconds + x.run_again(recompute, ends, starts), sum(parts.values())]
         return tuple(out)
 
     def gpu(self, d: int, stage: list[tuple[Any, ...]], trial: dict[int, tuple[Any, ...]]

@@ -50,11 +50,13 @@ class Comm(str, Enum):
 
 
 class Recompute(str, Enum):
-    """Which stages keep only their received values per micro-batch and run their forward
-    again in the backward (activation re-materialization)."""
+    """Which stages keep less than their backward reads per micro-batch and run (part of)
+    their forward again in the backward (activation re-materialization; per stage, a
+    ``StageRecompute``)."""
 
     AUTO = "auto"  # the solver chooses per stage: the fastest split that fits
-    ALL = "all"  # every stage recomputes
+    ALL = "all"  # every stage recomputes its whole forward (StageRecompute.FULL)
+    SELECTIVE = "selective"  # every stage keeps its matmuls' outputs (StageRecompute.SELECTIVE)
     NONE = "none"  # every stage keeps its activations for every micro-batch in flight
 
 
@@ -89,6 +91,11 @@ class Node:
     # Bytes W keeps alive from its micro-batch's B until it runs: the saved inputs of the
     # ops that have weight gradients (a linear's X, for dW = dY^T X).
     deferred_bytes: int = 0
+    # Recomputed selectively, a stage keeps these bytes of it per micro-batch in flight (the
+    # outputs of its matmuls and fused attention) and does not run these forward seconds
+    # again (the defaults: kept nothing, runs it all again, as recomputed in full).
+    selective_bytes: int = 0
+    selective_kept_s: float = 0.0
 
     @property
     def backward_input_s(self) -> float:
@@ -190,6 +197,11 @@ class Problem:
             raise ValueError(
                 f"{self.num_devices} GPUs cannot run {self.num_stages // v} stages.")
         assert isinstance(self.recompute, Recompute), self.recompute
+        if self.recompute is Recompute.SELECTIVE and spec.splits_backward:
+            raise ValueError(
+                f"The {self.schedule.value} schedule runs each stage's backward in two "
+                f"passes, which selective recompute cannot: use --recompute all, auto or "
+                f"none with it, or another --schedule.")
         n = len(self.nodes)
         for e in self.edges:
             assert 0 <= e.src < n and 0 <= e.dst < n and e.src != e.dst, e

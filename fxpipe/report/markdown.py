@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fxpipe.plan import Estimate, Plan
+from fxpipe.plan import Estimate, Plan, StageRecompute
 from fxpipe.schedules import kind_of
 from fxpipe.units import format_bytes, format_count, format_ms
 
@@ -150,16 +150,26 @@ def render_report(plan: Plan, *, svg: bool = True) -> str:
 
 
 def _recompute(plan: Plan) -> str:
-    """Which stages run their forward again in the backward, keeping only their inputs."""
-    chosen = [stage.index for stage in plan.stages if stage.recompute]
-    if not chosen:
+    """How the stages recompute: which rerun their forward in the backward, keeping only
+    their inputs, and which rerun all of it but their matmuls and attention."""
+    by_mode = {mode: [str(stage.index) for stage in plan.stages if stage.recompute is mode]
+               for mode in StageRecompute}
+    none, selective, full = (by_mode[mode] for mode in StageRecompute)
+    if len(none) == len(plan.stages):
         return "none (every stage keeps its activations for its micro-batches in flight)"
-    if len(chosen) == len(plan.stages):
+    if len(full) == len(plan.stages):
         return "every stage (each keeps its inputs and reruns its forward in the backward)"
-    listed = ", ".join(str(j) for j in chosen)
-    return (f"stages {listed} (they keep their inputs and rerun their forward in the "
-            f"backward; the others keep their activations)")
-
+    if len(selective) == len(plan.stages):
+        return ("every stage selectively (each keeps its inputs and its matmuls' and "
+                "attention's outputs, and reruns the rest of its forward in the backward)")
+    parts = []
+    if full:
+        parts.append(f"stages {', '.join(full)} in full (they keep their inputs and rerun "
+                     f"their forward in the backward)")
+    if selective:
+        parts.append(f"stages {', '.join(selective)} selectively (they keep their inputs and "
+                     f"their matmuls' and attention's outputs, and rerun the rest)")
+    return "; ".join(parts) + "; the others keep their activations"
 
 
 def _dynamic(plan: Plan) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.fx
 
-from fxpipe.plan import DynamicDim, Estimate, Plan, SolverReport, StagePlan
+from fxpipe.plan import DynamicDim, Estimate, Plan, SolverReport, StagePlan, StageRecompute
 
 # K: number of stages, M: number of micro-batches.
 
@@ -15,7 +15,7 @@ def contiguous_plan(
     *,
     schedule: str = "gpipe",
     microbatches: int = 2,
-    recompute: tuple[bool, ...] | None = None,
+    recompute: tuple[bool | str, ...] | None = None,
     model: str = "",
     replicas: tuple[int, ...] | None = None,
     virtual_stages: int = 1,
@@ -24,7 +24,8 @@ def contiguous_plan(
 ) -> Plan:
     """Cut the graph's ops (graph order is topological) into K chunks of near-equal
     size; a get_attr node goes with its first user. Always a valid monotone plan.
-    Stage k runs on ``replicas[k]`` GPUs (default 1), or, with ``virtual_stages`` v > 1,
+    Stage k recomputes as ``recompute[k]`` says (a mode, or a bool: full or none) and runs
+    on ``replicas[k]`` GPUs (default 1), or, with ``virtual_stages`` v > 1,
     v stages share a GPU as the schedule places them. ``shared_inputs`` (the graph inputs
     handed whole to every micro-batch) and ``dynamic_dims`` as the compiler records them."""
     ops = [n for n in graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
@@ -43,7 +44,7 @@ def contiguous_plan(
         StagePlan(
             index=k,
             nodes=tuple(name for name in order if stage_of[name] == k),
-            recompute=recompute[k],
+            recompute=_mode(recompute[k]),
             replicas=replicas[k],
         )
         for k in range(num_stages)
@@ -60,3 +61,10 @@ def contiguous_plan(
         shared_inputs=shared_inputs,
         dynamic_dims=dynamic_dims,
     )
+
+
+def _mode(recompute: bool | str) -> StageRecompute:
+    """A stage's recompute mode: a mode's name, or a bool (full or none)."""
+    if isinstance(recompute, str):
+        return StageRecompute(recompute)
+    return StageRecompute.FULL if recompute else StageRecompute.NONE

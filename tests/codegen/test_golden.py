@@ -132,14 +132,14 @@ def test_package_runs_the_tiny_mlp(tmp_path: Path) -> None:
     package = import_package(tmp_path / "tiny")
     stages = package.build_stages(model)
     assert package.PLAN["num_stages"] == 2 and package.SCHEDULE
-    assert package.runner.RECOMPUTE == (False, True)
+    assert package.runner.RECOMPUTE == ("none", "full")
     assert stages[0].INPUTS == ("x",)
     x = torch.randn(9, 4)
     runner = package.PipelineRunner(stages)
     torch.testing.assert_close(runner.forward(x), model(x))
     # under torchrun too, the plan's stage 1 recomputes and stage 0 does not
     adapters = [package.distributed.stage_module(model, k, "cpu", x)[0] for k in range(2)]
-    assert [adapter.recompute for adapter in adapters] == [False, True]
+    assert [adapter.recompute for adapter in adapters] == ["none", "full"]
     # the default baked into flatten_inputs is the forward's own
     assert package.runner.flatten_inputs(x) == {"x": x, "scale": 2.0}
 

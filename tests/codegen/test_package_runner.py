@@ -1,6 +1,6 @@
 """Transparency through the generated package: build_stages + PipelineRunner give
 the unsplit model's outputs and gradients, for both schedules, with and without
-recompute (the runtime's own unit tests live in tests/runtime)."""
+recompute in full or selectively (the runtime's own unit tests live in tests/runtime)."""
 
 from __future__ import annotations
 
@@ -18,18 +18,19 @@ from ._models import (
 )
 from ._plans import contiguous_plan
 
-SETTINGS = [("gpipe", False), ("1f1b", True), ("1f1b", False), ("gpipe", True)]
-# the symbolic models take every setting; the exported ones two, to keep the suite short
+SETTINGS = [("gpipe", False), ("1f1b", True), ("1f1b", "selective"), ("1f1b", False),
+            ("gpipe", True)]
+# the symbolic models take every setting; the exported ones three, to keep the suite short
 CASES = [
     (name, schedule, recompute)
     for name in MODELS
-    for schedule, recompute in (SETTINGS[:2] if name.startswith("hf_") else SETTINGS)
+    for schedule, recompute in (SETTINGS[:3] if name.startswith("hf_") else SETTINGS)
 ]
 
 
 @pytest.mark.parametrize(("name", "schedule", "recompute"), CASES)
 def test_runner_matches_the_model(
-    tmp_path: Path, name: str, schedule: str, recompute: bool
+    tmp_path: Path, name: str, schedule: str, recompute: bool | str
 ) -> None:
     source, tr = traced(name)
     k = 3

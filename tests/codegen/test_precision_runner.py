@@ -68,7 +68,7 @@ def _both(runner: Any, model: torch.nn.Module, source: Any,
     return loss, pipeline_out, pipeline_grads, want, want_loss, model_grads
 
 
-def _package(tmp_path: Path, name: str, precision: str, recompute: bool) -> Any:
+def _package(tmp_path: Path, name: str, precision: str, recompute: bool | str) -> Any:
     _source, tr = traced(name)
     k = 3
     plan = contiguous_plan(tr.gm.graph, k, schedule="1f1b", microbatches=2,
@@ -79,9 +79,10 @@ def _package(tmp_path: Path, name: str, precision: str, recompute: bool) -> Any:
 
 
 @pytest.mark.parametrize(("name", "recompute"),
-                         [("llama", False), ("llama", True), ("hf_llama", True)])
+                         [("llama", False), ("llama", True), ("hf_llama", True),
+                          ("hf_llama", "selective")])
 def test_bf16_mixed_runner_matches_the_model_under_autocast(
-    tmp_path: Path, name: str, recompute: bool
+    tmp_path: Path, name: str, recompute: bool | str
 ) -> None:
     source, _tr = traced(name)
     package = _package(tmp_path, name, "bf16-mixed", recompute)

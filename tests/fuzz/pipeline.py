@@ -60,7 +60,8 @@ class Case:
     stages: int  # GPUs asked for; capped by the model's op groups
     schedule: str  # a ScheduleKind value
     microbatches: int  # asked for; raised where the schedule needs more (see ``split``)
-    recompute: tuple[bool, ...] | bool  # per stage (the runner's), or one flag for the plan
+    # per stage (the runner's: a bool or a mode), or one flag (or policy name) for the plan
+    recompute: tuple[bool | str, ...] | bool | str
     batch: int  # samples per micro-batch of the traced example
     virtual_stages: int = 2  # interleaved: stage modules per GPU
     replicate: bool = False  # the solver may run a stage on several GPUs ("2-1-1")
@@ -117,7 +118,8 @@ def split(case: Case, directory: Path) -> Split:
         m = max(m, 2 * gpus)
     options = SplitOptions(
         gpus=gpus, device=device, memory_limit=float("inf"), microbatches=m, schedule=kind,
-        recompute=Recompute.ALL if case.recompute is True else Recompute.NONE,
+        recompute=(Recompute(case.recompute) if isinstance(case.recompute, str)
+                   else Recompute.ALL if case.recompute is True else Recompute.NONE),
         time_limit_s=120, virtual_stages=v, replicate=case.replicate and v == 1)
     # The compiler's own sequence (what `fxpipe split` runs), minus the diagrams. The
     # solver stops on its work limit, the same at any load; the wall-clock limit is only a
@@ -147,7 +149,7 @@ def check_transparency(case: Case, directory: Path) -> Split:
     reference = copy.deepcopy(model)
     stages = package.build_stages(model)
     runner_kwargs: dict[str, Any] = {}
-    if not isinstance(case.recompute, bool):
+    if isinstance(case.recompute, tuple):
         runner_kwargs["recompute"] = _cycle(case.recompute, k)
     replicas = tuple(package.REPLICAS)
     if case.replicas is not None:
@@ -228,7 +230,7 @@ def check_adapters(case: Case, done: Split) -> None:
         warnings.simplefilter("ignore")
         for k in range(done.stages):
             adapter = distributed.stage_module(model, k, "cpu", *args, **kwargs)[0]
-            adapter.recompute = True
+            adapter.recompute = "full"
             adapters.append(adapter)
     values = distributed.PIPELINE.flatten_inputs(*args, **kwargs)
     flat = tuple(values[name] for name in adapters[0].receives)

@@ -53,6 +53,10 @@ def cases(draw: st.DrawFn) -> Case:
     plan_flag = rng.random() < 0.5  # one recompute flag in the plan, else one per stage
     replicable = not kind.spec.splits_backward and not spec.per_microbatch
     one_per_gpu = kind.spec.interleaved or kind.spec.v_placed
+    # selective recompute runs a backward once: not where the schedule splits it in two
+    selective = not kind.spec.splits_backward
+    policies = ["none", "all", *["selective"] * selective]
+    modes = ["none", "full", *["selective"] * selective]
     replicate = replicable and not one_per_gpu and rng.random() < 0.25
     replicas = (tuple(rng.choice([1, 2]) for _ in range(4))
                 if replicable and rng.random() < 0.25 else None)
@@ -68,8 +72,8 @@ def cases(draw: st.DrawFn) -> Case:
         stages=rng.randint(1, 4),
         schedule=kind.value,
         microbatches=rng.randint(1, 4),
-        recompute=rng.random() < 0.5 if plan_flag else tuple(
-            rng.random() < 0.5 for _ in range(4)),
+        recompute=rng.choice(policies) if plan_flag else tuple(
+            rng.choice(modes) for _ in range(4)),
         batch=batch,
         virtual_stages=rng.choice([2, 2, 3]),
         replicate=replicate,

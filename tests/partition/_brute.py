@@ -7,6 +7,9 @@ import math
 from collections.abc import Iterable, Iterator
 
 from fxpipe.partition import Problem, Recompute, evaluate, violations
+from fxpipe.partition.cost import recompute_options
+from fxpipe.plan import StageRecompute
+from fxpipe.schedules import ScheduleKind
 
 
 def valid_splits(problem: Problem) -> Iterator[tuple[int, ...]]:
@@ -65,12 +68,17 @@ def compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
             yield (first, *rest)
 
 
-def recompute_choices(problem: Problem) -> list[tuple[bool, ...]]:
-    """Every per-stage recompute choice ``problem.recompute`` allows (AUTO: all 2^K)."""
-    K = problem.num_stages
-    if problem.recompute is Recompute.AUTO:
-        return list(itertools.product((False, True), repeat=K))
-    return [(problem.recompute is Recompute.ALL,) * K]
+def policies(schedule: ScheduleKind) -> list[Recompute]:
+    """The recompute policies ``schedule`` takes (selective recompute runs a backward once:
+    not with the schedules that split it)."""
+    return [r for r in Recompute
+            if not (r is Recompute.SELECTIVE and schedule.spec.splits_backward)]
+
+
+def recompute_choices(problem: Problem) -> list[tuple[StageRecompute, ...]]:
+    """Every per-stage recompute choice ``problem.recompute`` allows (AUTO: all 3^K, or
+    2^K where the schedule splits the backward)."""
+    return list(itertools.product(recompute_options(problem), repeat=problem.num_stages))
 
 
 def brute_force_size(problem: Problem, stage_counts: Iterable[int] | None = None, *,
@@ -83,7 +91,7 @@ def brute_force_size(problem: Problem, stage_counts: Iterable[int] | None = None
     for stages in stage_counts or (problem.num_stages,):
         shared = problem.replicates and stages < devices
         each = (math.comb(devices - 1, stages - 1) if shared else 1) * (
-            2**stages if problem.recompute is Recompute.AUTO else 1)
+            len(recompute_options(problem)) ** stages)
         for _ in _monotone(problem, stages):
             total += each
             if total > limit:

@@ -58,12 +58,17 @@ def layered(draw: st.DrawFn, *, comm: bool, branches: bool = True, limited: bool
     shape = [(t, draw(st.integers(0, 5)), draw(st.integers(0, 4)), draw(st.integers(0, 3)),
               draw(st.integers(0, 4)) if transients else 0)
              for t in times]
+    # what a selective recompute keeps of each node (of its activations) and does not rerun
+    selective = [(draw(st.integers(0, act)), draw(st.integers(0, t)))
+                 for t, _, act, _, _ in shape]
     nodes, edges = [], []
     for layer in range(layers):
         first = len(nodes)
         for i, (t, params, act, out, grad) in enumerate(shape):
+            kept, kept_t = selective[i]
             nodes.append(Node(f"l{layer}n{i}", forward_s=t * MS / 3, backward_s=2 * t * MS / 3,
                               param_bytes=params * 100, activation_bytes=act * 10,
+                              selective_bytes=kept * 10, selective_kept_s=kept_t * MS / 3,
                               output_bytes=out * 10 if comm else 0,
                               comm_s=out * MS if comm else 0.0, grad_bytes=grad * 100))
         if layer:

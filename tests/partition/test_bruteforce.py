@@ -26,10 +26,13 @@ from fxpipe.partition import (
     violations,
 )
 from fxpipe.partition.baselines import Blocks
-from fxpipe.partition.cost import memory_parts
+from fxpipe.partition.cost import memory_parts, recompute_options
+from fxpipe.plan import StageRecompute
 from fxpipe.schedules import ScheduleKind
 
-from ._brute import brute_force, brute_force_size, valid_splits
+from ._brute import brute_force, brute_force_size, policies, valid_splits
+
+NONE, SELECTIVE, FULL = StageRecompute
 
 MS = 1e-3
 
@@ -65,15 +68,19 @@ def problems(draw: st.DrawFn, layout: str = "one per GPU") -> Problem:
         devices = K + draw(st.integers(1, 2))
     n = draw(st.integers(1, 7 if K < 4 else 6))
     backward = [draw(st.integers(0, 9)) for _ in range(n)]
+    forward = [draw(st.integers(0, 9)) for _ in range(n)]
+    saved = [draw(st.integers(0, 3)) for _ in range(n)]
     nodes = tuple(
         Node(
             name=f"n{i}",
-            forward_s=draw(st.integers(0, 9)) * MS,
+            forward_s=forward[i] * MS,
             backward_s=backward[i] * MS,
             backward_weight_s=draw(st.integers(0, backward[i])) * MS,
             deferred_bytes=draw(st.integers(0, 3)) * 10,
             param_bytes=draw(st.integers(0, 5)) * 100,
-            activation_bytes=draw(st.integers(0, 3)) * 10,
+            activation_bytes=saved[i] * 10,
+            selective_bytes=draw(st.integers(0, saved[i])) * 10,
+            selective_kept_s=draw(st.integers(0, forward[i])) * MS,
             grad_bytes=draw(st.sampled_from([0, 0, 40, 250])),
             output_bytes=draw(st.sampled_from([0, 10, 30, 200])),
             comm_s=draw(st.integers(0, 4)) * MS,
@@ -105,7 +112,7 @@ def problems(draw: st.DrawFn, layout: str = "one per GPU") -> Problem:
         microbatches=max(draw(st.integers(1, 4)) * (K // v),
                          K if schedule is ScheduleKind.DUALPIPEV else 1),
         state_factor=float(draw(st.integers(1, 4))),
-        recompute=draw(st.sampled_from(Recompute)),
+        recompute=draw(st.sampled_from(policies(schedule))),
         workspace_bytes=draw(st.integers(0, 2)) * 50,
         loss_saved_bytes=draw(st.integers(0, 2)) * 10,
         loss_grad_bytes=draw(st.integers(0, 2)) * 10,
@@ -179,7 +186,7 @@ def test_model_rows_equal_the_stage_cost_formula(problem: Problem, data: st.Data
     """For any valid split and any recompute choice, each GPU's linear memory row is
     evaluate()'s memory to the byte, and its time row evaluate()'s time up to the rounding
     margin of the scaled rows: the CP-SAT rows are the stage cost formula."""
-    problem = replace(problem, recompute=Recompute.AUTO,  # z[j] variables, all rows
+    problem = replace(problem, recompute=Recompute.AUTO,  # z[j], s[j] variables, all rows
                       memory_limit=10**12)
     exact = exact_groups(problem)
     # The program places exact groups; a split that parts a group (a cost-free node away
@@ -189,7 +196,8 @@ def test_model_rows_equal_the_stage_cost_formula(problem: Problem, data: st.Data
     if not splits:
         return
     split = data.draw(st.sampled_from(splits))
-    choice = data.draw(st.tuples(*[st.booleans()] * problem.num_stages))
+    choice = data.draw(st.tuples(*[st.sampled_from(recompute_options(problem))]
+                                 * problem.num_stages))
     model = StageModel(exact)
     times, memories = model.rows_at(exact.restrict(split), choice)
     evaluation = evaluate(problem, split, recompute=choice)
@@ -323,7 +331,7 @@ def test_auto_recomputes_the_early_stages_where_none_does_not_fit() -> None:
     auto = partition(replace(chain, recompute=Recompute.AUTO), time_limit_s=20, workers=1)
     everywhere = partition(replace(chain, recompute=Recompute.ALL), time_limit_s=20, workers=1)
     recompute = auto.evaluation.recompute
-    assert recompute[:2] == (True, True) and recompute[3] is False
+    assert recompute[:2] == (FULL, FULL) and recompute[3] is NONE
     assert auto.report.status == "OPTIMAL"
     best, _, _ = brute_force(replace(chain, recompute=Recompute.AUTO))
     assert auto.report.objective == pytest.approx(best, abs=1e-12)
@@ -332,9 +340,9 @@ def test_auto_recomputes_the_early_stages_where_none_does_not_fit() -> None:
     for name, split in auto.baseline_splits.items():
         chosen = evaluate(auto.problem, split)
         assert auto.baselines[name] == chosen.estimate
-        plain = evaluate(auto.problem, split, recompute=(False,) * 4)
+        plain = evaluate(auto.problem, split, recompute=(NONE,) * 4)
         for j, stage in enumerate(plain.stages):
-            assert chosen.recompute[j] == (stage.memory.total > chain.memory_limit)
+            assert (chosen.recompute[j] is FULL) == (stage.memory.total > chain.memory_limit)
 
 
 
@@ -354,7 +362,7 @@ def test_interval_dp_prices_each_stage_by_the_stage_cost_formula(
                                        max_size=end + 1)), dtype=float)
     peak = np.array(data.draw(st.lists(st.integers(0, 300), min_size=end + 1,
                                        max_size=end + 1)), dtype=float)
-    for recompute in (False, True):
+    for recompute in StageRecompute:
         rows = blocks.memory(end, starts, sent=sent, peak=peak, recompute=recompute)
         for j in range(K):
             for a in starts:
@@ -362,5 +370,6 @@ def test_interval_dp_prices_each_stage_by_the_stage_cost_formula(
                     problem, j, flight=int(blocks.flights[j, 0]), recompute=recompute,
                     params=max(blocks.P[end] - blocks.P0[a], 0.0),
                     activations=max(blocks.A[end] - blocks.A0[a], 0.0),
-                    received=blocks.cut_bytes[a], kept=sent[a], transient=peak[a])
+                    received=blocks.cut_bytes[a], kept=sent[a], transient=peak[a],
+                    selective=max(blocks.S[end] - blocks.S0[a], 0.0))
                 assert rows[j, a] == pytest.approx(sum(parts.values()), rel=1e-12)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from fxpipe.partition import (
@@ -15,7 +17,10 @@ from fxpipe.partition import (
     evaluate,
     violations,
 )
+from fxpipe.plan import StageRecompute
 from fxpipe.schedules import ScheduleKind
+
+NONE, SELECTIVE, FULL = StageRecompute
 
 
 def fan(comm: Comm, **kwargs: object) -> Problem:
@@ -69,7 +74,7 @@ def test_recompute_keeps_one_micro_batch_of_activations() -> None:
     p = fan(Comm.NEIGHBOUR, num_stages=2, microbatches=8, schedule=ScheduleKind.GPIPE,
             recompute=Recompute.ALL)
     ev = evaluate(p, [0, 1, 1])
-    assert ev.recompute == (True, True)
+    assert ev.recompute == (FULL, FULL)
     assert ev.stages[1].memory.activations == 6  # b + c, once
     assert ev.stages[1].memory.received == 8 * 8  # a's value kept per micro-batch
     # and pays its forward (b + c: 3 s) again in the backward
@@ -79,11 +84,52 @@ def test_recompute_keeps_one_micro_batch_of_activations() -> None:
 
 def test_recompute_given_per_stage() -> None:
     p = fan(Comm.NEIGHBOUR, num_stages=2, microbatches=8, schedule=ScheduleKind.GPIPE)
-    ev = evaluate(p, [0, 1, 1], recompute=(True, False))
-    assert ev.recompute == (True, False)
+    ev = evaluate(p, [0, 1, 1], recompute=(FULL, NONE))
+    assert ev.recompute == (FULL, NONE)
     assert [s.memory.activations for s in ev.stages] == [10, 6 * 8]
     assert [s.backward_s for s in ev.stages] == [2.0 + 1.0, 3.0]
-    assert evaluate(p, [0, 1, 1]).recompute == (False, False)  # the policy: none
+    assert evaluate(p, [0, 1, 1]).recompute == (NONE, NONE)  # the policy: none
+
+
+def test_a_selective_stage_keeps_its_kept_ops_per_micro_batch_and_reruns_the_rest() -> None:
+    """Recomputed selectively, a stage keeps what SAC keeps for each micro-batch in flight
+    but the one in its backward, which holds all its activations, and reruns the forward
+    of its ops that SAC does not keep."""
+    nodes = (Node("a", 1.0, 2.0, activation_bytes=10, output_bytes=8, comm_s=1.0),
+             Node("b", 2.0, 4.0, activation_bytes=30, selective_bytes=12,
+                  selective_kept_s=1.5, output_bytes=4))
+    p = Problem(nodes, (Edge(0, 1),), num_stages=2, microbatches=8,
+                schedule=ScheduleKind.GPIPE, recompute=Recompute.SELECTIVE)
+    ev = evaluate(p, [0, 1])
+    assert ev.recompute == (SELECTIVE, SELECTIVE)
+    # GPipe: 8 micro-batches in flight on both stages
+    assert ev.stages[0].memory.activations == 10  # nothing kept: as recomputed in full
+    assert ev.stages[1].memory.activations == 30 + 12 * 7
+    assert ev.stages[0].backward_s == 2.0 + 1.0
+    assert ev.stages[1].backward_s == 4.0 + (2.0 - 1.5)
+    assert ev.stages[1].memory.received == 8 * 8  # its inputs, as in full recompute
+
+
+def test_auto_takes_selective_where_it_fits_and_is_faster_than_full() -> None:
+    """Four equal layers under 1F1B (stage j holds 4 - j micro-batches): a limit where
+    stage 0 fits only recomputed in full, stage 1 selectively and the others as they
+    are."""
+    nodes = tuple(Node(f"l{i}", 1.0, 2.0, activation_bytes=100, selective_bytes=60,
+                       selective_kept_s=0.75, output_bytes=1) for i in range(4))
+    edges = tuple(Edge(i, i + 1) for i in range(3))
+    problem = Problem(nodes, edges, num_stages=4, microbatches=8, recompute=Recompute.AUTO)
+    split = (0, 1, 2, 3)
+    by_mode = {mode: evaluate(problem, split, recompute=(mode,) * 4).stages
+               for mode in (NONE, SELECTIVE, FULL)}
+    # in flight 4, 3, 2, 1: on stage 0, activations 400 kept / 100 + 60 * 3 selectively
+    assert [s.memory.activations for s in by_mode[SELECTIVE]] == [280, 220, 160, 100]
+    limit = by_mode[SELECTIVE][1].memory.total
+    assert by_mode[SELECTIVE][0].memory.total > limit >= by_mode[FULL][0].memory.total
+    assert by_mode[NONE][1].memory.total > limit >= by_mode[NONE][2].memory.total
+    ev = evaluate(replace(problem, memory_limit=limit), split)
+    assert ev.recompute == (FULL, SELECTIVE, NONE, NONE)
+    assert ev.estimate.fits
+    assert [s.backward_s for s in ev.stages] == [3.0, 2.25, 2.0, 2.0]
 
 
 def chain_1f1b(limit: float) -> Problem:
@@ -98,18 +144,18 @@ def chain_1f1b(limit: float) -> Problem:
 def test_auto_recomputes_exactly_the_stages_that_do_not_fit() -> None:
     split = (0, 1, 2, 3)
     plain = evaluate(chain_1f1b(float("inf")), split)
-    assert plain.recompute == (False,) * 4  # nothing to gain without a limit
+    assert plain.recompute == (NONE,) * 4  # nothing to gain without a limit
     held = [s.memory.total for s in plain.stages]
     assert held == sorted(held, reverse=True)  # the first stages hold the most
     limit = held[2]  # stages 2 and 3 fit as they are, 0 and 1 do not
     ev = evaluate(chain_1f1b(limit), split)
-    assert ev.recompute == (True, True, False, False)
+    assert ev.recompute == (FULL, FULL, NONE, NONE)
     assert ev.estimate.fits
     assert [s.time_s for s in ev.stages][:2] == [4.0 + plain.stages[0].comm_s,
                                                  4.0 + plain.stages[1].comm_s]
     # nothing fits even recomputed: recompute everywhere (the least memory it can show)
     tight = evaluate(chain_1f1b(1), split)
-    assert tight.recompute == (True,) * 4 and not tight.estimate.fits
+    assert tight.recompute == (FULL,) * 4 and not tight.estimate.fits
 
 
 def kept_values(comm: Comm, **kwargs: object) -> Problem:

@@ -8,11 +8,12 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fxpipe.partition import Edge, Node, Problem, Recompute, exact_groups, violations
+from fxpipe.partition import Edge, Node, Problem, exact_groups, violations
 from fxpipe.partition.interleave import _Search
 from fxpipe.partition.rounds import _Rounds, _Vee, recut_rounds, recut_vee
 from fxpipe.schedules import ScheduleKind
 
+from ._brute import policies
 from .test_bruteforce import MS
 
 
@@ -41,7 +42,7 @@ def _chains(draw: st.DrawFn, *, exact: bool = False, vee: bool = False
                       schedule=schedule, microbatches=2 * gpus,
                       memory_limit=float("inf") if exact
                       else draw(st.sampled_from([300.0, 600.0, float("inf")])),
-                      recompute=draw(st.sampled_from(list(Recompute))),
+                      recompute=draw(st.sampled_from(policies(schedule))),
                       allow_empty_stages=empty)
     low, m = (0 if empty else 1), exact_groups(problem).num_coarse
     inner = sorted(draw(st.lists(st.integers(low, m - low), min_size=gpus * v - 1,

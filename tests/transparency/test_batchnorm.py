@@ -69,10 +69,10 @@ def _assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) ->
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("recompute", ["none", "all", "selective"])
 @pytest.mark.parametrize("net", [Net, CountingNet])
 def test_batchnorm_equals_the_model_run_micro_batch_by_micro_batch(
-        tmp_path: Path, schedule: str, recompute: bool, net: type[Net]) -> None:
+        tmp_path: Path, schedule: str, recompute: str, net: type[Net]) -> None:
     torch.manual_seed(0)
     model = net().double()
     x = torch.randn(M * BATCH, 5, dtype=torch.float64)
@@ -87,7 +87,8 @@ def test_batchnorm_equals_the_model_run_micro_batch_by_micro_batch(
         assert "num_batches_tracked in place" in str(traced.fallback_reason)
     assert any("bn1, bn2" in note and "per micro-batch" in note
                for note in package.PLAN["notes"]), package.PLAN["notes"]
-    assert package.PLAN["stages"][0]["recompute"] is recompute
+    mode = {"none": "none", "all": "full", "selective": "selective"}[recompute]
+    assert package.PLAN["stages"][0]["recompute"] == mode
     runner = package.PipelineRunner(package.build_stages(model))
 
     # Inference in training mode: per-micro-batch statistics, running stats updated M times.

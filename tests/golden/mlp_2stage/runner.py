@@ -30,7 +30,9 @@ SCHEDULE = [
     ((0, "B", 2),),
 ]
 MICROBATCHES = 3
-RECOMPUTE = (False, True)
+# RECOMPUTE[k]: what stage k keeps for its backward: "none" all, "selective" its
+# inputs and matmuls' and attention's outputs, "full" its inputs only
+RECOMPUTE = ("none", "full")
 # REPLICAS[k]: how many data-parallel replicas split each micro-batch of stage k;
 # WEIGHT_STASHING: PipeDream's update after every micro-batch, with stashed weights
 REPLICAS = (1, 1)
@@ -75,7 +77,7 @@ class PipelineRunner(runtime.PipelineRunner):
         *,
         schedule: Sequence[Sequence[tuple[int, str, int]]] = SCHEDULE,
         microbatches: int = MICROBATCHES,
-        recompute: Sequence[bool] = RECOMPUTE,
+        recompute: Sequence[str] = RECOMPUTE,
         replicas: Sequence[int] = REPLICAS,
         weight_stashing: bool = WEIGHT_STASHING,
         precision: str = PRECISION,
