@@ -54,9 +54,6 @@ from fxpipe.partition.problem import stage_flights
 from fxpipe.precision import parse_precision
 
 LAYERS = "model.layers."
-# The ops whose outputs selective activation checkpointing saves under the usual policy
-# ("save the matmuls and attention, recompute the rest"), by the traced node's name.
-SAVED_BY_SAC = ("linear", "matmul", "mm", "bmm", "addmm", "scaled_dot_product_attention")
 
 # A layer's option: (activation bytes it keeps per micro-batch in flight, forward seconds
 # its backward runs again); what it does not keep is alive for one micro-batch in the
@@ -103,15 +100,16 @@ class Fluid:
         """The options per layer of each way of recomputing: none, all, per stage (none or
         all), per block (any fraction of the layer's activations, at that fraction of its
         forward), op-level (the cheapest ops per byte of activation recomputed first,
-        whatever the order) and SAC (the outputs of ``SAVED_BY_SAC`` kept, the rest
+        whatever the order) and SAC (what the plan's selective recompute keeps, the
+        memory pass's ``selective_bytes``: the matmuls' and attention's outputs; the rest
         recomputed)."""
         A, F = self.layer.activations, self.layer.forward_s
         by_cost = sorted(self.nodes, key=lambda n: n.forward_s / max(n.activation_bytes, 1))
         curve: list[Option] = [(A, 0.0)]
         for node in by_cost:
             curve.append((curve[-1][0] - node.activation_bytes, curve[-1][1] + node.forward_s))
-        saved = [n for n in self.nodes if n.name.rstrip("_0123456789") in SAVED_BY_SAC]
-        sac = (sum(n.output_bytes for n in saved), F - sum(n.forward_s for n in saved))
+        sac = (sum(n.selective_bytes for n in self.nodes),
+               F - sum(n.selective_kept_s for n in self.nodes))
         return {"none": [(A, 0.0)], "all": [(0.0, F)], "per stage": [(A, 0.0), (0.0, F)],
                 "per block": [(A * i / 200, F * (1 - i / 200)) for i in range(201)],
                 "op-level": curve, "SAC": [(A, 0.0), sac, (0.0, F)]}

@@ -2,14 +2,14 @@
 
 For each case (a transformers Llama shape on the meta device, one micro-batch of
 1 x SEQ tokens, float32, Adam, 1F1B with M = 4 x GPUs, the h100 table entry's 80 GiB)
-the model is traced and costed once, then planned three times, as
+the model is traced and costed once, then planned four times, as
 
-    fxpipe split MODEL --gpus N --device h100 --recompute {none,all,auto}
+    fxpipe split MODEL --gpus N --device h100 --recompute {none,all,selective,auto}
 
-would (``plan_split``): the predicted iteration time of each, whether it fits, which
-stages ``auto`` recomputes, and each baseline's iteration time under ``all`` and under
-``auto`` (a baseline's cut with recompute on exactly the stages that do not fit
-otherwise). The goal: ``auto`` >= 1.15x faster than ``all`` wherever ``none`` does not
+would (``plan_split``): the predicted iteration time of each, whether it fits, how
+``auto`` recomputes each stage (none, selective or full), and each baseline's iteration
+time under ``all`` and under ``auto`` (a baseline's cut with each stage's fastest choice
+that fits). The goal: ``auto`` >= 1.15x faster than ``all`` wherever ``none`` does not
 fit. Prints a markdown table and the machine's load average.
 
 Cases: Llama-3-8B (32 layers, width 4096) on 8 GPUs at 4096 tokens; a Llama-3-70B
@@ -43,7 +43,7 @@ from fxpipe import cli
 from fxpipe.compiler import SplitOptions, plan_split
 from fxpipe.cost_models import get_device
 from fxpipe.partition import InfeasibleMemoryError, NoSolutionError, Recompute
-from fxpipe.plan import Plan
+from fxpipe.plan import Plan, StageRecompute
 from fxpipe.precision import Precision, parse_precision
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,6 +104,20 @@ def baseline_ms(plan: Plan | None, name: str) -> str:
     return f"{est.iteration_s * 1e3:.0f} ms" if est.fits else "does not fit"
 
 
+def recomputed(plan: Plan) -> str:
+    """How a plan's stages recompute, as runs of stage indices: "full 0-12, selective
+    13-20" ("none" where none does)."""
+    runs: list[list[object]] = []  # [mode, first, last]
+    for stage in plan.stages:
+        if runs and runs[-1][0] is stage.recompute and runs[-1][2] == stage.index - 1:
+            runs[-1][2] = stage.index
+        else:
+            runs.append([stage.recompute, stage.index, stage.index])
+    said = [f"{mode.value} {a}" + (f"-{b}" if b != a else "")  # type: ignore[attr-defined]
+            for mode, a, b in runs if mode is not StageRecompute.NONE]
+    return ", ".join(said) or "none"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", nargs="*", choices=sorted(SHAPES), default=sorted(SHAPES))
@@ -120,7 +134,7 @@ def main() -> int:
     print(f"commit {commit}, load average before {os.getloadavg()}, "
           f"time limit {args.time_limit:g} s per plan, "
           f"precision {args.precision or '32-true (the model)'}\n")
-    header = ["model", "tokens", "GPUs", "none", "all", "auto", "all / auto",
+    header = ["model", "tokens", "GPUs", "none", "all", "selective", "auto", "all / auto",
               "auto recomputes stages", "auto status"] + [
         f"{b} (all / auto)" for b in BASELINES]
     print("| " + " | ".join(header) + " |")
@@ -144,7 +158,7 @@ def main() -> int:
                       f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
             traced = traced_cache[key]
             plans: dict[Recompute, Plan | None] = {}
-            for policy in (Recompute.NONE, Recompute.ALL, Recompute.AUTO):
+            for policy in (Recompute.NONE, Recompute.ALL, Recompute.SELECTIVE, Recompute.AUTO):
                 if policy is Recompute.AUTO and plans[Recompute.ALL] is None:
                     plans[policy] = None  # the least memory does not fit: nothing does
                     continue
@@ -156,11 +170,11 @@ def main() -> int:
             auto, everywhere = plans[Recompute.AUTO], plans[Recompute.ALL]
             speedup = ("-" if auto is None or everywhere is None else
                        f"{everywhere.estimate.iteration_s / auto.estimate.iteration_s:.2f}x")
-            chosen = "-" if auto is None else ",".join(
-                str(s.index) for s in auto.stages if s.recompute) or "none"
+            chosen = "-" if auto is None else recomputed(auto)
             status = "-" if auto is None else auto.solver.status
             row = [f"{SHAPES[shape]['name']}", str(seq), str(gpus),
-                   ms(plans[Recompute.NONE]), ms(everywhere), ms(auto), speedup, chosen,
+                   ms(plans[Recompute.NONE]), ms(everywhere), ms(plans[Recompute.SELECTIVE]),
+                   ms(auto), speedup, chosen,
                    status] + [f"{baseline_ms(everywhere, b)} / {baseline_ms(auto, b)}"
                               for b in BASELINES]
             print("| " + " | ".join(row) + " |", flush=True)

@@ -161,6 +161,7 @@ def _nodes(
                 selective_bytes=memory.selective_bytes,
                 # a node whose output selective recompute keeps is not run again
                 selective_kept_s=time.forward_s if memory.selective_bytes else 0.0,
+                writes_kept=memory.writes_kept,
             )
         )
     return tuple(nodes)

@@ -136,6 +136,9 @@ class MemoryInfo:
     # bytes a stage recomputed selectively keeps of it: the outputs of its matmuls and fused
     # attention (fxpipe.runtime.recompute.SELECTIVE_KEEPS), which its backward does not rerun
     selective_bytes: int = 0
+    # it writes in place into one of those outputs, which SAC would hand the backward
+    # written: no stage of the model recomputes selectively
+    writes_kept: bool = False
     # (canonical qualified name, bytes) of those parameters and buffers. A tied parameter
     # has one canonical name (its first in ``named_parameters()``) whichever name a node uses.
     params: tuple[tuple[str, int], ...] = field(default=())

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fxpipe import cli
+from fxpipe import cli, meta
 from fxpipe.compiler import SplitOptions, plan_split
 from fxpipe.cost_models import get_device
 from fxpipe.partition import InfeasibleMemoryError, Recompute
@@ -94,4 +94,54 @@ def test_selective_recompute_under_a_schedule_that_splits_the_backward_is_refuse
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1, lines
     assert "selective recompute cannot: use --recompute all, auto or none" in lines[0]
+    assert not (tmp_path / "out").exists()
+
+
+WRITES_INTO_A_MATMUL = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3 = nn.Linear(8, 32), nn.Linear(32, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        h = self.fc1(x).relu()
+        h = self.fc2(h)
+        h.add_(1)
+        return self.fc3(h.tanh())
+
+
+def build_model():
+    return Net()
+
+
+def example_inputs():
+    return (torch.randn(256, 8),)
+"""
+
+
+def test_a_model_that_writes_into_a_matmuls_output_never_recomputes_selectively(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """SAC would keep the output written: the memory pass sees the write (auto then
+    chooses between none and full only: tests/partition/test_evaluate.py), and
+    --recompute selective is refused in one line that names the op."""
+    model = tmp_path / "writes.py"
+    model.write_text(WRITES_INTO_A_MATMUL)
+    _, traced = cli.analyze_model(str(model), device="h100", quiet=True)
+    writers = [n.name for n in traced.gm.graph.nodes
+               if (info := meta.BYTES.get(n)) is not None and info.writes_kept]
+    assert len(writers) == 1 and "add" in writers[0], writers
+    kept = {n.name: meta.BYTES.get(n).selective_bytes for n in traced.gm.graph.nodes
+            if meta.BYTES.get(n) is not None}
+    assert [name for name, size in kept.items() if size] == ["fc1", "fc2", "fc3"], kept
+    code = cli.main(["split", str(model), "--gpus", "2", "--recompute", "selective",
+                     "--out", str(tmp_path / "out")])
+    assert code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    assert (f"{writers[0]} writes in place into the output of a matmul or attention"
+            in lines[0]), lines
     assert not (tmp_path / "out").exists()

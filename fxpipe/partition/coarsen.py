@@ -99,6 +99,7 @@ class Coarsening:
                 deferred_bytes=sum(n.deferred_bytes for n in fine),
                 selective_bytes=sum(n.selective_bytes for n in fine),
                 selective_kept_s=sum(n.selective_kept_s for n in fine),
+                writes_kept=any(n.writes_kept for n in fine),
             ))
         edges = {(self.group_of[e.src], self.group_of[e.dst]) for e in p.edges}
         ordered = set(self.order_edges)

@@ -45,8 +45,9 @@ Recompute per stage (``Problem.recompute``, a ``StageRecompute`` per stage): NON
 and ALL decide it for every stage; AUTO chooses none, selective or full per stage (per
 GPU, when interleaved) as the fastest choice that fits (``choose_recompute``): for a fixed
 split each step from none to selective to full only adds time and removes memory.
-Schedules that split the backward (zero bubble) leave selective out: torch's SAC runs a
-region's backward once.
+Schedules that split the backward (zero bubble) leave selective out, as do models that
+write in place into a matmul's output: torch's SAC runs a region's backward once and hands
+it what it kept as it is then.
 
 Legend: j a stage, r its replicas, K stages (see problem.py).
 """
@@ -198,7 +199,9 @@ def recompute_options(problem: Problem) -> tuple[StageRecompute, ...]:
     kept (and least time) to the fewest."""
     none, selective, full = StageRecompute
     if problem.recompute is Recompute.AUTO:
-        return (none, full) if problem.schedule.spec.splits_backward else (none, selective, full)
+        # SAC runs a region's backward once, and keeps a matmul's output as it is
+        without = problem.schedule.spec.splits_backward or problem.writes_kept is not None
+        return (none, full) if without else (none, selective, full)
     return {Recompute.NONE: (none,), Recompute.SELECTIVE: (selective,),
             Recompute.ALL: (full,)}[problem.recompute]
 

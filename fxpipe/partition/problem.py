@@ -96,6 +96,9 @@ class Node:
     # again (the defaults: kept nothing, runs it all again, as recomputed in full).
     selective_bytes: int = 0
     selective_kept_s: float = 0.0
+    # It writes in place into what selective recompute keeps (a matmul's output), which
+    # SAC would hand the backward written: no stage recomputes selectively.
+    writes_kept: bool = False
 
     @property
     def backward_input_s(self) -> float:
@@ -202,9 +205,21 @@ class Problem:
                 f"The {self.schedule.value} schedule runs each stage's backward in two "
                 f"passes, which selective recompute cannot: use --recompute all, auto or "
                 f"none with it, or another --schedule.")
+        writer = self.writes_kept
+        if self.recompute is Recompute.SELECTIVE and writer is not None:
+            raise ValueError(
+                f"{writer} writes in place into the output of a matmul or attention, which "
+                f"selective recompute would keep and hand the backward written: use "
+                f"--recompute all, auto or none with this model.")
         n = len(self.nodes)
         for e in self.edges:
             assert 0 <= e.src < n and 0 <= e.dst < n and e.src != e.dst, e
+
+    @property
+    def writes_kept(self) -> str | None:
+        """The first node that writes in place into what selective recompute keeps (no
+        stage of this model recomputes selectively); None when none does."""
+        return next((n.name for n in self.nodes if n.writes_kept), None)
 
     @property
     def devices(self) -> int:

@@ -12,7 +12,9 @@ intermediate of the node and charged to the node.
 
 What a stage recomputed selectively (torch's SAC) keeps of a node comes from the same run:
 the outputs of the aten ops the runtime's policy keeps (``SELECTIVE_KEEPS``: the matmuls
-and the fused attention kernels), as a dispatch mode sees them run.
+and the fused attention kernels), as a dispatch mode sees them run (``KeptWrites``), which
+also sees a node write in place into such an output (``writes_kept``: SAC would hand the
+backward the written value, so no stage of the model recomputes selectively).
 
 A node of a layer tracing copied from another (``meta.COPY_OF``) is not run: it keeps
 what the node it copies keeps, of its own inputs in the same places, and costs the
@@ -29,7 +31,6 @@ import torch
 import torch.fx
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxpipe import meta
 from fxpipe.kernels import Execution
@@ -37,7 +38,7 @@ from fxpipe.metadevice import named_state
 from fxpipe.passes.base import OP_NODES, MetaInterpreter, copied_from, fresh_like, tensor_leaves
 from fxpipe.passes.flops import FlopCounter
 from fxpipe.passes.shapes import value_info
-from fxpipe.runtime.recompute import SELECTIVE_KEEPS
+from fxpipe.runtime.recompute import KeptWrites
 
 __all__ = ["annotate_memory"]
 
@@ -49,22 +50,6 @@ def _nbytes(t: torch.Tensor) -> int:
 def _storage(t: torch.Tensor) -> StorageWeakRef:
     """What identifies ``t``'s storage while it lives (equal for its views and aliases)."""
     return StorageWeakRef(t.untyped_storage())
-
-
-class _KeptBySelective(TorchDispatchMode):
-    """Bytes of the storages that the ops selective recompute keeps produce while open."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.storages: dict[StorageWeakRef, int] = {}
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        result = func(*args, **(kwargs or {}))
-        if func.overloadpacket in SELECTIVE_KEEPS:
-            for t in tensor_leaves(result):
-                self.storages[_storage(t)] = t.untyped_storage().nbytes()
-        return result
 
 
 @dataclass(frozen=True)
@@ -84,6 +69,7 @@ class _Ran:
     result: Any
     result_was: Any
     selective: int
+    writes_kept: bool
 
 
 class _MemoryCount(MetaInterpreter):
@@ -102,6 +88,8 @@ class _MemoryCount(MetaInterpreter):
         self.canonical = {name: first.setdefault(id(t), name) for name, t in named_state(gm)}
         self.intermediate: dict[torch.fx.Node, int] = {}
         self.selective: dict[torch.fx.Node, int] = {}  # kept by selective recompute
+        self.writes_kept: set[torch.fx.Node] = set()  # write into what it keeps
+        self.kept_writes = KeptWrites(lambda _op: None)  # the whole run's kept storages
         self.output_saved: set[torch.fx.Node] = set()  # nodes whose storage backward keeps
         # A node whose result is a view or alias of an input -> the node that made that
         # storage (its bytes are charged there once, whoever keeps which view of it).
@@ -143,10 +131,11 @@ class _MemoryCount(MetaInterpreter):
             saved.append(t)
             return t
 
-        kept_by_selective = _KeptBySelective()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), kept_by_selective:
+        self.kept_writes.added = 0
+        self.kept_writes.on_write = lambda _op: self.writes_kept.add(n)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), self.kept_writes:
             result = super().execute(n)
-        self.selective[n] = sum(kept_by_selective.storages.values())
+        self.selective[n] = self.kept_writes.added
         outputs = {_storage(t) for t in tensor_leaves(result)}
         view_of = self._view_of(n, outputs, inputs)
         own: dict[StorageWeakRef, int] = {}
@@ -173,7 +162,8 @@ class _MemoryCount(MetaInterpreter):
                            if self._maker(node) in kept)
             assert given is not None
             self.ran[n] = _Ran(given, self.intermediate[n], places, keeps_output, view_of,
-                               result, self._specs(result), self.selective[n])
+                               result, self._specs(result), self.selective[n],
+                               n in self.writes_kept)
         return result
 
     def _maker(self, node: torch.fx.Node) -> torch.fx.Node:
@@ -219,6 +209,8 @@ class _MemoryCount(MetaInterpreter):
             self.output_saved.add(self._maker(n))
         self.intermediate[n] = ran.own
         self.selective[n] = ran.selective
+        if ran.writes_kept:
+            self.writes_kept.add(n)
         self.aliased.add(n)
         return ran.result
 
@@ -259,5 +251,6 @@ def annotate_memory(
         if node in counter.output_saved and node.op in OP_NODES:
             saved += owned.output_bytes
         meta.BYTES.set(node, replace(owned, saved_bytes=saved,
-                                     selective_bytes=counter.selective.get(node, 0)))
+                                     selective_bytes=counter.selective.get(node, 0),
+                                     writes_kept=node in counter.writes_kept))
     return gm

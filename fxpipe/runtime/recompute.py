@@ -18,7 +18,9 @@ keeps only what it receives and runs its whole forward again in the backward;
 of the matrix multiplications and the fused attention kernels (``SELECTIVE_KEEPS``) and
 runs only the other ops again, which are cheap for their bytes. The planner prices a
 selective stage from the same op list (fxpipe.passes.memory), so what it plans is what
-``selective_contexts`` keeps."""
+``selective_contexts`` keeps. SAC keeps those outputs as they are, so an op that writes
+into one in place would hand the backward the written value: ``KeptWrites`` sees such
+writes, the planner to leave selective recompute out, the runtime to refuse it."""
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -26,14 +28,17 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
 )
 
-__all__ = ["MODES", "SELECTIVE_KEEPS", "EachTime", "RngState", "buffers_restored", "modes",
+__all__ = ["MODES", "SELECTIVE_KEEPS", "EachTime", "KeptWrites", "RngState", "buffers_restored",
+           "keep_matmuls", "modes",
            "nothing_saved", "passed_on", "rng_restored", "rng_state", "selective_contexts",
            "selective_run"]
 
@@ -152,25 +157,79 @@ class EachTime:
         return self.entered.pop().__exit__(*exc)
 
 
-def _keep_matmuls(_ctx: Any, op: Any, *_args: Any, **_kwargs: Any) -> CheckpointPolicy:
+def keep_matmuls(_ctx: Any, op: Any, *_args: Any, **_kwargs: Any) -> CheckpointPolicy:
+    """SAC's policy for a selective stage: keep the outputs of ``SELECTIVE_KEEPS``."""
     return (CheckpointPolicy.MUST_SAVE if op.overloadpacket in SELECTIVE_KEEPS
             else CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+class KeptWrites(TorchDispatchMode):
+    """While open: the storages of the outputs of ``SELECTIVE_KEEPS`` ops (``added``: the
+    bytes of those first seen since it was last set to 0), and ``on_write(op)`` called
+    for each op that writes into one in place."""
+
+    def __init__(self, on_write: Callable[[Any], None]) -> None:
+        super().__init__()
+        self.on_write = on_write
+        self.added = 0
+        self._kept: dict[int, StorageWeakRef] = {}  # by storage; a dead one may be reused
+
+    def _holds(self, t: torch.Tensor) -> bool:
+        ref = self._kept.get(StorageWeakRef(t.untyped_storage()).cdata)
+        return ref is not None and not ref.expired()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func._schema.is_mutable and any(self._holds(t)
+                                           for t in _written(func, args, kwargs)):
+            self.on_write(func)
+        result = func(*args, **kwargs)
+        if func.overloadpacket in SELECTIVE_KEEPS:
+            for t in pytree.tree_leaves(result):
+                if isinstance(t, torch.Tensor) and not self._holds(t):
+                    ref = StorageWeakRef(t.untyped_storage())
+                    self._kept[ref.cdata] = ref
+                    self.added += t.untyped_storage().nbytes()
+        return result
+
+
+def _written(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
+    """The tensors the aten op ``func`` writes in place: its schema's written arguments."""
+    out: list[torch.Tensor] = []
+    for i, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(argument.name)
+            out += [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return out
+
+
+def _refuse_write(func: Any) -> None:
+    raise RuntimeError(
+        f"{func} writes in place into the output of a matmul or attention that selective "
+        f"recompute keeps, which the backward would then read written: recompute this "
+        f"stage in full or not at all (fxpipe's plans leave selective out for such models)")
 
 
 def selective_contexts(restored: Callable[[], contextlib.AbstractContextManager[Any]]
                        ) -> tuple[Any, Any]:
     """``torch.utils.checkpoint``'s ``context_fn`` result for a selective stage: (the first
-    run's context, which keeps the outputs of ``SELECTIVE_KEEPS``; the run again's, which
-    reads them back and, each time, runs inside ``restored()``, which undoes what it
-    writes into buffers)."""
-    first, again = create_selective_checkpoint_contexts(_keep_matmuls)
+    run's context, which keeps the outputs of ``SELECTIVE_KEEPS`` and refuses a write
+    into one; the run again's, which reads them back and, each time, runs inside
+    ``restored()``, which undoes what it writes into buffers)."""
+    keep, again = create_selective_checkpoint_contexts(keep_matmuls)
+
+    @contextlib.contextmanager
+    def first() -> Iterator[None]:
+        with keep, KeptWrites(_refuse_write):  # the watch inside: it sees each op first
+            yield
 
     @contextlib.contextmanager
     def both() -> Iterator[None]:
         with restored(), again:  # the restore's own copies outside what SAC replays
             yield
 
-    return first, EachTime(both)
+    return first(), EachTime(both)
 
 
 def selective_run(run: Callable[..., Any], inputs: dict[str, Any], written: Sequence[str],

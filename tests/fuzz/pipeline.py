@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from fxpipe import meta
 from fxpipe.compiler import SplitOptions, analyze, plan_split
 from fxpipe.cost_models import get_device
 from fxpipe.frontend import Traced, trace
@@ -116,10 +117,13 @@ def split(case: Case, directory: Path) -> Split:
         m = -(-m // gpus) * gpus
     if kind is ScheduleKind.DUALPIPEV:
         m = max(m, 2 * gpus)
+    policy = (Recompute(case.recompute) if isinstance(case.recompute, str)
+              else Recompute.ALL if case.recompute is True else Recompute.NONE)
+    if policy is Recompute.SELECTIVE and probe.problem.writes_kept is not None:
+        policy = Recompute.ALL  # refused in one line (tests/test_recompute_flag.py)
     options = SplitOptions(
         gpus=gpus, device=device, memory_limit=float("inf"), microbatches=m, schedule=kind,
-        recompute=(Recompute(case.recompute) if isinstance(case.recompute, str)
-                   else Recompute.ALL if case.recompute is True else Recompute.NONE),
+        recompute=policy,
         time_limit_s=120, virtual_stages=v, replicate=case.replicate and v == 1)
     # The compiler's own sequence (what `fxpipe split` runs), minus the diagrams. The
     # solver stops on its work limit, the same at any load; the wall-clock limit is only a
@@ -150,7 +154,7 @@ def check_transparency(case: Case, directory: Path) -> Split:
     stages = package.build_stages(model)
     runner_kwargs: dict[str, Any] = {}
     if isinstance(case.recompute, tuple):
-        runner_kwargs["recompute"] = _cycle(case.recompute, k)
+        runner_kwargs["recompute"] = _cycle(_selective_if_it_can(case.recompute, done), k)
     replicas = tuple(package.REPLICAS)
     if case.replicas is not None:
         replicas = runner_kwargs["replicas"] = _cycle(case.replicas, k)
@@ -337,6 +341,15 @@ def _concat(outputs: list[Any]) -> Any:
     flat = [pytree.tree_flatten(out) for out in outputs]
     columns = zip(*(leaves for leaves, _ in flat), strict=True)
     return pytree.tree_unflatten([torch.cat(list(c)) for c in columns], flat[0][1])
+
+
+def _selective_if_it_can(modes: Sequence[bool | str], done: Split) -> tuple[bool | str, ...]:
+    """The runner's modes, "full" for "selective" where the model writes in place into a
+    matmul's output (which SAC would keep written; the runtime refuses it, the planner
+    leaves selective out: tests/runtime/test_adapter.py, tests/partition)."""
+    writes = any(info.writes_kept for node in done.traced.gm.graph.nodes
+                 if (info := meta.BYTES.get(node)) is not None)
+    return tuple("full" if writes and mode == "selective" else mode for mode in modes)
 
 
 def _cycle(values: Sequence[Any], k: int) -> tuple[Any, ...]:

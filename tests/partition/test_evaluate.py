@@ -130,6 +130,10 @@ def test_auto_takes_selective_where_it_fits_and_is_faster_than_full() -> None:
     assert ev.recompute == (FULL, SELECTIVE, NONE, NONE)
     assert ev.estimate.fits
     assert [s.backward_s for s in ev.stages] == [3.0, 2.25, 2.0, 2.0]
+    # a model that writes in place into a kept output anywhere: none or full only
+    written = (replace(nodes[0], writes_kept=True), *nodes[1:])
+    ev = evaluate(replace(problem, nodes=written, memory_limit=limit), split)
+    assert ev.recompute == (FULL, FULL, NONE, NONE)
 
 
 def chain_1f1b(limit: float) -> Problem:

@@ -15,14 +15,13 @@ repeated k/v heads that eager does not.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Any
 
 import pytest
 import torch
 import torch.fx
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 from fxpipe import meta
 from fxpipe.compiler import SplitOptions, analyze, plan_split
@@ -30,7 +29,7 @@ from fxpipe.cost_models import get_device
 from fxpipe.frontend import Traced, trace
 from fxpipe.plan import Plan
 from fxpipe.precision import Precision
-from fxpipe.runtime.recompute import selective_contexts
+from fxpipe.runtime.recompute import keep_matmuls
 from tests.passes.test_flops import import_example
 
 CPU = get_device("cpu")
@@ -60,7 +59,7 @@ def real_saved_bytes(traced: Traced, autocast: torch.dtype | None = None) -> int
 
 def real_selective_bytes(traced: Traced, autocast: torch.dtype | None = None) -> int:
     """Bytes of the unique storages torch's SAC, under the runtime's policy
-    (``selective_contexts``), keeps in one forward of the graph: what its cache holds,
+    (``keep_matmuls``), keeps in one forward of the graph: what its cache holds,
     parameters, buffers and inputs left out."""
     skip = {t.untyped_storage().data_ptr()
             for t in (*traced.gm.parameters(), *traced.gm.buffers(), *traced.flat_inputs)
@@ -68,7 +67,7 @@ def real_selective_bytes(traced: Traced, autocast: torch.dtype | None = None) ->
     contexts = []
 
     def context() -> Any:
-        contexts.append(selective_contexts(contextlib.nullcontext))
+        contexts.append(create_selective_checkpoint_contexts(keep_matmuls))
         return contexts[-1]
 
     mixed = torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None)

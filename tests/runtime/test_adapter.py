@@ -138,3 +138,34 @@ def test_a_selective_stage_runs_its_matmuls_once_and_gives_the_same_gradients() 
     forward = 2  # fc1 and fc2; the backward's matmuls are the same in every mode
     assert counts["full"].count == counts["none"].count + forward
     assert counts["selective"].count == counts["none"].count
+
+
+class WritesIntoAMatmul(nn.Module):
+    INPUTS = ("x",)
+    OUTPUTS = ("y",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        h = self.fc(x)
+        h += 1  # into the matmul's output, which SAC keeps as it is
+        return (h.tanh(),)
+
+
+def test_a_selective_stage_that_writes_into_a_kept_output_is_refused() -> None:
+    """SAC would hand the backward a matmul's output written after it was kept (torch
+    says so only in the backward, in its own words): the forward refuses it and says
+    what to do instead; recomputed in full the stage runs."""
+    x = torch.randn(4, 16, requires_grad=True)
+    for mode in ("none", "full"):
+        adapter = StageAdapter(WritesIntoAMatmul(), ("x",), ("y",), {}, lambda values: None,
+                               recompute=mode)
+        adapter(x)[0].sum().backward()
+    adapter = StageAdapter(WritesIntoAMatmul(), ("x",), ("y",), {}, lambda values: None,
+                           recompute="selective")
+    with pytest.raises(RuntimeError, match=r"aten.add_.Tensor writes in place into the output "
+                                           r"of a matmul .* recompute this stage in full or "
+                                           r"not at all"):
+        adapter(x)
