@@ -65,8 +65,9 @@ def test_gpt_recomputes_where_it_must_and_the_plan_says_where() -> None:
     assert [s.recompute for s in Plan.from_json(auto.to_json()).stages] == modes
     report = render_report(auto)
     for mode, said in ((FULL, "in full"), (SELECTIVE, "selectively")):
-        chosen = ", ".join(str(j) for j, m in enumerate(modes) if m is mode)
-        assert (f"stages {chosen} {said}" in report) == bool(chosen), report
+        chosen = [str(j) for j, m in enumerate(modes) if m is mode]
+        listed = f"stage {chosen[0]}" if len(chosen) == 1 else f"stages {', '.join(chosen)}"
+        assert (f"{listed} {said}" in report) == bool(chosen), report
 
 
 def test_selective_recompute_keeps_the_matmuls_and_pays_for_the_rest() -> None:

@@ -162,14 +162,16 @@ def _recompute(plan: Plan) -> str:
     if len(selective) == len(plan.stages):
         return ("every stage selectively (each keeps its inputs and its matmuls' and "
                 "attention's outputs, and reruns the rest of its forward in the backward)")
-    parts = []
-    if full:
-        parts.append(f"stages {', '.join(full)} in full (they keep their inputs and rerun "
-                     f"their forward in the backward)")
+    parts = [f"{_stages(full)} in full"] if full else []
     if selective:
-        parts.append(f"stages {', '.join(selective)} selectively (they keep their inputs and "
-                     f"their matmuls' and attention's outputs, and rerun the rest)")
-    return "; ".join(parts) + "; the others keep their activations"
+        parts.append(f"{_stages(selective)} selectively")
+    return (" and ".join(parts) + " (in full a stage keeps its inputs and reruns its "
+            "forward in the backward; selectively also its matmuls' and attention's "
+            "outputs, and reruns the rest); the others keep their activations")
+
+
+def _stages(indices: list[str]) -> str:
+    return f"stage {indices[0]}" if len(indices) == 1 else f"stages {', '.join(indices)}"
 
 
 def _dynamic(plan: Plan) -> str:
