@@ -12,6 +12,7 @@
                                         # (three where the first runs unlike the others)
                                         # and copied (capture "export, copied 2 deep")
     python bench/zoo.py --recompute all # every stage runs its forward again in backward
+    python bench/zoo.py --recompute selective  # all of it but its matmuls and attention
     python bench/zoo.py --precision bf16-mixed  # float32 models planned, traced and
                                         # trained under CPU autocast, against the model
                                         # under autocast micro-batch by micro-batch
@@ -1187,7 +1188,8 @@ def main() -> int:
     parser.add_argument("--recompute", type=Recompute, default=Recompute.AUTO,
                         choices=list(Recompute), metavar="RECOMPUTE",
                         help="which stages run their forward again in backward (default "
-                        "auto, which at 80 GiB recomputes none; all: every stage)")
+                        "auto, which at 80 GiB recomputes none; all: every stage in full; "
+                        "selective: every stage selectively)")
     parser.add_argument("--keep", type=Path,
                         help="write the model files and packages here (default: a temp folder)")
     args = parser.parse_args()
