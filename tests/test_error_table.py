@@ -32,6 +32,15 @@ def example_inputs():
     return (torch.ones(4, 8),)
 """
 
+# a Sequential that writes in place into its first linear's output
+WRITES = """
+class Writes(torch.nn.Sequential):
+    def forward(self, x):
+        h = self[0](x)
+        h.add_(1)
+        return self[2](self[1](h))
+"""
+
 # eight 256 x 256 layers: about 1 MiB each with gradients and Adam's state
 DEEP = """
 import torch
@@ -240,6 +249,13 @@ CASES: dict[str, tuple[dict[str, str], list[str]]] = {
         ),
         ["split", "model.py", "--gpus", "2"],
     ),
+    "selective recompute under a schedule that splits the backward": (
+        model(GOOD), ["split", "model.py", "--gpus", "2", "--schedule", "zb1p",
+                      "--recompute", "selective"]),
+    "selective recompute on a model that writes into a matmul's output": (
+        model(GOOD.replace("return torch.nn.Sequential(", "return Writes(").replace(
+            "def build_model():", WRITES + "\n\ndef build_model():")),
+        ["split", "model.py", "--gpus", "2", "--recompute", "selective"]),
     "unknown device": (model(GOOD), ["split", "model.py", "--gpus", "2", "--device", "h900"]),
     "malformed --memory": (model(GOOD), ["split", "model.py", "--gpus", "2", "--memory", "lots"]),
     "--gpus below 1": (model(GOOD), ["split", "model.py", "--gpus", "0"]),

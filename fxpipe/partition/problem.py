@@ -202,15 +202,15 @@ class Problem:
         assert isinstance(self.recompute, Recompute), self.recompute
         if self.recompute is Recompute.SELECTIVE and spec.splits_backward:
             raise ValueError(
-                f"The {self.schedule.value} schedule runs each stage's backward in two "
+                f"the {self.schedule.value} schedule runs each stage's backward in two "
                 f"passes, which selective recompute cannot: use --recompute all, auto or "
-                f"none with it, or another --schedule.")
+                f"none with it, or another --schedule")
         writer = self.writes_kept
         if self.recompute is Recompute.SELECTIVE and writer is not None:
             raise ValueError(
                 f"{writer} writes in place into the output of a matmul or attention, which "
                 f"selective recompute would keep and hand the backward written: use "
-                f"--recompute all, auto or none with this model.")
+                f"--recompute all, auto or none with this model")
         n = len(self.nodes)
         for e in self.edges:
             assert 0 <= e.src < n and 0 <= e.dst < n and e.src != e.dst, e
