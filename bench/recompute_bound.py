@@ -109,7 +109,7 @@ class Fluid:
         for node in by_cost:
             curve.append((curve[-1][0] - node.activation_bytes, curve[-1][1] + node.forward_s))
         sac = (sum(n.selective_bytes for n in self.nodes),
-               F - sum(n.selective_kept_s for n in self.nodes))
+               sum(n.selective_again_s for n in self.nodes))
         return {"none": [(A, 0.0)], "all": [(0.0, F)], "per stage": [(A, 0.0), (0.0, F)],
                 "per block": [(A * i / 200, F * (1 - i / 200)) for i in range(201)],
                 "op-level": curve, "SAC": [(A, 0.0), sac, (0.0, F)]}

@@ -259,7 +259,7 @@ class Blocks:
             act[g + 1] += node.activation_bytes
             ret[g + 1] += node.output_bytes if node.returned else 0
             sel[g + 1] += node.selective_bytes
-            again[g + 1] += node.forward_s - node.selective_kept_s
+            again[g + 1] += node.selective_again_s
             grad[g] = max(grad[g], node.grad_bytes)
         for tied in p.tied:
             params[min(c.group_of[v] for v in tied.nodes) + 1] += tied.param_bytes

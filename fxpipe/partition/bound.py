@@ -433,7 +433,7 @@ def _group_sums(exact: Coarsening) -> np.ndarray:
                                     node.param_bytes, node.activation_bytes,
                                     node.output_bytes if node.returned else 0,
                                     node.selective_bytes,
-                                    node.forward_s - node.selective_kept_s)
+                                    node.selective_again_s)
     return sums
 
 

@@ -10,7 +10,7 @@ Per stage j, for one micro-batch, from ``StageSums`` (sums over its nodes):
     time        forward_s + backward_s + comm_s; a stage recomputed in full runs its
                 forward again in the backward (backward_s + forward_s), one recomputed
                 selectively all of it but its matmuls and attention (backward_s +
-                forward_s - selective_kept_s)
+                selective_again_s)
     memory (StageMemory)
         params      parameter bytes held (its nodes' and its tied copies)
         grads       params * clamp(state_factor - 1, 0, 1)
@@ -95,7 +95,7 @@ class StageSums:
     backward_weight_s: float = 0.0  # the weight-gradient (W) part of backward_s
     deferred: int = 0  # bytes W keeps from its micro-batch's B until it runs
     selective: int = 0  # bytes kept per micro-batch when recomputed selectively
-    selective_kept_s: float = 0.0  # forward seconds a selective recompute does not run again
+    selective_again_s: float = 0.0  # forward seconds a selective recompute runs again
 
 
 @dataclass(frozen=True)
@@ -188,7 +188,7 @@ def stage_cost(problem: Problem, j: int, sums: StageSums, *, flight: int,
                          selective=sums.selective)
     memory = StageMemory(**{name: round(float(value)) for name, value in parts.items()})
     backward_s = sums.backward_s + float(run_again_s(recompute, sums.forward_s,
-                                                     sums.forward_s - sums.selective_kept_s))
+                                                     sums.selective_again_s))
     return StageCost(sums.forward_s / replicas, backward_s / replicas,
                      sums.comm_s + allreduce_s(problem, sums.own_params, replicas), memory,
                      replicas, recompute, sums.backward_weight_s / replicas)

@@ -209,7 +209,7 @@ def stage_sums(problem: Problem, stage_of: Sequence[int]) -> list[StageSums]:
     own_params = [0] * K
     activations = [0] * K
     selective = [0] * K
-    selective_kept = [0.0] * K
+    selective_again = [0.0] * K
     transient = [0] * K
     received = [0] * K
     kept = [0] * K
@@ -224,7 +224,7 @@ def stage_sums(problem: Problem, stage_of: Sequence[int]) -> list[StageSums]:
         own_params[j] += node.param_bytes
         activations[j] += node.activation_bytes
         selective[j] += node.selective_bytes
-        selective_kept[j] += node.selective_kept_s
+        selective_again[j] += node.selective_again_s
         transient[j] = max(transient[j], node.grad_bytes)
 
     readers = consumers(problem)
@@ -267,7 +267,7 @@ def stage_sums(problem: Problem, stage_of: Sequence[int]) -> list[StageSums]:
                       activations=activations[j], transient=transient[j],
                       received=received[j], kept=kept[j], backward_weight_s=weight[j],
                       deferred=deferred[j], selective=selective[j],
-                      selective_kept_s=selective_kept[j]) for j in range(K)]
+                      selective_again_s=selective_again[j]) for j in range(K)]
 
 
 def step_estimate(problem: Problem, stages: Sequence[StageCost]) -> Estimate:

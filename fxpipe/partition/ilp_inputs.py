@@ -89,7 +89,7 @@ def group_costs(coarsening: Coarsening, scale: int) -> GroupCosts:
         g = group_of[v]
         deferred[g] += node.deferred_bytes
         selective[g] += node.selective_bytes
-        selective_fwd[g] += node.forward_s - node.selective_kept_s
+        selective_fwd[g] += node.selective_again_s
         returned[g] += node.output_bytes if node.returned else 0
         secs[g] += node.forward_s + node.backward_s
         fwd[g] += node.forward_s

@@ -104,6 +104,11 @@ class Node:
     def backward_input_s(self) -> float:
         return self.backward_s - self.backward_weight_s
 
+    @property
+    def selective_again_s(self) -> float:
+        """The forward seconds a selective recompute runs again: all but what it keeps."""
+        return self.forward_s - self.selective_kept_s
+
 
 @dataclass(frozen=True)
 class Edge:
