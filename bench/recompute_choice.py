@@ -106,15 +106,16 @@ def baseline_ms(plan: Plan | None, name: str) -> str:
 
 def recomputed(plan: Plan) -> str:
     """How a plan's stages recompute, as runs of stage indices: "full 0-12, selective
-    13-20" ("none" where none does)."""
+    13-20, selective:57344:8192 21" (the runtime's modes; "none" where none does)."""
     runs: list[list[object]] = []  # [mode, first, last]
     for stage in plan.stages:
-        if runs and runs[-1][0] is stage.recompute and runs[-1][2] == stage.index - 1:
+        mode = stage.recompute_mode
+        if runs and runs[-1][0] == mode and runs[-1][2] == stage.index - 1:
             runs[-1][2] = stage.index
         else:
-            runs.append([stage.recompute, stage.index, stage.index])
-    said = [f"{mode.value} {a}" + (f"-{b}" if b != a else "")  # type: ignore[attr-defined]
-            for mode, a, b in runs if mode is not StageRecompute.NONE]
+            runs.append([mode, stage.index, stage.index])
+    said = [f"{mode} {a}" + (f"-{b}" if b != a else "")
+            for mode, a, b in runs if mode != StageRecompute.NONE.value]
     return ", ".join(said) or "none"
 
 

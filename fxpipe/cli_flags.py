@@ -76,7 +76,8 @@ def _split_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         metavar="{auto,all,selective,none}",
         help="stages that keep less than their backward reads and recompute it in the "
-        "backward: auto (default: the solver chooses none, selective or full per stage), "
+        "backward: auto (default: the solver chooses none, selective at a keep level, or "
+        "full per stage), "
         "all (also a bare --recompute), selective (each keeps its matmuls' and attention's "
         "outputs), none",
     )

@@ -23,8 +23,11 @@ views its output's gradient, so it allocates no gradient for its input.
 
 from __future__ import annotations
 
+import math
 import operator
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch.fx
 
@@ -32,6 +35,7 @@ from fxpipe import meta
 from fxpipe.cost_models import Device, allreduce_time, intra_node_time
 from fxpipe.partition.problem import Edge, Node, Problem, Recompute, TiedGroup, TiedPolicy
 from fxpipe.passes.base import OP_NODES
+from fxpipe.runtime.recompute import KeepRule, Kept
 from fxpipe.schedules import ScheduleKind
 from fxpipe.tracing.export import running_stats
 
@@ -43,6 +47,9 @@ OPTIMIZERS = {"adam": 4.0, "sgd": 2.0, "sgd-momentum": 3.0, "none": 1.0}
 # The loss's (saved for backward, gradient in its backward) bytes per byte the graph
 # returns: cross-entropy's log-softmax and its gradient (see the module docstring).
 LOSS_FACTORS = (1, 1)
+# The most keep levels a selective stage chooses from (``keep_levels``): each is a choice
+# per stage in the CP-SAT program.
+MAX_KEEP_LEVELS = 5
 
 
 @dataclass(frozen=True)
@@ -74,7 +81,9 @@ def lower(
     index = {node: i for i, node in enumerate(ops)}
     reads = _parameter_reads(ops)
     readers, sizes = _readers(ops, reads)
-    nodes = _nodes(gm, ops, reads, readers, device=device, block_depth=block_depth)
+    levels = keep_levels(kept for op in ops for kept in meta.BYTES.get(op).selective)
+    nodes = _nodes(gm, ops, reads, readers, device=device, block_depth=block_depth,
+                   levels=levels)
     order_edges, fused = _in_place_order(gm, ops, index)
     returned_bytes = sum(n.output_bytes for n in nodes if n.returned)
     problem = Problem(
@@ -86,6 +95,7 @@ def lower(
         microbatches=microbatches,
         state_factor=OPTIMIZERS[optimizer],
         recompute=recompute,
+        keep_levels=levels,
         loss_saved_bytes=returned_bytes * LOSS_FACTORS[0],
         loss_grad_bytes=returned_bytes * LOSS_FACTORS[1],
         tied=_tied_groups(readers, sizes, device),
@@ -134,6 +144,7 @@ def _nodes(
     *,
     device: Device,
     block_depth: int,
+    levels: Sequence[tuple[int, int]],
 ) -> tuple[Node, ...]:
     """One problem node per op, its costs read off the node records; a parameter is the
     bytes of the one op that reads it (several readers make it a tied group instead)."""
@@ -158,13 +169,37 @@ def _nodes(
                 returned=node in returned,
                 backward_weight_s=time.backward_weight_s,
                 deferred_bytes=_deferred_bytes(node),
-                selective_bytes=memory.selective_bytes,
-                # a node whose output selective recompute keeps is not run again
-                selective_kept_s=time.forward_s if memory.selective_bytes else 0.0,
+                **_selective(memory.selective, time.forward_s, levels),
                 writes_kept=memory.writes_kept,
             )
         )
     return tuple(nodes)
+
+
+def keep_levels(kept: Iterable[Kept]) -> tuple[tuple[int, int], ...]:
+    """The rules (``KeepRule``'s (work, width)) a selective stage of a model chooses from,
+    its matmuls' and attention's outputs being ``kept``: ordered by the work per element it
+    takes to run one again, the most first, and of equal work the narrowest first, each
+    level keeps the outputs the one before keeps and the next (work, width) of them, and
+    the last all ((0, 0)); at most MAX_KEEP_LEVELS, spread over them."""
+    found = sorted({(k.work, k.width) for k in kept}, key=lambda c: (-c[0], c[1]))
+    if len(found) > MAX_KEEP_LEVELS:
+        step = len(found) / MAX_KEEP_LEVELS
+        found = [found[math.ceil((i + 1) * step) - 1] for i in range(MAX_KEEP_LEVELS)]
+    return (*found[:-1], (0, 0))
+
+
+def _selective(kept: Sequence[Kept], forward_s: float, levels: Sequence[tuple[int, int]]
+               ) -> dict[str, tuple[Any, ...]]:
+    """A node's ``selective_bytes`` and ``selective_kept_s`` per keep level: what the
+    level's rule keeps of its outputs, and the share of its forward that makes them (by
+    FLOPs: work per element times elements, elements in proportion to the bytes)."""
+    flops = sum(k.work * k.nbytes for k in kept)
+    rules = [KeepRule(*level) for level in levels]
+    held = [[k for k in kept if rule.keeps(k.work, k.width)] for rule in rules]
+    return {"selective_bytes": tuple(sum(k.nbytes for k in row) for row in held),
+            "selective_kept_s": tuple(forward_s * sum(k.work * k.nbytes for k in row) / flops
+                                      if flops else 0.0 for row in held)}
 
 
 def _edges(

@@ -11,9 +11,12 @@ codegen read them. Nothing else in fxpipe touches ``node.meta`` by string.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import torch.fx
+
+if TYPE_CHECKING:
+    from fxpipe.runtime.recompute import Kept
 
 __all__ = [
     "ATTENTION",
@@ -133,9 +136,10 @@ class MemoryInfo:
     buffer_bytes: int  # buffers this node reads directly
     output_bytes: int  # bytes of everything it returns
     saved_bytes: int  # bytes autograd keeps for backward (excluding parameters)
-    # bytes a stage recomputed selectively keeps of it: the outputs of its matmuls and fused
-    # attention (fxpipe.runtime.recompute.SELECTIVE_KEEPS), which its backward does not rerun
-    selective_bytes: int = 0
+    # what a stage recomputed selectively may keep of it: the outputs of its matmuls and fused
+    # attention (fxpipe.runtime.recompute.SELECTIVE_KEEPS), each with the work it would take
+    # to run again per element; those its rule keeps, its backward does not rerun
+    selective: tuple[Kept, ...] = ()
     # it writes in place into one of those outputs, which SAC would hand the backward
     # written: no stage of the model recomputes selectively
     writes_kept: bool = False
@@ -143,6 +147,11 @@ class MemoryInfo:
     # has one canonical name (its first in ``named_parameters()``) whichever name a node uses.
     params: tuple[tuple[str, int], ...] = field(default=())
     buffers: tuple[tuple[str, int], ...] = field(default=())
+
+    @property
+    def selective_bytes(self) -> int:
+        """The bytes a stage recomputed selectively keeps of it when it keeps them all."""
+        return sum(kept.nbytes for kept in self.selective)
 
 
 @dataclass(frozen=True)

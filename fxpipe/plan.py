@@ -96,6 +96,19 @@ class StagePlan(StageTimes):
     # (already divided by replicas); comm_s includes the all-reduce.
     replicas: int = 1
     backward_weight_s: float = 0.0  # the weight-gradient (W) part of backward_s
+    # A selective stage that keeps only some of its matmuls' and attention's outputs: the
+    # (work, width) of its fxpipe.runtime.recompute.KeepRule (those doing more FLOPs per
+    # element than work, and of those doing work, the ones at most width wide). None:
+    # it keeps them all (or it is not selective). plan.json: {"work": W, "width": N}.
+    keeps: tuple[int, int] | None = None
+
+    @property
+    def recompute_mode(self) -> str:
+        """How the runtime recomputes it (fxpipe.runtime.recompute.modes): ``recompute``'s
+        value, ``"selective:W:N"`` where it keeps by a rule."""
+        if self.keeps is None:
+            return self.recompute.value
+        return f"{self.recompute.value}:{self.keeps[0]}:{self.keeps[1]}"
 
 
 @dataclass(frozen=True)
@@ -219,6 +232,10 @@ class Plan:
             raw["time_s"] = stage.time_s
             raw["backward_input_s"] = stage.backward_input_s
             raw["memory"]["total"] = stage.memory.total
+            if stage.keeps is None:
+                del raw["keeps"]
+            else:
+                raw["keeps"] = dict(zip(("work", "width"), stage.keeps, strict=True))
         if self.memory_limit == float("inf"):
             data["memory_limit"] = None
         return data
@@ -238,6 +255,8 @@ class Plan:
                 k: tuple(raw[k]) for k in ("nodes", "inputs", "outputs", "parameters") if k in raw
             }
             fields: dict[str, Any] = {**raw, **tuples}
+            if "keeps" in raw:
+                fields["keeps"] = (raw["keeps"]["work"], raw["keeps"]["width"])
             if "recompute" in raw:  # a bool in plans written before selective recompute
                 was = raw["recompute"]
                 fields["recompute"] = StageRecompute(

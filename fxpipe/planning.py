@@ -15,9 +15,10 @@ import torch.fx
 from fxpipe import meta
 from fxpipe.cut import cut_stages
 from fxpipe.lower import Lowered
+from fxpipe.partition.cost import StageCost
 from fxpipe.partition.evaluate import Evaluation
 from fxpipe.partition.problem import Problem
-from fxpipe.plan import DynamicDim, Estimate, Plan, SolverReport, StagePlan
+from fxpipe.plan import DynamicDim, Estimate, Plan, SolverReport, StagePlan, StageRecompute
 
 __all__ = ["build_plan", "stage_of_nodes"]
 
@@ -86,6 +87,7 @@ def build_plan(
                 recompute=cost.recompute,
                 replicas=cost.replicas,
                 backward_weight_s=cost.backward_weight_s,
+                keeps=_keeps(problem, cost),
             )
         )
 
@@ -113,3 +115,11 @@ def build_plan(
         dynamic_dims=tuple(dynamic_dims),
         shared_inputs=tuple(shared_inputs),
     )
+
+
+def _keeps(problem: Problem, cost: StageCost) -> tuple[int, int] | None:
+    """A selective stage's keep rule, where it keeps less than all (``StagePlan.keeps``)."""
+    if cost.recompute is not StageRecompute.SELECTIVE:
+        return None
+    rule = problem.keep_levels[cost.keep_level]
+    return None if rule == (0, 0) else rule

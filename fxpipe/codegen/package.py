@@ -180,7 +180,7 @@ def _spec(plan: Plan) -> schedules.KindSpec:
 def runner_header(traced: Traced, plan: Plan) -> str:
     """SCHEDULE, MICROBATCHES, RECOMPUTE, REPLICAS, WEIGHT_STASHING, PRECISION, DEVICE_OF,
     NUM_GPUS, GRAPH_INPUTS, flatten_inputs, build_output."""
-    k, m = plan.num_stages, plan.microbatches
+    k, m, stages = plan.num_stages, plan.microbatches, plan.stages
     device_of = [plan.devices_of(j)[0] for j in range(k)]
     spec = _spec(plan)
     interleaved = spec.interleaved or spec.v_placed  # a row per GPU in the picture
@@ -224,7 +224,8 @@ def runner_header(traced: Traced, plan: Plan) -> str:
         f"MICROBATCHES = {m}",
         "# RECOMPUTE[k]: what stage k keeps for its backward: \"none\" all, \"selective\" its",
         "# inputs and matmuls' and attention's outputs, \"full\" its inputs only",
-        *wrap_line(f"RECOMPUTE = {tuple_literal(json.dumps(s.recompute) for s in plan.stages)}"),
+        *(_KEEPS_COMMENT if any(s.keeps for s in stages) else ()),
+        *wrap_line("RECOMPUTE = " + tuple_literal(json.dumps(s.recompute_mode) for s in stages)),
         "# REPLICAS[k]: how many data-parallel replicas split each micro-batch of stage k;",
         "# WEIGHT_STASHING: PipeDream's update after every micro-batch, with stashed weights",
         *wrap_line(f"REPLICAS = {tuple_literal(str(s.replicas) for s in plan.stages)}"),
@@ -236,8 +237,7 @@ def runner_header(traced: Traced, plan: Plan) -> str:
         f"NUM_GPUS = {plan.num_devices}",
         *wrap_line(f"GRAPH_INPUTS = {tuple_literal(json.dumps(p.name) for p in placeholders)}"),
         "# SHARED_INPUTS: graph inputs without a batch dimension, whole in every micro-batch",
-        *wrap_line(
-            f"SHARED_INPUTS = {tuple_literal(json.dumps(name) for name in plan.shared_inputs)}"),
+        *wrap_line("SHARED_INPUTS = " + tuple_literal(json.dumps(n) for n in plan.shared_inputs)),
         "",
         "",
     ]
@@ -245,6 +245,8 @@ def runner_header(traced: Traced, plan: Plan) -> str:
     return "\n".join(lines)
 
 
+_KEEPS_COMMENT = ("# (\"selective:W:N\" keeps only those doing more than W FLOPs per element, and",
+                  "# of those doing W, the ones at most N wide)")
 _PRECISION_COMMENT = {
     True: ["# PRECISION: every stage forward (and the loss) under torch.autocast at this",
            "# dtype, backward outside; float32 parameters (runtime/precision.py)"],
@@ -404,12 +406,8 @@ def wires(graph: torch.fx.Graph, ios: list[StageIO]) -> list[tuple[str, ...]]:
         if node.name in producer:
             last_reader[node.name] = k_last
     return [
-        tuple(
-            sorted(
-                (n for n, p in producer.items() if p < k <= last_reader.get(n, -2)),
-                key=order.__getitem__,
-            )
-        )
+        tuple(sorted((n for n, p in producer.items() if p < k <= last_reader.get(n, -2)),
+                     key=order.__getitem__))
         for k in range(len(ios))
     ]
 

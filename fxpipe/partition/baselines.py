@@ -32,9 +32,14 @@ from typing import Any
 import numpy as np
 
 from fxpipe.partition.coarsen import Coarsening, exact_groups
-from fxpipe.partition.cost import memory_parts, recompute_options, run_again_s, state_split
+from fxpipe.partition.cost import (
+    Option,
+    memory_parts,
+    recompute_options,
+    run_again_s,
+    state_split,
+)
 from fxpipe.partition.problem import Problem, stage_flights
-from fxpipe.plan import StageRecompute
 
 __all__ = ["BASELINES", "Blocks", "baselines", "interval_dp", "leanest_dp", "linear_partition",
            "min_max_dp"]
@@ -230,7 +235,7 @@ class Blocks:
     # reader: returned values are in R wherever their readers are
     sends: list[tuple[int, int, int]]
     flights: Any  # (K, 1): micro-batches in flight per stage
-    options: tuple[StageRecompute, ...]  # the recompute choices the policy allows
+    options: tuple[Option, ...]  # the recompute choices the policy allows
     # What a block starting at a position has not got of T, F, P, A, R, S, G: the same
     # prefix sums for the DP; for the lower bound of ``fxpipe.partition.bound``, the most
     # any ideal at that position may hold (a block's sums are then at least
@@ -240,8 +245,10 @@ class Blocks:
     P0: Any = None
     A0: Any = None
     R0: Any = None
-    S: Any = None  # bytes kept per micro-batch when recomputed selectively
-    G: Any = None  # forward time run again when recomputed selectively
+    # (positions, keep levels): bytes kept per micro-batch when recomputed selectively, and
+    # forward time run again
+    S: Any = None
+    G: Any = None
     S0: Any = None
     G0: Any = None
 
@@ -249,7 +256,9 @@ class Blocks:
     def of(cls, c: Coarsening) -> Blocks:
         p = c.problem
         n = c.num_coarse
-        t, fwd, params, act, ret, sel, again = (np.zeros(n + 1) for _ in range(7))
+        t, fwd, params, act, ret = (np.zeros(n + 1) for _ in range(5))
+        levels = len(p.keep_levels)
+        sel, again = np.zeros((n + 1, levels)), np.zeros((n + 1, levels))
         grad = np.zeros(n)
         for v, node in enumerate(p.nodes):
             g = c.group_of[v]
@@ -258,12 +267,13 @@ class Blocks:
             params[g + 1] += node.param_bytes
             act[g + 1] += node.activation_bytes
             ret[g + 1] += node.output_bytes if node.returned else 0
-            sel[g + 1] += node.selective_bytes
-            again[g + 1] += node.selective_again_s
+            sel[g + 1] += [node.selective(level)[0] for level in range(levels)]
+            again[g + 1] += [node.selective(level)[1] for level in range(levels)]
             grad[g] = max(grad[g], node.grad_bytes)
         for tied in p.tied:
             params[min(c.group_of[v] for v in tied.nodes) + 1] += tied.param_bytes
-        T, F, P, A, R, S, G = (np.cumsum(x) for x in (t, fwd, params, act, ret, sel, again))
+        T, F, P, A, R, S, G = (np.cumsum(x, axis=0)
+                               for x in (t, fwd, params, act, ret, sel, again))
         span = _spans(c)
         cut, cut_bytes = _cut_costs(c, span)
         sends = sorted((hi, c.group_of[v], p.nodes[v].output_bytes)
@@ -298,13 +308,19 @@ class Blocks:
             load[0] = inf
         return load
 
-    def run_again(self, recompute: StageRecompute, end: Any, starts: Any) -> Any:
+    def run_again(self, recompute: Option, end: Any, starts: Any) -> Any:
         """The forward seconds a block [start, end) runs again in its backward."""
-        return run_again_s(recompute, np.maximum(self.F[end] - self.F0[starts], 0.0),
-                           np.maximum(self.G[end] - self.G0[starts], 0.0))
+        mode, level = recompute
+        return run_again_s(mode, np.maximum(self.F[end] - self.F0[starts], 0.0),
+                           np.maximum(self.G[end, level] - self.G0[starts, level], 0.0))
+
+    def selective(self, recompute: Option, end: Any, starts: Any) -> Any:
+        """The bytes a block [start, end) keeps per micro-batch recomputed selectively at
+        ``recompute``'s keep level."""
+        return np.maximum(self.S[end, recompute.level] - self.S0[starts, recompute.level], 0.0)
 
     def memory(self, end: int, starts: Any, *, sent: Any, peak: Any,
-               recompute: StageRecompute) -> Any:
+               recompute: Option) -> Any:
         """(K, starts): the bytes of stage j's block [start, end) on row j with the given
         recompute choice; the loss is the last stage's alone."""
         p = self.problem
@@ -313,10 +329,10 @@ class Blocks:
             "params": np.maximum(self.P[end] - self.P0[starts], 0.0),
             "activations": np.maximum(self.A[end] - self.A0[starts], 0.0),
             "received": self.cut_bytes[starts], "kept": sent, "transient": peak,
-            "selective": np.maximum(self.S[end] - self.S0[starts], 0.0),
+            "selective": self.selective(recompute, end, starts),
         }
         parts = memory_parts(p, np.arange(K)[:, None], flight=self.flights,
-                             recompute=recompute, **block)
+                             recompute=recompute.mode, **block)
         # the parts of a block alone first, then those of each stage's row (whole bytes:
         # the order of the sum does not change it)
         return np.broadcast_to(sum(sorted(parts.values(), key=np.ndim)), (K, starts.size))

@@ -62,7 +62,6 @@ from fxpipe.partition.problem import Comm, TiedPolicy, stage_flights
 
 __all__ = ["block_bound", "shared_gpu_bound"]
 
-SUMS = 7  # the sums per group the relaxation tracks (``_group_sums``)
 MAX_IDEALS = 50_000  # per distinct segment; beyond, no bound (the enumeration's time)
 LIGHT = 1e-4  # a group below this share of time, parameters and bytes
 CELL = 1e-3  # a cell spans at most this share of the mean stage's compute
@@ -83,12 +82,13 @@ def block_bound(exact: Coarsening, *, upper_s: float = math.inf) -> float | None
         return None
     lo, hi, sent = cells.lo, cells.hi, cells.sent
     n = lo.shape[0] - 1  # positions 0..n: 0 is the empty ideal, n every group
+    kept, again = slice(5, 5 + len(p.keep_levels)), slice(5 + len(p.keep_levels), None)
     blocks = _Cells(p, lo[:, 0], lo[:, 1], lo[:, 2], lo[:, 3], lo[:, 4], np.zeros(n),
                     sent[:, 0], sent[:, 1], [],
                     np.array(stage_flights(p), dtype=np.int64)[:, None],
                     tuple(recompute_options(p)), hi[:, 0], hi[:, 1], hi[:, 2], hi[:, 3],
-                    hi[:, 4], lo[:, 5], lo[:, 6], hi[:, 5], hi[:, 6], table=cells,
-                    segment_peak=_segment_peaks(exact, segments))
+                    hi[:, 4], lo[:, kept], lo[:, again], hi[:, kept], hi[:, again],
+                    table=cells, segment_peak=_segment_peaks(exact, segments))
     best, _ = min_max_dp(blocks, n, upper_s=upper_s, allow_empty=True)
     value = float(best[p.num_stages - 1, n])
     if value == math.inf:  # no split of the relaxation is faster than upper_s, or fits
@@ -99,7 +99,7 @@ def block_bound(exact: Coarsening, *, upper_s: float = math.inf) -> float | None
 @dataclass(frozen=True)
 class _Table:
     """Per position of the relaxation's DP (the empty ideal, then each segment's cells in
-    order of compute, then every group): ``lo`` and ``hi`` (positions, SUMS) the least and
+    order of compute, then every group): ``lo`` and ``hi`` (positions, sums) the least and
     most of each sum (``_group_sums``) over the cell's ideals; ``sent`` (positions, 2) the
     least comm_s and bytes they send, ``sent_most`` the most bytes; ``own`` the least
     bytes of the values their groups in the segment make and send (0 without neighbour
@@ -423,17 +423,20 @@ def _hull(exact: Coarsening, groups: set[int]) -> list[int]:
 
 
 def _group_sums(exact: Coarsening) -> np.ndarray:
-    """(G, SUMS): per exact group, its compute, forward, parameter, activation and returned
-    bytes sums (what its stage keeps of the model's outputs until their backward), and
-    what a selective recompute keeps and runs again (``Blocks``' S and G)."""
+    """(G, sums): per exact group, its compute, forward, parameter, activation and returned
+    bytes sums (what its stage keeps of the model's outputs until their backward), then
+    per keep level what a selective recompute keeps, then per level what it runs again
+    (``Blocks``' S and G)."""
     p = exact.problem
-    sums = np.zeros((exact.num_coarse, SUMS))
+    levels = range(len(p.keep_levels))
+    sums = np.zeros((exact.num_coarse, 5 + 2 * len(levels)))
     for v, node in enumerate(p.nodes):
+        selective = [node.selective(level) for level in levels]
         sums[exact.group_of[v]] += (node.forward_s + node.backward_s, node.forward_s,
                                     node.param_bytes, node.activation_bytes,
                                     node.output_bytes if node.returned else 0,
-                                    node.selective_bytes,
-                                    node.selective_again_s)
+                                    *(kept for kept, _ in selective),
+                                    *(again for _, again in selective))
     return sums
 
 
@@ -487,11 +490,13 @@ def _cells(segments: list[list[int]], preds: list[list[int]], sums: np.ndarray,
     previous segment's full ideal), then every group. None when a segment has more than
     MAX_IDEALS ideals."""
     # per _Table field, its rows: the empty ideal's first
+    columns = sums.shape[1]
     rows: dict[str, list[np.ndarray]] = {
-        "lo": [np.zeros((1, SUMS))], "hi": [np.zeros((1, SUMS))], "sent": [np.zeros((1, 2))],
+        "lo": [np.zeros((1, columns))], "hi": [np.zeros((1, columns))],
+        "sent": [np.zeros((1, 2))],
         "sent_most": [np.zeros(1)], "own": [np.zeros(1)], "segment": [np.array([-1])],
         "whole": [np.array([-1])]}
-    before = np.zeros(SUMS)
+    before = np.zeros(columns)
     cache: dict[tuple[object, ...], tuple[np.ndarray, ...] | None] = {}
     for k, segment in enumerate(segments):
         masks = _masks(segment, preds)
@@ -525,7 +530,7 @@ def _cells(segments: list[list[int]], preds: list[list[int]], sums: np.ndarray,
 
 
 def _ideals(masks: tuple[int, ...], sums: np.ndarray) -> tuple[list[int], np.ndarray] | None:
-    """(bits, sums (ideals, SUMS)) of every ideal of a segment (``masks[i]``: the bits of
+    """(bits, sums (ideals, ``_group_sums``)) of every ideal of a segment (``masks[i]``: the bits of
     group i's predecessors in it, groups in a topological order), the empty one first;
     None beyond MAX_IDEALS. Each ideal is made once, from the ideal of its groups but the
     last (in order), which is one too."""

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fxpipe.partition.cost import state_split
-from fxpipe.partition.problem import Edge, Node, Problem, TiedPolicy
+from fxpipe.partition.problem import Edge, Node, Problem, TiedPolicy, selective_sums
 
 __all__ = ["Coarsening", "coarsen", "exact_groups"]
 
@@ -83,6 +83,7 @@ class Coarsening:
         nodes = []
         for g, group in enumerate(self.groups):
             fine = [p.nodes[v] for v in group]
+            selective_bytes, selective_kept_s = selective_sums(fine, len(p.keep_levels))
             nodes.append(Node(
                 name=fine[0].name if len(fine) == 1 else f"{fine[0].name}+{len(fine) - 1}",
                 forward_s=sum(n.forward_s for n in fine),
@@ -97,8 +98,8 @@ class Coarsening:
                 returned=any(n.returned for n in fine),
                 backward_weight_s=sum(n.backward_weight_s for n in fine),
                 deferred_bytes=sum(n.deferred_bytes for n in fine),
-                selective_bytes=sum(n.selective_bytes for n in fine),
-                selective_kept_s=sum(n.selective_kept_s for n in fine),
+                selective_bytes=selective_bytes,
+                selective_kept_s=selective_kept_s,
                 writes_kept=any(n.writes_kept for n in fine),
             ))
         edges = {(self.group_of[e.src], self.group_of[e.dst]) for e in p.edges}
@@ -112,6 +113,7 @@ class Coarsening:
             microbatches=p.microbatches,
             state_factor=p.state_factor,
             recompute=p.recompute,
+            keep_levels=p.keep_levels,
             workspace_bytes=p.workspace_bytes,
             loss_saved_bytes=p.loss_saved_bytes,
             loss_grad_bytes=p.loss_grad_bytes,

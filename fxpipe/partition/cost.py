@@ -9,8 +9,8 @@ Per stage j, for one micro-batch, from ``StageSums`` (sums over its nodes):
 
     time        forward_s + backward_s + comm_s; a stage recomputed in full runs its
                 forward again in the backward (backward_s + forward_s), one recomputed
-                selectively all of it but its matmuls and attention (backward_s +
-                selective_again_s)
+                selectively all of it but the matmuls and attention its keep level keeps
+                (backward_s + selective_again_s[level])
     memory (StageMemory)
         params      parameter bytes held (its nodes' and its tied copies)
         grads       params * clamp(state_factor - 1, 0, 1)
@@ -19,9 +19,10 @@ Per stage j, for one micro-batch, from ``StageSums`` (sums over its nodes):
         activations activations * keep(j): the micro-batches in flight, or 1 when the stage
                     recomputes in full (one micro-batch's activations while its backward
                     reruns the forward; the inputs it keeps per micro-batch are
-                    ``received``); recomputed selectively, activations + selective *
-                    (flight - 1): the matmuls' and attention's outputs of the micro-batches
-                    in flight and all of one while its backward runs
+                    ``received``); recomputed selectively, activations +
+                    selective[level] * (flight - 1): the matmuls' and attention's outputs its
+                    keep level keeps of the micro-batches in flight and all of one while
+                    its backward runs
         received    received * in_flight(j)
         outputs     kept * (in_flight(j) + 1): values sent on or returned, held until their
                     micro-batch's backward, plus one micro-batch of their gradients (the same
@@ -41,10 +42,13 @@ A stage on r replicas (GPUs running it data-parallel) divides forward_s, backwar
 activations, received, outputs and loss by r (rounded up), and adds the ring all-reduce of
 its own parameters' gradients to its time.
 
-Recompute per stage (``Problem.recompute``, a ``StageRecompute`` per stage): NONE, SELECTIVE
-and ALL decide it for every stage; AUTO chooses none, selective or full per stage (per
-GPU, when interleaved) as the fastest choice that fits (``choose_recompute``): for a fixed
-split each step from none to selective to full only adds time and removes memory.
+Recompute per stage (``Problem.recompute``, an ``Option`` per stage: a ``StageRecompute``
+and, selectively, the keep level, an index into ``Problem.keep_levels``, whose rule keeps
+the matmuls' and attention's outputs that cost the most to run again for their bytes, from
+a few of them to all): NONE, SELECTIVE (keeping all) and ALL decide it for every stage;
+AUTO chooses none, selective at any level, or full per stage (per GPU, when interleaved) as
+the fastest choice that fits (``choose_recompute``): for a fixed split each step from none
+through the levels (from all kept to the fewest) to full only adds time and removes memory.
 Schedules that split the backward (zero bubble) leave selective out, as do models that
 write in place into a matmul's output: torch's SAC runs a region's backward once and hands
 it what it kept as it is then.
@@ -57,6 +61,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -64,6 +69,7 @@ from fxpipe.partition.problem import Problem, Recompute, allreduce_s
 from fxpipe.plan import StageMemory, StageRecompute, StageTimes
 
 __all__ = [
+    "Option",
     "StageCost",
     "StageSums",
     "choose_recompute",
@@ -94,8 +100,18 @@ class StageSums:
     kept: int = 0  # values its nodes produce that a later stage reads or the model returns
     backward_weight_s: float = 0.0  # the weight-gradient (W) part of backward_s
     deferred: int = 0  # bytes W keeps from its micro-batch's B until it runs
-    selective: int = 0  # bytes kept per micro-batch when recomputed selectively
-    selective_again_s: float = 0.0  # forward seconds a selective recompute runs again
+    # per keep level: bytes kept per micro-batch when recomputed selectively, and the forward
+    # seconds it runs again (``Node.selective``)
+    selective: tuple[int, ...] = ()
+    selective_again_s: tuple[float, ...] = ()
+
+
+class Option(NamedTuple):
+    """One way a stage may recompute: a mode and, selective, its keep level (an index into
+    ``Problem.keep_levels``)."""
+
+    mode: StageRecompute
+    level: int = 0
 
 
 @dataclass(frozen=True)
@@ -107,6 +123,11 @@ class StageCost(StageTimes):
     replicas: int = 1
     recompute: StageRecompute = StageRecompute.NONE
     backward_weight_s: float = 0.0  # the W part of backward_s (a recomputed forward is B's)
+    keep_level: int = 0  # selective: its ``Problem.keep_levels`` index
+
+    @property
+    def option(self) -> Option:
+        return Option(self.recompute, self.keep_level)
 
 
 def state_split(state_factor: float) -> tuple[float, float]:
@@ -179,35 +200,41 @@ def run_again_s(recompute: StageRecompute, forward_s: Amount, selective_s: Amoun
 
 
 def stage_cost(problem: Problem, j: int, sums: StageSums, *, flight: int,
-               recompute: StageRecompute, replicas: int = 1, waiting: int = 0) -> StageCost:
+               recompute: Option, replicas: int = 1, waiting: int = 0) -> StageCost:
     """Stage j's time and memory (see the module docstring)."""
+    mode, level = recompute
+    selective = sums.selective[level] if level < len(sums.selective) else 0
+    again_s = (sums.selective_again_s[level] if level < len(sums.selective_again_s)
+               else sums.forward_s)
     parts = memory_parts(problem, j, flight=flight, params=sums.params,
                          activations=sums.activations, received=sums.received,
-                         kept=sums.kept, transient=sums.transient, recompute=recompute,
+                         kept=sums.kept, transient=sums.transient, recompute=mode,
                          replicas=replicas, deferred=sums.deferred, waiting=waiting,
-                         selective=sums.selective)
+                         selective=selective)
     memory = StageMemory(**{name: round(float(value)) for name, value in parts.items()})
-    backward_s = sums.backward_s + float(run_again_s(recompute, sums.forward_s,
-                                                     sums.selective_again_s))
+    backward_s = sums.backward_s + float(run_again_s(mode, sums.forward_s, again_s))
     return StageCost(sums.forward_s / replicas, backward_s / replicas,
                      sums.comm_s + allreduce_s(problem, sums.own_params, replicas), memory,
-                     replicas, recompute, sums.backward_weight_s / replicas)
+                     replicas, mode, sums.backward_weight_s / replicas, level)
 
 
-def recompute_options(problem: Problem) -> tuple[StageRecompute, ...]:
+def recompute_options(problem: Problem) -> tuple[Option, ...]:
     """The per-stage recompute choices ``problem.recompute`` allows, from the most bytes
-    kept (and least time) to the fewest."""
-    none, selective, full = StageRecompute
+    kept (and least time) to the fewest: none, selective from the last keep level (all
+    kept) to the first, full."""
+    none, full = Option(StageRecompute.NONE), Option(StageRecompute.FULL)
+    levels = range(len(problem.keep_levels) - 1, -1, -1)
+    selective = tuple(Option(StageRecompute.SELECTIVE, level) for level in levels)
     if problem.recompute is Recompute.AUTO:
         # SAC runs a region's backward once, and keeps a matmul's output as it is
         without = problem.schedule.spec.splits_backward or problem.writes_kept is not None
-        return (none, full) if without else (none, selective, full)
-    return {Recompute.NONE: (none,), Recompute.SELECTIVE: (selective,),
+        return (none, full) if without else (none, *selective, full)
+    return {Recompute.NONE: (none,), Recompute.SELECTIVE: selective[:1],
             Recompute.ALL: (full,)}[problem.recompute]
 
 
-def choose_recompute(problem: Problem, costs: Mapping[StageRecompute, Sequence[StageCost]]
-                     ) -> tuple[StageRecompute, ...]:
+def choose_recompute(problem: Problem, costs: Mapping[Option, Sequence[StageCost]]
+                     ) -> tuple[Option, ...]:
     """Per stage, how it recomputes: given by the policy but for AUTO, where it is the
     fastest choice that fits, per GPU (a GPU holds v stage modules when interleaved, which
     share its memory and its time); where nothing fits, the fewest bytes on that GPU (full
@@ -224,9 +251,9 @@ def choose_recompute(problem: Problem, costs: Mapping[StageRecompute, Sequence[S
         for choice in itertools.product(range(len(options)), repeat=len(held)):
             picked = [costs[options[c]][j] for j, c in zip(held, choice, strict=True)]
             fits = sum(c.memory.total for c in picked) <= problem.memory_limit
-            taken = [options[c] for c in choice]
+            taken = [options[c].mode for c in choice]
             # on a tie in time (a selective stage that keeps nothing is a full one), the
-            # fewest recomputing stages, then the fewest selective ones
+            # fewest recomputing stages, then the fewest selective ones, then the most kept
             key = (not fits, sum(c.time_s for c in picked),
                    sum(o is not StageRecompute.NONE for o in taken),
                    taken.count(StageRecompute.SELECTIVE), choice)

@@ -69,6 +69,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fxpipe.partition.cost import (
+    Option,
     StageCost,
     StageSums,
     choose_recompute,
@@ -110,6 +111,11 @@ class Evaluation:
     def recompute(self) -> tuple[StageRecompute, ...]:
         """Per stage: how it recomputes its forward in the backward."""
         return tuple(s.recompute for s in self.stages)
+
+    @property
+    def options(self) -> tuple[Option, ...]:
+        """Per stage: how it recomputes, with its keep level."""
+        return tuple(s.option for s in self.stages)
 
     @property
     def bottleneck_s(self) -> float:
@@ -168,10 +174,11 @@ def violations(problem: Problem, stage_of: Sequence[int],
 
 def evaluate(problem: Problem, stage_of: Sequence[int],
              replicas: Sequence[int] | None = None,
-             recompute: Sequence[StageRecompute] | None = None) -> Evaluation:
+             recompute: Sequence[Option | StageRecompute] | None = None) -> Evaluation:
     """Cost of putting node v on stage ``stage_of[v]``, stage j on ``replicas[j]`` GPUs
     (default one each) and recomputing where ``recompute[j]`` (default: as
-    ``Problem.recompute`` says; see the module docstring)."""
+    ``Problem.recompute`` says; see the module docstring; a bare ``StageRecompute`` is
+    selective at the last keep level, all kept)."""
     K = problem.num_stages
     assert len(stage_of) == len(problem.nodes), (len(stage_of), len(problem.nodes))
     assert all(0 <= s < K for s in stage_of)
@@ -181,7 +188,7 @@ def evaluate(problem: Problem, stage_of: Sequence[int],
     waiting = stage_deferred(problem)
     sums = stage_sums(problem, stage_of)
 
-    def priced(choice: Sequence[StageRecompute]) -> list[StageCost]:
+    def priced(choice: Sequence[Option]) -> list[StageCost]:
         return [stage_cost(problem, j, sums[j], flight=flight[j], recompute=choice[j],
                            replicas=reps[j], waiting=waiting[j]) for j in range(K)]
 
@@ -191,7 +198,9 @@ def evaluate(problem: Problem, stage_of: Sequence[int],
         stages = [costs[recompute[j]][j] for j in range(K)]
     else:
         assert len(recompute) == K, (len(recompute), K)
-        stages = priced(recompute)
+        last = len(problem.keep_levels) - 1
+        stages = priced([Option(r, last if r is StageRecompute.SELECTIVE else 0)
+                         if isinstance(r, StageRecompute) else r for r in recompute])
     return Evaluation(stage_of=stage_of, stages=tuple(stages),
                       estimate=step_estimate(problem, stages))
 
@@ -208,8 +217,9 @@ def stage_sums(problem: Problem, stage_of: Sequence[int]) -> list[StageSums]:
     params = [0] * K
     own_params = [0] * K
     activations = [0] * K
-    selective = [0] * K
-    selective_again = [0.0] * K
+    levels = range(len(problem.keep_levels))
+    selective = [[0] * len(levels) for _ in range(K)]
+    selective_again = [[0.0] * len(levels) for _ in range(K)]
     transient = [0] * K
     received = [0] * K
     kept = [0] * K
@@ -223,8 +233,10 @@ def stage_sums(problem: Problem, stage_of: Sequence[int]) -> list[StageSums]:
         params[j] += node.param_bytes
         own_params[j] += node.param_bytes
         activations[j] += node.activation_bytes
-        selective[j] += node.selective_bytes
-        selective_again[j] += node.selective_again_s
+        for level in levels:
+            nbytes, again_s = node.selective(level)
+            selective[j][level] += nbytes
+            selective_again[j][level] += again_s
         transient[j] = max(transient[j], node.grad_bytes)
 
     readers = consumers(problem)
@@ -266,8 +278,8 @@ def stage_sums(problem: Problem, stage_of: Sequence[int]) -> list[StageSums]:
                       params=params[j], own_params=own_params[j],
                       activations=activations[j], transient=transient[j],
                       received=received[j], kept=kept[j], backward_weight_s=weight[j],
-                      deferred=deferred[j], selective=selective[j],
-                      selective_again_s=selective_again[j]) for j in range(K)]
+                      deferred=deferred[j], selective=tuple(selective[j]),
+                      selective_again_s=tuple(selective_again[j])) for j in range(K)]
 
 
 def step_estimate(problem: Problem, stages: Sequence[StageCost]) -> Estimate:

@@ -26,9 +26,10 @@ Variables
     recompute chosen per stage (Problem.recompute AUTO, where memory counts):
       z[j]    = [stage j recomputes in full: keeps one micro-batch's activations, runs its
                 forward again in the backward]
-      s[j]    = [stage j recomputes selectively: keeps its matmuls' and attention's
-                outputs per micro-batch, runs the rest of its forward again]
-                (not where the schedule splits the backward); z[j] + s[j] <= 1
+      s{l}[j] = [stage j recomputes selectively at keep level l: keeps the matmuls' and
+                attention's outputs the level's rule keeps per micro-batch, runs the rest of
+                its forward again] (``Problem.keep_levels``; s[j] for level 0; not where
+                the schedule splits the backward); z[j] + sum_l s{l}[j] <= 1
       A[j]    = bytes of its saved activations and loss >= those its choice keeps
                 (``cost.saved_activations``)
       R[j]    = ticks of its forward run again >= those its choice runs again
@@ -75,7 +76,7 @@ from typing import Literal
 from ortools.sat.python import cp_model
 
 from fxpipe.partition.coarsen import Coarsening
-from fxpipe.partition.cost import recompute_options
+from fxpipe.partition.cost import Option, recompute_options
 from fxpipe.partition.evaluate import evaluate
 from fxpipe.partition.ilp_inputs import (
     group_costs,
@@ -100,7 +101,7 @@ class IlpResult:
     wall_s: float
     num_nodes: int  # coarse nodes the model had
     replicas: tuple[int, ...] | None = None  # GPUs per stage when the model chose them
-    recompute: tuple[StageRecompute, ...] | None = None  # per stage, as the model chose
+    recompute: tuple[Option, ...] | None = None  # per stage, as the model chose
     wall_clock_stopped: bool = False  # the wall-clock safety net, not the work limit, ended it
 
     @property
@@ -153,9 +154,10 @@ class StageModel:
         self.options = self._recompute_options()
         # Rounded coefficients in one row (a row: one GPU; interleaved, v stage modules).
         self._rounding_terms = (
-            ((2 if self.replicating else 1) + (self.options != (StageRecompute.NONE,))) * G
+            ((2 if self.replicating else 1) + (self.options != (Option(StageRecompute.NONE),)))
+            * G
             + 4 * p.virtual_stages * len(classes) + len(costs.replicated) + 1)
-        self._hint_recompute: tuple[StageRecompute, ...] | None = None
+        self._hint_recompute: tuple[Option, ...] | None = None
         self.upper_ticks = self._upper_ticks(hint, upper_s)
 
         self.model = cp_model.CpModel()
@@ -177,7 +179,7 @@ class StageModel:
 
     # -- bounds from the problem, before any variable ---------------------------------------
 
-    def _recompute_options(self) -> tuple[StageRecompute, ...]:
+    def _recompute_options(self) -> tuple[Option, ...]:
         """The recompute choices the policy leaves, narrowed to those that can matter
         (without a memory limit recomputing only costs time; minimising memory, it only
         saves bytes). From the most bytes kept to the fewest."""
@@ -262,7 +264,6 @@ class StageModel:
         """z[j], s[j]: how stage j recomputes (nothing where the policy or the problem
         decides); A[j] >= its saved bytes and R[j] >= its forward run again, under each
         recompute choice and replica count where they hold."""
-        names = {StageRecompute.FULL: "z", StageRecompute.SELECTIVE: "s"}
         self.z: list[list[Term]] = []  # per stage, per option after the first: [j takes it]
         self.kept: list[Terms] = []  # per stage: A[j], or nothing where the choice is decided
         self.again: list[Terms] = []  # per stage: R[j], or nothing where it is decided
@@ -272,8 +273,7 @@ class StageModel:
                 self.kept.append([])
                 self.again.append([])
                 continue
-            picks: list[Term] = [self.model.new_bool_var(f"{names[o]}[{j}]")
-                                 for o in self.options[1:]]
+            picks: list[Term] = [self.model.new_bool_var(_literal(o, j)) for o in self.options[1:]]
             if len(picks) > 1:
                 self.model.add_at_most_one(picks)
             self.z.append(picks)
@@ -282,7 +282,7 @@ class StageModel:
             kept_rows = [(self.rows.saved(j, r, o), [(y, True), *taking[o]])
                          for r, y in choices for o in self.options]
             again_rows = [(self.rows.run_again(j, r, o), [(y, True), *taking[o]])
-                          for r, y in choices for o in self.options if o is not StageRecompute.NONE]
+                          for r, y in choices for o in self.options[1:]]
             self.kept.append([(1, self.terms.max_where(kept_rows, f"A[{j}]"))])
             self.again.append([(1, self.terms.max_where(again_rows, f"R[{j}]"))])
 
@@ -375,12 +375,12 @@ class StageModel:
         GPU per stage): the stage cost formula's, through ``evaluate``, plus the rounding
         margin of the scaled rows; None if it does not fit. Keeps its recompute choice."""
         evaluation = evaluate(self.problem, self.coarsening.expand(hint))
-        self._hint_recompute = evaluation.recompute
+        self._hint_recompute = evaluation.options
         if not evaluation.estimate.fits:
             return None
         return math.ceil(evaluation.bottleneck_s * self.scale + self._rounding_terms * 0.5)
 
-    def _values(self, assignment: Sequence[int], recompute: Sequence[StageRecompute],
+    def _values(self, assignment: Sequence[int], recompute: Sequence[Option],
                 ) -> tuple[dict[int, int], dict[int, cp_model.IntVar]]:
         """Every variable's value (by index) at a coarse assignment and recompute choice:
         d from the assignment, z from the choice, the others at the least their rows allow."""
@@ -394,12 +394,12 @@ class StageModel:
         for j, picks in enumerate(self.z):
             for option, z in zip(self.options[1:], picks, strict=True):
                 assert isinstance(z, cp_model.IntVar)
-                values[z.index] = int(recompute[j] is option)
+                values[z.index] = int(recompute[j] == option)
                 variables[z.index] = z
         self.terms.least_values(values, variables)
         return values, variables
 
-    def rows_at(self, assignment: Sequence[int], recompute: Sequence[StageRecompute],
+    def rows_at(self, assignment: Sequence[int], recompute: Sequence[Option],
                 ) -> tuple[list[int], list[int]]:
         """Each GPU's time row (ticks) and memory row (bytes) at a coarse assignment and
         recompute choice: the linear form of the stage cost formula, which tests hold
@@ -416,7 +416,7 @@ class StageModel:
             return
         recompute = self._hint_recompute
         if recompute is None:
-            recompute = evaluate(self.problem, self.coarsening.expand(hint)).recompute
+            recompute = evaluate(self.problem, self.coarsening.expand(hint)).options
         values, variables = self._values(hint, recompute)
         for index, hinted in values.items():
             self.model.add_hint(variables[index], hinted)
@@ -460,7 +460,13 @@ class StageModel:
                          recompute, wall_clock_stopped=search.wall_clock_stopped)
 
 
-def _taking(options: Sequence[StageRecompute], picks: Sequence[Term], option: StageRecompute
+def _literal(option: Option, j: int) -> str:
+    """The name of stage j's literal of ``option``: z[j] (full), s[j] or s{level}[j]."""
+    letter = "z" if option.mode is StageRecompute.FULL else "s"
+    return f"{letter}{option.level or ''}[{j}]"
+
+
+def _taking(options: Sequence[Option], picks: Sequence[Term], option: Option
             ) -> list[tuple[Term, bool]]:
     """The literals (and values) that mean a stage takes ``option``: ``picks`` are its
     literals of the options after the first."""
@@ -470,8 +476,8 @@ def _taking(options: Sequence[StageRecompute], picks: Sequence[Term], option: St
     return [(picks[i - 1], True)]
 
 
-def _choice(options: Sequence[StageRecompute], picks: Sequence[Term],
-            value: Callable[[Term], int]) -> StageRecompute:
+def _choice(options: Sequence[Option], picks: Sequence[Term],
+            value: Callable[[Term], int]) -> Option:
     """A stage's recompute choice, its literals' values read by ``value``."""
     taken = [i + 1 for i, z in enumerate(picks) if value(z)]
     return options[taken[0] if taken else 0]

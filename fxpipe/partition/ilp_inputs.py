@@ -13,7 +13,13 @@ import numpy as np
 
 from fxpipe.partition.coarsen import Coarsening
 from fxpipe.partition.cost import state_split
-from fxpipe.partition.problem import Recompute, TiedGroup, TiedPolicy, allreduce_s
+from fxpipe.partition.problem import (
+    Recompute,
+    TiedGroup,
+    TiedPolicy,
+    allreduce_s,
+    selective_sums,
+)
 
 __all__ = [
     "TARGET_TICKS",
@@ -61,8 +67,10 @@ class GroupCosts:
     returned: list[int]  # bytes of the model's output it produces
     grad: list[int]  # the largest backward transient of its nodes (Node.grad_bytes)
     deferred: list[int]  # what its weight gradients keep until they run, per micro-batch
-    selective: list[int]  # bytes a selective recompute keeps of it, per micro-batch
-    selective_fwd: list[float]  # forward seconds a selective recompute runs again
+    # per keep level: bytes a selective recompute keeps of it per micro-batch, and forward
+    # seconds it runs again
+    selective: list[tuple[int, ...]]
+    selective_fwd: list[tuple[float, ...]]
     # tied groups whose copies are replicated over several coarse nodes: (group, holders)
     replicated: list[tuple[TiedGroup, list[int]]]
 
@@ -83,13 +91,9 @@ def group_costs(coarsening: Coarsening, scale: int) -> GroupCosts:
     returned = [0] * G
     grad = [0] * G
     deferred = [0] * G
-    selective = [0] * G
-    selective_fwd = [0.0] * G
     for v, node in enumerate(p.nodes):
         g = group_of[v]
         deferred[g] += node.deferred_bytes
-        selective[g] += node.selective_bytes
-        selective_fwd[g] += node.selective_again_s
         returned[g] += node.output_bytes if node.returned else 0
         secs[g] += node.forward_s + node.backward_s
         fwd[g] += node.forward_s
@@ -106,6 +110,11 @@ def group_costs(coarsening: Coarsening, scale: int) -> GroupCosts:
         else:
             replicated.append((tied, holders))
     held = [h + b for h, b in zip(held, params, strict=True)]
+    levels = len(p.keep_levels)
+    sums = [selective_sums([p.nodes[v] for v in group], levels) for group in coarsening.groups]
+    selective = [kept for kept, _ in sums]
+    selective_fwd = [tuple(f - s for s in kept_s)
+                     for f, (_, kept_s) in zip(fwd, sums, strict=True)]
     return GroupCosts(state=state, secs=secs, ticks=[round(s * scale) for s in secs], fwd=fwd,
                       state_bytes=[round(b) for b in param_state], params=params, held=held,
                       act=act, returned=returned, grad=grad, deferred=deferred,

@@ -7,7 +7,7 @@ a). Recompute (z, A, R) is chosen by the program, which adds it to these rows.
 
 from __future__ import annotations
 
-from fxpipe.partition.cost import run_again_s, saved_activations
+from fxpipe.partition.cost import Option, run_again_s, saved_activations
 from fxpipe.partition.ilp_inputs import GroupCosts, ValueClass
 from fxpipe.partition.ilp_terms import Term, TermBuilder, Terms
 from fxpipe.partition.problem import Comm, Problem, allreduce_terms, stage_deferred, stage_flights
@@ -157,13 +157,14 @@ class StageRows:
         return [(ticks[g] * c, v) for g in self.all_nodes for c, v in self.x(g, j)] + [
             (round(fixed * scale), 1)]
 
-    def saved(self, j: int, r: int, recompute: StageRecompute) -> Terms:
+    def saved(self, j: int, r: int, recompute: Option) -> Terms:
         """Stage j's saved activations and loss on each of r replicas, as ``recompute``
         keeps them (``cost.saved_activations``)."""
         costs, flight = self.costs, self.flight[j]
-        saved = [int(saved_activations(recompute, costs.act[g], costs.selective[g], flight))
+        mode, level = recompute
+        saved = [int(saved_activations(mode, costs.act[g], costs.selective[g][level], flight))
                  for g in self.all_nodes]
-        keep = 1 if recompute is StageRecompute.FULL else flight
+        keep = 1 if mode is StageRecompute.FULL else flight
         return [(-(-saved[g] // r) * c, v) for g in self.all_nodes if saved[g]
                 for c, v in self.x(g, j)] + [(-(-self._loss_bytes(j, keep) // r), 1)]
 
@@ -174,9 +175,10 @@ class StageRows:
             return 0
         return p.loss_saved_bytes * keep + p.loss_grad_bytes
 
-    def run_again(self, j: int, r: int, recompute: StageRecompute) -> Terms:
+    def run_again(self, j: int, r: int, recompute: Option) -> Terms:
         """Stage j's forward seconds run again in its backward (``cost.run_again_s``)."""
-        again = [float(run_again_s(recompute, self.costs.fwd[g], self.costs.selective_fwd[g]))
+        costs, (mode, level) = self.costs, recompute
+        again = [float(run_again_s(mode, costs.fwd[g], costs.selective_fwd[g][level]))
                  for g in self.all_nodes]
         ticks = [round(a / r * self.scale) for a in again]
         return [(ticks[g] * c, v) for g in self.all_nodes if ticks[g] for c, v in self.x(g, j)]

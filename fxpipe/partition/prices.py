@@ -157,8 +157,8 @@ class Prices:
                 p, j, flight=self.flights[j], params=params,
                 activations=np.maximum(x.A[ends] - x.A0[starts], 0.0),
                 received=x.cut_bytes[starts], kept=kept, transient=peak,
-                recompute=recompute, deferred=self.deferred[ends] - self.deferred[starts],
-                waiting=self.waiting[j], selective=np.maximum(x.S[ends] - x.S0[starts], 0.0))
+                recompute=recompute.mode, deferred=self.deferred[ends] - self.deferred[starts],
+                waiting=self.waiting[j], selective=x.selective(recompute, ends, starts))
             out += [seconds + x.run_again(recompute, ends, starts), sum(parts.values())]
         return tuple(out)
 

@@ -24,6 +24,7 @@ Three ways stages map onto GPUs:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -39,6 +40,7 @@ __all__ = [
     "TiedPolicy",
     "allreduce_s",
     "allreduce_terms",
+    "selective_sums",
     "stage_deferred",
     "stage_flights",
 ]
@@ -91,11 +93,13 @@ class Node:
     # Bytes W keeps alive from its micro-batch's B until it runs: the saved inputs of the
     # ops that have weight gradients (a linear's X, for dW = dY^T X).
     deferred_bytes: int = 0
-    # Recomputed selectively, a stage keeps these bytes of it per micro-batch in flight (the
-    # outputs of its matmuls and fused attention) and does not run these forward seconds
-    # again (the defaults: kept nothing, runs it all again, as recomputed in full).
-    selective_bytes: int = 0
-    selective_kept_s: float = 0.0
+    # Recomputed selectively at keep level l (``Problem.keep_levels``), a stage keeps
+    # selective_bytes[l] of it per micro-batch in flight (the outputs of its matmuls and fused
+    # attention that the level's rule keeps) and does not run selective_kept_s[l] of its
+    # forward seconds again (at a level without an entry: kept nothing, runs it all again,
+    # as recomputed in full).
+    selective_bytes: tuple[int, ...] = ()
+    selective_kept_s: tuple[float, ...] = ()
     # It writes in place into what selective recompute keeps (a matmul's output), which
     # SAC would hand the backward written: no stage recomputes selectively.
     writes_kept: bool = False
@@ -104,10 +108,22 @@ class Node:
     def backward_input_s(self) -> float:
         return self.backward_s - self.backward_weight_s
 
-    @property
-    def selective_again_s(self) -> float:
-        """The forward seconds a selective recompute runs again: all but what it keeps."""
-        return self.forward_s - self.selective_kept_s
+    def selective(self, level: int) -> tuple[int, float]:
+        """(bytes kept, forward seconds run again) recomputed selectively at ``level``: all
+        of its forward but what it keeps."""
+        if level >= len(self.selective_bytes):
+            return 0, self.forward_s
+        return self.selective_bytes[level], self.forward_s - self.selective_kept_s[level]
+
+
+def selective_sums(nodes: Sequence[Node], levels: int
+                   ) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    """Per keep level, the bytes ``nodes`` keep recomputed selectively and the forward
+    seconds they do not run again (``Node.selective``'s, added up)."""
+    kept = [[node.selective(level) for node in nodes] for level in range(levels)]
+    return (tuple(sum(b for b, _ in row) for row in kept),
+            tuple(sum(n.forward_s - s for n, (_, s) in zip(nodes, row, strict=True))
+                  for row in kept))
 
 
 @dataclass(frozen=True)
@@ -144,6 +160,10 @@ class Problem:
     # Keep only stage inputs per micro-batch and recompute in backward: on no stage, on
     # every stage, or on the stages the solver chooses (see ``fxpipe.partition.cost``).
     recompute: Recompute = Recompute.NONE
+    # The rules a selective stage may keep by, from the fewest bytes kept to all
+    # (fxpipe.runtime.recompute.KeepRule's (work, width)); a node's ``selective_bytes`` has
+    # one entry per level. Under SELECTIVE every stage keeps by the last, (0, 0): all.
+    keep_levels: tuple[tuple[int, int], ...] = ((0, 0),)
     workspace_bytes: int = 0  # reserved per device (CUDA context, allocator slack)
     # The loss, computed on the last stage for every micro-batch: bytes it saves for backward
     # (kept per micro-batch in flight there) and bytes its backward allocates for one

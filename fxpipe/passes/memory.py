@@ -38,7 +38,7 @@ from fxpipe.metadevice import named_state
 from fxpipe.passes.base import OP_NODES, MetaInterpreter, copied_from, fresh_like, tensor_leaves
 from fxpipe.passes.flops import FlopCounter
 from fxpipe.passes.shapes import value_info
-from fxpipe.runtime.recompute import KeptWrites
+from fxpipe.runtime.recompute import Kept, KeptWrites
 
 __all__ = ["annotate_memory"]
 
@@ -68,7 +68,7 @@ class _Ran:
     view_of: int | None
     result: Any
     result_was: Any
-    selective: int
+    selective: tuple[Kept, ...]
     writes_kept: bool
 
 
@@ -87,7 +87,7 @@ class _MemoryCount(MetaInterpreter):
         first: dict[int, str] = {}
         self.canonical = {name: first.setdefault(id(t), name) for name, t in named_state(gm)}
         self.intermediate: dict[torch.fx.Node, int] = {}
-        self.selective: dict[torch.fx.Node, int] = {}  # kept by selective recompute
+        self.selective: dict[torch.fx.Node, tuple[Kept, ...]] = {}  # what SAC may keep
         self.writes_kept: set[torch.fx.Node] = set()  # write into what it keeps
         self.kept_writes = KeptWrites(lambda _op: None)  # the whole run's kept storages
         self.output_saved: set[torch.fx.Node] = set()  # nodes whose storage backward keeps
@@ -131,11 +131,11 @@ class _MemoryCount(MetaInterpreter):
             saved.append(t)
             return t
 
-        self.kept_writes.added = 0
+        self.kept_writes.added = []
         self.kept_writes.on_write = lambda _op: self.writes_kept.add(n)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), self.kept_writes:
             result = super().execute(n)
-        self.selective[n] = self.kept_writes.added
+        self.selective[n] = tuple(self.kept_writes.added)
         outputs = {_storage(t) for t in tensor_leaves(result)}
         view_of = self._view_of(n, outputs, inputs)
         own: dict[StorageWeakRef, int] = {}
@@ -251,6 +251,6 @@ def annotate_memory(
         if node in counter.output_saved and node.op in OP_NODES:
             saved += owned.output_bytes
         meta.BYTES.set(node, replace(owned, saved_bytes=saved,
-                                     selective_bytes=counter.selective.get(node, 0),
+                                     selective=counter.selective.get(node, ()),
                                      writes_kept=node in counter.writes_kept))
     return gm

@@ -150,6 +150,22 @@ def render_report(plan: Plan, *, svg: bool = True) -> str:
 
 
 def _recompute(plan: Plan) -> str:
+    """How the stages recompute (``_modes``), and which selective stages keep only some
+    of their matmuls' and attention's outputs."""
+    rules: dict[tuple[int, int], list[str]] = {}
+    for stage in plan.stages:
+        if stage.keeps is not None:
+            rules.setdefault(stage.keeps, []).append(str(stage.index))
+    said = _modes(plan)
+    if rules:
+        said += "; of those outputs, " + "; ".join(
+            f"{_stages(indices)} keep{'s' * (len(indices) == 1)} only the ones doing more "
+            f"than {work} FLOPs per element, or {work} into at most {width} columns"
+            for (work, width), indices in sorted(rules.items(), reverse=True))
+    return said
+
+
+def _modes(plan: Plan) -> str:
     """How the stages recompute: which rerun their forward in the backward, keeping only
     their inputs, and which rerun all of it but their matmuls and attention."""
     by_mode = {mode: [str(stage.index) for stage in plan.stages if stage.recompute is mode]

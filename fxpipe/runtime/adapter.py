@@ -45,7 +45,13 @@ from torch.utils.checkpoint import checkpoint
 
 from .microbatch import torch_chunk_spec
 from .precision import as_activations, autocast, example_device
-from .recompute import EachTime, buffers_restored, modes, selective_contexts
+from .recompute import (
+    EachTime,
+    buffers_restored,
+    keep_rule,
+    modes,
+    selective_contexts,
+)
 
 __all__ = [
     "StageAdapter",
@@ -120,8 +126,9 @@ class StageAdapter(nn.Module):
         def restored() -> contextlib.AbstractContextManager[None]:
             return buffers_restored(self.stage, 0, {})
 
-        if self.recompute == "selective":
-            return selective_contexts(restored)
+        rule = keep_rule(self.recompute)
+        if rule is not None:
+            return selective_contexts(restored, rule)
         return contextlib.nullcontext(), EachTime(restored)
 
     def _run(self, *flat: torch.Tensor) -> Any:

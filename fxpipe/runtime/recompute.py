@@ -16,15 +16,17 @@ A stage recomputes in one of three ways, named as the plan names them (``MODES``
 keeps only what it receives and runs its whole forward again in the backward;
 ``"selective"`` (selective activation checkpointing, torch's SAC) also keeps the outputs
 of the matrix multiplications and the fused attention kernels (``SELECTIVE_KEEPS``) and
-runs only the other ops again, which are cheap for their bytes. The planner prices a
-selective stage from the same op list (fxpipe.passes.memory), so what it plans is what
-``selective_contexts`` keeps. SAC keeps those outputs as they are, so an op that writes
+runs only the other ops again, which are cheap for their bytes. A selective stage may keep
+only some of those outputs, the ones that cost the most to run again for their bytes, by a
+``KeepRule`` its mode names (``"selective:W:N"``, see ``keep_rule``). The planner prices a
+selective stage from the same op list and rule (fxpipe.passes.memory), so what it plans is
+what ``selective_contexts`` keeps. SAC keeps those outputs as they are, so an op that writes
 into one in place would hand the backward the written value: ``KeptWrites`` sees such
 writes, the planner to leave selective recompute out, the runtime to refuse it."""
 
 import contextlib
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -37,10 +39,10 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
-__all__ = ["MODES", "SELECTIVE_KEEPS", "EachTime", "KeptWrites", "RngState", "buffers_restored",
-           "keep_matmuls", "modes",
+__all__ = ["KEEP_ALL", "MODES", "SELECTIVE_KEEPS", "EachTime", "KeepRule", "Kept", "KeptWrites",
+           "RngState", "buffers_restored", "keep_rule", "keeping", "mode_name", "modes",
            "nothing_saved", "passed_on", "rng_restored", "rng_state", "selective_contexts",
-           "selective_run"]
+           "selective_run", "work_and_width"]
 
 MODES = ("none", "selective", "full")  # how a stage recomputes (see the module docstring)
 
@@ -54,7 +56,50 @@ SELECTIVE_KEEPS = frozenset(
         "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
     ) if hasattr(aten, name))
 
+_ATTENTION = frozenset(op for op in SELECTIVE_KEEPS if "attention" in op.__name__)
+
 RngState = tuple[torch.Tensor, torch.Tensor | None]  # (CPU state, CUDA state of the device)
+
+
+def work_and_width(op: Any, args: Sequence[Any]) -> tuple[int, int]:
+    """(FLOPs per output element, output columns) of a call of an op of ``SELECTIVE_KEEPS``:
+    a matmul does 2 k (k the length it sums over), attention 4 times the keys' length (the
+    scores and the weighted sum). A kept output's bytes cost this work to run again: the
+    more work per element, the more a byte of it is worth keeping."""
+    if op.overloadpacket in _ATTENTION:
+        _query, key, value = args[:3]
+        return 4 * key.shape[-2], value.shape[-1]
+    left, right = args[-2:]  # mm, bmm (a, b); addmm, baddbmm (bias, a, b)
+    return 2 * left.shape[-1], right.shape[-1]
+
+
+class KeepRule(NamedTuple):
+    """Which outputs of ``SELECTIVE_KEEPS`` a selective stage keeps: those of calls doing
+    more than ``work`` FLOPs per element (``work_and_width``), and of those doing exactly
+    ``work``, the ones at most ``width`` columns wide. ``KEEP_ALL`` keeps every one."""
+
+    work: int
+    width: int
+
+    def keeps(self, work: int, width: int) -> bool:
+        return work > self.work or (work == self.work and width <= self.width)
+
+
+KEEP_ALL = KeepRule(0, 0)
+
+
+def keep_rule(mode: str) -> KeepRule | None:
+    """The rule of a selective mode: ``"selective"`` keeps all (``KEEP_ALL``),
+    ``"selective:W:N"`` by ``KeepRule(W, N)``; None for another mode."""
+    name, *numbers = mode.split(":")
+    if name != "selective":
+        return None
+    return KeepRule(*map(int, numbers)) if numbers else KEEP_ALL
+
+
+def mode_name(mode: str) -> str:
+    """The ``MODES`` entry a stage's mode is (``"selective:W:N"`` is ``"selective"``)."""
+    return mode.split(":")[0]
 
 
 def rng_state(dev: torch.device | None) -> RngState:
@@ -123,8 +168,9 @@ def passed_on(outputs: Any) -> Any:
 
 
 def modes(recompute: Sequence[str | bool] | None, num_stages: int) -> tuple[str, ...]:
-    """Each stage's recompute mode (``MODES``) from one entry per stage: a mode, or a bool
-    (True: ``"full"``, as plans before selective recompute said it)."""
+    """Each stage's recompute mode from one entry per stage: one of ``MODES``,
+    ``"selective:W:N"`` (keeping by ``KeepRule(W, N)``), or a bool (True: ``"full"``, as
+    plans before selective recompute said it)."""
     if recompute is None:
         return ("none",) * num_stages
     if len(recompute) != num_stages:
@@ -134,10 +180,18 @@ def modes(recompute: Sequence[str | bool] | None, num_stages: int) -> tuple[str,
     for mode in recompute:
         if isinstance(mode, bool):
             mode = "full" if mode else "none"
-        if mode not in MODES:
-            raise ValueError(f"recompute mode {mode!r} is not one of {', '.join(MODES)}.")
+        if not _valid(str(mode)):
+            raise ValueError(f"recompute mode {mode!r} is not one of {', '.join(MODES)} "
+                             f"or selective:W:N (W and N whole numbers).")
         out.append(str(mode))
     return tuple(out)
+
+
+def _valid(mode: str) -> bool:
+    name, *numbers = mode.split(":")
+    if not numbers:
+        return name in MODES
+    return name == "selective" and len(numbers) == 2 and all(n.isdigit() for n in numbers)
 
 
 class EachTime:
@@ -157,21 +211,36 @@ class EachTime:
         return self.entered.pop().__exit__(*exc)
 
 
-def keep_matmuls(_ctx: Any, op: Any, *_args: Any, **_kwargs: Any) -> CheckpointPolicy:
-    """SAC's policy for a selective stage: keep the outputs of ``SELECTIVE_KEEPS``."""
-    return (CheckpointPolicy.MUST_SAVE if op.overloadpacket in SELECTIVE_KEEPS
-            else CheckpointPolicy.PREFER_RECOMPUTE)
+def keeping(rule: KeepRule) -> Callable[..., CheckpointPolicy]:
+    """SAC's policy for a selective stage: keep the outputs of the ``SELECTIVE_KEEPS``
+    calls ``rule`` keeps, run the rest again."""
+
+    def policy(_ctx: Any, op: Any, *args: Any, **_kwargs: Any) -> CheckpointPolicy:
+        if op.overloadpacket in SELECTIVE_KEEPS and rule.keeps(*work_and_width(op, args)):
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+class Kept(NamedTuple):
+    """An output of a ``SELECTIVE_KEEPS`` call: its ``work_and_width`` and bytes."""
+
+    work: int
+    width: int
+    nbytes: int
 
 
 class KeptWrites(TorchDispatchMode):
-    """While open: the storages of the outputs of ``SELECTIVE_KEEPS`` ops (``added``: the
-    bytes of those first seen since it was last set to 0), and ``on_write(op)`` called
-    for each op that writes into one in place."""
+    """While open: the storages of the outputs of ``SELECTIVE_KEEPS`` ops (``added``: those
+    first seen since it was last emptied, as ``Kept``), and ``on_write(op)`` called for
+    each op that writes into one in place (whichever rule keeps it: a write is refused
+    for any selective stage)."""
 
     def __init__(self, on_write: Callable[[Any], None]) -> None:
         super().__init__()
         self.on_write = on_write
-        self.added = 0
+        self.added: list[Kept] = []
         self._kept: dict[int, StorageWeakRef] = {}  # by storage; a dead one may be reused
 
     def _holds(self, t: torch.Tensor) -> bool:
@@ -186,11 +255,12 @@ class KeptWrites(TorchDispatchMode):
             self.on_write(func)
         result = func(*args, **kwargs)
         if func.overloadpacket in SELECTIVE_KEEPS:
+            work, width = work_and_width(func, args)
             for t in pytree.tree_leaves(result):
                 if isinstance(t, torch.Tensor) and not self._holds(t):
                     ref = StorageWeakRef(t.untyped_storage())
                     self._kept[ref.cdata] = ref
-                    self.added += t.untyped_storage().nbytes()
+                    self.added.append(Kept(work, width, t.untyped_storage().nbytes()))
         return result
 
 
@@ -211,13 +281,13 @@ def _refuse_write(func: Any) -> None:
         f"stage in full or not at all (fxpipe's plans leave selective out for such models)")
 
 
-def selective_contexts(restored: Callable[[], contextlib.AbstractContextManager[Any]]
-                       ) -> tuple[Any, Any]:
+def selective_contexts(restored: Callable[[], contextlib.AbstractContextManager[Any]],
+                       rule: KeepRule = KEEP_ALL) -> tuple[Any, Any]:
     """``torch.utils.checkpoint``'s ``context_fn`` result for a selective stage: (the first
-    run's context, which keeps the outputs of ``SELECTIVE_KEEPS`` and refuses a write
-    into one; the run again's, which reads them back and, each time, runs inside
-    ``restored()``, which undoes what it writes into buffers)."""
-    keep, again = create_selective_checkpoint_contexts(keep_matmuls)
+    run's context, which keeps the outputs of ``SELECTIVE_KEEPS`` that ``rule`` keeps and
+    refuses a write into any; the run again's, which reads them back and, each time, runs
+    inside ``restored()``, which undoes what it writes into buffers)."""
+    keep, again = create_selective_checkpoint_contexts(keeping(rule))
 
     @contextlib.contextmanager
     def first() -> Iterator[None]:
@@ -232,20 +302,23 @@ def selective_contexts(restored: Callable[[], contextlib.AbstractContextManager[
     return first(), EachTime(both)
 
 
-def selective_run(run: Callable[..., Any], inputs: dict[str, Any], written: Sequence[str],
+def selective_run(run: Callable[..., Any], inputs: dict[str, Any], rule: KeepRule,
+                  writes: Collection[str],
                   restored: Callable[[], contextlib.AbstractContextManager[Any]]) -> Any:
-    """``run(**inputs)`` under torch's SAC (``selective_contexts``). Its run again in the
-    backward must start from the inputs as received: an input it writes in place
-    (``written``) is given to both runs as a copy taken first, each run writes a copy of
-    that, and the first run's is written into the input, as ``run`` would have."""
+    """``run(**inputs)`` under torch's SAC (``selective_contexts``, keeping by ``rule``).
+    Its run again in the backward must start from the inputs as received: an input it
+    writes in place (named in ``writes``) is given to both runs as a copy taken first,
+    each run writes a copy of that, and the first run's is written into the input, as
+    ``run`` would have."""
 
     def copied(**given: Any) -> tuple[Any, tuple[Any, ...]]:
         given.update((name, given[name].clone()) for name in written)
         return run(**given), tuple(given[name] for name in written)
 
+    written = sorted(inputs.keys() & writes)
     received = {**inputs, **{name: inputs[name].clone() for name in written}}
     outputs, after = checkpoint(copied, use_reentrant=False,
-                                context_fn=lambda: selective_contexts(restored), **received)
+                                context_fn=lambda: selective_contexts(restored, rule), **received)
     for name, value in zip(written, after, strict=True):
         inputs[name].copy_(value)
     return outputs

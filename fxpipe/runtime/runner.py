@@ -57,14 +57,14 @@ __all__ = ["PipelineRunner"]
 
 
 class PipelineRunner(MeasuredSteps):
-    """Execute ``stages`` (modules with ``INPUTS``/``OUTPUTS`` name tuples whose
-    forward takes inputs by name and returns a tuple in ``OUTPUTS`` order) on a
-    clock-tick ``schedule`` of ``microbatches`` micro-batches.
+    """Execute ``stages`` (modules with ``INPUTS``/``OUTPUTS`` name tuples whose forward
+    takes inputs by name and returns a tuple in ``OUTPUTS`` order) on a clock-tick
+    ``schedule`` of ``microbatches`` micro-batches.
 
-    ``replicas[k]`` (default 1) runs stage k data-parallel on that many chunks of
-    every micro-batch, and ``devices[k]`` may then list one device per replica;
-    ``weight_stashing`` makes ``step`` update every stage after each of its
-    backwards with the optimizers it is given (see stashing.py); ``shared_inputs`` go whole."""
+    ``replicas[k]`` (default 1) runs stage k data-parallel on that many chunks of every
+    micro-batch, and ``devices[k]`` may then list one device per replica; ``weight_stashing``
+    makes ``step`` update every stage after each of its backwards with the optimizers it is
+    given (see stashing.py); ``shared_inputs`` go whole."""
 
     def __init__(
         self,
@@ -93,9 +93,9 @@ class PipelineRunner(MeasuredSteps):
         self.flatten_inputs = flatten_inputs
         self.build_output = build_output
         # per stage (recompute.MODES): "full" keeps its inputs only and runs its forward again
-        # in the backward; "selective" also its matmuls' and attention's outputs (SAC)
+        # in the backward; "selective" also the matmuls' and attention's outputs its rule keeps
         self.recompute = [mode == "full" for mode in recompute_modes]
-        self.selective = [mode == "selective" for mode in recompute_modes]
+        self.selective = [remat.keep_rule(mode) for mode in recompute_modes]  # None: not
         self.replicas = [int(r) for r in replicas]
         self.weight_stashing = bool(weight_stashing)
         self.precision = check_precision(precision)
@@ -273,8 +273,8 @@ class PipelineRunner(MeasuredSteps):
         def run(**given: Any) -> tuple[Any, ...]:
             return (stage(**given) if params is None
                     else torch.func.functional_call(stage, params, (), given))
-        if self.selective[k] and torch.is_grad_enabled():
-            outputs = remat.selective_run(run, inputs, sorted(self.wiring.written & set(inputs)),
+        if (rule := self.selective[k]) is not None and torch.is_grad_enabled():
+            outputs = remat.selective_run(run, inputs, rule, self.wiring.written,
                                           lambda: remat.buffers_restored(stage, k, self._bound))
         else:
             outputs = run(**inputs)

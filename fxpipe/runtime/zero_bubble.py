@@ -42,6 +42,7 @@ from typing import Any, cast
 import torch
 
 from .adapter import StageAdapter, torch_schedule_kwargs
+from .recompute import mode_name
 
 __all__ = ["ZERO_BUBBLE", "placement", "requirement", "zero_bubble_schedule"]
 
@@ -104,7 +105,7 @@ def zero_bubble_schedule(
                          f"in one process)")
     for stage in stages:
         adapter = cast(StageAdapter, stage.submod)
-        if adapter.recompute == "selective":
+        if mode_name(adapter.recompute) == "selective":
             raise ValueError(f"{kind} runs each stage's backward in two passes, which "
                              f"selective recompute cannot: split again with --recompute "
                              f"full or none, or another --schedule")

@@ -45,6 +45,7 @@ def contiguous_plan(
             index=k,
             nodes=tuple(name for name in order if stage_of[name] == k),
             recompute=_mode(recompute[k]),
+            keeps=_keeps(recompute[k]),
             replicas=replicas[k],
         )
         for k in range(num_stages)
@@ -64,7 +65,16 @@ def contiguous_plan(
 
 
 def _mode(recompute: bool | str) -> StageRecompute:
-    """A stage's recompute mode: a mode's name, or a bool (full or none)."""
+    """A stage's recompute mode: a mode's name (``"selective:W:N"``: selective), or a bool
+    (full or none)."""
     if isinstance(recompute, str):
-        return StageRecompute(recompute)
+        return StageRecompute(recompute.split(":")[0])
     return StageRecompute.FULL if recompute else StageRecompute.NONE
+
+
+def _keeps(recompute: bool | str) -> tuple[int, int] | None:
+    """The keep rule of ``"selective:W:N"``: (W, N); None for any other mode."""
+    if not isinstance(recompute, str) or ":" not in recompute:
+        return None
+    _, work, width = recompute.split(":")
+    return int(work), int(width)

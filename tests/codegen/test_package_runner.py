@@ -18,8 +18,10 @@ from ._models import (
 )
 from ._plans import contiguous_plan
 
+# "selective:64:32": keeping only the matmuls doing more than 64 FLOPs per element (or 64,
+# at most 32 wide) and running the others again
 SETTINGS = [("gpipe", False), ("1f1b", True), ("1f1b", "selective"), ("1f1b", False),
-            ("gpipe", True)]
+            ("gpipe", True), ("gpipe", "selective:64:32")]
 # the symbolic models take every setting; the exported ones three, to keep the suite short
 CASES = [
     (name, schedule, recompute)

@@ -349,7 +349,8 @@ def _selective_if_it_can(modes: Sequence[bool | str], done: Split) -> tuple[bool
     leaves selective out: tests/runtime/test_adapter.py, tests/partition)."""
     writes = any(info.writes_kept for node in done.traced.gm.graph.nodes
                  if (info := meta.BYTES.get(node)) is not None)
-    return tuple("full" if writes and mode == "selective" else mode for mode in modes)
+    return tuple("full" if writes and str(mode).startswith("selective") else mode
+                 for mode in modes)
 
 
 def _cycle(values: Sequence[Any], k: int) -> tuple[Any, ...]:

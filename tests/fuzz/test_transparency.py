@@ -56,7 +56,8 @@ def cases(draw: st.DrawFn) -> Case:
     # selective recompute runs a backward once: not where the schedule splits it in two
     selective = not kind.spec.splits_backward
     policies = ["none", "all", *["selective"] * selective]
-    modes = ["none", "full", *["selective"] * selective]
+    # a keep rule keeps some matmuls' outputs and reruns the others
+    modes = ["none", "full", *["selective", "selective:64:32"] * selective]
     replicate = replicable and not one_per_gpu and rng.random() < 0.25
     replicas = (tuple(rng.choice([1, 2]) for _ in range(4))
                 if replicable and rng.random() < 0.25 else None)

@@ -7,8 +7,7 @@ import math
 from collections.abc import Iterable, Iterator
 
 from fxpipe.partition import Problem, Recompute, evaluate, violations
-from fxpipe.partition.cost import recompute_options
-from fxpipe.plan import StageRecompute
+from fxpipe.partition.cost import Option, recompute_options
 from fxpipe.schedules import ScheduleKind
 
 
@@ -75,9 +74,9 @@ def policies(schedule: ScheduleKind) -> list[Recompute]:
             if not (r is Recompute.SELECTIVE and schedule.spec.splits_backward)]
 
 
-def recompute_choices(problem: Problem) -> list[tuple[StageRecompute, ...]]:
-    """Every per-stage recompute choice ``problem.recompute`` allows (AUTO: all 3^K, or
-    2^K where the schedule splits the backward)."""
+def recompute_choices(problem: Problem) -> list[tuple[Option, ...]]:
+    """Every per-stage recompute choice ``problem.recompute`` allows (AUTO: all (2 + L)^K
+    with L keep levels, or 2^K where the schedule splits the backward)."""
     return list(itertools.product(recompute_options(problem), repeat=problem.num_stages))
 
 

@@ -58,8 +58,10 @@ def layered(draw: st.DrawFn, *, comm: bool, branches: bool = True, limited: bool
     shape = [(t, draw(st.integers(0, 5)), draw(st.integers(0, 4)), draw(st.integers(0, 3)),
               draw(st.integers(0, 4)) if transients else 0)
              for t in times]
-    # what a selective recompute keeps of each node (of its activations) and does not rerun
-    selective = [(draw(st.integers(0, act)), draw(st.integers(0, t)))
+    # what a selective recompute keeps of each node (of its activations) and does not rerun,
+    # at two keep levels: the first keeps part of what the second (all) keeps
+    selective = [(sorted(draw(st.integers(0, act)) for _ in range(2)),
+                  sorted(draw(st.integers(0, t)) for _ in range(2)))
                  for t, _, act, _, _ in shape]
     nodes, edges = [], []
     for layer in range(layers):
@@ -68,7 +70,8 @@ def layered(draw: st.DrawFn, *, comm: bool, branches: bool = True, limited: bool
             kept, kept_t = selective[i]
             nodes.append(Node(f"l{layer}n{i}", forward_s=t * MS / 3, backward_s=2 * t * MS / 3,
                               param_bytes=params * 100, activation_bytes=act * 10,
-                              selective_bytes=kept * 10, selective_kept_s=kept_t * MS / 3,
+                              selective_bytes=tuple(k * 10 for k in kept),
+                              selective_kept_s=tuple(k * MS / 3 for k in kept_t),
                               output_bytes=out * 10 if comm else 0,
                               comm_s=out * MS if comm else 0.0, grad_bytes=grad * 100))
         if layer:
@@ -81,7 +84,7 @@ def layered(draw: st.DrawFn, *, comm: bool, branches: bool = True, limited: bool
     return Problem(nodes=tuple(nodes), edges=tuple(edges), num_stages=K,
                    memory_limit=draw(st.sampled_from(limits)),
                    schedule=ScheduleKind.ONE_F_ONE_B, microbatches=draw(st.integers(1, 4)) * K,
-                   recompute=draw(st.sampled_from(Recompute)),
+                   recompute=draw(st.sampled_from(Recompute)), keep_levels=((8, 2), (0, 0)),
                    # Without comm or a limit, empty stages allowed, as the bound allows them.
                    allow_empty_stages=exact or not comm or not limited or draw(st.booleans()))
 

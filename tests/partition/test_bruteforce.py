@@ -26,7 +26,7 @@ from fxpipe.partition import (
     violations,
 )
 from fxpipe.partition.baselines import Blocks
-from fxpipe.partition.cost import memory_parts, recompute_options
+from fxpipe.partition.cost import Option, memory_parts, recompute_options
 from fxpipe.plan import StageRecompute
 from fxpipe.schedules import ScheduleKind
 
@@ -70,6 +70,10 @@ def problems(draw: st.DrawFn, layout: str = "one per GPU") -> Problem:
     backward = [draw(st.integers(0, 9)) for _ in range(n)]
     forward = [draw(st.integers(0, 9)) for _ in range(n)]
     saved = [draw(st.integers(0, 3)) for _ in range(n)]
+    # per node, what selective recompute keeps and does not rerun at two keep levels: the
+    # first keeps part of what the second (all) keeps
+    kept = [sorted(draw(st.integers(0, saved[i])) for _ in range(2)) for i in range(n)]
+    kept_s = [sorted(draw(st.integers(0, forward[i])) for _ in range(2)) for i in range(n)]
     nodes = tuple(
         Node(
             name=f"n{i}",
@@ -79,8 +83,8 @@ def problems(draw: st.DrawFn, layout: str = "one per GPU") -> Problem:
             deferred_bytes=draw(st.integers(0, 3)) * 10,
             param_bytes=draw(st.integers(0, 5)) * 100,
             activation_bytes=saved[i] * 10,
-            selective_bytes=draw(st.integers(0, saved[i])) * 10,
-            selective_kept_s=draw(st.integers(0, forward[i])) * MS,
+            selective_bytes=tuple(b * 10 for b in kept[i]),
+            selective_kept_s=tuple(s * MS for s in kept_s[i]),
             grad_bytes=draw(st.sampled_from([0, 0, 40, 250])),
             output_bytes=draw(st.sampled_from([0, 10, 30, 200])),
             comm_s=draw(st.integers(0, 4)) * MS,
@@ -113,6 +117,7 @@ def problems(draw: st.DrawFn, layout: str = "one per GPU") -> Problem:
                          K if schedule is ScheduleKind.DUALPIPEV else 1),
         state_factor=float(draw(st.integers(1, 4))),
         recompute=draw(st.sampled_from(policies(schedule))),
+        keep_levels=((8, 2), (0, 0)),
         workspace_bytes=draw(st.integers(0, 2)) * 50,
         loss_saved_bytes=draw(st.integers(0, 2)) * 10,
         loss_grad_bytes=draw(st.integers(0, 2)) * 10,
@@ -362,14 +367,15 @@ def test_interval_dp_prices_each_stage_by_the_stage_cost_formula(
                                        max_size=end + 1)), dtype=float)
     peak = np.array(data.draw(st.lists(st.integers(0, 300), min_size=end + 1,
                                        max_size=end + 1)), dtype=float)
-    for recompute in StageRecompute:
+    for recompute in (Option(NONE), Option(SELECTIVE, 0), Option(SELECTIVE, 1), Option(FULL)):
         rows = blocks.memory(end, starts, sent=sent, peak=peak, recompute=recompute)
+        level = recompute.level
         for j in range(K):
             for a in starts:
                 parts = memory_parts(
-                    problem, j, flight=int(blocks.flights[j, 0]), recompute=recompute,
+                    problem, j, flight=int(blocks.flights[j, 0]), recompute=recompute.mode,
                     params=max(blocks.P[end] - blocks.P0[a], 0.0),
                     activations=max(blocks.A[end] - blocks.A0[a], 0.0),
                     received=blocks.cut_bytes[a], kept=sent[a], transient=peak[a],
-                    selective=max(blocks.S[end] - blocks.S0[a], 0.0))
+                    selective=max(blocks.S[end, level] - blocks.S0[a, level], 0.0))
                 assert rows[j, a] == pytest.approx(sum(parts.values()), rel=1e-12)

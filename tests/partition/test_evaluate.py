@@ -17,6 +17,7 @@ from fxpipe.partition import (
     evaluate,
     violations,
 )
+from fxpipe.partition.cost import Option
 from fxpipe.plan import StageRecompute
 from fxpipe.schedules import ScheduleKind
 
@@ -96,8 +97,8 @@ def test_a_selective_stage_keeps_its_kept_ops_per_micro_batch_and_reruns_the_res
     but the one in its backward, which holds all its activations, and reruns the forward
     of its ops that SAC does not keep."""
     nodes = (Node("a", 1.0, 2.0, activation_bytes=10, output_bytes=8, comm_s=1.0),
-             Node("b", 2.0, 4.0, activation_bytes=30, selective_bytes=12,
-                  selective_kept_s=1.5, output_bytes=4))
+             Node("b", 2.0, 4.0, activation_bytes=30, selective_bytes=(12,),
+                  selective_kept_s=(1.5,), output_bytes=4))
     p = Problem(nodes, (Edge(0, 1),), num_stages=2, microbatches=8,
                 schedule=ScheduleKind.GPIPE, recompute=Recompute.SELECTIVE)
     ev = evaluate(p, [0, 1])
@@ -114,8 +115,8 @@ def test_auto_takes_selective_where_it_fits_and_is_faster_than_full() -> None:
     """Four equal layers under 1F1B (stage j holds 4 - j micro-batches): a limit where
     stage 0 fits only recomputed in full, stage 1 selectively and the others as they
     are."""
-    nodes = tuple(Node(f"l{i}", 1.0, 2.0, activation_bytes=100, selective_bytes=60,
-                       selective_kept_s=0.75, output_bytes=1) for i in range(4))
+    nodes = tuple(Node(f"l{i}", 1.0, 2.0, activation_bytes=100, selective_bytes=(60,),
+                       selective_kept_s=(0.75,), output_bytes=1) for i in range(4))
     edges = tuple(Edge(i, i + 1) for i in range(3))
     problem = Problem(nodes, edges, num_stages=4, microbatches=8, recompute=Recompute.AUTO)
     split = (0, 1, 2, 3)
@@ -134,6 +135,29 @@ def test_auto_takes_selective_where_it_fits_and_is_faster_than_full() -> None:
     written = (replace(nodes[0], writes_kept=True), *nodes[1:])
     ev = evaluate(replace(problem, nodes=written, memory_limit=limit), split)
     assert ev.recompute == (FULL, FULL, NONE, NONE)
+
+
+def test_auto_takes_the_keep_level_that_fits_where_keeping_all_does_not() -> None:
+    """Two keep levels: the first keeps 20 of each layer's 100 bytes and skips 0.25 s of
+    its forward run again, the second (all) 60 bytes and 0.75 s. Where stage 0 (4
+    micro-batches in flight) fits keeping at the first level but not keeping all, auto
+    recomputes it selectively at the first level: faster than in full."""
+    nodes = tuple(Node(f"l{i}", 1.0, 2.0, activation_bytes=100, selective_bytes=(20, 60),
+                       selective_kept_s=(0.25, 0.75), output_bytes=1) for i in range(4))
+    edges = tuple(Edge(i, i + 1) for i in range(3))
+    problem = Problem(nodes, edges, num_stages=4, microbatches=8, recompute=Recompute.AUTO,
+                      keep_levels=((8, 2), (0, 0)))
+    split = (0, 1, 2, 3)
+    lean = evaluate(problem, split, recompute=(Option(SELECTIVE, 0),) * 4).stages
+    assert [s.memory.activations for s in lean] == [160, 140, 120, 100]
+    assert [s.backward_s for s in lean] == [2.75] * 4
+    every = evaluate(problem, split, recompute=(SELECTIVE,) * 4).stages  # the last level
+    assert every[0].memory.activations == 280 and every[0].backward_s == 2.25
+    ev = evaluate(replace(problem, memory_limit=lean[0].memory.total), split)
+    assert ev.options[0] == Option(SELECTIVE, 0)
+    assert ev.stages[0].backward_s < evaluate(problem, split, recompute=(FULL,) * 4).stages[
+        0].backward_s
+    assert ev.recompute[3] is NONE and ev.estimate.fits
 
 
 def chain_1f1b(limit: float) -> Problem:

@@ -300,7 +300,8 @@ def test_shared_gpu_bound_is_below_every_faster_split(problem: Problem, slack: f
     """Also with nodes made free (no time, parameters or bytes kept, though they may send):
     the light groups the bound zeroes, which a stage may hold alone."""
     free = {"forward_s": 0.0, "backward_s": 0.0, "backward_weight_s": 0.0, "param_bytes": 0,
-            "activation_bytes": 0, "grad_bytes": 0, "deferred_bytes": 0, "returned": False}
+            "activation_bytes": 0, "grad_bytes": 0, "deferred_bytes": 0, "returned": False,
+            "selective_bytes": (), "selective_kept_s": ()}
     problem = replace(problem, nodes=tuple(replace(node, **free) if i in light else node
                                            for i, node in enumerate(problem.nodes)))
     assume(small_enough(problem))

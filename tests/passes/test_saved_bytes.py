@@ -27,9 +27,10 @@ from fxpipe import meta
 from fxpipe.compiler import SplitOptions, analyze, plan_split
 from fxpipe.cost_models import get_device
 from fxpipe.frontend import Traced, trace
+from fxpipe.lower import keep_levels
 from fxpipe.plan import Plan
 from fxpipe.precision import Precision
-from fxpipe.runtime.recompute import keep_matmuls
+from fxpipe.runtime.recompute import KEEP_ALL, KeepRule, keeping
 from tests.passes.test_flops import import_example
 
 CPU = get_device("cpu")
@@ -57,9 +58,10 @@ def real_saved_bytes(traced: Traced, autocast: torch.dtype | None = None) -> int
     return sum(storages.values())
 
 
-def real_selective_bytes(traced: Traced, autocast: torch.dtype | None = None) -> int:
-    """Bytes of the unique storages torch's SAC, under the runtime's policy
-    (``keep_matmuls``), keeps in one forward of the graph: what its cache holds,
+def real_selective_bytes(traced: Traced, autocast: torch.dtype | None = None,
+                         rule: KeepRule = KEEP_ALL) -> int:
+    """Bytes of the unique storages torch's SAC, under the runtime's policy keeping by
+    ``rule`` (``keeping``), keeps in one forward of the graph: what its cache holds,
     parameters, buffers and inputs left out."""
     skip = {t.untyped_storage().data_ptr()
             for t in (*traced.gm.parameters(), *traced.gm.buffers(), *traced.flat_inputs)
@@ -67,7 +69,7 @@ def real_selective_bytes(traced: Traced, autocast: torch.dtype | None = None) ->
     contexts = []
 
     def context() -> Any:
-        contexts.append(create_selective_checkpoint_contexts(keep_matmuls))
+        contexts.append(create_selective_checkpoint_contexts(keeping(rule)))
         return contexts[-1]
 
     mixed = torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None)
@@ -169,6 +171,27 @@ def test_what_selective_recompute_keeps_matches_torchs_sac(width: int, seq: int,
     real = real_selective_bytes(traced, dtype)
     assert planned == pytest.approx(real, rel=TOLERANCE), (planned / 2**20, real / 2**20)
     assert 0.3 < real / real_saved_bytes(traced, dtype) < 0.7
+
+
+@pytest.mark.parametrize("precision", PRECISIONS, ids=["fp32", "bf16-mixed"])
+def test_each_keep_level_keeps_what_torchs_sac_keeps_by_its_rule(
+        precision: Precision | None) -> None:
+    """A selective stage may keep only the outputs that cost the most to run again per
+    byte (a keep level's rule): at every level the model offers, the memory pass's bytes
+    equal what torch's SAC keeps under the runtime's policy for that rule, and the levels
+    keep more and more, the last all."""
+    traced = llama(128, 512)
+    analyze(traced, device=CPU, precision=precision)
+    kept = [k for n in traced.gm.graph.nodes if meta.BYTES.get(n) is not None
+            for k in meta.BYTES.get(n).selective]
+    levels = keep_levels(kept)
+    assert len(levels) >= 3 and levels[-1] == KEEP_ALL  # e.g. down_proj, attention, ...
+    dtype = precision.dtype if precision else None
+    real = [real_selective_bytes(traced, dtype, KeepRule(*level)) for level in levels]
+    planned = [sum(k.nbytes for k in kept if KeepRule(*level).keeps(k.work, k.width))
+               for level in levels]
+    assert planned == real
+    assert real == sorted(real) and real[0] > 0 and len(set(real)) == len(real)
 
 
 @functools.cache

@@ -126,9 +126,13 @@ def test_a_selective_stage_runs_its_matmuls_once_and_gives_the_same_gradients() 
     """Recomputed selectively (torch's SAC), a stage keeps its matmuls' outputs: its
     backward runs the other ops again (dropout with the same masks, BatchNorm with its
     running statistics updated once, the written input written once in each run) and
-    none of the matmuls, which a stage recomputed in full runs twice."""
+    none of the matmuls, which a stage recomputed in full runs twice. Keeping by a rule
+    ("selective:W:N"), it keeps only the matmuls the rule names: fc1 does 2 x 16 FLOPs per
+    element into 64 columns, fc2 2 x 64 into 16, so "selective:32:16" keeps fc2's output
+    and runs fc1 again, "selective:32:64" keeps both."""
     plain = _step(False)
-    counts = {mode: MatmulsRun() for mode in ("none", "selective", "full")}
+    modes = ("none", "selective", "full", "selective:32:16", "selective:32:64")
+    counts = {mode: MatmulsRun() for mode in modes}
     for mode, matmuls in counts.items():
         grads, running_mean, _, sent = _step(mode, matmuls)
         for name, grad in plain[0].items():
@@ -138,6 +142,8 @@ def test_a_selective_stage_runs_its_matmuls_once_and_gives_the_same_gradients() 
     forward = 2  # fc1 and fc2; the backward's matmuls are the same in every mode
     assert counts["full"].count == counts["none"].count + forward
     assert counts["selective"].count == counts["none"].count
+    assert counts["selective:32:16"].count == counts["none"].count + 1
+    assert counts["selective:32:64"].count == counts["none"].count
 
 
 class WritesIntoAMatmul(nn.Module):
