@@ -18,10 +18,12 @@ seconds, h the bytes one layer hands the next):
 (what a layer does not keep is alive for one micro-batch while its backward reruns it).
 The least bottleneck T at which the stages hold every layer (sum_j n_j >= layers, each
 n_j the most its memory and T allow) is found by bisection for each choice
-(``Fluid.choices``): ``none``, ``all``, ``per stage`` (none or all: what ``auto`` chooses
-from), ``per block`` (any fraction of the layer, at that fraction of F: finer than any
-real per-block recompute), ``op-level`` (the layer's cheapest ops per byte recomputed
-first) and ``SAC`` (the matmuls' and attention's outputs kept, the rest recomputed).
+(``Fluid.choices``): ``none``, ``all``, ``per stage`` (none or all), ``per block`` (any
+fraction of the layer, at that fraction of F: finer than any real per-block recompute),
+``op-level`` (the layer's cheapest ops per byte recomputed first), ``SAC`` (none, all, or
+the matmuls' and attention's outputs kept and the rest recomputed) and ``SAC levels``
+(the same at any of the model's keep levels, ``Problem.keep_levels``: what ``auto``
+chooses from).
 The relaxation is optimistic for every choice alike (whole layers and cuts at node
 boundaries only add time); the ratio of two relaxed bottlenecks says how far apart the
 choices can be, not a proof. Prints a markdown table and the load average.
@@ -100,19 +102,21 @@ class Fluid:
         """The options per layer of each way of recomputing: none, all, per stage (none or
         all), per block (any fraction of the layer's activations, at that fraction of its
         forward), op-level (the cheapest ops per byte of activation recomputed first,
-        whatever the order) and SAC (what the plan's selective recompute keeps, the
-        memory pass's ``selective_bytes``: the matmuls' and attention's outputs; the rest
-        recomputed)."""
+        whatever the order), SAC (what the plan's selective recompute keeps when it keeps
+        all the matmuls' and attention's outputs; the rest recomputed) and SAC levels (the
+        same at each keep level: ``Node.selective``)."""
         A, F = self.layer.activations, self.layer.forward_s
         by_cost = sorted(self.nodes, key=lambda n: n.forward_s / max(n.activation_bytes, 1))
         curve: list[Option] = [(A, 0.0)]
         for node in by_cost:
             curve.append((curve[-1][0] - node.activation_bytes, curve[-1][1] + node.forward_s))
-        sac = (sum(n.selective_bytes for n in self.nodes),
-               sum(n.selective_again_s for n in self.nodes))
+        levels = [(sum(n.selective(level)[0] for n in self.nodes),
+                   sum(n.selective(level)[1] for n in self.nodes))
+                  for level in range(len(self.problem.keep_levels))]
         return {"none": [(A, 0.0)], "all": [(0.0, F)], "per stage": [(A, 0.0), (0.0, F)],
                 "per block": [(A * i / 200, F * (1 - i / 200)) for i in range(201)],
-                "op-level": curve, "SAC": [(A, 0.0), sac, (0.0, F)]}
+                "op-level": curve, "SAC": [(A, 0.0), levels[-1], (0.0, F)],
+                "SAC levels": [(A, 0.0), *levels, (0.0, F)]}
 
     def holds(self, j: int, bottleneck_s: float, options: Sequence[Option]) -> float:
         """The most layers stage j holds within ``bottleneck_s`` and its memory, each
@@ -166,7 +170,7 @@ def main() -> int:
     precision = None if args.precision is None else parse_precision(args.precision)
     print(f"load average before {os.getloadavg()}, "
           f"precision {args.precision or '32-true (the model)'}\n")
-    names = ("none", "all", "per stage", "per block", "op-level", "SAC")
+    names = ("none", "all", "per stage", "per block", "op-level", "SAC", "SAC levels")
     header = ["model", "tokens", "GPUs", *(f"{c} (ms)" for c in names),
               *(f"all / {c}" for c in names[2:])]
     print("| " + " | ".join(header) + " |")
