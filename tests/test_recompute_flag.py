@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from fxpipe import cli, meta
+from fxpipe.codegen.package import runner_header
 from fxpipe.compiler import SplitOptions, plan_split
 from fxpipe.cost_models import get_device
 from fxpipe.partition import InfeasibleMemoryError, Recompute
@@ -85,6 +86,33 @@ def test_selective_recompute_keeps_the_matmuls_and_pays_for_the_rest() -> None:
     time = [plans[p].estimate.iteration_s for p in plans]
     assert memory[0] > memory[1] > memory[2]
     assert time[0] < time[1] < time[2]
+
+
+def test_auto_keeps_only_some_matmuls_where_keeping_all_does_not_fit() -> None:
+    """Between what recomputing everywhere and selectively keeping everything need, the
+    GPT's first stage (16 micro-batches in flight under 1F1B) keeps only its matmuls that
+    cost the most to run again per byte (a keep level's rule) rather than none of them (in
+    full), and plan.json, the report and the generated runner say by which rule."""
+    _, traced = cli.analyze_model(GPT, device="h100", quiet=True)
+
+    def split(recompute: Recompute, limit: float) -> Plan:
+        options = SplitOptions(gpus=4, device=get_device("h100"), memory_limit=limit,
+                               microbatches=16, recompute=recompute, time_limit_s=20)
+        return plan_split(traced, label="gpt", options=options)
+
+    least = float(split(Recompute.ALL, float("inf")).estimate.max_memory)
+    kept_all = float(split(Recompute.SELECTIVE, float("inf")).estimate.max_memory)
+    auto = split(Recompute.AUTO, least + 0.3 * (kept_all - least))
+    ruled = [s for s in auto.stages if s.keeps is not None]
+    assert ruled and all(s.recompute is SELECTIVE for s in ruled), auto.stages
+    assert auto.estimate.fits and auto.solver.status == "OPTIMAL"
+    assert Plan.from_json(auto.to_json()).stages == auto.stages
+    stage = ruled[0]
+    work, width = stage.keeps
+    assert stage.recompute_mode == f"selective:{work}:{width}"
+    assert f"only the ones doing more than {work} FLOPs per element" in render_report(auto)
+    runner = runner_header(traced, auto)
+    assert f'"selective:{work}:{width}"' in runner and '# ("selective:W:N" keeps' in runner
 
 
 def test_selective_recompute_under_a_schedule_that_splits_the_backward_is_refused(
