@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,7 +81,8 @@ def lower(
     index = {node: i for i, node in enumerate(ops)}
     reads = _parameter_reads(ops)
     readers, sizes = _readers(ops, reads)
-    levels = keep_levels(kept for op in ops for kept in meta.BYTES.get(op).selective)
+    levels = keep_levels([kept for op in ops for kept in meta.BYTES.get(op).selective],
+                         {made for op in ops for made in meta.BYTES.get(op).writes_kept})
     nodes = _nodes(gm, ops, reads, readers, device=device, block_depth=block_depth,
                    levels=levels)
     order_edges, fused = _in_place_order(gm, ops, index)
@@ -170,23 +171,32 @@ def _nodes(
                 backward_weight_s=time.backward_weight_s,
                 deferred_bytes=_deferred_bytes(node),
                 **_selective(memory.selective, time.forward_s, levels),
-                writes_kept=memory.writes_kept,
+                # a write into an output the keep-all level keeps: the model has no other
+                writes_kept=bool(memory.writes_kept) and levels[-1] == (0, 0),
             )
         )
     return tuple(nodes)
 
 
-def keep_levels(kept: Iterable[Kept]) -> tuple[tuple[int, int], ...]:
+def keep_levels(kept: Iterable[Kept], written: Collection[tuple[int, int]] = ()
+                ) -> tuple[tuple[int, int], ...]:
     """The rules (``KeepRule``'s (work, width)) a selective stage of a model chooses from,
     its matmuls' and attention's outputs being ``kept``: ordered by the work per element it
     takes to run one again, the most first, and of equal work the narrowest first, each
     level keeps the outputs the one before keeps and the next (work, width) of them, and
-    the last all ((0, 0)); at most MAX_KEEP_LEVELS, spread over them."""
+    the last all ((0, 0)); at most MAX_KEEP_LEVELS, spread over them. Where the model writes
+    into some of them in place (``written``: their (work, width)), the levels stop before
+    the first of those, which no level keeps; where that is the first of all, the one
+    level keeps all, and the model's writes make it unusable (``Node.writes_kept``)."""
     found = sorted({(k.work, k.width) for k in kept}, key=lambda c: (-c[0], c[1]))
-    if len(found) > MAX_KEEP_LEVELS:
-        step = len(found) / MAX_KEEP_LEVELS
-        found = [found[math.ceil((i + 1) * step) - 1] for i in range(MAX_KEEP_LEVELS)]
-    return (*found[:-1], (0, 0))
+    first_written = min((found.index(made) for made in written), default=len(found))
+    safe = found[:first_written] or found
+    if len(safe) > MAX_KEEP_LEVELS:
+        step = len(safe) / MAX_KEEP_LEVELS
+        safe = [safe[math.ceil((i + 1) * step) - 1] for i in range(MAX_KEEP_LEVELS)]
+    if 0 < first_written < len(found):  # the last level keeps what it names, not all
+        return tuple(safe)
+    return (*safe[:-1], (0, 0))
 
 
 def _selective(kept: Sequence[Kept], forward_s: float, levels: Sequence[tuple[int, int]]

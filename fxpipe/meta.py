@@ -140,9 +140,10 @@ class MemoryInfo:
     # attention (fxpipe.runtime.recompute.SELECTIVE_KEEPS), each with the work it would take
     # to run again per element; those its rule keeps, its backward does not rerun
     selective: tuple[Kept, ...] = ()
-    # it writes in place into one of those outputs, which SAC would hand the backward
-    # written: no stage of the model recomputes selectively
-    writes_kept: bool = False
+    # the (work, width) of those outputs it writes into in place, which SAC would hand the
+    # backward written: no keep level of the model keeps outputs of these or later in its
+    # order (fxpipe.lower.keep_levels)
+    writes_kept: tuple[tuple[int, int], ...] = ()
     # (canonical qualified name, bytes) of those parameters and buffers. A tied parameter
     # has one canonical name (its first in ``named_parameters()``) whichever name a node uses.
     params: tuple[tuple[str, int], ...] = field(default=())

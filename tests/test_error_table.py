@@ -32,13 +32,14 @@ def example_inputs():
     return (torch.ones(4, 8),)
 """
 
-# a Sequential that writes in place into its first linear's output
+# a Sequential that writes in place into its narrowest linear's output, the first that
+# selective recompute would keep
 WRITES = """
 class Writes(torch.nn.Sequential):
     def forward(self, x):
-        h = self[0](x)
+        h = self[2](self[1](self[0](x)))
         h.add_(1)
-        return self[2](self[1](h))
+        return h
 """
 
 # eight 256 x 256 layers: about 1 MiB each with gradients and Adam's state

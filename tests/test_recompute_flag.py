@@ -152,11 +152,14 @@ def example_inputs():
 """
 
 
-def test_a_model_that_writes_into_a_matmuls_output_never_recomputes_selectively(
+def test_a_model_that_writes_into_a_matmuls_output_never_keeps_that_output(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """SAC would keep the output written: the memory pass sees the write (auto then
-    chooses between none and full only: tests/partition/test_evaluate.py), and
-    --recompute selective is refused in one line that names the op."""
+    """SAC would keep the output written: the memory pass sees the write, and the model's
+    keep levels stop before that output in their order. fc3 (2 x 32 FLOPs per element,
+    8 wide) comes before fc2 (the same work, 32 wide), which the model writes: selective
+    stages keep only fc3's output. Where the written output comes first, none is left, and
+    --recompute selective is refused in one line that names the op (auto then chooses
+    between none and full only: tests/partition/test_evaluate.py)."""
     model = tmp_path / "writes.py"
     model.write_text(WRITES_INTO_A_MATMUL)
     _, traced = cli.analyze_model(str(model), device="h100", quiet=True)
@@ -168,9 +171,18 @@ def test_a_model_that_writes_into_a_matmuls_output_never_recomputes_selectively(
     assert [name for name, size in kept.items() if size] == ["fc1", "fc2", "fc3"], kept
     code = cli.main(["split", str(model), "--gpus", "2", "--recompute", "selective",
                      "--out", str(tmp_path / "out")])
+    assert code == 0, capsys.readouterr().err
+    plan = Plan.from_json((tmp_path / "out" / "plan.json").read_text())
+    assert [(s.recompute, s.keeps) for s in plan.stages] == [(SELECTIVE, (64, 8))] * 2
+    first = tmp_path / "first.py"  # now into fc3's output, the first kept
+    first.write_text(WRITES_INTO_A_MATMUL.replace("h = self.fc2(h)\n        h.add_(1)\n"
+                                                  "        return self.fc3(h.tanh())",
+                                                  "return self.fc3(self.fc2(h)).add_(1)"))
+    assert "fc3(self.fc2(h)).add_(1)" in first.read_text()
+    code = cli.main(["split", str(first), "--gpus", "2", "--recompute", "selective",
+                     "--out", str(tmp_path / "out2")])
     assert code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1, lines
-    assert (f"{writers[0]} writes in place into the output of a matmul or attention"
-            in lines[0]), lines
-    assert not (tmp_path / "out").exists()
+    assert "writes in place into the output of a matmul or attention" in lines[0], lines
+    assert not (tmp_path / "out2").exists()

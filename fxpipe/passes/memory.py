@@ -10,11 +10,12 @@ many consumers save it and through however many views and aliases (``reshape``, 
 ``dropout`` of p = 0 that returns its input); every other saved storage is an
 intermediate of the node and charged to the node.
 
-What a stage recomputed selectively (torch's SAC) keeps of a node comes from the same run:
-the outputs of the aten ops the runtime's policy keeps (``SELECTIVE_KEEPS``: the matmuls
-and the fused attention kernels), as a dispatch mode sees them run (``KeptWrites``), which
-also sees a node write in place into such an output (``writes_kept``: SAC would hand the
-backward the written value, so no stage of the model recomputes selectively).
+What a stage recomputed selectively (torch's SAC) may keep of a node comes from the same
+run: the outputs of the aten ops the runtime's policy keeps (``SELECTIVE_KEEPS``: the
+matmuls and the fused attention kernels), each with the work per element and width its
+keep rule reads, as a dispatch mode sees them run (``KeptWrites``), which also sees a node
+write in place into such an output (``writes_kept``: SAC would hand the backward the
+written value, so the model's keep levels stop before it, fxpipe.lower.keep_levels).
 
 A node of a layer tracing copied from another (``meta.COPY_OF``) is not run: it keeps
 what the node it copies keeps, of its own inputs in the same places, and costs the
@@ -69,7 +70,7 @@ class _Ran:
     result: Any
     result_was: Any
     selective: tuple[Kept, ...]
-    writes_kept: bool
+    writes_kept: frozenset[tuple[int, int]]
 
 
 class _MemoryCount(MetaInterpreter):
@@ -88,8 +89,9 @@ class _MemoryCount(MetaInterpreter):
         self.canonical = {name: first.setdefault(id(t), name) for name, t in named_state(gm)}
         self.intermediate: dict[torch.fx.Node, int] = {}
         self.selective: dict[torch.fx.Node, tuple[Kept, ...]] = {}  # what SAC may keep
-        self.writes_kept: set[torch.fx.Node] = set()  # write into what it keeps
-        self.kept_writes = KeptWrites(lambda _op: None)  # the whole run's kept storages
+        # per node, the (work, width) of the kept outputs it writes into in place
+        self.writes_kept: dict[torch.fx.Node, set[tuple[int, int]]] = {}
+        self.kept_writes = KeptWrites(lambda _op, _made: None)  # the run's kept storages
         self.output_saved: set[torch.fx.Node] = set()  # nodes whose storage backward keeps
         # A node whose result is a view or alias of an input -> the node that made that
         # storage (its bytes are charged there once, whoever keeps which view of it).
@@ -132,7 +134,8 @@ class _MemoryCount(MetaInterpreter):
             return t
 
         self.kept_writes.added = []
-        self.kept_writes.on_write = lambda _op: self.writes_kept.add(n)
+        written = self.writes_kept.setdefault(n, set())
+        self.kept_writes.on_write = lambda _op, made: written.add(made)
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), self.kept_writes:
             result = super().execute(n)
         self.selective[n] = tuple(self.kept_writes.added)
@@ -163,7 +166,7 @@ class _MemoryCount(MetaInterpreter):
             assert given is not None
             self.ran[n] = _Ran(given, self.intermediate[n], places, keeps_output, view_of,
                                result, self._specs(result), self.selective[n],
-                               n in self.writes_kept)
+                               frozenset(self.writes_kept.get(n, ())))
         return result
 
     def _maker(self, node: torch.fx.Node) -> torch.fx.Node:
@@ -210,7 +213,7 @@ class _MemoryCount(MetaInterpreter):
         self.intermediate[n] = ran.own
         self.selective[n] = ran.selective
         if ran.writes_kept:
-            self.writes_kept.add(n)
+            self.writes_kept[n] = set(ran.writes_kept)
         self.aliased.add(n)
         return ran.result
 
@@ -252,5 +255,5 @@ def annotate_memory(
             saved += owned.output_bytes
         meta.BYTES.set(node, replace(owned, saved_bytes=saved,
                                      selective=counter.selective.get(node, ()),
-                                     writes_kept=node in counter.writes_kept))
+                                     writes_kept=tuple(sorted(counter.writes_kept.get(node, ())))))
     return gm

@@ -232,35 +232,43 @@ class Kept(NamedTuple):
 
 
 class KeptWrites(TorchDispatchMode):
-    """While open: the storages of the outputs of ``SELECTIVE_KEEPS`` ops (``added``: those
-    first seen since it was last emptied, as ``Kept``), and ``on_write(op)`` called for
-    each op that writes into one in place (whichever rule keeps it: a write is refused
-    for any selective stage)."""
+    """While open: the storages of the outputs of ``SELECTIVE_KEEPS`` calls that ``rule``
+    keeps (``added``: those first seen since it was last emptied, as ``Kept``), and
+    ``on_write(op, (work, width))`` called for each op that writes into one in place,
+    with the (``work_and_width``) of the call whose output it writes."""
 
-    def __init__(self, on_write: Callable[[Any], None]) -> None:
+    def __init__(self, on_write: Callable[[Any, tuple[int, int]], None],
+                 rule: KeepRule = KEEP_ALL) -> None:
         super().__init__()
         self.on_write = on_write
+        self.rule = rule
         self.added: list[Kept] = []
-        self._kept: dict[int, StorageWeakRef] = {}  # by storage; a dead one may be reused
+        # by storage: (its reference, the work and width of the call that made it); a dead
+        # one's number may be reused
+        self._kept: dict[int, tuple[StorageWeakRef, tuple[int, int]]] = {}
 
-    def _holds(self, t: torch.Tensor) -> bool:
-        ref = self._kept.get(StorageWeakRef(t.untyped_storage()).cdata)
-        return ref is not None and not ref.expired()
+    def _made(self, t: torch.Tensor) -> tuple[int, int] | None:
+        """The work and width of the kept call whose output ``t``'s storage is; None."""
+        held = self._kept.get(StorageWeakRef(t.untyped_storage()).cdata)
+        return held[1] if held is not None and not held[0].expired() else None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func._schema.is_mutable and any(self._holds(t)
-                                           for t in _written(func, args, kwargs)):
-            self.on_write(func)
+        if func._schema.is_mutable:
+            for made in {self._made(t) for t in _written(func, args, kwargs)} - {None}:
+                assert made is not None
+                self.on_write(func, made)
         result = func(*args, **kwargs)
         if func.overloadpacket in SELECTIVE_KEEPS:
-            work, width = work_and_width(func, args)
+            made = work_and_width(func, args)
+            if not self.rule.keeps(*made):
+                return result
             for t in pytree.tree_leaves(result):
-                if isinstance(t, torch.Tensor) and not self._holds(t):
+                if isinstance(t, torch.Tensor) and self._made(t) is None:
                     ref = StorageWeakRef(t.untyped_storage())
-                    self._kept[ref.cdata] = ref
-                    self.added.append(Kept(work, width, t.untyped_storage().nbytes()))
+                    self._kept[ref.cdata] = (ref, made)
+                    self.added.append(Kept(*made, t.untyped_storage().nbytes()))
         return result
 
 
@@ -274,24 +282,25 @@ def _written(func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[
     return out
 
 
-def _refuse_write(func: Any) -> None:
+def _refuse_write(func: Any, _made: tuple[int, int]) -> None:
     raise RuntimeError(
         f"{func} writes in place into the output of a matmul or attention that selective "
         f"recompute keeps, which the backward would then read written: recompute this "
-        f"stage in full or not at all (fxpipe's plans leave selective out for such models)")
+        f"stage in full, not at all, or by a rule that does not keep it (fxpipe's plans "
+        f"keep no output the model writes)")
 
 
 def selective_contexts(restored: Callable[[], contextlib.AbstractContextManager[Any]],
                        rule: KeepRule = KEEP_ALL) -> tuple[Any, Any]:
     """``torch.utils.checkpoint``'s ``context_fn`` result for a selective stage: (the first
     run's context, which keeps the outputs of ``SELECTIVE_KEEPS`` that ``rule`` keeps and
-    refuses a write into any; the run again's, which reads them back and, each time, runs
+    refuses a write into one of those; the run again's, which reads them back and, each time, runs
     inside ``restored()``, which undoes what it writes into buffers)."""
     keep, again = create_selective_checkpoint_contexts(keeping(rule))
 
     @contextlib.contextmanager
     def first() -> Iterator[None]:
-        with keep, KeptWrites(_refuse_write):  # the watch inside: it sees each op first
+        with keep, KeptWrites(_refuse_write, rule):  # the watch inside: it sees each op first
             yield
 
     @contextlib.contextmanager
