@@ -162,7 +162,8 @@ class Problem:
     recompute: Recompute = Recompute.NONE
     # The rules a selective stage may keep by, from the fewest bytes kept to all
     # (fxpipe.runtime.recompute.KeepRule's (work, width)); a node's ``selective_bytes`` has
-    # one entry per level. Under SELECTIVE every stage keeps by the last, (0, 0): all.
+    # one entry per level. Under SELECTIVE every stage keeps by the last: (0, 0), all,
+    # unless the model writes into one of those outputs (fxpipe.lower.keep_levels).
     keep_levels: tuple[tuple[int, int], ...] = ((0, 0),)
     workspace_bytes: int = 0  # reserved per device (CUDA context, allocator slack)
     # The loss, computed on the last stage for every micro-batch: bytes it saves for backward
