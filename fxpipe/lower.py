@@ -81,10 +81,13 @@ def lower(
     index = {node: i for i, node in enumerate(ops)}
     reads = _parameter_reads(ops)
     readers, sizes = _readers(ops, reads)
-    levels = keep_levels([kept for op in ops for kept in meta.BYTES.get(op).selective],
-                         {made for op in ops for made in meta.BYTES.get(op).writes_kept})
+    written = tuple(sorted({made for op in ops for made in meta.BYTES.get(op).writes_kept}))
+    levels = keep_levels([kept for op in ops for kept in meta.BYTES.get(op).selective], written)
+    # the model writes into every output selective recompute could keep: it has no level
+    unusable = bool(written) and not levels
+    levels = levels or ((0, 0),)
     nodes = _nodes(gm, ops, reads, readers, device=device, block_depth=block_depth,
-                   levels=levels)
+                   levels=levels, skip=written, unusable=unusable)
     order_edges, fused = _in_place_order(gm, ops, index)
     returned_bytes = sum(n.output_bytes for n in nodes if n.returned)
     problem = Problem(
@@ -97,6 +100,7 @@ def lower(
         state_factor=OPTIMIZERS[optimizer],
         recompute=recompute,
         keep_levels=levels,
+        unkept=() if unusable else written,
         loss_saved_bytes=returned_bytes * LOSS_FACTORS[0],
         loss_grad_bytes=returned_bytes * LOSS_FACTORS[1],
         tied=_tied_groups(readers, sizes, device),
@@ -146,6 +150,8 @@ def _nodes(
     device: Device,
     block_depth: int,
     levels: Sequence[tuple[int, int]],
+    skip: tuple[tuple[int, int], ...],
+    unusable: bool,
 ) -> tuple[Node, ...]:
     """One problem node per op, its costs read off the node records; a parameter is the
     bytes of the one op that reads it (several readers make it a tied group instead)."""
@@ -170,9 +176,8 @@ def _nodes(
                 returned=node in returned,
                 backward_weight_s=time.backward_weight_s,
                 deferred_bytes=_deferred_bytes(node),
-                **_selective(memory.selective, time.forward_s, levels),
-                # a write into an output the keep-all level keeps: the model has no other
-                writes_kept=bool(memory.writes_kept) and levels[-1] == (0, 0),
+                **_selective(memory.selective, time.forward_s, levels, skip),
+                writes_kept=bool(memory.writes_kept) and unusable,
             )
         )
     return tuple(nodes)
@@ -184,28 +189,24 @@ def keep_levels(kept: Iterable[Kept], written: Collection[tuple[int, int]] = ()
     its matmuls' and attention's outputs being ``kept``: ordered by the work per element it
     takes to run one again, the most first, and of equal work the narrowest first, each
     level keeps the outputs the one before keeps and the next (work, width) of them, and
-    the last all ((0, 0)); at most MAX_KEEP_LEVELS, spread over them. Where the model writes
-    into some of them in place (``written``: their (work, width)), the levels stop before
-    the first of those, which no level keeps; where that is the first of all, the one
-    level keeps all, and the model's writes make it unusable (``Node.writes_kept``)."""
-    found = sorted({(k.work, k.width) for k in kept}, key=lambda c: (-c[0], c[1]))
-    first_written = min((found.index(made) for made in written), default=len(found))
-    safe = found[:first_written] or found
-    if len(safe) > MAX_KEEP_LEVELS:
-        step = len(safe) / MAX_KEEP_LEVELS
-        safe = [safe[math.ceil((i + 1) * step) - 1] for i in range(MAX_KEEP_LEVELS)]
-    if 0 < first_written < len(found):  # the last level keeps what it names, not all
-        return tuple(safe)
-    return (*safe[:-1], (0, 0))
+    the last all ((0, 0)); at most MAX_KEEP_LEVELS, spread over them. The outputs the model
+    writes into in place (``written``: their (work, width)) are in none: every level's rule
+    skips them (``Problem.unkept``). None where every one is written (or there is none)."""
+    found = sorted({(k.work, k.width) for k in kept} - set(written),
+                   key=lambda c: (-c[0], c[1]))
+    if len(found) > MAX_KEEP_LEVELS:
+        step = len(found) / MAX_KEEP_LEVELS
+        found = [found[math.ceil((i + 1) * step) - 1] for i in range(MAX_KEEP_LEVELS)]
+    return (*found[:-1], (0, 0)) if found else ()
 
 
-def _selective(kept: Sequence[Kept], forward_s: float, levels: Sequence[tuple[int, int]]
-               ) -> dict[str, tuple[Any, ...]]:
+def _selective(kept: Sequence[Kept], forward_s: float, levels: Sequence[tuple[int, int]],
+               skip: tuple[tuple[int, int], ...]) -> dict[str, tuple[Any, ...]]:
     """A node's ``selective_bytes`` and ``selective_kept_s`` per keep level: what the
     level's rule keeps of its outputs, and the share of its forward that makes them (by
     FLOPs: work per element times elements, elements in proportion to the bytes)."""
     flops = sum(k.work * k.nbytes for k in kept)
-    rules = [KeepRule(*level) for level in levels]
+    rules = [KeepRule(*level, skip) for level in levels]
     held = [[k for k in kept if rule.keeps(k.work, k.width)] for rule in rules]
     return {"selective_bytes": tuple(sum(k.nbytes for k in row) for row in held),
             "selective_kept_s": tuple(forward_s * sum(k.work * k.nbytes for k in row) / flops

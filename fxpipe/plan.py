@@ -99,16 +99,22 @@ class StagePlan(StageTimes):
     # A selective stage that keeps only some of its matmuls' and attention's outputs: the
     # (work, width) of its fxpipe.runtime.recompute.KeepRule (those doing more FLOPs per
     # element than work, and of those doing work, the ones at most width wide). None:
-    # it keeps them all (or it is not selective). plan.json: {"work": W, "width": N}.
+    # it keeps them all (or it is not selective). ``skips``: the (work, width) of the
+    # outputs it never keeps, which the model writes into in place. plan.json, either or
+    # both set: "keeps": {"work": W, "width": N, "skip": [[W1, N1], ...]}.
     keeps: tuple[int, int] | None = None
+    skips: tuple[tuple[int, int], ...] = ()
 
     @property
     def recompute_mode(self) -> str:
         """How the runtime recomputes it (fxpipe.runtime.recompute.modes): ``recompute``'s
-        value, ``"selective:W:N"`` where it keeps by a rule."""
-        if self.keeps is None:
+        value, ``"selective:W:N"`` where it keeps by a rule, ``"selective:W:N:W1xN1,..."``
+        where it also skips outputs."""
+        if self.keeps is None and not self.skips:
             return self.recompute.value
-        return f"{self.recompute.value}:{self.keeps[0]}:{self.keeps[1]}"
+        work, width = self.keeps or (0, 0)
+        skip = ",".join(f"{w}x{n}" for w, n in self.skips)
+        return f"{self.recompute.value}:{work}:{width}" + (f":{skip}" if skip else "")
 
 
 @dataclass(frozen=True)
@@ -232,10 +238,13 @@ class Plan:
             raw["time_s"] = stage.time_s
             raw["backward_input_s"] = stage.backward_input_s
             raw["memory"]["total"] = stage.memory.total
-            if stage.keeps is None:
+            del raw["skips"]
+            if stage.keeps is None and not stage.skips:
                 del raw["keeps"]
             else:
-                raw["keeps"] = dict(zip(("work", "width"), stage.keeps, strict=True))
+                work, width = stage.keeps or (0, 0)
+                raw["keeps"] = {"work": work, "width": width,
+                                **({"skip": [list(s) for s in stage.skips]} if stage.skips else {})}
         if self.memory_limit == float("inf"):
             data["memory_limit"] = None
         return data
@@ -256,7 +265,9 @@ class Plan:
             }
             fields: dict[str, Any] = {**raw, **tuples}
             if "keeps" in raw:
-                fields["keeps"] = (raw["keeps"]["work"], raw["keeps"]["width"])
+                rule = (raw["keeps"]["work"], raw["keeps"]["width"])
+                fields["skips"] = tuple(tuple(s) for s in raw["keeps"].get("skip", ()))
+                fields["keeps"] = None if rule == (0, 0) else rule
             if "recompute" in raw:  # a bool in plans written before selective recompute
                 was = raw["recompute"]
                 fields["recompute"] = StageRecompute(

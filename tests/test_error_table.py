@@ -32,12 +32,14 @@ def example_inputs():
     return (torch.ones(4, 8),)
 """
 
-# a Sequential that writes in place into its narrowest linear's output, the first that
-# selective recompute would keep
+# a Sequential that writes in place into both its linears' outputs: every output selective
+# recompute could keep
 WRITES = """
 class Writes(torch.nn.Sequential):
     def forward(self, x):
-        h = self[2](self[1](self[0](x)))
+        h = self[0](x)
+        h.add_(1)
+        h = self[2](self[1](h))
         h.add_(1)
         return h
 """

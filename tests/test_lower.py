@@ -9,7 +9,8 @@ from torch import nn
 from fxpipe.compiler import analyze
 from fxpipe.cost_models import get_device
 from fxpipe.frontend import trace
-from fxpipe.lower import LOSS_FACTORS, lower
+from fxpipe.lower import LOSS_FACTORS, MAX_KEEP_LEVELS, keep_levels, lower
+from fxpipe.runtime.recompute import Kept
 from fxpipe.schedules import ScheduleKind
 
 
@@ -128,3 +129,19 @@ def test_a_tuple_read_only_by_indexing_stays_with_its_indexing() -> None:
              for group in lowered.problem.colocate]
     assert {"split", "getitem", "getitem_1"} in names
     assert not any("topk" in group for group in names)
+
+
+def test_keep_levels_order_by_work_then_width_and_skip_what_the_model_writes() -> None:
+    """Each level adds the next (work, width) of the outputs selective recompute may keep,
+    the most work per element first, then the narrowest; the last keeps all (0, 0). The
+    outputs the model writes into in place are in no level; where it writes into all,
+    none is left. Beyond MAX_KEEP_LEVELS classes, the levels spread over them."""
+    kept = [Kept(64, 8, 1), Kept(64, 32, 1), Kept(16, 32, 1), Kept(64, 8, 5)]
+    assert keep_levels(kept) == ((64, 8), (64, 32), (0, 0))
+    assert keep_levels(kept, {(64, 32)}) == ((64, 8), (0, 0))
+    assert keep_levels(kept, {(64, 8), (64, 32), (16, 32)}) == ()
+    assert keep_levels([]) == ()
+    many = [Kept(work, 1, 1) for work in range(1, 3 * MAX_KEEP_LEVELS + 1)]
+    levels = keep_levels(many)
+    assert len(levels) == MAX_KEEP_LEVELS and levels[-1] == (0, 0)
+    assert [w for w, _ in levels[:-1]] == sorted((w for w, _ in levels[:-1]), reverse=True)

@@ -154,12 +154,11 @@ def example_inputs():
 
 def test_a_model_that_writes_into_a_matmuls_output_never_keeps_that_output(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """SAC would keep the output written: the memory pass sees the write, and the model's
-    keep levels stop before that output in their order. fc3 (2 x 32 FLOPs per element,
-    8 wide) comes before fc2 (the same work, 32 wide), which the model writes: selective
-    stages keep only fc3's output. Where the written output comes first, none is left, and
-    --recompute selective is refused in one line that names the op (auto then chooses
-    between none and full only: tests/partition/test_evaluate.py)."""
+    """SAC would keep the output written: the memory pass sees the write, and no keep level
+    keeps it (each rule skips fc2's outputs, 2 x 32 FLOPs per element into 32 columns):
+    --recompute selective keeps fc1's and fc3's. Where the model writes into every output
+    selective recompute could keep, it is refused in one line that names the op (auto
+    then chooses between none and full only: tests/partition/test_evaluate.py)."""
     model = tmp_path / "writes.py"
     model.write_text(WRITES_INTO_A_MATMUL)
     _, traced = cli.analyze_model(str(model), device="h100", quiet=True)
@@ -173,13 +172,18 @@ def test_a_model_that_writes_into_a_matmuls_output_never_keeps_that_output(
                      "--out", str(tmp_path / "out")])
     assert code == 0, capsys.readouterr().err
     plan = Plan.from_json((tmp_path / "out" / "plan.json").read_text())
-    assert [(s.recompute, s.keeps) for s in plan.stages] == [(SELECTIVE, (64, 8))] * 2
-    first = tmp_path / "first.py"  # now into fc3's output, the first kept
-    first.write_text(WRITES_INTO_A_MATMUL.replace("h = self.fc2(h)\n        h.add_(1)\n"
-                                                  "        return self.fc3(h.tanh())",
-                                                  "return self.fc3(self.fc2(h)).add_(1)"))
-    assert "fc3(self.fc2(h)).add_(1)" in first.read_text()
-    code = cli.main(["split", str(first), "--gpus", "2", "--recompute", "selective",
+    assert [(s.recompute, s.keeps, s.skips) for s in plan.stages] == [
+        (SELECTIVE, None, ((64, 32),))] * 2
+    assert plan.stages[0].recompute_mode == "selective:0:0:64x32"
+    assert '"selective:0:0:64x32"' in (tmp_path / "out" / "runner.py").read_text()
+    assert "none keeps the ones the model writes into in place (64 FLOPs per element into 32 " \
+           "columns)" in (tmp_path / "out" / "report.md").read_text()
+    every = tmp_path / "every.py"  # into fc1's, fc2's and fc3's outputs
+    every.write_text(WRITES_INTO_A_MATMUL.replace(
+        "h = self.fc1(x).relu()", "h = self.fc1(x)\n        h.add_(1)\n        h = h.relu()"
+    ).replace("return self.fc3(h.tanh())", "return self.fc3(h.tanh()).add_(1)"))
+    assert every.read_text().count(".add_(1)") == 3, every.read_text()
+    code = cli.main(["split", str(every), "--gpus", "2", "--recompute", "selective",
                      "--out", str(tmp_path / "out2")])
     assert code == 2
     lines = capsys.readouterr().err.strip().splitlines()

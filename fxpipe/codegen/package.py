@@ -224,7 +224,7 @@ def runner_header(traced: Traced, plan: Plan) -> str:
         f"MICROBATCHES = {m}",
         "# RECOMPUTE[k]: what stage k keeps for its backward: \"none\" all, \"selective\" its",
         "# inputs and matmuls' and attention's outputs, \"full\" its inputs only",
-        *(_KEEPS_COMMENT if any(s.keeps for s in stages) else ()),
+        *(_KEEPS_COMMENT if any(s.keeps or s.skips for s in stages) else ()),
         *wrap_line("RECOMPUTE = " + tuple_literal(json.dumps(s.recompute_mode) for s in stages)),
         "# REPLICAS[k]: how many data-parallel replicas split each micro-batch of stage k;",
         "# WEIGHT_STASHING: PipeDream's update after every micro-batch, with stashed weights",
@@ -246,7 +246,7 @@ def runner_header(traced: Traced, plan: Plan) -> str:
 
 
 _KEEPS_COMMENT = ("# (\"selective:W:N\" keeps only those doing more than W FLOPs per element, and",
-                  "# of those doing W, the ones at most N wide)")
+                  "# of those doing W, the ones at most N wide; \":W1xN1,...\" never those)")
 _PRECISION_COMMENT = {
     True: ["# PRECISION: every stage forward (and the loss) under torch.autocast at this",
            "# dtype, backward outside; float32 parameters (runtime/precision.py)"],

@@ -114,6 +114,7 @@ class Coarsening:
             state_factor=p.state_factor,
             recompute=p.recompute,
             keep_levels=p.keep_levels,
+            unkept=p.unkept,
             workspace_bytes=p.workspace_bytes,
             loss_saved_bytes=p.loss_saved_bytes,
             loss_grad_bytes=p.loss_grad_bytes,

@@ -101,7 +101,8 @@ class Node:
     selective_bytes: tuple[int, ...] = ()
     selective_kept_s: tuple[float, ...] = ()
     # It writes in place into what selective recompute keeps (a matmul's output), which
-    # SAC would hand the backward written: no stage recomputes selectively.
+    # SAC would hand the backward written, and no keep level is left that skips all such
+    # outputs (fxpipe.lower.keep_levels): no stage recomputes selectively.
     writes_kept: bool = False
 
     @property
@@ -162,9 +163,11 @@ class Problem:
     recompute: Recompute = Recompute.NONE
     # The rules a selective stage may keep by, from the fewest bytes kept to all
     # (fxpipe.runtime.recompute.KeepRule's (work, width)); a node's ``selective_bytes`` has
-    # one entry per level. Under SELECTIVE every stage keeps by the last: (0, 0), all,
-    # unless the model writes into one of those outputs (fxpipe.lower.keep_levels).
+    # one entry per level. Under SELECTIVE every stage keeps by the last, (0, 0): all.
     keep_levels: tuple[tuple[int, int], ...] = ((0, 0),)
+    # The (work, width) of the outputs no level keeps, which the model writes into in place
+    # (every level's rule skips them: fxpipe.lower.keep_levels).
+    unkept: tuple[tuple[int, int], ...] = ()
     workspace_bytes: int = 0  # reserved per device (CUDA context, allocator slack)
     # The loss, computed on the last stage for every micro-batch: bytes it saves for backward
     # (kept per micro-batch in flight there) and bytes its backward allocates for one

@@ -162,6 +162,10 @@ def _recompute(plan: Plan) -> str:
             f"{_stages(indices)} keep{'s' * (len(indices) == 1)} only the ones doing more "
             f"than {work} FLOPs per element, or {work} into at most {width} columns"
             for (work, width), indices in sorted(rules.items(), reverse=True))
+    skipped = sorted({made for stage in plan.stages for made in stage.skips})
+    if skipped:
+        said += ("; none keeps the ones the model writes into in place (" + ", ".join(
+            f"{work} FLOPs per element into {width} columns" for work, width in skipped) + ")")
     return said
 
 

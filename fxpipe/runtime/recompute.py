@@ -76,12 +76,16 @@ def work_and_width(op: Any, args: Sequence[Any]) -> tuple[int, int]:
 class KeepRule(NamedTuple):
     """Which outputs of ``SELECTIVE_KEEPS`` a selective stage keeps: those of calls doing
     more than ``work`` FLOPs per element (``work_and_width``), and of those doing exactly
-    ``work``, the ones at most ``width`` columns wide. ``KEEP_ALL`` keeps every one."""
+    ``work``, the ones at most ``width`` columns wide; never those of a (work, width) in
+    ``skip`` (the model writes into them in place). ``KEEP_ALL`` keeps every one."""
 
     work: int
     width: int
+    skip: tuple[tuple[int, int], ...] = ()
 
     def keeps(self, work: int, width: int) -> bool:
+        if (work, width) in self.skip:
+            return False
         return work > self.work or (work == self.work and width <= self.width)
 
 
@@ -90,11 +94,15 @@ KEEP_ALL = KeepRule(0, 0)
 
 def keep_rule(mode: str) -> KeepRule | None:
     """The rule of a selective mode: ``"selective"`` keeps all (``KEEP_ALL``),
-    ``"selective:W:N"`` by ``KeepRule(W, N)``; None for another mode."""
-    name, *numbers = mode.split(":")
+    ``"selective:W:N"`` by ``KeepRule(W, N)``, ``"selective:W:N:W1xN1,W2xN2"`` also
+    skipping those; None for another mode."""
+    name, *parts = mode.split(":")
     if name != "selective":
         return None
-    return KeepRule(*map(int, numbers)) if numbers else KEEP_ALL
+    if not parts:
+        return KEEP_ALL
+    skip = [pair.split("x") for pair in parts[2].split(",")] if len(parts) == 3 else []
+    return KeepRule(int(parts[0]), int(parts[1]), tuple((int(w), int(n)) for w, n in skip))
 
 
 def mode_name(mode: str) -> str:
@@ -182,16 +190,19 @@ def modes(recompute: Sequence[str | bool] | None, num_stages: int) -> tuple[str,
             mode = "full" if mode else "none"
         if not _valid(str(mode)):
             raise ValueError(f"recompute mode {mode!r} is not one of {', '.join(MODES)} "
-                             f"or selective:W:N (W and N whole numbers).")
+                             f"or selective:W:N[:W1xN1,...] (whole numbers).")
         out.append(str(mode))
     return tuple(out)
 
 
 def _valid(mode: str) -> bool:
-    name, *numbers = mode.split(":")
-    if not numbers:
+    name, *parts = mode.split(":")
+    if not parts:
         return name in MODES
-    return name == "selective" and len(numbers) == 2 and all(n.isdigit() for n in numbers)
+    pairs = [pair.split("x") for pair in parts[2].split(",")] if len(parts) == 3 else []
+    numbers = parts[:2] + [n for pair in pairs for n in pair]
+    return (name == "selective" and len(parts) in (2, 3) and all(len(p) == 2 for p in pairs)
+            and all(n.isdigit() for n in numbers))
 
 
 class EachTime:

@@ -185,7 +185,7 @@ def test_each_keep_level_keeps_what_torchs_sac_keeps_by_its_rule(
     kept = [k for n in traced.gm.graph.nodes if meta.BYTES.get(n) is not None
             for k in meta.BYTES.get(n).selective]
     levels = keep_levels(kept)
-    assert len(levels) >= 3 and levels[-1] == KEEP_ALL  # e.g. down_proj, attention, ...
+    assert len(levels) >= 3 and levels[-1] == (0, 0)  # e.g. down_proj, attention, ..., all
     dtype = precision.dtype if precision else None
     real = [real_selective_bytes(traced, dtype, KeepRule(*level)) for level in levels]
     planned = [sum(k.nbytes for k in kept if KeepRule(*level).keeps(k.work, k.width))

@@ -165,9 +165,10 @@ def test_a_selective_stage_that_writes_into_a_kept_output_is_refused() -> None:
     says so only in the backward, in its own words): the forward refuses it and says
     what to do instead. Recomputed in full, or selectively by a rule that does not keep
     that output (the linear does 2 x 16 FLOPs per element into 16 columns: "selective:32:8"
-    runs it again), the stage runs and gives the gradient it gives without recompute."""
+    runs it again, as does "selective:0:0:32x16", which keeps all but those), the stage
+    runs and gives the gradient it gives without recompute."""
     grads = []
-    for mode in ("none", "full", "selective:32:8"):
+    for mode in ("none", "full", "selective:32:8", "selective:0:0:32x16"):
         torch.manual_seed(0)
         x = torch.randn(4, 16, requires_grad=True)
         adapter = StageAdapter(WritesIntoAMatmul(), ("x",), ("y",), {}, lambda values: None,
@@ -176,6 +177,7 @@ def test_a_selective_stage_that_writes_into_a_kept_output_is_refused() -> None:
         grads.append(x.grad)
     torch.testing.assert_close(grads[1], grads[0], rtol=0, atol=0)
     torch.testing.assert_close(grads[2], grads[0], rtol=0, atol=0)
+    torch.testing.assert_close(grads[3], grads[0], rtol=0, atol=0)
     adapter = StageAdapter(WritesIntoAMatmul(), ("x",), ("y",), {}, lambda values: None,
                            recompute="selective")
     with pytest.raises(RuntimeError, match=r"aten.add_.Tensor writes in place into the output "
