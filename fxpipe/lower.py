@@ -191,7 +191,7 @@ def keep_levels(kept: Iterable[Kept], written: Collection[tuple[int, int]] = ()
     level keeps the outputs the one before keeps and the next (work, width) of them, and
     the last all ((0, 0)); at most MAX_KEEP_LEVELS, spread over them. The outputs the model
     writes into in place (``written``: their (work, width)) are in none: every level's rule
-    skips them (``Problem.unkept``). None where every one is written (or there is none)."""
+    skips them (``Problem.unkept``). Empty where every one is written (or there is none)."""
     found = sorted({(k.work, k.width) for k in kept} - set(written),
                    key=lambda c: (-c[0], c[1]))
     if len(found) > MAX_KEEP_LEVELS:
