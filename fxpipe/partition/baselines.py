@@ -39,7 +39,7 @@ from fxpipe.partition.cost import (
     run_again_s,
     state_split,
 )
-from fxpipe.partition.problem import Problem, stage_flights
+from fxpipe.partition.problem import Problem, selective_sums, stage_flights
 
 __all__ = ["BASELINES", "Blocks", "baselines", "interval_dp", "leanest_dp", "linear_partition",
            "min_max_dp"]
@@ -267,8 +267,9 @@ class Blocks:
             params[g + 1] += node.param_bytes
             act[g + 1] += node.activation_bytes
             ret[g + 1] += node.output_bytes if node.returned else 0
-            sel[g + 1] += [node.selective(level)[0] for level in range(levels)]
-            again[g + 1] += [node.selective(level)[1] for level in range(levels)]
+            kept, again_s = selective_sums([node], levels)
+            sel[g + 1] += kept
+            again[g + 1] += again_s
             grad[g] = max(grad[g], node.grad_bytes)
         for tied in p.tied:
             params[min(c.group_of[v] for v in tied.nodes) + 1] += tied.param_bytes

@@ -58,7 +58,7 @@ from fxpipe.partition.baselines import Blocks, min_max_dp
 from fxpipe.partition.coarsen import Coarsening
 from fxpipe.partition.cost import recompute_options
 from fxpipe.partition.evaluate import consumers
-from fxpipe.partition.problem import Comm, TiedPolicy, stage_flights
+from fxpipe.partition.problem import Comm, TiedPolicy, selective_sums, stage_flights
 
 __all__ = ["block_bound", "shared_gpu_bound"]
 
@@ -428,15 +428,14 @@ def _group_sums(exact: Coarsening) -> np.ndarray:
     per keep level what a selective recompute keeps, then per level what it runs again
     (``Blocks``' S and G)."""
     p = exact.problem
-    levels = range(len(p.keep_levels))
-    sums = np.zeros((exact.num_coarse, 5 + 2 * len(levels)))
+    levels = len(p.keep_levels)
+    sums = np.zeros((exact.num_coarse, 5 + 2 * levels))
     for v, node in enumerate(p.nodes):
-        selective = [node.selective(level) for level in levels]
+        kept, again_s = selective_sums([node], levels)
         sums[exact.group_of[v]] += (node.forward_s + node.backward_s, node.forward_s,
                                     node.param_bytes, node.activation_bytes,
                                     node.output_bytes if node.returned else 0,
-                                    *(kept for kept, _ in selective),
-                                    *(again for _, again in selective))
+                                    *kept, *again_s)
     return sums
 
 

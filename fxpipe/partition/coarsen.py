@@ -83,10 +83,11 @@ class Coarsening:
         nodes = []
         for g, group in enumerate(self.groups):
             fine = [p.nodes[v] for v in group]
-            selective_bytes, selective_kept_s = selective_sums(fine, len(p.keep_levels))
+            forward_s = sum(n.forward_s for n in fine)
+            selective_bytes, again_s = selective_sums(fine, len(p.keep_levels))
             nodes.append(Node(
                 name=fine[0].name if len(fine) == 1 else f"{fine[0].name}+{len(fine) - 1}",
-                forward_s=sum(n.forward_s for n in fine),
+                forward_s=forward_s,
                 backward_s=sum(n.backward_s for n in fine),
                 param_bytes=sum(n.param_bytes for n in fine),
                 activation_bytes=sum(n.activation_bytes for n in fine),
@@ -99,7 +100,7 @@ class Coarsening:
                 backward_weight_s=sum(n.backward_weight_s for n in fine),
                 deferred_bytes=sum(n.deferred_bytes for n in fine),
                 selective_bytes=selective_bytes,
-                selective_kept_s=selective_kept_s,
+                selective_kept_s=tuple(forward_s - s for s in again_s),
                 writes_kept=any(n.writes_kept for n in fine),
             ))
         edges = {(self.group_of[e.src], self.group_of[e.dst]) for e in p.edges}

@@ -203,16 +203,14 @@ def stage_cost(problem: Problem, j: int, sums: StageSums, *, flight: int,
                recompute: Option, replicas: int = 1, waiting: int = 0) -> StageCost:
     """Stage j's time and memory (see the module docstring)."""
     mode, level = recompute
-    selective = sums.selective[level] if level < len(sums.selective) else 0
-    again_s = (sums.selective_again_s[level] if level < len(sums.selective_again_s)
-               else sums.forward_s)
     parts = memory_parts(problem, j, flight=flight, params=sums.params,
                          activations=sums.activations, received=sums.received,
                          kept=sums.kept, transient=sums.transient, recompute=mode,
                          replicas=replicas, deferred=sums.deferred, waiting=waiting,
-                         selective=selective)
+                         selective=sums.selective[level])
     memory = StageMemory(**{name: round(float(value)) for name, value in parts.items()})
-    backward_s = sums.backward_s + float(run_again_s(mode, sums.forward_s, again_s))
+    backward_s = sums.backward_s + float(run_again_s(mode, sums.forward_s,
+                                                     sums.selective_again_s[level]))
     return StageCost(sums.forward_s / replicas, backward_s / replicas,
                      sums.comm_s + allreduce_s(problem, sums.own_params, replicas), memory,
                      replicas, mode, sums.backward_weight_s / replicas, level)

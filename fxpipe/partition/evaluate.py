@@ -79,8 +79,10 @@ from fxpipe.partition.cost import (
 )
 from fxpipe.partition.problem import (
     Comm,
+    Node,
     Problem,
     TiedPolicy,
+    selective_sums,
     stage_deferred,
     stage_flights,
 )
@@ -217,9 +219,7 @@ def stage_sums(problem: Problem, stage_of: Sequence[int]) -> list[StageSums]:
     params = [0] * K
     own_params = [0] * K
     activations = [0] * K
-    levels = range(len(problem.keep_levels))
-    selective = [[0] * len(levels) for _ in range(K)]
-    selective_again = [[0.0] * len(levels) for _ in range(K)]
+    on: list[list[Node]] = [[] for _ in range(K)]  # each stage's nodes
     transient = [0] * K
     received = [0] * K
     kept = [0] * K
@@ -233,10 +233,7 @@ def stage_sums(problem: Problem, stage_of: Sequence[int]) -> list[StageSums]:
         params[j] += node.param_bytes
         own_params[j] += node.param_bytes
         activations[j] += node.activation_bytes
-        for level in levels:
-            nbytes, again_s = node.selective(level)
-            selective[j][level] += nbytes
-            selective_again[j][level] += again_s
+        on[j].append(node)
         transient[j] = max(transient[j], node.grad_bytes)
 
     readers = consumers(problem)
@@ -274,12 +271,13 @@ def stage_sums(problem: Problem, stage_of: Sequence[int]) -> list[StageSums]:
             if len(holders) > 1:
                 comm[j] += group.allreduce_s
 
+    selective = [selective_sums(nodes, len(problem.keep_levels)) for nodes in on]
     return [StageSums(forward_s=forward[j], backward_s=backward[j], comm_s=comm[j],
                       params=params[j], own_params=own_params[j],
                       activations=activations[j], transient=transient[j],
                       received=received[j], kept=kept[j], backward_weight_s=weight[j],
-                      deferred=deferred[j], selective=tuple(selective[j]),
-                      selective_again_s=tuple(selective_again[j])) for j in range(K)]
+                      deferred=deferred[j], selective=selective[j][0],
+                      selective_again_s=selective[j][1]) for j in range(K)]
 
 
 def step_estimate(problem: Problem, stages: Sequence[StageCost]) -> Estimate:

@@ -113,8 +113,7 @@ def group_costs(coarsening: Coarsening, scale: int) -> GroupCosts:
     levels = len(p.keep_levels)
     sums = [selective_sums([p.nodes[v] for v in group], levels) for group in coarsening.groups]
     selective = [kept for kept, _ in sums]
-    selective_fwd = [tuple(f - s for s in kept_s)
-                     for f, (_, kept_s) in zip(fwd, sums, strict=True)]
+    selective_fwd = [again_s for _, again_s in sums]
     return GroupCosts(state=state, secs=secs, ticks=[round(s * scale) for s in secs], fwd=fwd,
                       state_bytes=[round(b) for b in param_state], params=params, held=held,
                       act=act, returned=returned, grad=grad, deferred=deferred,

@@ -119,12 +119,11 @@ class Node:
 
 def selective_sums(nodes: Sequence[Node], levels: int
                    ) -> tuple[tuple[int, ...], tuple[float, ...]]:
-    """Per keep level, the bytes ``nodes`` keep recomputed selectively and the forward
-    seconds they do not run again (``Node.selective``'s, added up)."""
-    kept = [[node.selective(level) for node in nodes] for level in range(levels)]
-    return (tuple(sum(b for b, _ in row) for row in kept),
-            tuple(sum(n.forward_s - s for n, (_, s) in zip(nodes, row, strict=True))
-                  for row in kept))
+    """Per keep level (the first ``levels``), the bytes ``nodes`` keep recomputed
+    selectively and the forward seconds they run again (``Node.selective``'s, added up)."""
+    rows = [[node.selective(level) for node in nodes] for level in range(levels)]
+    return (tuple(sum(nbytes for nbytes, _ in row) for row in rows),
+            tuple(sum(again_s for _, again_s in row) for row in rows))
 
 
 @dataclass(frozen=True)

@@ -95,13 +95,18 @@ KEEP_ALL = KeepRule(0, 0)
 def keep_rule(mode: str) -> KeepRule | None:
     """The rule of a selective mode: ``"selective"`` keeps all (``KEEP_ALL``),
     ``"selective:W:N"`` by ``KeepRule(W, N)``, ``"selective:W:N:W1xN1,W2xN2"`` also
-    skipping those; None for another mode."""
+    skipping those; None for another mode. ValueError where the numbers are not whole
+    numbers, or there are not two of them (and the pairs)."""
     name, *parts = mode.split(":")
     if name != "selective":
         return None
     if not parts:
         return KEEP_ALL
     skip = [pair.split("x") for pair in parts[2].split(",")] if len(parts) == 3 else []
+    numbers = [*parts[:2], *(n for pair in skip for n in pair)]
+    if (len(parts) not in (2, 3) or any(len(pair) != 2 for pair in skip)
+            or not all(n.isdigit() for n in numbers)):
+        raise ValueError(f"{mode!r} is not selective:W:N[:W1xN1,...] (whole numbers)")
     return KeepRule(int(parts[0]), int(parts[1]), tuple((int(w), int(n)) for w, n in skip))
 
 
@@ -196,13 +201,13 @@ def modes(recompute: Sequence[str | bool] | None, num_stages: int) -> tuple[str,
 
 
 def _valid(mode: str) -> bool:
-    name, *parts = mode.split(":")
-    if not parts:
-        return name in MODES
-    pairs = [pair.split("x") for pair in parts[2].split(",")] if len(parts) == 3 else []
-    numbers = parts[:2] + [n for pair in pairs for n in pair]
-    return (name == "selective" and len(parts) in (2, 3) and all(len(p) == 2 for p in pairs)
-            and all(n.isdigit() for n in numbers))
+    """One of ``MODES``, or a selective mode with a rule ``keep_rule`` reads."""
+    if ":" not in mode:
+        return mode in MODES
+    try:
+        return keep_rule(mode) is not None
+    except ValueError:
+        return False
 
 
 class EachTime:
