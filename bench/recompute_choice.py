@@ -78,6 +78,21 @@ CASES = [("8b", 4096, 8), ("70b", 4096, 16), ("70b", 4096, 32), ("70b", 8192, 16
          ("70b", 8192, 32)]
 
 
+def precision_flag(parser: argparse.ArgumentParser) -> None:
+    """``--precision``, as ``fxpipe split`` takes it (both recompute benchmarks plan by it)."""
+    parser.add_argument("--precision", default=None,
+                        help="32-true, bf16-mixed, bf16-true or 16-mixed (default: the "
+                             "model's, float32)")
+
+
+def traced_llama(folder: str, shape: str, seq: int, precision: str | None) -> object:
+    """The Llama shape at ``seq`` tokens, traced and costed as ``fxpipe split`` would for
+    the h100 (its model file written into ``folder``)."""
+    path = Path(folder) / f"llama_{shape}_{seq}.py"
+    path.write_text(textwrap.dedent(LLAMA.format(seq=seq, **SHAPES[shape])))
+    return cli.analyze_model(str(path), device="h100", precision=precision, quiet=True)[1]
+
+
 def plan(traced: object, *, gpus: int, recompute: Recompute, time_limit: float,
          precision: Precision | None) -> tuple[Plan | None, float]:
     """The plan (None if nothing fits) and the wall time of planning."""
@@ -125,9 +140,7 @@ def main() -> int:
     parser.add_argument("--cases", nargs="*", default=None,
                         help="SHAPE:TOKENS:GPUS, e.g. 70b:4096:32 (default: all listed)")
     parser.add_argument("--time-limit", type=float, default=30.0)
-    parser.add_argument("--precision", default=None,
-                        help="32-true, bf16-mixed, bf16-true or 16-mixed (default: the "
-                             "model's, float32)")
+    precision_flag(parser)
     args = parser.parse_args()
     precision = None if args.precision is None else parse_precision(args.precision)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
@@ -149,12 +162,8 @@ def main() -> int:
                 continue
             key = (shape, seq)
             if key not in traced_cache:
-                path = Path(folder) / f"llama_{shape}_{seq}.py"
-                path.write_text(textwrap.dedent(LLAMA.format(seq=seq, **SHAPES[shape])))
                 start = time.perf_counter()
-                traced_cache[key] = cli.analyze_model(str(path), device="h100",
-                                                           precision=args.precision,
-                                                           quiet=True)[1]
+                traced_cache[key] = traced_llama(folder, shape, seq, args.precision)
                 print(f"{SHAPES[shape]['name']} {seq} tokens: traced and costed in "
                       f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
             traced = traced_cache[key]
