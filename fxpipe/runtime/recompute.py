@@ -25,7 +25,7 @@ into one in place would hand the backward the written value: ``KeptWrites`` sees
 writes, the planner to leave selective recompute out, the runtime to refuse it."""
 
 import contextlib
-from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -113,6 +113,15 @@ def keep_rule(mode: str) -> KeepRule | None:
 def mode_name(mode: str) -> str:
     """The ``MODES`` entry a stage's mode is (``"selective:W:N"`` is ``"selective"``)."""
     return mode.split(":")[0]
+
+
+def refuse_split_backward(modes: Iterable[str], schedule: str, fix: str) -> None:
+    """ValueError where a stage of ``modes`` recomputes selectively under ``schedule``,
+    which runs each stage's backward in two passes (torch's SAC runs a region's backward
+    once); ``fix`` says what to do instead, as its caller's user would do it."""
+    if any(mode_name(mode) == "selective" for mode in modes):
+        raise ValueError(f"{schedule} runs each stage's backward in two passes, which "
+                         f"selective recompute cannot: {fix}")
 
 
 def rng_state(dev: torch.device | None) -> RngState:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .recompute import mode_name
+from .recompute import refuse_split_backward
 from .values import Wiring, received_leaves
 
 __all__ = ["check_split", "input_backward", "weight_backward"]
@@ -24,11 +24,9 @@ def check_split(schedule: Sequence[Sequence[tuple[int, str, int]]], replicas: Se
     if weight_stashing or max(replicas) > 1:
         raise ValueError("A schedule with I and W actions needs replicas=None and "
                          "weight_stashing=False.")
-    # torch's SAC runs each region's backward once
-    if any(mode_name(mode) == "selective" for mode in recompute):
-        raise ValueError("A schedule with I and W actions runs each stage's backward in two "
-                         "passes, which selective recompute cannot: recompute those stages "
-                         "\"full\" or \"none\", or use a schedule without W actions.")
+    refuse_split_backward(recompute, "A schedule with I and W actions",
+                          'recompute those stages "full" or "none", or use a schedule '
+                          "without W actions.")
 
 
 def input_backward(wiring: Wiring, k: int, named: list[tuple[str, Any]],

@@ -42,7 +42,7 @@ from typing import Any, cast
 import torch
 
 from .adapter import StageAdapter, torch_schedule_kwargs
-from .recompute import mode_name
+from .recompute import refuse_split_backward
 
 __all__ = ["ZERO_BUBBLE", "placement", "requirement", "zero_bubble_schedule"]
 
@@ -103,12 +103,10 @@ def zero_bubble_schedule(
             fix = f"split again with --schedule {kind}"
         raise ValueError(f"{sentence}: {fix} (runner.PipelineRunner runs this plan as it is, "
                          f"in one process)")
-    for stage in stages:
-        adapter = cast(StageAdapter, stage.submod)
-        if mode_name(adapter.recompute) == "selective":
-            raise ValueError(f"{kind} runs each stage's backward in two passes, which "
-                             f"selective recompute cannot: split again with --recompute "
-                             f"full or none, or another --schedule")
+    adapters = [cast(StageAdapter, stage.submod) for stage in stages]
+    refuse_split_backward((adapter.recompute for adapter in adapters), kind,
+                          "split again with --recompute full or none, or another --schedule")
+    for adapter in adapters:
         adapter.microbatches = m
         adapter.split_backward = True  # clone sends, contiguous input gradients (point 1)
     from torch.distributed import pipelining  # seconds to import; codegen reads this module

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fxpipe.runtime import PipelineRunner
-from fxpipe.schedules import gpipe, one_f_one_b
+from fxpipe.schedules import gpipe, one_f_one_b, zb1p
 
 BATCH = 8
 
@@ -217,6 +217,11 @@ def test_user_errors() -> None:
                        flatten_inputs=flatten_inputs, build_output=build_output)
     with pytest.raises(ValueError, match="earlier stages"):
         runner([stages[2], stages[1], stages[0]], gpipe, 1)
+    with pytest.raises(ValueError, match="I and W actions runs each stage's backward in two "
+                                         "passes, which selective recompute cannot"):
+        PipelineRunner(stages, schedule=zb1p(3, 3), microbatches=3,
+                       recompute=["none", "selective:8:8", "full"],
+                       flatten_inputs=flatten_inputs, build_output=build_output)
     with pytest.raises(ValueError, match="batch size 3, fewer than the 4 micro-batches"):
         runner(stages, gpipe, 4).step((x,), y[:3], loss_fn)
 

@@ -3,13 +3,15 @@ boundary their split backward needs (StageAdapter.split_backward)."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from torch import nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from fxpipe.runtime.adapter import StageAdapter
-from fxpipe.runtime.zero_bubble import ZERO_BUBBLE, requirement
+from fxpipe.runtime.zero_bubble import ZERO_BUBBLE, requirement, zero_bubble_schedule
 from fxpipe.schedules import KINDS
 
 
@@ -35,6 +37,16 @@ def test_requirement(kind: str, k: int, n: int, m: int, met: bool) -> None:
     assert ok == met
     assert sentence.startswith(f"{kind} runs on torch's {ZERO_BUBBLE[kind]}")
     assert f"({k} stages on {n} ranks" in sentence
+
+
+def test_selective_stages_are_refused_before_any_is_touched() -> None:
+    adapters = [types.SimpleNamespace(recompute=mode, microbatches=None, split_backward=False)
+                for mode in ("full", "selective:8:8")]
+    stages = [types.SimpleNamespace(submod=adapter) for adapter in adapters]
+    with pytest.raises(ValueError, match="zb1p runs each stage's backward in two passes, "
+                                         "which selective recompute cannot: split again"):
+        zero_bubble_schedule("zb1p", stages, [0, 1], 4, None)
+    assert all(a.microbatches is None and not a.split_backward for a in adapters)
 
 
 class Cut(nn.Module):
