@@ -13,6 +13,8 @@
                                         # and copied (capture "export, copied 2 deep")
     python bench/zoo.py --recompute all # every stage runs its forward again in backward
     python bench/zoo.py --recompute selective  # all of it but its matmuls and attention
+    python bench/zoo.py --recompute selective --keep-level 0  # keeping only the outputs
+                                        # of the model's leanest keep level
     python bench/zoo.py --precision bf16-mixed  # float32 models planned, traced and
                                         # trained under CPU autocast, against the model
                                         # under autocast micro-batch by micro-batch
@@ -69,11 +71,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from fxpipe.codegen import load_package
 from fxpipe.codegen.stages import LINE_LENGTH
-from fxpipe.compiler import SplitOptions, analyze_file, output_files, plan_split
+from fxpipe.compiler import SplitOptions, _lowered, analyze_file, output_files, plan_split
 from fxpipe.cost_models import get_device
 from fxpipe.output import write_folder
 from fxpipe.partition import Recompute
 from fxpipe.passes.base import OP_NODES
+from fxpipe.plan import Plan, StageRecompute
 from fxpipe.precision import Precision, parse_precision
 from fxpipe.runtime.loading import import_file
 from fxpipe.schedules import ScheduleKind
@@ -1061,12 +1064,23 @@ def _verdict(row: Row, piped: Step, whole: Step, micro: Step, batchnorm: bool,
     raise Mismatch(closest.problem or full.problem)
 
 
+def kept_by_level(plan: Plan, levels: tuple[tuple[int, int], ...], level: int) -> Plan:
+    """``plan`` with each selective stage keeping by the model's keep level ``level`` (0:
+    the fewest outputs kept; past the last, the last: all) instead of the one planned, so
+    that the runtime's keep rules, not only keep-all, are checked on every family."""
+    rule = levels[min(level, len(levels) - 1)]
+    return replace(plan, stages=tuple(
+        replace(stage, keeps=rule) if stage.recompute is StageRecompute.SELECTIVE else stage
+        for stage in plan.stages))
+
+
 def check(family: Family, folder: Path, schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B,
           virtual_stages: int = 1, precision: Precision | None = None,
-          recompute: Recompute = Recompute.AUTO) -> Row:
+          recompute: Recompute = Recompute.AUTO, keep_level: int | None = None) -> Row:
     """Split ``family`` as ``fxpipe split`` would and compare the pipeline with the model
     (at ``precision``: a ``*-mixed`` one traces and runs the float32 model under autocast,
-    and the model is run so too, micro-batch by micro-batch)."""
+    and the model is run so too, micro-batch by micro-batch; ``keep_level``: see
+    ``kept_by_level``)."""
     row = Row(family)
     if precision is not None and precision.mixed:
         family = replace(family, dtype="float32")
@@ -1094,6 +1108,9 @@ def check(family: Family, folder: Path, schedule: ScheduleKind = ScheduleKind.ON
                                schedule=schedule, virtual_stages=virtual_stages,
                                precision=precision, recompute=recompute)
         plan = plan_split(traced, label=source.label, options=options)
+        if keep_level is not None:
+            plan = kept_by_level(plan, _lowered(traced, options).problem.keep_levels,
+                                 keep_level)
         row.stages = plan.num_stages
         row.solver = f"{plan.solver.status} {plan.solver.wall_s:.2f} s"
 
@@ -1190,6 +1207,10 @@ def main() -> int:
                         help="which stages run their forward again in backward (default "
                         "auto, which at 80 GiB recomputes none; all: every stage in full; "
                         "selective: every stage selectively)")
+    parser.add_argument("--keep-level", type=int, default=None, metavar="L",
+                        help="every selective stage keeps by the model's keep level L (0: "
+                        "the fewest outputs), not the planned one; with --recompute "
+                        "selective, every stage")
     parser.add_argument("--keep", type=Path,
                         help="write the model files and packages here (default: a temp folder)")
     args = parser.parse_args()
@@ -1218,7 +1239,7 @@ def main() -> int:
         rows = []
         for family in families:
             row = check(family, base / family.slug, args.schedule, virtual_stages,
-                        args.precision, args.recompute)
+                        args.precision, args.recompute, args.keep_level)
             rows.append(row)
             print(f"{family.slug}: {row.verdict if not row.reason else row.reason} "
                   f"({row.seconds:.1f} s)", file=sys.stderr, flush=True)
