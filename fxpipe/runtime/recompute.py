@@ -41,8 +41,8 @@ from torch.utils.checkpoint import (
 
 __all__ = ["KEEP_ALL", "MODES", "SELECTIVE_KEEPS", "EachTime", "KeepRule", "Kept", "KeptWrites",
            "RngState", "buffers_restored", "keep_rule", "keeping", "mode_name", "modes",
-           "nothing_saved", "passed_on", "rng_restored", "rng_state", "selective_contexts",
-           "selective_run", "work_and_width"]
+           "nothing_saved", "passed_on", "refuse_split_backward", "rng_restored", "rng_state",
+           "selective_contexts", "selective_run", "work_and_width"]
 
 MODES = ("none", "selective", "full")  # how a stage recomputes (see the module docstring)
 
