@@ -31,7 +31,9 @@ _names = itertools.count()
 # ranks 0 and 1, the U-Net's skips go from rank 0 through rank 1 back to rank 0. Two
 # stages on one rank: the tied weight's two copies there become one. The last field:
 # stages 0 and 2 recompute (their forward runs again in the backward), in full (True) or
-# selectively (keeping their matmuls' outputs).
+# selectively: "selective:256:128" keeps the outputs of the matmuls doing more than 256
+# FLOPs per element, or 256 into at most 128 columns (the GPT's fc2 and attention output
+# projection), and runs its q, k, v, fc1 and attention matmuls again.
 # Each case costs a torchrun (10-25 s of a 2-core machine); the two marked slow are each
 # another case with less in it: GPT 1f1b on two ranks is "1-2" without the replica and
 # the recompute (and runs in test_precision_torchrun.py and test_report_card_torchrun.py),
@@ -39,7 +41,7 @@ _names = itertools.count()
 CASES = [
     pytest.param("gpt", "1f1b", (1, 1), False, marks=pytest.mark.slow),
     ("unet", "gpipe", (1, 1), False),
-    ("gpt", "1f1b", (2, 2), "selective"),
+    ("gpt", "1f1b", (2, 2), "selective:256:128"),
     ("gpt", "1f1b", (1, 2), True),
     ("unet", "1f1b", (1, 2, 1), False),
     ("gpt", "interleaved", (1, 1, 1, 1), False),
@@ -75,6 +77,8 @@ def test_torchrun_matches_runner_and_model(tmp_path: Path, name: str, schedule: 
         assert f'{{0: "tok_emb.weight", {head}: "lm_head.weight"}}' in files["distributed.py"]
 
     assert f"torchrun --nproc-per-node {n} train_torchrun.py" in files["train_torchrun.py"]
+    if isinstance(recompute, str):  # the ranks' adapters recompute by the runner's modes
+        assert f'"{recompute}"' in files["runner.py"]
     result = torchrun(n, tmp_path / "pkg" / "train_torchrun.py", "--model", str(model_file),
                       "--checkpoint", str(tmp_path / "model.pt"), "--batch",
                       str(tmp_path / "batch.pt"), "--save", str(tmp_path / "out"), "--lr", "0")
