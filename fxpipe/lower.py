@@ -23,7 +23,6 @@ views its output's gradient, so it allocates no gradient for its input.
 
 from __future__ import annotations
 
-import math
 import operator
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
@@ -48,8 +47,9 @@ OPTIMIZERS = {"adam": 4.0, "sgd": 2.0, "sgd-momentum": 3.0, "none": 1.0}
 # returns: cross-entropy's log-softmax and its gradient (see the module docstring).
 LOSS_FACTORS = (1, 1)
 # The most keep levels a selective stage chooses from (``keep_levels``): each is a choice
-# per stage in the CP-SAT program.
-MAX_KEEP_LEVELS = 5
+# per stage in the CP-SAT program. Enough for a Llama's six (down projection, attention,
+# key and value, query and output, gate and up, LM head).
+MAX_KEEP_LEVELS = 8
 
 
 @dataclass(frozen=True)
@@ -189,14 +189,16 @@ def keep_levels(kept: Iterable[Kept], written: Collection[tuple[int, int]] = ()
     its matmuls' and attention's outputs being ``kept``: ordered by the work per element it
     takes to run one again, the most first, and of equal work the narrowest first, each
     level keeps the outputs the one before keeps and the next (work, width) of them, and
-    the last all ((0, 0)); at most MAX_KEEP_LEVELS, spread over them. The outputs the model
-    writes into in place (``written``: their (work, width)) are in none: every level's rule
-    skips them (``Problem.unkept``). Empty where every one is written (or there is none)."""
+    the last all ((0, 0)); at most MAX_KEEP_LEVELS, spread evenly over them from the first
+    (the fewest bytes kept, which the most memory-bound stages need) to all. The outputs
+    the model writes into in place (``written``: their (work, width)) are in none: every
+    level's rule skips them (``Problem.unkept``). Empty where every one is written (or
+    there is none)."""
     found = sorted({(k.work, k.width) for k in kept} - set(written),
                    key=lambda c: (-c[0], c[1]))
     if len(found) > MAX_KEEP_LEVELS:
-        step = len(found) / MAX_KEEP_LEVELS
-        found = [found[math.ceil((i + 1) * step) - 1] for i in range(MAX_KEEP_LEVELS)]
+        last, most = len(found) - 1, MAX_KEEP_LEVELS - 1
+        found = [found[round(i * last / most)] for i in range(MAX_KEEP_LEVELS)]
     return (*found[:-1], (0, 0)) if found else ()
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from torch import nn
@@ -135,7 +137,8 @@ def test_keep_levels_order_by_work_then_width_and_skip_what_the_model_writes() -
     """Each level adds the next (work, width) of the outputs selective recompute may keep,
     the most work per element first, then the narrowest; the last keeps all (0, 0). The
     outputs the model writes into in place are in no level; where it writes into all,
-    none is left. Beyond MAX_KEEP_LEVELS classes, the levels spread over them."""
+    none is left. Beyond MAX_KEEP_LEVELS classes, the levels spread over them, from the
+    leanest (the first class alone) to all."""
     kept = [Kept(64, 8, 1), Kept(64, 32, 1), Kept(16, 32, 1), Kept(64, 8, 5)]
     assert keep_levels(kept) == ((64, 8), (64, 32), (0, 0))
     assert keep_levels(kept, {(64, 32)}) == ((64, 8), (0, 0))
@@ -144,4 +147,8 @@ def test_keep_levels_order_by_work_then_width_and_skip_what_the_model_writes() -
     many = [Kept(work, 1, 1) for work in range(1, 3 * MAX_KEEP_LEVELS + 1)]
     levels = keep_levels(many)
     assert len(levels) == MAX_KEEP_LEVELS and levels[-1] == (0, 0)
-    assert [w for w, _ in levels[:-1]] == sorted((w for w, _ in levels[:-1]), reverse=True)
+    assert levels[0] == (3 * MAX_KEEP_LEVELS, 1)  # the most work per element, alone
+    works = [w for w, _ in levels[:-1]]
+    assert works == sorted(set(works), reverse=True)
+    gaps = [a - b for a, b in itertools.pairwise(works)]
+    assert max(gaps) - min(gaps) <= 1  # evenly spread
