@@ -8,6 +8,7 @@ benchmarks) goes through here, so one value prints the same way everywhere:
     format_seconds(0.00234)    -> "2.34 ms"     two decimals in s, ms or µs
     format_ms(0.00234)         -> "2.340 ms"    fixed unit, for columns that are compared
     format_count(1.5e9, "FLOP") -> "1.50 GFLOP" two decimals with an SI prefix
+    format_indices([0, 1, 2, 5]) -> "0-2, 5"    runs of three or more as ranges
 
 ``parse_bytes`` reads sizes with the IEC/SI split that Kubernetes uses: ``KiB MiB GiB TiB``
 (also ``Ki``...) are powers of 1024; ``KB MB GB TB`` (also ``K``, ``M``, ``G``, ``T``) are
@@ -20,11 +21,13 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 
 __all__ = [
     "format_bytes",
     "format_bytes_up",
     "format_count",
+    "format_indices",
     "format_ms",
     "format_seconds",
     "parse_bytes",
@@ -101,3 +104,16 @@ def format_count(value: float, unit: str = "") -> str:
         if abs(value) >= scale:
             return f"{value / scale:.2f} {prefix}{unit}"
     return f"{value:.0f} {unit}".rstrip()
+
+
+def format_indices(indices: Iterable[int]) -> str:
+    """``[0, 1, 2, 3, 6, 8, 9]`` -> ``"0-3, 6, 8, 9"``: ascending stage (or other) indices,
+    each run of three or more consecutive ones as a range."""
+    runs: list[list[int]] = []
+    for i in sorted(indices):
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(f"{run[0]}-{run[-1]}" if len(run) >= 3 else ", ".join(map(str, run))
+                     for run in runs)

@@ -10,6 +10,7 @@ from fxpipe.units import (
     format_bytes,
     format_bytes_up,
     format_count,
+    format_indices,
     format_ms,
     format_seconds,
     parse_bytes,
@@ -102,3 +103,15 @@ def test_format_ms_keeps_one_unit() -> None:
 ])
 def test_format_count(value: float, unit: str, text: str) -> None:
     assert format_count(value, unit) == text
+
+
+@pytest.mark.parametrize(("indices", "text"), [
+    ([3], "3"),
+    ([0, 1], "0, 1"),
+    ([0, 1, 2], "0-2"),
+    ([9, 0, 1, 2, 3, 6, 8], "0-3, 6, 8, 9"),
+    (range(30), "0-29"),
+    ([], ""),
+])
+def test_format_indices(indices: list[int], text: str) -> None:
+    assert format_indices(indices) == text

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fxpipe.plan import Estimate, Plan, StageRecompute
 from fxpipe.schedules import kind_of
-from fxpipe.units import format_bytes, format_count, format_ms
+from fxpipe.units import format_bytes, format_count, format_indices, format_ms
 
 __all__ = ["render_report", "summary_rows"]
 
@@ -152,10 +152,10 @@ def render_report(plan: Plan, *, svg: bool = True) -> str:
 def _recompute(plan: Plan) -> str:
     """How the stages recompute (``_modes``), and which selective stages keep only some
     of their matmuls' and attention's outputs."""
-    rules: dict[tuple[int, int], list[str]] = {}
+    rules: dict[tuple[int, int], list[int]] = {}
     for stage in plan.stages:
         if stage.keeps is not None:
-            rules.setdefault(stage.keeps, []).append(str(stage.index))
+            rules.setdefault(stage.keeps, []).append(stage.index)
     said = _modes(plan)
     if rules:
         said += "; of those outputs, " + "; ".join(
@@ -172,7 +172,7 @@ def _recompute(plan: Plan) -> str:
 def _modes(plan: Plan) -> str:
     """How the stages recompute: which rerun their forward in the backward, keeping only
     their inputs, and which rerun all of it but their matmuls and attention."""
-    by_mode = {mode: [str(stage.index) for stage in plan.stages if stage.recompute is mode]
+    by_mode = {mode: [stage.index for stage in plan.stages if stage.recompute is mode]
                for mode in StageRecompute}
     none, selective, full = (by_mode[mode] for mode in StageRecompute)
     if len(none) == len(plan.stages):
@@ -190,8 +190,8 @@ def _modes(plan: Plan) -> str:
             "outputs, and reruns the rest); the others keep their activations")
 
 
-def _stages(indices: list[str]) -> str:
-    return f"stage {indices[0]}" if len(indices) == 1 else f"stages {', '.join(indices)}"
+def _stages(indices: list[int]) -> str:
+    return f"stage {indices[0]}" if len(indices) == 1 else f"stages {format_indices(indices)}"
 
 
 def _dynamic(plan: Plan) -> str:
