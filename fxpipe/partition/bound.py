@@ -38,8 +38,14 @@ The bound is the min-max DP of the interval DP (``baselines.min_max_dp``) over t
 in order, each block priced at those least sums; 1e-9 relative is taken off for the
 floating-point sums.
 
+A segment with more ideals than MAX_IDEALS (a preamble of masks and position codes
+beside the embedding, as Gemma-2's) is not enumerated: its cells are the empty ideal, one
+cell for all the others that holds between none and all of each sum and sends at least
+nothing, and the full ideal (``_any_ideal``). That is weaker inside the segment, and the
+bound stays valid.
+
 Only for one GPU per stage (not interleaved, V-placed or replicated); None where the
-bound does not apply or a segment has too many ideals to enumerate.
+bound does not apply.
 
 Where GPUs run several stage modules (interleaved, V-placed), ``shared_gpu_bound`` is a
 weaker one: the work spread evenly over the GPUs (see there).
@@ -62,7 +68,7 @@ from fxpipe.partition.problem import Comm, TiedPolicy, selective_sums, stage_fli
 
 __all__ = ["block_bound", "shared_gpu_bound"]
 
-MAX_IDEALS = 50_000  # per distinct segment; beyond, no bound (the enumeration's time)
+MAX_IDEALS = 50_000  # per distinct segment; beyond, one cell for them (the enumeration's time)
 LIGHT = 1e-4  # a group below this share of time, parameters and bytes
 CELL = 1e-3  # a cell spans at most this share of the mean stage's compute
 
@@ -78,8 +84,6 @@ def block_bound(exact: Coarsening, *, upper_s: float = math.inf) -> float | None
     crossings = _crossings(exact, segments) if p.comm is Comm.NEIGHBOUR else None
     cells = _cells(segments, preds, sums, crossings,
                    CELL * float(sums[:, 0].sum()) / p.num_stages)
-    if cells is None:
-        return None
     lo, hi, sent = cells.lo, cells.hi, cells.sent
     n = lo.shape[0] - 1  # positions 0..n: 0 is the empty ideal, n every group
     kept, again = slice(5, 5 + len(p.keep_levels)), slice(5 + len(p.keep_levels), None)
@@ -483,11 +487,11 @@ def _masks(segment: list[int], preds: list[list[int]]) -> tuple[int, ...]:
 
 
 def _cells(segments: list[list[int]], preds: list[list[int]], sums: np.ndarray,
-           crossings: list[_Crossing] | None, width: float) -> _Table | None:
+           crossings: list[_Crossing] | None, width: float) -> _Table:
     """The relaxation's positions (``_Table``): the empty ideal, then per segment its
     cells in order of compute but one holding only the empty ideal (the same set as the
-    previous segment's full ideal), then every group. None when a segment has more than
-    MAX_IDEALS ideals."""
+    previous segment's full ideal), then every group; a segment with more than MAX_IDEALS
+    ideals gets ``_any_ideal``'s cells."""
     # per _Table field, its rows: the empty ideal's first
     columns = sums.shape[1]
     rows: dict[str, list[np.ndarray]] = {
@@ -504,12 +508,12 @@ def _cells(segments: list[list[int]], preds: list[list[int]], sums: np.ndarray,
         key = (masks, sums[segment].tobytes(), crossing.incoming, crossing.local)
         if key not in cache:
             ideals = _ideals(masks, sums[segment])
-            cache[key] = None if ideals is None else _bin(
+            full = (1 << len(segment)) - 1
+            cache[key] = _any_ideal(sums[segment].sum(axis=0), crossing.sent(full)) \
+                if ideals is None else _bin(
                 ideals[1], np.array([crossing.sent(i) for i in ideals[0]], dtype=float),
-                np.array(ideals[0]) == (1 << len(segment)) - 1, width)
+                np.array(ideals[0]) == full, width)
         binned = cache[key]
-        if binned is None:
-            return None
         lo, hi, sent, most, own, only_full, only_empty = binned
         keep = ~only_empty
         for name, value in (("lo", before + lo), ("hi", before + hi),
@@ -548,6 +552,18 @@ def _ideals(masks: tuple[int, ...], sums: np.ndarray) -> tuple[list[int], np.nda
                     return None
                 stack.append((bits[-1], g + 1, grown))
     return bits, np.array(found)
+
+
+def _any_ideal(full: np.ndarray, sent: np.ndarray) -> tuple[np.ndarray, ...]:
+    """``_bin``'s cells for a segment with too many ideals to enumerate: the empty ideal,
+    one cell for every other ideal but the full one, which holds between none and all of
+    each sum and sends at least nothing (and, for ``_Cells.outputs``, at most unboundedly
+    many bytes), and the full ideal (``full`` its sums, ``sent`` what it sends)."""
+    zeros = np.zeros_like(full)
+    return (np.stack([zeros, zeros, full]), np.stack([zeros, full, full]),
+            np.array([[0.0, 0.0], [0.0, 0.0], sent[:2]]), np.array([0.0, np.inf, sent[1]]),
+            np.array([0.0, 0.0, sent[2]]), np.array([False, False, True]),
+            np.array([True, False, False]))
 
 
 def _bin(ideals: np.ndarray, sent: np.ndarray, full: np.ndarray, width: float,
