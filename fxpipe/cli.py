@@ -527,6 +527,10 @@ def _worded(exc: ValueError) -> str:
             found, fix = f"in {exc.time_limit_s:g} s", "raise --time-limit"
         else:
             found, fix = f"within --work-limit {exc.work_limit:g}", "raise --work-limit"
+        if exc.leanest is not None:  # a limit the leanest split found fits in
+            return (f"No split {where} was found {found}; the leanest found needs "
+                    f"{format_bytes(exc.leanest)}: {fix} or use --memory "
+                    f"{format_bytes_up(exc.leanest)}.")
         memory = "" if exc.limit is None else " or the memory limit"
         return f"No split {where} was found {found}; {fix}{memory}."
     return str(exc)

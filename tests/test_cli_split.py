@@ -146,7 +146,8 @@ def test_solver_errors_are_worded_with_the_flags(
                     replicate: bool) -> None:
         limit = None if replicate else 2**30
         raise NoSolutionError(devices=2, work_limit=work_limit, time_limit_s=time_limit_s,
-                              wall_clock=time_limit_s < 1, limit=limit)
+                              wall_clock=time_limit_s < 1, limit=limit,
+                              leanest=1.5 * 2**30 if work_limit == 7 else None)
 
     monkeypatch.setattr(compiler, "partition", out_of_work)
     monkeypatch.chdir(tmp_path)
@@ -158,6 +159,11 @@ def test_solver_errors_are_worded_with_the_flags(
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "fxpipe: error: No split onto 2 GPUs was found within --work-limit 3; raise "
         "--work-limit.")
+    # where the search found the leanest split, the memory it surely fits in
+    assert cli.main(["split", MLP, "--gpus", "2", "--work-limit", "7"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "fxpipe: error: No split that fits in 1.0 GiB per GPU was found within --work-limit "
+        "7; the leanest found needs 1.5 GiB: raise --work-limit or use --memory 1.5GiB.")
     assert not (tmp_path / "fxpipe-out").exists()
 
 

@@ -500,7 +500,7 @@ def _cells(segments: list[list[int]], preds: list[list[int]], sums: np.ndarray,
         "sent_most": [np.zeros(1)], "own": [np.zeros(1)], "segment": [np.array([-1])],
         "whole": [np.array([-1])]}
     before = np.zeros(columns)
-    cache: dict[tuple[object, ...], tuple[np.ndarray, ...] | None] = {}
+    cache: dict[tuple[object, ...], tuple[np.ndarray, ...]] = {}
     for k, segment in enumerate(segments):
         masks = _masks(segment, preds)
         crossing = crossings[k] if crossings is not None else _Crossing(np.zeros(2), (), ())
@@ -554,7 +554,7 @@ def _ideals(masks: tuple[int, ...], sums: np.ndarray) -> tuple[list[int], np.nda
     return bits, np.array(found)
 
 
-def _any_ideal(full: np.ndarray, sent: np.ndarray) -> tuple[np.ndarray, ...]:
+def _any_ideal(full: np.ndarray, sent: tuple[float, int, int]) -> tuple[np.ndarray, ...]:
     """``_bin``'s cells for a segment with too many ideals to enumerate: the empty ideal,
     one cell for every other ideal but the full one, which holds between none and all of
     each sum and sends at least nothing (and, for ``_Cells.outputs``, at most unboundedly

@@ -171,20 +171,24 @@ class NoSolutionError(ValueError):
     deterministic time) ran out, or, when ``wall_clock`` is true, the wall-clock safety net
     (``time_limit_s``) did first. ``limit``: the per-GPU memory every split had to fit, or
     None when memory was not the obstacle (the replicated search, which tries every stage
-    count)."""
+    count). ``leanest``: the per-GPU memory of the leanest split found (``min_memory``),
+    which fits for sure at that limit; None where it was not looked for."""
 
     def __init__(self, *, devices: int, work_limit: float, time_limit_s: float,
-                 wall_clock: bool, limit: float | None) -> None:
+                 wall_clock: bool, limit: float | None, leanest: float | None = None) -> None:
         self.devices = devices
         self.work_limit = work_limit
         self.time_limit_s = time_limit_s
         self.wall_clock = wall_clock
         self.limit = limit
+        self.leanest = leanest
         where = (f"onto {devices} GPUs" if limit is None
                  else f"that fits in {format_bytes(limit)} per GPU")
         budget = (f"in {time_limit_s:g} s of wall clock" if wall_clock
                   else f"within a work limit of {work_limit:g}")
         more = "more time" if wall_clock else "more work"
         fix = f"allow the solver {more}" + ("" if limit is None else " or more memory")
+        if leanest is not None:
+            fix += f" (the leanest split found needs {format_bytes(leanest)})"
         message = f"No split {where} was found {budget}; {fix}."
         super().__init__(message)

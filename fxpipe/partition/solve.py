@@ -53,7 +53,7 @@ from fxpipe.partition.errors import (
 from fxpipe.partition.evaluate import Evaluation, evaluate, violations
 from fxpipe.partition.ilp import IlpResult, StageModel
 from fxpipe.partition.interleave import shared_gpu_warm_start
-from fxpipe.partition.nothing_fits import heaviest_group, infeasible
+from fxpipe.partition.nothing_fits import heaviest_group, infeasible, min_memory
 from fxpipe.partition.problem import Problem
 from fxpipe.plan import Estimate, SolverReport
 
@@ -198,10 +198,14 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
         if result.status == "INFEASIBLE":
             raise infeasible(problem, exact, work_limit=work_limit,
                              time_limit_s=time_limit_s, workers=workers)
+        # nothing proved: what a limit that surely fits would be is still advice to act on
+        leanest = min_memory(problem, exact, work_limit=work_limit,
+                             time_limit_s=max(1.0, time_limit_s / 2), workers=workers)
         raise NoSolutionError(devices=problem.devices, work_limit=work_limit,
                               time_limit_s=time_limit_s,
                               wall_clock=any(p.wall_clock_stopped for p in phases),
-                              limit=problem.memory_limit)
+                              limit=problem.memory_limit,
+                              leanest=leanest if leanest > problem.memory_limit else None)
 
     evaluation = evaluate(problem, best)
     if lower is None and result.status not in ("OPTIMAL", "INFEASIBLE"):  # not yet proved

@@ -163,6 +163,12 @@ def test_no_solution_says_which_limit_ended_the_search() -> None:
     assert str(anywhere) == ("No split onto 4 GPUs was found within a work limit of 2.5; "
                              "allow the solver more work.")
     assert isinstance(anywhere, ValueError)
+    leaner = NoSolutionError(devices=4, work_limit=10, time_limit_s=30, wall_clock=False,
+                             limit=8 * GiB, leanest=9.5 * GiB)
+    assert leaner.leanest == 9.5 * GiB
+    assert str(leaner) == ("No split that fits in 8.0 GiB per GPU was found within a work "
+                           "limit of 10; allow the solver more work or more memory (the "
+                           "leanest split found needs 9.5 GiB).")
 
 
 def test_no_nodes_at_all_is_not_a_stage_count_to_lower() -> None:
