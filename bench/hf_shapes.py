@@ -7,6 +7,7 @@ Each factory follows the model-file contract and carries its own micro-batch:
     fxpipe split bench/hf_shapes.py:build_gpt2_xl --gpus 8
     fxpipe split bench/hf_shapes.py:build_llama3_8b --gpus 8
     fxpipe split bench/hf_shapes.py:build_gpt_oss_20b --gpus 8 --precision bf16-mixed
+    fxpipe split bench/hf_shapes.py:build_gemma2_9b --gpus 8 --precision bf16-mixed --memory 40GiB
     fxpipe split bench/hf_shapes.py:build_gemma2_small --gpus 4   (random weights, CPU)
 
 Token ids are drawn below 1000, inside every vocabulary.
@@ -77,6 +78,15 @@ def _gemma2_small() -> nn.Module:
     return Gemma2ForCausalLM(cfg)
 
 
+def _gemma2_9b() -> nn.Module:
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    cfg = Gemma2Config(vocab_size=256000, hidden_size=3584, intermediate_size=14336,
+                       num_hidden_layers=42, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=256, max_position_embeddings=4096, use_cache=False)
+    return Gemma2ForCausalLM(cfg)
+
+
 def _gpt_oss_20b() -> nn.Module:
     """GPT-OSS-20B's shape: 24 layers alternating sliding-window and full attention with
     sinks (transformers runs it eagerly), 32 experts, 4 per token."""
@@ -98,6 +108,7 @@ build_llama3_8b = _factory(
     "build_llama3_8b")
 build_gpt2_xl = _factory(lambda: _on("meta", _gpt2_xl), 1, 1024, "build_gpt2_xl")
 build_gpt_oss_20b = _factory(lambda: _on("meta", _gpt_oss_20b), 1, 4096, "build_gpt_oss_20b")
+build_gemma2_9b = _factory(lambda: _on("meta", _gemma2_9b), 1, 4096, "build_gemma2_9b")
 build_gemma2_small = _factory(lambda: _on(None, _gemma2_small), 2, 32, "build_gemma2_small")
 build_model = build_gemma2_small
 
