@@ -7,9 +7,11 @@ import gc
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests._cli import fxpipe, fxpipe_process
 
@@ -105,6 +107,35 @@ def test_infeasible_memory_names_the_memory_that_would_fit(tmp_path: Path) -> No
     # The memory the message names really is enough.
     again = fxpipe("split", GPT, "--gpus", "2", "--memory", needed, "--out", "out", cwd=tmp_path)
     assert again.returncode == 0, again.stderr
+
+
+def test_a_model_file_finds_the_modules_beside_it(tmp_path: Path) -> None:
+    """As ``python net.py`` would, a model file imports the modules of its folder, at its
+    top and inside build_model, wherever fxpipe runs from; the folder goes after the
+    installed packages, so a module there named like one of them shadows nothing."""
+    models, elsewhere = tmp_path / "models", tmp_path / "elsewhere"
+    models.mkdir()
+    elsewhere.mkdir()
+    (models / "fxpipe_beside_layers.py").write_text(
+        "from torch import nn\n\n\n"
+        "class Block(nn.Sequential):\n"
+        "    def __init__(self, width):\n"
+        "        super().__init__(nn.Linear(width, width), nn.ReLU())\n")
+    (models / "fxpipe_beside_sizes.py").write_text("WIDTH = 16\n")
+    (models / "net.py").write_text(
+        "import torch\n"
+        "from torch import nn\n"
+        "from fxpipe_beside_layers import Block\n\n\n"
+        "def build_model():\n"
+        "    from fxpipe_beside_sizes import WIDTH\n"
+        "    return nn.Sequential(*(Block(WIDTH) for _ in range(4)))\n\n\n"
+        "def example_inputs():\n"
+        "    return (torch.randn(8, 16),)\n")
+    done = fxpipe("split", models / "net.py", "--gpus", "2", "--out", "out", cwd=elsewhere)
+    assert done.returncode == 0, done.stderr
+    assert json.loads((elsewhere / "out" / "plan.json").read_text())["num_stages"] == 2
+    assert sys.path.index(str(models.resolve())) > sys.path.index(os.path.dirname(torch.__file__)
+                                                                   .rsplit(os.sep, 1)[0])
 
 
 def test_existing_foreign_folder_is_not_replaced(tmp_path: Path) -> None:

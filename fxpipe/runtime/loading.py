@@ -22,10 +22,15 @@ class NotPythonError(ValueError):
 def import_file(path: str | Path, name: str, *, package: bool = False) -> types.ModuleType:
     """Execute the file ``path`` as module ``name`` (registered in ``sys.modules``
     before it runs, so it can import itself and, as a ``package``, its submodules
-    relative to its folder). Errors raised by the file propagate; a path Python
-    cannot import as a module is a ``NotPythonError``."""
+    relative to its folder). A file (not a package) finds the modules beside it, as
+    ``python file.py`` would: its folder joins ``sys.path``, after the installed packages
+    so that a file there named like one of them shadows nothing. Errors raised by the file
+    propagate; a path Python cannot import as a module is a ``NotPythonError``."""
     file = Path(path)
-    folder = [str(file.resolve().parent)] if package else None
+    here = str(file.resolve().parent)
+    folder = [here] if package else None
+    if not package and here not in sys.path:
+        sys.path.append(here)
     spec = importlib.util.spec_from_file_location(name, file, submodule_search_locations=folder)
     if spec is None or spec.loader is None:
         raise NotPythonError(f"{path}: cannot be imported as Python; give a .py file")
