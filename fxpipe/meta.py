@@ -141,8 +141,8 @@ class MemoryInfo:
     # to run again per element; those its rule keeps, its backward does not rerun
     selective: tuple[Kept, ...] = ()
     # the (work, width) of those outputs it writes into in place, which SAC would hand the
-    # backward written: no keep level of the model keeps outputs of these or later in its
-    # order (fxpipe.lower.keep_levels)
+    # backward written: no keep level of the model keeps outputs of these, every level's
+    # rule skips them (fxpipe.lower.keep_levels)
     writes_kept: tuple[tuple[int, int], ...] = ()
     # (canonical qualified name, bytes) of those parameters and buffers. A tied parameter
     # has one canonical name (its first in ``named_parameters()``) whichever name a node uses.

@@ -15,7 +15,8 @@ run: the outputs of the aten ops the runtime's policy keeps (``SELECTIVE_KEEPS``
 matmuls and the fused attention kernels), each with the work per element and width its
 keep rule reads, as a dispatch mode sees them run (``KeptWrites``), which also sees a node
 write in place into such an output (``writes_kept``: SAC would hand the backward the
-written value, so the model's keep levels stop before it, fxpipe.lower.keep_levels).
+written value, so every keep level of the model skips such outputs,
+fxpipe.lower.keep_levels).
 
 A node of a layer tracing copied from another (``meta.COPY_OF``) is not run: it keeps
 what the node it copies keeps, of its own inputs in the same places, and costs the

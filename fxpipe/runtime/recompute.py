@@ -22,7 +22,8 @@ only some of those outputs, the ones that cost the most to run again for their b
 selective stage from the same op list and rule (fxpipe.passes.memory), so what it plans is
 what ``selective_contexts`` keeps. SAC keeps those outputs as they are, so an op that writes
 into one in place would hand the backward the written value: ``KeptWrites`` sees such
-writes, the planner to leave selective recompute out, the runtime to refuse it."""
+writes, the planner to leave those outputs out of every rule (``KeepRule.skip``), the
+runtime to refuse a write into one its rule keeps."""
 
 import contextlib
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
