@@ -100,6 +100,9 @@ class StageAdapter(nn.Module):
         # torch runs the backward as I and W (zero-bubble schedules): send fresh copies, which
         # torch detaches in place, and contiguous input gradients (zero_bubble.py)
         self.split_backward = False
+        # zero_bubble.py: called once, with the first micro-batch's received tensors and
+        # outputs, to look at the stage's autograd graph
+        self.check_graph: Callable[[tuple[torch.Tensor, ...], Any], None] | None = None
         # the shape of each received tensor in the example micro-batch it was built with:
         # torch's PipelineStage sends and receives at these shapes (see check_feed)
         self.input_shapes: tuple[tuple[int, ...], ...] = ()
@@ -116,9 +119,14 @@ class StageAdapter(nn.Module):
         if self.split_backward:
             _contiguous_grads(flat)
         if self.recompute != "none" and torch.is_grad_enabled():
-            return checkpoint(self._run, *flat, use_reentrant=False,
-                              context_fn=self._recompute_contexts)
-        return self._run(*flat)
+            outputs = checkpoint(self._run, *flat, use_reentrant=False,
+                                 context_fn=self._recompute_contexts)
+        else:
+            outputs = self._run(*flat)
+        if self.check_graph is not None and torch.is_grad_enabled():
+            check, self.check_graph = self.check_graph, None  # every micro-batch's is alike
+            check(flat, outputs)
+        return outputs
 
     def _recompute_contexts(self) -> tuple[Any, Any]:
         """(the first run's context, the run again's): each run again leaves buffers as

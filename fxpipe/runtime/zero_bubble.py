@@ -26,7 +26,14 @@ of its weights, later, in a bubble. Three things differ from the other schedules
    which also puts an embedding and its tied LM head on rank 0 (one copy, no
    all-reduce). torch computes that placement itself; the plan's (``DEVICE_OF``, read
    by ``RankLayout``) must be the same, which ``zero_bubble_schedule`` checks.
-3. torch's ``scale_grads`` divides each stage's gradients by M at that stage's last
+3. torch finds, in I, the part of the graph W needs: the nodes where a path from a
+   parameter meets a path from a received tensor (``stage_backward_input``). A parameter
+   whose path reaches the stage's output without meeting one (an embedding of token ids
+   that are all the stage receives, as when the stages before it hold no parameters) gets
+   no gradient from W, without a word. ``zero_bubble_schedule`` has each adapter look at
+   its first micro-batch's graph (``beyond_received``); a stage with such an output runs
+   its whole backward at I (torch's ``dw_builder``), its W left empty.
+4. torch's ``scale_grads`` divides each stage's gradients by M at that stage's last
    backward: a parameter two stages of one rank share (the tied weight in a V) would
    be divided twice. The schedules are built with ``scale_grads=False`` and
    ``DistributedPipeline.train_step`` divides every parameter's gradient once.
@@ -36,15 +43,18 @@ overlapped forward-backward function (``OVERLAP_F_B``), which fxpipe does not
 generate.
 """
 
+import functools
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, cast
 
 import torch
+from torch.utils import _pytree as pytree
 
 from .adapter import StageAdapter, torch_schedule_kwargs
 from .recompute import refuse_split_backward
 
-__all__ = ["ZERO_BUBBLE", "placement", "requirement", "zero_bubble_schedule"]
+__all__ = ["ZERO_BUBBLE", "beyond_received", "placement", "requirement",
+           "zero_bubble_schedule"]
 
 # the schedule kinds that split the backward -> their torch.distributed.pipelining class
 # (by name: importing this module, as codegen does, does not import torch's pipelining)
@@ -106,9 +116,11 @@ def zero_bubble_schedule(
     adapters = [cast(StageAdapter, stage.submod) for stage in stages]
     refuse_split_backward((adapter.recompute for adapter in adapters), kind,
                           "split again with --recompute full or none, or another --schedule")
-    for adapter in adapters:
+    for stage, adapter in zip(stages, adapters, strict=True):
         adapter.microbatches = m
         adapter.split_backward = True  # clone sends, contiguous input gradients (point 1)
+        if not stage.is_first:  # torch runs the first stage's whole backward at W already
+            adapter.check_graph = functools.partial(_whole_backward_if_beyond, stage)
     from torch.distributed import pipelining  # seconds to import; codegen reads this module
 
     schedule_class = getattr(pipelining, ZERO_BUBBLE[kind])
@@ -121,3 +133,41 @@ def zero_bubble_schedule(
             f"this plan placed them on ranks {list(rank_of)}: split again with --schedule "
             f"{kind}")
     return schedule
+
+
+def beyond_received(received: Sequence[torch.Tensor], outputs: Any) -> bool:
+    """Whether an output of a stage that needs a gradient depends on no ``received``
+    tensor that needs one, only on parameters: torch's split backward would give those
+    parameters no gradient (point 3). Walks the autograd graph of one micro-batch."""
+    sources = {id(x) for x in received if isinstance(x, torch.Tensor) and x.requires_grad}
+    reaches: dict[Any, bool] = {}  # autograd node -> whether a received tensor is behind it
+
+    def behind(root: Any) -> bool:
+        stack = [root]
+        while stack:  # post-order without recursion: a stage's graph may be deep
+            node = stack[-1]
+            children = [c for c, _ in node.next_functions if c is not None and c not in reaches]
+            if children:
+                stack.extend(children)
+                continue
+            stack.pop()
+            variable = getattr(node, "variable", None)  # AccumulateGrad: a leaf tensor
+            reaches[node] = (variable is not None and id(variable) in sources) or any(
+                reaches[c] for c, _ in node.next_functions if c is not None)
+        return reaches[root]
+
+    return any(not behind(x.grad_fn) for x in pytree.tree_leaves(outputs)
+               if isinstance(x, torch.Tensor) and x.grad_fn is not None)
+
+
+def _whole_backward_if_beyond(stage: Any, received: Sequence[torch.Tensor],
+                              outputs: Any) -> None:
+    """``StageAdapter.check_graph`` under a split backward: where torch's W would miss a
+    parameter's gradient, run the stage's whole backward at I and nothing at W (torch
+    calls a ``dw_builder``'s runner at W instead of its own weight gradient)."""
+    if beyond_received(received, outputs):
+        stage.dw_builder = _nothing_at_w
+
+
+def _nothing_at_w() -> Callable[[], None]:
+    return lambda: None

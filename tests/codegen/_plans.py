@@ -21,18 +21,22 @@ def contiguous_plan(
     virtual_stages: int = 1,
     shared_inputs: tuple[str, ...] = (),
     dynamic_dims: tuple[DynamicDim, ...] = (),
+    starts: tuple[int, ...] | None = None,
 ) -> Plan:
     """Cut the graph's ops (graph order is topological) into K chunks of near-equal
     size; a get_attr node goes with its first user. Always a valid monotone plan.
     Stage k recomputes as ``recompute[k]`` says (a mode, or a bool: full or none) and runs
     on ``replicas[k]`` GPUs (default 1), or, with ``virtual_stages`` v > 1,
     v stages share a GPU as the schedule places them. ``shared_inputs`` (the graph inputs
-    handed whole to every micro-batch) and ``dynamic_dims`` as the compiler records them."""
+    handed whole to every micro-batch) and ``dynamic_dims`` as the compiler records them.
+    ``starts``: instead of equal chunks, stage k begins at op ``starts[k]`` (starts[0] = 0)."""
     ops = [n for n in graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
     assert len(ops) >= num_stages, (len(ops), num_stages)
     stage_of: dict[str, int] = {}
+    assert starts is None or (len(starts) == num_stages and starts[0] == 0), starts
     for i, node in enumerate(ops):
-        stage_of[node.name] = i * num_stages // len(ops)
+        stage_of[node.name] = (i * num_stages // len(ops) if starts is None
+                               else sum(i >= start for start in starts) - 1)
     for node in graph.nodes:
         if node.op == "get_attr":
             users = [stage_of[u.name] for u in node.users if u.name in stage_of]
