@@ -19,8 +19,9 @@ from fxpipe.partition.cost import StageCost
 from fxpipe.partition.evaluate import Evaluation
 from fxpipe.partition.problem import Problem
 from fxpipe.plan import DynamicDim, Estimate, Plan, SolverReport, StagePlan, StageRecompute
+from fxpipe.units import format_indices
 
-__all__ = ["build_plan", "stage_of_nodes"]
+__all__ = ["build_plan", "stage_of_nodes", "state_keys"]
 
 
 def stage_of_nodes(lowered: Lowered, stage_of: Sequence[int]) -> dict[torch.fx.Node, int]:
@@ -110,12 +111,54 @@ def build_plan(
         optimizer=optimizer,
         precision=precision,
         tied=tied,
+        state_keys=state_keys(graph_nodes[0].graph.owning_module) if graph_nodes else (),
         baselines=dict(baselines),
-        notes=tuple(notes),
+        notes=(*notes, *idle_notes(stage_plans, report, problem.schedule.value)),
         virtual_stages=problem.virtual_stages,
         dynamic_dims=tuple(dynamic_dims),
         shared_inputs=tuple(shared_inputs),
     )
+
+
+def state_keys(gm: torch.fx.GraphModule | None) -> tuple[tuple[str, ...], ...]:
+    """``Plan.state_keys``: the keys of ``gm``'s ``state_dict()`` under a module or tensor
+    a node reads (a stage binds what its nodes read, under the same names), grouped by
+    tensor, so that a parameter tied under several names is one group."""
+    assert gm is not None, "a traced graph belongs to its GraphModule"
+    read = {str(n.target) for n in gm.graph.nodes if n.op in ("call_module", "get_attr")}
+    groups: dict[int, list[str]] = {}
+    for key, value in gm.state_dict(keep_vars=True).items():
+        parts = key.split(".")
+        if any(".".join(parts[:i]) in read for i in range(1, len(parts) + 1)):
+            groups.setdefault(id(value), []).append(key)
+    return tuple(sorted(tuple(sorted(names)) for names in groups.values()))
+
+
+def idle_notes(stages: Sequence[StagePlan], report: SolverReport, schedule: str) -> list[str]:
+    """What the report says of stages that hold no parameters or compute nothing: a GPU
+    that only passes values on is rarely what a user wants, and where the search was not
+    proved optimal it may be one move from a better split."""
+    idle = [s.index for s in stages if s.flops_forward == 0]
+    bare = [s.index for s in stages if not s.parameters and s.flops_forward > 0]
+    if not idle and not bare:
+        return []
+    parts = []
+    if idle:
+        parts.append(f"{_stages(idle)} {'computes' if len(idle) == 1 else 'compute'} nothing "
+                     "(no FLOPs)")
+    if bare:
+        parts.append(f"{_stages(bare)} {'holds' if len(bare) == 1 else 'hold'} no parameters")
+    why = ("the solver proved no other split better under the cost model"
+           if report.status == "OPTIMAL" else
+           f"the search stopped {report.status} with a gap of {report.gap:.2%}, so a better "
+           f"split may exist: raise --work-limit or --time-limit, or use fewer --gpus")
+    shares = (" (under a V each GPU runs two stages: such a stage's GPU works on its "
+              "other one)" if schedule in ("zbv", "dualpipev") else "")
+    return [f"{'; '.join(parts)}{shares}: {why}."]
+
+
+def _stages(indices: Sequence[int]) -> str:
+    return f"stage{'s' * (len(indices) > 1)} {format_indices(indices)}"
 
 
 def _keeps(problem: Problem, cost: StageCost) -> tuple[int, int] | None:
