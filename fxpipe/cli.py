@@ -311,15 +311,23 @@ def _run_split(args: argparse.Namespace) -> int:
 
 def _card(plan_dir: str | None, measured: str) -> Any:
     """The report card of ``measured`` against the plan.json in ``plan_dir`` (default: the
-    folder of ``measured``)."""
+    folder of ``measured``); a warning of the comparison is one line on stderr."""
+    import warnings
     from pathlib import Path
 
     from fxpipe.report.card import compare
-    from fxpipe.runtime.measure import load_card
+    from fxpipe.runtime.measured_file import load_card
 
     card = load_card(measured)
     folder = Path(plan_dir) if plan_dir is not None else Path(measured).parent
-    return compare(_read_plan(folder, "the plan that was measured"), card, source=str(measured))
+    plan = _read_plan(folder, "the plan that was measured")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compared = compare(plan, card, source=str(measured),
+                           plan_source=str(folder / "plan.json"))
+    for warning in caught:
+        print(f"fxpipe: warning: {' '.join(str(warning.message).split())}", file=sys.stderr)
+    return compared
 
 
 def _read_plan(folder: Any, which: str) -> Any:
@@ -341,21 +349,24 @@ def _run_report(args: argparse.Namespace) -> int:
     from fxpipe.report.card import render_card
 
     card = _card(args.plan_dir, args.measured)
-    print(render_card(card), end="")
-    if args.model is not None:
-        from fxpipe.compiler import options_of, plan_split
+    if args.model is None:
+        print(render_card(card), end="")
+        return 0
+    from fxpipe.compiler import options_of, plan_split
 
-        options = options_of(card.plan)
-        source, traced = analyze_model(args.model, device=options.device.name,
-                                       precision=card.plan.precision, quiet=True)
-        again = plan_split(traced, label=source.label, options=options, calibrate_from=card)
-        before, after = card.plan.stage_of(), again.stage_of()
-        moved = sum(before.get(name) != k for name, k in after.items())
-        verdict = (f"{moved} of {len(after)} nodes move to another stage" if moved
-                   else "no cut moves")
-        print(f"Re-planned {source.label} with these measurements: {verdict}; predicted "
-              f"bottleneck {format_seconds(again.estimate.bottleneck_s)} under the "
-              f"calibrated costs (`fxpipe split ... --calibrate` writes that plan).")
+    options = options_of(card.plan)
+    source, traced = analyze_model(args.model, device=options.device.name,
+                                   precision=card.plan.precision, quiet=True)
+    # refuses a model that is not the measured plan's before anything is printed
+    again = plan_split(traced, label=source.label, options=options, calibrate_from=card)
+    before, after = card.plan.stage_of(), again.stage_of()
+    moved = sum(before.get(name) != k for name, k in after.items())
+    verdict = (f"{moved} of {len(after)} nodes move to another stage" if moved
+               else "no cut moves")
+    print(render_card(card), end="")
+    print(f"Re-planned {source.label} with these measurements: {verdict}; predicted "
+          f"bottleneck {format_seconds(again.estimate.bottleneck_s)} under the "
+          f"calibrated costs (`fxpipe split ... --calibrate` writes that plan).")
     return 0
 
 

@@ -5,10 +5,12 @@ A plan predicts each stage's forward and backward seconds; a report card
 predicted of stage k, for forward and for backward, becomes the factor of every op the
 measured plan put on stage k. Ops are named as in ``plan.json``'s ``stages[].nodes``, so
 an op keeps its factor wherever the new plan puts it; an op the measured plan did not
-have takes the median factor. Memory: where every stage had a device of its own, the
-ratio of measured to predicted peak, over what varies with the split (everything but
-parameters, gradients, optimizer state and stashed weights), scales each op's saved
-activations likewise. Communication is bytes over link bandwidth and is not rescaled.
+have takes the median factor, but a model with fewer than half its ops in the measured
+plan is refused: its factors would be mostly that guess. Memory: where every stage had
+a device of its own, the ratio of measured to predicted peak, over what varies with the
+split (everything but parameters, gradients, optimizer state and stashed weights),
+scales each op's saved activations likewise. Communication is bytes over link
+bandwidth and is not rescaled.
 
 Calibration rewrites ``meta.TIME`` (and ``meta.BYTES``) before ``lower``: the solver
 sees calibrated costs and nothing else changes.
@@ -16,6 +18,7 @@ sees calibrated costs and nothing else changes.
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -63,6 +66,8 @@ class Calibration:
 def fit(predicted: Sequence[StageFigures], measured: Sequence[StageFigures]) -> Calibration:
     """Per-stage factors: ``measured[k]`` / ``predicted[k]`` (same stages, same order)."""
     assert len(predicted) == len(measured), (len(predicted), len(measured))
+    # load_card refuses a measured time that is not a finite number above 0
+    assert all(math.isfinite(t) and t > 0 for m in measured for t in (m.forward_s, m.backward_s))
 
     def ratio(m: float | None, p: float | None) -> float | None:
         if m is None or p is None or p <= 0 or m <= 0:
@@ -88,12 +93,20 @@ def fit(predicted: Sequence[StageFigures], measured: Sequence[StageFigures]) -> 
 
 def apply(gm: torch.fx.GraphModule, calibration: Calibration) -> int:
     """Rescale every op's time (and saved bytes, where memory was calibrated); returns
-    how many ops the measured plan did not name (they took the median factor)."""
-    unknown = 0
-    for node in gm.graph.nodes:
-        if node.op not in OP_NODES:
-            continue
-        unknown += node.name not in calibration.stage_of
+    how many ops the measured plan did not name (they took the median factor). A
+    ValueError, and nothing rescaled, where fewer than half the ops are the measured
+    plan's: a measurement of another model."""
+    ops = [node for node in gm.graph.nodes if node.op in OP_NODES]
+    unknown = [node.name for node in ops if node.name not in calibration.stage_of]
+    if 2 * len(unknown) > len(ops):
+        known = len(ops) - len(unknown)
+        raise ValueError(
+            f"only {known} of this model's {len(ops)} ops are in the plan that was measured "
+            f"(this model has {_some(unknown)}, that plan {_some(list(calibration.stage_of))}"
+            f"): the measurement is of another model; pass the model that plan was made "
+            f"from, or measure this model's own plan."
+        )
+    for node in ops:
         f = calibration.factors(node.name)
         time = meta.TIME.get(node)
         meta.TIME.set(node, meta.TimeInfo(
@@ -104,4 +117,9 @@ def apply(gm: torch.fx.GraphModule, calibration: Calibration) -> int:
         if f.memory is not None and meta.BYTES.has(node):
             info = meta.BYTES.get(node)
             meta.BYTES.set(node, replace(info, saved_bytes=round(info.saved_bytes * f.memory)))
-    return unknown
+    return len(unknown)
+
+
+def _some(names: list[str]) -> str:
+    """The first few of ``names``, for a message."""
+    return ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")

@@ -10,11 +10,12 @@ says, ``fxpipe split MODEL --calibrate measured.json`` writes the re-made plan.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 from fxpipe.cost_models.calibrate import StageFigures
 from fxpipe.plan import Plan
-from fxpipe.runtime.measure import Measured
+from fxpipe.runtime.measured_file import REMEASURE, Measured, plan_identity
 from fxpipe.units import format_bytes, format_ms
 
 __all__ = ["TIE", "Card", "StageRow", "compare", "overlap_caveat", "render_card"]
@@ -133,8 +134,22 @@ def ratio(measured: float, predicted: float) -> float | None:
     return measured / predicted if predicted > 0 else None
 
 
-def compare(plan: Plan, measured: Measured, *, source: str = "the measurement") -> Card:
-    """The plan's figures against ``measured``; a ValueError if they are not of one plan."""
+def compare(plan: Plan, measured: Measured, *, source: str = "the measurement",
+            plan_source: str = "the plan") -> Card:
+    """The plan's figures against ``measured``; a ValueError if they are not of one plan
+    (``source`` and ``plan_source`` name the two in it). A measurement that does not name
+    its plan (written before they did) is compared as given, with a warning."""
+    given = plan_identity(plan.to_dict())
+    if measured.plan is None:
+        warnings.warn(
+            f"{source} does not name the plan it measured (it was written before "
+            f"measurements did), so nothing checks that it measured {plan_source}, "
+            f"{given}; {REMEASURE} to have it checked", stacklevel=2)
+    elif measured.plan != given:
+        raise ValueError(
+            f"{source} measured {measured.plan}, not {plan_source}, {given}; pass the folder "
+            f"of the plan that was measured, or {REMEASURE} with this plan's package."
+        )
     if len(measured.stages) != plan.num_stages:
         raise ValueError(
             f"{source} has {len(measured.stages)} stages but the plan has {plan.num_stages}; "

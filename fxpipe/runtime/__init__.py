@@ -52,7 +52,7 @@ if TYPE_CHECKING:  # the names as type checkers see them (``X as X``: re-exporte
     from .loading import import_file as import_file
     from .loading import load_package as load_package
     from .measure import ReportCard as ReportCard
-    from .measure import load_card as load_card
+    from .measured_file import load_card as load_card
     from .runner import PipelineRunner as PipelineRunner
     from .schedule import check_schedule as check_schedule
     from .schedule import dependencies as dependencies
@@ -68,7 +68,7 @@ _HOMES = {
     "check_stage_states": "checkpoint",
     "dependencies": "schedule",
     "import_file": "loading",
-    "load_card": "measure",
+    "load_card": "measured_file",
     "load_package": "loading",
     "merge_stage_state_dicts": "checkpoint",
     "place_stages": "devices",

@@ -13,9 +13,11 @@ while measuring, so that each is timed alone. A forward or backward span
 excludes the receives and sends nested in it, which count as communication. On CUDA the
 step synchronizes once at its end, and only while measuring, to read the events.
 
-``measured.json`` (``FORMAT``, ``VERSION``), every time in seconds:
+``measured.json`` (``FORMAT``, ``VERSION``; measured_file.py reads and checks it), every
+time in seconds:
 
     {"format": "fxpipe-measured", "version": 1,
+     "plan": {"model": "<plan.json's model>", "fingerprint": "<16 hex digits>"} | null,
      "device": "cpu" | "<CUDA device name>", "clock": "wall" | "cuda-events",
      "serial": false (true: stages sharing a GPU ran on one stream while measured),
      "microbatches": M, "warmup_steps": 1, "steps": N (steps measured),
@@ -29,7 +31,9 @@ recomputed stage's backward includes its recomputed forward. ``peak_memory_bytes
 ``torch.cuda.max_memory_allocated`` of the stage's device over the measured steps (stages
 sharing a device share the figure); null on the CPU. Under torchrun a stage's ``device``
 carries its rank (``"cuda:0 on rank 1"``, rank_measure.py): stages of different
-processes never share one.
+processes never share one. ``plan`` names the plan measured: the plan.json of the package
+whose runtime measured (``measured_file.plan_identity``); null for a runtime used outside a
+generated package.
 """
 
 from __future__ import annotations
@@ -39,43 +43,22 @@ import json
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .measured_file import FORMAT, VERSION, PlanIdentity, StageMeasure, check_card, package_plan
+
 __all__ = [
-    "FORMAT",
-    "VERSION",
-    "Measured",
     "MeasuredSteps",
     "Recorder",
     "ReportCard",
-    "StageMeasure",
-    "load_card",
     "timed",
 ]
 
-FORMAT = "fxpipe-measured"
-VERSION = 1
 KINDS = ("forward", "backward", "comm")
-
-
-@dataclass(frozen=True)
-class StageMeasure:
-    """One stage's measured seconds per micro-batch, and its device's peak bytes."""
-
-    index: int
-    forward_s: float
-    backward_s: float
-    comm_s: float
-    peak_memory_bytes: int | None = None
-    device: str = "cpu"
-
-    @property
-    def time_s(self) -> float:
-        return self.forward_s + self.backward_s + self.comm_s
 
 
 class ReportCard:
@@ -97,6 +80,7 @@ class ReportCard:
         self.peak_memory: list[int | None] = [None] * num_stages
         self.stage_devices: list[str] = ["cpu"] * num_stages
         self.serial = False  # stages sharing a GPU ran on one stream (measure(serial=True))
+        self.plan: PlanIdentity | None = None  # the plan measured; None: not known
 
     @property
     def steps(self) -> int:
@@ -126,6 +110,7 @@ class ReportCard:
         return {
             "format": FORMAT,
             "version": VERSION,
+            "plan": None if self.plan is None else asdict(self.plan),
             "device": self.device,
             "clock": self.clock,
             "serial": self.serial,
@@ -142,59 +127,13 @@ class ReportCard:
         }
 
     def save(self, path: str | Path) -> Path:
-        """Write ``measured.json`` (see the module docstring) to ``path``."""
+        """Write ``measured.json`` (see the module docstring) to ``path``; a ValueError,
+        and nothing written, where a figure is one no step measures (a clock that failed)."""
         path = Path(path)
-        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        data = self.to_dict()
+        check_card(data, path)  # the check fxpipe report makes of it
+        path.write_text(json.dumps(data, indent=2) + "\n")
         return path
-
-
-@dataclass(frozen=True)
-class Measured:
-    """A ``measured.json`` as read back."""
-
-    device: str
-    clock: str
-    microbatches: int
-    steps: int
-    step_s: float
-    stages: tuple[StageMeasure, ...]
-    serial: bool = False  # stages sharing a GPU ran one after another on one stream
-
-
-def load_card(path: str | Path) -> Measured:
-    """Read and check a ``measured.json``; a ValueError names what is wrong with it."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{path}: no such file; write one with runner.measure(...) and "
-                         f"card.save(path).")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: not JSON ({exc}); pass the file card.save wrote.") from None
-    if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise ValueError(f"{path}: not an fxpipe measurement (no \"format\": \"{FORMAT}\"); "
-                         f"pass the file card.save wrote.")
-    if data.get("version") != VERSION:
-        raise ValueError(f"{path}: measurement version {data.get('version')!r}, this fxpipe "
-                         f"reads version {VERSION}; measure again with this fxpipe's runtime.")
-    try:
-        stages = tuple(
-            StageMeasure(int(s["index"]), float(s["forward_s"]), float(s["backward_s"]),
-                         float(s["comm_s"]),
-                         None if s.get("peak_memory_bytes") is None
-                         else int(s["peak_memory_bytes"]), str(s.get("device", "cpu")))
-            for s in data["stages"]
-        )
-        measured = Measured(str(data["device"]), str(data["clock"]), int(data["microbatches"]),
-                            int(data["steps"]), float(data["step_s"]), stages,
-                            bool(data.get("serial", False)))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"{path}: a field is missing or malformed ({exc!r}); pass the file "
-                         f"card.save wrote.") from None
-    if [s.index for s in stages] != list(range(len(stages))) or not stages:
-        raise ValueError(f"{path}: stages must be listed 0, 1, ... in order, got "
-                         f"{[s.index for s in stages]}.")
-    return measured
 
 
 class Recorder:
@@ -312,6 +251,7 @@ class MeasuredSteps:
         self._recorder = Recorder(len(self.stages), self.microbatches, warmup, self.devices,
                                   lambda k: self.streams.compute[k])
         self._recorder.card.serial = serial
+        self._recorder.card.plan = package_plan()
         try:
             yield self._recorder.card
         finally:

@@ -7,9 +7,9 @@
     if rank == 0:
         card.save("fxpipe-out/measured.json")
 
-The same ``measured.json`` as ``PipelineRunner.measure`` writes (measure.py), read by
-``fxpipe report``. Every rank runs its stages under torch's schedule, so the spans are
-taken where torch calls into a stage: ``forward_one_chunk`` is a forward,
+The same ``measured.json`` as ``PipelineRunner.measure`` writes (measure.py), naming the
+same plan, read by ``fxpipe report``. Every rank runs its stages under torch's schedule,
+so the spans are taken where torch calls into a stage: ``forward_one_chunk`` is a forward,
 ``backward_one_chunk`` and ``backward_weight_one_chunk`` (a zero-bubble schedule's B and
 W) a backward, and the schedule's wait for its batched sends and receives is
 communication (a wait on a rank with several stages is shared evenly between them). The
@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining import schedules as torch_schedules
 
 from .measure import KINDS, Recorder, ReportCard
+from .measured_file import package_plan
 
 __all__ = ["measure_ranks"]
 
@@ -61,6 +62,7 @@ def measure_ranks(schedule: Any, stages: Sequence[Any], num_stages: int, *,
     card = ReportCard(num_stages, microbatches, warmup=warmup, device=recorder.card.device,
                       clock=recorder.card.clock)
     card.serial = True  # a rank's stages run one after another, on its current stream
+    card.plan = package_plan()  # the plan.json of the package torchrun runs
     with contextlib.ExitStack() as patches:
         for stage in stages:
             for method, kind in _CHUNKS.items():

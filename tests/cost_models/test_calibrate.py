@@ -3,6 +3,7 @@ re-plan with them moves work away from the stage that measured slow."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ from fxpipe.partition import evaluate
 from fxpipe.plan import Plan
 from fxpipe.profile import auto_depth
 from fxpipe.report.card import compare
-from fxpipe.runtime.measure import Measured, StageMeasure
+from fxpipe.runtime.measured_file import Measured, StageMeasure, plan_identity
 from fxpipe.schedules import ScheduleKind
 
 MLP = str(Path(__file__).resolve().parents[2] / "examples" / "mlp.py")
@@ -62,7 +63,7 @@ def test_a_stage_measured_twice_as_slow_gives_up_work() -> None:
     measured = Measured("cpu", "wall", plan.microbatches, 2, plan.estimate.iteration_s, tuple(
         StageMeasure(s.index, s.forward_s * (2 if s.index == slow else 1),
                      s.backward_s * (2 if s.index == slow else 1), s.comm_s)
-        for s in plan.stages))
+        for s in plan.stages), plan=plan_identity(plan.to_dict()))
 
     analyze(traced, device=cpu)  # fresh costs: calibration rescales them in place
     again = plan_split(traced, label=source.label, options=options,
@@ -95,7 +96,7 @@ def test_calibrating_from_stages_that_overlapped_on_one_gpu_says_so() -> None:
     def notes(device: str, serial: bool) -> str:
         measured = Measured("cuda-name", "cuda-events", plan.microbatches, 2, 1.0, tuple(
             StageMeasure(s.index, s.forward_s, s.backward_s, s.comm_s, device=device)
-            for s in plan.stages), serial=serial)
+            for s in plan.stages), serial=serial, plan=plan_identity(plan.to_dict()))
         analyze(traced, device=options.device)
         again = plan_split(traced, label=source.label, options=options,
                            calibrate_from=compare(plan, measured))
@@ -123,3 +124,23 @@ def test_memory_factor_scales_saved_activations() -> None:
     saved = {n.name: meta.BYTES.get(n).saved_bytes for n in ops}
     assert saved == {a: 150, b: 100}  # b's stage had no memory of its own measured
     assert meta.BYTES.get(ops[0]).param_bytes == 24  # parameters are exact, never scaled
+
+
+def test_a_model_mostly_of_ops_the_measured_plan_lacks_is_refused_untouched() -> None:
+    """Most ops taking the median factor is a measurement of another model, not a
+    calibration: refused before any op is rescaled. Half of them is still calibrated."""
+    gm = torch.fx.symbolic_trace(nn.Sequential(*(nn.Linear(2, 2) for _ in range(4))))
+    ops = [n for n in gm.graph.nodes if n.op == "call_module"]
+    for node in ops:
+        meta.TIME.set(node, meta.TimeInfo(1.0, 1.0, "analytic:test"))
+    names = [n.name for n in ops]
+    one = [StageFigures((names[0],), 1.0, 1.0)]
+    fitted = fit(one, [StageFigures((names[0],), 2.0, 2.0)])
+    named = f"(this model has {', '.join(names[1:])}, that plan {names[0]})"
+    with pytest.raises(ValueError, match=r"^only 1 of this model's 4 ops are in the plan that "
+                                         r"was measured " + re.escape(named)):
+        apply(gm, fitted)
+    assert all(meta.TIME.get(n).forward_s == 1.0 for n in ops)
+    two = [StageFigures(tuple(names[:2]), 1.0, 1.0)]
+    assert apply(gm, fit(two, [StageFigures(tuple(names[:2]), 2.0, 2.0)])) == 2
+    assert [meta.TIME.get(n).forward_s for n in ops] == [2.0] * 4  # the median: the one stage

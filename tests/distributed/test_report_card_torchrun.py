@@ -4,6 +4,7 @@ stages inside torch's schedules, rank 0 writes every stage into one measured.jso
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import pytest
 from fxpipe import cli
 from fxpipe.runtime import load_card
 from fxpipe.runtime.launch import main
+from fxpipe.runtime.measured_file import plan_identity
 
 from ._helpers import EXAMPLES, contiguous_plan, import_package, load, torchrun
 from ._helpers import write_package as write
@@ -37,6 +39,8 @@ def test_torchrun_measures_every_stage_for_fxpipe_report(
     assert f"measured 2 steps into {measured}" in result.stdout
 
     card = load_card(measured)
+    # it names the plan it measured: the plan.json of the package torchrun ran
+    assert card.plan == plan_identity(json.loads((tmp_path / "pkg" / "plan.json").read_text()))
     assert (card.steps, card.microbatches, card.clock, card.device) == (2, M, "wall", "cpu")
     assert card.serial  # torch's schedule runs a rank's stages one after another
     assert [s.index for s in card.stages] == list(range(2 * v))
@@ -53,7 +57,8 @@ def test_torchrun_measures_every_stage_for_fxpipe_report(
 
     capsys.readouterr()
     assert cli.main(["report", str(tmp_path / "pkg"), str(measured)]) == 0
-    printed = capsys.readouterr().out
+    printed, warned = capsys.readouterr()
+    assert warned == ""  # the plan is the one measured: nothing to warn of
     assert f"Measured 2 steps (wall clock), {M} micro-batches each" in printed
     assert all(f"\n| {k} | " in printed for k in range(2 * v))
     assert ("shared cpu on rank 0" in printed) == (v == 2)

@@ -18,7 +18,7 @@ from fxpipe.output import write_folder
 from fxpipe.plan import Plan
 from fxpipe.report.card import TIE, compare, render_card
 from fxpipe.runtime import load_card, load_package
-from fxpipe.runtime.measure import FORMAT, VERSION
+from fxpipe.runtime.measured_file import FORMAT, VERSION, plan_identity
 from fxpipe.units import format_bytes, format_ms
 
 MLP = str(Path(__file__).resolve().parents[2] / "examples" / "mlp.py")
@@ -48,9 +48,13 @@ def measured_plan(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Plan]
 
 
 def test_measured_json_has_the_documented_fields(measured_plan: tuple[Path, Plan]) -> None:
-    out, _ = measured_plan
+    out, plan = measured_plan
     data = json.loads((out / "measured.json").read_text())
     assert data["format"] == FORMAT and data["version"] == VERSION
+    # it names the plan.json beside the package's runtime, the plan it measured
+    on_disk = plan_identity(json.loads((out / "plan.json").read_text()))
+    assert data["plan"] == {"model": on_disk.model, "fingerprint": on_disk.fingerprint}
+    assert on_disk == plan_identity(plan.to_dict()) and on_disk.model == plan.model
     assert (data["device"], data["clock"]) == ("cpu", "wall")
     assert data["microbatches"] == M and data["warmup_steps"] == WARMUP
     assert data["steps"] == STEPS - WARMUP
@@ -85,9 +89,12 @@ def test_card_figures_are_the_plan_against_the_measurement(
 
 
 def _synthetic(plan: Plan, scale: list[float]) -> dict[str, Any]:
-    """A measured.json whose stage k took ``scale[k]`` times its predicted seconds."""
+    """A measured.json of ``plan`` whose stage k took ``scale[k]`` times its predicted
+    seconds."""
+    identity = plan_identity(plan.to_dict())
     return {
         "format": FORMAT, "version": VERSION, "device": "cpu", "clock": "wall",
+        "plan": {"model": identity.model, "fingerprint": identity.fingerprint},
         "microbatches": plan.microbatches, "warmup_steps": 1, "steps": 2,
         "step_s": plan.estimate.iteration_s * max(scale),
         "stages": [{"index": s.index, "forward_s": s.forward_s * f,
