@@ -18,6 +18,7 @@ from contextlib import (
     redirect_stdout,
     suppress,
 )
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from rich.console import Console
@@ -219,11 +220,9 @@ def _run_profile(args: argparse.Namespace) -> int:
 
 
 def _run_split(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from fxpipe.compiler import SplitOptions, output_files, plan_split
     from fxpipe.cost_models import get_device
-    from fxpipe.output import write_folder
+    from fxpipe.output import check_out, write_folder
     from fxpipe.precision import parse_precision
     from fxpipe.report import summary_rows
     from fxpipe.units import format_bytes, parse_bytes
@@ -267,6 +266,8 @@ def _run_split(args: argparse.Namespace) -> int:
     )
 
     card = _card(None, args.calibrate) if args.calibrate is not None else None
+    out = Path(args.out)
+    check_out(out, force=args.force)  # an --out that cannot be written fails now, not later
 
     source, traced = analyze_model(
         args.model, device=args.device, precision=args.precision, measure=args.measure,
@@ -284,8 +285,7 @@ def _run_split(args: argparse.Namespace) -> int:
         files["calibrated_from.json"] = Path(args.calibrate).read_text()
     timing = {"solver_wall_s": plan.solver.wall_s, "phases_s": PHASES}
     files["timing.json"] = json.dumps(timing, indent=2) + "\n"
-    out = Path(args.out)
-    write_folder(out, files, force=args.force)
+    written = write_folder(out, files, force=args.force)
     for line in drawing:
         print(f"  note: {line}")
     if "partition.svg" not in files and not drawing:
@@ -304,9 +304,18 @@ def _run_split(args: argparse.Namespace) -> int:
     solver = plan.solver
     print(
         f"solver {solver.status}, gap {solver.gap:.2%}, {format_seconds(solver.wall_s)}; "
-        f"wrote {out}/ ({', '.join(sorted(files))})"
+        f"wrote {out}/{_linked(out, written)} ({', '.join(sorted(files))})"
     )
     return 0
+
+
+def _linked(out: Path, written: Path) -> str:
+    """Where a link at ``--out`` led the folder written: ", the folder it links to, X/"."""
+    from fxpipe.output import display_path
+
+    if written == Path(os.path.abspath(out)):
+        return ""
+    return f", the folder it links to, {display_path(written)}/"
 
 
 def _card(plan_dir: str | None, measured: str) -> Any:

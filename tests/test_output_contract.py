@@ -6,6 +6,7 @@ import errno
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from fxpipe import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 MLP = str(ROOT / "examples" / "mlp.py")
+README = (ROOT / "README.md").read_text()
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
@@ -115,3 +117,116 @@ def test_same_model_and_flags_give_identical_files_across_hash_seeds(
     assert {"plan.json", "report.md", "runner.py", "stage0.py"} <= outputs[0].keys()
     different = [name for name in outputs[0] if outputs[0][name] != outputs[1][name]]
     assert different == []
+
+
+def one_error(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("fxpipe: error: "), err
+    return err[0].removeprefix("fxpipe: error: ")
+
+
+# Each --out the file system will not take, as the command prints it (README's error
+# table lists them) and before any slow work: tracing fails the test if it runs.
+OUT_REFUSED = {
+    "--out under a file": (
+        "notes/out",
+        "could not write notes/out: notes is a file, not a folder; choose an --out outside "
+        "it (nothing was changed)"),
+    "--out a link to a folder that does not exist": (
+        "latest",
+        "--out latest is a symbolic link to missing/out, whose folder missing does not "
+        "exist; point the link at a folder that exists or choose another --out (nothing was "
+        "changed)"),
+    "--out a link that leads back to itself": (
+        "loop",
+        "--out loop is a symbolic link that leads back to itself; point it at a folder or "
+        "choose another --out (nothing was changed)"),
+    # /sys refuses new files, to root too
+    "--out where nothing can be written": (
+        "/sys/fxpipe-out",
+        "could not write /sys/fxpipe-out: Permission denied in /sys; choose an --out in a "
+        "folder you can write (nothing was changed)"),
+}
+
+
+@pytest.mark.parametrize("case", list(OUT_REFUSED))
+def test_an_out_that_cannot_be_written_is_refused_first_with_its_cause(
+    case: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    (tmp_path / "notes").write_text("mine")
+    (tmp_path / "latest").symlink_to(Path("missing") / "out")
+    (tmp_path / "loop").symlink_to("loop")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("fxpipe.frontend.trace", failing(AssertionError("traced first")))
+    before = sorted(p.name for p in tmp_path.iterdir())
+    out, message = OUT_REFUSED[case]
+    assert cli.main(["split", MLP, "--gpus", "2", "--out", out]) == 2
+    assert one_error(capsys) == message
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert f"| {case} | `{message}` |" in README, f"README.md lacks the row for {case}"
+
+
+@pytest.mark.parametrize("where", ["probe", "staging"])
+def test_a_read_only_file_system_names_itself_and_the_fix(
+    previous: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    where: str,
+) -> None:
+    """No read-only mount can be made here (root writes through chmod), so the file system
+    answers EROFS through tempfile: the check before the work makes a file, the write a
+    folder."""
+    before = snapshot(previous)
+
+    def read_only(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(previous.parent / "x"))
+
+    monkeypatch.setattr(tempfile, "mkstemp" if where == "probe" else "mkdtemp", read_only)
+    assert cli.main(["split", MLP, "--gpus", "3", "--out", str(previous)]) == 2
+    assert one_error(capsys) == (
+        f"could not write {previous}: Read-only file system in {previous.parent}; choose an "
+        "--out on a writable file system (nothing was changed)")
+    assert snapshot(previous) == before
+    assert leftovers(previous) == []
+
+
+def test_a_link_to_an_fxpipe_folder_is_followed_and_kept(
+    previous: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Replacing the link would leave the folder it names stale and the link gone: the
+    folder is written, all or nothing as ever, and the link still names it."""
+    link = previous.parent / "latest"
+    link.symlink_to(previous.name)
+    monkeypatch.chdir(previous.parent)
+    capsys.readouterr()
+    assert cli.main(["split", MLP, "--gpus", "3", "--out", "latest"]) == 0
+    assert "wrote latest/, the folder it links to, out/ (" in capsys.readouterr().out
+    assert link.is_symlink() and link.resolve() == previous.resolve()
+    assert (previous / "stage2.py").exists()
+    assert sorted(p.name for p in previous.parent.iterdir()) == ["latest", "out"]
+    # a link to a folder not there yet: the folder is made where the link points
+    (previous.parent / "next").symlink_to("runs/seven")
+    (previous.parent / "runs").mkdir()
+    assert cli.main(["split", MLP, "--gpus", "2", "--out", "next"]) == 0
+    assert (previous.parent / "runs" / "seven" / "plan.json").exists()
+    assert (previous.parent / "next").is_symlink()
+
+
+def test_a_long_name_is_written_and_a_too_long_one_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The hidden folders beside --out take a cut of its name: a name of 250 bytes, which
+    the file system takes, is written; one of 300 is refused before any work."""
+    monkeypatch.chdir(tmp_path)
+    longest = os.pathconf(tmp_path, "PC_NAME_MAX")
+    fits = "a" * (longest - 5)
+    assert cli.main(["split", MLP, "--gpus", "2", "--out", fits]) == 0, capsys.readouterr()
+    assert [p.name for p in tmp_path.iterdir()] == [fits]
+    capsys.readouterr()
+    too_long = "b" * (longest + 45)
+    monkeypatch.setattr("fxpipe.frontend.trace", failing(AssertionError("traced first")))
+    assert cli.main(["split", MLP, "--gpus", "2", "--out", f"{too_long}/pipe"]) == 2
+    assert one_error(capsys) == (
+        f"could not write {too_long}/pipe: the name {'b' * 24}... is {longest + 45} bytes "
+        f"long, more than the {longest} a name may have there; choose a shorter --out "
+        "(nothing was changed)")
+    assert [p.name for p in tmp_path.iterdir()] == [fits]
