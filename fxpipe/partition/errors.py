@@ -100,7 +100,9 @@ class InfeasibleMemoryError(ValueError):
     ``at_least`` GPUs (None when not known), and, with ``alone`` = (name, bytes), any
     number of GPUs, since that one group of ops needs more than the limit on a stage of
     its own. ``searched``: when ``fits_on`` is None, the most GPUs the search for it
-    tried (None: every count there can be)."""
+    tried (None: every count there can be). ``microbatches``: the M that ``fits_on`` was
+    found at, said with it, since the GPU count the command line is given also sets its
+    default M (advice found at one M would not hold at another)."""
 
     def __init__(self, *, devices: int, limit: float, needed: float,
                  fits_on: int | None = None, recompute: str | None = None,
@@ -108,7 +110,7 @@ class InfeasibleMemoryError(ValueError):
                  alone: tuple[str, float] | None = None,
                  precision_gpus: int | None = None, searched: int | None = None,
                  samples: tuple[int, int, int] | None = None,
-                 schedule: str | None = None) -> None:
+                 schedule: str | None = None, microbatches: int | None = None) -> None:
         self.devices = devices
         self.limit = limit
         self.needed = needed
@@ -121,9 +123,12 @@ class InfeasibleMemoryError(ValueError):
         self.searched = searched
         self.samples = samples
         self.schedule = schedule
+        self.microbatches = microbatches
         fixes = [f"allow {format_bytes(needed)} per GPU"]
         if fits_on is not None:
-            fixes.append(f"use {fits_on} GPUs")
+            at = ("" if microbatches is None else
+                  f" with M = {microbatches} micro-batch{'es' * (microbatches != 1)}")
+            fixes.append(f"use {fits_on} GPUs{at}")
         if recompute is not None:
             fixes.append(f"recompute ({recompute})")
         if precision is not None:
@@ -158,7 +163,8 @@ class InfeasibleMemoryError(ValueError):
         """The same error naming more fixes (``precision``, ``precision_gpus``,
         ``samples``, ``schedule``), found by a caller that costs the graph again."""
         fields = ("devices", "limit", "needed", "fits_on", "recompute", "precision",
-                  "at_least", "alone", "precision_gpus", "searched", "samples", "schedule")
+                  "at_least", "alone", "precision_gpus", "searched", "samples", "schedule",
+                  "microbatches")
         return InfeasibleMemoryError(**{**{f: getattr(self, f) for f in fields}, **fixes})
 
 

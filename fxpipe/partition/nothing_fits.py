@@ -83,7 +83,8 @@ def infeasible(problem: Problem, exact: Coarsening, *, work_limit: float,
     fits_on, at_least, searched = _fewest_gpus(problem, needed)
     return InfeasibleMemoryError(devices=problem.devices, limit=problem.memory_limit,
                                  needed=needed, fits_on=fits_on, at_least=at_least,
-                                 recompute=recompute, searched=searched)
+                                 recompute=recompute, searched=searched,
+                                 microbatches=problem.microbatches)
 
 
 def dp_fits(problem: Problem) -> bool:

@@ -74,7 +74,7 @@ def test_no_split_fits_memory_says_what_would() -> None:
     assert (e.fits_on, e.recompute) == (8, None)
     assert str(e) == (
         "No split of the model onto 4 GPUs fits in 10.0 GiB per GPU; the best split needs "
-        "13.2 GiB. To fit, allow 13.2 GiB per GPU or use 8 GPUs.")
+        "13.2 GiB. To fit, allow 13.2 GiB per GPU or use 8 GPUs with M = 1 micro-batch.")
     assert "--" not in str(e)
 
 
