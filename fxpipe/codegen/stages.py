@@ -224,9 +224,9 @@ def _state_reads(gm: torch.fx.GraphModule, sub: torch.fx.Graph) -> dict[str, str
         if node.op == "get_attr":
             value = _resolve(gm, str(node.target))
             if isinstance(value, torch.nn.Parameter):
-                readable[node.name] = f'self.get_parameter("{node.target}")'
+                readable[node.name] = f"self.get_parameter({json.dumps(node.target)})"
             elif isinstance(value, torch.Tensor):
-                readable[node.name] = f'self.get_buffer("{node.target}")'
+                readable[node.name] = f"self.get_buffer({json.dumps(node.target)})"
     return readable
 
 
@@ -262,7 +262,7 @@ def _class_header(io: StageIO, binding: _Binding, functions: dict[str, tuple[str
         "        super().__init__()",
     ]
     for path in binding.paths:
-        lines += wrap_line(f'        bind(self, model, "{path}")', LINE_LENGTH)
+        lines += wrap_line(f"        bind(self, model, {json.dumps(path)})", LINE_LENGTH)
     for init in binding.inits:
         lines.append(f"        {init}")
     lookups = [(name, lookup) for name, (_, lookup) in sorted(functions.items()) if lookup]

@@ -20,4 +20,10 @@ graph fxpipe can cut and the shapes of its inputs:
                  otherwise: is_causal for a causal mask of the sizes, enable_gqa
     checkpoints.py the model's own torch.utils.checkpoint calls, traced as plain calls
     records.py   InputShape and TraceError, which both report
+    names.py     torch.fx made to print a child named like a keyword (``class``) as
+                 ``getattr``, installed here: every graph it prints is then valid Python
 """
+
+from fxpipe.tracing.names import install
+
+install()
