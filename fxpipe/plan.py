@@ -183,6 +183,10 @@ class Plan:
     tied: dict[str, str] = field(default_factory=dict)  # parameter -> "colocated"/"replicated"
     baselines: dict[str, Estimate] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    # The keys the stages' state_dict()s hold between them, grouped by tensor: a tied
+    # parameter's names share a group (("emb.weight", "head.weight")). fxpipe merge --plan
+    # checks stage checkpoints against it; empty in plans written before it.
+    state_keys: tuple[tuple[str, ...], ...] = ()
     # Interleaved 1F1B: each GPU runs v stage modules; stage j runs on GPU j % (K / v).
     virtual_stages: int = 1
     # the graph inputs' dimensions that may differ from the example's (every other one is
@@ -256,6 +260,8 @@ class Plan:
     def from_dict(cls, data: dict[str, Any]) -> Plan:
         def stage(raw: dict[str, Any]) -> StagePlan:
             raw = dict(raw)
+        if not self.state_keys:
+            del data["state_keys"]
             raw.pop("time_s", None)
             raw.pop("backward_input_s", None)
             memory = dict(raw.pop("memory", {}))
@@ -300,4 +306,5 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
+            state_keys=tuple(tuple(map(str, group)) for group in data.get("state_keys", ())),
         return cls.from_dict(json.loads(text))
