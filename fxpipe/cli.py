@@ -37,8 +37,8 @@ __all__ = ["main", "run"]
 
 EXIT_USER_ERROR = 2
 EXIT_INTERNAL_ERROR = 1
-# runner.py lists every action of the schedule (2 x M x K) and schedule.svg draws them:
-# 10,000 micro-batches on 4 GPUs took 7 minutes and wrote a 46 MB drawing.
+# runner.py lists every action of the schedule (2 x M x K): 10,000 micro-batches on 4 GPUs
+# took 7 minutes (schedule.svg, which drew them all then, draws a bounded part since).
 MAX_MICROBATCHES = 1024
 
 err = Console(stderr=True, highlight=False)
@@ -102,7 +102,7 @@ def run() -> NoReturn:
 
 def _main(argv: Sequence[str] | None) -> int:
     parser = _parser()
-    args, extra = parser.parse_known_args(argv)
+    args, extra = cli_flags.parse(parser, argv)
     if extra:  # found by the top-level parser, but the command's --help lists the flags
         prog = f"fxpipe {args.command}" if getattr(args, "command", None) else "fxpipe"
         raise UsageError(f"unrecognized arguments: {' '.join(extra)}; see '{prog} --help'")
@@ -234,10 +234,13 @@ def _run_split(args: argparse.Namespace) -> int:
     if microbatches < 1:
         raise ValueError(f"--microbatches must be at least 1, got {microbatches}")
     if microbatches > MAX_MICROBATCHES:
+        given = (f"--microbatches {microbatches} is" if args.microbatches is not None else
+                 f"--gpus {args.gpus} means {microbatches} micro-batches (the default, 4 x "
+                 "--gpus),")
         raise ValueError(
-            f"--microbatches {microbatches} is more than {MAX_MICROBATCHES}: runner.py lists "
-            "every forward and backward of every micro-batch and schedule.svg draws them; "
-            f"use --microbatches {MAX_MICROBATCHES} or fewer (bigger micro-batches)")
+            f"{given} more than {MAX_MICROBATCHES}: runner.py lists every forward and backward "
+            f"of every micro-batch; use --microbatches {MAX_MICROBATCHES} or fewer (bigger "
+            "micro-batches)")
     if not math.isfinite(args.time_limit) or args.time_limit <= 0:
         raise ValueError(
             f"--time-limit must be a positive number of seconds, got {args.time_limit}")
@@ -430,7 +433,7 @@ def _recompute(value: str) -> Recompute:
     if value not in names:
         raise ValueError(
             f"--recompute takes one of {', '.join(names)}, got {value!r} (a bare "
-            f"--recompute, after the model, means all)")
+            "--recompute means all)")
     return Recompute(value)
 
 

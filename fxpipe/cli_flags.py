@@ -8,12 +8,18 @@ declares.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Mapping
+import itertools
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from typing import NoReturn
 
 from fxpipe.schedules import KINDS
 
-__all__ = ["UsageError", "parser"]
+__all__ = ["UsageError", "parse", "parser"]
+
+# The flags whose value may be left out, and what they mean bare: argparse gives such a
+# flag the next word whatever it is, the model's path too (see ``parse``).
+_BARE = {"--recompute": "all"}
 
 
 class UsageError(ValueError):
@@ -45,6 +51,31 @@ def parser(runs: Mapping[str, Callable[[argparse.Namespace], int]]) -> argparse.
     return command_line
 
 
+def parse(command_line: argparse.ArgumentParser,
+          argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str]]:
+    """``command_line.parse_known_args(argv)``, but a bare flag written before the model
+    (``split --recompute model.py --gpus 2``) no longer takes the model's path as its
+    value: where the words do not parse so, the path goes back to the model."""
+    words = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return command_line.parse_known_args(words)
+    except UsageError:
+        untangled = _bare_before_model(words)
+        if untangled is None:
+            raise
+        return command_line.parse_known_args(untangled)
+
+
+def _bare_before_model(words: list[str]) -> list[str] | None:
+    """``words`` with the first optional-value flag followed by a model path given its bare
+    value (``--recompute=all``, say), or None where no such flag took a path."""
+    for i, (word, value) in enumerate(itertools.pairwise(words)):
+        flag = next((f for f in _BARE if len(word) > 4 and f.startswith(word)), None)
+        if flag is not None and (value.endswith(".py") or ".py:" in value):
+            return [*words[:i], f"{flag}={_BARE[flag]}", *words[i + 1:]]
+    return None
+
+
 def _profile_arguments(parser: argparse.ArgumentParser) -> None:
     _model_argument(parser)
     parser.add_argument("--device", default="h100", help="device table entry (default h100)")
@@ -72,7 +103,7 @@ def _split_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--recompute",
         nargs="?",
-        const="all",
+        const=_BARE["--recompute"],
         default="auto",
         metavar="{auto,all,selective,none}",
         help="stages that keep less than their backward reads and recompute it in the "

@@ -256,3 +256,40 @@ def test_a_drawing_graphviz_fails_on_leaves_the_plan_and_says_why(
     assert (out / "plan.json").exists() and (out / "partition.dot").exists()
     assert not (out / "partition.svg").exists()
     assert "The partition diagram is `partition.svg`" not in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("words", [["--recompute", "net.py"], ["--recompute", "net.py:make"],
+                                   ["--recomp", "net.py"]])
+def test_a_bare_recompute_before_the_model_leaves_the_model_its_path(words: list[str]) -> None:
+    """argparse gives a flag whose value may be left out the next word, the model's path
+    too: it goes back to the model, and the flag means what it means bare."""
+    from fxpipe import cli, cli_flags
+
+    args, extra = cli_flags.parse(cli._parser(), ["split", *words, "--gpus", "2"])
+    assert (args.model, args.recompute, extra) == (words[1], "all", [])
+    # a value that is no model's path is still the flag's (and a one-line error later)
+    args, _ = cli_flags.parse(cli._parser(), ["split", "--recompute", "some", "net.py",
+                                              "--gpus", "2"])
+    assert (args.model, args.recompute) == ("net.py", "some")
+
+
+def test_split_with_a_bare_recompute_first_recomputes_every_stage(tmp_path: Path) -> None:
+    done = fxpipe("split", "--recompute", MLP, "--gpus", "2", "--out", "out", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    assert [stage["recompute"] for stage in plan["stages"]] == ["full", "full"]
+
+
+def test_too_many_default_micro_batches_say_where_they_came_from(tmp_path: Path) -> None:
+    """--gpus alone sets the micro-batches (4 x --gpus): the error names --gpus and the
+    default, not a --microbatches the user never wrote, and README's table has the line."""
+    done = fxpipe("split", MLP, "--gpus", "1000", "--out", "out", cwd=tmp_path)
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()
+    message = line.removeprefix("fxpipe: error: ")
+    assert message.startswith("--gpus 1000 means 4000 micro-batches (the default, 4 x --gpus)")
+    assert "use --microbatches 1024 or fewer" in message
+    readme = (ROOT / "README.md").read_text()
+    assert (f"| --gpus so many that the default micro-batches are too many | `{message}` |"
+            in readme)
+    assert not (tmp_path / "out").exists()
