@@ -63,7 +63,7 @@ from fxpipe.report import (
     schedule_svg,
 )
 from fxpipe.report.card import Card, overlap_caveat
-from fxpipe.schedules import ScheduleKind, schedule_table
+from fxpipe.schedules import ScheduleKind
 from fxpipe.units import format_ms
 
 __all__ = ["SplitOptions", "analyze", "analyze_file", "options_of", "output_files", "plan_split"]
@@ -486,7 +486,7 @@ def output_files(
     with progress("drawing the diagrams and writing the stage modules"), \
             ThreadPoolExecutor(max_workers=1) as graphviz:
         drawing = graphviz.submit(render_svg, dot)  # dot's own process draws meanwhile
-        files["schedule.svg"] = schedule_svg(plan, schedule_table(plan))
+        files["schedule.svg"] = schedule_svg(plan, plan.schedule_table())
         files.update(generate(traced, plan))
         try:
             svg = drawing.result()

@@ -27,8 +27,6 @@ import time
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-import torch
-
 __all__ = ["FORK_MIN_NODES", "Forked"]
 
 T = TypeVar("T")
@@ -125,8 +123,11 @@ class Forked(Generic[T]):
 
 
 def _can_fork() -> bool:
-    return (sys.platform == "linux" and len(os.sched_getaffinity(0)) > 1
-            and not torch.cuda.is_initialized())
+    # CUDA cannot be used in a forked child once the parent initialized it; a process that
+    # has not imported torch (the solver's) has not, and need not import it to know
+    torch = sys.modules.get("torch")
+    cuda_up = torch is not None and torch.cuda.is_initialized()
+    return sys.platform == "linux" and len(os.sched_getaffinity(0)) > 1 and not cuda_up
 
 
 def _answer(work: Callable[[], T], pipe: int) -> None:

@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
 
+from fxpipe.schedules import Table, kind_of
+
 __all__ = ["DynamicDim", "Estimate", "Plan", "SolverReport", "StageMemory", "StagePlan",
            "StageRecompute", "StageTimes"]
 
@@ -181,12 +183,13 @@ class Plan:
     optimizer: str = "adam"
     precision: str = "32-true"  # Lightning's name: 32-true, bf16-mixed, bf16-true, 16-mixed
     tied: dict[str, str] = field(default_factory=dict)  # parameter -> "colocated"/"replicated"
-    baselines: dict[str, Estimate] = field(default_factory=dict)
-    notes: tuple[str, ...] = ()
     # The keys the stages' state_dict()s hold between them, grouped by tensor: a tied
     # parameter's names share a group (("emb.weight", "head.weight")). fxpipe merge --plan
-    # checks stage checkpoints against it; empty in plans written before it.
+    # checks stage checkpoints against it; empty in plans written before it. It may list
+    # a non-persistent buffer the graph reads by name (planning.state_keys), never less.
     state_keys: tuple[tuple[str, ...], ...] = ()
+    baselines: dict[str, Estimate] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
     # Interleaved 1F1B: each GPU runs v stage modules; stage j runs on GPU j % (K / v).
     virtual_stages: int = 1
     # the graph inputs' dimensions that may differ from the example's (every other one is
@@ -206,11 +209,18 @@ class Plan:
     @property
     def v_placed(self) -> bool:
         """Stage j and stage K - 1 - j on GPU j, as the schedule kind says (``KindSpec``)."""
-        # imported here: the schedules module brings in the runtime (torch), and a plan is
-        # plain data that loads without it
-        from fxpipe.schedules import kind_of
-
         return kind_of(self.schedule).spec.v_placed
+
+    def schedule_table(self) -> Table:
+        """The plan's schedule as a clock-tick table over its stage modules."""
+        k, v = self.num_stages, self.virtual_stages
+        spec = kind_of(self.schedule).spec
+        if spec.interleaved and self.num_devices * v != k:
+            raise ValueError(
+                f"an interleaved plan on {self.num_devices} GPUs with {v} virtual stages each "
+                f"has {self.num_devices * v} stages, not {k}"
+            )
+        return spec.table(k, v, self.microbatches)
 
     @property
     def configuration(self) -> str:
@@ -251,6 +261,8 @@ class Plan:
                                 **({"skip": [list(s) for s in stage.skips]} if stage.skips else {})}
         if self.memory_limit == float("inf"):
             data["memory_limit"] = None
+        if not self.state_keys:
+            del data["state_keys"]
         return data
 
     def to_json(self) -> str:
@@ -260,8 +272,6 @@ class Plan:
     def from_dict(cls, data: dict[str, Any]) -> Plan:
         def stage(raw: dict[str, Any]) -> StagePlan:
             raw = dict(raw)
-        if not self.state_keys:
-            del data["state_keys"]
             raw.pop("time_s", None)
             raw.pop("backward_input_s", None)
             memory = dict(raw.pop("memory", {}))
@@ -297,6 +307,7 @@ class Plan:
             optimizer=data.get("optimizer", "adam"),
             precision=data.get("precision", "32-true"),
             tied={str(k): str(v) for k, v in data.get("tied", {}).items()},
+            state_keys=tuple(tuple(map(str, group)) for group in data.get("state_keys", ())),
             baselines={k: Estimate(**v) for k, v in data.get("baselines", {}).items()},
             notes=tuple(data.get("notes", ())),
             virtual_stages=int(data.get("virtual_stages", 1)),
@@ -306,5 +317,4 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-            state_keys=tuple(tuple(map(str, group)) for group in data.get("state_keys", ())),
         return cls.from_dict(json.loads(text))

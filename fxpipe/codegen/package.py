@@ -185,7 +185,7 @@ def runner_header(traced: Traced, plan: Plan) -> str:
     spec = _spec(plan)
     interleaved = spec.interleaved or spec.v_placed  # a row per GPU in the picture
     try:
-        table = schedules.schedule_table(plan)
+        table = plan.schedule_table()
     except ValueError as err:
         raise PlanError(str(err)) from None
     picture = schedules.render_ascii(table, k, width=LINE_LENGTH - len("#     "),

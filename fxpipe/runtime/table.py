@@ -19,8 +19,8 @@ all copies of a tied parameter) are the whole micro-batch's. Each send matches a
 receive at a later tick of the table, so no rank waits on one that waits on it.
 """
 
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -29,10 +29,20 @@ from torch.utils import _pytree as pytree
 from .adapter import StageAdapter, check_feed
 from .microbatch import rows_of, split_inputs, split_microbatches
 
-if TYPE_CHECKING:
-    from .pipelining import DistributedPipeline
+__all__ = ["TablePipeline", "TableSchedule", "TableStage"]
 
-__all__ = ["TableSchedule", "TableStage"]
+
+class TablePipeline(Protocol):
+    """What a ``TableStage`` reads of the pipeline it belongs to (pipelining.py's
+    ``DistributedPipeline``, which imports this module)."""
+
+    num_stages: int
+    replicas: Sequence[int]
+    first_rank: Sequence[int]
+    shared_inputs: Collection[str]
+    flatten_inputs: Callable[..., dict[str, Any]]
+
+    def reduce_grads(self, stage: Any) -> None: ...
 
 
 class TableStage:
@@ -41,7 +51,7 @@ class TableStage:
     tensors of one whole micro-batch (``rows`` along dim 0) that it receives and
     sends, which fix the shapes of what travels."""
 
-    def __init__(self, pipeline: "DistributedPipeline", adapter: StageAdapter, stage_index: int,
+    def __init__(self, pipeline: TablePipeline, adapter: StageAdapter, stage_index: int,
                  replica: int, device: torch.device, receives: tuple[torch.Tensor, ...],
                  sends: tuple[torch.Tensor, ...], rows: int) -> None:
         self.pipeline = pipeline

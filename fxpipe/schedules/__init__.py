@@ -13,7 +13,8 @@ run concurrently in it, one per device at most. An action is
 ``(stage, "F" | "B", microbatch)``. The runner executes the ticks in order, so
 a table is both the plan and the program.
 
-    kinds.py        ScheduleKind, KINDS (how each kind behaves), schedule_table(plan)
+    kinds.py        ScheduleKind, KINDS (how each kind behaves); a plan's own table is
+                    Plan.schedule_table()
     ticks.py        a table: packing per-device orders into ticks, validate, peaks
     flush.py        the tables of the schedules that flush every step: GPipe, 1F1B,
                     interleaved 1F1B
@@ -22,7 +23,7 @@ a table is both the plan and the program.
 """
 
 from fxpipe.schedules.flush import gpipe, interleaved_1f1b, interleaved_devices, one_f_one_b
-from fxpipe.schedules.kinds import KINDS, KindSpec, ScheduleKind, kind_of, schedule_table
+from fxpipe.schedules.kinds import KINDS, KindSpec, ScheduleKind, kind_of
 from fxpipe.schedules.render import chunk_label, render_ascii
 from fxpipe.schedules.ticks import Action, Table, peak_deferred, peak_in_flight, validate
 from fxpipe.schedules.zero_bubble import dualpipev, v_devices, zb1p, zbv
@@ -43,7 +44,6 @@ __all__ = [
     "peak_deferred",
     "peak_in_flight",
     "render_ascii",
-    "schedule_table",
     "v_devices",
     "validate",
     "zb1p",

@@ -1,6 +1,6 @@
 """The schedule kinds and how each behaves: ``ScheduleKind`` names them, ``KINDS`` says
 how each builds its table, counts the micro-batches in flight, prices its bubble, and runs
-under torchrun; ``schedule_table`` is a plan's table."""
+under torchrun (a plan's own table: ``Plan.schedule_table``)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,12 @@ import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING
 
 from fxpipe.schedules.flush import gpipe, interleaved_1f1b, one_f_one_b
 from fxpipe.schedules.ticks import Table, peak_deferred, peak_in_flight
 from fxpipe.schedules.zero_bubble import dualpipev, zb1p, zbv
 
-if TYPE_CHECKING:
-    from fxpipe.plan import Plan
-
-__all__ = ["KINDS", "KindSpec", "ScheduleKind", "kind_of", "schedule_table"]
+__all__ = ["KINDS", "KindSpec", "ScheduleKind", "kind_of"]
 
 
 class ScheduleKind(str, Enum):
@@ -234,15 +230,3 @@ def kind_of(name: str) -> ScheduleKind:
         names = [kind.value for kind in ScheduleKind]
         choices = ", ".join(repr(n) for n in names[:-1]) + f" or {names[-1]!r}"
         raise ValueError(f"unknown schedule {name!r}; use {choices}") from None
-
-
-def schedule_table(plan: Plan) -> Table:
-    """The plan's schedule as a clock-tick table over its stage modules."""
-    k, v = plan.num_stages, plan.virtual_stages
-    spec = kind_of(plan.schedule).spec
-    if spec.interleaved and plan.num_devices * v != k:
-        raise ValueError(
-            f"an interleaved plan on {plan.num_devices} GPUs with {v} virtual stages each "
-            f"has {plan.num_devices * v} stages, not {k}"
-        )
-    return spec.table(k, v, plan.microbatches)
