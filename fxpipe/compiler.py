@@ -486,7 +486,7 @@ def output_files(
     with progress("drawing the diagrams and writing the stage modules"), \
             ThreadPoolExecutor(max_workers=1) as graphviz:
         drawing = graphviz.submit(render_svg, dot)  # dot's own process draws meanwhile
-        files["schedule.svg"] = schedule_svg(plan, plan.schedule_table())
+        files["schedule.svg"] = schedule_svg(plan)
         files.update(generate(traced, plan))
         try:
             svg = drawing.result()

@@ -17,7 +17,8 @@ micro-batch and the chunk letter, as ``fxpipe.schedules.render_ascii`` does.
 The SVG is written as text, element by element (a chart of 32 GPUs x 128 micro-batches
 is 8,000 boxes: matplotlib took 2 s to draw it), and is deterministic, so a committed
 chart diffs cleanly. ``schedule_svg`` draws a plan's chart (schedule.svg of the output
-folder).
+folder), with fewer micro-batches than the plan's where it has more than
+``MAX_DRAWN_ACTIONS`` actions, and says so under the chart.
 """
 
 from __future__ import annotations
@@ -29,16 +30,21 @@ from typing import TYPE_CHECKING
 from xml.sax.saxutils import escape
 
 from fxpipe.runtime.schedule import Action, dependencies, events
-from fxpipe.schedules import chunk_label
+from fxpipe.schedules import Table, chunk_label, kind_of
 from fxpipe.units import format_seconds
 
 if TYPE_CHECKING:
     from fxpipe.plan import Plan
 
-__all__ = ["action_times", "bubble_fraction", "draw_timeline", "schedule_svg",
-           "timeline_svg"]
+__all__ = ["MAX_DRAWN_ACTIONS", "action_times", "bubble_fraction", "draw_timeline",
+           "schedule_svg", "timeline_svg"]
 
 # K: number of stages, j: a stage, d: a device, m: a micro-batch.
+
+# The most actions schedule.svg draws, a box each: 1,000 stages with 1,024 micro-batches
+# are 2,048,000 actions, half a minute's drawing and 158 MB of SVG; such a plan is drawn
+# with as many of its micro-batches as fit (0.4 s).
+MAX_DRAWN_ACTIONS = 40_000
 
 # The chart's geometry in pixels: each row's height (its bars take _BAR of it), the
 # margins around the rows, the width per action in a row (charts of many micro-batches
@@ -47,6 +53,7 @@ _ROW, _BAR = 28, 0.8
 _LEFT, _RIGHT, _TOP, _BOTTOM = 64, 16, 46, 44
 _MIN_WIDTH, _PER_ACTION = 432.0, 25.0
 _CHAR = 5.5
+_NOTE = 20  # the height of the line under the chart
 _FONT = "DejaVu Sans, Arial, sans-serif"
 
 _COLOURS = {"F": "#4c72b0", "B": "#dd8452", "I": "#dd8452", "W": "#55a868"}
@@ -154,8 +161,10 @@ def timeline_svg(
     title: str,
     devices: Sequence[int] | None = None,
     backward_weight_s: Sequence[float] | None = None,
+    note: str = "",
 ) -> tuple[str, float]:
-    """``draw_timeline``'s chart as SVG text, and the predicted step time."""
+    """``draw_timeline``'s chart as SVG text, and the predicted step time; ``note`` is a
+    line under the chart."""
     times = action_times(schedule, forward_s, backward_s, devices, backward_weight_s)
     num_stages = len(forward_s)
     row_of = _device_of(devices, num_stages)
@@ -168,10 +177,10 @@ def timeline_svg(
     bubble = _bubble(times, len(set(row_of)))
 
     scale, unit = (1e3, "ms") if makespan < 1.0 else (1.0, "s")
-    width = max(_MIN_WIDTH, _PER_ACTION * len(times) / max(num_rows, 1))
+    width = max(_MIN_WIDTH, _PER_ACTION * len(times) / max(num_rows, 1), _CHAR * len(note))
     span = makespan * scale if makespan > 0 else 1.0
     x_of = width / span  # pixels per displayed time unit
-    height = _TOP + _ROW * num_rows + _BOTTOM
+    height = _TOP + _ROW * num_rows + _BOTTOM + (_NOTE if note else 0)
     out = [
         '<?xml version="1.0" encoding="utf-8"?>',
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{_LEFT + width + _RIGHT:.0f}" '
@@ -203,6 +212,9 @@ def timeline_svg(
         out += ['<g font-size="8" fill="white" text-anchor="middle" '
                 'dominant-baseline="central">', *labels, "</g>"]
     out += _axis(span, width, _TOP + _ROW * num_rows, unit)
+    if note:
+        out.append(f'<text x="{_LEFT}" y="{height - _NOTE / 2:.0f}" font-size="10">'
+                   f"{escape(note)}</text>")
     out.append("</svg>")
     return "\n".join(out) + "\n", makespan
 
@@ -243,9 +255,11 @@ def _tick_step(span: float) -> float:
     return next(power * f for f in (1, 2, 5, 10) if span / (power * f) <= 10)
 
 
-def schedule_svg(plan: Plan, schedule: Sequence[Sequence[Action]]) -> bytes:
-    """The plan's schedule (its clock-tick table, ``schedule``) as a Gantt chart with the
-    plan's predicted times: schedule.svg.
+def schedule_svg(plan: Plan) -> bytes:
+    """The plan's schedule as a Gantt chart with the plan's predicted times:
+    schedule.svg. A schedule of more than ``MAX_DRAWN_ACTIONS`` actions is drawn with
+    fewer micro-batches, as many as fit, or not at all where even the fewest its kind
+    allows are too many; a line under the chart says which.
 
     Each stage's communication is split evenly between its forward (activations out)
     and its backward (gradients back).
@@ -256,6 +270,51 @@ def schedule_svg(plan: Plan, schedule: Sequence[Sequence[Action]]) -> bytes:
     if plan.virtual_stages > 1:  # one row per GPU, its stage modules in turn
         devices = [plan.devices_of(j)[0] for j in range(plan.num_stages)]
     title = f"{plan.model}: {plan.schedule}, K={plan.num_stages}, M={plan.microbatches}"
-    svg, _ = timeline_svg(schedule, forward, backward, title=title, devices=devices,
-                          backward_weight_s=[s.backward_weight_s for s in plan.stages])
+    drawn, m, actions = _drawn_table(plan)
+    if drawn is None:
+        return _note_svg(title, f"The schedule's {actions:,} actions are too many to draw "
+                                "(runner.py lists them).").encode("utf-8")
+    note = ""
+    if m < plan.microbatches:
+        note = (f"Drawn with {m} of the plan's {plan.microbatches} micro-batches, as all "
+                f"{actions:,} actions are too many to draw: the step and bubble above are "
+                f"for {m}.")
+    svg, _ = timeline_svg(drawn, forward, backward, title=title, devices=devices,
+                          backward_weight_s=[s.backward_weight_s for s in plan.stages],
+                          note=note)
     return svg.encode("utf-8")
+
+
+def _drawn_table(plan: Plan) -> tuple[Table | None, int, int]:
+    """The table schedule.svg draws, its micro-batches, and how many actions the plan's
+    own table has: the plan's table, or one with as many micro-batches as
+    ``MAX_DRAWN_ACTIONS`` allows (a multiple of the GPUs when interleaved), or None where
+    the kind runs with no fewer than that."""
+    spec = kind_of(plan.schedule).spec
+    k, v, m = plan.num_stages, plan.virtual_stages, plan.microbatches
+    per_microbatch = k * (3 if spec.splits_backward else 2)  # F and B, or F, I and W
+    actions = per_microbatch * m
+    if actions <= MAX_DRAWN_ACTIONS:
+        return plan.schedule_table(), m, actions
+    step = plan.num_devices if spec.interleaved else 1
+    fewer = MAX_DRAWN_ACTIONS // per_microbatch // step * step
+    if fewer < 1:
+        return None, 0, actions
+    try:
+        return spec.table(k, v, fewer), fewer, actions
+    except ValueError:  # fewer than the kind runs with (dualpipev: 2 per GPU)
+        return None, 0, actions
+
+
+def _note_svg(title: str, note: str) -> str:
+    """A chart of nothing but its title and a line saying why."""
+    width = _LEFT + max(_MIN_WIDTH, _CHAR * len(note)) + _RIGHT
+    return "\n".join([
+        '<?xml version="1.0" encoding="utf-8"?>',
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{_TOP + _NOTE}" '
+        f'font-family="{_FONT}">',
+        '<rect width="100%" height="100%" fill="white"/>',
+        f'<text x="{_LEFT}" y="18" font-size="12">{escape(title)}</text>',
+        f'<text x="{_LEFT}" y="{_TOP}" font-size="10">{escape(note)}</text>',
+        "</svg>",
+    ]) + "\n"

@@ -1,9 +1,17 @@
 import itertools
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass
 
 import pytest
 
-from fxpipe.report.timeline import action_times, bubble_fraction, draw_timeline
-from fxpipe.schedules import gpipe, interleaved_1f1b, interleaved_devices, one_f_one_b
+from fxpipe.report.timeline import (
+    MAX_DRAWN_ACTIONS,
+    action_times,
+    bubble_fraction,
+    draw_timeline,
+    schedule_svg,
+)
+from fxpipe.schedules import Table, gpipe, interleaved_1f1b, interleaved_devices, one_f_one_b
 
 # K: GPUs, v: virtual stages per GPU, M: micro-batches; balanced stages take t forward
 # and 2t backward per GPU, split evenly over its v chunks.
@@ -151,3 +159,82 @@ def test_the_chart_draws_each_action_once_as_a_box_of_its_length(tmp_path) -> No
     bubble = bubble_fraction(schedule, forward, backward)
     assert next(t.text for t in root.iter(f"{ns}text")) == (
         f"a <b> & c  (step {makespan:.2f} s, bubble {bubble:.0%})")
+
+
+@dataclass
+class _Stage:
+    forward_s: float = 1e-3
+    backward_s: float = 2e-3
+    comm_s: float = 0.0
+    backward_weight_s: float = 0.0
+
+
+@dataclass
+class _Plan:
+    """What schedule_svg reads of a plan, for K stage modules too many to plan here."""
+
+    schedule: str
+    num_stages: int
+    microbatches: int
+    virtual_stages: int = 1
+    model: str = "deep.py:build_model"
+
+    def __post_init__(self) -> None:
+        self.stages = [_Stage() for _ in range(self.num_stages)]
+        self.num_devices = self.num_stages // self.virtual_stages
+
+    def devices_of(self, stage: int) -> tuple[int, ...]:
+        if self.schedule in ("zbv", "dualpipev"):
+            n = self.num_devices
+            return (stage if stage < n else 2 * n - 1 - stage,)
+        return (stage % self.num_devices,)
+
+    def schedule_table(self) -> Table:
+        raise AssertionError("the plan's whole table is built only to be drawn whole")
+
+
+def _boxes(svg: bytes) -> int:
+    """The chart's action boxes (the legend's swatches and the background aside)."""
+    ns = "{http://www.w3.org/2000/svg}"
+    root = ET.fromstring(svg)
+    return sum(1 for g in root.iter(f"{ns}g") if g.get("stroke") == "white"
+               for _ in g.iter(f"{ns}rect"))
+
+
+@pytest.mark.parametrize(("schedule", "k", "v", "m", "drawn"), [
+    ("1f1b", 1000, 1, 1024, 20),  # 2,048,000 actions: 2 x K per micro-batch
+    ("zb1p", 1000, 1, 1024, 13),  # F, I and W: 3 x K
+    ("interleaved", 256, 4, 1024, 64),  # a multiple of the 64 GPUs
+])
+def test_a_schedule_too_big_to_draw_is_drawn_with_fewer_micro_batches(
+    schedule: str, k: int, v: int, m: int, drawn: int
+) -> None:
+    """A 1,000-stage plan with 1,024 micro-batches took half a minute and 158 MB to draw
+    whole (more than 10 minutes on a loaded machine); its chart draws at most
+    MAX_DRAWN_ACTIONS boxes, every row, and says under the chart what it left out."""
+    svg = schedule_svg(_Plan(schedule, k, m, v))
+    per_microbatch = k * (3 if schedule == "zb1p" else 2)
+    assert _boxes(svg) == per_microbatch * drawn <= MAX_DRAWN_ACTIONS
+    step = k // v if v > 1 else 1  # interleaved: a multiple of the GPUs
+    assert per_microbatch * (drawn + step) > MAX_DRAWN_ACTIONS  # as many as fit
+    rows = k // v
+    name = "gpu" if v > 1 else "stage"
+    assert f">{name} {rows - 1}</text>".encode() in svg
+    assert (f"Drawn with {drawn} of the plan's {m} micro-batches, as all "
+            f"{per_microbatch * m:,} actions are too many to draw").encode() in svg
+
+
+def test_a_schedule_whose_kind_needs_too_many_micro_batches_is_named_not_drawn() -> None:
+    """DualPipeV runs no fewer than 2 micro-batches per GPU: on 200 GPUs even those are
+    more than MAX_DRAWN_ACTIONS, so the chart is its title and a line saying why."""
+    svg = schedule_svg(_Plan("dualpipev", 400, 1024, 2))
+    assert _boxes(svg) == 0
+    assert b"actions are too many to draw (runner.py lists them)" in svg
+    assert b"dualpipev, K=400, M=1024" in svg
+
+
+def test_a_schedule_that_fits_is_drawn_whole_from_the_plan_s_table() -> None:
+    plan = _Plan("1f1b", 4, 8)
+    plan.schedule_table = lambda: one_f_one_b(4, 8)  # type: ignore[method-assign]
+    svg = schedule_svg(plan)
+    assert _boxes(svg) == 4 * 8 * 2 and b"Drawn with" not in svg
