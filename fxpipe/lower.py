@@ -33,12 +33,13 @@ import torch.fx
 from fxpipe import meta
 from fxpipe.cost_models import Device, allreduce_time, intra_node_time
 from fxpipe.partition.problem import Edge, Node, Problem, Recompute, TiedGroup, TiedPolicy
+from fxpipe.passes.aliasing import aliases, is_view, mutated_input
 from fxpipe.passes.base import OP_NODES
 from fxpipe.runtime.recompute import KeepRule, Kept
 from fxpipe.schedules import ScheduleKind
 from fxpipe.tracing.export import running_stats
 
-__all__ = ["LOSS_FACTORS", "OPTIMIZERS", "Lowered", "lower", "written_inputs"]
+__all__ = ["LOSS_FACTORS", "OPTIMIZERS", "Lowered", "lower"]
 
 # Bytes of parameter state per byte of fp32 parameter: weights + gradients + optimizer state.
 OPTIMIZERS = {"adam": 4.0, "sgd": 2.0, "sgd-momentum": 3.0, "none": 1.0}
@@ -289,7 +290,7 @@ def _shared_state(
     written: set[str] = set()
     users: dict[str, set[int]] = {}
     for op in ops:
-        writes = {_mutated_input(gm, op), *running_stats(op)}
+        writes = {mutated_input(gm, op), *running_stats(op)}
         for arg, source in _arguments(op):
             if source.op != "get_attr":
                 continue
@@ -340,7 +341,7 @@ def _grad_bytes(gm: torch.fx.GraphModule, node: torch.fx.Node, params: dict[str,
     if not shape.requires_grad:
         return 0
     total = 0 if returned else _grad_nbytes(shape)
-    if not _is_view(node):
+    if not is_view(node):
         total += sum(_grad_nbytes(meta.SHAPE.get(source)) for source in node.all_input_nodes
                      if source.op != "get_attr")
     total += sum(size for name, size in params.items() if gm.get_parameter(name).requires_grad)
@@ -366,23 +367,6 @@ def _block(path: str, depth: int) -> str:
     return ".".join(path.split(".")[:depth]) if path else ""
 
 
-_INPLACE_OPERATORS = frozenset({
-    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-    operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
-    operator.ilshift, operator.irshift, operator.imatmul,
-})
-
-
-# Methods and functions whose result may share storage with their first argument.
-_VIEW_NAMES = frozenset({
-    "view", "view_as", "reshape", "reshape_as", "unsqueeze", "squeeze", "transpose",
-    "swapaxes", "permute", "t", "expand", "expand_as", "narrow", "select", "unflatten",
-    "flatten", "chunk", "split", "tensor_split", "unbind", "diagonal", "as_strided", "unfold",
-    "movedim", "moveaxis", "contiguous", "getitem", "real", "imag", "view_as_real",
-    "detach", "alias", "swapdims",
-})
-
-
 def _in_place_order(
     gm: torch.fx.GraphModule, ops: tuple[torch.fx.Node, ...], index: dict[torch.fx.Node, int]
 ) -> tuple[list[tuple[int, int]], tuple[tuple[int, ...], ...]]:
@@ -402,15 +386,15 @@ def _in_place_order(
     edges: set[tuple[int, int]] = set()
     fused: list[tuple[int, ...]] = []
     for op in ops:
-        base = _mutated_input(gm, op)
+        base = mutated_input(gm, op)
         if base is None:
             continue
-        while _is_view(base) and base.args and isinstance(base.args[0], torch.fx.Node):
+        while is_view(base) and base.args and isinstance(base.args[0], torch.fx.Node):
             base = base.args[0]
-        aliases = _aliases(gm, base)
-        readers = {user for alias in aliases for user in alias.users
+        shared = aliases(gm, base)
+        readers = {user for alias in shared for user in alias.users
                    if user in index and user is not op}
-        readers.update(alias for alias in aliases if alias in index and alias is not op)
+        readers.update(alias for alias in shared if alias in index and alias is not op)
         after: list[int] = []
         for reader in sorted(readers, key=position.__getitem__):
             if position[reader] < position[op]:
@@ -424,84 +408,15 @@ def _in_place_order(
     return sorted(edges), tuple(fused)
 
 
-def written_inputs(gm: torch.fx.GraphModule, names: set[str]) -> tuple[str, ...]:
-    """The graph inputs (placeholder names, in graph order) that the ops named ``names``
-    write in place, directly, through a view or through another in-place result
-    (``x.mul_(2).add_(1)``). The stage that runs them changes its caller's tensor."""
-    written: set[str] = set()
-    for node in gm.graph.nodes:
-        base = _mutated_input(gm, node) if node.name in names else None
-        while base is not None and base.op != "placeholder":
-            first = base.args[0] if base.args else None
-            shares = isinstance(first, torch.fx.Node) and (
-                _is_view(base) or _mutated_input(gm, base) is first)
-            base = first if shares else None  # type: ignore[assignment]
-        if base is not None:
-            written.add(base.name)
-    return tuple(n.name for n in gm.graph.nodes if n.op == "placeholder" and n.name in written)
-
-
-def _aliases(gm: torch.fx.GraphModule, base: torch.fx.Node) -> list[torch.fx.Node]:
-    """``base`` and the nodes whose value shares its storage: views of it and the results
-    of in-place ops on it, transitively."""
-    found = [base]
-    seen = {base}
-    for node in found:
-        for user in node.users:
-            shares = user.args and user.args[0] is node and (
-                _is_view(user) or _mutated_input(gm, user) is node)
-            if shares and user not in seen:
-                seen.add(user)
-                found.append(user)
-    return found
-
-
 def _mutated_chain(
     gm: torch.fx.GraphModule, node: torch.fx.Node, index: dict[torch.fx.Node, int]
 ) -> list[torch.fx.Node]:
     """The op nodes whose storage ``node`` writes in place: the input it mutates and,
     when that is a view, the views back to their base (empty if ``node`` is not in place)."""
     chain: list[torch.fx.Node] = []
-    source = _mutated_input(gm, node)
+    source = mutated_input(gm, node)
     while source is not None and source in index:
         chain.append(source)
         first = source.args[0] if source.args else None
-        source = first if _is_view(source) and isinstance(first, torch.fx.Node) else None
+        source = first if is_view(source) and isinstance(first, torch.fx.Node) else None
     return chain
-
-
-def _is_view(node: torch.fx.Node) -> bool:
-    if node.op == "call_method":
-        return str(node.target) in _VIEW_NAMES
-    if node.op != "call_function":
-        return False
-    schema = getattr(node.target, "_schema", None)
-    if schema is not None:  # an aten op: its first result aliases an input
-        alias = schema.returns[0].alias_info if schema.returns else None
-        return alias is not None and not alias.is_write
-    return getattr(node.target, "__name__", "") in _VIEW_NAMES
-
-
-def _mutated_input(gm: torch.fx.GraphModule, node: torch.fx.Node) -> torch.fx.Node | None:
-    """The node whose value ``node`` writes in place (``x.relu_()``, ``x += y``,
-    ``aten.add_``, ``F.relu(x, inplace=True)``, ``nn.ReLU(inplace=True)``), if any."""
-    first = node.args[0] if node.args else None
-    if not isinstance(first, torch.fx.Node):
-        return None
-    target = node.target
-    if node.op == "call_method":
-        name = str(target)
-        writes = name.endswith("_") and not name.startswith("_")
-    elif node.op == "call_module":
-        writes = getattr(gm.get_submodule(str(target)), "inplace", False) is True
-    else:
-        schema = getattr(target, "_schema", None)
-        alias = schema.arguments[0].alias_info if schema is not None and schema.arguments else None
-        name = getattr(target, "__name__", "")
-        writes = (
-            target in _INPLACE_OPERATORS
-            or (alias is not None and alias.is_write)
-            or (name.endswith("_") and not name.startswith("_"))
-            or node.kwargs.get("inplace") is True
-        )
-    return first if writes else None

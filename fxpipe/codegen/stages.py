@@ -43,7 +43,7 @@ from fxpipe.codegen.statements import Index, forward_lines, names_in
 from fxpipe.codegen.subgraph import follow_stage_device, sub_graph
 from fxpipe.codegen.wrap import LINE_LENGTH, wrap_line
 from fxpipe.cut import StageIO, cut_stages
-from fxpipe.lower import written_inputs
+from fxpipe.passes.aliasing import written_inputs
 from fxpipe.plan import Plan
 from fxpipe.tracing.functions import Applied
 

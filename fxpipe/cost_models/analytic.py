@@ -45,8 +45,10 @@ BACKWARD_BYTES_FACTOR = 2
 _COMPUTING_OPS = ("call_module", "call_function", "call_method")
 _EXPORT_GUARD = "_guards_fn"  # torch.export's input check, a call_module of no model code
 
-# Ops whose output aliases an input (or is not a tensor): they move no bytes.
-_VIEW_NAMES = frozenset(
+# Ops the roofline prices at no bytes moved: views, and reads of metadata (not a tensor).
+# Not passes/aliasing.py's VIEW_NAMES, which asks whether a result may share storage
+# (``contiguous`` may, and is priced here, since it copies when it does not).
+_FREE_NAMES = frozenset(
     {
         "alias",
         "as_strided",
@@ -96,7 +98,7 @@ def is_free(node: torch.fx.Node) -> bool:
         return True
     if node.op == "call_module":
         return False
-    return meta.FLOPS.get(node).forward == 0 and _target_name(node) in _VIEW_NAMES
+    return meta.FLOPS.get(node).forward == 0 and _target_name(node) in _FREE_NAMES
 
 
 def bytes_moved(node: torch.fx.Node) -> int:
