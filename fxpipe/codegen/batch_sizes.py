@@ -6,12 +6,21 @@ the two stages run on different shares of a micro-batch (a stage replicated on r
 runs each replica on a 1/r share), the received count is the other stage's, and the
 reshape fails or, worse, succeeds on the wrong rows. So a stage that receives such an
 int computes it again on entry from a tensor it receives whose dim 0 is the batch.
+
+Which values have the batch as dim 0 is read off the capture, never off a size alone:
+traced at one row, a rotary table of shape (1, T, D) has dim 0 of the batch size too,
+and a count read from it is 1 whatever the rows. torch.export names each batched
+input's dim 0 by a symbol, and a value has the batch as dim 0 when its dim 0 is that
+symbol; a graph without such symbols (symbolic_trace) is run once more on the meta
+device with every batched input one row longer, and a value has the batch as dim 0
+when its dim 0 grew with them. A stage that receives no such value keeps the count it
+received: the stage that sent it ran the same micro-batch.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Collection
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +28,8 @@ import torch
 
 from fxpipe import meta
 from fxpipe.cut import StageIO
+from fxpipe.frontend import Traced
+from fxpipe.metadevice import MetaRunner
 
 __all__ = ["BatchDims"]
 
@@ -26,66 +37,147 @@ __all__ = ["BatchDims"]
 @dataclass(frozen=True)
 class BatchDims:
     """What a graph says about its batch dimension, read once for all its stages: the
-    rows it was traced at (``batch``; None: no batched input), the graph inputs without a
-    batch dim (``shared``), the batch counts (``multiples``: node name -> c for a node whose
-    value is c times the rows), and the symbols torch.export names the inputs' dim 0 by."""
+    rows it was traced at (``batch``; None: no batched input), the values that are one
+    tensor with the batch as dim 0 (``rows``), the tensors known to have no batch dim
+    (``without``), and the batch counts (``multiples``: node name -> c for a node whose
+    value is c times the rows)."""
 
-    nodes: dict[str, torch.fx.Node]
     batch: int | None
-    shared: frozenset[str]
+    rows: frozenset[str]
+    without: frozenset[str]
     multiples: dict[str, int]
-    symbols: frozenset[Any]
 
     @classmethod
-    def of(cls, graph: torch.fx.Graph, batch: int | None, shared: Collection[str]) -> BatchDims:
+    def of(cls, graph: torch.fx.Graph, batch: int | None, shared: Collection[str],
+           widened: Mapping[str, int] | None = None) -> BatchDims:
+        """``graph`` traced at ``batch`` rows; ``shared`` graph inputs have no batch dim;
+        ``widened``: dim 0 of each tensor value in a run at ``batch`` + 1 rows (see
+        ``widened_rows``), read where torch.export named no batch symbol."""
         shared = frozenset(shared)
-        symbols = frozenset().union(*(_row_symbols(node) for node in graph.nodes
-                                      if node.op == "placeholder"))
-        return cls({node.name: node for node in graph.nodes}, batch, shared,
-                   _batch_multiples(graph, batch, shared), symbols)
+        symbols = _batch_symbols(graph, shared)
+        rows, without = set(), set()
+        for node in graph.nodes:
+            kind = _kind(node, batch, shared, symbols, widened)
+            if kind == "rows":
+                rows.add(node.name)
+            elif kind == "without":
+                without.add(node.name)
+        return cls(batch, frozenset(rows), frozenset(without), _batch_multiples(graph, rows))
+
+    @classmethod
+    def of_traced(cls, traced: Traced) -> BatchDims:
+        """``of`` for a traced model: its batch is dim 0 of its first batched input."""
+        shared = traced.shared_inputs
+        batch = next((shape.shape[0] for shape in traced.inputs
+                      if shape.shape and shape.name not in shared), None)
+        graph = traced.gm.graph
+        widened = None
+        if batch is not None and not _batch_symbols(graph, shared):
+            widened = widened_rows(traced.gm, traced.flat_inputs, batch, shared)
+        return cls.of(graph, batch, shared, widened)
 
     def recount_lines(self, io: StageIO) -> list[str]:
         """``forward``'s entry lines that recompute each batch count stage ``io`` receives
         from the first tensor it receives with the batch as dim 0 (none when there is no
         such tensor, or nothing to recompute)."""
-        rows = next((name for name in io.inputs if name in self.nodes
-                     and _batched(self.nodes[name], self.batch, self.shared)), None)
-        if rows is None:
+        source = next((name for name in io.inputs if name in self.rows), None)
+        if source is None:
             return []
         lines = []
         for name in io.inputs:
             scale = self.multiples.get(name)
             if scale is not None:
-                count = f"{rows}.size(0)" if scale == 1 else f"{scale} * {rows}.size(0)"
+                count = f"{source}.size(0)" if scale == 1 else f"{scale} * {source}.size(0)"
                 lines.append(f"        {name} = {count}  # this stage's own rows")
         return lines
 
     def unbatched(self, io: StageIO) -> tuple[str, ...]:
-        """The tensors stage ``io`` receives or sends that have no batch dimension, where
-        the capture says so: torch.export names each graph input's dim 0 by a symbol, so
-        a tensor whose dim 0 involves none of them is not batched (an ``arange`` over a
-        feature dim that happens to be as long as the batch). A replicated stage's
-        replicas take these whole instead of a share of their rows. Empty when no graph
-        input's dim 0 is a symbol (symbolic_trace, or a capture that fixed the batch):
-        nothing to tell them apart by."""
-        if not self.symbols:
-            return ()
-        return tuple(name for name in (*io.inputs, *io.outputs) if name in self.nodes
-                     and isinstance(self.nodes[name].meta.get("val"), torch.Tensor)
-                     and self.nodes[name].meta["val"].dim() > 0
-                     and not _row_symbols(self.nodes[name]) & self.symbols)
+        """The tensors stage ``io`` receives or sends that have no batch dimension (an
+        ``arange`` over a feature dim that happens to be as long as the batch, a rotary
+        table of one row). A replicated stage's replicas take these whole instead of a
+        share of their rows. Empty where the capture cannot tell (a graph that runs only
+        at the traced batch size)."""
+        return tuple(name for name in (*io.inputs, *io.outputs) if name in self.without)
 
 
-def _batch_multiples(graph: torch.fx.Graph, batch: int | None,
-                     shared: Collection[str]) -> dict[str, int]:
-    """Node name -> c for each node whose value is c times dim 0 of a batched value
-    (traced at ``batch`` rows; ``shared`` graph inputs have no batch dim): ``x.size(0)``,
-    ``x.shape[0]``, ``aten.sym_size.int(x, 0)``, and those times an int constant."""
-    if batch is None:
-        return {}
+def widened_rows(gm: torch.fx.GraphModule, flat_inputs: Sequence[Any], batch: int,
+                 shared: Collection[str]) -> dict[str, int] | None:
+    """Dim 0 of every tensor value of ``gm`` run on the meta device with each batched
+    graph input (a tensor with a dimension, not in ``shared``) given ``batch`` + 1 rows;
+    None where the graph does not run so (a size fixed in the graph)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(flat_inputs):
+        return None
+
+    def wider(node: torch.fx.Node, value: Any) -> Any:
+        if (not isinstance(value, torch.Tensor) or value.dim() == 0 or node.name in shared
+                or value.size(0) != batch):
+            return value
+        return torch.empty((batch + 1, *value.shape[1:]), dtype=value.dtype, device="meta")
+
+    runner = _RowsRunner(gm)
+    try:
+        runner.run_on_meta(*(wider(n, v) for n, v in zip(placeholders, flat_inputs,
+                                                          strict=True)))
+    except Exception:
+        return None
+    return runner.rows
+
+
+class _RowsRunner(MetaRunner):
+    """Notes dim 0 of every value that is one tensor with a dimension."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.rows: dict[str, int] = {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        result = super().run_node(n)
+        if isinstance(result, torch.Tensor) and result.dim() > 0:
+            self.rows[n.name] = int(result.size(0))
+        return result
+
+
+def _kind(node: torch.fx.Node, batch: int | None, shared: frozenset[str],
+          symbols: frozenset[Any], widened: Mapping[str, int] | None) -> str | None:
+    """What ``node``'s dim 0 is: "rows" for one tensor whose dim 0 is the batch,
+    "without" for a tensor with no batch dim, None for neither or nothing to tell by."""
+    if batch is None or not meta.SHAPE.has(node):
+        return None
+    info = meta.SHAPE.get(node)
+    if not (info.single and len(info.tensors) == 1 and info.tensors[0].shape):
+        return None
+    if node.name in shared:
+        return "without"
+    traced = info.tensors[0].shape[0]
+    if symbols:  # torch.export: what dim 0 is an expression of
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            return None
+        rows = value.shape[0]
+        if isinstance(rows, torch.SymInt) and rows.node.expr in symbols:
+            return "rows" if traced == batch else None
+        return None if _row_symbols(node) & symbols else "without"
+    if widened is not None:  # run again one row longer: what grew with the batch
+        grown = widened.get(node.name)
+        if grown is None:
+            return None
+        if traced == batch and grown == batch + 1:
+            return "rows"
+        return "without" if grown == traced else None
+    # Nothing to tell by but the size. A graph input of the batch size is batched; so is
+    # any other value of it where the batch is more than one row (at one row, a table of
+    # one row would pass for rows).
+    return "rows" if traced == batch and (batch > 1 or node.op == "placeholder") else None
+
+
+def _batch_multiples(graph: torch.fx.Graph, rows: Collection[str]) -> dict[str, int]:
+    """Node name -> c for each node whose value is c times dim 0 of a value in ``rows``:
+    ``x.size(0)``, ``x.shape[0]``, ``aten.sym_size.int(x, 0)``, and those times an int
+    constant."""
     found: dict[str, int] = {}
     for node in graph.nodes:
-        if _is_rows(node, batch, shared):
+        if _is_rows(node, rows):
             found[node.name] = 1
         elif node.op == "call_function" and node.target is operator.mul:
             a, b = node.args[:2]
@@ -97,8 +189,8 @@ def _batch_multiples(graph: torch.fx.Graph, batch: int | None,
     return found
 
 
-def _is_rows(node: torch.fx.Node, batch: int, shared: Collection[str]) -> bool:
-    """``node`` reads dim 0 of a batched tensor."""
+def _is_rows(node: torch.fx.Node, rows: Collection[str]) -> bool:
+    """``node`` reads dim 0 of a value in ``rows``."""
     if node.op == "call_method" and node.target == "size":
         dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
         source = node.args[0]
@@ -116,16 +208,13 @@ def _is_rows(node: torch.fx.Node, batch: int, shared: Collection[str]) -> bool:
     else:
         return False
     return isinstance(dim, int) and dim == 0 and isinstance(source, torch.fx.Node) \
-        and _batched(source, batch, shared)
+        and source.name in rows
 
 
-def _batched(node: torch.fx.Node, batch: int | None, shared: Collection[str]) -> bool:
-    """``node`` is one tensor whose dim 0 was traced at ``batch`` rows, not a shared input."""
-    if node.name in shared or not meta.SHAPE.has(node):
-        return False
-    info = meta.SHAPE.get(node)
-    return bool(info.single and len(info.tensors) == 1 and len(info.tensors[0].shape) > 0
-                and info.tensors[0].shape[0] == batch)
+def _batch_symbols(graph: torch.fx.Graph, shared: Collection[str]) -> frozenset[Any]:
+    """The symbols torch.export names the batched graph inputs' dim 0 by."""
+    return frozenset().union(*(_row_symbols(node) for node in graph.nodes
+                               if node.op == "placeholder" and node.name not in shared))
 
 
 def _row_symbols(node: torch.fx.Node) -> set[Any]:

@@ -57,11 +57,9 @@ def generate(traced: Traced, plan: Plan) -> dict[str, str]:
         for shape in traced.inputs
         if not all(shape.dynamic)
     }
-    batch = next((shape.shape[0] for shape in traced.inputs
-                  if shape.shape and shape.name not in traced.shared_inputs), None)
-    dims = BatchDims.of(gm.graph, batch, traced.shared_inputs)
-    files = {f"stage{io.index}.py": source
-             for io, source in zip(ios, _stage_sources(gm, ios, fixed, dims), strict=True)}
+    dims = BatchDims.of_traced(traced)
+    sources = _stage_sources(gm, ios, fixed, dims, traced.model)
+    files = {f"stage{io.index}.py": source for io, source in zip(ios, sources, strict=True)}
     files["runner.py"] = runner_source(traced, plan)
     files["__init__.py"] = init_source(plan)
     files["plan.json"] = plan.to_json()
@@ -73,14 +71,15 @@ def generate(traced: Traced, plan: Plan) -> dict[str, str]:
 
 
 def _stage_sources(gm: torch.fx.GraphModule, ios: list[StageIO],
-                   fixed: dict[str, tuple[int | None, ...]], dims: BatchDims) -> list[str]:
+                   fixed: dict[str, tuple[int | None, ...]], dims: BatchDims,
+                   model: torch.nn.Module | None) -> list[str]:
     """Each stage's module, in order. On a big graph (a second or more of writing at 70B
     scale) the later stages are written in a forked child meanwhile: each stage's text
     depends only on the graph and its own inputs and outputs."""
     half = len(ios) // 2
 
     def write(chunk: list[StageIO]) -> list[str]:
-        return [stage_source(gm, io, fixed, dims) for io in chunk]
+        return [stage_source(gm, io, fixed, dims, model) for io in chunk]
 
     big = len(gm.graph.nodes) >= FORK_MIN_NODES and half > 0
     with Forked(lambda: write(ios[half:]), in_child=big) as later:
