@@ -75,6 +75,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return EXIT_INTERNAL_ERROR
+    except BaseException as exc:  # sys.exit, or a BaseException of the model's own
+        from fxpipe import model_exits
+
+        escaped = None if debug else model_exits.worded(exc)
+        if escaped is None:  # --help's exit, or fxpipe's own
+            raise
+        print(f"fxpipe: error: {escaped}", file=sys.stderr)
+        return EXIT_USER_ERROR
 
 
 def run() -> NoReturn:

@@ -43,6 +43,7 @@ from torch.utils import _pytree as pytree
 from fxpipe.batching import decide_batching
 from fxpipe.metadevice import named_state
 from fxpipe.runtime.loading import NotPythonError, import_file
+from fxpipe.signals import Interrupted
 from fxpipe.tracing.attention import attention_calls
 from fxpipe.tracing.attention import describe as describe_attention
 from fxpipe.tracing.checkpoints import describe as describe_checkpoints
@@ -165,6 +166,12 @@ def load_model_file(spec: str) -> ModelSource:
     )
 
 
+# What stops fxpipe itself while a model file runs: Ctrl-C, and SIGINT or SIGTERM under the
+# CLI. Any other BaseException the file raises (``class Stop(BaseException)``,
+# GeneratorExit) is the file's error, worded like an Exception.
+_STOPS = (KeyboardInterrupt, Interrupted)
+
+
 def _import_file(path: Path) -> types.ModuleType:
     name = f"fxpipe_user_{path.stem}_{abs(hash(path.resolve())) % 10**8}"
     try:
@@ -180,7 +187,9 @@ def _import_file(path: Path) -> types.ModuleType:
             f"{_where(path, exc)}: the file called sys.exit({exc.code!r}) while fxpipe "
             "imported it; put the script part under if __name__ == \"__main__\""
         ) from None
-    except Exception as exc:
+    except BaseException as exc:  # the file's own BaseException subclasses too
+        if isinstance(exc, _STOPS):
+            raise
         raise ModelFileError(
             f"{_where(path, exc)}: importing the file raised {_one_line(exc)}; fix the file "
             "and run again"
@@ -207,7 +216,9 @@ def _call(function: Callable[[], Any], path: Path, name: str) -> Any:
             f"{_where(path, exc)}: {name}() called sys.exit({exc.code!r}); return instead "
             "of exiting"
         ) from None
-    except Exception as exc:
+    except BaseException as exc:  # the file's own BaseException subclasses too
+        if isinstance(exc, _STOPS):
+            raise
         raise ModelFileError(
             f"{_where(path, exc)}: {name}() raised {_one_line(exc)}; fix {name}() and run again"
         ) from None
