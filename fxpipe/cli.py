@@ -453,6 +453,7 @@ def _run_merge(args: argparse.Namespace) -> int:
     import torch
 
     from fxpipe.codegen import check_stage_states, merge_stage_state_dicts
+    from fxpipe.runtime.checkpoint import read_stage_state
 
     out = Path(args.out)
     if out.is_dir():
@@ -463,22 +464,15 @@ def _run_merge(args: argparse.Namespace) -> int:
         path = Path(name)
         if not path.is_file():
             raise ValueError(f"{path}: no such file; pass the stage checkpoints torch.save wrote")
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as exc:
-            raise ValueError(
-                f"{path}: not a torch checkpoint ({type(exc).__name__}); "
-                "pass files written by torch.save(stage.state_dict(), ...)"
-            ) from None
-        if not isinstance(state, dict):
-            raise ValueError(
-                f"{path}: holds a {type(state).__name__}, not a state_dict; save stage.state_dict()"
-            )
-        states.append(state)
+        states.append(read_stage_state(path))
+    tied: list[tuple[str, ...]] = []  # keys that are one parameter (none known without a plan)
     if args.plan is not None:
         plan = _read_plan(Path(args.plan), "the plan these stages were generated from")
-        check_stage_states(states, [stage.parameters for stage in plan.stages], args.stages)
-    merged = merge_stage_state_dicts(states)
+        check_stage_states(states, [stage.parameters for stage in plan.stages], args.stages,
+                           keys=[key for group in plan.state_keys for key in group])
+        tied = [group for group in plan.state_keys
+                if len(group) > 1 or any(key in plan.tied for key in group)]
+    merged = merge_stage_state_dicts(states, tied)
     scratch = ""
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -493,7 +487,8 @@ def _run_merge(args: argparse.Namespace) -> int:
         if scratch and os.path.exists(scratch):
             os.remove(scratch)
     checked = ("" if args.plan is not None
-               else " (pass --plan DIR to check that every stage is here)")
+               else " (pass --plan DIR to check that every stage is here and tied copies "
+                     "agree)")
     print(f"merged {len(states)} stages, {len(merged)} tensors, into {out}{checked}")
     return 0
 

@@ -123,7 +123,8 @@ def build_plan(
 def state_keys(gm: torch.fx.GraphModule | None) -> tuple[tuple[str, ...], ...]:
     """``Plan.state_keys``: the keys of ``gm``'s ``state_dict()`` under a module or tensor
     a node reads (a stage binds what its nodes read, under the same names), grouped by
-    tensor, so that a parameter tied under several names is one group."""
+    tensor, so that a parameter tied under several names is one group. A non-persistent
+    buffer the graph reads by name is listed too: tracing copies it as a persistent one."""
     assert gm is not None, "a traced graph belongs to its GraphModule"
     read = {str(n.target) for n in gm.graph.nodes if n.op in ("call_module", "get_attr")}
     groups: dict[int, list[str]] = {}

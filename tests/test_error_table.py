@@ -354,6 +354,11 @@ CASES: dict[str, tuple[dict[str, str], list[str]]] = {
         {**model(GOOD), "out/plan.json": "split", "stage0.pt": "zeros", "stage1.pt": "zeros"},
         ["merge", "stage0.pt", "stage1.pt", "--out", "model.pt", "--plan", "out"],
     ),
+    "merge: a key no stage of the plan holds": (
+        {**model(GOOD), "out/plan.json": "split", "stage0.pt": "keys:0.weight,0.bias,step",
+         "stage1.pt": "keys:2.weight,2.bias"},
+        ["merge", "stage0.pt", "stage1.pt", "--out", "model.pt", "--plan", "out"],
+    ),
     # /sys refuses new files, to root too
     "merge: --out where nothing can be written": (
         {"stage0.pt": "zeros"}, ["merge", "stage0.pt", "--out", "/sys/fxpipe-model.pt"],
