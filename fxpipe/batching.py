@@ -33,7 +33,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,25 +62,30 @@ class InputBatching:
 
 def decide_batching(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                     declared: Any = None) -> InputBatching:
-    """Which tensor leaves of ``(args, kwargs)`` are batched along dim 0 (see the module)."""
+    """Which tensor leaves of ``(args, kwargs)`` are batched along dim 0 (see the module).
+
+    The trials resize leaves by position, not by tensor: one tensor passed twice (a
+    language model's ``model(idx, idx)``, its tokens as their own targets) is two inputs,
+    each batched or not on its own."""
+    leaves = _Leaves.of(args, kwargs)
     if declared is not None:
-        return InputBatching(_declared(args, kwargs, declared), "declared by batch_dims()")
-    tensors = [t for t in pytree.tree_leaves((args, kwargs))
+        batched = _declared(args, kwargs, declared)
+        return InputBatching(leaves.ids(batched), "declared by batch_dims()")
+    tensors = [i for i, t in enumerate(leaves.values)
                if isinstance(t, torch.Tensor) and t.dim() > 0]
     if not tensors:
         return InputBatching(frozenset(), "no tensor inputs with a dimension")
-    sizes = [int(t.size(0)) for t in tensors]
+    sizes = [leaves.rows(i) for i in tensors]
     if len(set(sizes)) == len(sizes):  # no other input of the first one's dim 0: no trial run
-        return InputBatching(frozenset([id(tensors[0])]), "one input of the batch size")
-    device = next((d for d in ("meta", "cpu") if _runs(model, args, kwargs, frozenset(), 0, d)),
-                  None)
-    b = _batch_size(model, args, kwargs, tensors, device)
-    same = [t for t in tensors if int(t.size(0)) == b]
+        return InputBatching(leaves.ids([tensors[0]]), "one input of the batch size")
+    device = next((d for d in ("meta", "cpu") if _runs(model, leaves, frozenset(), 0, d)), None)
+    b = _batch_size(model, leaves, tensors, device)
+    same = [i for i in tensors if leaves.rows(i) == b]
     first, rest = same[0], same[1:]
     if not rest:
-        return InputBatching(frozenset([id(first)]), "one input of the batch size")
+        return InputBatching(leaves.ids([first]), "one input of the batch size")
     if device is None:
-        return InputBatching(frozenset(id(t) for t in same),
+        return InputBatching(leaves.ids(same),
                              "assumed (the model does not run on the meta device)")
     trials = 0
     smallest: tuple[int, list[frozenset[int]]] | None = None  # the first size that runs
@@ -89,61 +94,100 @@ def decide_batching(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[
         for extra in itertools.combinations(rest, size):
             trials += 1
             if trials > MAX_TRIALS:
-                return InputBatching(frozenset(id(t) for t in same),
+                return InputBatching(leaves.ids(same),
                                      f"assumed (more than {MAX_TRIALS} trial runs)")
-            ids = frozenset([id(first), *(id(t) for t in extra)])
-            rows = _output_rows(model, args, kwargs, ids, b + 1, device)
+            chosen = frozenset([first, *extra])
+            rows = _output_rows(model, leaves, chosen, b + 1, device)
             if rows is not None:
-                found.append(ids)
+                found.append(chosen)
                 if b not in rows:
-                    whole.append(ids)
+                    whole.append(chosen)
         if smallest is None and found:
             smallest = size, found
         if whole:
-            return _chosen(model, args, kwargs, same, b, size, whole, device)
+            return _chosen(model, leaves, same, b, size, whole, device)
     if smallest is not None:  # an output of b rows whatever is resized: not per sample
-        return _chosen(model, args, kwargs, same, b, *smallest, device)
+        return _chosen(model, leaves, same, b, *smallest, device)
     # Nothing runs at b + 1 (a size fixed in the code): micro-batches of b samples still do.
-    return InputBatching(frozenset(id(t) for t in same),
-                         f"assumed (the model runs only with batch size {b})")
+    return InputBatching(leaves.ids(same), f"assumed (the model runs only with batch size {b})")
 
 
-def _batch_size(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                tensors: list[torch.Tensor], device: str | None) -> int:
+@dataclass(frozen=True)
+class _Leaves:
+    """The leaves of ``(args, kwargs)`` by position: ``values[i]``, named for people as
+    ``names[i]`` (``argument 1``, ``'mask'``), and the tree to rebuild them into."""
+
+    values: list[Any]
+    names: list[str]
+    spec: pytree.TreeSpec
+
+    @classmethod
+    def of(cls, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Leaves:
+        values, spec = pytree.tree_flatten((args, kwargs))
+        names = [f"argument {i}" for i, arg in enumerate(args)
+                 for _ in pytree.tree_leaves(arg)]
+        names += [repr(key) for key, arg in kwargs.items() for _ in pytree.tree_leaves(arg)]
+        assert len(names) == len(values), (names, len(values))
+        return cls(values, names, spec)
+
+    def rows(self, i: int) -> int:
+        return int(self.values[i].size(0))
+
+    def ids(self, positions: Collection[int]) -> frozenset[int]:
+        """The tensors at ``positions``, as ``InputBatching.batched`` holds them: one tensor
+        at a batched position and at a shared one cannot be both, and is refused."""
+        batched = {id(self.values[i]) for i in positions}
+        for i, value in enumerate(self.values):
+            if id(value) in batched and i not in positions and isinstance(value, torch.Tensor):
+                other = next(j for j in positions if self.values[j] is value)
+                raise BatchDimsError(
+                    f"{self.names[other]} and {self.names[i]} are one tensor, but only "
+                    f"{self.names[other]} has a batch dimension: pass {self.names[i]} a "
+                    f"copy of its own (.clone()), or declare both in batch_dims()")
+        return frozenset(batched)
+
+    def rebuilt(self, leaf: Callable[[int, Any], Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``(args, kwargs)`` with leaf i replaced by ``leaf(i, values[i])``."""
+        args, kwargs = pytree.tree_unflatten(
+            [leaf(i, value) for i, value in enumerate(self.values)], self.spec)
+        return args, kwargs
+
+
+def _batch_size(model: torch.nn.Module, leaves: _Leaves, tensors: list[int],
+                device: str | None) -> int:
     """b: the most common dim 0, or the first input's where they differ and the model runs
     with every input of that dim 0 one row bigger and no output left behind (x first, then
     two shared tables of another size: a rotary embedding's cos and sin)."""
-    most = Counter(int(t.size(0)) for t in tensors).most_common(1)[0][0]
-    lead = int(tensors[0].size(0))
+    most = Counter(leaves.rows(i) for i in tensors).most_common(1)[0][0]
+    lead = leaves.rows(tensors[0])
     if lead != most and device is not None:
-        rows = _output_rows(model, args, kwargs, frozenset(
-            id(t) for t in tensors if int(t.size(0)) == lead), lead + 1, device)
+        rows = _output_rows(model, leaves, frozenset(
+            i for i in tensors if leaves.rows(i) == lead), lead + 1, device)
         if rows is not None and lead not in rows:
             return lead
     return most
 
 
-def _chosen(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-            same: list[torch.Tensor], b: int, size: int, found: list[frozenset[int]],
-            device: str | None) -> InputBatching:
+def _chosen(model: torch.nn.Module, leaves: _Leaves, same: list[int], b: int, size: int,
+            found: list[frozenset[int]], device: str | None) -> InputBatching:
     """The one set of ``size`` + 1 inputs in ``found``; more than one, or (with b == 1,
     where an input left at one sample broadcasts) a bigger set that runs too: ambiguous."""
     if len(found) > 1 or (b == 1 and size < len(same) - 1
-                          and _output_rows(model, args, kwargs, frozenset(id(t) for t in same),
-                                           b + 1, device) is not None):
-        raise BatchDimsError(_ambiguous(args, kwargs, same, b))
-    return InputBatching(found[0], f"traced with batch sizes {b} and {b + 1}")
+                          and _output_rows(model, leaves, frozenset(same), b + 1, device)
+                          is not None):
+        raise BatchDimsError(_ambiguous(leaves, same, b))
+    return InputBatching(leaves.ids(found[0]), f"traced with batch sizes {b} and {b + 1}")
 
 
-def _runs(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-          resized: frozenset[int], size: int, device: str | None) -> bool:
-    """Whether ``model`` runs on storage-less tensors with the leaves ``resized`` given
-    ``size`` rows along dim 0 and every other leaf as it is."""
-    return _output_rows(model, args, kwargs, resized, size, device) is not None
+def _runs(model: torch.nn.Module, leaves: _Leaves, resized: frozenset[int], size: int,
+          device: str | None) -> bool:
+    """Whether ``model`` runs on storage-less tensors with the leaves at the positions
+    ``resized`` given ``size`` rows along dim 0 and every other leaf as it is."""
+    return _output_rows(model, leaves, resized, size, device) is not None
 
 
-def _output_rows(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 resized: frozenset[int], size: int, device: str | None) -> set[int] | None:
+def _output_rows(model: torch.nn.Module, leaves: _Leaves, resized: frozenset[int], size: int,
+                 device: str | None) -> set[int] | None:
     """Run as ``_runs`` does: None if the model fails, else dim 0 of every output tensor
     with a dimension. An input processed on its own (a second tower returned as an output
     of its own) runs at any size; an output still at the old batch size gives it away.
@@ -153,8 +197,10 @@ def _output_rows(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
     if device is None:
         return None
 
-    def storageless(t: torch.Tensor) -> torch.Tensor:
-        if id(t) in resized:
+    def storageless(i: int, t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if i in resized:
             return torch.empty((size, *t.shape[1:]), dtype=t.dtype, device=device)
         return to_meta(t, device=device)
 
@@ -162,8 +208,7 @@ def _output_rows(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str
     try:
         with (FakeTensorMode() if device == "cpu" else contextlib.nullcontext()), \
                 torch.no_grad(), on_meta(model, device=device), statistics:
-            fake_args, fake_kwargs = pytree.tree_map_only(torch.Tensor, storageless,
-                                                          (args, kwargs))
+            fake_args, fake_kwargs = leaves.rebuilt(storageless)
             output = model(*fake_args, **fake_kwargs)
     except Exception:
         return None
@@ -194,22 +239,8 @@ class _BatchStatistics(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _names(args: tuple[Any, ...], kwargs: dict[str, Any]) -> dict[int, str]:
-    """id of each tensor leaf -> how a person names it (``args[1]``, ``mask``)."""
-    named: dict[int, str] = {}
-    for i, arg in enumerate(args):
-        for t in pytree.tree_leaves(arg):
-            named.setdefault(id(t), f"argument {i}")
-    for key, arg in kwargs.items():
-        for t in pytree.tree_leaves(arg):
-            named.setdefault(id(t), repr(key))
-    return named
-
-
-def _ambiguous(args: tuple[Any, ...], kwargs: dict[str, Any], same: Sequence[torch.Tensor],
-               b: int) -> str:
-    named = _names(args, kwargs)
-    listed = ", ".join(f"{named.get(id(t), '?')} {tuple(t.shape)}" for t in same)
+def _ambiguous(leaves: _Leaves, same: Sequence[int], b: int) -> str:
+    listed = ", ".join(f"{leaves.names[i]} {tuple(leaves.values[i].shape)}" for i in same)
     return (
         f"cannot tell which inputs have a batch dimension: {listed} have dim 0 of size "
         f"{b} and the model runs with more than one choice of them batched; define "
@@ -220,8 +251,9 @@ def _ambiguous(args: tuple[Any, ...], kwargs: dict[str, Any], same: Sequence[tor
 
 
 def _declared(args: tuple[Any, ...], kwargs: dict[str, Any], declared: Any) -> frozenset[int]:
-    """The leaves that ``batch_dims()`` (a tuple per positional argument, a dict per
-    keyword argument, or both as ``(tuple, dict)``) marks with dim 0."""
+    """The positions of the leaves of ``(args, kwargs)`` that ``batch_dims()`` (a tuple per
+    positional argument, a dict per keyword argument, or both as ``(tuple, dict)``) marks
+    with dim 0."""
     if isinstance(declared, Mapping):
         positional, keyword = (), dict(declared)
     elif (isinstance(declared, tuple) and len(declared) == 2
@@ -243,6 +275,7 @@ def _declared(args: tuple[Any, ...], kwargs: dict[str, Any], declared: Any) -> f
     batched: set[int] = set()
     entries = [*zip(positional, args, strict=True),
                *((keyword[key], value) for key, value in kwargs.items())]
+    position = 0  # of the argument's first leaf among the leaves of (args, kwargs)
     for dim, value in entries:
         if dim not in (0, None):
             raise BatchDimsError(
@@ -250,7 +283,8 @@ def _declared(args: tuple[Any, ...], kwargs: dict[str, Any], declared: Any) -> f
                 f"along dim 0 only: use 0 (batched) or None (shared); move the batch "
                 f"dimension first in the model's inputs"
             )
-        if dim == 0:
-            batched.update(id(t) for t in pytree.tree_leaves(value)
-                           if isinstance(t, torch.Tensor) and t.dim() > 0)
+        for t in pytree.tree_leaves(value):
+            if dim == 0 and isinstance(t, torch.Tensor) and t.dim() > 0:
+                batched.add(position)
+            position += 1
     return frozenset(batched)
