@@ -32,7 +32,7 @@ import sysconfig
 import traceback
 import types
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +104,8 @@ class Traced:
     # to every micro-batch); empty: every input with a dimension is batched
     batched: tuple[bool, ...] = ()
     batching: str = ""  # how that was decided
+    # the model traced, which the stages bind (None: a graph traced elsewhere)
+    model: torch.nn.Module | None = field(default=None, repr=False, compare=False)
 
     @property
     def shared_inputs(self) -> tuple[str, ...]:
@@ -301,7 +303,7 @@ def trace(
             if isinstance(t, torch.Tensor))
         for value in traced.flat_inputs
     )
-    return replace(traced, batched=batched, batching=decision.how)
+    return replace(traced, batched=batched, batching=decision.how, model=model)
 
 
 def _autocast(device: torch.device | None, dtype: torch.dtype | None

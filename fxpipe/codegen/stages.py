@@ -17,19 +17,18 @@ reads one binds it. The body of a higher-order op (export's
 module class in the same file.
 
 The stage's ops become a graph of their own in ``subgraph.py``, and fx's code for it
-becomes the lines of a hand-written ``forward`` in ``statements.py``; this module checks
+becomes the lines of a hand-written ``forward`` in ``statements.py``, the model's own
+functions it calls are named in ``wrapped.py``; this module checks
 the plan against the graph and writes the file around them: the docstring, the imports,
 the class and its ``__init__``.
 """
 
 from __future__ import annotations
 
-import ast
 import builtins
 import json
 import math
 import re
-import sys
 import types
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -42,10 +41,10 @@ from fxpipe.codegen.batch_sizes import BatchDims
 from fxpipe.codegen.statements import Index, forward_lines, names_in
 from fxpipe.codegen.subgraph import follow_stage_device, sub_graph
 from fxpipe.codegen.wrap import LINE_LENGTH, wrap_line
+from fxpipe.codegen.wrapped import importable, wrapped_functions
 from fxpipe.cut import StageIO, cut_stages
 from fxpipe.passes.aliasing import written_inputs
 from fxpipe.plan import Plan
-from fxpipe.tracing.functions import Applied
 
 __all__ = ["LINE_LENGTH", "PlanError", "stage_io", "stage_source", "wrap_line"]
 
@@ -97,6 +96,7 @@ def stage_source(
     io: StageIO,
     fixed: Mapping[str, tuple[int | None, ...]] | None = None,
     dims: BatchDims | None = None,
+    model: torch.nn.Module | None = None,
 ) -> str:
     """The text of ``stage{k}.py`` for one stage of ``gm``.
 
@@ -106,6 +106,8 @@ def stage_source(
     rather than deep inside an aten op. ``dims``: the graph's batch dimension
     (batch_sizes.py; default: read from ``gm``), by which the stage recomputes on entry
     the batch counts it receives and lists the values it passes that have none.
+    ``model``: the model traced, through whose classes the stage finds the functions of
+    a model file it cannot import (``wrapped.py``; default: ``gm``'s).
     """
     dims = dims or BatchDims.of(gm.graph, None, ())
     sub = sub_graph(gm.graph, io)
@@ -116,7 +118,8 @@ def stage_source(
               if n.name in own and meta.SHAPE.has(n)}
     binding = _binding(gm, sub)
     code = sub.python_code(root_module="self")
-    src, globals_, functions = _wrapped_functions(code.src, code.globals, gm, binding.paths)
+    src, globals_, functions = wrapped_functions(
+        code.src, code.globals, (model or gm).named_modules(), binding.paths, PlanError)
     renamed = {name: value for name, (value, _) in functions.items()}
     entry = [f'        check_shape("Stage{io.index}", "{name}", {name}, {shape!r})'
              for name, shape in checks] + dims.recount_lines(io)
@@ -127,9 +130,6 @@ def stage_source(
                      if not lookup}
     for body in binding.bodies:
         header_names |= names_in(body)
-    if any(lookup for _, lookup in functions.values()):
-        header_names.add("sys")
-        globals_["sys"] = sys
     lines = [
         *_module_docstring(io),
         "",
@@ -275,69 +275,6 @@ def _class_header(io: StageIO, binding: _Binding, functions: dict[str, tuple[str
     return lines
 
 
-_WRAP = "torch.fx._symbolic_trace.wrap("
-
-
-def _wrapped_functions(
-    src: str, globals_: dict[str, object], gm: torch.fx.GraphModule, paths: list[str]
-) -> tuple[str, dict[str, object], dict[str, tuple[str, str]]]:
-    """Functions the model marks with ``torch.fx.wrap``, called by their own names, and
-    its own autograd.Functions, called as ``TheFunction.apply``.
-
-    fx prints both as ``torch.fx._symbolic_trace.wrap("pkg_mod_fn")`` above
-    ``forward`` and calls a global ``pkg_mod_fn``. A function of an importable module
-    is imported by its name; a function of the model file (which the package cannot
-    import: the file is loaded under a name of the user's choosing) is taken from the
-    module that defines the model's classes when the stage is built, as
-    ``self.fn`` (a Function's class likewise: ``self.TheFunction.apply``). Returns the
-    source without the wrap lines, the globals to import, and {fx's name: (the name the
-    code uses, the line of ``__init__`` that binds it)}.
-    """
-    wrapped = [line for line in src.splitlines() if line.startswith(_WRAP)]
-    src = "\n".join(line for line in src.splitlines() if not line.startswith(_WRAP))
-    globals_ = dict(globals_)
-    functions: dict[str, tuple[str, str]] = {}
-    if not wrapped:  # most models: no names to choose, so none to parse for
-        return src, globals_, functions
-    taken = set(names_in(src)) | set(globals_) | set(builtins.__dict__)
-    roots = {path.split(".")[0] for path in paths}
-    for line in wrapped:
-        name = ast.literal_eval(line[len(_WRAP) : -1])
-        function = globals_.pop(name)
-        # a model's own autograd.Function: its class is what is imported or looked up
-        called, method = (function.function, ".apply") if isinstance(function, Applied) \
-            else (function, "")
-        module, qualname = str(called.__module__), str(called.__qualname__)  # type: ignore[attr-defined]
-        if "." in qualname or "<" in qualname:  # (a kept Function is top-level)
-            raise PlanError(
-                f"the model marks {module}.{qualname} with torch.fx.wrap, but a nested "
-                "function cannot be called from another file; define it at the top level"
-            )
-        if not module.startswith("fxpipe_user_"):
-            # from torchvision.ops.misc import drop_path, under another name where a value
-            # of the stage has that one; never called by its module's path, which a package
-            # may hide (torchvision.ops re-exports the function stochastic_depth over its
-            # module torchvision.ops.stochastic_depth)
-            alias = qualname
-            while alias in taken:
-                alias += "_function"
-            taken.add(alias)
-            globals_[alias] = called
-            functions[name] = (alias + method, "")
-            continue
-        attribute = qualname if qualname not in roots else f"{qualname}_function"
-        owner = next(
-            (path for path, sub in gm.named_modules() if path and type(sub).__module__ == module),
-            "",
-        )
-        of = f'model.get_submodule("{owner}")' if owner else "model"
-        functions[name] = (
-            f"self.{attribute}{method}",
-            f"self.{attribute} = sys.modules[type({of}).__module__].{qualname}",
-        )
-    return src, globals_, functions
-
-
 def _resolve(gm: torch.fx.GraphModule, target: str) -> object:
     owner = gm
     *path, leaf = target.split(".")
@@ -443,7 +380,7 @@ def _imports(globals_: dict[str, object], used: set[str]) -> list[str]:
                 )
         elif hasattr(value, "__module__") and hasattr(value, "__qualname__"):
             module, qualname = str(value.__module__), str(value.__qualname__)
-            if "." in qualname or "<" in qualname or module.startswith("fxpipe_user_"):
+            if "." in qualname or "<" in qualname or not importable(module):
                 raise PlanError(
                     f"the graph calls {module}.{qualname}, which cannot be imported by name; "
                     "define it at the top level of an importable module"

@@ -215,8 +215,7 @@ def applied_calls(gm: torch.fx.GraphModule) -> None:
         func_node, spec_node, *flat = node.args
         assert isinstance(func_node, torch.fx.Node) and isinstance(spec_node, torch.fx.Node)
         (name, *args), kwargs = pytree.tree_unflatten(flat, _attribute(gm, spec_node))
-        module, _, qualname = str(name).rpartition(".")
-        target = targets.setdefault(name, Applied(getattr(sys.modules[module], qualname)))
+        target = targets.setdefault(name, Applied(_function_named(str(name))))
         assert _attribute(gm, func_node).func.__name__.endswith("autograd_function_in_pre_dispatch")
         with gm.graph.inserting_before(node):
             call = gm.graph.call_function(target, tuple(args), kwargs)
@@ -231,6 +230,26 @@ def applied_calls(gm: torch.fx.GraphModule) -> None:
     for name in sorted(read - still_read):
         delattr(gm, name)
     gm.recompile()
+
+
+def _function_named(name: str) -> type[torch.autograd.Function]:
+    """The Function export names ``module.qualname``: its module's, where that module is in
+    ``sys.modules``; else (a model file loaded by path under a name not registered there)
+    the latest defined of Function's subclasses of that module and name."""
+    module, _, qualname = name.rpartition(".")
+    found = getattr(sys.modules.get(module), qualname, None)
+    if isinstance(found, type) and issubclass(found, torch.autograd.Function):
+        return found
+    named = [cls for cls in _subclasses(torch.autograd.Function)
+             if cls.__module__ == module and cls.__qualname__ == qualname]
+    assert named, name  # export recorded a call of it
+    return named[-1]
+
+
+def _subclasses(cls: type) -> Iterator[type]:
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)
 
 
 def _attribute(gm: torch.fx.GraphModule, node: torch.fx.Node) -> Any:
