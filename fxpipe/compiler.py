@@ -28,6 +28,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from fxpipe.codegen import generate
+from fxpipe.codegen.build_check import check_builds
 from fxpipe.cost_models import Device, analytic, calibrate, measured
 from fxpipe.forked import Forked
 from fxpipe.frontend import ModelSource, Traced, load_model_file, trace_source
@@ -473,7 +474,9 @@ def output_files(
     notify: Callable[[str], None] = _ignore,
 ) -> dict[str, str | bytes]:
     """Every file of the output folder but timing.json: plan, report, diagrams, package.
-    A diagram Graphviz fails to draw is left out, and ``notify`` told why."""
+    A diagram Graphviz fails to draw is left out, and ``notify`` told why. The package's
+    stages are built against the traced model first (``check_builds``): one that does
+    not build is a ``PackageBuildError``, and nothing is returned to write."""
     dot = partition_dot(
         traced.gm,
         plan.stage_of(),
@@ -487,7 +490,10 @@ def output_files(
             ThreadPoolExecutor(max_workers=1) as graphviz:
         drawing = graphviz.submit(render_svg, dot)  # dot's own process draws meanwhile
         files["schedule.svg"] = schedule_svg(plan)
-        files.update(generate(traced, plan))
+        package = generate(traced, plan)
+        if traced.model is not None:  # a package that cannot be built is never written
+            check_builds(package, traced.model)
+        files.update(package)
         try:
             svg = drawing.result()
         except DiagramError as exc:  # the plan and the stages stand without the drawing

@@ -5,16 +5,18 @@ nodes, which read best in generated code.
 ``torch.autograd.Function`` as one node (``functions.py``), and a module with backward
 hooks as one call (``hooks.py``). It keeps every other torch.nn module as one call too,
 but for torch.nn's stacks of layers (``_STACKS``): a stack of 48 layers as one node
-could not be cut between its layers. It also runs through Python that
-it cannot record: a grad-mode or autocast region (refused here, so the caller falls back
-to ``torch.export``, which records them), a graph that traces and then fails to run (run
-once on meta tensors to find out). Which input dimensions may vary is learnt by running
-the graph on meta tensors with each dimension resized.
+could not be cut between its layers. It also runs through Python that it cannot
+record: a grad-mode or autocast region, a tensor computed in forward from no traced
+value (refused here, so the caller falls back to ``torch.export``, which records them),
+a graph that traces and then fails to run (run once on meta tensors to find out). Which
+input dimensions may vary is learnt by running the graph on meta tensors with each
+dimension resized.
 """
 
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -28,7 +30,7 @@ from fxpipe.tracing.functions import kept_functions
 from fxpipe.tracing.hooks import HookedLeaves, backward_hooked
 from fxpipe.tracing.records import InputShape
 
-__all__ = ["BufferUpdateError", "GradRegionError", "symbolic_graph"]
+__all__ = ["BufferUpdateError", "ConstantError", "GradRegionError", "symbolic_graph"]
 
 # Traced through, not kept as one call: each of their layers is one. (Their forward
 # branches on its inputs, so a model holding one is exported instead.)
@@ -50,10 +52,18 @@ def symbolic_graph(
     """``model`` traced by ``symbolic_trace``, the example inputs in placeholder order and
     the shape of each tensor input; raises whatever stops it."""
     # the grad-mode patches come off first: putting buffers back enters no_grad
-    with _buffer_updates(model) as updated, _grad_regions() as entered, kept_functions():
+    with _buffer_updates(model) as updated, _grad_regions() as entered, kept_functions(), \
+            _constants(model) as constants:
         tracer = _Tracer()
         graph = tracer.trace(model)
         gm = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
+    if constants:
+        raise ConstantError(
+            f"forward computes a tensor from no traced value ({constants[0]}, of shape "
+            f"{tuple(getattr(gm, constants[0]).shape)}: a buffer cloned, a tensor made "
+            "from Python values), which symbolic_trace keeps as the value it had while "
+            "tracing instead of recording how forward computes it"
+        )
     if entered:
         raise GradRegionError(
             f"forward enters {entered[0]}, which symbolic_trace does not record"
@@ -105,6 +115,39 @@ def _grad_regions() -> Iterator[list[str]]:
     finally:
         for cls, name, original in saved:
             setattr(cls, name, original)
+
+
+class ConstantError(RuntimeError):
+    """symbolic_trace kept a tensor forward computes as a constant of the graph."""
+
+
+@contextmanager
+def _constants(model: torch.nn.Module) -> Iterator[list[str]]:
+    """The names of the constants the tracer makes of tensors forward computes from no
+    traced value (``self.buf.clone()``, ``torch.arange(8)``): it stores each on the
+    model itself as ``_tensor_constant0``..., where the stages would bind it from the
+    model, which has no such attribute once built again, and would read the value it had
+    while tracing, not the buffer's value now or a fresh draw of ``torch.randn``. They
+    are taken off the model again; torch.export records how forward computes them."""
+    before = set(vars(model))
+    made: list[str] = []
+    try:
+        yield made
+    finally:
+        for name in sorted(set(vars(model)) - before, key=_natural):
+            if _MADE.fullmatch(name):
+                made.append(name)
+                delattr(model, name)
+
+
+# the names the tracer gives what it stores on the model (``Tracer.create_arg``)
+_MADE = re.compile(r"_(tensor_constant|torchbind_obj|tree_spec_constant|opaque_obj)\d+")
+
+
+def _natural(name: str) -> tuple[str, int]:
+    """``_tensor_constant2`` before ``_tensor_constant10``."""
+    stem = name.rstrip("0123456789")
+    return stem, int(name[len(stem):] or 0)
 
 
 class BufferUpdateError(RuntimeError):
