@@ -54,7 +54,7 @@ from fxpipe.passes import annotate_all, annotate_memory, annotate_modules
 from fxpipe.passes.base import OP_NODES, AnalysisError
 from fxpipe.plan import DynamicDim, Plan
 from fxpipe.planning import build_plan
-from fxpipe.precision import Precision, default_precision
+from fxpipe.precision import Precision, default_precision, precision_note, trained_precision
 from fxpipe.profile import auto_depth
 from fxpipe.report import (
     DiagramError,
@@ -97,6 +97,8 @@ def analyze_file(
     right after tracing (``check_size``), before the passes spend minutes on it."""
     with progress(f"loading {spec}"):
         source = load_model_file(spec)
+    note = precision_note(precision, source.model)  # 32-true of a float64 model: 64-true
+    precision = trained_precision(precision, source.model) if precision is not None else None
     if precision is not None and not precision.mixed:
         source = _cast(source, precision)
     with progress("tracing"):  # a *-mixed model traced under its autocast (frontend.py)
@@ -104,6 +106,8 @@ def analyze_file(
                               and precision.mixed else None)
     if solvable:
         check_size(sum(1 for n in traced.gm.graph.nodes if n.op in OP_NODES))
+    if note is not None:
+        traced = replace(traced, notes=(*traced.notes, note))
     how = traced.tracer
     if traced.fallback_reason:  # the normal path for Hugging Face models, not a failure
         how = f"torch.export (symbolic_trace could not capture it: {traced.fallback_reason})"
@@ -143,8 +147,12 @@ def analyze(
     The graph is analysed as ``device`` runs it (its fused attention kernels) at
     ``precision`` (default: the model's parameter dtype). A ``*-true`` precision of
     another dtype than a torch.export graph's is refused: the graph holds the casts of the
-    dtype it was traced at (``analyze_file`` traces the model cast)."""
+    dtype it was traced at (``analyze_file`` traces the model cast). ``64-true`` and
+    ``32-true`` cost the model at its own dtype, which they train it in
+    (``trained_precision``)."""
     traced_at = default_precision(traced.gm)
+    if precision is not None:
+        precision = trained_precision(precision, traced.gm)
     if (traced.tracer == "export" and precision is not None and not precision.mixed
             and precision is not traced_at):
         raise ValueError(
@@ -233,6 +241,11 @@ def plan_split(
     under those costs, than the measured plan's own cut."""
     pipedream = options.schedule is ScheduleKind.PIPEDREAM
     notes: list[str] = []
+    note = precision_note(options.precision, traced.gm)
+    if note is not None and note not in traced.notes:  # (analyze_file's notes hold it)
+        notes.append(note)
+    # costed, and recorded, at the precision the run trains in, as analyze() costed it
+    options = replace(options, precision=trained_precision(options.precision, traced.gm))
     if calibrate_from is not None:
         forward, backward = calibrate_from.figures()
         fitted = calibrate.fit(forward, backward)

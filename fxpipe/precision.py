@@ -18,7 +18,10 @@ for ``*-mixed``, each stage's forward under ``torch.autocast(device_type, dtype)
 autocast region per stage forward and micro-batch: autocast's weight copies are made per
 region and kept by backward, which is what the plan counts), backward outside it, float32
 parameters and optimizer, and a ``torch.amp.GradScaler`` for ``16-mixed``; for ``*-true``,
-the model and inputs cast to the dtype before the stages are built. Sent activations then
+the model and inputs cast to the dtype before the stages are built (by the user for
+``bf16-true`` and ``16-true``, which the runner checks; ``32-true`` and ``64-true`` train
+the model as it is, so a plan at either is made at the model's own dtype:
+``trained_precision``). Sent activations then
 have the autocast dtype, so receive buffers must be allocated from the plan's shapes.
 The single-process runner does all of this, and so does ``train_torchrun.py``: each
 rank's stages run under the autocast, and their send and receive buffers are sized from
@@ -31,7 +34,8 @@ from enum import Enum
 
 import torch
 
-__all__ = ["Precision", "default_precision", "parse_precision"]
+__all__ = ["Precision", "default_precision", "parse_precision", "precision_note",
+           "trained_precision"]
 
 
 class Precision(str, Enum):
@@ -82,3 +86,32 @@ def default_precision(module: torch.nn.Module) -> Precision:
                     return precision
             return Precision.TRUE_32
     return Precision.TRUE_32
+
+
+# Precisions the runtime trains the model at as it is, casting nothing (and checking no
+# dtype): a plan at one of them is made at the model's own dtype, which is what runs.
+_AS_IT_IS = (Precision.TRUE_64, Precision.TRUE_32)
+
+
+def trained_precision(asked: Precision | None, module: torch.nn.Module) -> Precision:
+    """The precision a run of ``module`` planned at ``asked`` trains in, which the plan
+    must cost: ``asked``, but for ``64-true`` and ``32-true``, under which the runtime
+    trains the model as it is, the model's own (``default_precision``): a float64 model
+    planned at 32-true trains in float64, twice the bytes float32 would count. None: the
+    model's own."""
+    if asked is None or asked in _AS_IT_IS:
+        return default_precision(module)
+    return asked
+
+
+def precision_note(asked: Precision | None, module: torch.nn.Module) -> str | None:
+    """The note saying that a plan at ``asked`` is made at the model's own precision
+    instead (``trained_precision``), and how to train at ``asked``; None where it is not."""
+    trained = trained_precision(asked, module)
+    if asked is None or trained is asked:
+        return None
+    dtype = str(asked.dtype).removeprefix("torch.")
+    return (f"precision {asked.value} trains the model as it is, and its parameters are "
+            f"{str(trained.dtype).removeprefix('torch.')}: planned at {trained.value}, as "
+            f"the run will train it; to train in {dtype}, return the model cast "
+            f"(model.to(torch.{dtype})) from build_model()")
