@@ -5,6 +5,7 @@ carries a byte-identical copy of it as its ``runtime`` subpackage, so a package
 runs without fxpipe installed. One idea per module:
 
     runner.py       PipelineRunner: one process, a clock-tick schedule, CPU or GPUs
+    calls.py        a runner call's arguments as the graph inputs, checked first
     schedule.py     the schedule's dependencies and the check that a table keeps them
     values.py       which stage makes and reads each value; what a step keeps
     microbatch.py   splitting a batch into micro-batches and replica chunks, and merging

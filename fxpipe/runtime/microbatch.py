@@ -13,6 +13,12 @@ part. A graph input that the compiler found to have no batch dimension (a shared
 input: a (T, T) causal mask, HF's ``position_ids`` of shape (1, T)) goes whole to
 every part too, whatever its shape (``split_inputs``; under torchrun, where torch's
 schedules cut the first stage's inputs, ``torch_chunk_spec`` tells them the same).
+
+Every batched leaf of the graph inputs, and of a target, must have the same number of
+rows (``batch_rows``, ``check_rows``): micro-batch m of a shorter one would be another
+share of its rows, which the stages would broadcast where the model refuses. The merge
+of the outputs (``concat``) refuses what concatenation cannot rebuild, and graph inputs
+the model writes in place are written back into the caller's tensors (``write_back``).
 """
 
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -22,7 +28,9 @@ import torch
 from torch.utils import _pytree as pytree
 
 __all__ = [
+    "batch_rows",
     "batch_size",
+    "check_rows",
     "chunk_sizes",
     "concat",
     "lane_share",
@@ -38,6 +46,7 @@ __all__ = [
     "split_microbatches",
     "split_replicas",
     "torch_chunk_spec",
+    "write_back",
     "written_back",
 ]
 
@@ -104,23 +113,82 @@ def split_microbatches(value: Any, num_mb: int, what: str | None = None, *,
     return parts
 
 
-def split_inputs(flat: dict[str, Any], microbatches: int,
-                 shared: Collection[str]) -> list[dict[str, Any]]:
+def split_inputs(flat: dict[str, Any], microbatches: int, shared: Collection[str],
+                 written: Collection[str] = ()) -> list[dict[str, Any]]:
     """The graph inputs ``flat`` (name -> value) of each micro-batch: M of them, or one
     per sample when the batched inputs have fewer (``microbatch_count``); every input
-    split by ``split_microbatches``, but those named in ``shared`` whole in each."""
+    split by ``split_microbatches``, but those named in ``shared`` whole in each (a copy
+    each of those a stage writes in place, ``written``: the model writes them once)."""
     unknown = sorted(set(shared) - set(flat))
     if unknown:
         raise ValueError(
             f"shared_inputs names {unknown}, which are not graph inputs (the inputs are "
             f"{sorted(flat)}): name inputs that flatten_inputs returns."
         )
+    batch_rows(flat, shared)
     num_mb = microbatch_count([v for name, v in flat.items() if name not in shared],
                               microbatches)
-    per_name = {name: ([v] * num_mb if name in shared
+
+    def whole(name: str, v: Any) -> list[Any]:
+        if name not in written:
+            return [v] * num_mb
+        return [pytree.tree_map_only(torch.Tensor, torch.clone, v) for _ in range(num_mb)]
+
+    per_name = {name: (whole(name, v) if name in shared
                        else split_microbatches(v, num_mb, f"input {name!r}", copy=True))
                 for name, v in flat.items()}
     return [{name: parts[m] for name, parts in per_name.items()} for m in range(num_mb)]
+
+
+def _leaf_paths(value: Any) -> list[str]:
+    """Each leaf's path in ``value`` as ``pytree.keystr`` writes it ("" for the value
+    itself, "[0]" for a tuple's first, "['x']" for a dict's), for messages."""
+    try:
+        return [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(value)[0]]
+    except (NotImplementedError, ValueError):  # a node type registered without keys
+        return [f" (leaf {i})" for i in range(len(pytree.tree_leaves(value)))]
+
+
+def _rows(value: Any) -> list[tuple[str, int]]:
+    """(path, rows along dim 0) of each tensor leaf of ``value`` with dim > 0."""
+    return [(path, int(x.size(0)))
+            for path, x in zip(_leaf_paths(value), pytree.tree_leaves(value), strict=True)
+            if isinstance(x, torch.Tensor) and x.dim() > 0]
+
+
+def _input_rows(flat: Mapping[str, Any], shared: Collection[str]) -> list[tuple[str, int]]:
+    """(name, rows) of every batched leaf of the graph inputs ``flat`` (name -> value):
+    the tensor leaves with dim > 0 of the inputs not in ``shared``."""
+    return [(f"{name}{path}", n) for name, value in flat.items() if name not in shared
+            for path, n in _rows(value)]
+
+
+def batch_rows(flat: Mapping[str, Any], shared: Collection[str] = ()) -> int | None:
+    """The rows along dim 0 of the batched graph inputs among ``flat`` (name -> value),
+    None without one. They must all have the same rows: a micro-batch pairs share m of
+    each, and a shorter one's share would broadcast where the model refuses."""
+    rows = _input_rows(flat, shared)
+    if len({n for _, n in rows}) > 1:
+        listed = ", ".join(f"{name}: {n}" for name, n in rows)
+        raise ValueError(
+            f"The batched inputs have different numbers of rows along dim 0 ({listed}): "
+            f"pass one row per sample in each, all with the same batch size."
+        )
+    return rows[0][1] if rows else None
+
+
+def check_rows(value: Any, flat: Mapping[str, Any], shared: Collection[str], what: str) -> None:
+    """Every tensor leaf with dim > 0 of ``value`` (the ``what``, for messages: the
+    target) has the rows of the batched graph inputs in ``flat`` (``batch_rows``)."""
+    inputs = _input_rows(flat, shared)
+    rows = _rows(value)
+    if inputs and any(n != inputs[0][1] for _, n in rows):
+        ours = ", ".join(f"{what}{path}: {n}" for path, n in rows)
+        theirs = ", ".join(f"{name}: {n}" for name, n in inputs)
+        raise ValueError(
+            f"The {what}'s rows along dim 0 ({ours}) differ from the inputs' ({theirs}): "
+            f"pass one row of the {what} per sample of the inputs."
+        )
 
 
 def torch_chunk_spec(names: Sequence[str], shapes: Sequence[tuple[int, ...]],
@@ -143,16 +211,55 @@ def shared_leaves(flat: Mapping[str, Any], shared: Collection[str]) -> frozenset
                      for x in pytree.tree_leaves(value) if isinstance(x, torch.Tensor))
 
 
-def concat(outputs: list[Any]) -> Any:
-    """One output from per-micro-batch outputs: tensor leaves concatenated along
-    dim 0 (0-dim tensors stacked), other leaves taken from micro-batch 0."""
+def concat(outputs: list[Any], rows: Sequence[int | None] = ()) -> Any:
+    """One output from per-micro-batch outputs (of ``rows`` samples each, where known): the
+    inverse of the split where there is one. Tensor leaves are concatenated along dim 0,
+    other leaves taken from micro-batch 0. What that would get wrong is refused, naming
+    the output: a 0-dim tensor (the mini-batch's mean is the micro-batches' mean only for
+    equal micro-batches and a mean, a sum their sum), a tensor whose dim 0 does not count
+    the samples, a non-tensor that differs between micro-batches. One micro-batch is the
+    mini-batch: its output is returned as it is."""
+    if len(outputs) == 1:
+        return outputs[0]
+    flat = [pytree.tree_flatten(out)[0] for out in outputs]
+    merged = [_merge_output(outputs[0], i, [leaves[i] for leaves in flat], rows)
+              for i in range(len(flat[0]))]
+    return pytree.tree_unflatten(merged, pytree.tree_flatten(outputs[0])[1])
 
-    def merge(parts: list[Any]) -> Any:
-        if not isinstance(parts[0], torch.Tensor):
-            return parts[0]
-        return torch.cat(parts, dim=0) if parts[0].dim() > 0 else torch.stack(parts)
 
-    return merge_leaves(outputs, merge)
+def _merge_output(output: Any, i: int, parts: list[Any], rows: Sequence[int | None]) -> Any:
+    """Leaf i of the output from its value in each micro-batch (see ``concat``)."""
+    first = parts[0]
+    if isinstance(first, torch.Tensor) and first.dim() > 0:
+        if rows and None not in rows:
+            sizes = [int(p.size(0)) for p in parts]
+            per_sample = {size / n for size, n in zip(sizes, rows, strict=True)}
+            if len(per_sample) == 1 and per_sample.pop().is_integer():
+                return torch.cat(parts, dim=0)
+            problem = (f"has {sizes} rows along dim 0 in micro-batches of {list(rows)} "
+                       f"samples, not a number of rows per sample")
+        else:
+            return torch.cat(parts, dim=0)
+    elif isinstance(first, torch.Tensor):
+        # the mini-batch's mean is the mean of the micro-batches' only for equal ones
+        problem = "is a 0-dim tensor (a mean or sum over the samples?)"
+    elif all(p is first or _same(p, first) for p in parts):
+        return first
+    else:
+        problem = f"differs between micro-batches ({first!r}, {parts[1]!r}, ...)"
+    name = f"output{_leaf_paths(output)[i]}"
+    raise ValueError(
+        f"The model's {name} {problem}: the runner cannot rebuild the mini-batch's value "
+        f"from its {len(parts)} micro-batches'; return per-sample values (one row per "
+        f"sample) and reduce them after runner.forward, or compute it in loss_fn."
+    )
+
+
+def _same(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # an object whose == is not a truth value
+        return False
 
 
 def batch_size(value: Any) -> int | None:
@@ -197,6 +304,24 @@ def written_back(chunks: list[dict[str, Any]], written: Collection[str],
     copy of an input passed whole (each replica wrote the same)."""
     return {name: chunks[0][name] if name in whole else torch.cat([c[name] for c in chunks])
             for name in written if isinstance(chunks[0].get(name), torch.Tensor)}
+
+
+def write_back(flat: Mapping[str, Any], values: Sequence[Mapping[str, Any]],
+               written: Collection[str], shared: Collection[str]) -> None:
+    """Copy the graph inputs the stages write in place (``written``), as each micro-batch's
+    ``values`` hold them after a run, into the caller's tensors in ``flat`` (name ->
+    value), as the model writes them: the micro-batches' rows concatenated, or micro-batch
+    0's copy of a leaf each had whole (a shared input, a 0-dim tensor: each wrote the same)."""
+    with torch.no_grad():
+        for name in sorted(set(written) & set(flat)):
+            parts = [pytree.tree_leaves(part[name]) for part in values]
+            for i, x in enumerate(pytree.tree_leaves(flat[name])):
+                if not isinstance(x, torch.Tensor):
+                    continue
+                batched = name not in shared and x.dim() > 0
+                got = torch.cat([leaves[i] for leaves in parts]) if batched else parts[0][i]
+                if got is not x:
+                    x.copy_(got)
 
 
 def merge_replicas(outputs: list[Any], sizes: list[int], *, whole: Collection[int] = ()) -> Any:

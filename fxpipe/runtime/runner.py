@@ -21,6 +21,10 @@ precision.py) runs every stage forward, and the loss, under the plan's autocast;
 for ``16-mixed`` the loss is scaled by ``runner.scaler`` before backward, so call
 ``runner.scaler.step(optimizer)`` and ``runner.scaler.update()`` instead of
 ``optimizer.step()``.
+
+Both refuse, before anything runs, a call the model would refuse for its arguments
+(calls.py) or its batch: batched inputs, and a target, of different rows (microbatch.py).
+Graph inputs the model writes in place are written back into the caller's tensors.
 """
 
 import contextlib
@@ -32,9 +36,11 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from . import recompute as remat
+from .calls import graph_inputs, step_arguments
 from .devices import Device, device_copies, replica_devices, to_device
 from .measure import MeasuredSteps, timed
 from .microbatch import (
+    check_rows,
     chunk_sizes,
     concat,
     merge_replicas,
@@ -43,15 +49,17 @@ from .microbatch import (
     split_inputs,
     split_microbatches,
     split_replicas,
+    write_back,
     written_back,
 )
 from .precision import as_activations, autocast, check_precision, grad_scaler, warn_uncast
 from .replicas import batch_sizes, check_replicas
 from .schedule import Action, check_schedule, check_sizes
+from .shapes import as_passed
 from .split_backward import check_split, input_backward, weight_backward
 from .stashing import Stash, WeightStashes, check_optimizers, check_stashing
 from .stream import Streams
-from .values import GRAPH_INPUT, OnDemand, StepState, Wiring, received_grads, sum_grads
+from .values import GRAPH_INPUT, OnDemand, StepState, Wiring, receive, received_grads, sum_grads
 
 __all__ = ["PipelineRunner"]
 
@@ -124,14 +132,16 @@ class PipelineRunner(MeasuredSteps):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Inference on a mini-batch: split it into M micro-batches (fewer if it has fewer
-        samples), run every stage forward under ``no_grad``, concatenate along dim 0."""
-        values = self._split(self.flatten_inputs(*args, **kwargs))
+        samples), run every stage forward under ``no_grad``, concatenate along dim 0 (what
+        concatenation cannot rebuild, a 0-dim output, is refused: microbatch.concat)."""
+        flat = graph_inputs(self.flatten_inputs, args, kwargs, "runner.forward")
+        values = self._split(flat)
         num_mb = len(values)
         batch = batch_sizes(values, self.stages, self.replicas, self.shared_inputs)
         last = len(self.stages) - 1
         events: list[dict[int, Any]] = [{} for _ in range(num_mb)]
         outputs = []
-        with torch.no_grad(), self._device_copies(), self.streams.joined():
+        with torch.no_grad(), self._device_copies(), self.streams.joined(), as_passed(flat):
             for tick in self.schedule:
                 for k, kind, m in tick:
                     if kind == "F" and m < num_mb:
@@ -140,9 +150,11 @@ class PipelineRunner(MeasuredSteps):
             for m in range(num_mb):
                 with self.streams.on(last):
                     outputs.append(self.build_output(self._lazy(values[m], last, False, events[m])))
-                values[m] = {}
+                values[m] = {n: v for n, v in values[m].items() if n in self.wiring.written}
             with self.streams.on(last):
-                return concat(outputs)
+                output = concat(outputs, batch)
+        write_back(flat, values, self.wiring.written, self.shared_inputs)
+        return output
 
     __call__ = forward
 
@@ -156,21 +168,18 @@ class PipelineRunner(MeasuredSteps):
         parameters; None for a stage without trainable parameters) update each stage
         after every micro-batch's backward instead."""
         check_optimizers(self.stages, self.weight_stashing, optimizers)
-        if isinstance(inputs, Mapping):
-            flat = self.flatten_inputs(**inputs)
-        elif isinstance(inputs, tuple | list):
-            flat = self.flatten_inputs(*inputs)
-        else:
-            flat = self.flatten_inputs(inputs)
+        flat = graph_inputs(self.flatten_inputs, *step_arguments(inputs), "runner.step's inputs")
         values = self._split(flat)
         num_mb = len(values)
+        check_rows(target, flat, self.shared_inputs, "target")
         state = StepState(
             values=values, targets=split_microbatches(target, num_mb, "target"), loss_fn=loss_fn,
             batch=batch_sizes(values, self.stages, self.replicas, self.shared_inputs),
             # the live Parameters, before _device_copies binds copies in their place
             stashes=(WeightStashes(self.stages, optimizers or ())
                      if self.weight_stashing else None))
-        with timed(self._recorder), self._device_copies(), self.streams.joined():
+        with (timed(self._recorder), self._device_copies(), self.streams.joined(),
+              as_passed(flat)):
             for tick in self.schedule:
                 for k, kind, m in tick:
                     if m >= num_mb:
@@ -185,37 +194,17 @@ class PipelineRunner(MeasuredSteps):
                             self._backward(k, m, state, inputs_only=kind == "I")
             total = state.total_loss
         assert total is not None
+        write_back(flat, values, self.wiring.written, self.shared_inputs)
         return total
 
     def _split(self, flat: dict[str, Any]) -> list[dict[str, Any]]:
         """Each micro-batch's graph inputs: M, or one per sample when there are fewer."""
-        return split_inputs(flat, self.microbatches, self.shared_inputs)
+        return split_inputs(flat, self.microbatches, self.shared_inputs, self.wiring.written)
 
     def _device_copies(self) -> contextlib.AbstractContextManager[None]:
         if self.devices is None or self.replica_devices is None:
             return contextlib.nullcontext()
         return device_copies(self.stages, self.devices, self.replica_devices, self._bound)
-
-    def _receive(self, value: Any, producer: int, k: int, event: Any, grad: bool) -> Any:
-        """``value`` (made by ``producer``, -1 for a graph input) as stage k sees it:
-        on k's device, ordered after ``event``; stage outputs become detached leaves
-        with the producer's requires_grad when ``grad`` (a recomputed producer passes
-        its outputs on as such leaves already, see recompute.py)."""
-        leaves, spec = pytree.tree_flatten(value)
-        if not any(isinstance(x, torch.Tensor) for x in leaves):
-            return value
-        dev = self.streams.device(k)
-        out = []
-        for x in leaves:
-            if isinstance(x, torch.Tensor):
-                if producer != GRAPH_INPUT:
-                    x = self.streams.move(x, producer, k, event)
-                    if grad:
-                        x = x.detach().requires_grad_(x.requires_grad)
-                elif dev is not None and x.device != dev:
-                    x = x.to(dev)  # a graph input: differentiable, on k's stream
-            out.append(x)
-        return pytree.tree_unflatten(out, spec)
 
     def _get(self, values: Mapping[str, Any], name: str, k: int, grad: bool,
              events: Mapping[int, Any]) -> Any:
@@ -228,7 +217,7 @@ class PipelineRunner(MeasuredSteps):
         if p == k:
             return values[name]  # the last stage's own outputs, read by the loss
         with timed(self._recorder, k, "comm"):
-            return self._receive(values[name], p, k, events.get(p), grad)
+            return receive(self.streams, values[name], p, k, events.get(p), grad)
 
     def _lazy(self, values: Mapping[str, Any], k: int, grad: bool,
               events: Mapping[int, Any]) -> OnDemand:

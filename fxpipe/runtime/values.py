@@ -23,8 +23,9 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .stashing import Stash, WeightStashes
+from .stream import Streams
 
-__all__ = ["GRAPH_INPUT", "OnDemand", "StepState", "Wiring", "received_grads",
+__all__ = ["GRAPH_INPUT", "OnDemand", "StepState", "Wiring", "receive", "received_grads",
            "received_leaves", "sum_grads"]
 
 GRAPH_INPUT = -1  # producer index of a value that comes from the caller
@@ -134,6 +135,28 @@ class StepState:
         # (k, m) -> (what I(k, m) differentiated, their gradients): the graph its W runs on
         self.deferred: dict[tuple[int, int], tuple[list[torch.Tensor],
                                                    list[torch.Tensor | None]]] = {}
+
+
+def receive(streams: Streams, value: Any, producer: int, k: int, event: Any, grad: bool) -> Any:
+    """``value`` (made by ``producer``, -1 for a graph input) as stage k sees it:
+    on k's device, ordered after ``event``; stage outputs become detached leaves
+    with the producer's requires_grad when ``grad`` (a recomputed producer passes
+    its outputs on as such leaves already, see recompute.py)."""
+    leaves, spec = pytree.tree_flatten(value)
+    if not any(isinstance(x, torch.Tensor) for x in leaves):
+        return value
+    dev = streams.device(k)
+    out = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            if producer != GRAPH_INPUT:
+                x = streams.move(x, producer, k, event)
+                if grad:
+                    x = x.detach().requires_grad_(x.requires_grad)
+            elif dev is not None and x.device != dev:
+                x = x.to(dev)  # a graph input: differentiable, on k's stream
+        out.append(x)
+    return pytree.tree_unflatten(out, spec)
 
 
 def sum_grads(contributions: list[list[torch.Tensor | None]]) -> list[torch.Tensor | None] | None:

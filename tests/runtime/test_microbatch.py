@@ -24,10 +24,13 @@ def test_split_then_concat_is_the_identity() -> None:
     parts = split_microbatches(value, 3)
     assert [p["x"].shape[0] for p in parts] == [2, 2, 2]
     assert all(p["scale"] == 2.0 and p["step"] is value["step"] for p in parts)
-    merged = concat(parts)
+    merged = concat([{"x": p["x"], "scale": p["scale"]} for p in parts], [2, 2, 2])
     torch.testing.assert_close(merged["x"], value["x"])
     assert merged["scale"] == 2.0
-    torch.testing.assert_close(merged["step"], torch.tensor([3, 3, 3]))  # 0-dim: stacked
+    # a 0-dim output is not its micro-batches' stacked (nor, in general, their mean)
+    with pytest.raises(ValueError, match=r"^The model's output\['step'\] is a 0-dim tensor"):
+        concat(parts, [2, 2, 2])
+    assert concat(parts[:1]) is parts[0]  # one micro-batch is the mini-batch
 
 
 def test_split_with_copy_gives_each_microbatch_its_own_version_counter() -> None:

@@ -222,7 +222,8 @@ def test_user_errors() -> None:
         PipelineRunner(stages, schedule=zb1p(3, 3), microbatches=3,
                        recompute=["none", "selective:8:8", "full"],
                        flatten_inputs=flatten_inputs, build_output=build_output)
-    with pytest.raises(ValueError, match="batch size 3, fewer than the 4 micro-batches"):
+    with pytest.raises(ValueError, match=r"target's rows along dim 0 \(target: 3\) differ "
+                                         r"from the inputs' \(x: 8\)"):
         runner(stages, gpipe, 4).step((x,), y[:3], loss_fn)
 
 
