@@ -38,7 +38,8 @@ rule). Blocks are priced like the interval DP prices them (``baselines.Blocks``:
 stage cost formula with cut communication, received and kept values, the loss, the
 backward transient) plus the copies and all-reduces of replicated tied parameters;
 ``evaluate`` has the last word on the split found. Deterministic: no clock, no
-randomness.
+randomness. The pair move alone also repairs, one GPU per stage or several, a split
+the search did not prove (``repair.py``).
 
 Legend: n exact groups in order, K stages, N GPUs, c the cuts, x a candidate position
 for one cut, z a recompute choice.
@@ -58,7 +59,13 @@ from fxpipe.partition.evaluate import evaluate, violations
 from fxpipe.partition.prices import Prices
 from fxpipe.partition.rounds import recut_rounds, recut_vee
 
-__all__ = ["cuts_of", "round_profiles", "shared_gpu_search", "shared_gpu_warm_start"]
+__all__ = [
+    "cuts_of",
+    "pair_sweeps",
+    "round_profiles",
+    "shared_gpu_search",
+    "shared_gpu_warm_start",
+]
 
 MAX_SWEEPS = 400  # sweeps over every cut; each strictly improves or the search stops
 MAX_ROUNDS = 200  # rounds of sweeps then one window DP (one round or two) that improves
@@ -126,25 +133,37 @@ def shared_gpu_search(c: Coarsening, start: Sequence[int], *, whole_rounds: bool
     split ``start`` (a stage per exact group, non-decreasing along the order), found by
     moving cuts (see the module docstring), whole rounds too when ``whole_rounds``; None
     when ``start`` does not fit and no move makes it."""
-    p = c.problem
-    K, n = p.num_stages, c.num_coarse
-    assert len(start) == n and all(a <= b for a, b in itertools.pairwise(start))
-    search = _Search(c, [0, *(int(np.searchsorted(np.asarray(start), j, side="left"))
-                              for j in range(1, K)), n])
+    search = _Search.of(c, start)
     for _ in range(MAX_ROUNDS):
         search.sweep_pairs()
         if search.spent() or not (search.window_around_slowest()
                                   or search.rounds_around_slowest()
                                   or (whole_rounds and search.recut_rounds())):
             break
-    if not np.all(np.isfinite(search.loads())):
-        return None
-    cuts = search.cuts
-    return tuple(j for j in range(K) for _ in range(cuts[j], cuts[j + 1]))
+    return search.assignment()
+
+
+def pair_sweeps(c: Coarsening, start: Sequence[int], *, sweeps: int
+                ) -> tuple[int, ...] | None:
+    """The pair move alone from the contiguous split ``start``, at most ``sweeps`` sweeps
+    over the cuts: what ``repair.py`` runs on a split the search did not prove, one GPU
+    per stage or several. None when it ends in a split that does not fit."""
+    search = _Search.of(c, start)
+    search.sweep_pairs(sweeps)
+    return search.assignment()
 
 
 class _Search:
     """The cuts of a split of the order and its stages' prices, improved in place."""
+
+    @classmethod
+    def of(cls, c: Coarsening, start: Sequence[int]) -> _Search:
+        """The search from the contiguous split ``start`` (a stage per exact group,
+        non-decreasing along the order)."""
+        K, n = c.problem.num_stages, c.num_coarse
+        assert len(start) == n and all(a <= b for a, b in itertools.pairwise(start))
+        return cls(c, [0, *(int(np.searchsorted(np.asarray(start), j, side="left"))
+                            for j in range(1, K)), n])
 
     def __init__(self, c: Coarsening, cuts: list[int]) -> None:
         self.problem = p = c.problem
@@ -168,13 +187,22 @@ class _Search:
         return [float(self.prices.gpu(d, self.stage, {})[0])
                 for d in range(self.problem.devices)]
 
+    def assignment(self) -> tuple[int, ...] | None:
+        """The coarse assignment of the cuts; None when some GPU's load does not fit."""
+        if not np.all(np.isfinite(self.loads())):
+            return None
+        cuts = self.cuts
+        return tuple(j for j in range(self.problem.num_stages)
+                     for _ in range(cuts[j], cuts[j + 1]))
+
     def _set(self, j: int, prices: tuple[Any, ...], at: int) -> None:
         self.stage[j] = tuple(a[at:at + 1] for a in prices)
 
-    def sweep_pairs(self) -> None:
-        """Move single cuts until none lowers the slower of its two GPUs."""
+    def sweep_pairs(self, sweeps: int = MAX_SWEEPS) -> None:
+        """Move single cuts until none lowers the slower of its two GPUs, at most
+        ``sweeps`` times over the cuts."""
         p, cuts, gap = self.problem, self.cuts, self.gap
-        for _ in range(MAX_SWEEPS):
+        for _ in range(sweeps):
             moved = False
             for b in range(1, p.num_stages):
                 if self.spent():

@@ -12,6 +12,8 @@ The steps, each in its own module:
                                       (interleave.py) from the best splits ─► best split
                                                                       │
                               CP-SAT (exact groups, hinted, T <= best, stages fixed by it)
+                                                                      │ not proved
+                                 moving cuts between neighbours (repair.py) ─► the answer
 
 On a big exact program (BOUND_FIRST) the block bound (``bound.py``) runs beside the
 interval DP first, and where the DP's split is within PROVED of it (GAP on a program too
@@ -55,6 +57,7 @@ from fxpipe.partition.ilp import IlpResult, StageModel
 from fxpipe.partition.interleave import shared_gpu_warm_start
 from fxpipe.partition.nothing_fits import heaviest_group, infeasible, min_memory
 from fxpipe.partition.problem import Problem
+from fxpipe.partition.repair import repair
 from fxpipe.plan import Estimate, SolverReport
 
 __all__ = [
@@ -214,6 +217,12 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
             lower = shared_gpu_bound(exact, upper_s=evaluation.bottleneck_s)
     report = _exact_report(problem, exact, evaluation, result, phases, start=start,
                            lower=lower)
+    if report.status != "OPTIMAL":  # not proved: neighbours may still share out work
+        repaired = repair(exact, best)
+        if repaired is not None:
+            best, evaluation = repaired.stage_of, repaired
+            report = _exact_report(problem, exact, evaluation, result, phases,
+                                   start=start, lower=lower)
     return Partition(
         stage_of=tuple(best),
         problem=problem,
