@@ -14,16 +14,61 @@ micro-batch::
     lane 0 | rank 0 (stage 0) ──► rank 2 (stage 1)
     lane 1 | rank 1 (stage 0) ──► rank 3 (stage 1)
              └─ all-reduce ─┘     └─ all-reduce ─┘     gradients, over each stage's r ranks
+
+A pipeline may be one of several on the job, each on its own process group (``group``,
+one pipeline per data-parallel rank, its gradients then averaged over the data-parallel
+dimension by the user or DDP/FSDP): its tied copies are summed over its own ranks only,
+the holders' ranks in its group mapped to the job's ranks.
 """
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from .adapter import StageAdapter
+from .materialize import rebind
+from .ranks import RankLayout
 
-__all__ = ["reduce_grads"]
+__all__ = ["make_groups", "reduce_grads"]
+
+
+def make_groups(layout: RankLayout, tied: Sequence[Mapping[int, str]],
+                adapters: Mapping[int, StageAdapter], group: Any = None) -> None:
+    """The process groups of ``tied`` copies (their holders' ranks) and of each replicated
+    stage's ranks, created in the same order on every rank of the job (``dist.new_group``
+    is collective over it). ``adapters``: this rank's stages by index; a tied parameter two
+    of them hold becomes one copy. ``group``: this pipeline's process group, None for the
+    whole job; every pipeline's tied groups are then made, on every rank, from the job's
+    ranks of each pipeline (gathered from all ranks)."""
+    mine = tuple(range(layout.num_ranks))
+    pipelines = [mine]
+    if group is not None:
+        mine = tuple(dist.get_global_rank(group, r) for r in range(layout.num_ranks))
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        pipelines = sorted(set(everyone))
+        if sum(map(len, pipelines)) != dist.get_world_size():
+            raise ValueError(
+                f"the pipelines' process groups overlap (job ranks {pipelines}): give each "
+                f"rank the group of the one pipeline it runs, every group of {layout.num_ranks} "
+                "ranks and no rank in two")
+    for copies in tied:
+        holders = sorted({rank for j in copies for rank in layout.ranks_of(j)})
+        groups = [dist.new_group([ranks[r] for r in holders]) for ranks in pipelines]
+        held = [k for k in sorted(adapters) if k in copies]
+        if not held:
+            continue
+        param = adapters[held[0]].stage.get_parameter(copies[held[0]])
+        for k in held:
+            rebind(adapters[k].stage, adapters[k].stage.get_parameter(copies[k]), param)
+            adapters[k].tied.append((groups[pipelines.index(mine)], param))
+    for j in range(layout.num_stages):
+        if layout.replicas[j] > 1:  # only on the whole job (pipeline_stages refuses a group)
+            replica_group = dist.new_group(list(layout.ranks_of(j)))
+            if j in adapters:
+                adapters[j].replica_group = replica_group
 
 
 def reduce_grads(adapters: Sequence[StageAdapter], lanes: int) -> None:

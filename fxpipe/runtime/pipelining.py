@@ -51,8 +51,8 @@ from .adapter import (
     torch_schedule_kwargs,
     wire_example,
 )
-from .grads import reduce_grads
-from .materialize import Checkpoint, load_state, materialize, rebind
+from .grads import make_groups, reduce_grads
+from .materialize import Checkpoint, load_state, materialize
 from .microbatch import batch_size, lane_share, shared_leaves
 from .older_torch import skip_warmup_sends_to_self, step
 from .precision import autocast_loss, check_precision, unscaled
@@ -161,8 +161,9 @@ class DistributedPipeline(RankLayout):
         """This rank's ``PipelineStage``, or ``TableStage`` for uneven replicas
         (collective: every rank calls it, in the same order). ``example_args`` /
         ``example_kwargs``: ONE micro-batch, as the model's forward takes it.
-        ``group``: the pipeline's process group (default: the whole job); with
-        replicated stages fxpipe makes one per lane."""
+        ``group``: the pipeline's process group (default: the whole job), ``rank`` and
+        ``world_size`` then its own: one pipeline per data-parallel rank, every rank of
+        the job calling this; with replicated stages fxpipe makes one per lane."""
         self._check_launch(world_size)
         if self.virtual_stages > 1:
             raise ValueError(
@@ -196,6 +197,10 @@ class DistributedPipeline(RankLayout):
         """The set-up behind ``pipeline_stage`` and ``pipeline_stages``: this rank's
         stages, built from its lane's share of the example micro-batch, and every
         process group, created in the same order on every rank (a collective call)."""
+        if group is not None and (self.lanes > 1 or not self.uniform):
+            raise ValueError("a plan with replicated stages makes its own process groups "
+                             "(one per lane, or the schedule table's): call pipeline_stage "
+                             "without group")
         if not self.uniform:
             return [self._table_stage(model, rank, device, example_args, example_kwargs,
                                       checkpoint)]
@@ -205,12 +210,9 @@ class DistributedPipeline(RankLayout):
             inputs=True)
         built = {k: self.stage_module(model, k, device, *example_args, checkpoint=checkpoint,
                                       **example_kwargs) for k in self.stages_of(rank)}
-        self._make_groups({k: adapter for k, (adapter, _, _) in built.items()})
+        make_groups(self, self.tied, {k: adapter for k, (adapter, _, _) in built.items()}, group)
         r = self.lanes
         if r > 1:
-            if group is not None:
-                raise ValueError("a plan with replicated stages makes its own process groups, "
-                                 "one per lane: call pipeline_stage without group")
             for i in range(r):  # lane i: stage j on rank j·r + i
                 lane_group = dist.new_group([j * r + i for j in range(self.num_stages)])
                 if i == lane:
@@ -224,26 +226,6 @@ class DistributedPipeline(RankLayout):
         if self.unsupported:
             raise ValueError(self.unsupported)
         self.check_world_size(world_size)
-
-    def _make_groups(self, adapters: Mapping[int, StageAdapter]) -> None:
-        """The process groups of tied copies (all their holders' ranks) and of each
-        replicated stage's ranks, created in the same order on every rank. ``adapters``:
-        this rank's stages by index; a tied parameter two of them hold becomes one copy."""
-        for copies in self.tied:
-            tied_group = dist.new_group(sorted({rank for j in copies
-                                                for rank in self.ranks_of(j)}))
-            held = [k for k in sorted(adapters) if k in copies]
-            if not held:
-                continue
-            param = adapters[held[0]].stage.get_parameter(copies[held[0]])
-            for k in held:
-                rebind(adapters[k].stage, adapters[k].stage.get_parameter(copies[k]), param)
-                adapters[k].tied.append((tied_group, param))
-        for j in range(self.num_stages):
-            if self.replicas[j] > 1:
-                replica_group = dist.new_group(list(self.ranks_of(j)))
-                if j in adapters:
-                    adapters[j].replica_group = replica_group
 
     def _table_stage(self, model: nn.Module, rank: int, device: torch.device | str,
                      example_args: tuple[Any, ...], example_kwargs: dict[str, Any],
@@ -259,7 +241,7 @@ class DistributedPipeline(RankLayout):
                 f"multiple of each")
         adapter, inputs, outputs = self.stage_module(
             model, k, device, *example_args, checkpoint=checkpoint, **example_kwargs)
-        self._make_groups({k: adapter})
+        make_groups(self, self.tied, {k: adapter})
         return TableStage(self, adapter, k, replica, torch.device(device), inputs, outputs, rows)
 
     def lane_share(self, value: Any, lane: int, *, microbatches: int, what: str,
