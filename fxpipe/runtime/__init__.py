@@ -30,6 +30,7 @@ runs without fxpipe installed. One idea per module:
     rank_measure.py the report card under torchrun: each rank's stages, gathered
     materialize.py  building only this rank's stage from a checkpoint
     older_torch.py  what torch 2.11's pipelining needs to run the stages
+    own_loss.py     a model that computes its own loss, under torch's schedules
     launch.py       the torchrun entry point (train_torchrun.py)
 
 The torchrun modules import ``torch.distributed.pipelining``. This package's top level

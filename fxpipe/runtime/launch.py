@@ -162,15 +162,17 @@ def _train(
 
     schedule = pipeline.build_schedule(stages, saving_loss if opts.save else loss_fn)
     if batch is not None:
-        args, kwargs, target = batch["args"], batch["kwargs"], batch["target"]
+        args, kwargs, target = batch["args"], batch["kwargs"], batch.get("target")
     else:
         m = pipeline.microbatches
         # a shared input (a causal mask) is the same for any number of samples
         whole = shared_leaves(pipeline.flatten_inputs(*args, **kwargs), pipeline.shared_inputs)
         repeat = lambda t: t if not t.dim() or id(t) in whole else torch.cat([t] * m)  # noqa: E731
         args, kwargs = pytree.tree_map_only(torch.Tensor, repeat, (args, kwargs))
-        example_target = getattr(build, "example_target", module.example_target)
-        target = pytree.tree_map_only(torch.Tensor, repeat, example_target())
+        # a model computing its own loss needs no example_target(): its loss gets None
+        make_target = getattr(build, "example_target", getattr(module, "example_target", None))
+        target = pytree.tree_map_only(torch.Tensor, repeat,
+                                      make_target() if callable(make_target) else None)
     trained = list({id(p): p for stage in stages for p in stage.submod.parameters()
                     if p.requires_grad}.values())
     # a stage of parameter-free ops (a softmax mixing layer) has nothing to update

@@ -4,6 +4,7 @@ Each shim works around one thing torch 2.11 does; a current torch (2.13) does ne
 """
 
 import functools
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -34,9 +35,13 @@ def _to_others(warmup: Any, me: int) -> list[Any]:
 
 
 def step(schedule: Any, stages: Sequence[Any], *feed: Any, **kwargs: Any) -> None:
-    """``schedule.step``. torch 2.11's stage asks every tensor it receives for a gradient,
-    which a tensor of integers or booleans (a mask, positions) cannot have: that error
-    becomes one line naming what is received."""
+    """``schedule.step``, without merging the last stage's outputs where torch can leave
+    them (no caller reads them, and torch concatenates them along dim 0, which a 0-dim
+    output, a model's own loss, does not have). torch 2.11's stage asks every tensor it
+    receives for a gradient, which a tensor of integers or booleans (a mask, positions)
+    cannot have: that error becomes one line naming what is received."""
+    if "return_outputs" in inspect.signature(schedule.step).parameters:
+        kwargs["return_outputs"] = False
     try:
         schedule.step(*feed, **kwargs)
     except RuntimeError as error:

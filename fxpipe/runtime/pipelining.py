@@ -55,6 +55,7 @@ from .grads import make_groups, reduce_grads
 from .materialize import Checkpoint, load_state, materialize
 from .microbatch import batch_size, lane_share, shared_leaves
 from .older_torch import skip_warmup_sends_to_self, step
+from .own_loss import feed_target, target_or_none
 from .precision import autocast_loss, check_precision, unscaled
 from .ranks import RankLayout
 from .recompute import modes
@@ -272,7 +273,8 @@ class DistributedPipeline(RankLayout):
             self.check_placement(kind, self.schedule)
         # the stages' device, read without assuming stages: the checks below come first
         device = getattr(next(iter(_as_list(stage)), None), "device", None)
-        loss_fn, self.scaler = autocast_loss(loss_fn, self.precision, device, self.scaler)
+        loss_fn, self.scaler = autocast_loss(target_or_none(loss_fn), self.precision, device,
+                                             self.scaler)
         if kind in ZERO_BUBBLE and not isinstance(_as_list(stage)[0], TableStage):
             return zero_bubble_schedule(kind, _as_list(stage), self.lane_ranks(), m, loss_fn,
                                         self.shared_inputs)
@@ -346,7 +348,7 @@ class DistributedPipeline(RankLayout):
         if last is not None:
             target = self.lane_share(target, lane, microbatches=m, what="the target")
             target = pytree.tree_map_only(torch.Tensor, lambda t: t.to(last.device), target)
-            step(schedule, stages, *feed, target=target, losses=losses)
+            step(schedule, stages, *feed, target=feed_target(target, m), losses=losses)
         else:
             step(schedule, stages, *feed)
         if not schedule.scale_grads:  # built unscaled, see build_schedule
