@@ -3,15 +3,20 @@ rank's stages, and train N steps of the model file's ``loss_fn``.
 
     torchrun --nproc-per-node N train_torchrun.py --model model.py [--checkpoint model.pt]
 
-gloo on the CPU, NCCL on GPUs (one GPU per local rank).
+gloo on the CPU, NCCL on GPUs (one GPU per local rank). What the user gives (the model
+file and what it raises, --checkpoint, --batch) fails in one line per rank, without a
+traceback; a file is loaded without running code in it (``weights_only``).
 """
 
 import argparse
 import contextlib
+import inspect
 import os
 import resource
 import sys
-from collections.abc import Callable, Mapping, Sequence
+import traceback
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -63,12 +68,90 @@ def _load_model_file(spec: str) -> tuple[Any, Callable[[], nn.Module]]:
     file = Path(path).resolve()
     if not file.is_file():
         raise FileNotFoundError(f"model file {path} not found")
-    sys.path.insert(0, str(file.parent))
-    module = import_file(file, f"_model_{file.stem}")
+    with _raised_by(path, "importing the file"):
+        module = import_file(file, f"_model_{file.stem}")
     build = getattr(module, factory or "build_model", None)
     if build is None:
         raise ValueError(f"{path} has no factory {factory or 'build_model'}()")
     return module, build
+
+
+def _from_file(module: Any, build: Any, name: str) -> Callable[..., Any] | None:
+    """The model file's function ``name``: the factory's own attribute, else the file's."""
+    function = getattr(build, name, None)
+    return function if callable(function) else getattr(module, name, None)
+
+
+@contextlib.contextmanager
+def _raised_by(path: str, what: str) -> Iterator[None]:
+    """Whatever the model file raises in ``what`` as one line naming the file's line."""
+    try:
+        yield
+    except (Exception, SystemExit) as error:
+        raise ValueError(f"{_where(path, error)}: {what} raised {_one_line(error)}; fix the "
+                         "model file and run again") from None
+
+
+def _where(path: str, error: BaseException) -> str:
+    """``path:line`` of the innermost frame in the file ``path`` (or of its syntax error)."""
+    file = Path(path).resolve()
+    lines = [frame.lineno for frame in traceback.extract_tb(error.__traceback__)
+             if Path(frame.filename).resolve() == file]
+    if isinstance(error, SyntaxError) and error.filename and Path(error.filename) == file:
+        lines.append(error.lineno)
+    return f"{path}:{lines[-1]}" if lines and lines[-1] else path
+
+
+def _one_line(error: BaseException) -> str:
+    """``Type: first line of the message``."""
+    text = (error.msg if isinstance(error, SyntaxError) else str(error)).strip().splitlines()
+    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__
+
+
+def _load(path: str, what: str, fix: str, *, mmap: bool = False) -> Any:
+    """``torch.load`` of a file the user gives, tensors and plain values only: a pickle
+    that would run code (or import anything) is refused in one line, with ``fix``."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{what} {path} not found")
+    try:
+        with warnings.catch_warnings():  # torch warns of pickles before it refuses them
+            warnings.simplefilter("ignore")
+            return torch.load(path, map_location="cpu", mmap=mmap, weights_only=True)
+    except Exception as error:
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        why = next((line for line in lines if "unsupported" in line.lower()),
+                   lines[0] if lines else type(error).__name__)
+        raise ValueError(f"{what} {path} holds more than tensors and plain values, or is no "
+                         f"torch.save file, and was not loaded (torch.load with weights_only: "
+                         f"{why}); {fix}") from None
+
+
+def _load_batch(path: str) -> dict[str, Any]:
+    """The --batch file: ``{'args': tuple, 'kwargs': dict, 'target': ...}`` (a model that
+    computes its own loss may leave the target out)."""
+    fix = ("save {'args': (...), 'kwargs': {...}, 'target': ...} of tensors and plain values "
+           "with torch.save")
+    batch = _load(path, "--batch", fix)
+    if not (isinstance(batch, dict) and {"args", "kwargs"} & batch.keys()
+            and batch.keys() <= {"args", "kwargs", "target"}
+            and isinstance(batch.get("args", ()), (tuple, list))
+            and isinstance(batch.get("kwargs", {}), dict)):
+        what = (f"a dict of {sorted(map(str, batch))}" if isinstance(batch, dict)
+                else f"a {type(batch).__name__}")
+        raise ValueError(f"--batch {path} holds {what}, not a mini-batch; {fix}")
+    return {"args": tuple(batch.get("args", ())), "kwargs": batch.get("kwargs", {}),
+            "target": batch.get("target")}
+
+
+def _load_checkpoint(path: str) -> Mapping[str, torch.Tensor]:
+    """The --checkpoint file: a state_dict, memory-mapped."""
+    fix = "give the torch.save'd state_dict of the whole model (fxpipe merge writes one)"
+    state = _load(path, "--checkpoint", fix, mmap=True)
+    if not isinstance(state, Mapping) or not all(
+            isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"--checkpoint {path} holds a {type(state).__name__}, not a "
+                         f"state_dict of tensors; {fix}")
+    return state
 
 
 def main(pipeline: DistributedPipeline, argv: Sequence[str] | None = None) -> int:
@@ -101,13 +184,28 @@ def main(pipeline: DistributedPipeline, argv: Sequence[str] | None = None) -> in
     try:
         _train(pipeline, opts, rank, world_size, device)
     except (ValueError, FileNotFoundError) as error:
-        # one write: the ranks share the terminal, and print writes the newline apart
-        sys.stderr.write(f"train_torchrun: error: rank {rank}: {error}\n")
-        sys.stderr.flush()
+        _error_line(rank, str(error))
+        return 2
+    except RuntimeError as error:
+        if not any(text in str(error) for text in _PEER_FAILED):
+            raise
+        # torchrun stops the other ranks when one fails, but one may see the dead peer first
+        _error_line(rank, "stopped: another rank failed and closed its connection (see its "
+                    "error)")
         return 2
     finally:
         dist.destroy_process_group()
     return 0
+
+
+# what gloo and NCCL say when a peer rank has exited
+_PEER_FAILED = ("Connection closed by peer", "remote process exited")
+
+
+def _error_line(rank: int, text: str) -> None:
+    # one write: the ranks share the terminal, and print writes the newline apart
+    sys.stderr.write(f"train_torchrun: error: rank {rank}: {text}\n")
+    sys.stderr.flush()
 
 
 def _check_batch(pipeline: DistributedPipeline, example: tuple[Any, Any],
@@ -117,6 +215,14 @@ def _check_batch(pipeline: DistributedPipeline, example: tuple[Any, Any],
     ``check_feed``): ``train_step`` checks it on the first stage's rank only, and the
     other ranks would then die on its closed connection instead of saying why."""
     built = pipeline.flatten_inputs(*example[0], **example[1])
+    forward = inspect.signature(pipeline.flatten_inputs).replace(
+        return_annotation=inspect.Signature.empty)
+    try:
+        forward.bind(*batch["args"], **batch["kwargs"])
+    except TypeError as error:
+        raise ValueError(f"the --batch inputs do not fit the model's forward{forward} "
+                         f"({error}); save them as example_inputs() gives one micro-batch's"
+                         ) from None
     given = pipeline.flatten_inputs(*batch["args"], **batch["kwargs"])
     names = [name for name, value in built.items() if isinstance(value, torch.Tensor)]
     check_feed(names, [tuple(built[name].shape) for name in names],
@@ -130,25 +236,34 @@ def _train(
     world_size: int,
     device: torch.device,
 ) -> None:
+    path = opts.model.partition(":")[0]
     module, build = _load_model_file(opts.model)
-    example = getattr(build, "example_inputs", module.example_inputs)()
+    make_inputs = _from_file(module, build, "example_inputs")
+    if make_inputs is None:
+        raise ValueError(f"{path} defines no example_inputs()")
+    with _raised_by(path, "example_inputs()"):
+        example = make_inputs()
     args, kwargs = (((), example) if isinstance(example, Mapping)
                     else (tuple(example), {}))
-    loss_fn = getattr(module, "loss_fn", None)
-    if loss_fn is None:
-        raise ValueError(f"{opts.model} defines no loss_fn(output, target)")
+    user_loss = getattr(module, "loss_fn", None)
+    if not callable(user_loss):
+        raise ValueError(f"{path} defines no loss_fn(output, target)")
+
+    def loss_fn(output: Any, target: Any) -> torch.Tensor:
+        with _raised_by(path, "loss_fn"):
+            return user_loss(output, target)
+
     rss = {"start": peak_rss_bytes()}
-    if opts.checkpoint:
-        with parameters_on_meta():
-            model = build()
-    else:
+    batch = _load_batch(opts.batch) if opts.batch else None
+    checkpoint = _load_checkpoint(opts.checkpoint) if opts.checkpoint else None
+    with _raised_by(path, f"{opts.model.partition(':')[2] or 'build_model'}()"), (
+            parameters_on_meta() if checkpoint is not None else contextlib.nullcontext()):
         model = build()
     rss["built"] = peak_rss_bytes()
-    batch = torch.load(opts.batch, weights_only=False) if opts.batch else None
     if batch is not None:
         _check_batch(pipeline, (args, kwargs), batch)
     stages = pipeline.pipeline_stages(
-        model, rank, world_size, device, *args, checkpoint=opts.checkpoint, **kwargs
+        model, rank, world_size, device, *args, checkpoint=checkpoint, **kwargs
     )
     rss["loaded"] = peak_rss_bytes()
     if rank == 0 and pipeline.schedule in ZERO_BUBBLE and pipeline.uniform:  # on torch's class
@@ -162,7 +277,7 @@ def _train(
 
     schedule = pipeline.build_schedule(stages, saving_loss if opts.save else loss_fn)
     if batch is not None:
-        args, kwargs, target = batch["args"], batch["kwargs"], batch.get("target")
+        args, kwargs, target = batch["args"], batch["kwargs"], batch["target"]
     else:
         m = pipeline.microbatches
         # a shared input (a causal mask) is the same for any number of samples
@@ -170,9 +285,10 @@ def _train(
         repeat = lambda t: t if not t.dim() or id(t) in whole else torch.cat([t] * m)  # noqa: E731
         args, kwargs = pytree.tree_map_only(torch.Tensor, repeat, (args, kwargs))
         # a model computing its own loss needs no example_target(): its loss gets None
-        make_target = getattr(build, "example_target", getattr(module, "example_target", None))
-        target = pytree.tree_map_only(torch.Tensor, repeat,
-                                      make_target() if callable(make_target) else None)
+        make_target = _from_file(module, build, "example_target")
+        with _raised_by(path, "example_target()"):
+            target = make_target() if make_target is not None else None
+        target = pytree.tree_map_only(torch.Tensor, repeat, target)
     trained = list({id(p): p for stage in stages for p in stage.submod.parameters()
                     if p.requires_grad}.values())
     # a stage of parameter-free ops (a softmax mixing layer) has nothing to update
