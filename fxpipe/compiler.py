@@ -33,6 +33,7 @@ from fxpipe.cost_models import Device, analytic, calibrate, measured
 from fxpipe.forked import Forked
 from fxpipe.frontend import ModelSource, Traced, load_model_file, trace_source
 from fxpipe.kernels import Execution
+from fxpipe.loss_reduction import summed_loss_note
 from fxpipe.lower import Lowered, lower
 from fxpipe.partition import (
     Evaluation,
@@ -106,6 +107,9 @@ def analyze_file(
                               and precision.mixed else None)
     if solvable:
         check_size(sum(1 for n in traced.gm.graph.nodes if n.op in OP_NODES))
+        summed = summed_loss_note(source, traced)  # a pipeline's loss is a mean of M
+        if summed is not None:
+            traced = replace(traced, notes=(*traced.notes, summed))
     if note is not None:
         traced = replace(traced, notes=(*traced.notes, note))
     how = traced.tracer
