@@ -38,11 +38,10 @@ def summed_loss_note(source: ModelSource, traced: Traced) -> str | None:
     if source.loss_fn is None or rows < 2 or _on_meta(source):
         return None
     halves = [_half(source, batched, rows, i) for i in range(2)]
-    losses = [_loss(source, source.args, source.kwargs, source.target),
-              *(_loss(source, *half) for half in halves)]
-    if any(loss is None for loss in losses):
+    whole = _loss(source, source.args, source.kwargs, source.target)
+    first, second = (_loss(source, *half) for half in halves)
+    if whole is None or first is None or second is None:
         return None
-    whole, first, second = losses
     n_1 = -(-rows // 2)  # tensor_split gives the first half the odd row
     mean = (n_1 * first + (rows - n_1) * second) / rows
     if not _close(whole, first + second) or _close(whole, mean):
