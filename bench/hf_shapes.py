@@ -103,6 +103,9 @@ def _gpt_oss_20b() -> nn.Module:
 build_llama3_70b = _factory(
     lambda: _on("meta", lambda: _llama(80, 8192, 64, 8, 28672, 128256)), 1, 4096,
     "build_llama3_70b")
+build_llama3_70b_8k = _factory(
+    lambda: _on("meta", lambda: _llama(80, 8192, 64, 8, 28672, 128256)), 1, 8192,
+    "build_llama3_70b_8k")
 build_llama3_8b = _factory(
     lambda: _on("meta", lambda: _llama(32, 4096, 32, 8, 14336, 128256)), 1, 4096,
     "build_llama3_8b")

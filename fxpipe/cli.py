@@ -274,6 +274,7 @@ def _run_split(args: argparse.Namespace) -> int:
         virtual_stages=args.virtual_stages,
         replicate=args.replicate,
         precision=precision,
+        cluster=_cluster(args),
     )
 
     card = _card(None, args.calibrate) if args.calibrate is not None else None
@@ -318,6 +319,31 @@ def _run_split(args: argparse.Namespace) -> int:
         f"wrote {out}/{_linked(out, written)} ({', '.join(sorted(files))})"
     )
     return 0
+
+
+def _cluster(args: argparse.Namespace) -> Any:
+    """The cluster search's options, where a cluster flag asks for one (else None: one
+    pipeline on all the GPUs)."""
+    from fxpipe.options import ClusterOptions
+
+    if (args.pp, args.gpus_per_node, args.dp_mode, args.global_batch) == (None,) * 4:
+        return None
+    pp = None if args.pp in (None, "auto") else _whole(args.pp, "--pp", "auto or a number")
+    if args.replicate or args.virtual_stages > 1:
+        raise ValueError("--replicate and --virtual-stages plan one pipeline on all the GPUs: "
+                         "leave out --pp, --gpus-per-node, --dp-mode and --global-batch with "
+                         "them")
+    if args.gpus_per_node is not None and args.gpus_per_node < 1:
+        raise ValueError(f"--gpus-per-node must be at least 1, got {args.gpus_per_node}")
+    return ClusterOptions(gpus_per_node=args.gpus_per_node, pp=pp, dp_mode=args.dp_mode,
+                          global_batch=args.global_batch)
+
+
+def _whole(value: str, flag: str, expected: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{flag} takes {expected}, got {value!r}") from None
 
 
 def _linked(out: Path, written: Path) -> str:

@@ -98,6 +98,7 @@ def _split_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", default="h100", help="device table entry (default h100)")
     _schedule_arguments(parser)
+    _cluster_arguments(parser)
     _precision_argument(parser)
     parser.add_argument("--optimizer", choices=("adam", "sgd", "sgd-momentum"), default="adam")
     parser.add_argument(
@@ -164,6 +165,27 @@ def _schedule_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="let a stage run data-parallel on several GPUs (PipeDream's 2-1-1)",
     )
+
+
+def _cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    """``split``'s flags for the cluster: any of them plans a layout of the --gpus (pipeline
+    stages times data-parallel pipelines) instead of one pipeline on all of them."""
+    parser.add_argument(
+        "--pp", default=None, metavar="{auto,P}",
+        help="GPUs per pipeline, the rest data-parallel pipelines: auto searches every P "
+        "dividing --gpus (default without the cluster flags: one pipeline on all GPUs)")
+    parser.add_argument(
+        "--gpus-per-node", type=int, default=None,
+        help="GPUs per host, joined by the device's intra-node link (default 8, or --gpus "
+        "when fewer); hosts are joined by its inter-node link")
+    parser.add_argument(
+        "--dp-mode", choices=("fsdp", "ddp"), default=None,
+        help="how the pipelines keep each stage's copies equal: fsdp (torch's FSDP2, the "
+        "optimizer state sharded) or ddp (default: the search chooses)")
+    parser.add_argument(
+        "--global-batch", type=int, default=None, metavar="SAMPLES",
+        help="samples per step over all pipelines (default: --microbatches micro-batches "
+        "of the example's samples)")
 
 
 def _report_arguments(parser: argparse.ArgumentParser) -> None:

@@ -21,12 +21,13 @@ import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, ExitStack, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, Literal
 
 import torch
 from torch.utils import _pytree as pytree
 
+from fxpipe import cluster
 from fxpipe.codegen import generate
 from fxpipe.codegen.build_check import check_builds
 from fxpipe.cost_models import Device, analytic, calibrate, measured
@@ -35,12 +36,13 @@ from fxpipe.frontend import ModelSource, Traced, load_model_file, trace_source
 from fxpipe.kernels import Execution
 from fxpipe.loss_reduction import summed_loss_note
 from fxpipe.lower import Lowered, lower
+from fxpipe.options import SplitOptions, options_of
 from fxpipe.partition import (
     Evaluation,
     InfeasibleMemoryError,
+    Partition,
     PipedreamTieError,
     Problem,
-    Recompute,
     TiedPolicy,
     check_size,
     dp_fits,
@@ -50,7 +52,7 @@ from fxpipe.partition import (
     partition,
     violations,
 )
-from fxpipe.partition.solve import WORK_LIMIT
+from fxpipe.partition.layout import sharded
 from fxpipe.passes import annotate_all, annotate_memory, annotate_modules
 from fxpipe.passes.base import OP_NODES, AnalysisError
 from fxpipe.plan import DynamicDim, Plan
@@ -192,41 +194,6 @@ def _execution(device: Device, precision: Precision | None) -> Execution:
     )
 
 
-@dataclass(frozen=True)
-class SplitOptions:
-    gpus: int
-    device: Device
-    memory_limit: float  # bytes per GPU
-    microbatches: int
-    schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B
-    optimizer: str = "adam"
-    recompute: Recompute = Recompute.AUTO  # per stage: none, selective, all, or the solver's
-    time_limit_s: float = 120.0  # wall-clock safety net (the work limit normally stops first)
-    work_limit: float = WORK_LIMIT  # CP-SAT deterministic time: the same plan at any load
-    virtual_stages: int = 1  # interleaved schedule: stage modules per GPU
-    replicate: bool = False  # let the solver give a stage several GPUs ("2-1-1")
-    precision: Precision | None = None  # None: the model's parameter dtype; as analyze() used
-
-
-def options_of(plan: Plan) -> SplitOptions:
-    """The options that re-make ``plan`` (recompute chosen per stage again; the memory
-    limit and device as the plan records them), to re-plan it with new costs."""
-    from fxpipe.cost_models import get_device
-    from fxpipe.precision import parse_precision
-
-    return SplitOptions(
-        gpus=plan.num_devices,
-        device=get_device(plan.device),
-        memory_limit=plan.memory_limit,
-        microbatches=plan.microbatches,
-        schedule=ScheduleKind(plan.schedule),
-        optimizer=plan.optimizer,
-        virtual_stages=plan.virtual_stages,
-        replicate=any(stage.replicas > 1 for stage in plan.stages),
-        precision=parse_precision(plan.precision),
-    )
-
-
 def plan_split(
     traced: Traced,
     *,
@@ -255,14 +222,19 @@ def plan_split(
         fitted = calibrate.fit(forward, backward)
         new_ops = calibrate.apply(traced.gm, fitted)
         notes.append(_calibration_note(calibrate_from, fitted, new_ops))
+    layout = None
+    solved: dict[SplitOptions, Partition] = {}
+    if options.cluster is not None:
+        with progress(f"choosing the layout of {options.gpus} GPUs"):
+            options, layout = cluster.choose(
+                traced, options, problem=lambda o: _lowered(traced, o).problem,
+                solve=functools.partial(_solve, traced, solved))
     lowered = _lowered(traced, options)
     if pipedream and lowered.problem.tied:
         _check_pipedream_ties(lowered.problem)
     with progress(f"solving ({len(lowered.problem.nodes)} nodes onto {options.gpus} GPUs)"):
         try:
-            result = partition(lowered.problem, work_limit=options.work_limit,
-                               time_limit_s=options.time_limit_s,
-                               replicate=options.replicate)
+            result = solved.get(options) or _solve(traced, {}, options, lowered)
         except InfeasibleMemoryError as exc:
             fixes: dict[str, object] = {}
             leaner = _fitting_precision(traced, options, exc.fits_on)
@@ -309,13 +281,24 @@ def plan_split(
         notes=notes,
         dynamic_dims=dynamic_dims(traced),
         shared_inputs=traced.shared_inputs,
+        layout=layout,
     )
 
 
+def _solve(traced: Traced, solved: dict[SplitOptions, Partition], options: SplitOptions,
+           lowered: Lowered | None = None) -> Partition:
+    """``partition`` of the model lowered for ``options``, kept in ``solved``."""
+    problem = (lowered or _lowered(traced, options)).problem
+    solved[options] = partition(problem, work_limit=options.work_limit,
+                                time_limit_s=options.time_limit_s, replicate=options.replicate)
+    return solved[options]
+
+
 def _lowered(traced: Traced, options: SplitOptions) -> Lowered:
-    """The analysed graph as the solver's problem, for ``options``."""
+    """The analysed graph as the solver's problem, for ``options`` (the optimizer state
+    divided over a layout's data-parallel copies, ``partition.layout.sharded``)."""
     pipedream = options.schedule is ScheduleKind.PIPEDREAM
-    return lower(
+    lowered = lower(
         traced.gm,
         num_stages=options.gpus * options.virtual_stages,
         virtual_stages=options.virtual_stages,
@@ -328,7 +311,9 @@ def _lowered(traced: Traced, options: SplitOptions) -> Lowered:
         recompute=options.recompute,
         block_depth=auto_depth(traced.gm),
         tied_policy=TiedPolicy.COLOCATE if pipedream else TiedPolicy.REPLICATE,
+        across_hosts=options.across_hosts,
     )
+    return replace(lowered, problem=sharded(lowered.problem, *options.data_parallel))
 
 
 # The precisions that may need less memory than each, in the order they are suggested:

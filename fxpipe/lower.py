@@ -31,7 +31,7 @@ from typing import Any
 import torch.fx
 
 from fxpipe import meta
-from fxpipe.cost_models import Device, allreduce_time, intra_node_time
+from fxpipe.cost_models import Device, allreduce_time, link_time
 from fxpipe.partition.problem import Edge, Node, Problem, Recompute, TiedGroup, TiedPolicy
 from fxpipe.passes.aliasing import aliases, is_view, mutated_input
 from fxpipe.passes.base import OP_NODES
@@ -74,8 +74,11 @@ def lower(
     block_depth: int = 1,
     virtual_stages: int = 1,
     num_devices: int = 0,
+    across_hosts: bool = False,
 ) -> Lowered:
-    """The partition problem of ``gm`` (every node costed: run passes and a cost model first)."""
+    """The partition problem of ``gm`` (every node costed: run passes and a cost model first).
+    ``across_hosts``: the stages send to each other over the link between hosts (a
+    pipeline longer than a host, ``partition.layout``), not the link inside one."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"Unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}.")
     ops = tuple(n for n in gm.graph.nodes if n.op in OP_NODES)
@@ -88,7 +91,7 @@ def lower(
     unusable = bool(written) and not levels
     levels = levels or ((0, 0),)
     nodes = _nodes(gm, ops, reads, readers, device=device, block_depth=block_depth,
-                   levels=levels, skip=written, unusable=unusable)
+                   levels=levels, skip=written, unusable=unusable, same_node=not across_hosts)
     order_edges, fused = _in_place_order(gm, ops, index)
     returned_bytes = sum(n.output_bytes for n in nodes if n.returned)
     problem = Problem(
@@ -153,6 +156,7 @@ def _nodes(
     levels: Sequence[tuple[int, int]],
     skip: tuple[tuple[int, int], ...],
     unusable: bool,
+    same_node: bool = True,
 ) -> tuple[Node, ...]:
     """One problem node per op, its costs read off the node records; a parameter is the
     bytes of the one op that reads it (several readers make it a tied group instead)."""
@@ -171,7 +175,7 @@ def _nodes(
                 activation_bytes=memory.saved_bytes,
                 grad_bytes=_grad_bytes(gm, node, reads[node.name], returned=node in returned),
                 output_bytes=memory.output_bytes,
-                comm_s=intra_node_time(memory.output_bytes, device),
+                comm_s=link_time(memory.output_bytes, device, same_node=same_node),
                 module=_block(meta.MODULE.get(node).path, block_depth),
                 members=(node.name,),
                 returned=node in returned,

@@ -13,8 +13,8 @@ from typing import Any
 
 from fxpipe.schedules import Table, kind_of
 
-__all__ = ["DynamicDim", "Estimate", "Plan", "SolverReport", "StageMemory", "StagePlan",
-           "StageRecompute", "StageTimes"]
+__all__ = ["DynamicDim", "Estimate", "Layout", "LayoutRow", "Plan", "SolverReport",
+           "StageMemory", "StagePlan", "StageRecompute", "StageTimes"]
 
 PLAN_FORMAT = 1
 
@@ -169,6 +169,50 @@ class DynamicDim:
 
 
 @dataclass(frozen=True)
+class LayoutRow:
+    """One layout the cluster search considered (``Layout.considered``)."""
+
+    pp: int  # GPUs per pipeline
+    dp: int  # pipelines, data-parallel
+    dp_mode: str  # "fsdp" or "ddp" (torch's FSDP2 or DDP over the d copies of a stage)
+    microbatches: int  # per pipeline per step
+    status: str  # "chosen", "solved", "pruned" (its bound is no better), "no fit", "invalid"
+    step_s: float | None = None  # predicted step (None: not solved)
+    bound_s: float = 0.0  # a step no split of it can beat
+    max_memory: int | None = None  # the largest GPU's bytes (None: not solved)
+    why: str = ""  # for "no fit" and "invalid": the solver's sentence
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How N GPUs, G to a host, run the plan: ``pp`` GPUs per pipeline (the plan's stages
+    on them) times ``dp`` pipelines, each taking ``microbatches`` micro-batches of
+    ``microbatch_size`` samples per step (``global_batch`` samples in all), the d copies of
+    every stage kept equal by torch's FSDP2 or DDP (``dp_mode``). Ranks sit on a
+    ``mesh`` of those dimensions, outermost first (rank = i * pp + j: stage j of pipeline
+    i); ``pipeline_link`` and ``sync_link`` ("intra" or "inter") say which link the
+    stage sends and the gradient syncs ride. ``step_s`` = the pipeline's step plus
+    ``sync_s``, the slowest stage's sync (``fxpipe.partition.layout``). ``proved``: every
+    other layout considered was solved or bounded at no better a step."""
+
+    gpus: int
+    gpus_per_node: int
+    pp: int
+    dp: int
+    dp_mode: str
+    global_batch: int
+    microbatch_size: int
+    microbatches: int
+    pipeline_link: str
+    sync_link: str
+    sync_s: float
+    step_s: float
+    proved: bool
+    mesh: tuple[str, ...] = ("dp", "pp")
+    considered: tuple[LayoutRow, ...] = ()
+
+
+@dataclass(frozen=True)
 class Plan:
     num_stages: int  # stage modules (K * v for an interleaved schedule)
     schedule: str  # "gpipe", "1f1b", "interleaved" or "pipedream"
@@ -197,6 +241,9 @@ class Plan:
     dynamic_dims: tuple[DynamicDim, ...] = ()
     # Graph inputs without a batch dimension: handed whole to every micro-batch, not split
     shared_inputs: tuple[str, ...] = ()
+    # The cluster's layout, where the plan was searched for one (``fxpipe.layouts``); None:
+    # one pipeline on all the plan's GPUs, as before layouts (and not in plan.json)
+    layout: Layout | None = None
 
     @property
     def num_devices(self) -> int:
@@ -263,6 +310,8 @@ class Plan:
             data["memory_limit"] = None
         if not self.state_keys:
             del data["state_keys"]
+        if self.layout is None:
+            del data["layout"]
         return data
 
     def to_json(self) -> str:
@@ -313,8 +362,18 @@ class Plan:
             virtual_stages=int(data.get("virtual_stages", 1)),
             dynamic_dims=tuple(DynamicDim(**d) for d in data.get("dynamic_dims", ())),
             shared_inputs=tuple(data.get("shared_inputs", ())),
+            layout=_layout(data.get("layout")),
         )
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
         return cls.from_dict(json.loads(text))
+
+
+def _layout(raw: dict[str, Any] | None) -> Layout | None:
+    if raw is None:
+        return None
+    fields = dict(raw)
+    fields["mesh"] = tuple(fields.get("mesh", ("dp", "pp")))
+    fields["considered"] = tuple(LayoutRow(**row) for row in fields.get("considered", ()))
+    return Layout(**fields)

@@ -18,7 +18,7 @@ from fxpipe.lower import Lowered
 from fxpipe.partition.cost import StageCost
 from fxpipe.partition.evaluate import Evaluation
 from fxpipe.partition.problem import Problem
-from fxpipe.plan import DynamicDim, Estimate, Plan, SolverReport, StagePlan, StageRecompute
+from fxpipe.plan import DynamicDim, Estimate, Layout, Plan, SolverReport, StagePlan, StageRecompute
 from fxpipe.units import format_indices
 
 __all__ = ["build_plan", "stage_of_nodes", "state_keys"]
@@ -50,6 +50,7 @@ def build_plan(
     notes: Sequence[str] = (),
     dynamic_dims: Sequence[DynamicDim] = (),
     shared_inputs: Sequence[str] = (),
+    layout: Layout | None = None,
 ) -> Plan:
     """``problem``: the one solved (``lowered.problem``, or it with the stage count a
     replicated split chose)."""
@@ -117,6 +118,7 @@ def build_plan(
         virtual_stages=problem.virtual_stages,
         dynamic_dims=tuple(dynamic_dims),
         shared_inputs=tuple(shared_inputs),
+        layout=layout,
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fxpipe.plan import Estimate, Plan, StageRecompute
+from fxpipe.report.layouts import layout_lines
 from fxpipe.schedules import kind_of
 from fxpipe.units import format_bytes, format_count, format_indices, format_ms
 
@@ -89,6 +90,7 @@ def render_report(plan: Plan, *, svg: bool = True) -> str:
         f"{format_ms(plan.estimate.iteration_s)}, {bubble_text(plan)}, throughput "
         f"{_throughput(plan, plan.estimate)}",
         "",
+        *layout_lines(plan),
         "## Stages",
         "",
         "Times and memory are per GPU of the stage (a replicated stage's GPUs each take "

@@ -1,0 +1,112 @@
+"""The cluster search: which layout of N GPUs (G to a host) trains the model fastest
+within each GPU's memory, as pipeline stages times data-parallel pipelines.
+
+``choose`` enumerates the layouts (``partition.layout.candidates``: every pipeline degree
+p dividing N, each data-parallel mode, M = the step's micro-batches over d), orders them
+by a bound no split of theirs can beat, and plans each with the driver's exact program
+until the next bound is no better than the best step found (``partition.layout.search``).
+The chosen one's options then plan as any split does; its ``Layout`` (and every layout
+considered) goes into the plan. The cost model it assumes is stated in
+``partition/layout.py``: the optimizer state divided by d under FSDP, one gradient sync
+per step after the pipeline's last backward, ring collectives, and the host boundary
+priced where the (dp, pp) mesh puts it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from fxpipe.frontend import Traced
+from fxpipe.options import SplitOptions
+from fxpipe.partition.layout import (
+    Cluster,
+    Link,
+    candidates,
+    pipeline_crosses_hosts,
+    search,
+    sync_crosses_hosts,
+    totals,
+)
+from fxpipe.partition.problem import Problem
+from fxpipe.partition.solve import Partition
+from fxpipe.plan import Layout, LayoutRow
+
+__all__ = ["choose", "cluster_of", "example_batch"]
+
+# A host of this many GPUs where --gpus-per-node is not given (an HGX / DGX board)
+DEFAULT_GPUS_PER_NODE = 8
+
+
+def cluster_of(options: SplitOptions) -> Cluster:
+    n, device = options.gpus, options.device
+    asked = options.cluster.gpus_per_node if options.cluster is not None else None
+    g = asked if asked is not None else min(n, DEFAULT_GPUS_PER_NODE)
+    return Cluster(n, g, Link(device.intra_node_bandwidth, device.intra_node_latency),
+                   Link(device.inter_node_bandwidth, device.inter_node_latency))
+
+
+def example_batch(traced: Traced) -> int:
+    """b: the samples of the example micro-batch (dim 0 of its first batched input)."""
+    return next((shape.shape[0] for shape in traced.inputs
+                 if shape.shape and shape.name not in traced.shared_inputs), 1)
+
+
+def choose(traced: Traced, options: SplitOptions, *,
+           problem: Callable[[SplitOptions], Problem],
+           solve: Callable[[SplitOptions], Partition]) -> tuple[SplitOptions, Layout]:
+    """The options of the fastest layout that fits, and its ``Layout``. ``problem(options)``
+    is the driver's lowering of the model for one layout, ``solve(options)`` its plan
+    (``partition``), raising a ``ValueError`` where no split of it is valid or fits. When
+    no layout fits: one ``ValueError`` naming each one's reason."""
+    wanted = options.cluster
+    assert wanted is not None
+    cluster = cluster_of(options)
+    b = example_batch(traced)
+    if wanted.global_batch is not None:
+        if wanted.global_batch < 1 or wanted.global_batch % b:
+            raise ValueError(
+                f"--global-batch {wanted.global_batch} is not a whole number of micro-batches "
+                f"of the example's {b} samples: use a multiple of {b}")
+        steps_microbatches = wanted.global_batch // b
+    else:
+        steps_microbatches = options.microbatches
+    if wanted.pp is not None and (wanted.pp < 1 or options.gpus % wanted.pp):
+        divisors = [p for p in range(1, options.gpus + 1) if options.gpus % p == 0]
+        raise ValueError(f"--pp {wanted.pp} does not divide --gpus {options.gpus}: use one of "
+                         f"{', '.join(map(str, divisors))}")
+    layouts = candidates(cluster, steps_microbatches, pp=wanted.pp, dp_mode=wanted.dp_mode)
+    if not layouts:
+        raise ValueError(
+            f"no pipeline degree of {options.gpus} GPUs splits the step's "
+            f"{steps_microbatches} micro-batches evenly over its pipelines: use a "
+            f"--global-batch that is a multiple of {options.gpus * b} samples")
+
+    def of(p: int, d: int, mode: str, m: int) -> SplitOptions:
+        return replace(options, gpus=p, microbatches=m, data_parallel=(d, mode),
+                       across_hosts=p > 1 and pipeline_crosses_hosts(cluster, p),
+                       schedule=options.schedule)
+
+    base = totals(problem(of(*layouts[0])))
+    tried = search(cluster, layouts, base, lambda p, d, mode, m: solve(of(p, d, mode, m)))
+    rows = tuple(LayoutRow(pp=t.p, dp=t.d, dp_mode=t.mode, microbatches=t.m, status=t.status,
+                           step_s=t.step_s, bound_s=t.bound_s, max_memory=t.max_memory,
+                           why=t.why) for t in tried)
+    chosen = next((t for t in tried if t.status == "chosen"), None)
+    if chosen is None:
+        reasons = "; ".join(f"pp {t.p} x dp {t.d} ({t.mode}): {t.why}" for t in tried)
+        raise ValueError(f"no layout of {options.gpus} GPUs fits: {reasons}")
+    best_step = chosen.step_s or 0.0
+    # proved best under the cost model: its own split is, and every other layout that fits
+    # was either pruned by its bound or solved to its optimum
+    proved = chosen.result.report.status == "OPTIMAL" and all(
+        t.result.report.status == "OPTIMAL" for t in tried if t.status == "solved")
+    layout = Layout(
+        gpus=cluster.gpus, gpus_per_node=cluster.gpus_per_node, pp=chosen.p, dp=chosen.d,
+        dp_mode=chosen.mode, global_batch=steps_microbatches * b, microbatch_size=b,
+        microbatches=chosen.m,
+        pipeline_link="inter" if of(chosen.p, chosen.d, chosen.mode, chosen.m).across_hosts
+        else "intra",
+        sync_link="inter" if sync_crosses_hosts(cluster, chosen.p) else "intra",
+        sync_s=chosen.sync_s, step_s=best_step, proved=proved, considered=rows)
+    return of(chosen.p, chosen.d, chosen.mode, chosen.m), layout

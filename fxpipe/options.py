@@ -1,0 +1,72 @@
+"""What ``fxpipe split`` is asked to plan: ``SplitOptions``, and the options a plan was made
+with (``options_of``), to plan it again."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fxpipe.cost_models import Device
+from fxpipe.partition import Recompute
+from fxpipe.partition.solve import WORK_LIMIT
+from fxpipe.plan import Plan
+from fxpipe.precision import Precision, parse_precision
+from fxpipe.schedules import ScheduleKind
+
+__all__ = ["ClusterOptions", "SplitOptions", "options_of"]
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    """The cluster search (``fxpipe.cluster``): ``SplitOptions.gpus`` GPUs, ``gpus_per_node``
+    to a host (None: 8, or all of them when fewer), run as ``pp`` GPUs per pipeline times
+    gpus / pp pipelines (None: the search chooses), the copies of each stage kept equal by
+    ``dp_mode`` ("fsdp" or "ddp"; None: the search chooses), ``global_batch`` samples per
+    step (None: ``SplitOptions.microbatches`` micro-batches of the example's samples)."""
+
+    gpus_per_node: int | None = None
+    pp: int | None = None
+    dp_mode: str | None = None
+    global_batch: int | None = None
+
+
+@dataclass(frozen=True)
+class SplitOptions:
+    gpus: int
+    device: Device
+    memory_limit: float  # bytes per GPU
+    microbatches: int
+    schedule: ScheduleKind = ScheduleKind.ONE_F_ONE_B
+    optimizer: str = "adam"
+    recompute: Recompute = Recompute.AUTO  # per stage: none, selective, all, or the solver's
+    time_limit_s: float = 120.0  # wall-clock safety net (the work limit normally stops first)
+    work_limit: float = WORK_LIMIT  # CP-SAT deterministic time: the same plan at any load
+    virtual_stages: int = 1  # interleaved schedule: stage modules per GPU
+    replicate: bool = False  # let the solver give a stage several GPUs ("2-1-1")
+    precision: Precision | None = None  # None: the model's parameter dtype; as analyze() used
+    # None: one pipeline on all the GPUs, as before layouts; else the cluster search
+    cluster: ClusterOptions | None = None
+    # set by the cluster search for the layout it plans (``fxpipe.cluster``): the d
+    # pipelines' data-parallel mode, and whether stages send across hosts
+    data_parallel: tuple[int, str] = (1, "ddp")
+    across_hosts: bool = False
+
+
+def options_of(plan: Plan) -> SplitOptions:
+    """The options that re-make ``plan`` (recompute chosen per stage again; the memory
+    limit and device as the plan records them), to re-plan it with new costs."""
+    from fxpipe.cost_models import get_device
+
+    layout = plan.layout
+    return SplitOptions(
+        gpus=plan.num_devices,
+        device=get_device(plan.device),
+        memory_limit=plan.memory_limit,
+        microbatches=plan.microbatches,
+        schedule=ScheduleKind(plan.schedule),
+        optimizer=plan.optimizer,
+        virtual_stages=plan.virtual_stages,
+        replicate=any(stage.replicas > 1 for stage in plan.stages),
+        precision=parse_precision(plan.precision),
+        data_parallel=(1, "ddp") if layout is None else (layout.dp, layout.dp_mode),
+        across_hosts=layout is not None and layout.pipeline_link == "inter",
+    )

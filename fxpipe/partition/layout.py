@@ -1,0 +1,233 @@
+"""The cluster's layout as plain data: N GPUs, G to a host, as p pipeline stages × d
+data-parallel replicas of the pipeline, and what a layout costs beyond its cuts.
+
+# N: GPUs, G: GPUs per host, p: pipeline degree (GPUs per pipeline), d = N / p: the
+# data-parallel degree, B: samples per step (the global batch), b: samples per
+# micro-batch (the example's), M = B / (d b): micro-batches per pipeline per step.
+
+Every GPU runs one pipeline rank; the d pipelines each take B / d samples per step, and
+the d copies of each stage's parameters agree after every step. The two data-parallel
+modes torch runs under a pipeline:
+
+    ddp    every copy holds the whole stage and its optimizer state; the gradients are
+           all-reduced once per step (DDP, no_sync until the last micro-batch)
+    fsdp   FSDP2 over the d copies: torch's PipelineStage defers the gradient
+           reduce-scatter to the last micro-batch, so inside a step every rank holds its
+           stage's whole parameters and gradients; only the optimizer state (Adam's two
+           moments) is divided by d. After the step the updated shards are all-gathered.
+
+What a layout adds to the pipeline's own step (``Problem``, ``evaluate``), the cost model
+the layout search states in the report:
+
+- memory: the optimizer state of every stage divided by d under fsdp (``sharded``);
+- time: after the pipeline's last backward, each stage's gradient sync over its d copies:
+  a ring all-reduce (ddp) or a ring reduce-scatter and all-gather (fsdp), the same bytes on
+  the wire, 2 (d - 1) / d of the stage's gradient bytes, not overlapped with the pipeline's
+  drain (an upper bound: the last stage's sync could start while the first drains); the
+  step ends when the slowest stage's sync does (``sync_s``);
+- links: ranks are laid out on a (dp, pp) mesh, pipeline dimension innermost (rank
+  r = i p + j runs stage j of pipeline i), so a pipeline of p <= G stages, G a multiple
+  of p, sits in one host and its sends ride the host's link (NVLink), while the d copies
+  of a stage, one per pipeline, span hosts once N > G and sync on the hosts' link (the
+  NIC); a pipeline longer than a host sends across hosts at its host boundaries, priced
+  for every boundary (an upper bound, as the cuts are chosen per boundary-blind
+  program). The other order (data-parallel innermost) is the same search with the links
+  exchanged; it is not searched yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from fxpipe.partition.cost import state_split
+from fxpipe.partition.errors import InfeasibleMemoryError
+from fxpipe.partition.problem import Problem
+
+__all__ = [
+    "DP_MODES",
+    "Cluster",
+    "Link",
+    "Totals",
+    "Tried",
+    "candidates",
+    "grad_bytes",
+    "layout_bound",
+    "pipeline_crosses_hosts",
+    "search",
+    "sharded",
+    "slowest_sync_s",
+    "sync_crosses_hosts",
+    "sync_s",
+    "totals",
+]
+
+DP_MODES = ("fsdp", "ddp")
+
+
+@dataclass(frozen=True)
+class Link:
+    """A link's bandwidth (bytes / s, one direction) and per-message latency (s)."""
+
+    bandwidth: float
+    latency_s: float
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """N GPUs, G to a host: the links inside a host and between hosts."""
+
+    gpus: int
+    gpus_per_node: int
+    intra: Link
+    inter: Link
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1 or self.gpus_per_node < 1:
+            raise ValueError(f"a cluster needs at least one GPU and one per host, got "
+                             f"{self.gpus} GPUs, {self.gpus_per_node} per host")
+        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
+            raise ValueError(
+                f"{self.gpus} GPUs do not fill hosts of {self.gpus_per_node}: use a multiple "
+                f"of --gpus-per-node {self.gpus_per_node}, or set --gpus-per-node")
+
+
+def candidates(cluster: Cluster, global_microbatches: int, *, pp: int | None = None,
+               dp_mode: str | None = None) -> list[tuple[int, int, str, int]]:
+    """The layouts to consider, as (p, d, mode, M): every pipeline degree p dividing N
+    (or the one pinned), each data-parallel mode (one only where d = 1: nothing to
+    shard), and M = the step's micro-batches over d, where d divides them. Smallest p
+    first (a deterministic order: ties between layouts go to the shorter pipeline)."""
+    n = cluster.gpus
+    degrees = [pp] if pp is not None else [p for p in range(1, n + 1) if n % p == 0]
+    found = []
+    for p in degrees:
+        d = n // p
+        if global_microbatches % d:
+            continue
+        modes = [dp_mode] if dp_mode is not None else (DP_MODES if d > 1 else ("ddp",))
+        found.extend((p, d, mode, global_microbatches // d) for mode in modes)
+    return found
+
+
+def sharded(problem: Problem, d: int, mode: str) -> Problem:
+    """``problem`` with each stage's optimizer state divided over the d copies (fsdp), as
+    ``Problem.state_factor`` holds it: weights 1, gradients up to 1, optimizer the rest."""
+    if mode == "ddp" or d == 1:
+        return problem
+    grads, optimizer = state_split(problem.state_factor)
+    return replace(problem, state_factor=1.0 + grads + optimizer / d)
+
+
+def pipeline_crosses_hosts(cluster: Cluster, p: int) -> bool:
+    """Whether a pipeline of p ranks, laid out innermost, has a stage boundary between
+    hosts."""
+    g = cluster.gpus_per_node
+    return p > g or g % p != 0
+
+
+def sync_crosses_hosts(cluster: Cluster, p: int) -> bool:
+    """Whether the d copies of a stage (ranks j, j + p, j + 2p, ... of all N) span hosts:
+    whenever there are several copies on more than one host."""
+    return cluster.gpus > cluster.gpus_per_node and cluster.gpus // p > 1
+
+
+def sync_s(grad_bytes: float, d: int, link: Link) -> float:
+    """One stage's gradient sync over its d copies per step: a ring all-reduce, or a ring
+    reduce-scatter plus all-gather, 2 (d - 1) / d of ``grad_bytes`` on the wire each way
+    and 2 (d - 1) messages."""
+    if d <= 1 or grad_bytes <= 0:
+        return 0.0
+    steps = 2 * (d - 1)
+    return steps / d * grad_bytes / link.bandwidth + steps * link.latency_s
+
+
+def slowest_sync_s(stage_grad_bytes: Iterable[float], d: int, link: Link) -> float:
+    """The step's sync time: every stage syncs at once, the slowest one last."""
+    return max((sync_s(b, d, link) for b in stage_grad_bytes), default=0.0)
+
+
+def grad_bytes(params: Sequence[int], state_factor: float) -> list[float]:
+    """Each stage's gradient bytes from its parameter bytes (``state_split``)."""
+    grads, _ = state_split(state_factor)
+    return [b * grads for b in params]
+
+
+@dataclass(frozen=True)
+class Totals:
+    """What every layout's bound reads of the model, per micro-batch of b samples: its
+    compute seconds and its gradient bytes (all of its parameters')."""
+
+    compute_s: float
+    grad_bytes: float
+
+
+def totals(problem: Problem) -> Totals:
+    grads, _ = state_split(problem.state_factor)
+    params = sum(n.param_bytes for n in problem.nodes) + sum(g.param_bytes for g in problem.tied)
+    return Totals(sum(n.forward_s + n.backward_s for n in problem.nodes), params * grads)
+
+
+def layout_bound(t: Totals, p: int, d: int, m: int, link: Link) -> float:
+    """A step no split of a (p, d) layout with M = m can beat: the compute spread evenly
+    over the p GPUs of a pipeline for m micro-batches, plus the fill and drain of one
+    micro-batch through all of it, plus the sync of an even share of the gradients."""
+    return (m - 1) * t.compute_s / p + t.compute_s + sync_s(t.grad_bytes / p, d, link)
+
+
+@dataclass(frozen=True)
+class Tried:
+    """One layout's outcome in ``search``: its solved step (None where it was not solved:
+    pruned by its bound, no split fits, or the problem is invalid for it) and why."""
+
+    p: int
+    d: int
+    mode: str
+    m: int
+    bound_s: float
+    step_s: float | None = None
+    sync_s: float = 0.0
+    max_memory: int | None = None
+    why: str = ""
+    status: str = "pruned"
+    result: Any = None  # the solver's Partition, where solved
+
+
+def search(cluster: Cluster, layouts: Sequence[tuple[int, int, str, int]], t: Totals,
+           solve: Callable[[int, int, str, int], Any]) -> list[Tried]:
+    """Solve the layouts in the order of their bounds (the cheapest first, ties to the
+    shorter pipeline), each by ``solve(p, d, mode, M)`` (the driver lowers the model for it
+    and runs ``partition``; a ``ValueError`` says it has no valid split), and stop when
+    the next bound is no better than the best step found: every layout left is pruned,
+    proved no better under the cost model. The best one's status is "chosen"."""
+    def link(p: int) -> Link:
+        return cluster.inter if sync_crosses_hosts(cluster, p) else cluster.intra
+
+    order = sorted(((layout_bound(t, p, d, m, link(p)), i) for i, (p, d, _, m)
+                    in enumerate(layouts)))
+    tried: dict[int, Tried] = {}
+    best: Tried | None = None
+    for bound, i in order:
+        p, d, mode, m = layouts[i]
+        if best is not None and best.step_s is not None and bound >= best.step_s:
+            tried[i] = Tried(p, d, mode, m, bound)
+            continue
+        try:
+            result = solve(p, d, mode, m)
+        except ValueError as exc:
+            status = "no fit" if isinstance(exc, InfeasibleMemoryError) else "invalid"
+            tried[i] = Tried(p, d, mode, m, bound, why=str(exc), status=status)
+            continue
+        evaluation = result.evaluation
+        stage_grads = grad_bytes([s.memory.params for s in evaluation.stages],
+                                 result.problem.state_factor)
+        sync = slowest_sync_s(stage_grads, d, link(p))
+        step = evaluation.estimate.iteration_s + sync
+        found = Tried(p, d, mode, m, bound, step, sync, evaluation.estimate.max_memory,
+                      status="solved", result=result)
+        tried[i] = found
+        if best is None or (step, found.max_memory) < (best.step_s, best.max_memory):
+            best = found  # of equal steps, the one needing the least memory
+    rows = [tried[i] for i in range(len(layouts))]
+    return [replace(row, status="chosen") if row is best else row for row in rows]

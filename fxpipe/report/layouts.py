@@ -1,0 +1,78 @@
+"""The cluster's layout in report.md: the layout chosen, the cost model it assumes, and
+every layout the search considered, the chosen one first."""
+
+from __future__ import annotations
+
+from fxpipe.plan import Layout, LayoutRow, Plan
+from fxpipe.units import format_bytes, format_ms
+
+__all__ = ["layout_lines", "layout_sentence"]
+
+_STATUS = {
+    "chosen": "chosen",
+    "solved": "planned",
+    "pruned": "its bound is no better",
+    "no fit": "no split fits",
+    "invalid": "not valid",
+}
+
+
+def layout_sentence(layout: Layout) -> str:
+    """One line: "64 GPUs (8 per host) as 8 pipeline stages x 8 data-parallel (fsdp)"."""
+    data = (f" x {layout.dp} data-parallel ({layout.dp_mode})" if layout.dp > 1
+            else ", one pipeline")
+    return (f"{layout.gpus} GPUs ({layout.gpus_per_node} per host) as {layout.pp} pipeline "
+            f"stage{'s' * (layout.pp > 1)}{data}")
+
+
+def layout_lines(plan: Plan) -> list[str]:
+    """report.md's "Layout" section (empty for a plan without a layout)."""
+    layout = plan.layout
+    if layout is None:
+        return []
+    proved = ("proved the fastest under the cost model below" if layout.proved else
+              "the fastest found; not every layout was planned to its optimum")
+    lines = [
+        "## Layout",
+        "",
+        f"- {layout_sentence(layout)}: {proved}",
+        f"- {layout.global_batch} samples per step: {layout.dp} pipeline"
+        f"{'s' * (layout.dp > 1)} of {layout.microbatches} micro-batches of "
+        f"{layout.microbatch_size} samples each",
+        f"- predicted step {format_ms(layout.step_s)}: the pipeline's "
+        f"{format_ms(layout.step_s - layout.sync_s)} and the gradient sync's "
+        f"{format_ms(layout.sync_s)}",
+        f"- links: stage sends {_link(layout.pipeline_link)}, gradient syncs "
+        f"{_link(layout.sync_link)}; ranks on a ({', '.join(layout.mesh)}) mesh, rank = "
+        f"pipeline x {layout.pp} + stage",
+        "",
+        "The cost model: under fsdp each GPU holds its stage's whole parameters and "
+        "gradients during the step (torch's PipelineStage defers FSDP2's reduce-scatter to "
+        "the last micro-batch) and 1/d of its optimizer state; ddp holds all of it. After "
+        "the pipeline's last backward every stage syncs its gradients over its d copies "
+        "(ring all-reduce, or reduce-scatter and all-gather: the same bytes), not "
+        "overlapped with the drain; the step ends with the slowest stage's sync.",
+        "",
+        "| pipeline stages | data-parallel | mode | micro-batches | predicted step | "
+        "bound | max memory | outcome |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    rows = sorted(layout.considered, key=lambda r: (r.status != "chosen", r.pp, r.dp_mode))
+    lines += [_row(row) for row in rows]
+    lines.append("")
+    return lines
+
+
+def _row(row: LayoutRow) -> str:
+    step = "" if row.step_s is None else format_ms(row.step_s)
+    memory = "" if row.max_memory is None else format_bytes(row.max_memory)
+    outcome = _STATUS.get(row.status, row.status)
+    if row.why:
+        outcome += f": {row.why.split('; ')[0].split('. ')[0]}"
+    return (f"| {row.pp} | {row.dp} | {row.dp_mode} | {row.microbatches} | {step} | "
+            f"{format_ms(row.bound_s)} | {memory} | {outcome} |")
+
+
+def _link(which: str) -> str:
+    return "inside a host (intra-node link)" if which == "intra" else \
+        "between hosts (inter-node link)"

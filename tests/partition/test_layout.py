@@ -1,0 +1,137 @@
+"""The cluster's layouts as plain data: which are considered, what sharding and syncing
+cost, and the search that plans them in the order of their bounds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from fxpipe.partition import InfeasibleMemoryError
+from fxpipe.partition.layout import (
+    Cluster,
+    Link,
+    Totals,
+    candidates,
+    layout_bound,
+    pipeline_crosses_hosts,
+    search,
+    sharded,
+    sync_crosses_hosts,
+    sync_s,
+)
+from fxpipe.partition.problem import Edge, Node, Problem
+
+GB = 1e9
+NVLINK, IB = Link(450 * GB, 1e-6), Link(50 * GB, 5e-6)
+
+
+def _cluster(n: int, g: int = 8) -> Cluster:
+    return Cluster(n, g, NVLINK, IB)
+
+
+def test_every_pipeline_degree_dividing_the_gpus_with_whole_micro_batches() -> None:
+    got = candidates(_cluster(8), 16)
+    assert [(p, d, mode, m) for p, d, mode, m in got] == [
+        (1, 8, "fsdp", 2), (1, 8, "ddp", 2), (2, 4, "fsdp", 4), (2, 4, "ddp", 4),
+        (4, 2, "fsdp", 8), (4, 2, "ddp", 8), (8, 1, "ddp", 16)]
+    # 12 micro-batches do not split over 8 or 4 pipelines
+    assert {p for p, *_ in candidates(_cluster(8), 12)} == {2, 4, 8}
+    assert candidates(_cluster(8), 16, pp=4, dp_mode="ddp") == [(4, 2, "ddp", 8)]
+
+
+def test_a_cluster_fills_whole_hosts() -> None:
+    with pytest.raises(ValueError, match="12 GPUs do not fill hosts of 8"):
+        _cluster(12)
+    assert _cluster(4, 8).gpus == 4  # fewer GPUs than a host: one host
+
+
+def test_fsdp_divides_only_the_optimizer_state() -> None:
+    p = Problem((Node("a", 1, 1, param_bytes=100),), (), num_stages=1, state_factor=4.0)
+    assert sharded(p, 8, "fsdp").state_factor == 1 + 1 + 2 / 8
+    assert sharded(p, 8, "ddp").state_factor == 4.0
+    assert sharded(p, 1, "fsdp").state_factor == 4.0
+    sgd = Problem((Node("a", 1, 1),), (), num_stages=1, state_factor=2.0)
+    assert sharded(sgd, 8, "fsdp").state_factor == 2.0  # nothing to shard
+
+
+def test_which_link_each_collective_rides() -> None:
+    # 64 GPUs, 8 per host, pipeline innermost: 8 stages fill a host; 16 cross hosts
+    assert not pipeline_crosses_hosts(_cluster(64), 8)
+    assert pipeline_crosses_hosts(_cluster(64), 16)
+    assert sync_crosses_hosts(_cluster(64), 8)  # the 8 copies of a stage, one per host
+    assert not sync_crosses_hosts(_cluster(64), 64)  # one copy: no sync
+    assert not sync_crosses_hosts(_cluster(8), 2)  # one host
+
+
+def test_the_sync_is_a_ring() -> None:
+    assert sync_s(1e9, 1, NVLINK) == 0.0
+    assert sync_s(1e9, 4, NVLINK) == pytest.approx(2 * 3 / 4 * 1e9 / NVLINK.bandwidth
+                                                  + 6 * NVLINK.latency_s)
+
+
+@dataclass
+class _Evaluation:
+    @dataclass
+    class _Estimate:
+        iteration_s: float
+        max_memory: int
+
+    @dataclass
+    class _Stage:
+        @dataclass
+        class _Memory:
+            params: int
+
+        memory: _Memory
+
+    estimate: _Estimate
+    stages: list[_Stage]
+
+
+@dataclass
+class _Report:
+    status: str = "OPTIMAL"
+
+
+@dataclass
+class _Result:
+    evaluation: _Evaluation
+    problem: Problem
+    report: _Report
+
+
+def _result(step: float, p: int, params: int = 0) -> _Result:
+    stages = [_Evaluation._Stage(_Evaluation._Stage._Memory(params // p)) for _ in range(p)]
+    problem = Problem((Node("a", 1, 1),), (), num_stages=1, state_factor=4.0)
+    return _Result(_Evaluation(_Evaluation._Estimate(step, 1), stages), problem, _Report())
+
+
+def test_the_search_plans_in_bound_order_and_prunes_what_cannot_win() -> None:
+    totals = Totals(compute_s=1.0, grad_bytes=0.0)
+    layouts = candidates(_cluster(4), 8, dp_mode="ddp")  # p = 1, 2, 4
+    bounds = [layout_bound(totals, p, d, m, NVLINK) for p, d, _, m in layouts]
+    assert bounds == sorted(bounds)  # fewer pipeline stages, less fill and drain here
+    asked = []
+
+    def solve(p: int, d: int, mode: str, m: int) -> _Result:
+        asked.append(p)
+        return _result(bounds[[q for q, *_ in layouts].index(p)], p)
+
+    tried = search(_cluster(4), layouts, totals, solve)
+    assert asked == [1]  # its step meets its bound: nothing else can be faster
+    assert [t.status for t in tried] == ["chosen", "pruned", "pruned"]
+
+
+def test_a_layout_that_does_not_fit_says_why_and_the_next_is_planned() -> None:
+    totals = Totals(compute_s=1.0, grad_bytes=0.0)
+    layouts = candidates(_cluster(2), 4, dp_mode="ddp")  # p = 1, 2
+
+    def solve(p: int, d: int, mode: str, m: int) -> _Result:
+        if p == 1:
+            raise InfeasibleMemoryError(devices=1, limit=1.0, needed=2.0)
+        return _result(5.0, p)
+
+    tried = search(_cluster(2), layouts, totals, solve)
+    assert [t.status for t in tried] == ["no fit", "chosen"]
+    assert "fits in" in tried[0].why

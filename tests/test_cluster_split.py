@@ -1,0 +1,71 @@
+"""fxpipe split with the cluster flags: the layout searched, pinned, written and refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests._cli import fxpipe
+
+ROOT = Path(__file__).resolve().parents[1]
+GPT = ROOT / "examples" / "gpt.py"
+
+
+def _split(tmp_path: Path, *flags: str) -> dict:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    ran = fxpipe("split", GPT, "--gpus", "4", *flags, "--out", tmp_path / "out", cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    return json.loads((tmp_path / "out" / "plan.json").read_text())
+
+
+def test_the_search_writes_the_layout_it_chose_and_every_one_it_considered(
+        tmp_path: Path) -> None:
+    plan = _split(tmp_path, "--pp", "auto")
+    layout = plan["layout"]
+    assert layout["gpus"] == 4 and layout["pp"] * layout["dp"] == 4
+    assert plan["num_stages"] == layout["pp"] and plan["microbatches"] == layout["microbatches"]
+    # the global batch stays the default step's: 4 x 4 micro-batches of the example's 2
+    assert layout["global_batch"] == 16 * 2 == layout["dp"] * layout["microbatches"] * 2
+    considered = {(r["pp"], r["dp_mode"]): r for r in layout["considered"]}
+    assert set(considered) == {(1, "fsdp"), (1, "ddp"), (2, "fsdp"), (2, "ddp"), (4, "ddp")}
+    chosen = [r for r in layout["considered"] if r["status"] == "chosen"]
+    assert len(chosen) == 1 and chosen[0]["pp"] == layout["pp"]
+    for row in layout["considered"]:  # a layout not planned is bounded at no better a step
+        assert row["step_s"] is not None or row["bound_s"] >= layout["step_s"] - 1e-12
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "## Layout" in report and "| pipeline stages | data-parallel |" in report
+
+
+def test_fsdp_holds_less_than_ddp_by_the_optimizer_state_it_shards(tmp_path: Path) -> None:
+    fsdp = _split(tmp_path / "a", "--pp", "2", "--dp-mode", "fsdp")
+    ddp = _split(tmp_path / "b", "--pp", "2", "--dp-mode", "ddp")
+    # Adam in float32: its two moments are 2 x the parameters; fsdp over 2 copies holds half
+    for stage in fsdp["stages"]:
+        assert stage["memory"]["optimizer"] == stage["memory"]["params"]
+        assert stage["memory"]["grads"] == stage["memory"]["params"]
+    for stage in ddp["stages"]:
+        assert stage["memory"]["optimizer"] == 2 * stage["memory"]["params"]
+    assert fsdp["layout"]["dp_mode"] == "fsdp" and ddp["layout"]["dp_mode"] == "ddp"
+
+
+def test_pinned_flags_that_cannot_hold_are_one_line(tmp_path: Path) -> None:
+    for flags, says in [
+        (("--pp", "3"), "--pp 3 does not divide --gpus 4: use one of 1, 2, 4"),
+        (("--pp", "two"), "--pp takes auto or a number, got 'two'"),
+        (("--global-batch", "5"), "--global-batch 5 is not a whole number of micro-batches "
+                                  "of the example's 2 samples"),
+        (("--pp", "2", "--replicate"), "--replicate and --virtual-stages plan one pipeline"),
+    ]:
+        ran = fxpipe("split", GPT, "--gpus", "4", *flags, "--out", tmp_path / "x",
+                     cwd=tmp_path)
+        assert ran.returncode == 2, (flags, ran.stderr)
+        assert says in ran.stderr and ran.stderr.count("\n") == 1, ran.stderr
+        assert not (tmp_path / "x").exists()
+
+
+def test_without_the_cluster_flags_the_plan_is_one_pipeline_and_has_no_layout(
+        tmp_path: Path) -> None:
+    plan = _split(tmp_path)
+    assert "layout" not in plan and plan["num_stages"] == 4
