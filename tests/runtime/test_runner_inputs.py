@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from codegen._models import grads, import_package, write_package
 from codegen._plans import contiguous_plan
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -265,6 +265,7 @@ def test_a_shared_input_written_in_place_is_written_once() -> None:
 # ------------------------------------------------------------------ the property
 
 
+ROWS, SAME = [1, 3, 4, 8], 0  # SAME: as many rows as x
 KINDS = ("tensor", "none", "list", "int", "1-D", "3-D", "features")
 FORMS = ("positional", "keywords", "missing", "extra")
 
@@ -285,16 +286,17 @@ def _fresh(value: Any) -> Any:
         value.clone() if isinstance(value, torch.Tensor) else value)
 
 
-@settings(max_examples=80, deadline=None, derandomize=True)
-@given(rows=st.tuples(*[st.sampled_from([1, 3, 4, 8])] * 3),
-       kinds=st.tuples(*[st.sampled_from(KINDS[:1] * 6 + KINDS)] * 2),
-       form=st.sampled_from(FORMS[:2] * 4 + FORMS), train=st.booleans())
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(rows=st.tuples(st.sampled_from(ROWS), *[st.sampled_from([SAME] * 8 + ROWS)] * 2),
+       kinds=st.tuples(*[st.sampled_from(KINDS[:1] * 18 + KINDS)] * 2),
+       form=st.sampled_from(FORMS[:2] * 6 + FORMS), train=st.booleans())
 def test_the_runner_refuses_exactly_what_the_model_refuses(
         pair: tuple[nn.Module, Any], rows: tuple[int, int, int], kinds: tuple[str, str],
         form: str, train: bool) -> None:
     model, runner = pair
-    args, kwargs = _call(form, _value(kinds[0], rows[0], 4, 1), _value(kinds[1], rows[1], 3, 2))
-    target = labels(rows[2])
+    rows_x, rows_y, rows_target = (rows[0] if n == SAME else n for n in rows)
+    args, kwargs = _call(form, _value(kinds[0], rows_x, 4, 1), _value(kinds[1], rows_y, 3, 2))
+    target = labels(rows_target)
     model.zero_grad(set_to_none=True)
     try:
         want = model(*_fresh(list(args)), **{k: _fresh(v) for k, v in kwargs.items()})
@@ -311,6 +313,7 @@ def test_the_runner_refuses_exactly_what_the_model_refuses(
             return runner.step(kwargs if form == "keywords" else args, target, F.cross_entropy)
         with torch.no_grad():
             return runner.forward(*args, **kwargs)
+    event("the model raises" if want is None else "the model runs")
     if want is None:
         refused(run, model, None)
         return
