@@ -66,7 +66,8 @@ def test_a_full_disk_is_one_line_and_changes_nothing(
     calls = []
 
     def write_text(self: Path, *args: object, **kwargs: object) -> int:
-        calls.append(self)
+        if previous.parent in self.parents:  # the output folder's, not a scratch file's
+            calls.append(self)
         if len(calls) == 3:  # the disk fills up part-way through the folder
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return real_write(self, *args, **kwargs)  # type: ignore[arg-type]
@@ -177,10 +178,16 @@ def test_a_read_only_file_system_names_itself_and_the_fix(
     folder."""
     before = snapshot(previous)
 
-    def read_only(*args: object, **kwargs: object) -> None:
+    name = "mkstemp" if where == "probe" else "mkdtemp"
+    real = getattr(tempfile, name)
+
+    def read_only(*args: object, **kwargs: object) -> object:
+        folder = kwargs.get("dir", args[2] if len(args) > 2 else None)  # (suffix, prefix, dir)
+        if folder is None or Path(str(folder)) != previous.parent:  # a scratch folder
+            return real(*args, **kwargs)
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(previous.parent / "x"))
 
-    monkeypatch.setattr(tempfile, "mkstemp" if where == "probe" else "mkdtemp", read_only)
+    monkeypatch.setattr(tempfile, name, read_only)
     assert cli.main(["split", MLP, "--gpus", "3", "--out", str(previous)]) == 2
     assert one_error(capsys) == (
         f"could not write {previous}: Read-only file system in {previous.parent}; choose an "
