@@ -17,10 +17,10 @@ reads one binds it. The body of a higher-order op (export's
 module class in the same file.
 
 The stage's ops become a graph of their own in ``subgraph.py``, and fx's code for it
-becomes the lines of a hand-written ``forward`` in ``statements.py``, the model's own
-functions it calls are named in ``wrapped.py``; this module checks
-the plan against the graph and writes the file around them: the docstring, the imports,
-the class and its ``__init__``.
+becomes the lines of a hand-written ``forward`` in ``statements.py``, and the model's
+own functions it calls are named in ``wrapped.py``; this module checks the plan against
+the graph and writes the file around them: the docstring, the imports, the class and its
+``__init__``.
 """
 
 from __future__ import annotations
@@ -119,7 +119,8 @@ def stage_source(
     binding = _binding(gm, sub)
     code = sub.python_code(root_module="self")
     src, globals_, functions = wrapped_functions(
-        code.src, code.globals, (model or gm).named_modules(), binding.paths, PlanError)
+        code.src, code.globals, (gm if model is None else model).named_modules(),
+        binding.paths, PlanError)
     renamed = {name: value for name, (value, _) in functions.items()}
     entry = [f'        check_shape("Stage{io.index}", "{name}", {name}, {shape!r})'
              for name, shape in checks] + dims.recount_lines(io)

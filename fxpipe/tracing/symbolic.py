@@ -58,11 +58,12 @@ def symbolic_graph(
         graph = tracer.trace(model)
         gm = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
     if constants:
+        value = getattr(gm, constants[0], None)
+        shape = f", of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else ""
         raise ConstantError(
-            f"forward computes a tensor from no traced value ({constants[0]}, of shape "
-            f"{tuple(getattr(gm, constants[0]).shape)}: a buffer cloned, a tensor made "
-            "from Python values), which symbolic_trace keeps as the value it had while "
-            "tracing instead of recording how forward computes it"
+            f"forward computes a value from no traced one ({constants[0]}{shape}: a buffer "
+            "cloned, a tensor made from Python values), which symbolic_trace keeps as "
+            "the value it had while tracing instead of recording how forward computes it"
         )
     if entered:
         raise GradRegionError(
