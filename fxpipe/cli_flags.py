@@ -134,7 +134,9 @@ def _split_arguments(parser: argparse.ArgumentParser) -> None:
         help="re-plan with the stage times a training step measured (runner.measure); "
         "the plan it measured is the plan.json beside it",
     )
-    parser.add_argument("--out", default="fxpipe-out", help="output folder (default fxpipe-out)")
+    parser.add_argument("--out", default="fxpipe-out",
+                        help="output folder (default fxpipe-out); where it is a symbolic link, "
+                        "the folder it points to")
     parser.add_argument(
         "--force", action="store_true", help="replace --out even if fxpipe did not write it"
     )
