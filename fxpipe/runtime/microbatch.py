@@ -231,12 +231,13 @@ def _merge_output(output: Any, i: int, parts: list[Any], rows: Sequence[int | No
     """Leaf i of the output from its value in each micro-batch (see ``concat``)."""
     first = parts[0]
     if isinstance(first, torch.Tensor) and first.dim() > 0:
-        if rows and None not in rows:
+        known = [n for n in rows if n is not None]
+        if rows and len(known) == len(rows):
             sizes = [int(p.size(0)) for p in parts]
-            per_sample = {size / n for size, n in zip(sizes, rows, strict=True)}
+            per_sample = {size / n for size, n in zip(sizes, known, strict=True)}
             if len(per_sample) == 1 and per_sample.pop().is_integer():
                 return torch.cat(parts, dim=0)
-            problem = (f"has {sizes} rows along dim 0 in micro-batches of {list(rows)} "
+            problem = (f"has {sizes} rows along dim 0 in micro-batches of {known} "
                        f"samples, not a number of rows per sample")
         else:
             return torch.cat(parts, dim=0)
