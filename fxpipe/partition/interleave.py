@@ -38,8 +38,7 @@ rule). Blocks are priced like the interval DP prices them (``baselines.Blocks``:
 stage cost formula with cut communication, received and kept values, the loss, the
 backward transient) plus the copies and all-reduces of replicated tied parameters;
 ``evaluate`` has the last word on the split found. Deterministic: no clock, no
-randomness. The pair move alone also repairs, one GPU per stage or several, a split
-the search did not prove (``repair.py``).
+randomness. ``repair.py`` moves single cuts too (``pair_sweeps``), on any split.
 
 Legend: n exact groups in order, K stages, N GPUs, c the cuts, x a candidate position
 for one cut, z a recompute choice.
@@ -49,7 +48,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -59,13 +58,8 @@ from fxpipe.partition.evaluate import evaluate, violations
 from fxpipe.partition.prices import Prices
 from fxpipe.partition.rounds import recut_rounds, recut_vee
 
-__all__ = [
-    "cuts_of",
-    "pair_sweeps",
-    "round_profiles",
-    "shared_gpu_search",
-    "shared_gpu_warm_start",
-]
+__all__ = ["Rule", "cuts_of", "pair_sweeps", "round_profiles", "shared_gpu_search",
+           "shared_gpu_warm_start", "slower_fastest"]
 
 MAX_SWEEPS = 400  # sweeps over every cut; each strictly improves or the search stops
 MAX_ROUNDS = 200  # rounds of sweeps then one window DP (one round or two) that improves
@@ -130,9 +124,8 @@ def round_profiles(c: Coarsening) -> list[tuple[int, ...]]:
 def shared_gpu_search(c: Coarsening, start: Sequence[int], *, whole_rounds: bool = False
                       ) -> tuple[int, ...] | None:
     """A coarse assignment at least as good, under the DP's pricing, as the contiguous
-    split ``start`` (a stage per exact group, non-decreasing along the order), found by
-    moving cuts (see the module docstring), whole rounds too when ``whole_rounds``; None
-    when ``start`` does not fit and no move makes it."""
+    split ``start`` (a stage per exact group), found by moving cuts (module docstring),
+    whole rounds too when ``whole_rounds``; None when it does not fit and no move does."""
     search = _Search.of(c, start)
     for _ in range(MAX_ROUNDS):
         search.sweep_pairs()
@@ -143,13 +136,27 @@ def shared_gpu_search(c: Coarsening, start: Sequence[int], *, whole_rounds: bool
     return search.assignment()
 
 
-def pair_sweeps(c: Coarsening, start: Sequence[int], *, sweeps: int
-                ) -> tuple[int, ...] | None:
-    """The pair move alone from the contiguous split ``start``, at most ``sweeps`` sweeps
-    over the cuts: what ``repair.py`` runs on a split the search did not prove, one GPU
-    per stage or several. None when it ends in a split that does not fit."""
+# Where a cut goes, from its GPUs' loads per position (an array per GPU), the positions,
+# its own (an index) and the slowest GPU's load as the sweeps began; None: it stays.
+Rule = Callable[[list[Any], Any, int, float], int | None]
+
+
+def slower_fastest(loads: list[Any], xs: Any, here: int, slowest: float) -> int | None:
+    """The pair move's rule: where the slower of the two GPUs is fastest (ties: the
+    smaller difference, then the earlier position), when that lowers it."""
+    slower = np.maximum.reduce(loads)
+    with np.errstate(invalid="ignore"):  # inf - inf where nothing fits
+        spread = np.max(loads, axis=0) - np.min(loads, axis=0)
+    best = int(np.lexsort((xs, spread, slower))[0])
+    return best if slower[best] < slower[here] * (1 - 1e-12) else None
+
+
+def pair_sweeps(c: Coarsening, start: Sequence[int], *, sweeps: int,
+                rule: Rule | None = None) -> tuple[int, ...] | None:
+    """Single cuts moved by ``rule`` (default the pair move's) from the contiguous split
+    ``start``, at most ``sweeps`` sweeps; None when it ends in a split that does not fit."""
     search = _Search.of(c, start)
-    search.sweep_pairs(sweeps)
+    search.sweep_pairs(sweeps, rule)
     return search.assignment()
 
 
@@ -158,8 +165,7 @@ class _Search:
 
     @classmethod
     def of(cls, c: Coarsening, start: Sequence[int]) -> _Search:
-        """The search from the contiguous split ``start`` (a stage per exact group,
-        non-decreasing along the order)."""
+        """The search from the contiguous split ``start`` (a stage per exact group)."""
         K, n = c.problem.num_stages, c.num_coarse
         assert len(start) == n and all(a <= b for a, b in itertools.pairwise(start))
         return cls(c, [0, *(int(np.searchsorted(np.asarray(start), j, side="left"))
@@ -198,10 +204,12 @@ class _Search:
     def _set(self, j: int, prices: tuple[Any, ...], at: int) -> None:
         self.stage[j] = tuple(a[at:at + 1] for a in prices)
 
-    def sweep_pairs(self, sweeps: int = MAX_SWEEPS) -> None:
-        """Move single cuts until none lowers the slower of its two GPUs, at most
-        ``sweeps`` times over the cuts."""
+    def sweep_pairs(self, sweeps: int = MAX_SWEEPS, rule: Rule | None = None) -> None:
+        """Move single cuts, each where ``rule`` says (default ``slower_fastest``), until
+        it moves none, at most ``sweeps`` times over the cuts."""
         p, cuts, gap = self.problem, self.cuts, self.gap
+        rule = rule or slower_fastest
+        slowest = max(self.loads())
         for _ in range(sweeps):
             moved = False
             for b in range(1, p.num_stages):
@@ -215,12 +223,8 @@ class _Search:
                 trial = {b - 1: left, b: right}
                 gpus = sorted({p.device_of(b - 1), p.device_of(b)})
                 loads = [self.prices.gpu(d, self.stage, trial) for d in gpus]
-                slower = np.maximum.reduce(loads)
-                with np.errstate(invalid="ignore"):  # inf - inf where nothing fits
-                    spread = np.max(loads, axis=0) - np.min(loads, axis=0)
-                here = int(np.flatnonzero(xs == cuts[b])[0])
-                best = int(np.lexsort((xs, spread, slower))[0])
-                if slower[best] < slower[here] * (1 - 1e-12):
+                best = rule(loads, xs, int(np.flatnonzero(xs == cuts[b])[0]), slowest)
+                if best is not None:
                     cuts[b] = int(xs[best])
                     self._set(b - 1, left, best)
                     self._set(b, right, best)

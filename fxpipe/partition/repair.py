@@ -17,7 +17,7 @@ at most SWEEPS sweeps over the cuts:
     settle    from the balanced split, each cut where its two GPUs together take the
               least time (the cheapest cut, so the fewest bytes sent), neither past the
               slowest GPU's time; among cuts within TOLERANCE of that, where the slower
-              of the two is fastest (``settle``)
+              of the two is fastest (``settle``, ``cheapest_cut``)
 
 The first of the two ``evaluate`` calls better (``better``) is the answer:
 
@@ -42,16 +42,16 @@ Legend: K stages, N GPUs, b a cut (between stages b - 1 and b), xs its positions
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from fxpipe.partition.coarsen import Coarsening
 from fxpipe.partition.evaluate import Evaluation, evaluate, violations
 from fxpipe.partition.interleave import cuts_of, pair_sweeps
-from fxpipe.partition.prices import Prices
 from fxpipe.partition.problem import Problem
 
-__all__ = ["SWEEPS", "TOLERANCE", "better", "gpu_times", "repair", "settle"]
+__all__ = ["SWEEPS", "TOLERANCE", "better", "cheapest_cut", "gpu_times", "repair", "settle"]
 
 # Sweeps of the pair move over every cut: GPT-2 XL onto 32 GPUs settles after 5.
 SWEEPS = 8
@@ -84,47 +84,26 @@ def repair(exact: Coarsening, stage_of: Sequence[int], *, sweeps: int = SWEEPS
 
 
 def settle(c: Coarsening, start: Sequence[int], *, sweeps: int) -> tuple[int, ...] | None:
-    """From the contiguous split ``start``, each cut in turn moved to where its two GPUs
-    together take the least time (the cheapest cut), neither past the slowest GPU's
-    time at the start; among cuts within TOLERANCE of the cheapest, where the slower of
-    the two is fastest; at most ``sweeps`` sweeps over the cuts. None when ``start``
-    does not fit."""
-    p, n = c.problem, c.num_coarse
-    K, gap = p.num_stages, 0 if p.allow_empty_stages else 1
-    prices = Prices(c)
-    cuts = [0, *(int(np.searchsorted(np.asarray(start), j, side="left"))
-                 for j in range(1, K)), n]
-    stage = [prices.block(j, np.array([cuts[j]]), np.array([cuts[j + 1]])) for j in range(K)]
-    ceiling = max(float(prices.gpu(d, stage, {})[0]) for d in range(p.devices))
-    if not np.isfinite(ceiling):
-        return None
-    tolerance = TOLERANCE * ceiling
-    for _ in range(sweeps):
-        moved = False
-        for b in range(1, K):
-            xs = np.arange(cuts[b - 1] + gap, cuts[b + 1] - gap + 1)
-            if xs.size <= 1:
-                continue
-            left = prices.block(b - 1, np.full(xs.size, cuts[b - 1]), xs)
-            right = prices.block(b, xs, np.full(xs.size, cuts[b + 1]))
-            trial = {b - 1: left, b: right}
-            loads = [prices.gpu(d, stage, trial)
-                     for d in sorted({p.device_of(b - 1), p.device_of(b)})]
-            slower = np.maximum.reduce(loads)
-            total = np.where(slower <= ceiling, np.add.reduce(loads), np.inf)
-            here = int(np.flatnonzero(xs == cuts[b])[0])
-            cheap = total <= total.min() + tolerance
-            best = int(np.lexsort((xs, np.where(cheap, slower, np.inf)))[0])
-            if (total[best] < total[here] - tolerance
-                    or (total[best] <= total[here] + tolerance
-                        and slower[best] < slower[here] - tolerance)):
-                cuts[b] = int(xs[best])
-                stage[b - 1] = tuple(a[best:best + 1] for a in left)
-                stage[b] = tuple(a[best:best + 1] for a in right)
-                moved = True
-        if not moved:
-            break
-    return tuple(j for j in range(K) for _ in range(cuts[j], cuts[j + 1]))
+    """From the contiguous split ``start``, each cut in turn moved to its cheapest place
+    (``cheapest_cut``), at most ``sweeps`` sweeps over the cuts; None when it ends in a
+    split that does not fit."""
+    return pair_sweeps(c, start, sweeps=sweeps, rule=cheapest_cut)
+
+
+def cheapest_cut(loads: list[Any], xs: Any, here: int, slowest: float) -> int | None:
+    """``settle``'s rule (an ``interleave.Rule``): where the cut's GPUs together take the
+    least time, neither past the slowest GPU's load as the sweeps began; among places
+    within TOLERANCE of that, where the slower of the two is fastest, then the earliest;
+    when that saves time, or as much with the slower faster."""
+    slower = np.maximum.reduce(loads)
+    total = np.where(slower <= slowest, np.add.reduce(loads), np.inf)
+    tolerance = TOLERANCE * slowest
+    cheap = total <= total.min() + tolerance
+    best = int(np.lexsort((xs, np.where(cheap, slower, np.inf)))[0])
+    if total[best] < total[here] - tolerance or (total[best] <= total[here] + tolerance
+                                                 and slower[best] < slower[here] - tolerance):
+        return best
+    return None
 
 
 def better(problem: Problem, after: Evaluation, before: Evaluation) -> bool:
