@@ -19,9 +19,11 @@ from dataclasses import replace
 
 from fxpipe.frontend import Traced
 from fxpipe.options import SplitOptions
+from fxpipe.partition.errors import InfeasibleMemoryError
 from fxpipe.partition.layout import (
     Cluster,
     Link,
+    Tried,
     candidates,
     pipeline_crosses_hosts,
     search,
@@ -31,6 +33,7 @@ from fxpipe.partition.layout import (
 from fxpipe.partition.problem import Problem
 from fxpipe.partition.solve import Partition
 from fxpipe.plan import Layout, LayoutRow
+from fxpipe.units import format_bytes
 
 __all__ = ["choose", "cluster_of", "example_batch"]
 
@@ -94,8 +97,7 @@ def choose(traced: Traced, options: SplitOptions, *,
                            why=t.why) for t in tried)
     chosen = next((t for t in tried if t.status == "chosen"), None)
     if chosen is None:
-        reasons = "; ".join(f"pp {t.p} x dp {t.d} ({t.mode}): {t.why}" for t in tried)
-        raise ValueError(f"no layout of {options.gpus} GPUs fits: {reasons}")
+        raise _nothing_fits(cluster, tried)
     best_step = chosen.step_s or 0.0
     # proved best under the cost model: its own split is, and every other layout that fits
     # was either pruned by its bound or solved to its optimum
@@ -110,3 +112,21 @@ def choose(traced: Traced, options: SplitOptions, *,
         sync_link="inter" if sync_crosses_hosts(cluster, chosen.p) else "intra",
         sync_s=chosen.sync_s, step_s=best_step, proved=proved, considered=rows)
     return of(chosen.p, chosen.d, chosen.mode, chosen.m), layout
+
+
+def _nothing_fits(cluster: Cluster, tried: list[Tried]) -> ValueError:
+    """One sentence when no layout has a split: the leanest layout that does not fit, what
+    it needs, and its own fixes; or, where none is about memory, the first reason."""
+    short = [t for t in tried if isinstance(t.error, InfeasibleMemoryError)]
+    if not short:
+        return ValueError(f"no layout of {cluster.gpus} GPUs has a valid split: "
+                          f"{tried[0].why}")
+    leanest = min(short, key=lambda t: (t.error.needed, t.p))  # type: ignore[union-attr]
+    error = leanest.error
+    assert isinstance(error, InfeasibleMemoryError)
+    fixes = str(error).split(" To fit, ", 1)[-1]
+    return ValueError(
+        f"No layout of {cluster.gpus} GPUs ({cluster.gpus_per_node} per host) fits in "
+        f"{format_bytes(error.limit)} per GPU; the leanest, {leanest.p} pipeline stage"
+        f"{'s' * (leanest.p > 1)} x {leanest.d} data-parallel ({leanest.mode}), needs "
+        f"{format_bytes(error.needed)} per GPU. To fit it, {fixes}")

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from tests._cli import fxpipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,3 +67,14 @@ def test_without_the_cluster_flags_the_plan_is_one_pipeline_and_has_no_layout(
         tmp_path: Path) -> None:
     plan = _split(tmp_path)
     assert "layout" not in plan and plan["num_stages"] == 4
+
+
+def test_when_no_layout_fits_the_leanest_is_named_with_what_it_needs(tmp_path: Path) -> None:
+    ran = fxpipe("split", GPT, "--gpus", "4", "--pp", "auto", "--memory", "3MiB", "--out",
+                 tmp_path / "x", cwd=tmp_path)
+    assert ran.returncode == 2
+    line = ran.stderr.strip().splitlines()[-1]
+    assert line.startswith("fxpipe: error: No layout of 4 GPUs (4 per host) fits in 3.0 MiB "
+                           "per GPU; the leanest, 4 pipeline stages x 1 data-parallel (ddp), "
+                           "needs "), line
+    assert "To fit it, allow" in line and not (tmp_path / "x").exists()

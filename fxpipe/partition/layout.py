@@ -101,7 +101,7 @@ def candidates(cluster: Cluster, global_microbatches: int, *, pp: int | None = N
     first (a deterministic order: ties between layouts go to the shorter pipeline)."""
     n = cluster.gpus
     degrees = [pp] if pp is not None else [p for p in range(1, n + 1) if n % p == 0]
-    found = []
+    found: list[tuple[int, int, str, int]] = []
     for p in degrees:
         d = n // p
         if global_microbatches % d:
@@ -192,6 +192,7 @@ class Tried:
     why: str = ""
     status: str = "pruned"
     result: Any = None  # the solver's Partition, where solved
+    error: ValueError | None = None  # why it has no split, where it has none
 
 
 def search(cluster: Cluster, layouts: Sequence[tuple[int, int, str, int]], t: Totals,
@@ -217,7 +218,7 @@ def search(cluster: Cluster, layouts: Sequence[tuple[int, int, str, int]], t: To
             result = solve(p, d, mode, m)
         except ValueError as exc:
             status = "no fit" if isinstance(exc, InfeasibleMemoryError) else "invalid"
-            tried[i] = Tried(p, d, mode, m, bound, why=str(exc), status=status)
+            tried[i] = Tried(p, d, mode, m, bound, why=str(exc), status=status, error=exc)
             continue
         evaluation = result.evaluation
         stage_grads = grad_bytes([s.memory.params for s in evaluation.stages],

@@ -42,9 +42,11 @@ def layout_lines(plan: Plan) -> list[str]:
         f"- predicted step {format_ms(layout.step_s)}: the pipeline's "
         f"{format_ms(layout.step_s - layout.sync_s)} and the gradient sync's "
         f"{format_ms(layout.sync_s)}",
-        f"- links: stage sends {_link(layout.pipeline_link)}, gradient syncs "
-        f"{_link(layout.sync_link)}; ranks on a ({', '.join(layout.mesh)}) mesh, rank = "
-        f"pipeline x {layout.pp} + stage",
+        f"- links: stage sends {_link(layout.pipeline_link)}, "
+        + (f"gradient syncs {_link(layout.sync_link)}" if layout.dp > 1 else
+           "no gradient sync (one pipeline)")
+        + f"; ranks on a ({', '.join(layout.mesh)}) mesh, rank = pipeline x {layout.pp} + "
+        "stage",
         "",
         "The cost model: under fsdp each GPU holds its stage's whole parameters and "
         "gradients during the step (torch's PipelineStage defers FSDP2's reduce-scatter to "

@@ -36,11 +36,16 @@ class TablePipeline(Protocol):
     """What a ``TableStage`` reads of the pipeline it belongs to (pipelining.py's
     ``DistributedPipeline``, which imports this module)."""
 
-    num_stages: int
-    replicas: Sequence[int]
-    first_rank: Sequence[int]
-    shared_inputs: Collection[str]
-    flatten_inputs: Callable[..., dict[str, Any]]
+    @property
+    def num_stages(self) -> int: ...
+    @property
+    def replicas(self) -> Sequence[int]: ...
+    @property
+    def first_rank(self) -> Sequence[int]: ...
+    @property
+    def shared_inputs(self) -> Collection[str]: ...
+    @property
+    def flatten_inputs(self) -> Callable[..., dict[str, Any]]: ...
 
     def reduce_grads(self, stage: Any) -> None: ...
 
