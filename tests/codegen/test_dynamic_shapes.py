@@ -121,8 +121,9 @@ def test_a_fixed_dimension_fails_on_entry_naming_both_shapes(tmp_path: Path) -> 
     write_package(tmp_path / "pkg", tr, plan)
     package = import_package(tmp_path / "pkg")
     runner = package.PipelineRunner(package.build_stages(source.model))
+    # the shape passed, not its micro-batches' (2, 3, 64, 64)
     with pytest.raises(ValueError, match=r"Stage0 received 'pixel_values' of shape "
-                                         r"\(2, 3, 64, 64\).*traced with shape \(\*, 3, 32, 32\)"):
+                                         r"\(4, 3, 64, 64\),.*traced with shape \(\*, 3, 32, 32\)"):
         runner.forward(pixel_values=torch.zeros(4, 3, 64, 64))
 
 
