@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from fxpipe.codegen.errors import PlanError
 from fxpipe.codegen.statements import names_in
 from fxpipe.tracing.functions import Applied
 
@@ -35,14 +36,14 @@ _WRAP = "torch.fx._symbolic_trace.wrap("
 
 def wrapped_functions(
     src: str, globals_: dict[str, object], modules: Iterator[tuple[str, torch.nn.Module]],
-    paths: list[str], error: type[ValueError],
+    paths: list[str],
 ) -> tuple[str, dict[str, object], dict[str, tuple[str, str]]]:
     """The stage's source without fx's wrap lines, the globals to import, and {fx's name:
     (the name the code calls, the line of ``__init__`` that binds it, or "")}.
 
     ``modules``: the model's ``named_modules()``, whose classes the lookups go through;
     ``paths``: the model paths the stage binds (an attribute of the stage is not named
-    like one); ``error``: the exception class of a function no stage can call."""
+    like one). A function no stage can call is a ``PlanError``."""
     wrapped = [line for line in src.splitlines() if line.startswith(_WRAP)]
     src = "\n".join(line for line in src.splitlines() if not line.startswith(_WRAP))
     globals_ = dict(globals_)
@@ -60,7 +61,7 @@ def wrapped_functions(
             else (function, "")
         module, qualname = str(called.__module__), str(called.__qualname__)  # type: ignore[attr-defined]
         if "." in qualname or "<" in qualname:  # (a kept Function is top-level)
-            raise error(
+            raise PlanError(
                 f"the model marks {module}.{qualname} with torch.fx.wrap, but a nested "
                 "function cannot be called from another file; define it at the top level"
             )
@@ -78,7 +79,7 @@ def wrapped_functions(
             continue
         lookup = _lookup(called, qualname, classes)
         if lookup is None:
-            raise error(
+            raise PlanError(
                 f"the model calls {module}.{qualname} (marked with torch.fx.wrap or an "
                 "autograd.Function), from a module loaded by path that none of the model's "
                 "classes is defined in, so a stage can neither import it nor find it "

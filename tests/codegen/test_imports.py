@@ -11,7 +11,8 @@ from pathlib import Path
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fxpipe.codegen.stages import LINE_LENGTH, _isort
+from fxpipe.codegen.imports import _isort
+from fxpipe.codegen.wrap import LINE_LENGTH
 
 RUFF = [sys.executable, "-m", "ruff", "check", "--isolated", "--no-cache", "--select", "I,E501",
         "--line-length", str(LINE_LENGTH), "--target-version", "py310"]
