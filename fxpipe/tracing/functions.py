@@ -246,7 +246,7 @@ def _function_named(name: str) -> type[torch.autograd.Function]:
     return named[-1]
 
 
-def _subclasses(cls: type) -> Iterator[type]:
+def _subclasses(cls: type[torch.autograd.Function]) -> Iterator[type[torch.autograd.Function]]:
     for sub in cls.__subclasses__():
         yield sub
         yield from _subclasses(sub)

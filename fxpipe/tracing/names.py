@@ -40,4 +40,4 @@ def readable_target(base: str, target: str) -> str:
 
 def install() -> None:
     """Make torch.fx print targets with ``readable_target`` (idempotent)."""
-    torch.fx.graph._format_target = readable_target  # type: ignore[attr-defined]
+    torch.fx.graph._format_target = readable_target
