@@ -62,6 +62,7 @@ from fxpipe.profile import auto_depth
 from fxpipe.report import (
     DiagramError,
     partition_dot,
+    render_html,
     render_report,
     render_svg,
     schedule_svg,
@@ -286,11 +287,13 @@ def plan_split(
 
 
 def _solve(traced: Traced, solved: dict[SplitOptions, Partition], options: SplitOptions,
-           lowered: Lowered | None = None) -> Partition:
-    """``partition`` of the model lowered for ``options``, kept in ``solved``."""
+           lowered: Lowered | None = None, *, advise: bool = True) -> Partition:
+    """``partition`` of the model lowered for ``options``, kept in ``solved``; ``advise``:
+    where nothing fits, work out what would (``partition``'s)."""
     problem = (lowered or _lowered(traced, options)).problem
     solved[options] = partition(problem, work_limit=options.work_limit,
-                                time_limit_s=options.time_limit_s, replicate=options.replicate)
+                                time_limit_s=options.time_limit_s, replicate=options.replicate,
+                                advise=advise)
     return solved[options]
 
 
@@ -505,6 +508,8 @@ def output_files(
     if svg is not None:
         files["partition.svg"] = svg
     files["report.md"] = render_report(plan, svg=svg is not None)  # links what exists
+    files["report.html"] = render_html(plan, traced.gm, depth=auto_depth(traced.gm),
+                                       schedule=files["schedule.svg"])
     return files
 
 

@@ -2,18 +2,24 @@
 
 from __future__ import annotations
 
-from fxpipe.plan import Estimate, Plan, StageRecompute
+from collections.abc import Callable
+
+from fxpipe.plan import Estimate, Plan, StagePlan, StageRecompute
 from fxpipe.report.layouts import layout_lines
 from fxpipe.schedules import kind_of
 from fxpipe.units import format_bytes, format_count, format_indices, format_ms
 
-__all__ = ["render_report", "summary_rows"]
+__all__ = ["compared", "overview", "render_report", "summary_rows"]
+
+
+def compared(plan: Plan) -> list[tuple[str, Estimate]]:
+    """The plan's estimate ("fxpipe (cp-sat)") first, then each baseline's, by name."""
+    return [("fxpipe (" + plan.solver.method + ")", plan.estimate),
+            *sorted(plan.baselines.items())]
 
 
 def summary_rows(plan: Plan) -> list[tuple[str, str, str, str, str]]:
     """(method, bottleneck, iteration, max memory, fits) for the plan and each baseline."""
-    rows = [("fxpipe (" + plan.solver.method + ")", plan.estimate)]
-    rows += sorted(plan.baselines.items())
     return [
         (
             name,
@@ -22,7 +28,7 @@ def summary_rows(plan: Plan) -> list[tuple[str, str, str, str, str]]:
             format_bytes(e.max_memory),
             "yes" if e.fits else "NO",
         )
-        for name, e in rows
+        for name, e in compared(plan)
     ]
 
 
@@ -65,30 +71,94 @@ def _layout(plan: Plan) -> str:
     return f"{plan.num_stages} stages"
 
 
-def render_report(plan: Plan, *, svg: bool = True) -> str:
-    """report.md; ``svg``: partition.svg was drawn (Graphviz installed), so link it."""
+def overview(plan: Plan) -> list[str]:
+    """The plan in a few lines: layout, schedule, recompute, tracing, input shapes, the
+    solver's answer and the predicted step (report.md's list, report.html's too)."""
     limit = "none" if plan.memory_limit == float("inf") else format_bytes(plan.memory_limit)
     solver = plan.solver
     schedule = kind_of(plan.schedule).spec.summary.format(
         v=plan.virtual_stages, n=plan.num_devices, k1=plan.num_stages - 1)
-    lines = [
-        f"# fxpipe plan: {plan.model}",
-        "",
-        f"- {_layout(plan)} on {plan.device}, {plan.schedule} schedule, "
+    return [
+        f"{_layout(plan)} on {plan.device}, {plan.schedule} schedule, "
         f"{plan.microbatches} micro-batches per step, optimizer {plan.optimizer}, "
         f"precision {plan.precision}, memory limit {limit} per GPU",
-        f"- schedule: {schedule}",
-        f"- recompute: {_recompute(plan)}",
-        f"- traced with {plan.tracer}",
-        f"- input shapes: {_dynamic(plan)}",
-        f"- solver: {solver.method}, status {solver.status}, bottleneck "
+        f"schedule: {schedule}",
+        f"recompute: {_recompute(plan)}",
+        f"traced with {plan.tracer}",
+        f"input shapes: {_dynamic(plan)}",
+        f"solver: {solver.method}, status {solver.status}, bottleneck "
         f"{format_ms(solver.objective)}, bound {format_ms(solver.bound)}, "
         f"gap {solver.gap:.2%}, "
         f"on a graph of {solver.solved_nodes} nodes "
         f"(coarsened from {solver.graph_nodes})",
-        f"- predicted bottleneck {format_ms(plan.estimate.bottleneck_s)}, iteration "
+        f"predicted bottleneck {format_ms(plan.estimate.bottleneck_s)}, iteration "
         f"{format_ms(plan.estimate.iteration_s)}, {bubble_text(plan)}, throughput "
         f"{_throughput(plan, plan.estimate)}",
+    ]
+
+
+# The stage table's columns: (header, the cell of a stage, whether the column applies to
+# a plan). A memory kind applies where some stage holds any; B and W where the schedule
+# runs them apart, else one backward column; GPUs where a stage's are not its index.
+_Column = tuple[str, Callable[[Plan, StagePlan], str], Callable[[Plan], bool]]
+
+
+def _memory(header: str, kind: str) -> _Column:
+    return (header, lambda _p, s: format_bytes(getattr(s.memory, kind)),
+            lambda p: any(getattr(s.memory, kind) for s in p.stages))
+
+
+def _splits(plan: Plan) -> bool:
+    return kind_of(plan.schedule).spec.splits_backward
+
+
+_COLUMNS: tuple[_Column, ...] = (
+    ("stage", lambda _p, s: str(s.index), lambda _p: True),
+    ("GPUs", lambda p, s: ", ".join(str(d) for d in p.devices_of(s.index)),
+     lambda p: any(p.devices_of(s.index) != (s.index,) for s in p.stages)),
+    ("ops", lambda _p, s: str(len(s.nodes)), lambda _p: True),
+    ("params", lambda _p, s: str(len(s.parameters)), lambda _p: True),
+    ("fwd FLOPs", lambda _p, s: format_count(s.flops_forward, "FLOP"), lambda _p: True),
+    ("fwd (F)", lambda _p, s: format_ms(s.forward_s), lambda _p: True),
+    ("bwd", lambda _p, s: format_ms(s.backward_s), lambda p: not _splits(p)),
+    ("bwd input (B)", lambda _p, s: format_ms(s.backward_input_s), _splits),
+    ("bwd weight (W)", lambda _p, s: format_ms(s.backward_weight_s), _splits),
+    ("comm", lambda _p, s: format_ms(s.comm_s), lambda p: any(s.comm_s for s in p.stages)),
+    ("params+grads+opt", lambda _p, s: format_bytes(s.memory.params + s.memory.grads
+                                                    + s.memory.optimizer), lambda _p: True),
+    _memory("activations", "activations"),
+    _memory("received", "received"),
+    _memory("outputs", "outputs"),
+    _memory("loss", "loss"),
+    _memory("backward", "backward"),
+    _memory("stashed", "stashed"),
+    _memory("deferred W", "deferred"),
+    _memory("workspace", "workspace"),
+    ("total memory", lambda _p, s: format_bytes(s.memory.total), lambda _p: True),
+)
+
+
+def stage_table(plan: Plan) -> list[str]:
+    """report.md's stage table, with only the columns that apply to the plan (no
+    stashed column of 0 B on every stage of a 1F1B plan)."""
+    columns = [(header, cell) for header, cell, applies in _COLUMNS if applies(plan)]
+    return [
+        "| " + " | ".join(header for header, _ in columns) + " |",
+        "|" + "---|" * len(columns),
+        *("| " + " | ".join(cell(plan, stage) for _, cell in columns) + " |"
+          for stage in plan.stages),
+    ]
+
+
+def render_report(plan: Plan, *, svg: bool = True) -> str:
+    """report.md; ``svg``: partition.svg was drawn (Graphviz installed), so link it."""
+    lines = [
+        f"# fxpipe plan: {plan.model}",
+        "",
+        *(f"- {line}" for line in overview(plan)),
+        "",
+        "The same plan drawn (the stages over the model's layers, memory per GPU against "
+        "the limit, the schedule, the baselines) is [report.html](report.html).",
         "",
         *layout_lines(plan),
         "## Stages",
@@ -96,28 +166,15 @@ def render_report(plan: Plan, *, svg: bool = True) -> str:
         "Times and memory are per GPU of the stage (a replicated stage's GPUs each take "
         "1/r of every micro-batch; its comm includes the all-reduce of its gradients).",
         "",
-        "The backward is B (the input gradient, what the previous stage waits for) and W "
-        "(the weight gradient, which a zero-bubble schedule defers); deferred W is what "
-        "the waiting weight gradients keep.",
-        "",
-        "| stage | GPUs | ops | params | fwd FLOPs | fwd (F) | bwd input (B) | bwd weight (W) "
-        "| comm | params+grads+opt | activations | received | outputs | loss | backward "
-        "| stashed | deferred W | total memory |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for stage in plan.stages:
-        m = stage.memory
-        gpus = ", ".join(str(d) for d in plan.devices_of(stage.index))
-        lines.append(
-            f"| {stage.index} | {gpus} | {len(stage.nodes)} | {len(stage.parameters)} | "
-            f"{format_count(stage.flops_forward, 'FLOP')} | {format_ms(stage.forward_s)} | "
-            f"{format_ms(stage.backward_input_s)} | {format_ms(stage.backward_weight_s)} | "
-            f"{format_ms(stage.comm_s)} | {format_bytes(m.params + m.grads + m.optimizer)} | "
-            f"{format_bytes(m.activations)} | {format_bytes(m.received)} | "
-            f"{format_bytes(m.outputs)} | {format_bytes(m.loss)} | "
-            f"{format_bytes(m.backward)} | {format_bytes(m.stashed)} | "
-            f"{format_bytes(m.deferred)} | {format_bytes(m.total)} |"
-        )
+    if _splits(plan):
+        lines += [
+            "The backward is B (the input gradient, what the previous stage waits for) and "
+            "W (the weight gradient, which a zero-bubble schedule defers); deferred W is "
+            "what the waiting weight gradients keep.",
+            "",
+        ]
+    lines += stage_table(plan)
     lines += [
         "",
         "## Against the baselines",
