@@ -57,11 +57,12 @@ def example_batch(traced: Traced) -> int:
 
 def choose(traced: Traced, options: SplitOptions, *,
            problem: Callable[[SplitOptions], Problem],
-           solve: Callable[[SplitOptions], Partition]) -> tuple[SplitOptions, Layout]:
+           solve: Callable[..., Partition]) -> tuple[SplitOptions, Layout]:
     """The options of the fastest layout that fits, and its ``Layout``. ``problem(options)``
-    is the driver's lowering of the model for one layout, ``solve(options)`` its plan
-    (``partition``), raising a ``ValueError`` where no split of it is valid or fits. When
-    no layout fits: one ``ValueError`` naming each one's reason."""
+    is the driver's lowering of the model for one layout, ``solve(options, advise=...)``
+    its plan (``partition``), raising a ``ValueError`` where no split of it is valid or
+    fits (with ``advise``, saying what would fit). When no layout fits: one ``ValueError``
+    naming the leanest layout, what it needs and what would fit it."""
     wanted = options.cluster
     assert wanted is not None
     cluster = cluster_of(options)
@@ -91,13 +92,14 @@ def choose(traced: Traced, options: SplitOptions, *,
                        schedule=options.schedule)
 
     base = totals(problem(of(*layouts[0])))
-    tried = search(cluster, layouts, base, lambda p, d, mode, m: solve(of(p, d, mode, m)))
+    tried = search(cluster, layouts, base,
+                   lambda p, d, mode, m: solve(of(p, d, mode, m), advise=False))
     rows = tuple(LayoutRow(pp=t.p, dp=t.d, dp_mode=t.mode, microbatches=t.m, status=t.status,
                            step_s=t.step_s, bound_s=t.bound_s, max_memory=t.max_memory,
                            why=t.why) for t in tried)
     chosen = next((t for t in tried if t.status == "chosen"), None)
     if chosen is None:
-        raise _nothing_fits(cluster, tried)
+        raise _nothing_fits(cluster, tried, lambda t: solve(of(t.p, t.d, t.mode, t.m)))
     best_step = chosen.step_s or 0.0
     # proved best under the cost model: its own split is, and every other layout that fits
     # was either pruned by its bound or solved to its optimum
@@ -114,16 +116,22 @@ def choose(traced: Traced, options: SplitOptions, *,
     return of(chosen.p, chosen.d, chosen.mode, chosen.m), layout
 
 
-def _nothing_fits(cluster: Cluster, tried: list[Tried]) -> ValueError:
-    """One sentence when no layout has a split: the leanest layout that does not fit, what
-    it needs, and its own fixes; or, where none is about memory, the first reason."""
+def _nothing_fits(cluster: Cluster, tried: list[Tried],
+                  advised: Callable[[Tried], Partition]) -> ValueError:
+    """One sentence when no layout has a split: the leanest layout that does not fit (by
+    the memory its bounds prove it needs), what it needs and what would fit it (``advised``
+    solves it again, working that out); or, where none is about memory, the first reason."""
     short = [t for t in tried if isinstance(t.error, InfeasibleMemoryError)]
     if not short:
         return ValueError(f"no layout of {cluster.gpus} GPUs has a valid split: "
                           f"{tried[0].why}")
     leanest = min(short, key=lambda t: (t.error.needed, t.p))  # type: ignore[union-attr]
-    error = leanest.error
-    assert isinstance(error, InfeasibleMemoryError)
+    try:
+        advised(leanest)
+    except InfeasibleMemoryError as exc:
+        error = exc
+    else:  # pragma: no cover - a layout proved not to fit fits when solved again
+        raise AssertionError(f"layout pp {leanest.p} x dp {leanest.d} fits after all")
     fixes = str(error).split(" To fit, ", 1)[-1]
     return ValueError(
         f"No layout of {cluster.gpus} GPUs ({cluster.gpus_per_node} per host) fits in "

@@ -55,7 +55,8 @@ from fxpipe.partition.errors import (
 from fxpipe.partition.evaluate import Evaluation, evaluate, violations
 from fxpipe.partition.ilp import IlpResult, StageModel
 from fxpipe.partition.interleave import shared_gpu_warm_start
-from fxpipe.partition.nothing_fits import heaviest_group, infeasible, min_memory
+from fxpipe.partition.nothing_fits import heaviest_group, min_memory
+from fxpipe.partition.nothing_fits import infeasible as nothing_fits
 from fxpipe.partition.problem import Problem
 from fxpipe.partition.repair import repair
 from fxpipe.plan import Estimate, SolverReport
@@ -140,7 +141,8 @@ def _check_stage_count(problem: Problem, exact: Coarsening) -> None:
 
 
 def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s: float = 120.0,
-              coarsen: bool = True, workers: int = 2, replicate: bool = False) -> Partition:
+              coarsen: bool = True, workers: int = 2, replicate: bool = False,
+              advise: bool = True) -> Partition:
     """Split ``problem`` into ``problem.num_stages`` pipeline stages, minimising the
     bottleneck stage time within the memory limit.
 
@@ -156,8 +158,12 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
 
     Raises ``ProblemTooLargeError`` / ``TooManyStagesError`` / ``InfeasibleMemoryError`` /
     ``NoSolutionError`` (all ``ValueError``) with a one-sentence message for the user.
+    ``advise=False``: an ``InfeasibleMemoryError`` says only that nothing fits, with the
+    memory floor as what is needed (the layout search asks many problems; working out what
+    would fit each, a leanest split and the fewest GPUs, takes minutes on a 70B model).
     """
     check_size(len(problem.nodes))
+    infeasible = _advised if advise else _unadvised
     if replicate or problem.replicates:
         return _partition_replicated(problem, work_limit=work_limit, time_limit_s=time_limit_s,
                                      coarsen=coarsen, workers=workers)
@@ -556,6 +562,19 @@ def _partition_replicated(problem: Problem, *, work_limit: float, time_limit_s: 
                      objective=objective, bound=objective if proved else bound,
                      wall_s=time.perf_counter() - start, wall_clock_stopped=wall_clock)
     return replace(best, report=report)
+
+
+def _advised(problem: Problem, exact: Coarsening, *, work_limit: float,
+             time_limit_s: float, workers: int) -> InfeasibleMemoryError:
+    return nothing_fits(problem, exact, work_limit=work_limit, time_limit_s=time_limit_s,
+                        workers=workers)
+
+
+def _unadvised(problem: Problem, exact: Coarsening, *, work_limit: float,
+               time_limit_s: float, workers: int) -> InfeasibleMemoryError:
+    return InfeasibleMemoryError(devices=problem.devices, limit=problem.memory_limit,
+                                 needed=max(memory_floor(problem),
+                                            heaviest_group(problem, exact)[1]))
 
 
 def memory_floor(problem: Problem) -> float:

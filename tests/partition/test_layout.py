@@ -20,7 +20,7 @@ from fxpipe.partition.layout import (
     sync_crosses_hosts,
     sync_s,
 )
-from fxpipe.partition.problem import Edge, Node, Problem
+from fxpipe.partition.problem import Node, Problem
 
 GB = 1e9
 NVLINK, IB = Link(450 * GB, 1e-6), Link(50 * GB, 5e-6)
