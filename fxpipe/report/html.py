@@ -25,6 +25,7 @@ import torch.fx
 from fxpipe.plan import Plan, StageMemory
 from fxpipe.report.diagram import PALETTE
 from fxpipe.report.layers import Cut, Layer, cuts, stage_layers
+from fxpipe.report.layouts import layout_sentence
 from fxpipe.report.markdown import compared, overview, summary_rows
 from fxpipe.report.timeline import schedule_svg
 from fxpipe.units import format_bytes, format_ms
@@ -85,6 +86,7 @@ def render_html(plan: Plan, gm: torch.fx.GraphModule, *, depth: int,
     body = [
         f"<h1>fxpipe plan: {escape(plan.model)}</h1>",
         '<ul class="overview">', *(f"<li>{escape(line)}</li>" for line in overview(plan)),
+        *([f"<li>layout: {escape(layout_sentence(plan.layout))}</li>"] if plan.layout else []),
         "</ul>",
         "<h2>The model's layers, stage by stage</h2>",
         "<p>Each band is a stage, its rows the model's modules in the order they run; a "

@@ -22,7 +22,7 @@ from fxpipe.cost_models import get_device
 from fxpipe.frontend import Traced
 from fxpipe.output import write_folder
 from fxpipe.passes import annotate_modules
-from fxpipe.plan import Estimate, Plan, SolverReport, StagePlan
+from fxpipe.plan import Estimate, Layout, Plan, SolverReport, StagePlan
 from fxpipe.profile import auto_depth
 from fxpipe.report import render_html
 from fxpipe.report.diagram import PALETTE
@@ -152,6 +152,18 @@ def test_whole_layers_are_one_row_and_a_cut_layer_names_its_parts() -> None:
     # the block's input (its residual) and fc1's output cross; relu is the block's own op
     assert (cut.last, cut.first) == ("layers.3.fc1", "layers.3")
     assert [name for name, _, _ in cut.values] == ["add_2", "layers_3_fc1"]
+
+
+def test_a_plan_of_several_pipelines_says_its_layout() -> None:
+    gm = annotate_modules(torch.fx.symbolic_trace(_Net()))
+    plan = _cut_plan(gm, "layers_1_fc2")
+    assert "layout:" not in render_html(plan, gm, depth=auto_depth(gm))
+    layout = Layout(gpus=8, gpus_per_node=4, pp=2, dp=4, dp_mode="fsdp", global_batch=64,
+                    microbatch_size=2, microbatches=8, pipeline_link="intra",
+                    sync_link="inter", sync_s=1e-3, step_s=2.0, proved=True)
+    page = render_html(replace(plan, layout=layout), gm, depth=auto_depth(gm))
+    assert ("<li>layout: 8 GPUs (4 per host) as 2 pipeline stages x 4 data-parallel (fsdp)"
+            "</li>") in page
 
 
 def _memory_bars(html: str) -> dict[int, float]:
