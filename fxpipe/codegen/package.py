@@ -475,6 +475,7 @@ def distributed_source(traced: Traced, plan: Plan, ios: list[StageIO]) -> str:
         f"VIRTUAL_STAGES = {plan.virtual_stages}",
         "# UNSUPPORTED: why this plan cannot run here (None: it can)",
         *_string_constant("UNSUPPORTED", _distributed_limit(plan)),
+        *_data_parallel(plan),
         "# WIRES[k]: the values stage k receives, in this order; a value passes through",
         "# every stage between the one that makes it and the last one that reads it.",
         "WIRES = (",
@@ -493,7 +494,25 @@ def distributed_source(traced: Traced, plan: Plan, ios: list[StageIO]) -> str:
         lines += wrap_line(f"    {{{items}}},")
     if tied:
         lines.append(")")
-    return "\n".join([*lines, "", _DISTRIBUTED_FOOTER])
+    footer = _DISTRIBUTED_FOOTER
+    if _data_parallel(plan):
+        footer = footer.replace("    recompute=RECOMPUTE,\n",
+                                "    recompute=RECOMPUTE,\n    data_parallel=DATA_PARALLEL,\n")
+    return "\n".join([*lines, "", footer])
+
+
+def _data_parallel(plan: Plan) -> list[str]:
+    """The ``DATA_PARALLEL`` lines of a plan whose layout runs d > 1 pipelines (none
+    without one, so that such a package reads as before layouts)."""
+    layout = plan.layout
+    if layout is None or layout.dp == 1:
+        return []
+    return [
+        "# DATA_PARALLEL: the plan's layout, (d, mode): d pipelines side by side on a",
+        '# ("dp", "pp") DeviceMesh, job rank i * pp + j running rank j of pipeline i, each',
+        "# stage's d copies kept equal by torch's FSDP2 (fsdp) or DDP (ddp)",
+        f"DATA_PARALLEL = ({layout.dp}, {json.dumps(layout.dp_mode)})",
+    ]
 
 
 _DISTRIBUTED_EXPORTS = (
@@ -542,6 +561,11 @@ def _wrap_text(text: str) -> list[str]:
     return textwrap.wrap(text, width=88, break_long_words=False, break_on_hyphens=False)
 
 
+def _processes(plan: Plan) -> int:
+    """The job's processes: the plan's GPUs, every pipeline's under a layout."""
+    return plan.num_devices * (plan.layout.dp if plan.layout is not None else 1)
+
+
 def launch_source(plan: Plan) -> str:
     if plan.v_placed:
         per_process = f"{plan.virtual_stages} pipeline stages per process, in a V"
@@ -563,7 +587,7 @@ def launch_source(plan: Plan) -> str:
     return "\n".join([
         *_wrap_text(title),
         "",
-        f"    torchrun --nproc-per-node {plan.num_devices} train_torchrun.py "
+        f"    torchrun --nproc-per-node {_processes(plan)} train_torchrun.py "
         "--model model.py \\",
         "        [--checkpoint model.pt] [--steps N] [--lr LR] [--batch FILE] [--save DIR]",
         "        [--measure measured.json]",

@@ -19,6 +19,11 @@ A pipeline may be one of several on the job, each on its own process group (``gr
 one pipeline per data-parallel rank, its gradients then averaged over the data-parallel
 dimension by the user or DDP/FSDP): its tied copies are summed over its own ranks only,
 the holders' ranks in its group mapped to the job's ranks.
+
+Clipping (``clip_grads``) takes the norm of the whole model's gradients: each rank adds
+the p-th powers of what it alone counts (a tied parameter on its first stage's ranks, a
+replicated gradient on copy 0, a sharded one's local shard on every rank), one
+all-reduce sums them, and torch's ``clip_grads_with_norm_`` scales every rank's.
 """
 
 from collections.abc import Mapping, Sequence
@@ -26,12 +31,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from .adapter import StageAdapter
+from .data_parallel import total_norm
 from .materialize import rebind
 from .ranks import RankLayout
 
-__all__ = ["make_groups", "reduce_grads"]
+__all__ = ["clip_grads", "make_groups", "reduce_grads"]
 
 
 def make_groups(layout: RankLayout, tied: Sequence[Mapping[int, str]],
@@ -85,7 +92,9 @@ def reduce_grads(adapters: Sequence[StageAdapter], lanes: int) -> None:
             tied.add(id(param))
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=tied_group)
+            # sharded over a layout's dp sub-mesh: every holder's shard i is the same rows
+            grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+            dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=tied_group)
             param.grad /= lanes
     for adapter in adapters:
         if adapter.replica_group is None:
@@ -97,3 +106,24 @@ def reduce_grads(adapters: Sequence[StageAdapter], lanes: int) -> None:
                 param.grad = torch.zeros_like(param)
             dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=adapter.replica_group)
             param.grad /= lanes
+
+
+def clip_grads(layout: RankLayout, tied: Sequence[Mapping[int, str]],
+               adapters: Mapping[int, StageAdapter], max_norm: float, norm_type: float,
+               group: Any) -> torch.Tensor:
+    """Scale the gradients of ``adapters`` (this rank's stages, by index) so that the
+    whole model's norm is at most ``max_norm``; returns the norm before. ``group``: the
+    ranks of the model (None: the job). Collective: every rank calls it."""
+    # a user's pipeline (``group``) is one copy; else copy 0 of every stage counts for all
+    first_copy = group is not None or layout.copy_of(dist.get_rank()) == 0
+    elsewhere = {id(adapters[k].stage.get_parameter(copies[k]))  # counted on min(copies)
+                 for copies in tied for k in copies
+                 if k in adapters and min(copies) not in adapters}
+    params = list({id(p): p for a in adapters.values() for p in a.parameters()
+                   if p.grad is not None}.values())
+    counted = [p.grad for p in params if id(p) not in elsewhere
+               and (first_copy or isinstance(p.grad, DTensor))]
+    device = next(iter(adapters.values())).device or torch.device("cpu")
+    norm = total_norm(counted, norm_type, group, torch.device(device))
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm

@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .adapter import check_feed
+from .data_parallel import held_bytes, whole
 from .loading import import_file
 from .materialize import parameters_on_meta
 from .microbatch import shared_leaves
@@ -160,13 +161,18 @@ def main(pipeline: DistributedPipeline, argv: Sequence[str] | None = None) -> in
     parser.add_argument("--model", required=True, help="model.py or model.py:factory")
     parser.add_argument("--checkpoint", help="torch.save'd state_dict of the whole model; "
                         "without it every rank builds the model for real")
-    parser.add_argument("--batch", help="torch.save'd {'args', 'kwargs', 'target'} mini-batch; "
-                        "default: the example micro-batch repeated M times (its inputs "
-                        "without a batch dimension once)")
+    parser.add_argument("--batch", help="torch.save'd {'args', 'kwargs', 'target'} mini-batch, "
+                        "the global one under a data-parallel layout (pipeline i trains rows "
+                        "[i·B/d, (i+1)·B/d)); default: the example micro-batch repeated M "
+                        "(d · M) times (its inputs without a batch dimension once)")
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--lr", type=float, default=1e-3)
-    parser.add_argument("--save", help="directory for rank{k}.pt: loss, grads, peak RSS and "
-                        "(the last stage's ranks) the model's output per micro-batch")
+    parser.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
+    parser.add_argument("--clip-grad-norm", type=float, metavar="X",
+                        help="clip the whole model's gradient norm to X every step")
+    parser.add_argument("--save", help="directory for rank{k}.pt: loss, grads (whole, gathered "
+                        "over a data-parallel layout's shards), the bytes held (memory), peak "
+                        "RSS and (the last stage's ranks) the model's output per micro-batch")
     parser.add_argument("--measure", metavar="FILE",
                         help="time every step after the first and write the report card "
                         "(measured.json, for fxpipe report) to FILE")
@@ -225,8 +231,8 @@ def _check_batch(pipeline: DistributedPipeline, example: tuple[Any, Any],
                          ) from None
     given = pipeline.flatten_inputs(*batch["args"], **batch["kwargs"])
     names = [name for name, value in built.items() if isinstance(value, torch.Tensor)]
-    check_feed(names, [tuple(built[name].shape) for name in names],
-               [given[name] for name in names], pipeline.microbatches, pipeline.shared_inputs)
+    check_feed(names, [tuple(built[name].shape) for name in names], [given[name] for name in names],
+               pipeline.microbatches * pipeline.dp, pipeline.shared_inputs)
 
 
 def _train(
@@ -267,8 +273,9 @@ def _train(
     )
     rss["loaded"] = peak_rss_bytes()
     if rank == 0 and pipeline.schedule in ZERO_BUBBLE and pipeline.uniform:  # on torch's class
-        print(requirement(pipeline.schedule, pipeline.num_stages, world_size // pipeline.lanes,
-                          pipeline.microbatches)[0], flush=True)
+        print(requirement(pipeline.schedule, pipeline.num_stages,
+                          pipeline.num_ranks // pipeline.lanes, pipeline.microbatches)[0],
+              flush=True)
     outputs: list[Any] = []  # with --save: the output loss_fn gets, one per micro-batch
 
     def saving_loss(output: Any, target: Any) -> torch.Tensor:
@@ -279,7 +286,7 @@ def _train(
     if batch is not None:
         args, kwargs, target = batch["args"], batch["kwargs"], batch["target"]
     else:
-        m = pipeline.microbatches
+        m = pipeline.microbatches * pipeline.dp  # the global batch: d pipelines' M each
         # a shared input (a causal mask) is the same for any number of samples
         whole = shared_leaves(pipeline.flatten_inputs(*args, **kwargs), pipeline.shared_inputs)
         repeat = lambda t: t if not t.dim() or id(t) in whole else torch.cat([t] * m)  # noqa: E731
@@ -292,7 +299,8 @@ def _train(
     trained = list({id(p): p for stage in stages for p in stage.submod.parameters()
                     if p.requires_grad}.values())
     # a stage of parameter-free ops (a softmax mixing layer) has nothing to update
-    optimizer = torch.optim.SGD(trained, lr=opts.lr) if trained else None
+    optimizer = ({"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[opts.optimizer](
+        trained, lr=opts.lr) if trained else None)
     if pipeline.scaler is not None:
         _check_every_rank_steps(bool(trained), device)
     measuring = (measure_ranks(schedule, stages, pipeline.num_stages) if opts.measure
@@ -329,23 +337,28 @@ def _steps(pipeline: DistributedPipeline, opts: argparse.Namespace, rank: int, s
         if optimizer is not None:
             optimizer.zero_grad(set_to_none=True)
         outputs.clear()
-        loss = pipeline.train_step(schedule, stages, *args, target=target, **kwargs)
-        if loss is not None and pipeline.position(rank)[1] == 0:  # replica 0 speaks
+        loss = pipeline.train_step(schedule, stages, *args, target=target,
+                                   clip_grad_norm=opts.clip_grad_norm, **kwargs)
+        if loss is not None and pipeline.copy_of(rank) == 0:  # copy 0 speaks
             print(f"step {step}: loss {loss.item():.6f}", flush=True)
         scaler = pipeline.scaler  # 16-mixed: every rank unscales, steps and updates it
-        if step == opts.steps - 1 and opts.save:
+        saving = step == opts.steps - 1 and opts.save
+        if saving:
             if scaler is not None and optimizer is not None:
                 scaler.unscale_(optimizer)  # save the gradients as the model's loss gives them
             rss["step"] = peak_rss_bytes()
-            grads = {name: p.grad.detach().cpu().clone()
+            # whole: a DTensor gathered over its data-parallel shards (collective, in order)
+            grads = {name: whole(p.grad.detach()).cpu().clone()
                      for stage in stages
                      for name, p in cast(nn.Module, stage.submod.stage).named_parameters(
                          remove_duplicate=False) if p.grad is not None}
-            Path(opts.save).mkdir(parents=True, exist_ok=True)
-            torch.save({"loss": loss, "grads": grads, "rss": rss, "outputs": outputs},
-                       Path(opts.save) / f"rank{rank}.pt")
         if optimizer is not None and scaler is not None:
             scaler.step(optimizer)
             scaler.update()
         elif optimizer is not None:
             optimizer.step()
+        if saving:
+            memory = held_bytes([stage.submod for stage in stages], optimizer)
+            Path(opts.save).mkdir(parents=True, exist_ok=True)
+            torch.save({"loss": loss, "grads": grads, "rss": rss, "outputs": outputs,
+                        "memory": memory}, Path(opts.save) / f"rank{rank}.pt")

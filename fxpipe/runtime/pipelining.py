@@ -11,6 +11,8 @@ ranks.py. Each rank's stage is a torch ``PipelineStage`` around a
 v stages, zb1p, zbv and dualpipev as zero_bubble.py says. When every stage has the
 same r, each of the r lanes is a whole ``PipelineStage`` pipeline on its own process
 group; stages with different replica counts run the runner's schedule table (table.py).
+A plan's layout of d pipelines keeps each stage's d copies equal with torch's FSDP2 or
+DDP on a ("dp", "pp") ``DeviceMesh`` (data_parallel.py).
 
 Memory: with ``checkpoint``, ``pipeline_stage`` allocates only the rank's own
 stage (materialize.py), so no rank holds the whole model::
@@ -51,7 +53,8 @@ from .adapter import (
     torch_schedule_kwargs,
     wire_example,
 )
-from .grads import make_groups, reduce_grads
+from .data_parallel import check_data_parallel, make_mesh, shard
+from .grads import clip_grads, make_groups, reduce_grads
 from .materialize import Checkpoint, load_state, materialize
 from .microbatch import batch_size, lane_share, shared_leaves
 from .older_torch import skip_warmup_sends_to_self, step
@@ -88,13 +91,19 @@ class DistributedPipeline(RankLayout):
         device_of: Sequence[int] = (),
         shared_inputs: Collection[str] = (),
         recompute: Sequence[str | bool] = (),
+        data_parallel: tuple[int, str] = (1, "fsdp"),
     ) -> None:
         # per stage, how it recomputes (recompute.MODES)
         self.recompute = modes(tuple(recompute) or None, len(stage_classes))
         assert len(wires) == len(stage_classes) == len(self.recompute), (
             len(wires), len(stage_classes), len(self.recompute))
         self.precision = check_precision(precision)
-        super().__init__(len(stage_classes), replicas, virtual_stages, device_of)
+        # the plan's layout: d pipelines side by side, each stage's d copies kept equal by
+        # torch's FSDP2 or DDP (data_parallel.py)
+        dp, self.dp_mode = check_data_parallel(data_parallel, replicas)
+        super().__init__(len(stage_classes), replicas, virtual_stages, device_of, dp)
+        self.dp_group: Any = None  # this rank's dp sub-mesh's process group, once built
+        self.norm_group: Any = None  # the ranks gradient clipping sums over (None: the job)
         self.unsupported = unsupported  # why this plan cannot run under torchrun
         self.table = [tuple(tick) for tick in table]  # the runner's SCHEDULE (TableStage)
         self.stage_classes = list(stage_classes)
@@ -111,13 +120,8 @@ class DistributedPipeline(RankLayout):
     # -------------------------------------------------------------- building
 
     def stage_module(
-        self,
-        model: nn.Module,
-        stage_index: int,
-        device: torch.device | str,
-        *example_args: Any,
-        checkpoint: Checkpoint = None,
-        **example_kwargs: Any,
+        self, model: nn.Module, stage_index: int, device: torch.device | str,
+        *example_args: Any, checkpoint: Checkpoint = None, **example_kwargs: Any,
     ) -> tuple[StageAdapter, tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
         """Stage ``stage_index`` of ``model`` as a ``StageAdapter`` on ``device``, with
         the example tensors (inputs, outputs) of one micro-batch. No process group
@@ -149,14 +153,8 @@ class DistributedPipeline(RankLayout):
         return adapter, inputs, outputs
 
     def pipeline_stage(
-        self,
-        model: nn.Module,
-        rank: int,
-        world_size: int,
-        device: torch.device | str,
-        *example_args: Any,
-        checkpoint: Checkpoint = None,
-        group: Any = None,
+        self, model: nn.Module, rank: int, world_size: int, device: torch.device | str,
+        *example_args: Any, checkpoint: Checkpoint = None, group: Any = None,
         **example_kwargs: Any,
     ) -> "PipelineStage | TableStage":
         """This rank's ``PipelineStage``, or ``TableStage`` for uneven replicas
@@ -164,7 +162,9 @@ class DistributedPipeline(RankLayout):
         ``example_kwargs``: ONE micro-batch, as the model's forward takes it.
         ``group``: the pipeline's process group (default: the whole job), ``rank`` and
         ``world_size`` then its own: one pipeline per data-parallel rank, every rank of
-        the job calling this; with replicated stages fxpipe makes one per lane."""
+        the job calling this; with replicated stages fxpipe makes one per lane. A plan
+        with a data-parallel layout (``data_parallel``) makes its own ``DeviceMesh``:
+        ``rank`` and ``world_size`` are the job's (d · pp)."""
         self._check_launch(world_size)
         if self.virtual_stages > 1:
             raise ValueError(
@@ -175,14 +175,8 @@ class DistributedPipeline(RankLayout):
         return stage
 
     def pipeline_stages(
-        self,
-        model: nn.Module,
-        rank: int,
-        world_size: int,
-        device: torch.device | str,
-        *example_args: Any,
-        checkpoint: Checkpoint = None,
-        group: Any = None,
+        self, model: nn.Module, rank: int, world_size: int, device: torch.device | str,
+        *example_args: Any, checkpoint: Checkpoint = None, group: Any = None,
         **example_kwargs: Any,
     ) -> "list[PipelineStage | TableStage]":
         """This rank's stages as a list (collective, like ``pipeline_stage``): the one
@@ -198,30 +192,39 @@ class DistributedPipeline(RankLayout):
         """The set-up behind ``pipeline_stage`` and ``pipeline_stages``: this rank's
         stages, built from its lane's share of the example micro-batch, and every
         process group, created in the same order on every rank (a collective call)."""
-        if group is not None and (self.lanes > 1 or not self.uniform):
-            raise ValueError("a plan with replicated stages makes its own process groups "
-                             "(one per lane, or the schedule table's): call pipeline_stage "
-                             "without group")
+        if group is not None and (self.lanes > 1 or not self.uniform or self.dp > 1):
+            raise ValueError("a plan with replicated stages or a data-parallel layout makes "
+                             "its own process groups (one per pipeline, or the schedule "
+                             "table's): call pipeline_stage without group")
         if not self.uniform:
             return [self._table_stage(model, rank, device, example_args, example_kwargs,
                                       checkpoint)]
-        lane = self.position(rank)[1]
-        example_args, example_kwargs = self.lane_share(
-            (example_args, example_kwargs), lane, microbatches=1, what="the example micro-batch",
-            inputs=True)
+        self.norm_group = group  # a pipeline of the user's: its gradients are its own
+        mesh = None
+        if self.dp > 1:  # the example micro-batch is one pipeline's, as the plan's M is
+            mesh = make_mesh(device, self.dp, self.num_ranks)
+            group, rank = mesh["pp"].get_group(), mesh["pp"].get_local_rank()
+        else:
+            example_args, example_kwargs = self.lane_share(
+                (example_args, example_kwargs), self.position(rank)[1], microbatches=1,
+                what="the example micro-batch", inputs=True)
         built = {k: self.stage_module(model, k, device, *example_args, checkpoint=checkpoint,
                                       **example_kwargs) for k in self.stages_of(rank)}
         make_groups(self, self.tied, {k: adapter for k, (adapter, _, _) in built.items()}, group)
         r = self.lanes
-        if r > 1:
-            for i in range(r):  # lane i: stage j on rank j·r + i
-                lane_group = dist.new_group([j * r + i for j in range(self.num_stages)])
-                if i == lane:
-                    group = lane_group
+        for i in range(r if r > 1 else 0):  # lane i: stage j on rank j·r + i
+            lane_group = dist.new_group([j * r + i for j in range(self.num_stages)])
+            if i == self.position(rank)[1]:
+                group = lane_group
+        modules: dict[int, nn.Module] = {k: adapter for k, (adapter, _, _) in built.items()}
+        if mesh is not None:
+            self.dp_group = mesh["dp"].get_group()
+            modules = {k: shard(adapter, self.dp_mode, mesh["dp"])
+                       for k, adapter in modules.items()}
         return skip_warmup_sends_to_self([
-            PipelineStage(adapter, k, self.num_stages, torch.device(device), input_args=inputs,
-                          output_args=outputs, group=group)
-            for k, (adapter, inputs, outputs) in built.items()])
+            PipelineStage(modules[k], k, self.num_stages, torch.device(device),
+                          input_args=inputs, output_args=outputs, group=group)
+            for k, (_, inputs, outputs) in built.items()])
 
     def _check_launch(self, world_size: int) -> None:
         if self.unsupported:
@@ -247,10 +250,12 @@ class DistributedPipeline(RankLayout):
 
     def lane_share(self, value: Any, lane: int, *, microbatches: int, what: str,
                    inputs: bool = False) -> Any:
-        """Lane ``lane``'s rows of ``value`` (see ``microbatch.lane_share``); with ``inputs``,
-        ``value`` is the model's (args, kwargs) and its shared graph inputs pass whole."""
+        """Lane ``lane``'s rows of ``value`` (see ``microbatch.lane_share``), or under a
+        layout pipeline ``lane``'s: rows [i·B/d, (i+1)·B/d) of B; with ``inputs``, ``value``
+        is the model's (args, kwargs) and its shared graph inputs pass whole."""
         flat = self.flatten_inputs(*value[0], **value[1]) if inputs else {}
-        return lane_share(value, lane, self.lanes, microbatches=microbatches, what=what,
+        parts, microbatches = (self.dp, 1) if self.dp > 1 else (self.lanes, microbatches)
+        return lane_share(value, lane, parts, microbatches=microbatches, what=what,
                           whole=shared_leaves(flat, self.shared_inputs))
 
     def build_schedule(
@@ -317,13 +322,13 @@ class DistributedPipeline(RankLayout):
     def train_step(
         self, schedule: Any,
         stage: "PipelineStage | TableStage | Sequence[PipelineStage | TableStage]",
-        *args: Any, target: Any = None, **kwargs: Any,
+        *args: Any, target: Any = None, clip_grad_norm: float | None = None, **kwargs: Any,
     ) -> torch.Tensor | None:
-        """Forward and backward of one mini-batch (M micro-batches): the first stage
-        feeds ``args``/``kwargs``, the last ``target`` (each lane its share of every
-        micro-batch); then gradients are summed over tied copies and averaged over
-        replicas. Returns the mean loss on the last stage's rank, None elsewhere. Zero
-        grads before. ``stage``: this rank's stage, or the list ``pipeline_stages`` gave."""
+        """Forward and backward of one mini-batch (M micro-batches; under a layout d · M, each
+        pipeline its rows): the first stage feeds ``args``/``kwargs``, the last ``target``;
+        then gradients are summed over tied copies, averaged over the stage's copies (a
+        layout's by torch's FSDP2 or DDP) and, with ``clip_grad_norm``, clipped to that norm
+        (``clip_grad_norm``). Returns the mean loss on the last stage's ranks, None elsewhere."""
         if isinstance(schedule, TableSchedule):
             (table_stage,) = _as_list(stage)
             assert isinstance(table_stage, TableStage)
@@ -333,7 +338,7 @@ class DistributedPipeline(RankLayout):
         stages = [cast(PipelineStage, s) for s in _as_list(stage)]
         first = next((s for s in stages if s.is_first), None)
         last = next((s for s in stages if s.is_last), None)
-        lane = self.position(dist.get_rank())[1] if self.lanes > 1 else 0
+        lane = self.copy_of(dist.get_rank()) if self.lanes * self.dp > 1 else 0
         m = cast(StageAdapter, stages[0].submod).microbatches
         feed: list[torch.Tensor] = []
         if first is not None:
@@ -356,18 +361,29 @@ class DistributedPipeline(RankLayout):
                 if param.grad is not None:
                     param.grad /= m
         self.reduce_grads(stages)
+        if clip_grad_norm is not None:
+            self.clip_grad_norm(stages, clip_grad_norm)
         if last is None:
             return None
         loss = unscaled(torch.stack([loss.detach() for loss in losses]).mean(), self.scaler)
-        replica_group = cast(StageAdapter, last.submod).replica_group
-        if replica_group is not None:
-            dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=replica_group)
-            loss /= self.lanes
+        copies = self.dp_group or cast(StageAdapter, last.submod).replica_group
+        if copies is not None:  # the mean over every copy's rows
+            dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=copies)
+            loss /= self.lanes * self.dp
         return loss
 
-    def reduce_grads(
-        self, stage: "PipelineStage | TableStage | Sequence[PipelineStage | TableStage]",
-    ) -> None:
+    def clip_grad_norm(self, stage: Any, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale this rank's gradients so that the whole model's (every stage, every shard,
+        a tied parameter once) have at most ``max_norm`` (torch's ``clip_grads_with_norm_``);
+        returns the norm before (collective: every rank calls it, after ``reduce_grads``).
+        ``stage``: this rank's stage, or the list ``pipeline_stages`` gave."""
+        if self.scaler is not None:
+            raise ValueError("clip_grad_norm under 16-mixed would clip the GradScaler's scaled "
+                             "gradients; split with --precision bf16-mixed or 32-true to clip")
+        return clip_grads(self, self.tied, {s.stage_index: s.submod for s in _as_list(stage)},
+                          max_norm, norm_type, self.norm_group)
+
+    def reduce_grads(self, stage: Any) -> None:
         """Sum each tied parameter's gradient over the ranks holding a copy (once per
         rank, however many of its stages use it); with replicated stages, average every
         gradient over its stage's replicas."""

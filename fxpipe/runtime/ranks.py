@@ -41,9 +41,13 @@ class RankLayout:
     ``device_of[j]`` when there are several."""
 
     def __init__(self, num_stages: int, replicas: Sequence[int] = (),
-                 virtual_stages: int = 1, device_of: Sequence[int] = ()) -> None:
+                 virtual_stages: int = 1, device_of: Sequence[int] = (), dp: int = 1) -> None:
         self.replicas = tuple(replicas) or (1,) * num_stages
         assert len(self.replicas) == num_stages and min(self.replicas) >= 1
+        # pipelines side by side (the plan's layout, data_parallel.py): job rank i·pp + j
+        # is rank j of pipeline i; every rank below is a pipeline's own
+        self.dp = dp
+        assert dp >= 1 and (dp == 1 or max(self.replicas) == 1), (dp, self.replicas)
         self.virtual_stages = virtual_stages
         assert num_stages % virtual_stages == 0
         assert virtual_stages == 1 or max(self.replicas) == 1
@@ -77,6 +81,13 @@ class RankLayout:
         j = max(j for j, first in enumerate(self.first_rank) if first <= rank)
         return j, rank - self.first_rank[j]
 
+    def copy_of(self, rank: int) -> int:
+        """Which copy of its stage job rank ``rank`` runs: its pipeline (a layout), its
+        lane, or its replica; copy 0 speaks for them all."""
+        if self.dp > 1:
+            return rank // self.num_ranks
+        return self.position(rank)[1]
+
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """The stages ``rank`` runs: one, or v in stage order."""
         first = self.position(rank)[0]
@@ -96,9 +107,12 @@ class RankLayout:
 
     def check_world_size(self, world_size: int) -> None:
         """A job of ``world_size`` processes must have one per rank of this layout."""
-        if world_size == self.num_ranks:
+        if world_size == self.num_ranks * self.dp:
             return
-        if self.virtual_stages > 1:
+        if self.dp > 1:
+            what = (f"GPUs of the plan's layout ({self.dp} data-parallel pipelines of "
+                    f"{self.num_ranks} GPUs, {self.dp * self.num_ranks} in all)")
+        elif self.virtual_stages > 1:
             what = (f"GPUs of the plan ({self.num_ranks}, each running "
                     f"{self.virtual_stages} of its {self.num_stages} stages)")
         elif self.num_ranks == self.num_stages:
@@ -107,7 +121,7 @@ class RankLayout:
             what = f"GPUs of the plan ({'-'.join(map(str, self.replicas))})"
         raise ValueError(
             f"world size ({world_size}) must equal the number of {what}: launch with "
-            f"torchrun --nproc-per-node {self.num_ranks}"
+            f"torchrun --nproc-per-node {self.num_ranks * self.dp}"
         )
 
     def check_placement(self, kind: str, planned: str) -> None:

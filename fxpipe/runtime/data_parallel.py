@@ -1,0 +1,149 @@
+"""Pipelines side by side: d copies of every stage on torch's DeviceMesh, kept equal by
+torch's FSDP2 (``fully_shard``) or DDP.
+
+# K: stages, pp: ranks per pipeline, d: pipelines (the data-parallel degree).
+
+The job's d · pp ranks sit on a 2-D ``DeviceMesh`` named ("dp", "pp"), rank i · pp + j
+running the stage(s) of rank j of pipeline i (the plan's ``layout``). A pipeline's
+stages send to each other on its ``pp`` sub-mesh's process group, and its tied
+parameters are summed there; each stage is sharded (fsdp) or replicated (ddp) over its
+``dp`` sub-mesh, whose gradient sync is torch's own::
+
+    pipeline 0 | rank 0 (stage 0) ──► rank 1 (stage 1)     rows 0 .. B/d - 1
+    pipeline 1 | rank 2 (stage 0) ──► rank 3 (stage 1)     rows B/d .. 2B/d - 1
+                 └─ dp sub-mesh ─┘     └─ dp sub-mesh ─┘    FSDP2 / DDP: gradients averaged
+
+Uniformly replicated stages (PipeDream's "2-2": r lanes of whole pipelines, ranks.py) are
+the same idea on a mesh named ("pp", "dp"), rank j · r + l, always DDP.
+
+The FSDP unit is the ``StageAdapter``, the module torch's ``PipelineStage`` calls, so its
+deferral of the gradient reduce-scatter to the last micro-batch applies; parameters stay
+unsharded between micro-batches (``reshard_after_forward=False``, as torchtitan runs FSDP
+under a pipeline), so a rank holds its stage's whole parameters and gradients in the step
+and 1/d of them, and of the optimizer state, between steps.
+"""
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+__all__ = ["DP_MODES", "DataParallelStage", "check_data_parallel", "held_bytes", "make_mesh",
+           "shard", "total_norm", "whole"]
+
+DP_MODES = ("fsdp", "ddp")
+
+
+def check_data_parallel(data_parallel: tuple[int, str], replicas: Sequence[int]
+                        ) -> tuple[int, str]:
+    """(d, mode) of a ``DistributedPipeline``'s ``data_parallel``, refused in one line
+    when it is no such pair or comes with replicated stages."""
+    dp, mode = data_parallel
+    if mode not in DP_MODES or dp < 1 or (dp > 1 and max(replicas or (1,)) > 1):
+        raise ValueError(f"data_parallel={tuple(data_parallel)!r} with replicas "
+                         f"{tuple(replicas)!r}: give (d >= 1, one of {DP_MODES}), and "
+                         "replicate stages by the layout or by replicas, not both")
+    return dp, mode
+
+
+def make_mesh(device: torch.device | str, dp: int, pp: int, dims: Sequence[str] = ("dp", "pp")
+              ) -> DeviceMesh:
+    """The job's ranks as a ``DeviceMesh`` of ``dims`` (outermost first), each ``dp`` or
+    ``pp`` long (collective: every rank calls it)."""
+    assert sorted(dims) == ["dp", "pp"], dims
+    sizes = {"dp": dp, "pp": pp}
+    return init_device_mesh(torch.device(device).type, tuple(sizes[d] for d in dims),
+                            mesh_dim_names=tuple(dims))
+
+
+def shard(adapter: nn.Module, mode: str, mesh: DeviceMesh) -> nn.Module:
+    """``adapter`` (a ``StageAdapter``) kept equal over the 1-D ``mesh`` of its copies:
+    sharded by ``fully_shard`` (fsdp, in place) or wrapped in DDP (``DataParallelStage``).
+    Its tied copies (``adapter.tied``) are looked up again: FSDP2 swaps every parameter
+    for a sharded one."""
+    assert mode in DP_MODES, mode
+    names = {id(p): name for name, p in adapter.named_parameters(remove_duplicate=False)}
+    tied = [(group, names[id(param)]) for group, param in adapter.tied]
+    if mode == "ddp":
+        return DataParallelStage(adapter, process_group=mesh.get_group(),
+                                 device_ids=None if adapter.device is None
+                                 or adapter.device.type == "cpu" else [adapter.device])
+    fully_shard(adapter, mesh=mesh, reshard_after_forward=False)
+    adapter.tied = [(group, adapter.get_parameter(name)) for group, name in tied]
+    return adapter
+
+
+class DataParallelStage(DistributedDataParallel):
+    """DDP around a ``StageAdapter`` whose attributes (``receives``, ``microbatches``, ...)
+    read and write through to the adapter, so what knows a ``PipelineStage``'s submod as
+    a ``StageAdapter`` works unchanged; torch's ``PipelineStage`` sees a DDP module and
+    syncs the gradients once, in the last micro-batch's backward."""
+
+    def __init__(self, module: nn.Module, **kwargs: Any) -> None:
+        super().__init__(module, **kwargs)
+        self._through = True  # from here on, the adapter's own attributes are written there
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.module, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        state = self.__dict__
+        if state.get("_through") and name not in state and name in vars(self.module):
+            setattr(self.module, name, value)
+        else:
+            super().__setattr__(name, value)
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` whole: a DTensor gathered over its mesh (collective), else itself."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def held_bytes(modules: Iterable[nn.Module], optimizer: torch.optim.Optimizer | None
+               ) -> dict[str, int]:
+    """What a rank holds for ``modules``, in bytes, each parameter once: ``params`` and
+    ``grads`` whole (as the step computes with them: FSDP2 holds them unsharded between
+    micro-batches), ``params_local`` and ``grads_local`` as held between steps (this
+    rank's shards), and ``optimizer``: the optimizer's state tensors of those parameters
+    (local shards; a 0-dim step count is not counted, as the plan does not count it)."""
+    params = list({id(p): p for m in modules for p in m.parameters()}.values())
+    grads = [p.grad for p in params if p.grad is not None]
+    state = optimizer.state if optimizer is not None else {}
+    moments = [_local(v) for p in params for v in state.get(p, {}).values()
+               if isinstance(v, torch.Tensor) and v.dim() > 0]
+
+    def size(tensors: Iterable[torch.Tensor]) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    return {"params": size(params), "grads": size(grads),
+            "params_local": size(map(_local, params)), "grads_local": size(map(_local, grads)),
+            "optimizer": size(moments)}
+
+
+def total_norm(grads: Sequence[torch.Tensor], norm_type: float, group: Any,
+               device: torch.device) -> torch.Tensor:
+    """The ``norm_type``-norm of the gradients of the whole model, from ``grads``: this
+    rank's share of them (every gradient counted on exactly one rank of ``group``, a
+    DTensor's local shard on each of its ranks), summed over ``group`` (collective)."""
+    local = [_local(g).detach() for g in grads]
+    norm = (torch.nn.utils.get_total_norm(local, norm_type).to(torch.float64) if local
+            else torch.zeros((), dtype=torch.float64, device=device))
+    if norm_type == float("inf"):
+        dist.all_reduce(norm, op=dist.ReduceOp.MAX, group=group)
+        return norm
+    norm = norm ** norm_type
+    dist.all_reduce(norm, op=dist.ReduceOp.SUM, group=group)
+    return norm ** (1.0 / norm_type)
