@@ -224,11 +224,12 @@ def _cut_lines(cut: Cut, top: float) -> list[str]:
     """A dashed line across, the modules either side of it, and what crosses it (the
     largest values first)."""
     largest = sorted(cut.values, key=lambda value: -value[2])  # stable: graph order in ties
-    shown = [f"{name} ({path or 'the model'}) {format_bytes(nbytes)}"
+    shown = [f"{name} ({path or 'the model itself'}) {format_bytes(nbytes)}"
              for name, path, nbytes in largest[:4]]
     if len(largest) > 4:
         shown.append(f"and {len(largest) - 4} more")
-    heading = (f"cut between {cut.last or 'the model'} and {cut.first or 'the model'}: "
+    own = "the model's own ops"
+    heading = (f"cut between {cut.last or own} and {cut.first or own}: "
                f"{format_bytes(cut.nbytes)} per micro-batch in {len(cut.values)} value"
                f"{'s' * (len(cut.values) != 1)}")
     values = "sends " + ", ".join(shown)
