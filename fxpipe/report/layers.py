@@ -145,10 +145,15 @@ def _runs(layers: list[Layer]) -> list[Layer]:
             runs[-1].append(layer)
         else:
             runs.append([layer])
-    return [run[0] if len(run) == 1 else Layer(
-        name=f"{run[0].name}-{_NUMBERED.match(run[-1].name).group(2)}",  # type: ignore[union-attr]
-        type_name=run[0].type_name, parts=(), ops=sum(x.ops for x in run),
-        seconds=sum(x.seconds for x in run), count=len(run)) for run in runs]
+    return [run[0] if len(run) == 1 else _run(run) for run in runs]
+
+
+def _run(run: list[Layer]) -> Layer:
+    last = _NUMBERED.match(run[-1].name)
+    assert last is not None, run  # _follows matched it
+    return Layer(name=f"{run[0].name}-{last.group(2)}", type_name=run[0].type_name,
+                 parts=(), ops=sum(x.ops for x in run), seconds=sum(x.seconds for x in run),
+                 count=len(run))
 
 
 def _follows(before: Layer, layer: Layer) -> bool:
