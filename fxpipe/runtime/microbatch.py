@@ -337,9 +337,32 @@ def merge_replicas(outputs: list[Any], sizes: list[int], *, whole: Collection[in
     def merge(parts: list[Any]) -> Any:
         batched = all(isinstance(t, torch.Tensor) and t.dim() > 0 and t.size(0) == size
                       for t, size in zip(parts, sizes, strict=True))
-        return torch.cat(parts, dim=0) if batched else parts[0]
+        if batched:
+            return torch.cat(parts, dim=0)
+        _same_in_every_replica(parts)
+        return parts[0]
 
     return merge_leaves(outputs, merge)
+
+
+def _same_in_every_replica(parts: list[Any]) -> None:
+    """A value with no row per sample stands for the whole micro-batch only if every
+    replica made the same one (a mask, a table); one each made from its own rows (a loss
+    the model computes, a sum over the rows) would be replica 0's alone, and so would
+    its gradient."""
+    first = parts[0]
+    if not isinstance(first, torch.Tensor):
+        return
+    for other in parts[1:]:
+        same = (isinstance(other, torch.Tensor) and other.shape == first.shape
+                and torch.equal(other.detach().to(first.device), first.detach()))
+        if not same:
+            raise ValueError(
+                f"a replicated stage returns a tensor of shape {tuple(first.shape)} that has "
+                "no row per sample and differs between its replicas (a loss the model "
+                "computes, a sum over its rows): each replica makes its own from its share "
+                "of the micro-batch, and none stands for the whole; return per-sample values "
+                "and reduce them in loss_fn, or split without --replicate")
 
 
 def rows_of(value: Any, lo: int, hi: int, rows: int, *, whole: Collection[str] = ()) -> Any:

@@ -327,3 +327,32 @@ def test_a_batch_count_crossing_replica_counts_is_recounted(
     runner = package.PipelineRunner(package.build_stages(source.model))
     assert_runner_matches(runner, source.model, mini_batch(source.args), {},
                           mini_batch(source.target), source.loss_fn, what=str(replicas))
+
+
+class OwnLoss(nn.Module):
+    """A model that computes its own loss (nanoGPT's ``model(x, y) -> (out, loss)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.b(torch.relu(self.a(x)))
+        return out, F.mse_loss(out, y)
+
+
+def test_a_replicated_stage_returning_its_own_loss_is_refused(tmp_path: Path) -> None:
+    """Each replica's loss is of its own rows: taking replica 0's (as a value with no batch
+    dimension is taken) trained on half the samples, silently."""
+    torch.manual_seed(0)
+    model = OwnLoss()
+    x, y = torch.randn(BATCH, 6), torch.randn(BATCH, 6)
+    traced_model = trace(model, (x[:4], y[:4]))
+    plan = contiguous_plan(traced_model.gm.graph, 2, replicas=(1, 2))
+    write_package(tmp_path / "pkg", traced_model, plan)
+    package = import_package(tmp_path / "pkg")
+    runner = package.PipelineRunner(package.build_stages(model))
+    with pytest.raises(ValueError, match=r"a replicated stage returns a tensor of shape \(\) "
+                       r"that has no row per sample and differs between its replicas"):
+        runner.step((x, y), None, lambda out, _: out[1])
+    assert all(p.grad is None for p in model.parameters())
