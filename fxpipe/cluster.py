@@ -25,6 +25,7 @@ from fxpipe.partition.layout import (
     Link,
     Tried,
     candidates,
+    layout_step,
     pipeline_crosses_hosts,
     search,
     sync_crosses_hosts,
@@ -39,6 +40,9 @@ __all__ = ["choose", "cluster_of", "example_batch"]
 
 # A host of this many GPUs where --gpus-per-node is not given (an HGX / DGX board)
 DEFAULT_GPUS_PER_NODE = 8
+# The share of --work-limit each layout is planned with while searching (the interval DP
+# and the block bound do most of it); the chosen one is planned again with all of it
+SEARCH_WORK = 0.2
 
 
 def cluster_of(options: SplitOptions) -> Cluster:
@@ -92,19 +96,27 @@ def choose(traced: Traced, options: SplitOptions, *,
                        schedule=options.schedule)
 
     base = totals(problem(of(*layouts[0])))
-    tried = search(cluster, layouts, base,
-                   lambda p, d, mode, m: solve(of(p, d, mode, m), advise=False))
-    rows = tuple(LayoutRow(pp=t.p, dp=t.d, dp_mode=t.mode, microbatches=t.m, status=t.status,
-                           step_s=t.step_s, bound_s=t.bound_s, max_memory=t.max_memory,
-                           why=t.why) for t in tried)
+    # every layout planned with a share of the work, the chosen one again with all of it
+    cheap = max(options.work_limit * SEARCH_WORK, 0.5)
+    tried = search(cluster, layouts, base, lambda p, d, mode, m: solve(
+        replace(of(p, d, mode, m), work_limit=cheap), advise=False))
     chosen = next((t for t in tried if t.status == "chosen"), None)
     if chosen is None:
         raise _nothing_fits(cluster, tried, lambda t: solve(of(t.p, t.d, t.mode, t.m)))
-    best_step = chosen.step_s or 0.0
-    # proved best under the cost model: its own split is, and every other layout that fits
-    # was either pruned by its bound or solved to its optimum
-    proved = chosen.result.report.status == "OPTIMAL" and all(
-        t.result.report.status == "OPTIMAL" for t in tried if t.status == "solved")
+    link = cluster.inter if sync_crosses_hosts(cluster, chosen.p) else cluster.intra
+    final = solve(of(chosen.p, chosen.d, chosen.mode, chosen.m))
+    best_step, sync = layout_step(final, chosen.d, link)
+    tried = [replace(t, step_s=best_step, sync_s=sync, result=final,
+                     max_memory=final.evaluation.estimate.max_memory) if t is chosen else t
+             for t in tried]
+    rows = tuple(LayoutRow(pp=t.p, dp=t.d, dp_mode=t.mode, microbatches=t.m, status=t.status,
+                           step_s=t.step_s, bound_s=t.bound_s, max_memory=t.max_memory,
+                           why=t.why) for t in tried)
+    # proved best under the cost model: its own split is, and every other layout that
+    # fits is bounded (by its bound or its solver's) at no better a step
+    proved = final.report.status == "OPTIMAL" and all(
+        t.bound_s >= best_step for t in tried
+        if t.status in ("solved", "pruned") and t.result is not final)
     layout = Layout(
         gpus=cluster.gpus, gpus_per_node=cluster.gpus_per_node, pp=chosen.p, dp=chosen.d,
         dp_mode=chosen.mode, global_batch=steps_microbatches * b, microbatch_size=b,
@@ -112,7 +124,7 @@ def choose(traced: Traced, options: SplitOptions, *,
         pipeline_link="inter" if of(chosen.p, chosen.d, chosen.mode, chosen.m).across_hosts
         else "intra",
         sync_link="inter" if sync_crosses_hosts(cluster, chosen.p) else "intra",
-        sync_s=chosen.sync_s, step_s=best_step, proved=proved, considered=rows)
+        sync_s=sync, step_s=best_step, proved=proved, considered=rows)
     return of(chosen.p, chosen.d, chosen.mode, chosen.m), layout
 
 

@@ -54,6 +54,7 @@ __all__ = [
     "candidates",
     "grad_bytes",
     "layout_bound",
+    "layout_step",
     "pipeline_crosses_hosts",
     "search",
     "sharded",
@@ -96,9 +97,10 @@ class Cluster:
 def candidates(cluster: Cluster, global_microbatches: int, *, pp: int | None = None,
                dp_mode: str | None = None) -> list[tuple[int, int, str, int]]:
     """The layouts to consider, as (p, d, mode, M): every pipeline degree p dividing N
-    (or the one pinned), each data-parallel mode (one only where d = 1: nothing to
-    shard), and M = the step's micro-batches over d, where d divides them. Smallest p
-    first (a deterministic order: ties between layouts go to the shorter pipeline)."""
+    (or the one pinned), and M = the step's micro-batches over d, where d divides them.
+    The mode is the one pinned, else fsdp where there are copies to shard (d > 1): under
+    this cost model ddp moves the same bytes and holds more, so it is never faster, and
+    is planned only when asked for. Smallest p first (ties go to the shorter pipeline)."""
     n = cluster.gpus
     degrees = [pp] if pp is not None else [p for p in range(1, n + 1) if n % p == 0]
     found: list[tuple[int, int, str, int]] = []
@@ -106,8 +108,8 @@ def candidates(cluster: Cluster, global_microbatches: int, *, pp: int | None = N
         d = n // p
         if global_microbatches % d:
             continue
-        modes = [dp_mode] if dp_mode is not None else (DP_MODES if d > 1 else ("ddp",))
-        found.extend((p, d, mode, global_microbatches // d) for mode in modes)
+        mode = dp_mode if dp_mode is not None else ("fsdp" if d > 1 else "ddp")
+        found.append((p, d, mode, global_microbatches // d))
     return found
 
 
@@ -195,6 +197,16 @@ class Tried:
     error: ValueError | None = None  # why it has no split, where it has none
 
 
+def layout_step(result: Any, d: int, link: Link) -> tuple[float, float]:
+    """(step, sync) of a solved layout: the pipeline's iteration, then the slowest
+    stage's gradient sync over its d copies (``result``: the solver's Partition)."""
+    evaluation = result.evaluation
+    stage_grads = grad_bytes([s.memory.params for s in evaluation.stages],
+                             result.problem.state_factor)
+    sync = slowest_sync_s(stage_grads, d, link)
+    return evaluation.estimate.iteration_s + sync, sync
+
+
 def search(cluster: Cluster, layouts: Sequence[tuple[int, int, str, int]], t: Totals,
            solve: Callable[[int, int, str, int], Any]) -> list[Tried]:
     """Solve the layouts in the order of their bounds (the cheapest first, ties to the
@@ -220,13 +232,12 @@ def search(cluster: Cluster, layouts: Sequence[tuple[int, int, str, int]], t: To
             status = "no fit" if isinstance(exc, InfeasibleMemoryError) else "invalid"
             tried[i] = Tried(p, d, mode, m, bound, why=str(exc), status=status, error=exc)
             continue
-        evaluation = result.evaluation
-        stage_grads = grad_bytes([s.memory.params for s in evaluation.stages],
-                                 result.problem.state_factor)
-        sync = slowest_sync_s(stage_grads, d, link(p))
-        step = evaluation.estimate.iteration_s + sync
-        found = Tried(p, d, mode, m, bound, step, sync, evaluation.estimate.max_memory,
-                      status="solved", result=result)
+        step, sync = layout_step(result, d, link(p))
+        # the solver's own bound on the bottleneck bounds this layout's step from below
+        proved = (m - 1) * result.report.bound + t.compute_s + sync_s(t.grad_bytes / p, d,
+                                                                       link(p))
+        found = Tried(p, d, mode, m, max(bound, proved), step, sync,
+                      result.evaluation.estimate.max_memory, status="solved", result=result)
         tried[i] = found
         if best is None or (step, found.max_memory) < (best.step_s, best.max_memory):
             best = found  # of equal steps, the one needing the least memory
