@@ -68,6 +68,8 @@ def shard(adapter: nn.Module, mode: str, mesh: DeviceMesh) -> nn.Module:
     Its tied copies (``adapter.tied``) are looked up again: FSDP2 swaps every parameter
     for a sharded one."""
     assert mode in DP_MODES, mode
+    if not any(p.requires_grad for p in adapter.parameters()):
+        return adapter  # parameter-free ops (a softmax mixing layer): nothing to keep equal
     names = {id(p): name for name, p in adapter.named_parameters(remove_duplicate=False)}
     tied = [(group, names[id(param)]) for group, param in adapter.tied]
     if mode == "ddp":

@@ -6,19 +6,19 @@ gradients are summed over a process group of exactly the ranks that hold a copy,
 so every copy sees the gradient of the unsplit model. A tied parameter held by
 two stages of one rank (interleaved) is one copy there, summed once.
 
-With replicated stages every gradient is then averaged over its stage's r
-replicas (a tied one over all its holders in all lanes, divided by r): with a
-loss that is a mean over the batch and equal chunks, the gradient of the whole
-micro-batch::
+Unevenly replicated stages (PipeDream's "2-1-1", the schedule table, table.py) then sum
+every gradient over their stage's r replicas, each replica having divided its chunk's
+loss by r: with a loss that is a mean over the batch and equal chunks, the gradient of
+the whole micro-batch. The tied copies are summed over all their holders at once::
 
-    lane 0 | rank 0 (stage 0) ──► rank 2 (stage 1)
-    lane 1 | rank 1 (stage 0) ──► rank 3 (stage 1)
-             └─ all-reduce ─┘     └─ all-reduce ─┘     gradients, over each stage's r ranks
+    stage 0 | rank 0 (replica 0) ─┐
+            | rank 1 (replica 1) ─┴─ all-reduce ──► rank 2 (stage 1, one replica)
 
-A pipeline may be one of several on the job, each on its own process group (``group``,
-one pipeline per data-parallel rank, its gradients then averaged over the data-parallel
-dimension by the user or DDP/FSDP): its tied copies are summed over its own ranks only,
-the holders' ranks in its group mapped to the job's ranks.
+Whole pipelines side by side (the same r on every stage: lanes; or a plan's layout of
+d pipelines) are data_parallel.py's: each pipeline sums its tied copies over its own
+ranks (``group``), and torch's DDP or FSDP2 averages every gradient over the copies.
+A pipeline the user runs as one of several (``group``, its gradients averaged by the
+user or DDP/FSDP) does the same: the holders' ranks in its group mapped to the job's.
 
 Clipping (``clip_grads``) takes the norm of the whole model's gradients: each rank adds
 the p-th powers of what it alone counts (a tied parameter on its first stage's ranks, a
@@ -78,12 +78,10 @@ def make_groups(layout: RankLayout, tied: Sequence[Mapping[int, str]],
                 adapters[j].replica_group = replica_group
 
 
-def reduce_grads(adapters: Sequence[StageAdapter], lanes: int) -> None:
+def reduce_grads(adapters: Sequence[StageAdapter]) -> None:
     """Sum each tied parameter's gradient over the ranks holding a copy (once per
-    rank, however many of ``adapters`` use it); divide by ``lanes``, and average
-    every other gradient of a replicated stage over its replicas. Each lane's loss
-    is its chunk's mean, so the sum over replicas is divided by r (an uneven-replica
-    stage divides its loss by r itself and passes ``lanes`` = 1)."""
+    rank, however many of ``adapters`` use it), and every other gradient of an
+    unevenly replicated stage over its replicas (each divides its loss by r itself)."""
     tied: set[int] = set()
     for adapter in adapters:
         for tied_group, param in adapter.tied:
@@ -95,7 +93,6 @@ def reduce_grads(adapters: Sequence[StageAdapter], lanes: int) -> None:
             # sharded over a layout's dp sub-mesh: every holder's shard i is the same rows
             grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
             dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=tied_group)
-            param.grad /= lanes
     for adapter in adapters:
         if adapter.replica_group is None:
             continue
@@ -105,7 +102,6 @@ def reduce_grads(adapters: Sequence[StageAdapter], lanes: int) -> None:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=adapter.replica_group)
-            param.grad /= lanes
 
 
 def clip_grads(layout: RankLayout, tied: Sequence[Mapping[int, str]],

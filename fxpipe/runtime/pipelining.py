@@ -9,10 +9,10 @@ ranks.py. Each rank's stage is a torch ``PipelineStage`` around a
 ``StageAdapter``, driven by torch's schedules: gpipe -> ``ScheduleGPipe``, 1f1b
 -> ``Schedule1F1B``, interleaved -> ``ScheduleInterleaved1F1B`` over the rank's
 v stages, zb1p, zbv and dualpipev as zero_bubble.py says. When every stage has the
-same r, each of the r lanes is a whole ``PipelineStage`` pipeline on its own process
-group; stages with different replica counts run the runner's schedule table (table.py).
-A plan's layout of d pipelines keeps each stage's d copies equal with torch's FSDP2 or
-DDP on a ("dp", "pp") ``DeviceMesh`` (data_parallel.py).
+same r, each of the r lanes is a whole ``PipelineStage`` pipeline, and a plan's layout
+runs d of them: on a ``DeviceMesh``, each stage's copies kept equal by torch's DDP (or a
+layout's FSDP2; data_parallel.py). Stages with different replica counts run the
+runner's schedule table (table.py).
 
 Memory: with ``checkpoint``, ``pipeline_stage`` allocates only the rank's own
 stage (materialize.py), so no rank holds the whole model::
@@ -200,27 +200,27 @@ class DistributedPipeline(RankLayout):
             return [self._table_stage(model, rank, device, example_args, example_kwargs,
                                       checkpoint)]
         self.norm_group = group  # a pipeline of the user's: its gradients are its own
-        mesh = None
+        # d pipelines of a layout, or r lanes (rank j·r + l: stage j of lane l), each
+        # pipeline on the mesh's pp dimension, each stage's copies on its dp dimension
+        mesh, mode = None, self.dp_mode if self.dp > 1 else "ddp"
         if self.dp > 1:  # the example micro-batch is one pipeline's, as the plan's M is
             mesh = make_mesh(device, self.dp, self.num_ranks)
-            group, rank = mesh["pp"].get_group(), mesh["pp"].get_local_rank()
+            rank = mesh["pp"].get_local_rank()
         else:
             example_args, example_kwargs = self.lane_share(
                 (example_args, example_kwargs), self.position(rank)[1], microbatches=1,
                 what="the example micro-batch", inputs=True)
+            if self.lanes > 1:
+                mesh = make_mesh(device, self.lanes, self.num_stages, ("pp", "dp"))
         built = {k: self.stage_module(model, k, device, *example_args, checkpoint=checkpoint,
                                       **example_kwargs) for k in self.stages_of(rank)}
-        make_groups(self, self.tied, {k: adapter for k, (adapter, _, _) in built.items()}, group)
-        r = self.lanes
-        for i in range(r if r > 1 else 0):  # lane i: stage j on rank j·r + i
-            lane_group = dist.new_group([j * r + i for j in range(self.num_stages)])
-            if i == self.position(rank)[1]:
-                group = lane_group
-        modules: dict[int, nn.Module] = {k: adapter for k, (adapter, _, _) in built.items()}
+        adapters = {k: adapter for k, (adapter, _, _) in built.items()}
+        group = group if mesh is None else mesh["pp"].get_group()
+        make_groups(self.one_pipeline(), self.tied, adapters, group)
+        modules: dict[int, nn.Module] = dict(adapters)
         if mesh is not None:
             self.dp_group = mesh["dp"].get_group()
-            modules = {k: shard(adapter, self.dp_mode, mesh["dp"])
-                       for k, adapter in modules.items()}
+            modules = {k: shard(adapter, mode, mesh["dp"]) for k, adapter in modules.items()}
         return skip_warmup_sends_to_self([
             PipelineStage(modules[k], k, self.num_stages, torch.device(device),
                           input_args=inputs, output_args=outputs, group=group)
@@ -387,7 +387,7 @@ class DistributedPipeline(RankLayout):
         """Sum each tied parameter's gradient over the ranks holding a copy (once per
         rank, however many of its stages use it); with replicated stages, average every
         gradient over its stage's replicas."""
-        reduce_grads([cast(StageAdapter, s.submod) for s in _as_list(stage)], self.lanes)
+        reduce_grads([cast(StageAdapter, s.submod) for s in _as_list(stage)])
 
     def _check_stage(self, k: int) -> int:
         if not 0 <= k < self.num_stages:

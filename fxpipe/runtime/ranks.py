@@ -81,6 +81,12 @@ class RankLayout:
         j = max(j for j, first in enumerate(self.first_rank) if first <= rank)
         return j, rank - self.first_rank[j]
 
+    def one_pipeline(self) -> "RankLayout":
+        """One of this layout's whole pipelines (a lane, or a layout's pipeline): its ranks
+        numbered from 0, no stage replicated. Assumes uniform replicas."""
+        assert self.uniform, self.replicas
+        return RankLayout(self.num_stages, (), self.virtual_stages, self.rank_of)
+
     def copy_of(self, rank: int) -> int:
         """Which copy of its stage job rank ``rank`` runs: its pipeline (a layout), its
         lane, or its replica; copy 0 speaks for them all."""
