@@ -7,7 +7,8 @@
                                        # flatten_inputs,
                                        # build_output, PipelineRunner bound to them
     distributed.py                     # WIRES, TIED, the torchrun pipeline over them
-    __init__.py                        # build_stages, PipelineRunner, SCHEDULE, PLAN, ...
+    __init__.py                        # build_stages, PipelineRunner, SCHEDULE, PLAN, ...;
+                                       # distributed.py's names on first use
     train_torchrun.py                  # the torchrun launch script
     plan.json                          # plan.to_json()
     runtime/*.py                       # fxpipe/runtime, copied file for file
@@ -262,17 +263,20 @@ _INIT = '''"""{title}
     stages = build_stages(model)              # the model's own parameters, by name
     runner = PipelineRunner(stages)           # this plan's schedule and micro-batches
 {usage}
-PLAN is plan.json as a dict.
+PLAN is plan.json as a dict. Under torchrun: train_torchrun.py, or pipeline_stage (or
+pipeline_stages), build_schedule and train_step in your own script; they are imported,
+with torch.distributed.pipelining, on first use.
 """
 
+import importlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
-from . import distributed, runner, runtime
-from .distributed import build_schedule, pipeline_stage, pipeline_stages, train_step
+from . import runtime
 from .runner import (
     DEVICE_OF,
     MICROBATCHES,
@@ -283,8 +287,6 @@ from .runner import (
     SCHEDULE,
     WEIGHT_STASHING,
     PipelineRunner,
-    build_output,
-    flatten_inputs,
     stage_devices,
 )
 from .runtime.devices import Device
@@ -301,17 +303,25 @@ __all__ = [
     "SCHEDULE",
     "WEIGHT_STASHING",
     "PipelineRunner",
-    "build_output",
     "build_schedule",
     "build_stages",
-    "distributed",
-    "flatten_inputs",
     "pipeline_stage",
     "pipeline_stages",
-    "runner",
     "stage_devices",
     "train_step",
 ]
+
+# The torchrun entry points, in distributed.py, imported on first use: a run in one
+# process never needs torch.distributed.pipelining.
+_DISTRIBUTED = ("build_schedule", "pipeline_stage", "pipeline_stages", "train_step")
+
+
+def __getattr__(name: str) -> Any:
+    if name != "distributed" and name not in _DISTRIBUTED:
+        raise AttributeError(f"module {{__name__!r}} has no attribute {{name!r}}")
+    distributed = importlib.import_module(".distributed", __name__)
+    return distributed if name == "distributed" else getattr(distributed, name)
+
 
 PLAN = json.loads(Path(__file__).with_name("plan.json").read_text(encoding="utf-8"))
 {stage_classes}

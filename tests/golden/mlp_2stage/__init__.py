@@ -4,17 +4,20 @@
     runner = PipelineRunner(stages)           # this plan's schedule and micro-batches
     loss = runner.step(inputs, target, loss_fn)
 
-PLAN is plan.json as a dict.
+PLAN is plan.json as a dict. Under torchrun: train_torchrun.py, or pipeline_stage (or
+pipeline_stages), build_schedule and train_step in your own script; they are imported,
+with torch.distributed.pipelining, on first use.
 """
 
+import importlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
-from . import distributed, runner, runtime
-from .distributed import build_schedule, pipeline_stage, pipeline_stages, train_step
+from . import runtime
 from .runner import (
     DEVICE_OF,
     MICROBATCHES,
@@ -25,8 +28,6 @@ from .runner import (
     SCHEDULE,
     WEIGHT_STASHING,
     PipelineRunner,
-    build_output,
-    flatten_inputs,
     stage_devices,
 )
 from .runtime.devices import Device
@@ -44,17 +45,25 @@ __all__ = [
     "SCHEDULE",
     "WEIGHT_STASHING",
     "PipelineRunner",
-    "build_output",
     "build_schedule",
     "build_stages",
-    "distributed",
-    "flatten_inputs",
     "pipeline_stage",
     "pipeline_stages",
-    "runner",
     "stage_devices",
     "train_step",
 ]
+
+# The torchrun entry points, in distributed.py, imported on first use: a run in one
+# process never needs torch.distributed.pipelining.
+_DISTRIBUTED = ("build_schedule", "pipeline_stage", "pipeline_stages", "train_step")
+
+
+def __getattr__(name: str) -> Any:
+    if name != "distributed" and name not in _DISTRIBUTED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    distributed = importlib.import_module(".distributed", __name__)
+    return distributed if name == "distributed" else getattr(distributed, name)
+
 
 PLAN = json.loads(Path(__file__).with_name("plan.json").read_text(encoding="utf-8"))
 STAGE_CLASSES = (Stage0, Stage1)
