@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import sys
 import time
@@ -26,7 +25,6 @@ from rich.table import Table
 
 from fxpipe import cli_flags
 from fxpipe.cli_flags import UsageError
-from fxpipe.schedules import ScheduleKind
 from fxpipe.units import format_seconds
 
 if TYPE_CHECKING:
@@ -37,9 +35,6 @@ __all__ = ["main", "run"]
 
 EXIT_USER_ERROR = 2
 EXIT_INTERNAL_ERROR = 1
-# runner.py lists every action of the schedule (2 x M x K): 10,000 micro-batches on 4 GPUs
-# took 7 minutes (schedule.svg, which drew them all then, draws a bounded part since).
-MAX_MICROBATCHES = 1024
 
 err = Console(stderr=True, highlight=False)
 
@@ -228,54 +223,22 @@ def _run_profile(args: argparse.Namespace) -> int:
 
 
 def _run_split(args: argparse.Namespace) -> int:
-    from fxpipe.compiler import SplitOptions, output_files, plan_split
-    from fxpipe.cost_models import get_device
+    from fxpipe.compiler import output_files, plan_split
     from fxpipe.output import check_out, write_folder
-    from fxpipe.precision import parse_precision
     from fxpipe.report import summary_rows
-    from fxpipe.units import format_bytes, parse_bytes
+    from fxpipe.request import split_options
+    from fxpipe.units import format_bytes
 
     # Every flag is checked before any slow work.
-    if args.gpus < 1:
-        raise ValueError(f"--gpus must be at least 1, got {args.gpus}")
-    microbatches = args.microbatches if args.microbatches is not None else 4 * args.gpus
-    if microbatches < 1:
-        raise ValueError(f"--microbatches must be at least 1, got {microbatches}")
-    if microbatches > MAX_MICROBATCHES:
-        given = (f"--microbatches {microbatches} is" if args.microbatches is not None else
-                 f"--gpus {args.gpus} means {microbatches} micro-batches (the default, 4 x "
-                 "--gpus),")
-        raise ValueError(
-            f"{given} more than {MAX_MICROBATCHES}: runner.py lists every forward and backward "
-            f"of every micro-batch; use --microbatches {MAX_MICROBATCHES} or fewer (bigger "
-            "micro-batches)")
-    if not math.isfinite(args.time_limit) or args.time_limit <= 0:
-        raise ValueError(
-            f"--time-limit must be a positive number of seconds, got {args.time_limit}")
-    if not math.isfinite(args.work_limit) or args.work_limit <= 0:  # nan <= 0 is False
-        raise ValueError(f"--work-limit must be a positive number, got {args.work_limit}")
-    schedule = _schedule(args, microbatches)
-    recompute = _recompute(args.recompute)
-    precision = parse_precision(args.precision) if args.precision is not None else None
-    device = get_device(args.device)
-    limit = (
-        float(parse_bytes(args.memory)) if args.memory is not None else float(device.memory_bytes)
-    )
-    options = SplitOptions(
-        gpus=args.gpus,
-        device=device,
-        memory_limit=limit,
-        microbatches=microbatches,
-        schedule=schedule,
-        optimizer=args.optimizer,
-        recompute=recompute,
-        time_limit_s=args.time_limit,
-        work_limit=args.work_limit,
-        virtual_stages=args.virtual_stages,
-        replicate=args.replicate,
-        precision=precision,
-        cluster=_cluster(args),
-    )
+    options = split_options(
+        gpus=args.gpus, memory=args.memory, device=args.device,
+        microbatches=args.microbatches, schedule=args.schedule,
+        virtual_stages=args.virtual_stages, replicate=args.replicate,
+        optimizer=args.optimizer, recompute=args.recompute, time_limit=args.time_limit,
+        work_limit=args.work_limit, precision=args.precision, pp=args.pp,
+        gpus_per_node=args.gpus_per_node, dp_mode=args.dp_mode,
+        global_batch=args.global_batch)
+    limit = options.memory_limit
 
     card = _card(None, args.calibrate) if args.calibrate is not None else None
     out = Path(args.out)
@@ -316,34 +279,18 @@ def _run_split(args: argparse.Namespace) -> int:
     solver = plan.solver
     print(
         f"solver {solver.status}, gap {solver.gap:.2%}, {format_seconds(solver.wall_s)}; "
-        f"wrote {out}/{_linked(out, written)} ({', '.join(sorted(files))})"
+        f"wrote {out}/{_linked(out, written)} ({_opened(files)})"
     )
     return 0
 
 
-def _cluster(args: argparse.Namespace) -> Any:
-    """The cluster search's options, where a cluster flag asks for one (else None: one
-    pipeline on all the GPUs)."""
-    from fxpipe.options import ClusterOptions
-
-    if (args.pp, args.gpus_per_node, args.dp_mode, args.global_batch) == (None,) * 4:
-        return None
-    pp = None if args.pp in (None, "auto") else _whole(args.pp, "--pp", "auto or a number")
-    if args.replicate or args.virtual_stages > 1:
-        raise ValueError("--replicate and --virtual-stages plan one pipeline on all the GPUs: "
-                         "leave out --pp, --gpus-per-node, --dp-mode and --global-batch with "
-                         "them")
-    if args.gpus_per_node is not None and args.gpus_per_node < 1:
-        raise ValueError(f"--gpus-per-node must be at least 1, got {args.gpus_per_node}")
-    return ClusterOptions(gpus_per_node=args.gpus_per_node, pp=pp, dp_mode=args.dp_mode,
-                          global_batch=args.global_batch)
-
-
-def _whole(value: str, flag: str, expected: str) -> int:
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"{flag} takes {expected}, got {value!r}") from None
+def _opened(files: dict[str, Any]) -> str:
+    """The files of the output a person opens, and how many there are in all: the
+    runtime's copy alone is some thirty files no one reads."""
+    stages = sum(1 for name in files if name.startswith("stage") and name.endswith(".py"))
+    shown = [name for name in ("report.html", "report.md", "plan.json") if name in files]
+    return (f"{', '.join(shown)} and {stages} stage module{'s' * (stages != 1)}; "
+            f"{len(files)} files in all")
 
 
 def _linked(out: Path, written: Path) -> str:
@@ -359,36 +306,15 @@ def _card(plan_dir: str | None, measured: str) -> Any:
     """The report card of ``measured`` against the plan.json in ``plan_dir`` (default: the
     folder of ``measured``); a warning of the comparison is one line on stderr."""
     import warnings
-    from pathlib import Path
 
-    from fxpipe.report.card import compare
-    from fxpipe.runtime.measured_file import load_card
+    from fxpipe.request import read_card
 
-    card = load_card(measured)
-    folder = Path(plan_dir) if plan_dir is not None else Path(measured).parent
-    plan = _read_plan(folder, "the plan that was measured")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        compared = compare(plan, card, source=str(measured),
-                           plan_source=str(folder / "plan.json"))
+        compared = read_card(measured, plan_dir)
     for warning in caught:
         print(f"fxpipe: warning: {' '.join(str(warning.message).split())}", file=sys.stderr)
     return compared
-
-
-def _read_plan(folder: Any, which: str) -> Any:
-    """The Plan in ``folder``/plan.json; ``which`` says what the folder should hold."""
-    from fxpipe.plan import Plan
-
-    plan_file = folder / "plan.json"
-    if not plan_file.is_file():
-        raise ValueError(f"{plan_file}: no such file; pass the folder fxpipe split wrote "
-                         f"({which}).")
-    try:
-        return Plan.from_json(plan_file.read_text())
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"{plan_file}: not a plan fxpipe wrote ({type(exc).__name__}: {exc}); "
-                         f"run fxpipe split again.") from None
 
 
 def _run_report(args: argparse.Namespace) -> int:
@@ -423,52 +349,11 @@ def _replication(plan: Plan) -> str:
     return f" ({plan.configuration} on {plan.num_devices} GPUs)"
 
 
-def _schedule(args: argparse.Namespace, microbatches: int) -> ScheduleKind:
-    """--schedule, --virtual-stages and --replicate, checked together."""
-    v = args.virtual_stages
-    if v < 1:
-        raise ValueError(f"--virtual-stages must be at least 1, got {v}")
-    if args.schedule:
-        kind = ScheduleKind(args.schedule)
-    else:
-        kind = ScheduleKind.INTERLEAVED if v > 1 else ScheduleKind.ONE_F_ONE_B
-    name = kind.value
-    if kind.spec.splits_backward and args.replicate:
-        # the runner's split backward runs unreplicated stages only
-        raise ValueError(f"--replicate and --schedule {name} cannot be combined; pick one")
-    if kind.spec.v_placed:
-        if v not in (1, 2):
-            raise ValueError(f"--schedule {name} places 2 stage modules per GPU; "
-                             f"drop --virtual-stages {v}")
-        if kind is ScheduleKind.DUALPIPEV and microbatches < 2 * args.gpus:
-            raise ValueError(f"--schedule dualpipev needs at least 2 x --gpus micro-batches "
-                             f"({2 * args.gpus}); use --microbatches {2 * args.gpus}")
-        args.virtual_stages = 2
-        return kind
-    if kind.spec.interleaved and v == 1:
-        raise ValueError(f"--schedule {kind.value} needs --virtual-stages 2 or more")
-    if v > 1 and not kind.spec.interleaved:
-        raise ValueError(f"--virtual-stages {v} needs --schedule interleaved, not {kind.value}")
-    if v > 1 and args.replicate:
-        raise ValueError("--replicate and --virtual-stages cannot be combined; pick one")
-    if v > 1 and microbatches % args.gpus:
-        n = args.gpus
-        raise ValueError(
-            f"--schedule interleaved needs the micro-batches ({microbatches}) to be a multiple "
-            f"of --gpus ({n}); use --microbatches {-(-microbatches // n) * n}")
-    return kind
-
-
 def _recompute(value: str) -> Recompute:
     """--recompute's value (a bare --recompute means all)."""
-    from fxpipe.partition import Recompute
+    from fxpipe.request import recompute_of
 
-    names = [r.value for r in Recompute]
-    if value not in names:
-        raise ValueError(
-            f"--recompute takes one of {', '.join(names)}, got {value!r} (a bare "
-            "--recompute means all)")
-    return Recompute(value)
+    return recompute_of(value)
 
 
 def _run_merge(args: argparse.Namespace) -> int:
@@ -479,6 +364,7 @@ def _run_merge(args: argparse.Namespace) -> int:
     import torch
 
     from fxpipe.codegen import check_stage_states, merge_stage_state_dicts
+    from fxpipe.request import read_plan
     from fxpipe.runtime.checkpoint import read_stage_state
 
     out = Path(args.out)
@@ -493,7 +379,7 @@ def _run_merge(args: argparse.Namespace) -> int:
         states.append(read_stage_state(path))
     tied: list[tuple[str, ...]] = []  # keys that are one parameter (none known without a plan)
     if args.plan is not None:
-        plan = _read_plan(Path(args.plan), "the plan these stages were generated from")
+        plan = read_plan(Path(args.plan), "the plan these stages were generated from")
         check_stage_states(states, [stage.parameters for stage in plan.stages], args.stages,
                            keys=[key for group in plan.state_keys for key in group])
         tied = [group for group in plan.state_keys

@@ -1,0 +1,243 @@
+"""What a split is asked, checked: the options of ``fxpipe split`` and of ``fxpipe.split``
+read and checked together, before any slow work, into ``SplitOptions``.
+
+Both front doors call ``split_options``; only the wording differs. A message names an
+option as its caller spells it (``Spelling``): ``--virtual-stages 2`` on the command line,
+``virtual_stages=2`` in Python.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fxpipe.schedules import KINDS, ScheduleKind
+
+if TYPE_CHECKING:
+    from fxpipe.options import ClusterOptions, SplitOptions
+    from fxpipe.partition import Recompute
+    from fxpipe.plan import Plan
+    from fxpipe.report.card import Card
+
+__all__ = ["API", "CLI", "MAX_MICROBATCHES", "Spelling", "read_card", "read_plan",
+           "recompute_of", "split_options"]
+
+# runner.py lists every action of the schedule (2 x M x K): 10,000 micro-batches on 4 GPUs
+# took 7 minutes (schedule.svg, which drew them all then, draws a bounded part since).
+MAX_MICROBATCHES = 1024
+OPTIMIZERS = ("adam", "sgd", "sgd-momentum")
+DP_MODES = ("fsdp", "ddp")
+
+
+@dataclass(frozen=True)
+class Spelling:
+    """How messages name an option: as a flag (``--virtual-stages``) or a keyword."""
+
+    command_line: bool
+
+    def name(self, option: str) -> str:
+        """``virtual_stages`` as its caller writes it: ``--virtual-stages`` or itself."""
+        return f"--{option.replace('_', '-')}" if self.command_line else option
+
+    def said(self, option: str, value: object) -> str:
+        """The option given ``value``: ``--schedule zbv`` or ``schedule='zbv'``."""
+        if self.command_line:
+            return f"{self.name(option)} {value}"
+        return f"{option}={value!r}"
+
+
+CLI = Spelling(command_line=True)
+API = Spelling(command_line=False)
+
+
+def split_options(
+    *,
+    gpus: int,
+    memory: str | float | None = None,
+    device: str = "h100",
+    microbatches: int | None = None,
+    schedule: str | None = None,
+    virtual_stages: int = 1,
+    replicate: bool = False,
+    optimizer: str = "adam",
+    recompute: str = "auto",
+    time_limit: float = 120.0,
+    work_limit: float = 10.0,
+    precision: str | None = None,
+    pp: int | str | None = None,
+    gpus_per_node: int | None = None,
+    dp_mode: str | None = None,
+    global_batch: int | None = None,
+    spelling: Spelling = CLI,
+) -> SplitOptions:
+    """Every option checked, alone and together, into the driver's ``SplitOptions``; a
+    mistake is one ``ValueError`` naming the option as ``spelling`` writes it. ``memory``:
+    bytes, or a size such as ``"80GiB"`` (default: the device's)."""
+    from fxpipe.cost_models import get_device
+    from fxpipe.options import SplitOptions
+    from fxpipe.precision import parse_precision
+    from fxpipe.units import parse_bytes
+
+    say = spelling
+    if gpus < 1:
+        raise ValueError(f"{say.name('gpus')} must be at least 1, got {gpus}")
+    count = microbatches if microbatches is not None else 4 * gpus
+    if count < 1:
+        raise ValueError(f"{say.name('microbatches')} must be at least 1, got {count}")
+    if count > MAX_MICROBATCHES:
+        given = (f"{say.said('microbatches', count)} is" if microbatches is not None else
+                 f"{say.said('gpus', gpus)} means {count} micro-batches (the default, 4 x "
+                 f"{say.name('gpus')}),")
+        raise ValueError(
+            f"{given} more than {MAX_MICROBATCHES}: runner.py lists every forward and backward "
+            f"of every micro-batch; use {say.said('microbatches', MAX_MICROBATCHES)} or fewer "
+            "(bigger micro-batches)")
+    if not math.isfinite(time_limit) or time_limit <= 0:  # nan <= 0 is False
+        raise ValueError(
+            f"{say.name('time_limit')} must be a positive number of seconds, got {time_limit}")
+    if not math.isfinite(work_limit) or work_limit <= 0:
+        raise ValueError(f"{say.name('work_limit')} must be a positive number, got {work_limit}")
+    _one_of(optimizer, OPTIMIZERS, "optimizer", say)
+    kind, virtual_stages = _schedule(schedule, virtual_stages, replicate=replicate, gpus=gpus,
+                                     microbatches=count, say=say)
+    chosen = recompute_of(recompute, say)
+    parsed = parse_precision(precision) if precision is not None else None
+    target = get_device(device)
+    limit = (float(target.memory_bytes) if memory is None
+             else float(memory) if isinstance(memory, (int, float)) else float(parse_bytes(memory)))
+    return SplitOptions(
+        gpus=gpus,
+        device=target,
+        memory_limit=limit,
+        microbatches=count,
+        schedule=kind,
+        optimizer=optimizer,
+        recompute=chosen,
+        time_limit_s=time_limit,
+        work_limit=work_limit,
+        virtual_stages=virtual_stages,
+        replicate=replicate,
+        precision=parsed,
+        cluster=_cluster(pp, gpus_per_node, dp_mode, global_batch, replicate=replicate,
+                         virtual_stages=virtual_stages, say=say),
+    )
+
+
+def _one_of(value: object, choices: tuple[str, ...], option: str, say: Spelling) -> None:
+    """Refuse a value outside ``choices`` (argparse refuses it first on the command line)."""
+    if value not in choices:
+        raise ValueError(f"{say.name(option)} takes one of {', '.join(choices)}, got {value!r}")
+
+
+def _schedule(schedule: str | None, v: int, *, replicate: bool, gpus: int,
+              microbatches: int, say: Spelling) -> tuple[ScheduleKind, int]:
+    """The schedule kind and its stage modules per GPU, from the schedule, the virtual
+    stages and replication, checked together."""
+    if v < 1:
+        raise ValueError(f"{say.name('virtual_stages')} must be at least 1, got {v}")
+    if schedule is not None:
+        _one_of(schedule, tuple(kind.value for kind in KINDS), "schedule", say)
+        kind = ScheduleKind(schedule)
+    else:
+        kind = ScheduleKind.INTERLEAVED if v > 1 else ScheduleKind.ONE_F_ONE_B
+    name = kind.value
+    if kind.spec.splits_backward and replicate:
+        # the runner's split backward runs unreplicated stages only
+        raise ValueError(f"{say.name('replicate')} and {say.said('schedule', name)} cannot be "
+                         "combined; pick one")
+    if kind.spec.v_placed:
+        if v not in (1, 2):
+            raise ValueError(f"{say.said('schedule', name)} places 2 stage modules per GPU; "
+                             f"drop {say.said('virtual_stages', v)}")
+        if kind is ScheduleKind.DUALPIPEV and microbatches < 2 * gpus:
+            raise ValueError(f"{say.said('schedule', name)} needs at least 2 x "
+                             f"{say.name('gpus')} micro-batches ({2 * gpus}); use "
+                             f"{say.said('microbatches', 2 * gpus)}")
+        return kind, 2
+    if kind.spec.interleaved and v == 1:
+        raise ValueError(f"{say.said('schedule', name)} needs "
+                         f"{say.said('virtual_stages', 2)} or more")
+    if v > 1 and not kind.spec.interleaved:
+        raise ValueError(f"{say.said('virtual_stages', v)} needs "
+                         f"{say.said('schedule', 'interleaved')}, not {name}")
+    if v > 1 and replicate:
+        raise ValueError(f"{say.name('replicate')} and {say.name('virtual_stages')} cannot be "
+                         "combined; pick one")
+    if v > 1 and microbatches % gpus:
+        fix = -(-microbatches // gpus) * gpus
+        raise ValueError(
+            f"{say.said('schedule', 'interleaved')} needs the micro-batches ({microbatches}) "
+            f"to be a multiple of {say.name('gpus')} ({gpus}); use "
+            f"{say.said('microbatches', fix)}")
+    return kind, v
+
+
+def recompute_of(value: str, say: Spelling = CLI) -> Recompute:
+    """The recompute policy named ``value`` (a bare --recompute means all)."""
+    from fxpipe.partition import Recompute
+
+    names = [r.value for r in Recompute]
+    if value not in names:
+        bare = f" (a bare {say.name('recompute')} means all)" if say.command_line else ""
+        raise ValueError(
+            f"{say.name('recompute')} takes one of {', '.join(names)}, got {value!r}{bare}")
+    return Recompute(value)
+
+
+def _cluster(pp: int | str | None, gpus_per_node: int | None, dp_mode: str | None,
+             global_batch: int | None, *, replicate: bool, virtual_stages: int,
+             say: Spelling) -> ClusterOptions | None:
+    """The cluster search's options, where a cluster option asks for one (else None: one
+    pipeline on all the GPUs)."""
+    from fxpipe.options import ClusterOptions
+
+    if (pp, gpus_per_node, dp_mode, global_batch) == (None,) * 4:
+        return None
+    per_pipeline = None if pp in (None, "auto") else _whole(pp, "pp", say)
+    if replicate or virtual_stages > 1:
+        cluster = ", ".join(say.name(o) for o in ("pp", "gpus_per_node", "dp_mode"))
+        raise ValueError(f"{say.name('replicate')} and {say.name('virtual_stages')} plan one "
+                         f"pipeline on all the GPUs: leave out {cluster} and "
+                         f"{say.name('global_batch')} with them")
+    if gpus_per_node is not None and gpus_per_node < 1:
+        raise ValueError(f"{say.name('gpus_per_node')} must be at least 1, got {gpus_per_node}")
+    if dp_mode is not None:
+        _one_of(dp_mode, DP_MODES, "dp_mode", say)
+    return ClusterOptions(gpus_per_node=gpus_per_node, pp=per_pipeline, dp_mode=dp_mode,
+                          global_batch=global_batch)
+
+
+def _whole(value: Any, option: str, say: Spelling) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{say.name(option)} takes auto or a number, got {value!r}") from None
+
+
+def read_plan(folder: Path, which: str) -> Plan:
+    """The Plan in ``folder``/plan.json; ``which`` says what the folder should hold."""
+    from fxpipe.plan import Plan
+
+    plan_file = Path(folder) / "plan.json"
+    if not plan_file.is_file():
+        raise ValueError(f"{plan_file}: no such file; pass the folder fxpipe split wrote "
+                         f"({which}).")
+    try:
+        return Plan.from_json(plan_file.read_text())
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{plan_file}: not a plan fxpipe wrote ({type(exc).__name__}: {exc}); "
+                         f"run fxpipe split again.") from None
+
+
+def read_card(measured: str | Path, plan_dir: str | Path | None = None) -> Card:
+    """The report card of ``measured`` against the plan.json in ``plan_dir`` (default: the
+    folder of ``measured``); what the comparison doubts is a ``warnings.warn``."""
+    from fxpipe.report.card import compare
+    from fxpipe.runtime.measured_file import load_card
+
+    card = load_card(measured)
+    folder = Path(plan_dir) if plan_dir is not None else Path(measured).parent
+    plan = read_plan(folder, "the plan that was measured")
+    return compare(plan, card, source=str(measured), plan_source=str(folder / "plan.json"))
