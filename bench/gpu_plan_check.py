@@ -62,7 +62,7 @@ from fxpipe.cli import main as fxpipe  # noqa: E402
 from fxpipe.codegen import load_package  # noqa: E402
 from fxpipe.plan import Plan  # noqa: E402
 from fxpipe.report.card import compare  # noqa: E402
-from fxpipe.runtime import load_card  # noqa: E402
+from fxpipe.runtime import load_measured  # noqa: E402
 
 MiB = 2**20
 STAGES = 4
@@ -243,7 +243,7 @@ def stage_table(folder: Path, plan: dict[str, Any], card: dict[str, Any]) -> lis
     planned = max(plan["stages"], key=lambda s: s["forward_s"] + s["backward_s"])["index"]
     measured = max(card["stages"], key=lambda s: s["forward_s"] + s["backward_s"])["index"]
     predicted = compare(Plan.from_json((folder / "plan.json").read_text()),
-                        load_card(folder / "measured.json")).predicted_step_s
+                        load_measured(folder / "measured.json")).predicted_step_s
     step = card["step_s"]
     lines += ["", f"slowest stage (forward + backward): planned {planned}, measured {measured}; "
               f"one-GPU step: predicted {predicted * 1e3:.1f} ms, measured {step * 1e3:.1f} ms "

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from fxpipe.frontend import Traced
     from fxpipe.options import SplitOptions
     from fxpipe.plan import Plan
-    from fxpipe.report.card import Card
+    from fxpipe.report.card import ReportCard
 
 __all__ = ["split", "split_file"]
 
@@ -207,7 +207,7 @@ def _traced(source: Any, options: SplitOptions, trace: Callable[..., Traced]
     return source, replace(traced, notes=(*traced.notes, *extra)), precision
 
 
-def _planned(traced: Traced, label: str, options: SplitOptions, card: Card | None,
+def _planned(traced: Traced, label: str, options: SplitOptions, card: ReportCard | None,
              phases: dict[str, float], *, diagram: str, calibrate: str | Path | None,
              out: str | Path | None, force: bool) -> Plan:
     """Plan the analysed model and, with ``out``, write its folder as the command does."""
@@ -215,7 +215,7 @@ def _planned(traced: Traced, label: str, options: SplitOptions, card: Card | Non
     from fxpipe.output import write_folder
 
     plan = plan_split(traced, label=label, options=options,
-                      calibrate_from=card,
+                      calibrate_from=None if card is None else (card.plan, card.measured),
                       progress=_timed(phases))
     if out is None:
         return plan

@@ -252,7 +252,7 @@ def _run_split(args: argparse.Namespace) -> int:
         return _step(label, False)
 
     plan = plan_split(traced, label=source.label, options=options, progress=progress,
-                      calibrate_from=card)
+                      calibrate_from=None if card is None else (card.plan, card.measured))
     drawing: list[str] = []
     files = output_files(traced, plan, label=source.label, diagram=args.diagram,
                          progress=progress, notify=drawing.append)
@@ -330,7 +330,8 @@ def _run_report(args: argparse.Namespace) -> int:
     source, traced = analyze_model(args.model, device=options.device.name,
                                    precision=card.plan.precision, quiet=True)
     # refuses a model that is not the measured plan's before anything is printed
-    again = plan_split(traced, label=source.label, options=options, calibrate_from=card)
+    again = plan_split(traced, label=source.label, options=options,
+                       calibrate_from=(card.plan, card.measured))
     before, after = card.plan.stage_of(), again.stage_of()
     moved = sum(before.get(name) != k for name, k in after.items())
     verdict = (f"{moved} of {len(after)} nodes move to another stage" if moved

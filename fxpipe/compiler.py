@@ -3,13 +3,15 @@
     source, traced = analyze_file("model.py", device=get_device("h100"))  # load, trace,
                                                           # passes + a cost model
     plan = plan_split(traced, label=source.label, options=SplitOptions(gpus=8, ...))
-    # or re-made from a training step's report card (see cost_models/calibrate.py):
-    plan = plan_split(traced, ..., calibrate_from=compare(old, load_card("measured.json")))
+    # or re-made with the costs a training step measured of an earlier plan (calibration.py):
+    plan = plan_split(traced, ..., calibrate_from=(old, load_measured("measured.json")))
     files = output_files(traced, plan, label=source.label)  # plan.json, stages, diagrams
 
 The CLI, the benchmarks and the tests all drive fxpipe through these calls, so
 the sequence frontend → passes → cost models → lower → partition → codegen / report
-is written once (``analyze`` alone for a model already traced in memory). ``progress``
+is written once (``analyze`` alone for a model already traced in memory). ``plan_split``
+is options → (the cluster's layout, cluster.py) → lower → partition (where nothing fits,
+what would, advice.py) → build_plan, with calibration.py around it. ``progress``
 wraps each slow phase (the CLI shows a spinner); ``notify`` receives what a person may
 want to know on the way (which tracer captured the model, its notes).
 """
@@ -20,41 +22,34 @@ import functools
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 from torch.utils import _pytree as pytree
 
-from fxpipe import cluster
+from fxpipe import advice, calibration, cluster
 from fxpipe.codegen import generate
 from fxpipe.codegen.build_check import check_builds
-from fxpipe.cost_models import Device, analytic, calibrate, measured
-from fxpipe.forked import Forked
+from fxpipe.cost_models import Device, analytic, measured
 from fxpipe.frontend import ModelSource, Traced, load_model_file, trace_source
-from fxpipe.kernels import Execution
 from fxpipe.loss_reduction import summed_loss_note
 from fxpipe.lower import Lowered, lower
-from fxpipe.options import SplitOptions, options_of
+from fxpipe.options import SplitOptions, execution, options_of
 from fxpipe.partition import (
-    Evaluation,
     InfeasibleMemoryError,
     Partition,
     PipedreamTieError,
     Problem,
     TiedPolicy,
     check_size,
-    dp_fits,
-    evaluate,
     exact_groups,
-    fewest_gpus,
     partition,
-    violations,
 )
 from fxpipe.partition.layout import sharded
-from fxpipe.passes import annotate_all, annotate_memory, annotate_modules
-from fxpipe.passes.base import OP_NODES, AnalysisError
+from fxpipe.passes import annotate_all
+from fxpipe.passes.base import OP_NODES
 from fxpipe.plan import DynamicDim, Plan
 from fxpipe.planning import build_plan
 from fxpipe.precision import Precision, default_precision, precision_note, trained_precision
@@ -67,9 +62,8 @@ from fxpipe.report import (
     render_svg,
     schedule_svg,
 )
-from fxpipe.report.card import Card, overlap_caveat
+from fxpipe.runtime.measured_file import Measured
 from fxpipe.schedules import ScheduleKind
-from fxpipe.units import format_ms
 
 __all__ = ["SplitOptions", "analyze", "analyze_file", "options_of", "output_files", "plan_split"]
 
@@ -168,7 +162,7 @@ def analyze(
             f"model.to({precision.dtype}) (and its floating inputs), as analyze_file does."
         )
     with progress("shapes, FLOPs and bytes"):
-        annotate_all(traced.gm, *traced.flat_inputs, execution=_execution(device, precision))
+        annotate_all(traced.gm, *traced.flat_inputs, execution=execution(device, precision))
     if measure:
         if precision is not None and precision is not default_precision(traced.gm):
             warnings.warn(
@@ -186,31 +180,25 @@ def analyze(
     return traced
 
 
-def _execution(device: Device, precision: Precision | None) -> Execution:
-    """How ``device`` runs the graph (its fused attention kernels) at ``precision``."""
-    return Execution(
-        kernels="cpu" if device.kernels == "cpu" else "cuda",
-        flash_attention=device.flash_attention,
-        precision=precision,
-    )
-
-
 def plan_split(
     traced: Traced,
     *,
     label: str,
     options: SplitOptions,
     progress: Progress = _silent,
-    calibrate_from: Card | None = None,
+    calibrate_from: tuple[Plan, Measured] | None = None,
 ) -> Plan:
-    """Cut an analysed model into ``options.gpus`` stages: lower, solve, apply to the graph.
+    """Cut an analysed model into ``options.gpus`` stages: the options (and, asked for, the
+    layout of the GPUs the cluster search chooses), lower, partition (where nothing fits,
+    what would: ``advice``), and the answer applied to the graph (``build_plan``).
 
     PipeDream's weight stashing updates each stage's own weights after every micro-batch,
     so a parameter read by several ops (tied) stays on one stage under that schedule.
 
-    ``calibrate_from``: a report card of an earlier plan of this model; its measured stage
-    times rescale the node costs (in place) before lowering, and the answer is never worse,
-    under those costs, than the measured plan's own cut."""
+    ``calibrate_from``: an earlier plan of this model and a measurement of it (measured.json
+    as read back); its measured stage times rescale the node costs (in place) before
+    lowering, and the answer is never worse, under those costs, than the measured plan's
+    own cut (``calibration``)."""
     pipedream = options.schedule is ScheduleKind.PIPEDREAM
     notes: list[str] = []
     note = precision_note(options.precision, traced.gm)
@@ -219,40 +207,26 @@ def plan_split(
     # costed, and recorded, at the precision the run trains in, as analyze() costed it
     options = replace(options, precision=trained_precision(options.precision, traced.gm))
     if calibrate_from is not None:
-        forward, backward = calibrate_from.figures()
-        fitted = calibrate.fit(forward, backward)
-        new_ops = calibrate.apply(traced.gm, fitted)
-        notes.append(_calibration_note(calibrate_from, fitted, new_ops))
+        notes.append(calibration.calibrate_graph(traced.gm, *calibrate_from))
+    problem = functools.partial(_problem, traced)  # of the graph for some options
     layout = None
     solved: dict[SplitOptions, Partition] = {}
     if options.cluster is not None:
         with progress(f"choosing the layout of {options.gpus} GPUs"):
             options, layout = cluster.choose(
-                traced, options, problem=lambda o: _lowered(traced, o).problem,
-                solve=functools.partial(_solve, traced, solved))
+                traced, options, problem=problem, solve=functools.partial(_solve, traced, solved))
     lowered = _lowered(traced, options)
     if pipedream and lowered.problem.tied:
         _check_pipedream_ties(lowered.problem)
     with progress(f"solving ({len(lowered.problem.nodes)} nodes onto {options.gpus} GPUs)"):
         try:
             result = solved.get(options) or _solve(traced, {}, options, lowered)
-        except InfeasibleMemoryError as exc:
-            fixes: dict[str, object] = {}
-            leaner = _fitting_precision(traced, options, exc.fits_on)
-            if leaner is not None:
-                fixes.update(precision=leaner[0].value, precision_gpus=leaner[1])
-            samples = _fitting_samples(traced, options)
-            if samples is not None:
-                fixes.update(samples=samples)
-            if _fits_in_1f1b(traced, options):
-                fixes.update(schedule=ScheduleKind.ONE_F_ONE_B.value)
-            if not fixes:
-                raise
-            raise exc.but(**fixes) from None
+        except InfeasibleMemoryError as exc:  # what would fit, the graph costed again
+            raise advice.advised(exc, traced, options, problem=problem) from None
     evaluation = result.evaluation
     if calibrate_from is not None:
-        evaluation, line = _against_measured(lowered, result.problem, evaluation,
-                                             calibrate_from.plan)
+        evaluation, line = calibration.against_measured(lowered, result.problem, evaluation,
+                                                        calibrate_from[0])
         notes.append(line)
     notes = [*traced.notes, *notes]
     if result.report.wall_clock_stopped:
@@ -297,6 +271,11 @@ def _solve(traced: Traced, solved: dict[SplitOptions, Partition], options: Split
     return solved[options]
 
 
+def _problem(traced: Traced, options: SplitOptions) -> Problem:
+    """The solver's problem of the analysed graph, for ``options``."""
+    return _lowered(traced, options).problem
+
+
 def _lowered(traced: Traced, options: SplitOptions) -> Lowered:
     """The analysed graph as the solver's problem, for ``options`` (the optimizer state
     divided over a layout's data-parallel copies, ``partition.layout.sharded``)."""
@@ -317,132 +296,6 @@ def _lowered(traced: Traced, options: SplitOptions) -> Lowered:
         across_hosts=options.across_hosts,
     )
     return replace(lowered, problem=sharded(lowered.problem, *options.data_parallel))
-
-
-# The precisions that may need less memory than each, in the order they are suggested:
-# bf16-mixed first, the way LLMs usually train (float32 master weights); bf16-true halves
-# the parameters and optimizer state too, but the model must be cast. Whether one fits is
-# found by costing the graph at it, never assumed (autocast's weight copies can make
-# bf16-mixed need more than 32-true on a model of big weights and small activations).
-_LEANER = {
-    Precision.TRUE_64: (Precision.BF16_MIXED, Precision.BF16_TRUE),
-    Precision.TRUE_32: (Precision.BF16_MIXED, Precision.BF16_TRUE),
-    Precision.BF16_MIXED: (Precision.BF16_TRUE,),
-    Precision.MIXED_16: (Precision.TRUE_16,),
-}
-
-
-def _fitting_precision(traced: Traced, options: SplitOptions, fits_on: int | None
-                       ) -> tuple[Precision, int | None] | None:
-    """The first leaner precision (``_LEANER``) at which a split of the model fits with the
-    other options as given, and None; else the one that fits on the fewest GPUs
-    (``fewest_gpus``), fewer than ``fits_on`` (the fewest at the current precision; None:
-    none), and that count. Found by costing the graph's bytes at it (``_bytes_again``)
-    and a fast fitting split (``dp_fits``); the GPU counts are searched only when no
-    precision fits as given. A precision the passes cannot run the graph at is not named
-    (it could not be planned either).
-
-    On a graph torch.export captured, the bytes at a ``*-true`` precision are those of the
-    traced casts (a float32 trace keeps RMSNorm's ``to(float32)`` where the cast model
-    runs ``to(bfloat16)``): more than the cast model keeps, so a fit found here holds when
-    the model is planned at that precision, which traces it cast."""
-    current = options.precision or default_precision(traced.gm)
-    candidates = _LEANER.get(current, ())
-    costed: list[tuple[Precision, Problem]] = []
-    with ExitStack() as children:
-        # Seconds each on a large model: all but the first in forked children meanwhile
-        later = {candidate: children.enter_context(Forked(functools.partial(
-            _fit_at, traced, options, candidate))) for candidate in candidates[1:]}
-        for candidate in candidates:
-            job = later.get(candidate)
-            problem, fits = job.result() if job else _fit_at(traced, options, candidate)
-            if problem is None:
-                continue
-            if fits:
-                return candidate, None
-            costed.append((candidate, problem))
-    on_more: tuple[Precision, int | None] | None = None
-    for candidate, problem in costed:
-        gpus = fewest_gpus(problem)
-        fewest = on_more[1] if on_more is not None else fits_on
-        if gpus is not None and (fewest is None or gpus < fewest):
-            on_more = candidate, gpus
-    return on_more
-
-
-def _fit_at(traced: Traced, options: SplitOptions, precision: Precision
-            ) -> tuple[Problem | None, bool]:
-    """The problem of the graph's bytes at ``precision`` (``_bytes_again``; None where the
-    passes cannot run it), and whether a fast split of it fits (``dp_fits``)."""
-    problem = _bytes_again(traced, replace(options, precision=precision), traced.flat_inputs)
-    return problem, problem is not None and dp_fits(problem)
-
-
-# Micro-batch sizes tried when nothing fits: the example's batch halved up to this often
-# (each costs the graph's bytes once more).
-MAX_HALVINGS = 6
-
-
-def _fitting_samples(traced: Traced, options: SplitOptions) -> tuple[int, int, int] | None:
-    """Smaller micro-batches that fit with the other options as given: (b, B, M), micro-
-    batches of b of the example's B samples, M of them per step (as many samples as
-    before); the largest b of B / 2, B / 4, ... that fits, found as
-    ``_fitting_precision`` finds a precision (the graph's bytes costed again at that
-    size, ``_bytes_again``, and a fast fitting split). None where none of them fits,
-    where the example holds one sample, or where the graph does not take another batch
-    size."""
-    flat = traced.flat_inputs
-    batched = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.dim() > 0
-               and (not traced.batched or traced.batched[i])]
-    free = {shape.name: shape.dynamic[0] for shape in traced.inputs if shape.dynamic}
-    placeholders = [n.name for n in traced.gm.graph.nodes if n.op == "placeholder"]
-    sizes = {flat[i].shape[0] for i in batched}
-    if len(sizes) != 1 or any(free.get(placeholders[i]) is None for i in batched):
-        return None
-    (B,) = sizes
-    b = B
-    for _ in range(MAX_HALVINGS):
-        if b % 2:
-            return None
-        b //= 2
-        inputs = tuple(x.narrow(0, 0, b) if i in batched else x for i, x in enumerate(flat))
-        step = replace(options, microbatches=options.microbatches * B // b)
-        problem = _bytes_again(traced, step, inputs)
-        if problem is None:
-            return None
-        if dp_fits(problem):
-            return b, B, step.microbatches
-    return None
-
-
-def _bytes_again(traced: Traced, options: SplitOptions, inputs: tuple[Any, ...]
-                 ) -> Problem | None:
-    """The problem ``options`` make of the graph with its shapes and bytes costed once
-    more, on ``inputs`` at the options' precision (one run of the graph; FLOPs and times,
-    which do not decide a fit, are left as they are: the FLOP pass is the slowest); None
-    where the passes cannot run it. The graph's own annotations are restored after."""
-    gm = traced.gm
-    execution = _execution(options.device, options.precision or default_precision(gm))
-    saved = {node: dict(node.meta) for node in gm.graph.nodes}
-    try:
-        annotate_memory(gm, *inputs, execution=execution, shapes=True)
-        annotate_modules(gm)
-        return _lowered(traced, options).problem
-    except AnalysisError:
-        return None
-    finally:
-        for node, meta in saved.items():
-            node.meta = meta
-
-
-def _fits_in_1f1b(traced: Traced, options: SplitOptions) -> bool:
-    """Whether a split fits under 1F1B, which keeps the fewest micro-batches in flight
-    of the schedules (no weight stash, no deferred weight gradient), where another
-    schedule was asked for; found by a fast fitting split."""
-    if options.schedule is ScheduleKind.ONE_F_ONE_B:
-        return False
-    plain = replace(options, schedule=ScheduleKind.ONE_F_ONE_B, virtual_stages=1)
-    return dp_fits(_lowered(traced, plain).problem)
 
 
 def _check_pipedream_ties(problem: Problem) -> None:
@@ -511,53 +364,3 @@ def output_files(
     files["report.html"] = render_html(plan, traced.gm, depth=auto_depth(traced.gm),
                                        schedule=files["schedule.svg"])
     return files
-
-
-
-def _calibration_note(card: Card, fitted: calibrate.Calibration, new_ops: int) -> str:
-    def factors(values: list[float | None]) -> str:
-        return ", ".join("-" if v is None else f"×{v:.2f}" for v in values)
-
-    m = card.measured
-    line = (f"calibrated with a measurement on {m.device} ({m.steps} steps, {m.clock} clock): "
-            f"forward per stage {factors([f.forward for f in fitted.stages])}, backward "
-            f"{factors([f.backward for f in fitted.stages])}")
-    memory = [f.memory for f in fitted.stages]
-    if any(v is not None for v in memory):
-        line += f", activation memory {factors(memory)}"
-    else:
-        line += ", memory not calibrated (no per-stage peak measured)"
-    line += "; communication not calibrated"
-    for device, stages in card.overlapped.items():
-        line += f"; {overlap_caveat(device, stages)}"
-    if new_ops:
-        median = fitted.median
-        line += (f"; {new_ops} ops the measured plan did not have took the median factors "
-                 f"×{median.forward:.2f} forward, ×{median.backward:.2f} backward")
-    return line
-
-
-def _against_measured(lowered: Lowered, problem: Problem, evaluation: Evaluation,
-                      measured: Plan) -> tuple[Evaluation, str]:
-    """The solver's answer, or the measured plan's own cut where that scores better under
-    the calibrated costs (a time-limited solve can stop short of it); and a note saying
-    how the two compare and which ops moved."""
-    names = [op.name for op in lowered.ops]
-    old = measured.stage_of()
-    if measured.num_stages != problem.num_stages or any(n not in old for n in names):
-        return evaluation, ("the measured plan has other stages or ops than this one; its "
-                            "cut is not compared")
-    old_cut = tuple(old[n] for n in names)
-    previous = evaluate(problem, old_cut)
-    valid = previous.estimate.fits and not violations(problem, old_cut)
-    if valid and previous.bottleneck_s < evaluation.bottleneck_s:
-        evaluation = previous
-    moved = sum(a != b for a, b in zip(old_cut, evaluation.stage_of, strict=True))
-    line = (f"under the calibrated costs the measured plan's cut has a bottleneck of "
-            f"{format_ms(previous.bottleneck_s)}"
-            + ("" if valid else " (and does not fit)")
-            + f", this plan {format_ms(evaluation.bottleneck_s)}; ")
-    line += (f"{moved} of {len(names)} ops moved to another stage" if moved
-             else "the cut is unchanged")
-    assert not valid or evaluation.bottleneck_s <= previous.bottleneck_s
-    return evaluation, line

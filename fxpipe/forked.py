@@ -4,7 +4,7 @@ Some steps run independent pieces of Python that each take a second or more: tra
 model of repeated layers records the whole model's run and exports the cut one
 (``tracing/repeats.py``); ``symbolic_trace``'s graph is run once to check it and once
 per input size to learn which may vary (``tracing/symbolic.py``); when nothing fits, the
-graph's bytes are costed again at each leaner precision (``compiler.py``). A forked
+graph's bytes are costed again at each leaner precision (``advice.py``). A forked
 child shares the parent's objects as they were at the fork, with their ids, so it can
 run one piece on the same model while the parent runs another, on a second core.
 

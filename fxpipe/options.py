@@ -1,18 +1,20 @@
-"""What ``fxpipe split`` is asked to plan: ``SplitOptions``, and the options a plan was made
-with (``options_of``), to plan it again."""
+"""What ``fxpipe split`` is asked to plan: ``SplitOptions``, the options a plan was made
+with (``options_of``), to plan it again, and how the asked device runs the graph at the
+asked precision (``execution``), as the passes cost it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from fxpipe.cost_models import Device
+from fxpipe.kernels import Execution
 from fxpipe.partition import Recompute
 from fxpipe.partition.solve import WORK_LIMIT
 from fxpipe.plan import Plan
 from fxpipe.precision import Precision, parse_precision
 from fxpipe.schedules import ScheduleKind
 
-__all__ = ["ClusterOptions", "SplitOptions", "options_of"]
+__all__ = ["ClusterOptions", "SplitOptions", "execution", "options_of"]
 
 
 @dataclass(frozen=True)
@@ -69,4 +71,13 @@ def options_of(plan: Plan) -> SplitOptions:
         precision=parse_precision(plan.precision),
         data_parallel=(1, "ddp") if layout is None else (layout.dp, layout.dp_mode),
         across_hosts=layout is not None and layout.pipeline_link == "inter",
+    )
+
+
+def execution(device: Device, precision: Precision | None) -> Execution:
+    """How ``device`` runs the graph (its fused attention kernels) at ``precision``."""
+    return Execution(
+        kernels="cpu" if device.kernels == "cpu" else "cuda",
+        flash_attention=device.flash_attention,
+        precision=precision,
     )

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from fxpipe.options import ClusterOptions, SplitOptions
     from fxpipe.partition import Recompute
     from fxpipe.plan import Plan
-    from fxpipe.report.card import Card
+    from fxpipe.report.card import ReportCard
 
 __all__ = ["API", "CLI", "MAX_MICROBATCHES", "Spelling", "read_card", "read_plan",
            "recompute_of", "split_options"]
@@ -231,13 +231,13 @@ def read_plan(folder: Path, which: str) -> Plan:
                          f"run fxpipe split again.") from None
 
 
-def read_card(measured: str | Path, plan_dir: str | Path | None = None) -> Card:
+def read_card(measured: str | Path, plan_dir: str | Path | None = None) -> ReportCard:
     """The report card of ``measured`` against the plan.json in ``plan_dir`` (default: the
     folder of ``measured``); what the comparison doubts is a ``warnings.warn``."""
     from fxpipe.report.card import compare
-    from fxpipe.runtime.measured_file import load_card
+    from fxpipe.runtime.measured_file import load_measured
 
-    card = load_card(measured)
+    card = load_measured(measured)
     folder = Path(plan_dir) if plan_dir is not None else Path(measured).parent
     plan = read_plan(folder, "the plan that was measured")
     return compare(plan, card, source=str(measured), plan_source=str(folder / "plan.json"))

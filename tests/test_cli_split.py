@@ -201,7 +201,7 @@ def test_solver_errors_are_worded_with_the_flags(
 def test_no_fit_on_any_gpu_count_searched_does_not_advise_more_gpus(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from fxpipe import cli, compiler
+    from fxpipe import advice, cli, compiler
     from fxpipe.partition import InfeasibleMemoryError
 
     def nothing_fits(problem: object, **_: object) -> None:
@@ -209,7 +209,7 @@ def test_no_fit_on_any_gpu_count_searched_does_not_advise_more_gpus(
 
     monkeypatch.setattr(compiler, "partition", nothing_fits)
     # the failure is made up: at any micro-batch size the model fits really
-    monkeypatch.setattr(compiler, "_fitting_samples", lambda *_: None)
+    monkeypatch.setattr(advice, "fitting_samples", lambda *_, **__: None)
     monkeypatch.chdir(tmp_path)
     # bf16-true: no leaner precision to try either
     assert cli.main(["split", MLP, "--gpus", "2", "--precision", "bf16-true"]) == 2

@@ -90,11 +90,11 @@ def test_a_precision_the_passes_cannot_run_is_not_named(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A graph the passes cannot analyse at bf16-mixed goes on to the next leaner
     precision instead of failing the error."""
-    import fxpipe.compiler
+    import fxpipe.advice
     from fxpipe.kernels import Execution
     from fxpipe.passes import AnalysisError
 
-    annotate_memory = fxpipe.compiler.annotate_memory
+    annotate_memory = fxpipe.advice.annotate_memory
 
     def failing(gm: torch.fx.GraphModule, *inputs: object, execution: Execution,
                 shapes: bool) -> object:
@@ -103,7 +103,7 @@ def test_a_precision_the_passes_cannot_run_is_not_named(
         return annotate_memory(gm, *inputs, execution=execution, shapes=shapes)
 
     source, traced, options = _split(tmp_path, WIDE, "5MiB")
-    monkeypatch.setattr(fxpipe.compiler, "annotate_memory", failing)
+    monkeypatch.setattr(fxpipe.advice, "annotate_memory", failing)
     with pytest.raises(InfeasibleMemoryError) as caught:
         plan_split(traced, label=source.label, options=options)
     assert caught.value.precision == "bf16-true"

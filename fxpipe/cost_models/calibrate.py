@@ -1,6 +1,6 @@
 """Rescale a cost model's node times by what a training step measured.
 
-A plan predicts each stage's forward and backward seconds; a report card
+A plan predicts each stage's forward and backward seconds; a measurement
 (``measured.json``, written by the runtime) measures them. The ratio measured /
 predicted of stage k, for forward and for backward, becomes the factor of every op the
 measured plan put on stage k. Ops are named as in ``plan.json``'s ``stages[].nodes``, so
@@ -66,7 +66,7 @@ class Calibration:
 def fit(predicted: Sequence[StageFigures], measured: Sequence[StageFigures]) -> Calibration:
     """Per-stage factors: ``measured[k]`` / ``predicted[k]`` (same stages, same order)."""
     assert len(predicted) == len(measured), (len(predicted), len(measured))
-    # load_card refuses a measured time that is not a finite number above 0
+    # load_measured refuses a measured time that is not a finite number above 0
     assert all(math.isfinite(t) and t > 0 for m in measured for t in (m.forward_s, m.backward_s))
 
     def ratio(m: float | None, p: float | None) -> float | None:

@@ -13,12 +13,12 @@ from __future__ import annotations
 import warnings
 from dataclasses import dataclass
 
-from fxpipe.cost_models.calibrate import StageFigures
 from fxpipe.plan import Plan
 from fxpipe.runtime.measured_file import REMEASURE, Measured, plan_identity
 from fxpipe.units import format_bytes, format_ms
 
-__all__ = ["TIE", "Card", "StageRow", "compare", "overlap_caveat", "render_card"]
+__all__ = ["TIE", "ReportCard", "StageRow", "check_measures", "compare", "overlap_caveat",
+           "render_card"]
 
 # Stages measured within this fraction of the slowest tie with it. A step's stage times
 # on one H100 moved by up to 1 % from one run of the same plan to the next (BENCHMARKS.md).
@@ -57,7 +57,9 @@ class StageRow:
 
 
 @dataclass(frozen=True)
-class Card:
+class ReportCard:
+    """A plan's figures against what a training step measured of it (``compare``)."""
+
     plan: Plan
     measured: Measured
     rows: tuple[StageRow, ...]
@@ -86,23 +88,6 @@ class Card:
         return self.behind <= TIE
 
     @property
-    def shared(self) -> dict[str, tuple[int, ...]]:
-        """Each device that several stages were measured on, with those stages."""
-        stages: dict[str, list[int]] = {}
-        for row in self.rows:
-            if row.shared:
-                stages.setdefault(row.device, []).append(row.index)
-        return {device: tuple(ks) for device, ks in stages.items()}
-
-    @property
-    def overlapped(self) -> dict[str, tuple[int, ...]]:
-        """The shared GPUs whose stages ran side by side on streams of their own, so that
-        each stage's times include its neighbours' kernels."""
-        if self.measured.serial:
-            return {}
-        return {d: ks for d, ks in self.shared.items() if d.startswith("cuda")}
-
-    @property
     def predicted_step_s(self) -> float:
         """The step the plan predicts on the devices measured: its pipelined step, or,
         where stages shared a device, that device's work one stage after another
@@ -110,24 +95,8 @@ class Card:
         is longer."""
         m = self.plan.microbatches
         in_turn = [m * sum(self.rows[k].predicted[0] + self.rows[k].predicted[1] for k in ks)
-                   for ks in self.shared.values()]
+                   for ks in self.measured.shared.values()]
         return max([self.plan.estimate.iteration_s, *in_turn])
-
-    def figures(self) -> tuple[list[StageFigures], list[StageFigures]]:
-        """(predicted, measured) per stage, for a calibration; memory only where a
-        measured peak is the stage's own, and only its part that varies with the split."""
-        predicted, measured = [], []
-        for row, stage in zip(self.rows, self.plan.stages, strict=True):
-            fixed = (stage.memory.params + stage.memory.grads + stage.memory.optimizer
-                     + stage.memory.stashed)
-            memory = row.measured_memory is not None and not row.shared
-            predicted.append(StageFigures(stage.nodes, row.predicted[0], row.predicted[1],
-                                          stage.memory.total - fixed if memory else None))
-            measured.append(StageFigures(
-                stage.nodes, row.measured[0], row.measured[1],
-                float(row.measured_memory - fixed)
-                if memory and row.measured_memory is not None else None))
-        return predicted, measured
 
 
 def ratio(measured: float, predicted: float) -> float | None:
@@ -135,17 +104,39 @@ def ratio(measured: float, predicted: float) -> float | None:
 
 
 def compare(plan: Plan, measured: Measured, *, source: str = "the measurement",
-            plan_source: str = "the plan") -> Card:
+            plan_source: str = "the plan") -> ReportCard:
     """The plan's figures against ``measured``; a ValueError if they are not of one plan
-    (``source`` and ``plan_source`` name the two in it). A measurement that does not name
-    its plan (written before they did) is compared as given, with a warning."""
-    given = plan_identity(plan.to_dict())
+    (``check_measures``; ``source`` and ``plan_source`` name the two in it). A measurement
+    that does not name its plan (written before they did) is compared as given, with a
+    warning."""
     if measured.plan is None:
         warnings.warn(
             f"{source} does not name the plan it measured (it was written before "
             f"measurements did), so nothing checks that it measured {plan_source}, "
-            f"{given}; {REMEASURE} to have it checked", stacklevel=2)
-    elif measured.plan != given:
+            f"{plan_identity(plan.to_dict())}; {REMEASURE} to have it checked", stacklevel=2)
+    check_measures(plan, measured, source=source, plan_source=plan_source)
+    shared = {k for stages in measured.shared.values() for k in stages}
+    rows = tuple(
+        StageRow(
+            index=stage.index,
+            predicted=(stage.forward_s, stage.backward_s, stage.comm_s),
+            measured=(m.forward_s, m.backward_s, m.comm_s),
+            predicted_memory=stage.memory.total,
+            measured_memory=m.peak_memory_bytes,
+            device=m.device,
+            shared=stage.index in shared,
+        )
+        for stage, m in zip(plan.stages, measured.stages, strict=True)
+    )
+    return ReportCard(plan=plan, measured=measured, rows=rows)
+
+
+def check_measures(plan: Plan, measured: Measured, *, source: str = "the measurement",
+                   plan_source: str = "the plan") -> None:
+    """A ValueError unless ``measured`` is a measurement of ``plan``: the plan it names (a
+    measurement that names none passes), its stages and its micro-batches per step."""
+    given = plan_identity(plan.to_dict())
+    if measured.plan is not None and measured.plan != given:
         raise ValueError(
             f"{source} measured {measured.plan}, not {plan_source}, {given}; pass the folder "
             f"of the plan that was measured, or {REMEASURE} with this plan's package."
@@ -160,23 +151,9 @@ def compare(plan: Plan, measured: Measured, *, source: str = "the measurement",
             f"{source} ran {measured.microbatches} micro-batches per step but the plan has "
             f"{plan.microbatches}; measure the package this plan generated."
         )
-    devices = [m.device for m in measured.stages]
-    rows = tuple(
-        StageRow(
-            index=stage.index,
-            predicted=(stage.forward_s, stage.backward_s, stage.comm_s),
-            measured=(m.forward_s, m.backward_s, m.comm_s),
-            predicted_memory=stage.memory.total,
-            measured_memory=m.peak_memory_bytes,
-            device=m.device,
-            shared=devices.count(m.device) > 1,
-        )
-        for stage, m in zip(plan.stages, measured.stages, strict=True)
-    )
-    return Card(plan=plan, measured=measured, rows=rows)
 
 
-def render_card(card: Card) -> str:
+def render_card(card: ReportCard) -> str:
     """The report card as Markdown: a table per stage, then the verdict."""
     m = card.measured
     lines = [
@@ -219,7 +196,7 @@ def render_card(card: Card) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _bottleneck_line(card: Card) -> str:
+def _bottleneck_line(card: ReportCard) -> str:
     planned, measured = card.planned_bottleneck, card.measured_bottleneck
     line = f"Bottleneck: planned stage {planned}, measured stage {measured}"
     if planned != measured:
@@ -230,11 +207,11 @@ def _bottleneck_line(card: Card) -> str:
                    else " — the plan's choice does not hold.")
 
 
-def _shared_lines(card: Card) -> list[str]:
+def _shared_lines(card: ReportCard) -> list[str]:
     """What a shared device changes: the step predicted, whose peak a peak is, and
     whether stage times overlapped."""
     lines = []
-    for device, ks in card.shared.items():
+    for device, ks in card.measured.shared.items():
         rows = [card.rows[k] for k in ks]
         line = (f"Stages {_listed(ks)} shared {device}: the step predicted there is their "
                 f"work one after another, M × Σ (forward + backward)")
@@ -245,7 +222,7 @@ def _shared_lines(card: Card) -> list[str]:
                      f"most {format_bytes(together)} with every stage at its peak at once: "
                      f"×{peak / together:.2f})")
         lines.append(line + ".")
-    for device, ks in card.overlapped.items():
+    for device, ks in card.measured.overlapped.items():
         caveat = overlap_caveat(device, ks)
         lines.append(caveat[0].upper() + caveat[1:] + ".")
     return lines
@@ -253,7 +230,7 @@ def _shared_lines(card: Card) -> list[str]:
 
 def overlap_caveat(device: str, ks: tuple[int, ...]) -> str:
     """Why the times of stages that ran side by side on one GPU are not each stage's own
-    (``Card.overlapped``), in the words of the card and of a calibrated plan's note."""
+    (``Measured.overlapped``), in the words of the card and of a calibrated plan's note."""
     return (f"stages {_listed(ks)} ran side by side on {device}, on streams of their own, "
             "so each one's times include the others' kernels; measure with "
             "runner.measure(serial=True) to time each alone, the times to calibrate from")

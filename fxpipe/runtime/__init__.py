@@ -15,7 +15,7 @@ runs without fxpipe installed. One idea per module:
     stashing.py     PipeDream's weight stashing
     recompute.py    the random state a recomputed forward replays
     precision.py    the plan's precision: autocast per stage forward, a GradScaler
-    measure.py      the report card: each stage's measured times and memory (measured.json)
+    measure.py      measuring a step: each stage's times and memory (measured.json)
     binding.py      how a generated stage binds the model's own parameters, and indexes
                     the modules on the way to them as the model does
     shapes.py       a stage's check of the input dimensions it was traced at
@@ -27,7 +27,7 @@ runs without fxpipe installed. One idea per module:
     grads.py        tied and replicated gradients across ranks
     table.py        the uneven-replica schedule under torchrun
     zero_bubble.py  zb1p, zbv and dualpipev on torch's zero-bubble schedule classes
-    rank_measure.py the report card under torchrun: each rank's stages, gathered
+    rank_measure.py measuring under torchrun: each rank's stages, gathered
     materialize.py  building only this rank's stage from a checkpoint
     older_torch.py  what torch 2.11's pipelining needs to run the stages
     own_loss.py     a model that computes its own loss, under torch's schedules
@@ -53,8 +53,8 @@ if TYPE_CHECKING:  # the names as type checkers see them (``X as X``: re-exporte
     from .devices import stage_devices as stage_devices
     from .loading import import_file as import_file
     from .loading import load_package as load_package
-    from .measure import ReportCard as ReportCard
-    from .measured_file import load_card as load_card
+    from .measure import Measurement as Measurement
+    from .measured_file import load_measured as load_measured
     from .runner import PipelineRunner as PipelineRunner
     from .schedule import check_schedule as check_schedule
     from .schedule import dependencies as dependencies
@@ -62,15 +62,15 @@ if TYPE_CHECKING:  # the names as type checkers see them (``X as X``: re-exporte
 
 # Each public name and the module that defines it.
 _HOMES = {
+    "Measurement": "measure",
     "PipelineRunner": "runner",
-    "ReportCard": "measure",
     "bind": "binding",
     "check_schedule": "schedule",
     "check_shape": "shapes",
     "check_stage_states": "checkpoint",
     "dependencies": "schedule",
     "import_file": "loading",
-    "load_card": "measured_file",
+    "load_measured": "measured_file",
     "load_package": "loading",
     "merge_stage_state_dicts": "checkpoint",
     "place_stages": "devices",

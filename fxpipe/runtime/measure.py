@@ -1,4 +1,4 @@
-"""A plan's report card: what each stage really costs in a training step.
+"""A plan measured: what each stage really costs in a training step.
 
     with runner.measure(warmup=1) as card:
         for batch, target in data:
@@ -49,20 +49,21 @@ from typing import Any
 
 import torch
 
-from .measured_file import FORMAT, VERSION, PlanIdentity, StageMeasure, check_card, package_plan
+from .measured_file import FORMAT, VERSION, PlanIdentity, StageMeasure, check_measured, package_plan
 
 __all__ = [
     "MeasuredSteps",
+    "Measurement",
     "Recorder",
-    "ReportCard",
     "timed",
 ]
 
 KINDS = ("forward", "backward", "comm")
 
 
-class ReportCard:
-    """Measured steps of one runner; filled while ``PipelineRunner.measure`` is active."""
+class Measurement:
+    """Measured steps of one runner; filled while ``PipelineRunner.measure`` is active,
+    and written as ``measured.json`` by ``save`` (read back as measured_file's ``Measured``)."""
 
     def __init__(self, num_stages: int, microbatches: int, *, warmup: int = 1,
                  device: str = "cpu", clock: str = "wall") -> None:
@@ -131,7 +132,7 @@ class ReportCard:
         and nothing written, where a figure is one no step measures (a clock that failed)."""
         path = Path(path)
         data = self.to_dict()
-        check_card(data, path)  # the check fxpipe report makes of it
+        check_measured(data, path)  # the check fxpipe report makes of it
         path.write_text(json.dumps(data, indent=2) + "\n")
         return path
 
@@ -145,7 +146,7 @@ class Recorder:
                  streams: Callable[[int], Any]) -> None:
         first = devices[0] if devices else None
         on_cuda = first is not None and first.type == "cuda"
-        self.card = ReportCard(num_stages, microbatches, warmup=warmup,
+        self.card = Measurement(num_stages, microbatches, warmup=warmup,
                                device=torch.cuda.get_device_name(first) if on_cuda else "cpu",
                                clock="cuda-events" if on_cuda else "wall")
         self.stream_of = streams
@@ -226,7 +227,7 @@ class Recorder:
 
 
 class MeasuredSteps:
-    """``PipelineRunner.measure``: the runner's steps timed into a report card."""
+    """``PipelineRunner.measure``: the runner's steps timed into a ``Measurement``."""
 
     stages: Sequence[Any]
     microbatches: int
@@ -235,7 +236,7 @@ class MeasuredSteps:
     _recorder: Recorder | None = None  # while measure() is active
 
     @contextlib.contextmanager
-    def measure(self, *, warmup: int = 1, serial: bool = False) -> Iterator[ReportCard]:
+    def measure(self, *, warmup: int = 1, serial: bool = False) -> Iterator[Measurement]:
         """Time every ``step`` run inside, after the first ``warmup``: each stage's
         forward, backward and communication, its device's peak memory and the step;
         ``card.save(path)`` writes them as ``measured.json``.

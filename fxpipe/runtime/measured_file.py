@@ -1,7 +1,7 @@
-"""``measured.json``: the file a report card is saved as, the plan it measured, and the one
+"""``measured.json``: the file a measurement is saved as, the plan it measured, and the one
 check every reader and writer of it goes through.
 
-``ReportCard.save`` (measure.py) writes it, ``load_card`` reads it back; both refuse a
+``Measurement.save`` (measure.py) writes it, ``load_measured`` reads it back; both refuse a
 value no training step can measure (a NaN, an infinite, negative or zero time, no step)
 in one line naming the file, the field and the value, so that neither ``fxpipe report``
 nor ``fxpipe split --calibrate`` ever compares a plan with one.
@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FORMAT", "VERSION", "Measured", "PlanIdentity", "StageMeasure", "check_card",
-           "load_card", "package_plan", "plan_identity"]
+__all__ = ["FORMAT", "VERSION", "Measured", "PlanIdentity", "StageMeasure", "check_measured",
+           "load_measured", "package_plan", "plan_identity"]
 
 FORMAT = "fxpipe-measured"
 VERSION = 1
@@ -76,6 +76,23 @@ class Measured:
     serial: bool = False  # stages sharing a GPU ran one after another on one stream
     plan: PlanIdentity | None = None  # None: written before measurements named their plan
 
+    @property
+    def shared(self) -> dict[str, tuple[int, ...]]:
+        """Each device that several stages were measured on, with those stages: its peak
+        is theirs together, not any one stage's."""
+        stages: dict[str, list[int]] = {}
+        for stage in self.stages:
+            stages.setdefault(stage.device, []).append(stage.index)
+        return {device: tuple(ks) for device, ks in stages.items() if len(ks) > 1}
+
+    @property
+    def overlapped(self) -> dict[str, tuple[int, ...]]:
+        """The shared GPUs whose stages ran side by side on streams of their own, so that
+        each stage's times include its neighbours' kernels."""
+        if self.serial:
+            return {}
+        return {d: ks for d, ks in self.shared.items() if d.startswith("cuda")}
+
 
 def plan_identity(plan: Mapping[str, Any]) -> PlanIdentity:
     """The identity of plan.json's ``plan`` (as a dict): its model, and a digest of what
@@ -97,7 +114,7 @@ def package_plan() -> PlanIdentity | None:
     return plan_identity(json.loads(path.read_text(encoding="utf-8")))
 
 
-def load_card(path: str | Path) -> Measured:
+def load_measured(path: str | Path) -> Measured:
     """Read and check a ``measured.json``; a ValueError names what is wrong with it."""
     path = Path(path)
     if not path.is_file():
@@ -107,10 +124,10 @@ def load_card(path: str | Path) -> Measured:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"{path}: not JSON ({exc}); pass the file card.save wrote.") from None
-    return check_card(data, path)
+    return check_measured(data, path)
 
 
-def check_card(data: Any, path: str | Path) -> Measured:
+def check_measured(data: Any, path: str | Path) -> Measured:
     """``data``, a measured.json as parsed, checked: the one check of every value, for
     the file at ``path`` (named in the errors)."""
     if not isinstance(data, dict) or data.get("format") != FORMAT:

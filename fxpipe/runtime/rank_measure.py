@@ -1,4 +1,4 @@
-"""The report card under torchrun: each rank times its own stages, rank 0's card holds all.
+"""Measuring under torchrun: each rank times its own stages, rank 0's card holds all.
 
     schedule = build_schedule(stages, loss_fn)
     with measure_ranks(schedule, stages, num_stages, warmup=1) as card:  # collective
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from .measure import KINDS, Recorder, ReportCard
+from .measure import KINDS, Measurement, Recorder
 from .measured_file import package_plan
 
 __all__ = ["measure_ranks"]
@@ -41,7 +41,7 @@ _CHUNKS = {"forward_one_chunk": "forward", "backward_one_chunk": "backward",
 
 @contextlib.contextmanager
 def measure_ranks(schedule: Any, stages: Sequence[Any], num_stages: int, *,
-                  warmup: int = 1) -> Iterator[ReportCard]:
+                  warmup: int = 1) -> Iterator[Measurement]:
     """Time every ``schedule.step`` run inside, after the first ``warmup``, on this rank's
     ``stages`` (torch ``PipelineStage`` objects of a ``num_stages``-stage pipeline); on
     leaving, gather all ranks' figures into the yielded card (a collective call)."""
@@ -59,7 +59,7 @@ def measure_ranks(schedule: Any, stages: Sequence[Any], num_stages: int, *,
     recorder = Recorder(num_stages, microbatches, warmup, [device] * num_stages,
                         lambda k: torch.cuda.current_stream(device)
                         if device.type == "cuda" else None)
-    card = ReportCard(num_stages, microbatches, warmup=warmup, device=recorder.card.device,
+    card = Measurement(num_stages, microbatches, warmup=warmup, device=recorder.card.device,
                       clock=recorder.card.clock)
     card.serial = True  # a rank's stages run one after another, on its current stream
     card.plan = package_plan()  # the plan.json of the package torchrun runs
@@ -101,7 +101,7 @@ def _timing(recorder: Recorder, k: int | None,
     return wrap
 
 
-def _gather(card: ReportCard, mine: ReportCard, own: list[int]) -> None:
+def _gather(card: Measurement, mine: Measurement, own: list[int]) -> None:
     """Fill ``card`` with every rank's own stages from ``mine`` (collective)."""
     comm_share = 1.0 / len(own)  # the rank's waits, recorded on its first stage
     steps = [{k: {kind: step[own[0]]["comm"] * comm_share if kind == "comm" else step[k][kind]

@@ -20,7 +20,6 @@ from fxpipe.lower import lower
 from fxpipe.partition import evaluate
 from fxpipe.plan import Plan
 from fxpipe.profile import auto_depth
-from fxpipe.report.card import compare
 from fxpipe.runtime.measured_file import Measured, StageMeasure, plan_identity
 from fxpipe.schedules import ScheduleKind
 
@@ -67,7 +66,7 @@ def test_a_stage_measured_twice_as_slow_gives_up_work() -> None:
 
     analyze(traced, device=cpu)  # fresh costs: calibration rescales them in place
     again = plan_split(traced, label=source.label, options=options,
-                       calibrate_from=compare(plan, measured))
+                       calibrate_from=(plan, measured))
 
     assert len(again.stages[slow].nodes) < len(plan.stages[slow].nodes)
     assert set(again.stages[slow].nodes) < set(plan.stages[slow].nodes)
@@ -99,7 +98,7 @@ def test_calibrating_from_stages_that_overlapped_on_one_gpu_says_so() -> None:
             for s in plan.stages), serial=serial, plan=plan_identity(plan.to_dict()))
         analyze(traced, device=options.device)
         again = plan_split(traced, label=source.label, options=options,
-                           calibrate_from=compare(plan, measured))
+                           calibrate_from=(plan, measured))
         return " ".join(again.notes)
 
     warning = "stages 0, 1 and 2 ran side by side on cuda:0, on streams of their own"

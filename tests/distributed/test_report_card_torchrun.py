@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from fxpipe import cli
-from fxpipe.runtime import load_card
+from fxpipe.runtime import load_measured
 from fxpipe.runtime.launch import main
 from fxpipe.runtime.measured_file import plan_identity
 
@@ -38,7 +38,7 @@ def test_torchrun_measures_every_stage_for_fxpipe_report(
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
     assert f"measured 2 steps into {measured}" in result.stdout
 
-    card = load_card(measured)
+    card = load_measured(measured)
     # it names the plan it measured: the plan.json of the package torchrun ran
     assert card.plan == plan_identity(json.loads((tmp_path / "pkg" / "plan.json").read_text()))
     assert (card.steps, card.microbatches, card.clock, card.device) == (2, M, "wall", "cpu")

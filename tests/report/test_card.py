@@ -11,13 +11,14 @@ from typing import Any
 import pytest
 import torch
 
+from fxpipe.calibration import figures
 from fxpipe.cli import main
 from fxpipe.compiler import SplitOptions, analyze_file, output_files, plan_split
 from fxpipe.cost_models import get_device
 from fxpipe.output import write_folder
 from fxpipe.plan import Plan
 from fxpipe.report.card import TIE, compare, render_card
-from fxpipe.runtime import load_card, load_package
+from fxpipe.runtime import load_measured, load_package
 from fxpipe.runtime.measured_file import FORMAT, VERSION, plan_identity
 from fxpipe.units import format_bytes, format_ms
 
@@ -72,7 +73,7 @@ def test_card_figures_are_the_plan_against_the_measurement(
     measured_plan: tuple[Path, Plan],
 ) -> None:
     out, plan = measured_plan
-    measured = load_card(out / "measured.json")
+    measured = load_measured(out / "measured.json")
     card = compare(plan, measured)
     for row, stage, m in zip(card.rows, plan.stages, measured.stages, strict=True):
         assert row.predicted == (stage.forward_s, stage.backward_s, stage.comm_s)
@@ -112,7 +113,7 @@ def test_report_names_the_real_bottleneck(measured_plan: tuple[Path, Plan], tmp_
     slow = tmp_path / "slow.json"
     scale = [10.0 if k == other else 1.0 for k in range(K)]
     slow.write_text(json.dumps(_synthetic(plan, scale)))
-    card = compare(plan, load_card(slow))
+    card = compare(plan, load_measured(slow))
     assert (card.planned_bottleneck, card.measured_bottleneck) == (planned, other)
     assert not card.holds
     assert card.rows[other].ratios == pytest.approx((10.0, 10.0, 10.0))
@@ -137,7 +138,7 @@ def test_report_names_the_real_bottleneck(measured_plan: tuple[Path, Plan], tmp_
     tie = tmp_path / "tie.json"
     scale = [1.01 * times[planned] / times[k] if k == other else 1.0 for k in range(K)]
     tie.write_text(json.dumps(_synthetic(plan, scale)))
-    card = compare(plan, load_card(tie))
+    card = compare(plan, load_measured(tie))
     assert (card.planned_bottleneck, card.measured_bottleneck) == (planned, other)
     assert card.behind == pytest.approx(1 - 1 / 1.01) and card.holds
     assert (f"Bottleneck: planned stage {planned}, measured stage {other}; stage {planned} "
@@ -146,7 +147,7 @@ def test_report_names_the_real_bottleneck(measured_plan: tuple[Path, Plan], tmp_
 
     even = tmp_path / "even.json"
     even.write_text(json.dumps(_synthetic(plan, [1.5] * K)))
-    card = compare(plan, load_card(even))
+    card = compare(plan, load_measured(even))
     assert card.holds and card.measured_bottleneck == planned
     assert all(r.ratios == pytest.approx((1.5, 1.5, 1.5)) for r in card.rows)
 
@@ -203,14 +204,14 @@ def test_stages_sharing_a_gpu_are_compared_as_one_device(
     peak = 3 * 2**30
     path = tmp_path / "one-gpu.json"
     path.write_text(json.dumps(_on_devices(plan, ["cuda:0"] * K, [peak] * K)))
-    card = compare(plan, load_card(path))
-    assert card.shared == {"cuda:0": tuple(range(K))}
-    assert card.overlapped == {"cuda:0": tuple(range(K))}
+    card = compare(plan, load_measured(path))
+    assert card.measured.shared == {"cuda:0": tuple(range(K))}
+    assert card.measured.overlapped == {"cuda:0": tuple(range(K))}
     assert all(r.shared and r.memory_ratio is None for r in card.rows)
     work = M * sum(s.forward_s + s.backward_s for s in plan.stages)
     assert work > plan.estimate.iteration_s
     assert card.predicted_step_s == pytest.approx(work)
-    predicted, measured = card.figures()  # nothing to calibrate memory from
+    predicted, measured = figures(plan, card.measured)  # nothing to calibrate memory from
     assert all(f.memory is None for f in [*predicted, *measured])
     assert main(["report", str(out), str(path)]) == 0
     text = capsys.readouterr().out
@@ -225,8 +226,8 @@ def test_stages_sharing_a_gpu_are_compared_as_one_device(
     assert f"Step: predicted {format_ms(work)}" in text
 
     path.write_text(json.dumps(_on_devices(plan, ["cuda:0"] * K, [peak] * K, serial=True)))
-    card = compare(plan, load_card(path))
-    assert card.measured.serial and card.overlapped == {}
+    card = compare(plan, load_measured(path))
+    assert card.measured.serial and card.measured.overlapped == {}
     assert "side by side" not in render_card(card)
 
 
@@ -237,17 +238,17 @@ def test_a_stage_with_a_gpu_of_its_own_keeps_its_memory_ratio(
     peaks = [2 * s.memory.total for s in plan.stages]
     path = tmp_path / "mixed.json"
     path.write_text(json.dumps(_on_devices(plan, ["cuda:0", "cuda:1", "cuda:1"], peaks)))
-    card = compare(plan, load_card(path))
-    assert card.shared == {"cuda:1": (1, 2)}
+    card = compare(plan, load_measured(path))
+    assert card.measured.shared == {"cuda:1": (1, 2)}
     assert card.rows[0].memory_ratio == pytest.approx(2.0)
     assert [r.memory_ratio for r in card.rows[1:]] == [None, None]
-    predicted, measured = card.figures()
+    predicted, measured = figures(plan, card.measured)
     assert predicted[0].memory is not None and measured[0].memory is not None
     assert [f.memory for f in predicted[1:]] == [None, None]
     pair = M * sum(s.forward_s + s.backward_s for s in plan.stages[1:])
     assert card.predicted_step_s == pytest.approx(max(pair, plan.estimate.iteration_s))
 
     path.write_text(json.dumps(_on_devices(plan, ["cuda:0", "cuda:1", "cuda:2"], peaks)))
-    card = compare(plan, load_card(path))
-    assert card.shared == {} and card.predicted_step_s == plan.estimate.iteration_s
+    card = compare(plan, load_measured(path))
+    assert card.measured.shared == {} and card.predicted_step_s == plan.estimate.iteration_s
     assert all(r.memory_ratio == pytest.approx(2.0) for r in card.rows)

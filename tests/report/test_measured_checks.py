@@ -22,7 +22,7 @@ from fxpipe.compiler import SplitOptions, analyze_file, output_files, plan_split
 from fxpipe.cost_models import get_device
 from fxpipe.output import write_folder
 from fxpipe.plan import Plan
-from fxpipe.runtime.measure import ReportCard
+from fxpipe.runtime.measure import Measurement
 from fxpipe.runtime.measured_file import FORMAT, VERSION, plan_identity
 
 MLP = str(Path(__file__).resolve().parents[2] / "examples" / "mlp.py")
@@ -283,7 +283,7 @@ def test_report_and_calibrate_refuse_a_model_that_is_not_the_measured_plans(
 def test_save_refuses_a_card_no_step_measures_and_writes_nothing(
     tmp_path: Path, figure: float,
 ) -> None:
-    card = ReportCard(2, M, warmup=0)
+    card = Measurement(2, M, warmup=0)
     card.add_step([{"forward": 1.0, "backward": 2.0, "comm": 0.0},
                    {"forward": 1.0, "backward": figure, "comm": 0.0}], 4.0)
     path = tmp_path / "measured.json"
