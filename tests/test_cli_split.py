@@ -282,14 +282,14 @@ def test_split_with_a_bare_recompute_first_recomputes_every_stage(tmp_path: Path
 
 def test_too_many_default_micro_batches_say_where_they_came_from(tmp_path: Path) -> None:
     """--gpus alone sets the micro-batches (4 x --gpus): the error names --gpus and the
-    default, not a --microbatches the user never wrote, and README's table has the line."""
+    default, not a --microbatches the user never wrote, and docs/errors.md's table has the line."""
     done = fxpipe("split", MLP, "--gpus", "1000", "--out", "out", cwd=tmp_path)
     assert done.returncode == 2
     (line,) = done.stderr.strip().splitlines()
     message = line.removeprefix("fxpipe: error: ")
     assert message.startswith("--gpus 1000 means 4000 micro-batches (the default, 4 x --gpus)")
     assert "use --microbatches 1024 or fewer" in message
-    readme = (ROOT / "README.md").read_text()
+    errors = (ROOT / "docs" / "errors.md").read_text()
     assert (f"| --gpus so many that the default micro-batches are too many | `{message}` |"
-            in readme)
+            in errors)
     assert not (tmp_path / "out").exists()

@@ -1,8 +1,8 @@
-"""Every user-facing error in README.md's table, reproduced: the printed line is the row's.
+"""Every user-facing error in docs/errors.md's table, reproduced: the printed line is the row's.
 
 Each case builds its situation in an empty folder (the model file is always `model.py`),
 runs the real `fxpipe` command there, and requires the one-line message it prints to
-appear verbatim in README.md, so the table and the tool cannot drift apart.
+appear verbatim in docs/errors.md, so the table and the tool cannot drift apart.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from fxpipe import cli
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+ERRORS = (Path(__file__).resolve().parents[1] / "docs" / "errors.md").read_text()
 
 GOOD = """
 import torch
@@ -406,7 +406,7 @@ def test_each_error_is_one_line_exit_2_and_in_the_readme(
     line = printed_error(tmp_path, argv, capsys, monkeypatch)
     assert line.startswith("fxpipe: error: ")
     row = f"| {case} | `{line.removeprefix('fxpipe: error: ')}` |"
-    assert row in README, f"README.md lacks the row:\n{row}"
+    assert row in ERRORS, f"docs/errors.md lacks the row:\n{row}"
 
 
 def test_an_internal_error_is_one_line_exit_1_and_a_traceback_under_debug(
@@ -424,7 +424,7 @@ def test_an_internal_error_is_one_line_exit_1_and_a_traceback_under_debug(
     assert err == ["fxpipe: internal error: KeyError: 'lifted_tensor_0'; this is a bug in "
                    "fxpipe, not in your model: please report it with the traceback "
                    "FXPIPE_DEBUG=1 prints"]
-    assert "fxpipe: internal error: ...; this is a bug in fxpipe" in " ".join(README.split())
+    assert "fxpipe: internal error: ...; this is a bug in fxpipe" in " ".join(ERRORS.split())
     assert not (tmp_path / "fxpipe-out").exists()
     monkeypatch.setenv("FXPIPE_DEBUG", "1")
     with pytest.raises(KeyError, match="lifted_tensor_0"):

@@ -13,7 +13,7 @@ import pytest
 from fxpipe import cli
 from tests._cli import fxpipe
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+ERRORS = (Path(__file__).resolve().parents[1] / "docs" / "errors.md").read_text()
 
 MODEL = """
 import torch
@@ -46,7 +46,7 @@ def model(tmp_path: Path, *, top: str = "", forward: str = "pass", build: str = 
     (tmp_path / "model.py").write_text(text.replace("INPUTS", inputs) + top)
 
 
-# (situation in README's table, what the file does, the line printed)
+# (situation in docs/errors.md's table, what the file does, the line printed)
 CASES = {
     "factory raises a BaseException of its own": (
         {"build": "raise Stop('enough')"},
@@ -78,7 +78,7 @@ def test_a_model_s_own_base_exception_is_one_line_naming_its_line(case: str,
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [f"fxpipe: error: {line}"]
     assert not (tmp_path / "out").exists()
-    assert f"| {case} | `{line}` |" in README, f"README.md lacks the row for {case}"
+    assert f"| {case} | `{line}` |" in ERRORS, f"docs/errors.md lacks the row for {case}"
 
 
 def test_ctrl_c_in_build_model_still_interrupts(tmp_path: Path) -> None:

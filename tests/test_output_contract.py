@@ -15,7 +15,7 @@ from fxpipe import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 MLP = str(ROOT / "examples" / "mlp.py")
-README = (ROOT / "README.md").read_text()
+ERRORS = (ROOT / "docs" / "errors.md").read_text()
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
@@ -126,7 +126,7 @@ def one_error(capsys: pytest.CaptureFixture[str]) -> str:
     return err[0].removeprefix("fxpipe: error: ")
 
 
-# Each --out the file system will not take, as the command prints it (README's error
+# Each --out the file system will not take, as the command prints it (docs/errors.md's error
 # table lists them) and before any slow work: tracing fails the test if it runs.
 OUT_REFUSED = {
     "--out under a file": (
@@ -165,7 +165,7 @@ def test_an_out_that_cannot_be_written_is_refused_first_with_its_cause(
     assert cli.main(["split", MLP, "--gpus", "2", "--out", out]) == 2
     assert one_error(capsys) == message
     assert sorted(p.name for p in tmp_path.iterdir()) == before
-    assert f"| {case} | `{message}` |" in README, f"README.md lacks the row for {case}"
+    assert f"| {case} | `{message}` |" in ERRORS, f"docs/errors.md lacks the row for {case}"
 
 
 @pytest.mark.parametrize("where", ["probe", "staging"])
