@@ -35,7 +35,6 @@ __all__ = [
     "concat",
     "lane_share",
     "merge_leaves",
-    "merge_replicas",
     "microbatch_count",
     "own_copies",
     "rows_of",
@@ -323,46 +322,6 @@ def write_back(flat: Mapping[str, Any], values: Sequence[Mapping[str, Any]],
                 got = torch.cat([leaves[i] for leaves in parts]) if batched else parts[0][i]
                 if got is not x:
                     x.copy_(got)
-
-
-def merge_replicas(outputs: list[Any], sizes: list[int], *, whole: Collection[int] = ()) -> Any:
-    """The replicas' outputs as one (the inverse of ``split_replicas``): a tensor leaf
-    whose dim 0 is each replica's chunk size is concatenated along dim 0, any other
-    leaf taken from replica 0, and so are the outputs at the positions ``whole`` (each
-    replica's tuple of outputs: values that have no batch dimension)."""
-    if whole:
-        return tuple(outputs[0][i] if i in whole else merge_replicas([o[i] for o in outputs], sizes)
-                     for i in range(len(outputs[0])))
-
-    def merge(parts: list[Any]) -> Any:
-        batched = all(isinstance(t, torch.Tensor) and t.dim() > 0 and t.size(0) == size
-                      for t, size in zip(parts, sizes, strict=True))
-        if batched:
-            return torch.cat(parts, dim=0)
-        _same_in_every_replica(parts)
-        return parts[0]
-
-    return merge_leaves(outputs, merge)
-
-
-def _same_in_every_replica(parts: list[Any]) -> None:
-    """A value with no row per sample stands for the whole micro-batch only if every
-    replica made the same one (a mask, a table); one each made from its own rows (a loss
-    the model computes, a sum over the rows) would be replica 0's alone, and so would
-    its gradient."""
-    first = parts[0]
-    if not isinstance(first, torch.Tensor):
-        return
-    for other in parts[1:]:
-        same = (isinstance(other, torch.Tensor) and other.shape == first.shape
-                and torch.equal(other.detach().to(first.device), first.detach()))
-        if not same:
-            raise ValueError(
-                f"a replicated stage returns a tensor of shape {tuple(first.shape)} that has "
-                "no row per sample and differs between its replicas (a loss the model "
-                "computes, a sum over its rows): each replica makes its own from its share "
-                "of the micro-batch, and none stands for the whole; return per-sample values "
-                "and reduce them in loss_fn, or split without --replicate")
 
 
 def rows_of(value: Any, lo: int, hi: int, rows: int, *, whole: Collection[str] = ()) -> Any:

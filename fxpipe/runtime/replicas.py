@@ -14,7 +14,8 @@ equals the micro-batch's batch size (dim 0 of its first graph-input tensor with
 dim > 0); an output tensor leaf is concatenated when its dim 0 equals every
 replica's chunk size. Anything else (0-dim tensors, non-tensors, a causal mask
 of shape (1, 1, T, T)) goes whole to every replica, and as an output is taken
-from replica 0. Limits: only a stage that treats samples independently is
+from replica 0 when every replica made the same one (else refused: a loss the model
+computes is each replica's own). Limits: only a stage that treats samples independently is
 transparent when replicated; one that mixes samples across the batch
 (BatchNorm in training mode, which warns; a batch mean returned as an output)
 sees chunk statistics instead of the micro-batch's; and a non-batched tensor
@@ -30,11 +31,12 @@ import warnings
 from collections.abc import Collection, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
-from .microbatch import batch_size
+from .microbatch import batch_size, merge_leaves
 
-__all__ = ["batch_sizes", "check_replicas"]
+__all__ = ["batch_sizes", "check_replicas", "merge_replicas"]
 
 
 def check_replicas(replicas: Sequence[int], num_stages: int) -> None:
@@ -97,3 +99,43 @@ def _warn_batch_norm(stages: Sequence[nn.Module], replicas: Sequence[int]) -> No
                     stacklevel=4,
                 )
                 return
+
+
+def merge_replicas(outputs: list[Any], sizes: list[int], *, whole: Collection[int] = ()) -> Any:
+    """The replicas' outputs as one (the inverse of ``split_replicas``): a tensor leaf
+    whose dim 0 is each replica's chunk size is concatenated along dim 0, any other
+    leaf taken from replica 0, and so are the outputs at the positions ``whole`` (each
+    replica's tuple of outputs: values that have no batch dimension)."""
+    if whole:
+        return tuple(outputs[0][i] if i in whole else merge_replicas([o[i] for o in outputs], sizes)
+                     for i in range(len(outputs[0])))
+
+    def merge(parts: list[Any]) -> Any:
+        batched = all(isinstance(t, torch.Tensor) and t.dim() > 0 and t.size(0) == size
+                      for t, size in zip(parts, sizes, strict=True))
+        if batched:
+            return torch.cat(parts, dim=0)
+        _same_in_every_replica(parts)
+        return parts[0]
+
+    return merge_leaves(outputs, merge)
+
+
+def _same_in_every_replica(parts: list[Any]) -> None:
+    """A value with no row per sample stands for the whole micro-batch only if every
+    replica made the same one (a mask, a table); one each made from its own rows (a loss
+    the model computes, a sum over the rows) would be replica 0's alone, and so would
+    its gradient."""
+    first = parts[0]
+    if not isinstance(first, torch.Tensor):
+        return
+    for other in parts[1:]:
+        same = (isinstance(other, torch.Tensor) and other.shape == first.shape
+                and torch.equal(other.detach().to(first.device), first.detach()))
+        if not same:
+            raise ValueError(
+                f"a replicated stage returns a tensor of shape {tuple(first.shape)} that has "
+                "no row per sample and differs between its replicas (a loss the model "
+                "computes, a sum over its rows): each replica makes its own from its share "
+                "of the micro-batch, and none stands for the whole; return per-sample values "
+                "and reduce them in loss_fn, or split without --replicate")

@@ -43,7 +43,6 @@ from .microbatch import (
     check_rows,
     chunk_sizes,
     concat,
-    merge_replicas,
     own_copies,
     sample_share,
     split_inputs,
@@ -53,7 +52,7 @@ from .microbatch import (
     written_back,
 )
 from .precision import as_activations, autocast, check_precision, grad_scaler, warn_uncast
-from .replicas import batch_sizes, check_replicas
+from .replicas import batch_sizes, check_replicas, merge_replicas
 from .schedule import Action, check_schedule, check_sizes
 from .shapes import as_passed
 from .split_backward import check_split, input_backward, weight_backward

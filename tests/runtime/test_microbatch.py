@@ -10,13 +10,13 @@ from fxpipe.runtime.microbatch import (
     chunk_sizes,
     concat,
     lane_share,
-    merge_replicas,
     microbatch_count,
     rows_of,
     sample_share,
     split_microbatches,
     split_replicas,
 )
+from fxpipe.runtime.replicas import merge_replicas
 
 
 def test_split_then_concat_is_the_identity() -> None:
