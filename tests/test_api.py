@@ -166,3 +166,34 @@ def test_import_fxpipe_imports_no_torch_until_split_is_called() -> None:
 def test_an_unknown_name_is_an_attribute_error() -> None:
     with pytest.raises(AttributeError, match="no attribute 'splits'"):
         fxpipe.splits  # noqa: B018
+
+
+def test_calibrate_re_plans_as_the_command_does(planned: Path, tmp_path: Path) -> None:
+    """A step measured by the runner of the command's package, then fxpipe.split_file
+    with calibrate=: the plan ``fxpipe split --calibrate`` makes from the same file."""
+    import importlib.util
+    import shutil
+
+    spec = importlib.util.spec_from_file_location("api_net", planned / "model.py")
+    assert spec is not None and spec.loader is not None
+    net = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(net)
+    model = net.build_model()
+    shutil.copytree(planned / "out", tmp_path / "measured")  # the plan.json beside it
+    pipe = fxpipe.load_package(tmp_path / "measured")
+    runner = pipe.PipelineRunner(pipe.build_stages(model))
+    inputs, target = torch.randn(16, 16), torch.zeros(16, 4)
+    with runner.measure(warmup=1) as card:
+        for _ in range(2):
+            runner.step((inputs,), target, net.loss_fn)
+    measured = tmp_path / "measured" / "measured.json"
+    card.save(measured)
+    done = command("split", "model.py", "--gpus", "2", "--precision", "bf16-mixed",
+                   "--calibrate", measured, "--out", tmp_path / "cli", cwd=planned)
+    assert done.returncode == 0, done.stderr
+    plan = fxpipe.split_file(planned / "model.py", gpus=2, precision="bf16-mixed",
+                             calibrate=measured, out=tmp_path / "api")
+    assert plan.to_json() == (tmp_path / "cli" / "plan.json").read_text()
+    assert any("calibrated" in note for note in plan.notes), plan.notes
+    assert ((tmp_path / "api" / "calibrated_from.json").read_text()
+            == measured.read_text())
