@@ -121,8 +121,7 @@ def test_the_package_written_trains_as_the_model(tmp_path: Path) -> None:
     ({"gpus": 2, "microbatches": 2000},
      "microbatches=2000 is more than 1024: runner.py lists every forward and backward of "
      "every micro-batch; use microbatches=1024 or fewer (bigger micro-batches)"),
-    ({"gpus": 2, "recompute": "some"},
-     "recompute takes one of auto, all, selective, none, got 'some'"),
+    ({"gpus": 2, "recompute": "some"}, "recompute takes one of auto, "),
     ({"gpus": 2, "schedule": "1f2b"}, "schedule takes one of gpipe, 1f1b, interleaved, "),
     ({"gpus": 2, "optimizer": "lion"}, "optimizer takes one of adam, sgd, sgd-momentum, got"),
     ({"gpus": 2, "dp_mode": "zero"}, "dp_mode takes one of fsdp, ddp, got 'zero'"),
@@ -142,7 +141,7 @@ def test_a_mistake_is_one_line_naming_the_keyword(keywords: dict[str, object],
         fxpipe.split(model, (torch.ones(2, 4),), out=tmp_path / "out",
                      **keywords)  # type: ignore[arg-type]
     assert str(raised.value).startswith(message), str(raised.value)
-    assert "\n" not in str(raised.value)
+    assert "\n" not in str(raised.value) and "--" not in str(raised.value)
     assert not (tmp_path / "out").exists()
 
 
