@@ -61,6 +61,18 @@ def planned(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return folder
 
 
+def test_the_commands_last_line_names_what_a_person_opens(tmp_path: Path) -> None:
+    """The folder, its report.html, report.md and plan.json, and a count of the stage
+    modules and of the files: not the runtime's thirty file names."""
+    (tmp_path / "model.py").write_text(NET)
+    done = command("split", "model.py", "--gpus", "2", "--out", "out", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    last = done.stdout.strip().splitlines()[-1]
+    files = [p for p in (tmp_path / "out").rglob("*") if p.is_file() and p.name != ".fxpipe"]
+    assert last.endswith(f"wrote out/ (report.html, report.md, plan.json and 2 stage "
+                         f"modules; {len(files)} files in all)"), last
+
+
 def test_a_model_built_in_a_script_gets_the_command_lines_plan(planned: Path) -> None:
     """``python -c "import fxpipe; plan = fxpipe.split(...)"`` on the model the file builds,
     built in the script itself: plan.to_json() is the command's plan.json, byte for byte."""
