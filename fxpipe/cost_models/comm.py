@@ -6,6 +6,7 @@ direction), lat: per-message latency (s).
 
 from __future__ import annotations
 
+from fxpipe.collectives import ring_allreduce_s
 from fxpipe.cost_models.devices import Device
 
 __all__ = [
@@ -47,11 +48,9 @@ def link_time(nbytes: int, device: Device, *, same_node: bool = True) -> float:
 
 
 def allreduce_time(nbytes: int, ranks: int, bandwidth: float, latency: float) -> float:
-    """Seconds for a ring all-reduce of ``nbytes`` over ``ranks`` ranks.
-
-    A ring runs a reduce-scatter then an all-gather, 2(r − 1) steps, each moving
-    nbytes / r per rank: 2(r − 1)/r · nbytes / bw + 2(r − 1) · lat. One rank (or
-    nothing to reduce) costs nothing.
+    """Seconds for a ring all-reduce of ``nbytes`` over ``ranks`` ranks
+    (``fxpipe.collectives.ring_allreduce_s``). One rank, or nothing to reduce, costs
+    nothing.
     """
     if ranks < 1:
         raise ValueError(f"An all-reduce needs at least one rank, got {ranks}")
@@ -59,7 +58,6 @@ def allreduce_time(nbytes: int, ranks: int, bandwidth: float, latency: float) ->
         raise ValueError(f"Cannot all-reduce a negative number of bytes ({nbytes})")
     if bandwidth <= 0:
         raise ValueError(f"Link bandwidth must be positive, got {bandwidth} B/s")
-    if ranks == 1 or nbytes == 0:
+    if nbytes == 0:
         return 0.0
-    steps = 2 * (ranks - 1)
-    return steps / ranks * nbytes / bandwidth + steps * latency
+    return ring_allreduce_s(nbytes, ranks, bandwidth, latency)

@@ -33,13 +33,15 @@ import numpy as np
 
 from fxpipe.partition.coarsen import Coarsening, exact_groups
 from fxpipe.partition.cost import (
+    NodeCosts,
     Option,
     memory_parts,
+    prefix_sums,
     recompute_options,
     run_again_s,
     state_split,
 )
-from fxpipe.partition.problem import Problem, selective_sums, stage_flights
+from fxpipe.partition.problem import Problem, stage_flights
 
 __all__ = ["BASELINES", "Blocks", "baselines", "interval_dp", "leanest_dp", "linear_partition",
            "min_max_dp"]
@@ -85,10 +87,6 @@ def linear_partition(weights: Sequence[float], num_parts: int, *, allow_empty: b
     return best
 
 
-def _group_weights(c: Coarsening, weight: Callable[[int], float]) -> list[float]:
-    return [sum(weight(v) for v in group) for group in c.groups]
-
-
 def uniform_layers(problem: Problem, c: Coarsening | None = None) -> tuple[int, ...]:
     c = c or exact_groups(problem)
     K = problem.num_stages
@@ -100,7 +98,7 @@ def uniform_layers(problem: Problem, c: Coarsening | None = None) -> tuple[int, 
         running = max(running, rank[name])
         unit.append(running)
     if all(m == "" for m in modules) or (len(rank) < K and not problem.allow_empty_stages):
-        parts = linear_partition(_group_weights(c, lambda v: 1.0), K,
+        parts = linear_partition([float(len(group)) for group in c.groups], K,
                                  allow_empty=problem.allow_empty_stages)
         return c.expand(parts)
     count = len(rank)
@@ -109,18 +107,17 @@ def uniform_layers(problem: Problem, c: Coarsening | None = None) -> tuple[int, 
 
 def by_parameters(problem: Problem, c: Coarsening | None = None) -> tuple[int, ...]:
     c = c or exact_groups(problem)
-    extra = [0.0] * len(problem.nodes)
-    for tied in problem.tied:
-        extra[min(tied.nodes)] += tied.param_bytes
-    w = _group_weights(c, lambda v: problem.nodes[v].param_bytes + extra[v])
-    return c.expand(linear_partition(w, problem.num_stages,
+    w = NodeCosts.of(problem).by(c.group_of, c.num_coarse).params
+    for tied in problem.tied:  # whole bytes: the same sums in any order
+        w[c.group_of[min(tied.nodes)]] += tied.param_bytes
+    return c.expand(linear_partition(w.tolist(), problem.num_stages,
                                      allow_empty=problem.allow_empty_stages))
 
 
 def greedy_time(problem: Problem, c: Coarsening | None = None) -> tuple[int, ...]:
     c = c or exact_groups(problem)
-    w = _group_weights(c, lambda v: problem.nodes[v].forward_s + problem.nodes[v].backward_s)
-    return c.expand(linear_partition(w, problem.num_stages,
+    w = NodeCosts.of(problem).by(c.group_of, c.num_coarse).compute_s
+    return c.expand(linear_partition(w.tolist(), problem.num_stages,
                                      allow_empty=problem.allow_empty_stages))
 
 
@@ -255,33 +252,20 @@ class Blocks:
     @classmethod
     def of(cls, c: Coarsening) -> Blocks:
         p = c.problem
-        n = c.num_coarse
-        t, fwd, params, act, ret = (np.zeros(n + 1) for _ in range(5))
-        levels = len(p.keep_levels)
-        sel, again = np.zeros((n + 1, levels)), np.zeros((n + 1, levels))
-        grad = np.zeros(n)
-        for v, node in enumerate(p.nodes):
-            g = c.group_of[v]
-            t[g + 1] += node.forward_s + node.backward_s
-            fwd[g + 1] += node.forward_s
-            params[g + 1] += node.param_bytes
-            act[g + 1] += node.activation_bytes
-            ret[g + 1] += node.output_bytes if node.returned else 0
-            kept, again_s = selective_sums([node], levels)
-            sel[g + 1] += kept
-            again[g + 1] += again_s
-            grad[g] = max(grad[g], node.grad_bytes)
+        costs = NodeCosts.of(p).by(c.group_of, c.num_coarse)
+        params = costs.params.copy()
         for tied in p.tied:
-            params[min(c.group_of[v] for v in tied.nodes) + 1] += tied.param_bytes
-        T, F, P, A, R, S, G = (np.cumsum(x, axis=0)
-                               for x in (t, fwd, params, act, ret, sel, again))
+            params[min(c.group_of[v] for v in tied.nodes)] += tied.param_bytes
+        T, F, P, A, R, S, G = (prefix_sums(x) for x in (
+            costs.compute_s, costs.forward_s, params, costs.activations, costs.returned,
+            costs.selective, costs.selective_again_s))
         span = _spans(c)
         cut, cut_bytes = _cut_costs(c, span)
         sends = sorted((hi, c.group_of[v], p.nodes[v].output_bytes)
                        for v, (_, hi) in span.items()
                        if hi > c.group_of[v] and not p.nodes[v].returned)
         flights = np.array(stage_flights(p), dtype=np.int64)[:, None]
-        return cls(p, T, F, P, A, R, grad, cut, cut_bytes, sends, flights,
+        return cls(p, T, F, P, A, R, costs.transient, cut, cut_bytes, sends, flights,
                    tuple(recompute_options(p)), T, F, P, A, R, S, G, S, G)
 
     def outputs(self, end: int, starts: Any, produced: Any) -> Any:

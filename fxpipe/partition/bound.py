@@ -62,9 +62,9 @@ import numpy as np
 
 from fxpipe.partition.baselines import Blocks, min_max_dp
 from fxpipe.partition.coarsen import Coarsening
-from fxpipe.partition.cost import recompute_options
+from fxpipe.partition.cost import NodeCosts, recompute_options
 from fxpipe.partition.evaluate import consumers
-from fxpipe.partition.problem import Comm, TiedPolicy, selective_sums, stage_flights
+from fxpipe.partition.problem import Comm, TiedPolicy, stage_flights
 
 __all__ = ["block_bound", "shared_gpu_bound"]
 
@@ -156,11 +156,7 @@ class _Cells(Blocks):
 
 def _segment_peaks(exact: Coarsening, segments: list[list[int]]) -> np.ndarray:
     """Per segment, the largest backward transient of a node in its groups."""
-    p = exact.problem
-    group_peak = np.zeros(exact.num_coarse)
-    for v, node in enumerate(p.nodes):
-        g = exact.group_of[v]
-        group_peak[g] = max(group_peak[g], node.grad_bytes)
+    group_peak = NodeCosts.of(exact.problem).by(exact.group_of, exact.num_coarse).transient
     return np.array([group_peak[segment].max() for segment in segments])
 
 
@@ -185,9 +181,7 @@ def shared_gpu_bound(exact: Coarsening, *, upper_s: float = math.inf) -> float |
     p = exact.problem
     if p.virtual_stages == 1 or p.replicates:
         return None
-    compute = np.zeros(exact.num_coarse)
-    for v, node in enumerate(p.nodes):
-        compute[exact.group_of[v]] += node.forward_s + node.backward_s
+    compute = NodeCosts.of(p).by(exact.group_of, exact.num_coarse).compute_s
     total = float(compute.sum())
     work = total
     if p.tied_policy is TiedPolicy.REPLICATE:
@@ -431,16 +425,9 @@ def _group_sums(exact: Coarsening) -> np.ndarray:
     bytes sums (what its stage keeps of the model's outputs until their backward), then
     per keep level what a selective recompute keeps, then per level what it runs again
     (``Blocks``' S and G)."""
-    p = exact.problem
-    levels = len(p.keep_levels)
-    sums = np.zeros((exact.num_coarse, 5 + 2 * levels))
-    for v, node in enumerate(p.nodes):
-        kept, again_s = selective_sums([node], levels)
-        sums[exact.group_of[v]] += (node.forward_s + node.backward_s, node.forward_s,
-                                    node.param_bytes, node.activation_bytes,
-                                    node.output_bytes if node.returned else 0,
-                                    *kept, *again_s)
-    return sums
+    c = NodeCosts.of(exact.problem).by(exact.group_of, exact.num_coarse)
+    return np.column_stack((c.compute_s, c.forward_s, c.params, c.activations, c.returned,
+                            c.selective, c.selective_again_s))
 
 
 def _segments(exact: Coarsening, sums: np.ndarray) -> tuple[list[list[int]], list[list[int]]]:

@@ -26,8 +26,10 @@ import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fxpipe.partition.cost import state_split
-from fxpipe.partition.problem import Edge, Node, Problem, TiedPolicy, selective_sums
+import numpy as np
+
+from fxpipe.partition.cost import NodeCosts, added_up, state_split
+from fxpipe.partition.problem import Edge, Node, Problem, TiedPolicy
 
 __all__ = ["Coarsening", "coarsen", "exact_groups"]
 
@@ -80,27 +82,27 @@ class Coarsening:
         members'); the solver does not use this, it works on ``group_of`` directly.
         """
         p = self.problem
+        costs = NodeCosts.of(p).by(self.group_of, self.num_coarse)
         nodes = []
         for g, group in enumerate(self.groups):
             fine = [p.nodes[v] for v in group]
-            forward_s = sum(n.forward_s for n in fine)
-            selective_bytes, again_s = selective_sums(fine, len(p.keep_levels))
+            forward_s = float(costs.forward_s[g])
             nodes.append(Node(
                 name=fine[0].name if len(fine) == 1 else f"{fine[0].name}+{len(fine) - 1}",
                 forward_s=forward_s,
-                backward_s=sum(n.backward_s for n in fine),
-                param_bytes=sum(n.param_bytes for n in fine),
-                activation_bytes=sum(n.activation_bytes for n in fine),
-                grad_bytes=max(n.grad_bytes for n in fine),
+                backward_s=float(costs.backward_s[g]),
+                param_bytes=int(costs.params[g]),
+                activation_bytes=int(costs.activations[g]),
+                grad_bytes=int(costs.transient[g]),
                 output_bytes=max(n.output_bytes for n in fine),
                 comm_s=max(n.comm_s for n in fine),
                 module=fine[0].module,
                 members=self.members(g),
                 returned=any(n.returned for n in fine),
-                backward_weight_s=sum(n.backward_weight_s for n in fine),
-                deferred_bytes=sum(n.deferred_bytes for n in fine),
-                selective_bytes=selective_bytes,
-                selective_kept_s=tuple(forward_s - s for s in again_s),
+                backward_weight_s=float(costs.backward_weight_s[g]),
+                deferred_bytes=int(costs.deferred[g]),
+                selective_bytes=tuple(int(b) for b in costs.selective[g]),
+                selective_kept_s=tuple(forward_s - s for s in costs.selective_again_s[g].tolist()),
                 writes_kept=any(n.writes_kept for n in fine),
             ))
         edges = {(self.group_of[e.src], self.group_of[e.dst]) for e in p.edges}
@@ -306,12 +308,10 @@ def coarsen(problem: Problem, *, cap_s: float | None = None, base: Coarsening | 
     m = base.num_coarse
     p = problem
     grad_f, opt_f = state_split(p.state_factor)
-    time = [sum(p.nodes[v].forward_s + p.nodes[v].backward_s for v in grp) for grp in base.groups]
-    memory = [
-        sum(p.nodes[v].param_bytes * (1 + grad_f + opt_f)
-            + p.nodes[v].activation_bytes * p.microbatches for v in grp)
-        for grp in base.groups
-    ]
+    nodes = NodeCosts.of(p)
+    time = nodes.by(base.group_of, m).compute_s.tolist()
+    memory = added_up(np.asarray(base.group_of), m, nodes.params * (1 + grad_f + opt_f)
+                      + nodes.activations * p.microbatches).tolist()
     cap = cap_s if cap_s is not None else sum(time) / (4 * K)
     memory_cap = p.memory_limit / 4
     tied_nodes = {v for t in p.tied for v in t.nodes}

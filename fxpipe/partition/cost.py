@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 import numpy as np
@@ -69,11 +69,14 @@ from fxpipe.partition.problem import Problem, Recompute, allreduce_s
 from fxpipe.plan import StageMemory, StageRecompute, StageTimes
 
 __all__ = [
+    "NodeCosts",
     "Option",
     "StageCost",
     "StageSums",
+    "added_up",
     "choose_recompute",
     "memory_parts",
+    "prefix_sums",
     "recompute_options",
     "run_again_s",
     "saved_activations",
@@ -83,6 +86,80 @@ __all__ = [
 
 # A byte count: a number, or an array of them (the interval DP prices every block start at once).
 Amount = float | np.ndarray
+
+
+@dataclass(frozen=True)
+class NodeCosts:
+    """``Node``'s costs as columns: a row per node (``of``), or per part of the nodes
+    (``by``: a stage, a coarse group, a group of an order), each then its nodes' sum, added
+    in node order, but ``transient``, their largest. Every sum over nodes the solver makes
+    is made here: ``evaluate`` per stage, ``Blocks`` (prefix sums over the order), the
+    CP-SAT program's inputs per coarse group, the block bound per exact group, coarsening
+    and what would fit. Tied parameters are no node's: each reader adds them its own way."""
+
+    compute_s: np.ndarray  # forward_s + backward_s, each node's, then added up
+    forward_s: np.ndarray
+    backward_s: np.ndarray
+    backward_weight_s: np.ndarray
+    params: np.ndarray  # param_bytes
+    activations: np.ndarray  # activation_bytes
+    returned: np.ndarray  # output_bytes of the values the model returns
+    deferred: np.ndarray  # deferred_bytes
+    transient: np.ndarray  # grad_bytes: the largest
+    # (rows, keep levels): recomputed selectively at each level, the bytes kept and the
+    # forward seconds run again (``Node.selective``)
+    selective: np.ndarray
+    selective_again_s: np.ndarray
+
+    @classmethod
+    def of(cls, problem: Problem) -> NodeCosts:
+        """A row per node of ``problem``."""
+        nodes = problem.nodes
+        levels = range(len(problem.keep_levels))
+        chosen = [[node.selective(level) for level in levels] for node in nodes]
+
+        def column(values: Sequence[float]) -> np.ndarray:
+            return np.array(values, dtype=float)
+
+        return cls(
+            compute_s=column([n.forward_s + n.backward_s for n in nodes]),
+            forward_s=column([n.forward_s for n in nodes]),
+            backward_s=column([n.backward_s for n in nodes]),
+            backward_weight_s=column([n.backward_weight_s for n in nodes]),
+            params=column([n.param_bytes for n in nodes]),
+            activations=column([n.activation_bytes for n in nodes]),
+            returned=column([n.output_bytes if n.returned else 0 for n in nodes]),
+            deferred=column([n.deferred_bytes for n in nodes]),
+            transient=column([n.grad_bytes for n in nodes]),
+            selective=column([[kept for kept, _ in row] for row in chosen]).reshape(
+                len(nodes), len(levels)),
+            selective_again_s=column([[again for _, again in row] for row in chosen]).reshape(
+                len(nodes), len(levels)))
+
+    def by(self, part_of: Sequence[int] | np.ndarray, parts: int) -> NodeCosts:
+        """A row per part: ``part_of[v]`` the part of row v, ``parts`` how many there are."""
+        index = np.asarray(part_of, dtype=np.int64)
+        summed = {f.name: added_up(index, parts, getattr(self, f.name)) for f in fields(self)
+                  if f.name != "transient"}
+        transient = np.zeros(parts)
+        np.maximum.at(transient, index, self.transient)
+        return NodeCosts(**summed, transient=transient)
+
+
+def added_up(part_of: np.ndarray, parts: int, values: np.ndarray) -> np.ndarray:
+    """Per part, the sum of ``values`` (a row per node, or rows of columns) over its nodes,
+    added one node after the other in node order: the same float as a running total."""
+    if values.ndim == 2:
+        out = np.zeros((parts, values.shape[1]))
+        for k in range(values.shape[1]):
+            out[:, k] = np.bincount(part_of, weights=values[:, k], minlength=parts)
+        return out
+    return np.bincount(part_of, weights=values, minlength=parts)
+
+
+def prefix_sums(values: np.ndarray) -> np.ndarray:
+    """X[a]: the total of rows [0, a) of ``values`` (parts in order), X[0] = 0."""
+    return np.cumsum(np.concatenate((np.zeros((1, *values.shape[1:])), values)), axis=0)
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,9 @@ Every figure fxpipe reports -- the ILP's result and every baseline -- comes from
 ``evaluate``, so they are comparable, and the ILP's objective equals ``evaluate``'s
 bottleneck for the assignment it returns (tests/partition check this).
 
-Per stage j, for one micro-batch, ``evaluate`` sums its nodes into ``StageSums`` and
-prices them with the one stage cost formula (``fxpipe.partition.cost``); what it adds is
-where values travel:
+Per stage j, for one micro-batch, ``evaluate`` sums its nodes (``NodeCosts``) into
+``StageSums`` and prices them with the one stage cost formula (``fxpipe.partition.cost``);
+what it adds is where values travel:
 
     comm_s                 send + receive time, by ``Problem.comm``:
         NEIGHBOUR  a value produced on stage s and read on stages C spans the stages
@@ -69,6 +69,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fxpipe.partition.cost import (
+    NodeCosts,
     Option,
     StageCost,
     StageSums,
@@ -79,10 +80,8 @@ from fxpipe.partition.cost import (
 )
 from fxpipe.partition.problem import (
     Comm,
-    Node,
     Problem,
     TiedPolicy,
-    selective_sums,
     stage_deferred,
     stage_flights,
 )
@@ -208,33 +207,14 @@ def evaluate(problem: Problem, stage_of: Sequence[int],
 
 
 def stage_sums(problem: Problem, stage_of: Sequence[int]) -> list[StageSums]:
-    """Per stage, its nodes' sums for one micro-batch, with where values travel (see the
-    module docstring)."""
+    """Per stage, its nodes' sums for one micro-batch (``NodeCosts``), with where values
+    travel (see the module docstring)."""
     K = problem.num_stages
-    forward = [0.0] * K
-    backward = [0.0] * K
-    weight = [0.0] * K
-    deferred = [0] * K
+    costs = NodeCosts.of(problem).by(stage_of, K)
     comm = [0.0] * K
-    params = [0] * K
-    own_params = [0] * K
-    activations = [0] * K
-    on: list[list[Node]] = [[] for _ in range(K)]  # each stage's nodes
-    transient = [0] * K
+    params = [int(b) for b in costs.params]
     received = [0] * K
     kept = [0] * K
-
-    for v, node in enumerate(problem.nodes):
-        j = stage_of[v]
-        forward[j] += node.forward_s
-        backward[j] += node.backward_s
-        weight[j] += node.backward_weight_s
-        deferred[j] += node.deferred_bytes
-        params[j] += node.param_bytes
-        own_params[j] += node.param_bytes
-        activations[j] += node.activation_bytes
-        on[j].append(node)
-        transient[j] = max(transient[j], node.grad_bytes)
 
     readers = consumers(problem)
     for v, node in enumerate(problem.nodes):
@@ -271,13 +251,16 @@ def stage_sums(problem: Problem, stage_of: Sequence[int]) -> list[StageSums]:
             if len(holders) > 1:
                 comm[j] += group.allreduce_s
 
-    selective = [selective_sums(nodes, len(problem.keep_levels)) for nodes in on]
-    return [StageSums(forward_s=forward[j], backward_s=backward[j], comm_s=comm[j],
-                      params=params[j], own_params=own_params[j],
-                      activations=activations[j], transient=transient[j],
-                      received=received[j], kept=kept[j], backward_weight_s=weight[j],
-                      deferred=deferred[j], selective=selective[j][0],
-                      selective_again_s=selective[j][1]) for j in range(K)]
+    return [StageSums(forward_s=float(costs.forward_s[j]),
+                      backward_s=float(costs.backward_s[j]), comm_s=comm[j],
+                      params=params[j], own_params=int(costs.params[j]),
+                      activations=int(costs.activations[j]),
+                      transient=int(costs.transient[j]), received=received[j], kept=kept[j],
+                      backward_weight_s=float(costs.backward_weight_s[j]),
+                      deferred=int(costs.deferred[j]),
+                      selective=tuple(int(b) for b in costs.selective[j]),
+                      selective_again_s=tuple(float(s) for s in costs.selective_again_s[j]))
+            for j in range(K)]
 
 
 def step_estimate(problem: Problem, stages: Sequence[StageCost]) -> Estimate:

@@ -12,14 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from fxpipe.partition.coarsen import Coarsening
-from fxpipe.partition.cost import state_split
-from fxpipe.partition.problem import (
-    Recompute,
-    TiedGroup,
-    TiedPolicy,
-    allreduce_s,
-    selective_sums,
-)
+from fxpipe.partition.cost import NodeCosts, added_up, state_split
+from fxpipe.partition.problem import Recompute, TiedGroup, TiedPolicy, allreduce_s
 
 __all__ = [
     "TARGET_TICKS",
@@ -42,11 +36,12 @@ def ticks_per_second(coarsening: Coarsening) -> int:
     """A power of ten that makes the graph's total time at most TARGET_TICKS ticks."""
     p = coarsening.problem
     again = p.recompute is not Recompute.NONE  # a recomputed forward runs twice
-    total_s = sum(n.forward_s * (2 if again else 1) + n.backward_s + 4 * n.comm_s
-                  for n in p.nodes)
+    each = NodeCosts.of(p)
+    comm = np.array([n.comm_s for n in p.nodes])
+    total_s = sum((each.forward_s * (2 if again else 1) + each.backward_s + 4 * comm).tolist())
     total_s += sum(t.allreduce_s for t in p.tied) * p.num_stages
     if p.replicates:  # the largest all-reduce a replicated stage could pay
-        total_s += allreduce_s(p, sum(n.param_bytes for n in p.nodes), p.devices)
+        total_s += allreduce_s(p, float(each.params.sum()), p.devices)
     if total_s <= 0:
         return 10**9
     return 10 ** min(15, max(0, math.floor(math.log10(TARGET_TICKS / total_s))))
@@ -78,46 +73,36 @@ class GroupCosts:
 def group_costs(coarsening: Coarsening, scale: int) -> GroupCosts:
     """``scale``: ticks per second (``ticks_per_second``)."""
     p = coarsening.problem
-    group_of = coarsening.group_of
     G = coarsening.num_coarse
     grad_f, opt_f = state_split(p.state_factor)
     state = 1.0 + grad_f + opt_f
-    secs = [0.0] * G
-    fwd = [0.0] * G
-    param_state = [0.0] * G
-    params = [0] * G
+    nodes = NodeCosts.of(p)
+    costs = nodes.by(coarsening.group_of, G)
+    param_state = added_up(np.asarray(coarsening.group_of), G, nodes.params * state).tolist()
+    params = [int(b) for b in costs.params]
     held = [0] * G
-    act = [0] * G
-    returned = [0] * G
-    grad = [0] * G
-    deferred = [0] * G
-    for v, node in enumerate(p.nodes):
-        g = group_of[v]
-        deferred[g] += node.deferred_bytes
-        returned[g] += node.output_bytes if node.returned else 0
-        secs[g] += node.forward_s + node.backward_s
-        fwd[g] += node.forward_s
-        param_state[g] += node.param_bytes * state
-        params[g] += node.param_bytes
-        act[g] += node.activation_bytes
-        grad[g] = max(grad[g], node.grad_bytes)
     replicated = []
     for tied in p.tied:
-        holders = sorted({group_of[v] for v in tied.nodes})
+        holders = sorted({coarsening.group_of[v] for v in tied.nodes})
         if len(holders) == 1 or p.tied_policy is TiedPolicy.COLOCATE:
             param_state[holders[0]] += tied.param_bytes * state
             held[holders[0]] += tied.param_bytes
         else:
             replicated.append((tied, holders))
     held = [h + b for h, b in zip(held, params, strict=True)]
-    levels = len(p.keep_levels)
-    sums = [selective_sums([p.nodes[v] for v in group], levels) for group in coarsening.groups]
-    selective = [kept for kept, _ in sums]
-    selective_fwd = [again_s for _, again_s in sums]
-    return GroupCosts(state=state, secs=secs, ticks=[round(s * scale) for s in secs], fwd=fwd,
+    secs = costs.compute_s.tolist()
+
+    def whole(column: np.ndarray) -> list[int]:
+        return [int(b) for b in column]
+
+    return GroupCosts(state=state, secs=secs, ticks=[round(s * scale) for s in secs],
+                      fwd=costs.forward_s.tolist(),
                       state_bytes=[round(b) for b in param_state], params=params, held=held,
-                      act=act, returned=returned, grad=grad, deferred=deferred,
-                      selective=selective, selective_fwd=selective_fwd, replicated=replicated)
+                      act=whole(costs.activations), returned=whole(costs.returned),
+                      grad=whole(costs.transient), deferred=whole(costs.deferred),
+                      selective=[tuple(whole(row)) for row in costs.selective],
+                      selective_fwd=[tuple(row) for row in costs.selective_again_s.tolist()],
+                      replicated=replicated)
 
 
 @dataclass(frozen=True)

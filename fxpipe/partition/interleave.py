@@ -54,6 +54,7 @@ from typing import Any
 import numpy as np
 
 from fxpipe.partition.coarsen import Coarsening
+from fxpipe.partition.cost import NodeCosts
 from fxpipe.partition.evaluate import evaluate, violations
 from fxpipe.partition.prices import Prices
 from fxpipe.partition.rounds import recut_rounds, recut_vee
@@ -383,9 +384,7 @@ def cuts_of(c: Coarsening, coarse: Sequence[int]) -> tuple[int, ...]:
 
 def _compute_before(c: Coarsening) -> Any:
     """before[i]: the compute of the order's groups [0, i)."""
-    compute = np.zeros(c.num_coarse)
-    for v, node in enumerate(c.problem.nodes):
-        compute[c.group_of[v]] += node.forward_s + node.backward_s
+    compute = NodeCosts.of(c.problem).by(c.group_of, c.num_coarse).compute_s
     return np.concatenate(([0.0], np.cumsum(compute)))
 
 

@@ -41,7 +41,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from fxpipe.partition.cost import state_split
+from fxpipe.collectives import ring_allreduce_s
+from fxpipe.partition.cost import NodeCosts, state_split
 from fxpipe.partition.errors import InfeasibleMemoryError
 from fxpipe.partition.problem import Problem
 
@@ -138,11 +139,10 @@ def sync_crosses_hosts(cluster: Cluster, p: int) -> bool:
 def sync_s(grad_bytes: float, d: int, link: Link) -> float:
     """One stage's gradient sync over its d copies per step: a ring all-reduce, or a ring
     reduce-scatter plus all-gather, 2 (d - 1) / d of ``grad_bytes`` on the wire each way
-    and 2 (d - 1) messages."""
-    if d <= 1 or grad_bytes <= 0:
+    and 2 (d - 1) messages (``ring_allreduce_s``); none for a stage without gradients."""
+    if grad_bytes <= 0:
         return 0.0
-    steps = 2 * (d - 1)
-    return steps / d * grad_bytes / link.bandwidth + steps * link.latency_s
+    return ring_allreduce_s(grad_bytes, d, link.bandwidth, link.latency_s)
 
 
 def slowest_sync_s(stage_grad_bytes: Iterable[float], d: int, link: Link) -> float:
@@ -167,8 +167,7 @@ class Totals:
 
 def totals(problem: Problem) -> Totals:
     grads, _ = state_split(problem.state_factor)
-    params = sum(n.param_bytes for n in problem.nodes) + sum(g.param_bytes for g in problem.tied)
-    return Totals(sum(n.forward_s + n.backward_s for n in problem.nodes), params * grads)
+    return Totals(sum(NodeCosts.of(problem).compute_s.tolist()), problem.param_bytes * grads)
 
 
 def layout_bound(t: Totals, p: int, d: int, m: int, link: Link) -> float:

@@ -18,7 +18,7 @@ from fxpipe.partition.baselines import baselines as run_baselines
 from fxpipe.partition.baselines import interval_dp, leanest_dp
 from fxpipe.partition.coarsen import Coarsening, exact_groups
 from fxpipe.partition.coarsen import coarsen as coarsen_graph
-from fxpipe.partition.cost import memory_parts
+from fxpipe.partition.cost import NodeCosts, memory_parts
 from fxpipe.partition.errors import InfeasibleMemoryError
 from fxpipe.partition.evaluate import evaluate, violations
 from fxpipe.partition.ilp import StageModel
@@ -106,17 +106,16 @@ def heaviest_group(problem: Problem, exact: Coarsening) -> tuple[str, float]:
     grows with more nodes and more micro-batches in flight)."""
     best = ("", 0.0)
     sink = _sink(exact)
+    costs = NodeCosts.of(problem).by(exact.group_of, exact.num_coarse)
     for g, group in enumerate(exact.groups):
-        nodes = [problem.nodes[v] for v in group]
         parts = memory_parts(
             problem, problem.num_stages - 1 if g == sink else -1, flight=1,
-            recompute=StageRecompute.NONE,
-            params=sum(n.param_bytes for n in nodes),
-            activations=sum(n.activation_bytes for n in nodes), received=0,
-            kept=sum(n.output_bytes for n in nodes if n.returned),
-            transient=max(n.grad_bytes for n in nodes))
+            recompute=StageRecompute.NONE, params=int(costs.params[g]),
+            activations=int(costs.activations[g]), received=0,
+            kept=int(costs.returned[g]), transient=int(costs.transient[g]))
         needs = float(sum(parts.values()))
         if needs > best[1]:
+            nodes = [problem.nodes[v] for v in group]
             top = max(nodes, key=lambda n: (n.param_bytes, n.activation_bytes))
             best = (f"op {top.name} of {top.module}" if top.module else f"op {top.name}",
                     needs)
@@ -175,8 +174,7 @@ def _fewest_gpus(problem: Problem, needed: float | None = None
     def fits(n: int) -> bool:
         return dp_fits(replace(problem, num_stages=n, num_devices=0))
 
-    state = max(1.0, problem.state_factor) * (
-        sum(n.param_bytes for n in problem.nodes) + sum(g.param_bytes for g in problem.tied))
+    state = max(1.0, problem.state_factor) * problem.param_bytes
     floor = math.ceil(state / limit) - 1  # n GPUs hold state / n each: n <= floor cannot fit
     at_least = floor + 1 if floor >= problem.devices else None
     lo = max(problem.devices, floor)  # lo does not fit (or is asked)

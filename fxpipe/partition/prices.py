@@ -19,7 +19,7 @@ import numpy as np
 
 from fxpipe.partition.baselines import Blocks
 from fxpipe.partition.coarsen import Coarsening
-from fxpipe.partition.cost import memory_parts, recompute_options
+from fxpipe.partition.cost import NodeCosts, memory_parts, prefix_sums, recompute_options
 from fxpipe.partition.problem import TiedPolicy, stage_deferred, stage_flights
 
 __all__ = ["Prices"]
@@ -36,10 +36,7 @@ class Prices:
         self.flights = stage_flights(p)
         self.waiting = stage_deferred(p)
         self.options = recompute_options(p)
-        deferred = np.zeros(c.num_coarse + 1)
-        for v, node in enumerate(p.nodes):
-            deferred[c.group_of[v] + 1] += node.deferred_bytes
-        self.deferred = np.cumsum(deferred)
+        self.deferred = prefix_sums(NodeCosts.of(p).by(c.group_of, c.num_coarse).deferred)
         sends = sorted((a, hi, size) for hi, a, size in self.blocks.sends)
         self.send_from = np.array([s[0] for s in sends], dtype=np.int64)
         self.send_to = np.array([s[1] for s in sends], dtype=np.int64)

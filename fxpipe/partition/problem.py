@@ -24,10 +24,10 @@ Three ways stages map onto GPUs:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
+from fxpipe.collectives import ring_allreduce_s
 from fxpipe.schedules import ScheduleKind
 
 __all__ = [
@@ -40,7 +40,6 @@ __all__ = [
     "TiedPolicy",
     "allreduce_s",
     "allreduce_terms",
-    "selective_sums",
     "stage_deferred",
     "stage_flights",
 ]
@@ -115,15 +114,6 @@ class Node:
         if level >= len(self.selective_bytes):
             return 0, self.forward_s
         return self.selective_bytes[level], self.forward_s - self.selective_kept_s[level]
-
-
-def selective_sums(nodes: Sequence[Node], levels: int
-                   ) -> tuple[tuple[int, ...], tuple[float, ...]]:
-    """Per keep level (the first ``levels``), the bytes ``nodes`` keep recomputed
-    selectively and the forward seconds they run again (``Node.selective``'s, added up)."""
-    rows = [[node.selective(level) for node in nodes] for level in range(levels)]
-    return (tuple(sum(nbytes for nbytes, _ in row) for row in rows),
-            tuple(sum(again_s for _, again_s in row) for row in rows))
 
 
 @dataclass(frozen=True)
@@ -250,6 +240,11 @@ class Problem:
         return next((n.name for n in self.nodes if n.writes_kept), None)
 
     @property
+    def param_bytes(self) -> int:
+        """Every parameter's bytes: the nodes' own, and each tied one once."""
+        return sum(n.param_bytes for n in self.nodes) + sum(g.param_bytes for g in self.tied)
+
+    @property
     def devices(self) -> int:
         """N: the GPUs the pipeline runs on."""
         return self.num_devices or self.num_stages // self.virtual_stages
@@ -267,13 +262,14 @@ class Problem:
 
 
 def allreduce_terms(problem: Problem, replicas: int) -> tuple[float, float]:
-    """(seconds per byte, fixed seconds) of a ring all-reduce over ``replicas`` GPUs:
-    2(r - 1)/r / bandwidth and 2(r - 1) * latency; nothing for one replica. The fixed
-    part is paid even with no parameters: the replicas still synchronise every step."""
-    if replicas <= 1:
-        return 0.0, 0.0
-    steps = 2 * (replicas - 1)
-    return steps / replicas / problem.allreduce_bandwidth, steps * problem.allreduce_latency_s
+    """(seconds per byte, fixed seconds) of a ring all-reduce over ``replicas`` GPUs, the
+    slope and the intercept of ``ring_allreduce_s`` (linear in its bytes; the CP-SAT rows
+    take it so): 2(r - 1)/r / bandwidth and 2(r - 1) * latency; nothing for one replica.
+    The fixed part is paid even with no parameters: the replicas still synchronise every
+    step."""
+    bandwidth, latency_s = problem.allreduce_bandwidth, problem.allreduce_latency_s
+    return (ring_allreduce_s(1.0, replicas, bandwidth, 0.0),
+            ring_allreduce_s(0.0, replicas, bandwidth, latency_s))
 
 
 def allreduce_s(problem: Problem, nbytes: float, replicas: int) -> float:

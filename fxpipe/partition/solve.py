@@ -46,6 +46,7 @@ from fxpipe.partition.baselines import interval_dp
 from fxpipe.partition.bound import block_bound, shared_gpu_bound
 from fxpipe.partition.coarsen import Coarsening, exact_groups
 from fxpipe.partition.coarsen import coarsen as coarsen_graph
+from fxpipe.partition.cost import NodeCosts
 from fxpipe.partition.errors import (
     InfeasibleMemoryError,
     NoSolutionError,
@@ -582,17 +583,16 @@ def memory_floor(problem: Problem) -> float:
     optimizer state (``cost.py``: params x max(1, state_factor)), spread evenly over the
     N GPUs or the largest node's alone, plus the workspace. Activations only add."""
     per_byte = max(1.0, problem.state_factor)
-    sizes = [n.param_bytes for n in problem.nodes]
-    total = sum(sizes) + sum(g.param_bytes for g in problem.tied)
-    return problem.workspace_bytes + per_byte * max(total / problem.devices,
-                                                    max(sizes, default=0))
+    largest = max((n.param_bytes for n in problem.nodes), default=0)
+    return problem.workspace_bytes + per_byte * max(problem.param_bytes / problem.devices,
+                                                    largest)
 
 
 def trivial_bound(problem: Problem) -> float:
     """A bottleneck no split can beat: all compute spread evenly over the N GPUs, and (one
     GPU per stage) the slowest node on one GPU. Communication only adds to either."""
     N = problem.devices
-    times = [n.forward_s + n.backward_s for n in problem.nodes]
+    times = NodeCosts.of(problem).compute_s.tolist()
     if problem.replicates:  # a node's micro-batch may be split over up to N GPUs
         return max(sum(times), 0.0) / N
     return max(sum(times) / N, max(times, default=0.0))
