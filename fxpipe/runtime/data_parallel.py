@@ -23,6 +23,7 @@ under a pipeline), so a rank holds its stage's whole parameters and gradients in
 and 1/d of them, and of the optimizer state, between steps.
 """
 
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -34,8 +35,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["DP_MODES", "DataParallelStage", "check_data_parallel", "held_bytes", "make_mesh",
-           "shard", "total_norm", "whole"]
+from .zero_bubble import ZERO_BUBBLE
+
+__all__ = ["DP_MODES", "DataParallelStage", "check_backward_sync", "check_data_parallel",
+           "held_bytes", "make_mesh", "shard", "total_norm", "whole"]
 
 DP_MODES = ("fsdp", "ddp")
 
@@ -50,6 +53,16 @@ def check_data_parallel(data_parallel: tuple[int, str], replicas: Sequence[int]
                          f"{tuple(replicas)!r}: give (d >= 1, one of {DP_MODES}), and "
                          "replicate stages by the layout or by replicas, not both")
     return dp, mode
+
+
+def check_backward_sync(mode: str | None, schedule: str) -> None:
+    """Refuse DDP under a schedule that splits the backward (zb1p, zbv, dualpipev): its
+    weight pass fills ``.grad`` outside autograd's accumulation, which DDP's reducer
+    hooks, so DDP would never average those gradients (FSDP2's sync runs after it)."""
+    if mode == "ddp" and schedule in ZERO_BUBBLE:
+        raise ValueError(f"torch's DDP does not average the gradients that {schedule}'s "
+                         f"weight pass computes apart from the backward; split again with "
+                         f"--dp-mode fsdp, or run schedule 1f1b or gpipe")
 
 
 def make_mesh(device: torch.device | str, dp: int, pp: int, dims: Sequence[str] = ("dp", "pp")
@@ -76,6 +89,10 @@ def shard(adapter: nn.Module, mode: str, mesh: DeviceMesh) -> nn.Module:
         return DataParallelStage(adapter, process_group=mesh.get_group(),
                                  device_ids=None if adapter.device is None
                                  or adapter.device.type == "cpu" else [adapter.device])
+    # torch's PipelineStage sends a stage's outputs and runs their backward, never writing
+    # them in place, which is what FSDP2 warns of when a unit returns a view
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPStageAdapter\) "
+                            "returned a view tensor")
     fully_shard(adapter, mesh=mesh, reshard_after_forward=False)
     adapter.tied = [(group, adapter.get_parameter(name)) for group, name in tied]
     return adapter

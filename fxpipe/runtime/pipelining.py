@@ -53,7 +53,7 @@ from .adapter import (
     torch_schedule_kwargs,
     wire_example,
 )
-from .data_parallel import check_data_parallel, make_mesh, shard
+from .data_parallel import check_backward_sync, check_data_parallel, make_mesh, shard
 from .grads import clip_grads, make_groups, reduce_grads
 from .materialize import Checkpoint, load_state, materialize
 from .microbatch import batch_size, lane_share, shared_leaves
@@ -214,10 +214,9 @@ class DistributedPipeline(RankLayout):
                 mesh = make_mesh(device, self.lanes, self.num_stages, ("pp", "dp"))
         built = {k: self.stage_module(model, k, device, *example_args, checkpoint=checkpoint,
                                       **example_kwargs) for k in self.stages_of(rank)}
-        adapters = {k: adapter for k, (adapter, _, _) in built.items()}
+        modules: dict[int, Any] = {k: adapter for k, (adapter, _, _) in built.items()}
         group = group if mesh is None else mesh["pp"].get_group()
-        make_groups(self.one_pipeline(), self.tied, adapters, group)
-        modules: dict[int, nn.Module] = dict(adapters)
+        make_groups(self.one_pipeline(), self.tied, modules, group)
         if mesh is not None:
             self.dp_group = mesh["dp"].get_group()
             modules = {k: shard(adapter, mode, mesh["dp"]) for k, adapter in modules.items()}
@@ -274,6 +273,7 @@ class DistributedPipeline(RankLayout):
         plan did (``RankLayout.check_placement``)."""
         kind = schedule or self.schedule
         m = microbatches or self.microbatches
+        check_backward_sync(self.dp_mode if self.dp > 1 else None, kind)
         if kind != self.schedule:  # another kind: only if it places the stages as planned
             self.check_placement(kind, self.schedule)
         # the stages' device, read without assuming stages: the checks below come first
