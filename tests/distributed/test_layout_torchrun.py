@@ -18,7 +18,15 @@ import torch
 from fxpipe import cli
 
 from . import gpt64
-from ._helpers import EXAMPLES, import_package, load, torchrun
+from ._helpers import (
+    EXAMPLES,
+    contiguous_plan,
+    import_package,
+    load,
+    mini_batch,
+    torchrun,
+    write_package,
+)
 
 GPT = EXAMPLES / "gpt.py"
 GPT64 = Path(gpt64.__file__)  # the same GPT in float64
@@ -54,7 +62,8 @@ def _unsplit(model: Path, batch: dict[str, Any], clip: float | None
     loss = source.loss_fn(model(*batch["args"]), batch["target"])
     loss.backward()
     if clip is not None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        assert norm > clip, (norm, clip)  # clipping scales
     return float(loss.detach()), {n: p.grad
                                   for n, p in model.named_parameters(remove_duplicate=False)}
 
@@ -134,6 +143,23 @@ def test_a_layout_refuses_another_world_size(tmp_path: Path) -> None:
            "--nproc-per-node 4")
     assert sorted(line for line in output if line.startswith("train_torchrun: error:")) == [
         f"train_torchrun: error: rank {rank}: {why}" for rank in (0, 1)]
+
+
+def test_lanes_run_on_the_layouts_ddp_and_clip_the_whole_models_norm(tmp_path: Path) -> None:
+    """PipeDream's "2-2" (every stage replicated twice: two lanes of whole pipelines, each
+    taking its rows of every micro-batch) runs on a (pp, dp) mesh whose copies DDP keeps
+    equal, as a layout's do: clipped, the unsplit model's gradients."""
+    source, traced = load(str(GPT))
+    write_package(tmp_path / "pkg", traced, contiguous_plan(
+        traced.gm.graph, 2, schedule="1f1b", microbatches=2, replicas=(2, 2)))
+    batch = {"args": mini_batch(source.args), "target": mini_batch(source.target)}
+    torch.save(batch, tmp_path / "batch.pt")
+    result = torchrun(4, tmp_path / "pkg" / "train_torchrun.py", "--model", str(GPT),
+                      "--batch", str(tmp_path / "batch.pt"), "--save", str(tmp_path / "out"),
+                      "--clip-grad-norm", "0.1")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
+    saves = [torch.load(tmp_path / "out" / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    _assert_model_grads(saves, _unsplit(GPT, batch, 0.1)[1], TOLERANCE[GPT])
 
 
 def test_ddp_under_a_schedule_that_splits_the_backward_is_refused(tmp_path: Path) -> None:
