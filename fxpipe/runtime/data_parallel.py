@@ -35,6 +35,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from .adapter import StageAdapter
 from .zero_bubble import ZERO_BUBBLE
 
 __all__ = ["DP_MODES", "DataParallelStage", "check_backward_sync", "check_data_parallel",
@@ -75,7 +76,7 @@ def make_mesh(device: torch.device | str, dp: int, pp: int, dims: Sequence[str] 
                             mesh_dim_names=tuple(dims))
 
 
-def shard(adapter: nn.Module, mode: str, mesh: DeviceMesh) -> nn.Module:
+def shard(adapter: StageAdapter, mode: str, mesh: DeviceMesh) -> nn.Module:
     """``adapter`` (a ``StageAdapter``) kept equal over the 1-D ``mesh`` of its copies:
     sharded by ``fully_shard`` (fsdp, in place) or wrapped in DDP (``DataParallelStage``).
     Its tied copies (``adapter.tied``) are looked up again: FSDP2 swaps every parameter

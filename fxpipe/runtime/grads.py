@@ -117,7 +117,7 @@ def clip_grads(layout: RankLayout, tied: Sequence[Mapping[int, str]],
                  if k in adapters and min(copies) not in adapters}
     params = list({id(p): p for a in adapters.values() for p in a.parameters()
                    if p.grad is not None}.values())
-    counted = [p.grad for p in params if id(p) not in elsewhere
+    counted = [p.grad for p in params if p.grad is not None and id(p) not in elsewhere
                and (first_copy or isinstance(p.grad, DTensor))]
     device = next(iter(adapters.values())).device or torch.device("cpu")
     norm = total_norm(counted, norm_type, group, torch.device(device))
