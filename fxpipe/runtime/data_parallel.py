@@ -39,7 +39,7 @@ from .adapter import StageAdapter
 from .zero_bubble import ZERO_BUBBLE
 
 __all__ = ["DP_MODES", "DataParallelStage", "check_backward_sync", "check_data_parallel",
-           "held_bytes", "make_mesh", "shard", "total_norm", "whole"]
+           "held_bytes", "make_mesh", "shard", "total_norm", "watch_step", "whole"]
 
 DP_MODES = ("fsdp", "ddp")
 
@@ -132,25 +132,44 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def held_bytes(modules: Iterable[nn.Module], optimizer: torch.optim.Optimizer | None
-               ) -> dict[str, int]:
-    """What a rank holds for ``modules``, in bytes, each parameter once: ``params`` and
-    ``grads`` whole (as the step computes with them: FSDP2 holds them unsharded between
-    micro-batches), ``params_local`` and ``grads_local`` as held between steps (this
-    rank's shards), and ``optimizer``: the optimizer's state tensors of those parameters
-    (local shards; a 0-dim step count is not counted, as the plan does not count it)."""
+def _size(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def watch_step(modules: Iterable[nn.Module]) -> dict[int, dict[str, int]]:
+    """Forward pre-hooks on ``modules`` (the stages inside their adapters) keeping, per
+    module, the most bytes of parameters and of gradients it held at the start of a
+    forward: inside a step FSDP2's unsharded parameters, and the gradients they
+    accumulate whole until the last micro-batch's backward (``held_bytes`` reads them)."""
+    seen: dict[int, dict[str, int]] = {}
+
+    def hook(module: nn.Module, args: Any) -> None:
+        params = list({id(p): p for p in module.parameters()}.values())
+        held = seen.setdefault(id(module), {"params": 0, "grads": 0})
+        held["params"] = max(held["params"], _size(params))
+        held["grads"] = max(held["grads"], _size(p.grad for p in params if p.grad is not None))
+
+    for module in modules:
+        module.register_forward_pre_hook(hook)
+    return seen
+
+
+def held_bytes(modules: Iterable[nn.Module], optimizer: torch.optim.Optimizer | None,
+               step: dict[int, dict[str, int]]) -> dict[str, int]:
+    """What a rank holds for ``modules``, in bytes: ``params`` and ``grads`` inside the
+    step (``step``, from ``watch_step``), ``params_local`` and ``grads_local`` between
+    steps (this rank's shards, each parameter once), and ``optimizer``: the optimizer's
+    state of those parameters (local shards; a 0-dim step count is not counted, as the
+    plan does not count it)."""
     params = list({id(p): p for m in modules for p in m.parameters()}.values())
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [_local(p.grad) for p in params if p.grad is not None]
     state = optimizer.state if optimizer is not None else {}
     moments = [_local(v) for p in params for v in state.get(p, {}).values()
                if isinstance(v, torch.Tensor) and v.dim() > 0]
-
-    def size(tensors: Iterable[torch.Tensor]) -> int:
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-    return {"params": size(params), "grads": size(grads),
-            "params_local": size(map(_local, params)), "grads_local": size(map(_local, grads)),
-            "optimizer": size(moments)}
+    return {"params": sum(held["params"] for held in step.values()),
+            "grads": sum(held["grads"] for held in step.values()),
+            "params_local": _size(map(_local, params)), "grads_local": _size(grads),
+            "optimizer": _size(moments)}
 
 
 def total_norm(grads: Sequence[torch.Tensor], norm_type: float, group: Any,

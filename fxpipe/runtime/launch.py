@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from .adapter import check_feed
-from .data_parallel import held_bytes, whole
+from .data_parallel import held_bytes, watch_step, whole
 from .loading import import_file
 from .materialize import parameters_on_meta
 from .microbatch import shared_leaves
@@ -330,9 +330,11 @@ def _check_every_rank_steps(trains: bool, device: torch.device) -> None:
 def _steps(pipeline: DistributedPipeline, opts: argparse.Namespace, rank: int, schedule: Any,
            stages: list[Any], optimizer: torch.optim.Optimizer | None,
            batch: tuple[Any, Any, Any], outputs: list[Any], rss: dict[str, int]) -> None:
-    """``opts.steps`` training steps; with --save, the last step's loss, gradients and
-    outputs go to rank{rank}.pt."""
+    """``opts.steps`` training steps; with --save, the last step's loss, gradients, bytes
+    held and outputs go to rank{rank}.pt."""
     args, kwargs, target = batch
+    # with --save: the bytes of parameters and gradients held inside a step
+    watched = watch_step([stage.submod.stage for stage in stages]) if opts.save else {}
     for step in range(opts.steps):
         if optimizer is not None:
             optimizer.zero_grad(set_to_none=True)
@@ -358,7 +360,7 @@ def _steps(pipeline: DistributedPipeline, opts: argparse.Namespace, rank: int, s
         elif optimizer is not None:
             optimizer.step()
         if saving:
-            memory = held_bytes([stage.submod for stage in stages], optimizer)
+            memory = held_bytes([stage.submod for stage in stages], optimizer, watched)
             Path(opts.save).mkdir(parents=True, exist_ok=True)
             torch.save({"loss": loss, "grads": grads, "rss": rss, "outputs": outputs,
                         "memory": memory}, Path(opts.save) / f"rank{rank}.pt")

@@ -103,7 +103,8 @@ def test_a_layout_step_gives_the_models_gradients_and_the_plans_memory(
     """2 x 2 ranks, Adam: the unsplit model's gradients on the global batch, the loss its
     loss on every last-stage rank, and per rank the plan's params, grads and optimizer
     bytes (fsdp: the Adam state of 1/d of the stage, parameters and gradients 1/d of it
-    between steps, whole in the step, as torch's PipelineStage holds them)."""
+    between steps and whole inside the step, where torch's PipelineStage keeps FSDP2 from
+    resharding them until the last micro-batch's backward)."""
     plan, batch, saves = _run(tmp_path, mode, "--optimizer", "adam", model=model)
     loss, expected = _unsplit(model, batch, None)
     _assert_model_grads(saves, expected, TOLERANCE[model])
