@@ -14,6 +14,10 @@ with an autocast region of its own (export's ``wrap_with_autocast``), whose body
 run in the dtype autocast picks. A graph traced for the GPU may call what the CPU does
 not take (``histc`` of integers, transformers' expert counts): such a call runs as its
 result would be on the GPU (``_ON_FAKE_CPU``).
+
+A run given ``copies`` (``copied_from``: the nodes of layers tracing found repeated) runs
+each repeated layer once: a node whose inputs are like those of the node it copies takes
+a fresh value like that node's, so a run of 1,663 alike layers costs about one layer's.
 """
 
 from __future__ import annotations
@@ -29,10 +33,15 @@ from torch._subclasses.fake_tensor import FakeTensorMode, is_fake
 from torch.nn.utils._named_member_accessor import swap_tensor
 from torch.utils import _pytree as pytree
 
-from fxpipe import kernels
+from fxpipe import kernels, meta
 from fxpipe.kernels import Execution
 
-__all__ = ["MetaRunner", "inputs_to_meta", "named_state", "on_meta", "to_meta"]
+__all__ = [
+    "OP_NODES", "MetaRunner", "copied_from", "fresh_like", "inputs_to_meta", "named_state",
+    "on_meta", "to_meta",
+]
+
+OP_NODES = frozenset({"call_function", "call_method", "call_module"})
 
 
 def to_meta(
@@ -166,6 +175,56 @@ def _histc(values: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
 _ON_FAKE_CPU: dict[Any, Any] = {torch.ops.aten.histc.default: _histc, torch.histc: _histc}
 
 
+def copied_from(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, torch.fx.Node]:
+    """Each op node of a layer tracing copied (``meta.COPY_OF``) -> the node it copies, an
+    earlier node of the same op, target (or a module alike: ``_alike``) and number of
+    inputs: given inputs like that node's, the copy runs as it does. A node whose record
+    no longer names such a node (the graph changed since) is left out, to be run."""
+    by_name: dict[str, torch.fx.Node] = {}
+    copies: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op in OP_NODES and meta.COPY_OF.has(node):
+            template = by_name.get(meta.COPY_OF.get(node))
+            if template is not None and _runs_alike(gm, template, node):
+                copies[node] = template
+        by_name[node.name] = node
+    return copies
+
+
+def _runs_alike(gm: torch.fx.GraphModule, a: torch.fx.Node, b: torch.fx.Node) -> bool:
+    if a.op != b.op or len(a.all_input_nodes) != len(b.all_input_nodes):
+        return False
+    if a.target == b.target:
+        return True
+    return a.op == "call_module" and _alike(gm.get_submodule(str(a.target)),
+                                            gm.get_submodule(str(b.target)))
+
+
+def _alike(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    """Two of torch's own modules that compute alike: one class, mode and configuration,
+    parameters and buffers of the same names, shapes, dtypes and ``requires_grad``."""
+
+    def state(m: torch.nn.Module) -> list[tuple[Any, ...]]:
+        return [(name, t.shape, t.dtype, t.requires_grad)
+                for name, t in [*m.named_parameters(), *m.named_buffers()]]
+
+    return (type(a) is type(b) and type(a).__module__.startswith("torch.nn.")
+            and a.training == b.training and a.extra_repr() == b.extra_repr()
+            and state(a) == state(b))
+
+
+def fresh_like(value: Any) -> Any:
+    """``value`` with every tensor leaf replaced by a new storage-less one of the same
+    shape, strides, dtype, device and ``requires_grad`` (not a leaf, so in-place ops on it
+    stay legal)."""
+
+    def fresh(t: torch.Tensor) -> torch.Tensor:
+        made = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        return made.requires_grad_().clone() if t.requires_grad else made
+
+    return pytree.tree_map_only(torch.Tensor, fresh, value)
+
+
 class MetaRunner(torch.fx.Interpreter):
     """Runs a graph on the meta device, whatever device the trace recorded.
 
@@ -175,8 +234,14 @@ class MetaRunner(torch.fx.Interpreter):
     """
 
     def __init__(self, gm: torch.fx.GraphModule, execution: Execution | None = None, *,
-                 device: str | None = None) -> None:
+                 device: str | None = None,
+                 copies: dict[torch.fx.Node, torch.fx.Node] | None = None) -> None:
         super().__init__(gm, garbage_collect_values=True)
+        # A node of a copied layer -> the node it copies (``copied_from``): given inputs
+        # like that node's, it is not run and its value is a fresh one like that node's.
+        self.copies = copies or {}
+        self.copied = frozenset(self.copies.values())
+        self.copy_runs: dict[torch.fx.Node, tuple[list[Any], Any]] = {}  # inputs, result
         self.meta_state: dict[str, torch.Tensor] = {}
         self.state_ids: frozenset[int] = frozenset()  # ids of meta_state's tensors
         self.execution = execution if execution is not None else Execution()
@@ -203,6 +268,31 @@ class MetaRunner(torch.fx.Interpreter):
             self.state_ids = frozenset(id(t) for t in state.values())
             inputs = inputs_to_meta(flat_inputs, dtype=self.cast, device=self.device)
             return self.run(*inputs)
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        """Run ``n``, or take the run of the node it copies (``copies``) where ``n``'s
+        inputs are like that node's were: shapes, strides, dtypes, grad, parameter or not,
+        and equal values that are no tensors. A node that changed its inputs in place when
+        it ran is run in every copy."""
+        template = self.copies.get(n)
+        if template is None and n not in self.copied:
+            return super().run_node(n)
+        given = self._input_specs(n)
+        ran = self.copy_runs.get(template) if template is not None else None
+        if ran is not None and _equal(ran[0], given):
+            return fresh_like(ran[1])
+        result = super().run_node(n)
+        if n in self.copied and _equal(given, self._input_specs(n)):
+            self.copy_runs[n] = (given, fresh_like(result))
+        return result
+
+    def _input_specs(self, n: torch.fx.Node) -> list[Any]:
+        def spec(t: torch.Tensor) -> tuple[Any, ...]:
+            return (t.shape, t.stride(), t.dtype, t.device.type, t.requires_grad,
+                    id(t) in self.state_ids)
+
+        return [pytree.tree_map_only(torch.Tensor, spec, self.env[node])
+                for node in n.all_input_nodes]
 
     def fetch_args_kwargs_from_env(self, n: torch.fx.Node) -> tuple[Any, dict[str, Any]]:
         args, kwargs = super().fetch_args_kwargs_from_env(n)
@@ -236,3 +326,11 @@ class MetaRunner(torch.fx.Interpreter):
         if target in ("cpu", "cuda") and isinstance(args[0], torch.Tensor):
             return args[0]
         return super().call_method(target, args, kwargs)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """``a == b`` for specs, False where a value's ``==`` gives no plain bool."""
+    try:
+        return bool(a == b)
+    except Exception:
+        return False

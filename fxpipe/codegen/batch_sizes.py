@@ -29,7 +29,7 @@ import torch
 from fxpipe import meta
 from fxpipe.cut import StageIO
 from fxpipe.frontend import Traced
-from fxpipe.metadevice import MetaRunner
+from fxpipe.metadevice import MetaRunner, copied_from
 
 __all__ = ["BatchDims"]
 
@@ -128,7 +128,7 @@ class _RowsRunner(MetaRunner):
     """Notes dim 0 of every value that is one tensor with a dimension."""
 
     def __init__(self, gm: torch.fx.GraphModule) -> None:
-        super().__init__(gm)
+        super().__init__(gm, copies=copied_from(gm))  # a repeated layer run once
         self.rows: dict[str, int] = {}
 
     def run_node(self, n: torch.fx.Node) -> Any:

@@ -8,12 +8,9 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
-from fxpipe import meta
-from fxpipe.metadevice import MetaRunner
+from fxpipe.metadevice import OP_NODES, MetaRunner, copied_from, fresh_like
 
-__all__ = ["OP_NODES", "AnalysisError", "MetaInterpreter", "copied_from"]
-
-OP_NODES = frozenset({"call_function", "call_method", "call_module"})
+__all__ = ["OP_NODES", "AnalysisError", "MetaInterpreter", "copied_from", "fresh_like"]
 
 
 class AnalysisError(RuntimeError):
@@ -94,53 +91,3 @@ def tensor_leaves(value: Any) -> list[torch.Tensor]:
 def grad_outputs_of(result: Any) -> list[torch.Tensor]:
     """The result's tensors that carry gradient (the ones a backward starts from)."""
     return [t for t in tensor_leaves(result) if t.requires_grad]
-
-
-def copied_from(gm: torch.fx.GraphModule) -> dict[torch.fx.Node, torch.fx.Node]:
-    """Each op node of a layer tracing copied (``meta.COPY_OF``) -> the node it copies, an
-    earlier node of the same op, target (or a module alike: ``_alike``) and number of
-    inputs: given inputs like that node's, the copy runs as it does. A node whose record
-    no longer names such a node (the graph changed since) is left out, to be run."""
-    by_name: dict[str, torch.fx.Node] = {}
-    copies: dict[torch.fx.Node, torch.fx.Node] = {}
-    for node in gm.graph.nodes:
-        if node.op in OP_NODES and meta.COPY_OF.has(node):
-            template = by_name.get(meta.COPY_OF.get(node))
-            if template is not None and _runs_alike(gm, template, node):
-                copies[node] = template
-        by_name[node.name] = node
-    return copies
-
-
-def _runs_alike(gm: torch.fx.GraphModule, a: torch.fx.Node, b: torch.fx.Node) -> bool:
-    if a.op != b.op or len(a.all_input_nodes) != len(b.all_input_nodes):
-        return False
-    if a.target == b.target:
-        return True
-    return a.op == "call_module" and _alike(gm.get_submodule(str(a.target)),
-                                            gm.get_submodule(str(b.target)))
-
-
-def _alike(a: torch.nn.Module, b: torch.nn.Module) -> bool:
-    """Two of torch's own modules that compute alike: one class, mode and configuration,
-    parameters and buffers of the same names, shapes, dtypes and ``requires_grad``."""
-
-    def state(m: torch.nn.Module) -> list[tuple[Any, ...]]:
-        return [(name, t.shape, t.dtype, t.requires_grad)
-                for name, t in [*m.named_parameters(), *m.named_buffers()]]
-
-    return (type(a) is type(b) and type(a).__module__.startswith("torch.nn.")
-            and a.training == b.training and a.extra_repr() == b.extra_repr()
-            and state(a) == state(b))
-
-
-def fresh_like(value: Any) -> Any:
-    """``value`` with every tensor leaf replaced by a new storage-less one of the same
-    shape, strides, dtype, device and ``requires_grad`` (not a leaf, so in-place ops on it
-    stay legal)."""
-
-    def fresh(t: torch.Tensor) -> torch.Tensor:
-        made = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-        return made.requires_grad_().clone() if t.requires_grad else made
-
-    return pytree.tree_map_only(torch.Tensor, fresh, value)

@@ -25,10 +25,11 @@ import torch
 import torch.fx
 
 from fxpipe.forked import FORK_MIN_NODES, Forked
-from fxpipe.metadevice import MetaRunner
+from fxpipe.metadevice import MetaRunner, copied_from
 from fxpipe.tracing.functions import kept_functions
 from fxpipe.tracing.hooks import HookedLeaves, backward_hooked
 from fxpipe.tracing.records import InputShape
+from fxpipe.tracing.repeats import mark_copies
 
 __all__ = ["BufferUpdateError", "ConstantError", "GradRegionError", "symbolic_graph"]
 
@@ -75,10 +76,11 @@ def symbolic_graph(
             "symbolic_trace runs once while tracing instead of recording it"
         )
     flat = _symbolic_inputs(model, gm, args, kwargs)
+    copies = _copies(gm, model)
     # The graph run resized (a run per size) in a forked child while it is checked here
     big = len(gm.graph.nodes) >= FORK_MIN_NODES
-    with Forked(lambda: _probe_dynamic(gm, flat), in_child=big) as probed:
-        _check_runs(gm, flat)
+    with Forked(lambda: _probe_dynamic(gm, flat, copies), in_child=big) as probed:
+        _check_runs(gm, flat, copies)
         return gm, flat, probed.result()
 
 
@@ -192,12 +194,29 @@ def _symbolic_inputs(
     return tuple(flat)
 
 
-def _check_runs(gm: torch.fx.GraphModule, flat: tuple[Any, ...]) -> None:
-    """Run the graph once on meta tensors: symbolic_trace can succeed on a graph that fails."""
-    MetaRunner(gm).run_on_meta(*flat)
+def _copies(gm: torch.fx.GraphModule, model: torch.nn.Module
+            ) -> dict[torch.fx.Node, torch.fx.Node]:
+    """The nodes of repeated layers and those they copy (``mark_copies``), for the runs
+    below to run each layer like an earlier one once. Where naming them fails, the runs
+    run every node: the caller names them again outside its fallback to torch.export, so
+    such a fault surfaces as fxpipe's own and is not taken for a tracing failure."""
+    try:
+        mark_copies(gm, model)
+    except Exception:
+        return {}
+    return copied_from(gm)
 
 
-def _probe_dynamic(gm: torch.fx.GraphModule, flat: tuple[Any, ...]) -> tuple[InputShape, ...]:
+def _check_runs(gm: torch.fx.GraphModule, flat: tuple[Any, ...],
+                copies: dict[torch.fx.Node, torch.fx.Node]) -> None:
+    """Run the graph once on meta tensors: symbolic_trace can succeed on a graph that fails.
+    A copied layer whose inputs are like those of the layer it copies runs as that one did
+    (``MetaRunner``'s ``copies``)."""
+    MetaRunner(gm, copies=copies).run_on_meta(*flat)
+
+
+def _probe_dynamic(gm: torch.fx.GraphModule, flat: tuple[Any, ...],
+                   copies: dict[torch.fx.Node, torch.fx.Node]) -> tuple[InputShape, ...]:
     """Which input dimensions a symbolic_trace graph lets vary, learnt by running it on meta
     tensors with each dimension doubled (every input that has that size at that index
     together, so inputs that must agree, like ids and their mask, still do)."""
@@ -208,9 +227,9 @@ def _probe_dynamic(gm: torch.fx.GraphModule, flat: tuple[Any, ...]) -> tuple[Inp
     free: dict[tuple[int, int], tuple[int, int | None]] = {}
     for key in sorted({(d, size) for _, x in tensors for d, size in enumerate(x.shape)}):
         d, size = key
-        if _runs_resized(gm, flat, tensors, d, size, 2 * size):
+        if _runs_resized(gm, flat, copies, tensors, d, size, 2 * size):
             free[key] = (1, None)
-        elif size > 1 and _runs_resized(gm, flat, tensors, d, size, size // 2):
+        elif size > 1 and _runs_resized(gm, flat, copies, tensors, d, size, size // 2):
             free[key] = (1, size)
     return tuple(
         InputShape(
@@ -225,6 +244,7 @@ def _probe_dynamic(gm: torch.fx.GraphModule, flat: tuple[Any, ...]) -> tuple[Inp
 def _runs_resized(
     gm: torch.fx.GraphModule,
     flat: tuple[Any, ...],
+    copies: dict[torch.fx.Node, torch.fx.Node],
     tensors: list[tuple[int, torch.Tensor]],
     dim: int,
     size: int,
@@ -237,7 +257,7 @@ def _runs_resized(
             shape[dim] = new_size
             probe[i] = torch.empty(shape, dtype=x.dtype, device="meta")
     try:
-        MetaRunner(gm).run_on_meta(*probe)
+        MetaRunner(gm, copies=copies).run_on_meta(*probe)
     except Exception:
         return False
     return True
