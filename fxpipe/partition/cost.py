@@ -61,7 +61,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -118,7 +118,7 @@ class NodeCosts:
         levels = range(len(problem.keep_levels))
         chosen = [[node.selective(level) for level in levels] for node in nodes]
 
-        def column(values: Sequence[float]) -> np.ndarray:
+        def column(values: Sequence[Any]) -> np.ndarray:  # numbers, or rows of them
             return np.array(values, dtype=float)
 
         return cls(
