@@ -72,17 +72,26 @@ class PipedreamTieError(ValueError):
 
 class ProblemTooLargeError(ValueError):
     """More nodes (``nodes``) than the solver's memory allows (``most``): its program
-    would need ``needs_bytes``, growing with the square of the node count."""
+    would need ``needs_bytes``, growing with the node count; or, where ``block`` is set,
+    more nodes than ``most`` between two that no value skips, whose reachability matrix
+    grows with the square of that count."""
 
-    def __init__(self, *, nodes: int, most: int, needs_bytes: float) -> None:
+    def __init__(self, *, nodes: int, most: int, needs_bytes: float, block: int = 0) -> None:
         self.nodes = nodes
         self.most = most
         self.needs_bytes = needs_bytes
-        super().__init__(
-            f"The model has {nodes:,} ops, more than the {most:,} the solver handles: its "
-            f"memory grows with the square of the op count ({nodes:,} ops would need "
-            f"{format_bytes(needs_bytes)}); plan a smaller model with the same blocks, e.g. "
-            f"fewer layers.")
+        self.block = block
+        if block:
+            why = (f"The model has {block:,} ops between two that no value skips (one "
+                   f"made early and read late: a skip over the model), more than the "
+                   f"{most:,} the solver handles: its memory grows with the square of that "
+                   f"count ({block:,} ops would need {format_bytes(needs_bytes)})")
+        else:
+            why = (f"The model has {nodes:,} ops, more than the {most:,} the solver handles: "
+                   f"its memory grows with the op count ({nodes:,} ops would need "
+                   f"{format_bytes(needs_bytes)})")
+        super().__init__(f"{why}; plan a smaller model with the same blocks, e.g. fewer "
+                         f"layers.")
 
 
 class InfeasibleMemoryError(ValueError):

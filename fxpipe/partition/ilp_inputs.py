@@ -14,6 +14,7 @@ import numpy as np
 from fxpipe.partition.coarsen import Coarsening
 from fxpipe.partition.cost import NodeCosts, added_up, state_split
 from fxpipe.partition.problem import Recompute, TiedGroup, TiedPolicy, allreduce_s
+from fxpipe.partition.reach import ancestor_sums
 
 __all__ = [
     "TARGET_TICKS",
@@ -151,20 +152,7 @@ def stage_ranges(coarsening: Coarsening, ticks: Sequence[int], upper_ticks: int,
     ``extra``: GPUs beyond one per stage (replicas), which stages 0..j may also use."""
     K = coarsening.problem.num_stages
     G = coarsening.num_coarse
-    up, down = _ancestor_sums(G, coarsening.order_edges, np.array(ticks, dtype=np.int64))
+    up, down = ancestor_sums(G, coarsening.order_edges, np.array(ticks, dtype=np.int64))
     lo = [max(0, -(-int(up[g]) // upper_ticks) - 1 - extra) for g in range(G)]
     hi = [min(K - 1, K - (-(-int(down[g]) // upper_ticks)) + extra) for g in range(G)]
     return lo, hi
-
-
-def _ancestor_sums(n: int, edges: Sequence[tuple[int, int]], weight: np.ndarray,
-                   ) -> tuple[np.ndarray, np.ndarray]:
-    """Per node (topologically numbered): total weight of it and its ancestors / descendants."""
-    reach = np.eye(n, dtype=bool)  # reach[a, b]: b reaches a (b is an ancestor of a)
-    preds: list[list[int]] = [[] for _ in range(n)]
-    for a, b in edges:
-        preds[b].append(a)
-    for g in range(n):
-        for p in preds[g]:
-            reach[g] |= reach[p]
-    return reach.astype(np.int64) @ weight, reach.T.astype(np.int64) @ weight

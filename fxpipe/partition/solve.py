@@ -59,6 +59,7 @@ from fxpipe.partition.interleave import shared_gpu_warm_start
 from fxpipe.partition.nothing_fits import heaviest_group, min_memory
 from fxpipe.partition.nothing_fits import infeasible as nothing_fits
 from fxpipe.partition.problem import Problem
+from fxpipe.partition.reach import largest_block
 from fxpipe.partition.repair import repair
 from fxpipe.plan import Estimate, SolverReport
 
@@ -107,17 +108,34 @@ SHARED_LARGE = 10_000
 # none slower, and partition() took 647 s instead of 798 (BENCHMARKS.md).
 SHARED_SMALL = 2_000
 GAP = 0.01
-# The CP-SAT model keeps n x n reachability matrices over the graph's groups (bool, then
-# int64: 9 bytes a pair), so memory grows with the square of the op count: 10,000 ops
-# solve in ~16 s; 100,000 ops died allocating 74.5 GiB. Checked before any solving.
-MAX_NODES = 20_000
+# The solver's memory grows with the op count (the ops' costs, their groups, the interval
+# DP's and block bound's rows, CP-SAT on the coarse graph): OP_BYTES an op, measured on
+# GPipe's Transformer-L, 1,663 layers (36,589 ops). Checked before any solving.
+MAX_NODES = 200_000
+OP_BYTES = 32 * 1024
+# Reachability (which ops precede which, ``reach.py``) keeps a matrix per block between two
+# ops no value skips (bool, then int64: 9 bytes a pair), growing with the square of the
+# largest block: a transformer's are a dozen ops; a graph with a skip over all of it is one
+# block, and 100,000 ops in one died allocating 74.5 GiB.
+MAX_BLOCK = 20_000
 
 
 def check_size(num_nodes: int) -> None:
     """Refuse a graph whose solve would exhaust memory, before any work on it."""
     if num_nodes > MAX_NODES:
         raise ProblemTooLargeError(nodes=num_nodes, most=MAX_NODES,
-                                   needs_bytes=9 * num_nodes**2)
+                                   needs_bytes=OP_BYTES * num_nodes)
+
+
+def check_blocks(problem: Problem) -> None:
+    """Refuse a graph whose largest block between two ops no value skips is too long for
+    its reachability matrix (MAX_BLOCK), before any work on it."""
+    edges = [(e.src, e.dst) for e in problem.edges if e.ordered and e.src != e.dst]
+    n = len(problem.nodes)
+    block = largest_block(n, edges) if all(a < b for a, b in edges) else n
+    if block > MAX_BLOCK:
+        raise ProblemTooLargeError(nodes=n, most=MAX_BLOCK, needs_bytes=9 * block**2,
+                                   block=block)
 
 
 @dataclass(frozen=True)
@@ -164,6 +182,7 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
     would fit each, a leanest split and the fewest GPUs, takes minutes on a 70B model).
     """
     check_size(len(problem.nodes))
+    check_blocks(problem)
     infeasible = _advised if advise else _unadvised
     if replicate or problem.replicates:
         return _partition_replicated(problem, work_limit=work_limit, time_limit_s=time_limit_s,

@@ -22,6 +22,7 @@ from fxpipe.partition import (
 )
 from fxpipe.partition.coarsen import exact_groups
 from fxpipe.partition.nothing_fits import min_memory
+from fxpipe.partition.solve import OP_BYTES
 from fxpipe.schedules import ScheduleKind
 
 GiB = 2**30
@@ -185,12 +186,36 @@ def test_too_many_nodes_for_the_solver(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ProblemTooLargeError) as info:
         partition(chain(3, num_stages=2))
     e = info.value
-    assert (e.nodes, e.most, e.needs_bytes) == (3, 2, 81)
+    assert (e.nodes, e.most, e.needs_bytes, e.block) == (3, 2, 3 * OP_BYTES, 0)
     assert str(e) == (
         "The model has 3 ops, more than the 2 the solver handles: its memory grows with the "
-        "square of the op count (3 ops would need 81 B); plan a smaller model with the same "
-        "blocks, e.g. fewer layers.")
+        "op count (3 ops would need 96.0 KiB); plan a smaller model with the same blocks, "
+        "e.g. fewer layers.")
     assert isinstance(e, ValueError) and "--" not in str(e)
+
+
+def test_a_chain_longer_than_the_block_limit_is_planned(monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    """Reachability is kept per block between two ops no value skips: a chain's blocks
+    are two ops, however long it is."""
+    monkeypatch.setattr("fxpipe.partition.solve.MAX_BLOCK", 2)
+    assert partition(chain(6, num_stages=2)).stage_of == (0, 0, 0, 1, 1, 1)
+
+
+def test_a_block_too_long_for_the_solver(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An edge from the first op to the last makes one block of the whole graph."""
+    monkeypatch.setattr("fxpipe.partition.solve.MAX_BLOCK", 5)
+    problem = chain(6, num_stages=2)
+    problem = replace(problem, edges=(*problem.edges, Edge(0, 5)))
+    with pytest.raises(ProblemTooLargeError) as info:
+        partition(problem)
+    e = info.value
+    assert (e.nodes, e.most, e.needs_bytes, e.block) == (6, 5, 9 * 6**2, 6)
+    assert str(e) == (
+        "The model has 6 ops between two that no value skips (one made early and read late: "
+        "a skip over the model), more than the 5 the solver handles: its memory grows with "
+        "the square of that count (6 ops would need 324 B); plan a smaller model with the "
+        "same blocks, e.g. fewer layers.")
 
 
 def test_pipedream_tie_carries_its_share() -> None:
