@@ -85,7 +85,7 @@ def main() -> None:
                                                              dp_mode="fsdp")))
     if chosen is not None:
         run(f"--pp {chosen}, --recompute all",
-            replace(base, recompute=Recompute.ALL,
+            replace(base, recompute=Recompute.FULL,
                     cluster=replace(base.cluster, pp=int(chosen), dp_mode="fsdp")))
     print(f"{args.spec} onto {args.gpus} GPUs ({args.gpus_per_node} per host), bf16-mixed, "
           f"global batch {4 * args.gpus} sequences (load {os.getloadavg()[0]:.1f})")

@@ -168,8 +168,8 @@ def main() -> int:
                       f"{time.perf_counter() - start:.1f} s", file=sys.stderr)
             traced = traced_cache[key]
             plans: dict[Recompute, Plan | None] = {}
-            for policy in (Recompute.NONE, Recompute.ALL, Recompute.SELECTIVE, Recompute.AUTO):
-                if policy is Recompute.AUTO and plans[Recompute.ALL] is None:
+            for policy in (Recompute.NONE, Recompute.FULL, Recompute.SELECTIVE, Recompute.AUTO):
+                if policy is Recompute.AUTO and plans[Recompute.FULL] is None:
                     plans[policy] = None  # the least memory does not fit: nothing does
                     continue
                 plans[policy], wall = plan(traced, gpus=gpus, recompute=policy,
@@ -177,7 +177,7 @@ def main() -> int:
                                            precision=precision)
                 print(f"  {gpus} GPUs, --recompute {policy.value}: {ms(plans[policy])} "
                       f"({wall:.1f} s)", file=sys.stderr)
-            auto, everywhere = plans[Recompute.AUTO], plans[Recompute.ALL]
+            auto, everywhere = plans[Recompute.AUTO], plans[Recompute.FULL]
             speedup = ("-" if auto is None or everywhere is None else
                        f"{everywhere.estimate.iteration_s / auto.estimate.iteration_s:.2f}x")
             chosen = "-" if auto is None else recomputed(auto)

@@ -351,7 +351,7 @@ def _replication(plan: Plan) -> str:
 
 
 def _recompute(value: str) -> Recompute:
-    """--recompute's value (a bare --recompute means all)."""
+    """--recompute's value (a bare --recompute means full)."""
     from fxpipe.request import recompute_of
 
     return recompute_of(value)

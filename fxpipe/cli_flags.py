@@ -19,7 +19,7 @@ __all__ = ["UsageError", "parse", "parser"]
 
 # The flags whose value may be left out, and what they mean bare: argparse gives such a
 # flag the next word whatever it is, the model's path too (see ``parse``).
-_BARE = {"--recompute": "all"}
+_BARE = {"--recompute": "full"}
 
 
 class UsageError(ValueError):
@@ -106,12 +106,11 @@ def _split_arguments(parser: argparse.ArgumentParser) -> None:
         nargs="?",
         const=_BARE["--recompute"],
         default="auto",
-        metavar="{auto,all,selective,none}",
+        metavar="{auto,full,selective,none}",
         help="stages that keep less than their backward reads and recompute it in the "
         "backward: auto (default: the solver chooses none, selective at a keep level, or "
-        "full per stage), "
-        "all (also a bare --recompute), selective (each keeps its matmuls' and attention's "
-        "outputs), none",
+        "full per stage), full (also a bare --recompute, or all), selective (each keeps "
+        "its matmuls' and attention's outputs), none",
     )
     parser.add_argument(
         "--work-limit", type=float, default=10.0,

@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any
 
+from fxpipe.runtime.recompute_modes import KeepRule
 from fxpipe.schedules import Table, kind_of
 
 __all__ = ["DynamicDim", "Estimate", "Layout", "LayoutRow", "Plan", "SolverReport",
@@ -50,7 +51,8 @@ class StageMemory:
 
 class StageRecompute(str, Enum):
     """How a stage recomputes: what it keeps for its backward per micro-batch in flight
-    (the runtime's modes, fxpipe.runtime.recompute.MODES, in the order of the bytes kept)."""
+    (the runtime's modes, fxpipe.runtime.recompute_modes.MODES, in the order of the bytes
+    kept)."""
 
     NONE = "none"  # everything its backward reads
     # its inputs and the outputs of its matmuls and fused attention (torch's selective
@@ -99,7 +101,7 @@ class StagePlan(StageTimes):
     replicas: int = 1
     backward_weight_s: float = 0.0  # the weight-gradient (W) part of backward_s
     # A selective stage that keeps only some of its matmuls' and attention's outputs: the
-    # (work, width) of its fxpipe.runtime.recompute.KeepRule (those doing more FLOPs per
+    # (work, width) of its fxpipe.runtime.recompute_modes.KeepRule (those doing more FLOPs per
     # element than work, and of those doing work, the ones at most width wide). None:
     # it keeps them all (or it is not selective). ``skips``: the (work, width) of the
     # outputs it never keeps, which the model writes into in place. plan.json, either or
@@ -108,15 +110,20 @@ class StagePlan(StageTimes):
     skips: tuple[tuple[int, int], ...] = ()
 
     @property
+    def keep_rule(self) -> KeepRule | None:
+        """A selective stage's rule (``keeps`` and ``skips``); None for another stage."""
+        if self.recompute is not StageRecompute.SELECTIVE:
+            return None
+        return KeepRule(*(self.keeps or (0, 0)), self.skips)
+
+    @property
     def recompute_mode(self) -> str:
-        """How the runtime recomputes it (fxpipe.runtime.recompute.modes): ``recompute``'s
-        value, ``"selective:W:N"`` where it keeps by a rule, ``"selective:W:N:W1xN1,..."``
-        where it also skips outputs."""
-        if self.keeps is None and not self.skips:
-            return self.recompute.value
-        work, width = self.keeps or (0, 0)
-        skip = ",".join(f"{w}x{n}" for w, n in self.skips)
-        return f"{self.recompute.value}:{work}:{width}" + (f":{skip}" if skip else "")
+        """How the runtime recomputes it (fxpipe.runtime.recompute_modes.modes):
+        ``recompute``'s value, or a selective stage's rule printed (``"selective:W:N"``
+        where it keeps by a rule, ``"selective:W:N:W1xN1,..."`` where it also skips
+        outputs)."""
+        rule = self.keep_rule
+        return self.recompute.value if rule is None else str(rule)
 
 
 @dataclass(frozen=True)

@@ -175,15 +175,17 @@ def _schedule(schedule: str | None, v: int, *, replicate: bool, gpus: int,
 
 
 def recompute_of(value: str, say: Spelling = CLI) -> Recompute:
-    """The recompute policy named ``value`` (a bare --recompute means all)."""
+    """The recompute policy named ``value`` (a bare --recompute means full; ``all``, its
+    word before, is read as full: ``Recompute``)."""
     from fxpipe.partition import Recompute
 
-    names = [r.value for r in Recompute]
-    if value not in names:
-        bare = f" (a bare {say.name('recompute')} means all)" if say.command_line else ""
+    try:
+        return Recompute(value)
+    except ValueError:
+        names = ", ".join(r.value for r in Recompute)
+        bare = f" (a bare {say.name('recompute')} means full)" if say.command_line else ""
         raise ValueError(
-            f"{say.name('recompute')} takes one of {', '.join(names)}, got {value!r}{bare}")
-    return Recompute(value)
+            f"{say.name('recompute')} takes one of {names}, got {value!r}{bare}") from None
 
 
 def _cluster(pp: int | str | None, gpus_per_node: int | None, dp_mode: str | None,

@@ -266,7 +266,7 @@ def test_a_bare_recompute_before_the_model_leaves_the_model_its_path(words: list
     from fxpipe import cli, cli_flags
 
     args, extra = cli_flags.parse(cli._parser(), ["split", *words, "--gpus", "2"])
-    assert (args.model, args.recompute, extra) == (words[1], "all", [])
+    assert (args.model, args.recompute, extra) == (words[1], "full", [])
     # a value that is no model's path is still the flag's (and a one-line error later)
     args, _ = cli_flags.parse(cli._parser(), ["split", "--recompute", "some", "net.py",
                                               "--gpus", "2"])

@@ -22,13 +22,19 @@ NONE, SELECTIVE, FULL = StageRecompute
 
 
 def test_recompute_values() -> None:
+    """The command line's words are the plan's and the runtime's (``full``), and ``all``,
+    the word for full before, still reads as full."""
     parser = cli._parser()
     split = ["split", GPT, "--gpus", "2"]
     assert parser.parse_args(split).recompute == "auto"  # the default
-    assert parser.parse_args([*split, "--recompute"]).recompute == "all"  # bare: as before
-    for name in ("auto", "all", "selective", "none"):
+    assert cli._recompute(parser.parse_args([*split, "--recompute"]).recompute) is (
+        Recompute.FULL)  # bare
+    for name in ("auto", "full", "selective", "none"):
         value = parser.parse_args([*split, "--recompute", name]).recompute
         assert cli._recompute(value) is Recompute(name)
+        assert Recompute(name).value == name
+    assert {r.value for r in Recompute} - {"auto"} == {r.value for r in StageRecompute}
+    assert cli._recompute("all") is Recompute.FULL is Recompute("all")
 
 
 def test_bad_recompute_value_is_one_line_error(tmp_path: Path,
@@ -38,9 +44,9 @@ def test_bad_recompute_value_is_one_line_error(tmp_path: Path,
     assert code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1
-    assert lines[0].startswith("fxpipe: error: --recompute takes one of auto, all, selective, "
-                               "none")
-    assert "'sometimes'" in lines[0]
+    assert lines[0].startswith("fxpipe: error: --recompute takes one of auto, full, "
+                               "selective, none")
+    assert "'sometimes'" in lines[0] and "(a bare --recompute means full)" in lines[0]
     assert not (tmp_path / "out").exists()
 
 
@@ -52,7 +58,7 @@ def test_gpt_recomputes_where_it_must_and_the_plan_says_where() -> None:
                                microbatches=16, recompute=recompute, time_limit_s=20)
         return plan_split(traced, label="gpt", options=options)
 
-    everywhere = split(Recompute.ALL, float("inf"))
+    everywhere = split(Recompute.FULL, float("inf"))
     assert all(stage.recompute is FULL for stage in everywhere.stages)
     limit = float(everywhere.estimate.max_memory)
     with pytest.raises(InfeasibleMemoryError):
@@ -79,7 +85,7 @@ def test_selective_recompute_keeps_the_matmuls_and_pays_for_the_rest() -> None:
     plans = {policy: plan_split(traced, label="gpt", options=SplitOptions(
         gpus=4, device=get_device("h100"), memory_limit=float("inf"), microbatches=16,
         recompute=policy, time_limit_s=20)) for policy in (Recompute.NONE,
-                                                           Recompute.SELECTIVE, Recompute.ALL)}
+                                                           Recompute.SELECTIVE, Recompute.FULL)}
     selective = plans[Recompute.SELECTIVE]
     assert all(stage.recompute is SELECTIVE for stage in selective.stages)
     memory = [plans[p].estimate.max_memory for p in plans]
@@ -100,7 +106,7 @@ def test_auto_keeps_only_some_matmuls_where_keeping_all_does_not_fit() -> None:
                                microbatches=16, recompute=recompute, time_limit_s=20)
         return plan_split(traced, label="gpt", options=options)
 
-    least = float(split(Recompute.ALL, float("inf")).estimate.max_memory)
+    least = float(split(Recompute.FULL, float("inf")).estimate.max_memory)
     kept_all = float(split(Recompute.SELECTIVE, float("inf")).estimate.max_memory)
     auto = split(Recompute.AUTO, least + 0.3 * (kept_all - least))
     ruled = [s for s in auto.stages if s.keeps is not None]
@@ -122,7 +128,7 @@ def test_selective_recompute_under_a_schedule_that_splits_the_backward_is_refuse
     assert code == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1, lines
-    assert "selective recompute cannot: use --recompute all, auto or none" in lines[0]
+    assert "selective recompute cannot: use --recompute full, auto or none" in lines[0]
     assert not (tmp_path / "out").exists()
 
 

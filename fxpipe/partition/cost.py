@@ -305,7 +305,7 @@ def recompute_options(problem: Problem) -> tuple[Option, ...]:
         without = problem.schedule.spec.splits_backward or problem.writes_kept is not None
         return (none, full) if without else (none, *selective, full)
     return {Recompute.NONE: (none,), Recompute.SELECTIVE: selective[:1],
-            Recompute.ALL: (full,)}[problem.recompute]
+            Recompute.FULL: (full,)}[problem.recompute]
 
 
 def choose_recompute(problem: Problem, costs: Mapping[Option, Sequence[StageCost]]

@@ -53,12 +53,17 @@ class Comm(str, Enum):
 class Recompute(str, Enum):
     """Which stages keep less than their backward reads per micro-batch and run (part of)
     their forward again in the backward (activation re-materialization; per stage, a
-    ``StageRecompute``)."""
+    ``StageRecompute``, whose words these are, and ``auto``). ``"all"``, the command
+    line's word for full before, is read as ``FULL``."""
 
     AUTO = "auto"  # the solver chooses per stage: the fastest split that fits
-    ALL = "all"  # every stage recomputes its whole forward (StageRecompute.FULL)
+    FULL = "full"  # every stage recomputes its whole forward (StageRecompute.FULL)
     SELECTIVE = "selective"  # every stage keeps its matmuls' outputs (StageRecompute.SELECTIVE)
     NONE = "none"  # every stage keeps its activations for every micro-batch in flight
+
+    @classmethod
+    def _missing_(cls, value: object) -> Recompute | None:
+        return cls.FULL if value == "all" else None
 
 
 class TiedPolicy(str, Enum):
@@ -221,14 +226,14 @@ class Problem:
         if self.recompute is Recompute.SELECTIVE and spec.splits_backward:
             raise ValueError(
                 f"the {self.schedule.value} schedule runs each stage's backward in two "
-                f"passes, which selective recompute cannot: use --recompute all, auto or "
+                f"passes, which selective recompute cannot: use --recompute full, auto or "
                 f"none with it, or another --schedule")
         writer = self.writes_kept
         if self.recompute is Recompute.SELECTIVE and writer is not None:
             raise ValueError(
                 f"{writer} writes in place into the output of a matmul or attention, which "
                 f"selective recompute would keep and hand the backward written: use "
-                f"--recompute all, auto or none with this model")
+                f"--recompute full, auto or none with this model")
         n = len(self.nodes)
         for e in self.edges:
             assert 0 <= e.src < n and 0 <= e.dst < n and e.src != e.dst, e

@@ -14,6 +14,7 @@ runs without fxpipe installed. One idea per module:
     replicas.py     data-parallel replicas of a stage in one process
     stashing.py     PipeDream's weight stashing
     recompute.py    the random state a recomputed forward replays
+    recompute_modes.py  the recompute modes in words; a selective stage's keep rule
     precision.py    the plan's precision: autocast per stage forward, a GradScaler
     measure.py      measuring a step: each stage's times and memory (measured.json)
     binding.py      how a generated stage binds the model's own parameters, and indexes

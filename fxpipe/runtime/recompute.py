@@ -11,14 +11,15 @@ backward differentiated the others). It saves no tensor for the backward
 (``nothing_saved``); its outputs are passed on without their graph, each still saying
 whether it needs a gradient (``passed_on``).
 
-A stage recomputes in one of three ways, named as the plan names them (``MODES``):
-``"none"`` keeps what its backward needs for every micro-batch in flight; ``"full"``
-keeps only what it receives and runs its whole forward again in the backward;
-``"selective"`` (selective activation checkpointing, torch's SAC) also keeps the outputs
-of the matrix multiplications and the fused attention kernels (``SELECTIVE_KEEPS``) and
-runs only the other ops again, which are cheap for their bytes. A selective stage may keep
-only some of those outputs, the ones that cost the most to run again for their bytes, by a
-``KeepRule`` its mode names (``"selective:W:N"``, see ``keep_rule``). The planner prices a
+A stage recomputes in one of three ways, named as the plan names them (``MODES``, in
+words in recompute_modes.py): ``"none"`` keeps what its backward needs for every
+micro-batch in flight; ``"full"`` keeps only what it receives and runs its whole forward
+again in the backward; ``"selective"`` (selective activation checkpointing, torch's SAC)
+also keeps the outputs of the matrix multiplications and the fused attention kernels
+(``SELECTIVE_KEEPS``) and runs only the other ops again, which are cheap for their bytes.
+A selective stage may keep only some of those outputs, the ones that cost the most to run
+again for their bytes, by a ``KeepRule`` its mode names (``"selective:W:N"``, its
+``str``). The planner prices a
 selective stage from the same op list and rule (fxpipe.passes.memory), so what it plans is
 what ``selective_contexts`` keeps. SAC keeps those outputs as they are, so an op that writes
 into one in place would hand the backward the written value: ``KeptWrites`` sees such
@@ -40,12 +41,14 @@ from torch.utils.checkpoint import (
     create_selective_checkpoint_contexts,
 )
 
+from .recompute_modes import KEEP_ALL, MODES, KeepRule, keep_rule, mode_name, modes
+
+# The modes and the keep rule, in words, are recompute_modes.py's; named here too for the
+# modules that run them.
 __all__ = ["KEEP_ALL", "MODES", "SELECTIVE_KEEPS", "EachTime", "KeepRule", "Kept", "KeptWrites",
            "RngState", "buffers_restored", "keep_rule", "keeping", "mode_name", "modes",
            "nothing_saved", "passed_on", "refuse_split_backward", "rng_restored", "rng_state",
            "selective_contexts", "selective_run", "work_and_width"]
-
-MODES = ("none", "selective", "full")  # how a stage recomputes (see the module docstring)
 
 aten = torch.ops.aten
 # The aten ops whose outputs a selective stage keeps: the matrix multiplications and the
@@ -72,48 +75,6 @@ def work_and_width(op: Any, args: Sequence[Any]) -> tuple[int, int]:
         return 4 * key.shape[-2], value.shape[-1]
     left, right = args[-2:]  # mm, bmm (a, b); addmm, baddbmm (bias, a, b)
     return 2 * left.shape[-1], right.shape[-1]
-
-
-class KeepRule(NamedTuple):
-    """Which outputs of ``SELECTIVE_KEEPS`` a selective stage keeps: those of calls doing
-    more than ``work`` FLOPs per element (``work_and_width``), and of those doing exactly
-    ``work``, the ones at most ``width`` columns wide; never those of a (work, width) in
-    ``skip`` (the model writes into them in place). ``KEEP_ALL`` keeps every one."""
-
-    work: int
-    width: int
-    skip: tuple[tuple[int, int], ...] = ()
-
-    def keeps(self, work: int, width: int) -> bool:
-        if (work, width) in self.skip:
-            return False
-        return work > self.work or (work == self.work and width <= self.width)
-
-
-KEEP_ALL = KeepRule(0, 0)
-
-
-def keep_rule(mode: str) -> KeepRule | None:
-    """The rule of a selective mode: ``"selective"`` keeps all (``KEEP_ALL``),
-    ``"selective:W:N"`` by ``KeepRule(W, N)``, ``"selective:W:N:W1xN1,W2xN2"`` also
-    skipping those; None for another mode. ValueError where the numbers are not whole
-    numbers, or there are not two of them (and the pairs)."""
-    name, *parts = mode.split(":")
-    if name != "selective":
-        return None
-    if not parts:
-        return KEEP_ALL
-    skip = [pair.split("x") for pair in parts[2].split(",")] if len(parts) == 3 else []
-    numbers = [*parts[:2], *(n for pair in skip for n in pair)]
-    if (len(parts) not in (2, 3) or any(len(pair) != 2 for pair in skip)
-            or not all(n.isdigit() for n in numbers)):
-        raise ValueError(f"{mode!r} is not selective:W:N[:W1xN1,...] (whole numbers)")
-    return KeepRule(int(parts[0]), int(parts[1]), tuple((int(w), int(n)) for w, n in skip))
-
-
-def mode_name(mode: str) -> str:
-    """The ``MODES`` entry a stage's mode is (``"selective:W:N"`` is ``"selective"``)."""
-    return mode.split(":")[0]
 
 
 def refuse_split_backward(modes: Iterable[str], schedule: str, fix: str) -> None:
@@ -188,36 +149,6 @@ def passed_on(outputs: Any) -> Any:
     a leaf that requires grad where the output did (a detached value needs none)."""
     return pytree.tree_map_only(
         torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), outputs)
-
-
-def modes(recompute: Sequence[str | bool] | None, num_stages: int) -> tuple[str, ...]:
-    """Each stage's recompute mode from one entry per stage: one of ``MODES``,
-    ``"selective:W:N"`` (keeping by ``KeepRule(W, N)``), or a bool (True: ``"full"``, as
-    plans before selective recompute said it)."""
-    if recompute is None:
-        return ("none",) * num_stages
-    if len(recompute) != num_stages:
-        raise ValueError(f"recompute has {len(recompute)} entries for {num_stages} stages: "
-                         f"pass one per stage ({', '.join(MODES)}).")
-    out = []
-    for mode in recompute:
-        if isinstance(mode, bool):
-            mode = "full" if mode else "none"
-        if not _valid(str(mode)):
-            raise ValueError(f"recompute mode {mode!r} is not one of {', '.join(MODES)} "
-                             f"or selective:W:N[:W1xN1,...] (whole numbers).")
-        out.append(str(mode))
-    return tuple(out)
-
-
-def _valid(mode: str) -> bool:
-    """One of ``MODES``, or a selective mode with a rule ``keep_rule`` reads."""
-    if ":" not in mode:
-        return mode in MODES
-    try:
-        return keep_rule(mode) is not None
-    except ValueError:
-        return False
 
 
 class EachTime:

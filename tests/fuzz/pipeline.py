@@ -118,9 +118,9 @@ def split(case: Case, directory: Path) -> Split:
     if kind is ScheduleKind.DUALPIPEV:
         m = max(m, 2 * gpus)
     policy = (Recompute(case.recompute) if isinstance(case.recompute, str)
-              else Recompute.ALL if case.recompute is True else Recompute.NONE)
+              else Recompute.FULL if case.recompute is True else Recompute.NONE)
     if policy is Recompute.SELECTIVE and probe.problem.writes_kept is not None:
-        policy = Recompute.ALL  # refused in one line (tests/test_recompute_flag.py)
+        policy = Recompute.FULL  # refused in one line (tests/test_recompute_flag.py)
     options = SplitOptions(
         gpus=gpus, device=device, memory_limit=float("inf"), microbatches=m, schedule=kind,
         recompute=policy,

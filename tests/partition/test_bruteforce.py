@@ -334,7 +334,7 @@ def test_auto_recomputes_the_early_stages_where_none_does_not_fit() -> None:
     with pytest.raises(InfeasibleMemoryError):
         partition(replace(chain, recompute=Recompute.NONE), time_limit_s=20, workers=1)
     auto = partition(replace(chain, recompute=Recompute.AUTO), time_limit_s=20, workers=1)
-    everywhere = partition(replace(chain, recompute=Recompute.ALL), time_limit_s=20, workers=1)
+    everywhere = partition(replace(chain, recompute=Recompute.FULL), time_limit_s=20, workers=1)
     recompute = auto.evaluation.recompute
     assert recompute[:2] == (FULL, FULL) and recompute[3] is NONE
     assert auto.report.status == "OPTIMAL"

@@ -73,7 +73,7 @@ def test_memory_kinds_state_factor_and_in_flight() -> None:
 
 def test_recompute_keeps_one_micro_batch_of_activations() -> None:
     p = fan(Comm.NEIGHBOUR, num_stages=2, microbatches=8, schedule=ScheduleKind.GPIPE,
-            recompute=Recompute.ALL)
+            recompute=Recompute.FULL)
     ev = evaluate(p, [0, 1, 1])
     assert ev.recompute == (FULL, FULL)
     assert ev.stages[1].memory.activations == 6  # b + c, once
@@ -225,7 +225,7 @@ def test_outputs_and_loss_gpipe_recompute_and_replicas() -> None:
     assert gpipe.stages[2].memory.loss == 100 * 4 + 50
     # recompute: outputs still kept until the backward; the loss is computed there, once
     again = evaluate(kept_values(Comm.NEIGHBOUR, schedule=ScheduleKind.GPIPE,
-                                 recompute=Recompute.ALL), SPLIT)
+                                 recompute=Recompute.FULL), SPLIT)
     assert [s.memory.outputs for s in again.stages] == [15 * 5, 30 * 5, 40 * 5]
     assert again.stages[2].memory.loss == 100 + 50
     # stage 0 on 2 GPUs, stage 2 on 2: each replica keeps half

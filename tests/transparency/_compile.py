@@ -34,7 +34,7 @@ def compile_package(model: nn.Module, args: tuple[Any, ...], directory: Path, *,
 
 
 def _policy(recompute: bool | str) -> Recompute:
-    """The policy of ``recompute``: a bool (all or none), or a policy's name."""
+    """The policy of ``recompute``: a bool (full or none), or a policy's name."""
     if isinstance(recompute, str):
         return Recompute(recompute)
-    return Recompute.ALL if recompute else Recompute.NONE
+    return Recompute.FULL if recompute else Recompute.NONE
