@@ -27,6 +27,7 @@ runs without fxpipe installed. One idea per module:
     ranks.py        which rank runs which stage
     grads.py        tied and replicated gradients across ranks
     table.py        the uneven-replica schedule under torchrun
+    torch_schedules.py  which torch class runs each schedule kind, placing the stages how
     zero_bubble.py  zb1p, zbv and dualpipev on torch's zero-bubble schedule classes
     rank_measure.py measuring under torchrun: each rank's stages, gathered
     materialize.py  building only this rank's stage from a checkpoint

@@ -36,12 +36,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-)
+from torch.distributed.pipelining import PipelineStage
 from torch.utils import _pytree as pytree
 
 from .adapter import (
@@ -63,6 +58,7 @@ from .precision import autocast_loss, check_precision, unscaled
 from .ranks import RankLayout
 from .recompute import modes
 from .table import TableSchedule, TableStage
+from .torch_schedules import schedule_class, torch_schedule
 from .zero_bubble import ZERO_BUBBLE, zero_bubble_schedule
 
 __all__ = ["DistributedPipeline"]
@@ -284,7 +280,7 @@ class DistributedPipeline(RankLayout):
             return zero_bubble_schedule(kind, _as_list(stage), self.lane_ranks(), m, loss_fn,
                                         self.shared_inputs)
         if isinstance(stage, Sequence) and self.virtual_stages > 1:
-            if kind != "interleaved" or m % self.num_ranks:
+            if torch_schedule(kind).placement != "loop" or m % self.num_ranks:
                 raise ValueError(
                     f"an interleaved plan runs interleaved 1F1B with a multiple of "
                     f"{self.num_ranks} micro-batches (got {kind}, M = {m}); split again "
@@ -294,9 +290,9 @@ class DistributedPipeline(RankLayout):
                 cast(StageAdapter, s.submod).microbatches = m
             # torch divides each stage's gradients by M; a tied copy two of this rank's
             # stages share would be divided twice, so train_step divides once instead
-            return ScheduleInterleaved1F1B(stages, n_microbatches=m, scale_grads=False,
-                                           **torch_schedule_kwargs(stages, loss_fn,
-                                                                   self.shared_inputs))
+            return schedule_class(kind)(stages, n_microbatches=m, scale_grads=False,
+                                        **torch_schedule_kwargs(stages, loss_fn,
+                                                                self.shared_inputs))
         if isinstance(stage, Sequence):
             (stage,) = stage
         if isinstance(stage, TableStage):
@@ -305,17 +301,17 @@ class DistributedPipeline(RankLayout):
                     f"a plan with unevenly replicated stages runs its own schedule table "
                     f"({self.schedule}, M = {self.microbatches}); split again to change it")
             return TableSchedule(stage, self.table, m, loss_fn)
-        classes = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
-        if kind not in classes:
-            raise ValueError(f"unknown schedule {kind!r}; use one of {sorted(classes)}")
+        if torch_schedule(kind).placement != "line":
+            raise ValueError(f"schedule {kind!r} runs several stages per rank; this plan has "
+                             f"one: split again with --schedule {kind}")
         if kind == "1f1b" and m < self.num_stages:
             warnings.warn(f"torch's Schedule1F1B needs at least as many micro-batches ({m}) as "
                           f"stages ({self.num_stages}); running ScheduleGPipe, which gives the "
                           "same gradients", stacklevel=2)
             kind = "gpipe"
         cast(StageAdapter, stage.submod).microbatches = m
-        return classes[kind](stage, n_microbatches=m,
-                             **torch_schedule_kwargs([stage], loss_fn, self.shared_inputs))
+        return schedule_class(kind)(stage, n_microbatches=m,
+                                    **torch_schedule_kwargs([stage], loss_fn, self.shared_inputs))
 
     # -------------------------------------------------------------- running
 

@@ -30,7 +30,8 @@ kind that places its stages as the plan did (``check_placement``).
 
 from collections.abc import Sequence
 
-from .zero_bubble import ZERO_BUBBLE, placement
+from .torch_schedules import placed, torch_schedule
+from .zero_bubble import placement
 
 __all__ = ["RankLayout"]
 
@@ -135,18 +136,13 @@ class RankLayout:
         torch's class for ``kind`` puts the stages on other ranks than the plan did."""
         have = self.lane_ranks()
         k, n = len(have), len(set(have))
-        v_shape = tuple(min(j, k - 1 - j) for j in range(k)) if k == 2 * n else None
-        wants = {"gpipe": tuple(range(k)), "1f1b": tuple(range(k)), "zb1p": tuple(range(k)),
-                 "interleaved": tuple(j % n for j in range(k)) if k > n else None,
-                 "zbv": v_shape, "dualpipev": v_shape}
-        if kind not in wants:
-            raise ValueError(f"unknown schedule {kind!r}; use one of {sorted(wants)}")
-        if wants[kind] == have:
+        if placed(kind, k, n) == have:
             return
-        if kind in ZERO_BUBBLE:
+        how = torch_schedule(kind)
+        if how.splits_backward:
             runs = placement(kind, k, n)
-        elif kind == "interleaved":
-            runs = (f"interleaved runs several stages per rank, stage j on rank j % {n} "
+        elif how.placement == "loop":
+            runs = (f"{kind} runs several stages per rank, stage j on rank j % {n} "
                     f"({k} stages on {n} ranks)")
         else:
             runs = f"{kind} runs one stage per rank ({k} stages on {n} ranks)"

@@ -52,17 +52,15 @@ from torch.utils import _pytree as pytree
 
 from .adapter import StageAdapter, torch_schedule_kwargs
 from .recompute import refuse_split_backward
+from .torch_schedules import TORCH_SCHEDULES, schedule_class
 
 __all__ = ["ZERO_BUBBLE", "beyond_received", "placement", "requirement",
            "zero_bubble_schedule"]
 
 # the schedule kinds that split the backward -> their torch.distributed.pipelining class
 # (by name: importing this module, as codegen does, does not import torch's pipelining)
-ZERO_BUBBLE = {
-    "zb1p": "ScheduleInterleavedZeroBubble",
-    "zbv": "ScheduleZBVZeroBubble",
-    "dualpipev": "ScheduleDualPipeV",
-}
+ZERO_BUBBLE = {kind: how.class_name for kind, how in TORCH_SCHEDULES.items()
+               if how.splits_backward}
 
 
 def placement(kind: str, num_stages: int, num_ranks: int) -> str:
@@ -121,10 +119,7 @@ def zero_bubble_schedule(
         adapter.split_backward = True  # clone sends, contiguous input gradients (point 1)
         if not stage.is_first:  # torch runs the first stage's whole backward at W already
             adapter.check_graph = functools.partial(_whole_backward_if_beyond, stage)
-    from torch.distributed import pipelining  # seconds to import; codegen reads this module
-
-    schedule_class = getattr(pipelining, ZERO_BUBBLE[kind])
-    schedule = schedule_class(list(stages), n_microbatches=m, scale_grads=False,
+    schedule = schedule_class(kind)(list(stages), n_microbatches=m, scale_grads=False,
                               **torch_schedule_kwargs(stages, loss_fn, shared))
     torch_ranks = [schedule.stage_index_to_group_rank[j] for j in range(k)]
     if torch_ranks != list(rank_of):

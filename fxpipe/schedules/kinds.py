@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
+from fxpipe.runtime.torch_schedules import TORCH_SCHEDULES
 from fxpipe.schedules.flush import gpipe, interleaved_1f1b, one_f_one_b
 from fxpipe.schedules.ticks import Table, peak_deferred, peak_in_flight
 from fxpipe.schedules.zero_bubble import dualpipev, zb1p, zbv
@@ -57,8 +58,8 @@ class KindSpec:
     stashes_weights: bool = False
     # v > 1 stage modules per GPU; the only kind that takes --virtual-stages
     interleaved: bool = False
-    # the torch.distributed.pipelining class the torchrun pipeline runs it with; None:
-    # the single-process runner only
+    # the torch.distributed.pipelining class the torchrun pipeline runs it with (the
+    # runtime's map, runtime/torch_schedules.py); None: the single-process runner only
     torch_class: str | None = None
     # each backward split into I (input gradient) and W (weight gradient), W deferred
     splits_backward: bool = False
@@ -176,20 +177,20 @@ KINDS: dict[ScheduleKind, KindSpec] = {
         "GPipe fill-drain: all forwards, then all backwards",
         table=lambda k, v, m: gpipe(k, m),
         flights=_all_in_flight,
-        torch_class="ScheduleGPipe",
+        torch_class=TORCH_SCHEDULES["gpipe"].class_name,
     ),
     ScheduleKind.ONE_F_ONE_B: _flushing(
         "1F1B with a flush at the end of the step (PipeDream-flush, Megatron-LM)",
         table=lambda k, v, m: one_f_one_b(k, m),
         flights=_warmup_in_flight,
-        torch_class="Schedule1F1B",
+        torch_class=TORCH_SCHEDULES["1f1b"].class_name,
     ),
     ScheduleKind.INTERLEAVED: _flushing(
         "Megatron-LM's interleaved 1F1B: {v} stage modules per GPU, stage j on GPU j mod {n}",
         table=_interleaved_table,
         flights=_interleaved_in_flight,
         interleaved=True,
-        torch_class="ScheduleInterleaved1F1B",
+        torch_class=TORCH_SCHEDULES["interleaved"].class_name,
     ),
     ScheduleKind.PIPEDREAM: _flushing(
         "PipeDream's 1F1B with weight stashing: each stage updates its weights "
@@ -204,20 +205,20 @@ KINDS: dict[ScheduleKind, KindSpec] = {
         summary="ZB-H1 (Zero Bubble, Qi et al. 2024): 1F1B's order and activation memory, "
         "each backward split into the input gradient (B, on the critical path) and the weight "
         "gradient (W), the weight gradients deferred into the bubbles",
-        torch_class="ScheduleInterleavedZeroBubble",
+        torch_class=TORCH_SCHEDULES["zb1p"].class_name,
     ),
     ScheduleKind.ZBV: _zero_bubble(
         "zbv", chunks=2,
         summary="ZB-V: two stage modules per GPU in a V (stage j and stage {k1} - j on GPU "
         "j), each backward split into B and W, the weight gradients filling the bubbles",
-        torch_class="ScheduleZBVZeroBubble",
+        torch_class=TORCH_SCHEDULES["zbv"].class_name,
     ),
     ScheduleKind.DUALPIPEV: _zero_bubble(
         "dualpipev", chunks=2,
         summary="DeepSeek's DualPipe-V: the V placement of ZB-V, one chunk's forward "
         "paired with the other's backward; priced as ZB-V (fxpipe does not generate the "
         "overlapped forward-backward that would hide communication)",
-        torch_class="ScheduleDualPipeV",
+        torch_class=TORCH_SCHEDULES["dualpipev"].class_name,
     ),
 }
 

@@ -69,8 +69,9 @@ def test_a_refused_schedule_says_where_each_would_run_the_stages() -> None:
                        r"exactly 2 stages per rank in a V, rank r running stages r and 3 - r "
                        r"\(4 stages on 4 ranks\): split again with --schedule zbv$"):
         ONE_PER_RANK.check_placement("zbv", "1f1b")
-    with pytest.raises(ValueError, match=r"unknown schedule 'zb'; use one of \['1f1b', "
-                       r"'dualpipev', 'gpipe', 'interleaved', 'zb1p', 'zbv'\]"):
+    with pytest.raises(ValueError, match=r"no torch.distributed.pipelining class runs schedule "
+                       r"'zb'; under torchrun use one of \['1f1b', 'dualpipev', 'gpipe', "
+                       r"'interleaved', 'zb1p', 'zbv'\]"):
         V.check_placement("zb", "zbv")
     # one rank: interleaved and the V put both stages on it alike
     RankLayout(2, virtual_stages=2, device_of=(0, 0)).check_placement("zbv", "interleaved")
