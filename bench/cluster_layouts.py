@@ -52,9 +52,19 @@ def main() -> None:
                         microbatches=4 * args.gpus, precision=precision,
                         cluster=ClusterOptions(gpus_per_node=args.gpus_per_node))
 
-    rows = []
+    rows: list[tuple[str, ...]] = []
+    print(f"{args.spec} onto {args.gpus} GPUs ({args.gpus_per_node} per host), bf16-mixed, "
+          f"global batch {4 * args.gpus} sequences")
+    print("| layout | predicted step | max memory per GPU | fits | planned in | note |")
+    print("|---|---|---|---|---|---|", flush=True)
 
     def run(label: str, options: SplitOptions) -> None:
+        before = len(rows)
+        plan_one(label, options)
+        for row in rows[before:]:  # each row as it comes: a run of many minutes
+            print("| " + " | ".join(row) + " |", flush=True)
+
+    def plan_one(label: str, options: SplitOptions) -> None:
         began = time.perf_counter()
         try:
             plan = plan_split(traced, label=source.label, options=options)
@@ -87,12 +97,7 @@ def main() -> None:
         run(f"--pp {chosen}, --recompute all",
             replace(base, recompute=Recompute.FULL,
                     cluster=replace(base.cluster, pp=int(chosen), dp_mode="fsdp")))
-    print(f"{args.spec} onto {args.gpus} GPUs ({args.gpus_per_node} per host), bf16-mixed, "
-          f"global batch {4 * args.gpus} sequences (load {os.getloadavg()[0]:.1f})")
-    print("| layout | predicted step | max memory per GPU | fits | planned in | note |")
-    print("|---|---|---|---|---|---|")
-    for row in rows:
-        print("| " + " | ".join(row) + " |")
+    print(f"(load {os.getloadavg()[0]:.1f} at the end)")
 
 
 if __name__ == "__main__":
