@@ -330,7 +330,10 @@ class DistributedPipeline(RankLayout):
             assert isinstance(table_stage, TableStage)
             if table_stage.is_first:
                 check_constants(table_stage.submod, self.flatten_inputs(*args, **kwargs))
-            return unscaled(schedule.step(args, kwargs, target), self.scaler)
+            loss = unscaled(schedule.step(args, kwargs, target), self.scaler)
+            if clip_grad_norm is not None:
+                self.clip_grad_norm(stage, clip_grad_norm)
+            return loss
         stages = [cast(PipelineStage, s) for s in _as_list(stage)]
         first = next((s for s in stages if s.is_first), None)
         last = next((s for s in stages if s.is_last), None)

@@ -146,20 +146,25 @@ def test_a_layout_refuses_another_world_size(tmp_path: Path) -> None:
         f"train_torchrun: error: rank {rank}: {why}" for rank in (0, 1)]
 
 
-def test_lanes_run_on_the_layouts_ddp_and_clip_the_whole_models_norm(tmp_path: Path) -> None:
+@pytest.mark.parametrize("replicas", [(2, 2), (1, 2)], ids=["lanes", "uneven"])
+def test_replicated_stages_clip_the_whole_models_norm(tmp_path: Path,
+                                                       replicas: tuple[int, ...]) -> None:
     """PipeDream's "2-2" (every stage replicated twice: two lanes of whole pipelines, each
     taking its rows of every micro-batch) runs on a (pp, dp) mesh whose copies DDP keeps
-    equal, as a layout's do: clipped, the unsplit model's gradients."""
+    equal, as a layout's do; "1-2" on the schedule table, its replicas summed by grads.py.
+    Clipped, both give the unsplit model's gradients (the table's step ignored the clip)."""
     source, traced = load(str(GPT))
     write_package(tmp_path / "pkg", traced, contiguous_plan(
-        traced.gm.graph, 2, schedule="1f1b", microbatches=2, replicas=(2, 2)))
+        traced.gm.graph, 2, schedule="1f1b", microbatches=2, replicas=replicas))
     batch = {"args": mini_batch(source.args), "target": mini_batch(source.target)}
     torch.save(batch, tmp_path / "batch.pt")
-    result = torchrun(4, tmp_path / "pkg" / "train_torchrun.py", "--model", str(GPT),
+    ranks = sum(replicas)
+    result = torchrun(ranks, tmp_path / "pkg" / "train_torchrun.py", "--model", str(GPT),
                       "--batch", str(tmp_path / "batch.pt"), "--save", str(tmp_path / "out"),
                       "--clip-grad-norm", "0.1")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
-    saves = [torch.load(tmp_path / "out" / f"rank{r}.pt", weights_only=False) for r in range(4)]
+    saves = [torch.load(tmp_path / "out" / f"rank{r}.pt", weights_only=False)
+             for r in range(ranks)]
     _assert_model_grads(saves, _unsplit(GPT, batch, 0.1)[1], TOLERANCE[GPT])
 
 
