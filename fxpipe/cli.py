@@ -237,7 +237,7 @@ def _run_split(args: argparse.Namespace) -> int:
         optimizer=args.optimizer, recompute=args.recompute, time_limit=args.time_limit,
         work_limit=args.work_limit, precision=args.precision, pp=args.pp,
         gpus_per_node=args.gpus_per_node, dp_mode=args.dp_mode,
-        global_batch=args.global_batch)
+        global_batch=args.global_batch, tp=args.tp)
     limit = options.memory_limit
 
     card = _card(None, args.calibrate) if args.calibrate is not None else None

@@ -187,6 +187,11 @@ def _cluster_arguments(parser: argparse.ArgumentParser) -> None:
         "--global-batch", type=int, default=None, metavar="SAMPLES",
         help="samples per step over all pipelines (default: --microbatches micro-batches "
         "of the example's samples)")
+    parser.add_argument(
+        "--tp", default=None, metavar="{auto,T}",
+        help="GPUs of a host that split each stage's matmuls, attention heads and "
+        "vocabulary (Megatron-LM's tensor parallelism): auto searches every T dividing "
+        "--gpus-per-node and the heads (default 1: none)")
 
 
 def _report_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,15 +1,19 @@
 """The cluster search: which layout of N GPUs (G to a host) trains the model fastest
-within each GPU's memory, as pipeline stages times data-parallel pipelines.
+within each GPU's memory, as pipeline stages times data-parallel pipelines times the GPUs
+of a host that split each stage (tensor parallelism).
 
-``choose`` enumerates the layouts (``partition.layout.candidates``: every pipeline degree
-p dividing N, each data-parallel mode, M = the step's micro-batches over d), orders them
+``choose`` enumerates the layouts (``partition.layout.candidates``: every TP degree t
+asked for that divides G and the model's heads, every pipeline degree p dividing N / t,
+each data-parallel mode, M = the step's micro-batches over d), orders them
 by a bound no split of theirs can beat, and plans each with the driver's exact program
 until the next bound is no better than the best step found (``partition.layout.search``).
 The chosen one's options then plan as any split does; its ``Layout`` (and every layout
 considered) goes into the plan. The cost model it assumes is stated in
 ``partition/layout.py``: the optimizer state divided by d under FSDP, one gradient sync
 per step after the pipeline's last backward, ring collectives, and the host boundary
-priced where the (dp, pp) mesh puts it.
+priced where the (dp, pp, tp) mesh puts it; and for t > 1, Megatron-LM's split of each
+stage's ops (``passes/tensor_parallel.py`` finds them, ``partition/tensor_parallel.py``
+prices them).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from fxpipe.partition.layout import (
 )
 from fxpipe.partition.problem import Problem
 from fxpipe.partition.solve import Partition
+from fxpipe.passes.tensor_parallel import TensorParallel, annotate_tensor_parallel
 from fxpipe.plan import Layout, LayoutRow
 from fxpipe.units import format_bytes
 
@@ -83,49 +88,82 @@ def choose(traced: Traced, options: SplitOptions, *,
         divisors = [p for p in range(1, options.gpus + 1) if options.gpus % p == 0]
         raise ValueError(f"--pp {wanted.pp} does not divide --gpus {options.gpus}: use one of "
                          f"{', '.join(map(str, divisors))}")
-    layouts = candidates(cluster, steps_microbatches, pp=wanted.pp, dp_mode=wanted.dp_mode)
+    split = annotate_tensor_parallel(traced.gm) if wanted.tp != 1 else None
+    degrees = [1] if split is None else _tp_degrees(cluster, wanted.tp, split)
+    layouts = candidates(cluster, steps_microbatches, pp=wanted.pp, dp_mode=wanted.dp_mode,
+                         tp=degrees)
+    if not layouts and wanted.pp is not None and all(options.gpus % (wanted.pp * t)
+                                                     for t in degrees):
+        raise ValueError(f"--pp {wanted.pp} x --tp {degrees[0]} GPUs per pipeline do not "
+                         f"divide --gpus {options.gpus}: use a smaller --pp or --tp")
     if not layouts:
         raise ValueError(
             f"no pipeline degree of {options.gpus} GPUs splits the step's "
             f"{steps_microbatches} micro-batches evenly over its pipelines: use a "
             f"--global-batch that is a multiple of {options.gpus * b} samples")
 
-    def of(p: int, d: int, mode: str, m: int) -> SplitOptions:
+    def of(p: int, d: int, mode: str, m: int, t: int) -> SplitOptions:
         return replace(options, gpus=p, microbatches=m, data_parallel=(d, mode),
-                       across_hosts=p > 1 and pipeline_crosses_hosts(cluster, p),
-                       schedule=options.schedule)
+                       across_hosts=pipeline_crosses_hosts(cluster, p, t),
+                       schedule=options.schedule, tensor_parallel=t)
 
-    base = totals(problem(of(*layouts[0])))
+    # the model's totals at each TP degree, for the layouts' bounds
+    base = {t: totals(problem(of(*next(lay for lay in layouts if lay[4] == t))))
+            for t in dict.fromkeys(lay[4] for lay in layouts)}
     # every layout planned with a share of the work, the chosen one again with all of it
     cheap = max(options.work_limit * SEARCH_WORK, 0.5)
-    tried = search(cluster, layouts, base, lambda p, d, mode, m: solve(
-        replace(of(p, d, mode, m), work_limit=cheap), advise=False))
+    tried = search(cluster, layouts, base, lambda p, d, mode, m, t: solve(
+        replace(of(p, d, mode, m, t), work_limit=cheap), advise=False))
     chosen = next((t for t in tried if t.status == "chosen"), None)
     if chosen is None:
-        raise _nothing_fits(cluster, tried, lambda t: solve(of(t.p, t.d, t.mode, t.m)))
-    link = cluster.inter if sync_crosses_hosts(cluster, chosen.p) else cluster.intra
-    final = solve(of(chosen.p, chosen.d, chosen.mode, chosen.m))
-    best_step, sync = layout_step(final, chosen.d, link)
+        raise _nothing_fits(cluster, tried,
+                            lambda t: solve(of(t.p, t.d, t.mode, t.m, t.t)))
+    at = (chosen.p, chosen.d, chosen.mode, chosen.m, chosen.t)
+    crosses = sync_crosses_hosts(cluster, chosen.p, chosen.t)
+    final = solve(of(*at))
+    best_step, sync = layout_step(final, chosen.d, cluster.inter if crosses else cluster.intra)
     tried = [replace(t, step_s=best_step, sync_s=sync, result=final,
                      max_memory=final.evaluation.estimate.max_memory) if t is chosen else t
              for t in tried]
     rows = tuple(LayoutRow(pp=t.p, dp=t.d, dp_mode=t.mode, microbatches=t.m, status=t.status,
                            step_s=t.step_s, bound_s=t.bound_s, max_memory=t.max_memory,
-                           why=t.why) for t in tried)
+                           why=t.why, tp=t.t) for t in tried)
     # proved best under the cost model: its own split is, and every other layout that
     # fits is bounded (by its bound or its solver's) at no better a step
     proved = final.report.status == "OPTIMAL" and all(
         t.bound_s >= best_step for t in tried
         if t.status in ("solved", "pruned") and t.result is not final)
+    sharded = chosen.t > 1 and split is not None
     layout = Layout(
         gpus=cluster.gpus, gpus_per_node=cluster.gpus_per_node, pp=chosen.p, dp=chosen.d,
         dp_mode=chosen.mode, global_batch=steps_microbatches * b, microbatch_size=b,
         microbatches=chosen.m,
-        pipeline_link="inter" if of(chosen.p, chosen.d, chosen.mode, chosen.m).across_hosts
-        else "intra",
-        sync_link="inter" if sync_crosses_hosts(cluster, chosen.p) else "intra",
-        sync_s=sync, step_s=best_step, proved=proved, considered=rows)
-    return of(chosen.p, chosen.d, chosen.mode, chosen.m), layout
+        pipeline_link="inter" if of(*at).across_hosts else "intra",
+        sync_link="inter" if crosses else "intra",
+        sync_s=sync, step_s=best_step, proved=proved, considered=rows,
+        mesh=("dp", "pp", "tp") if sharded else ("dp", "pp"), tp=chosen.t,
+        tp_pairs=len(split.pairs) if sharded and split is not None else 0,
+        tp_replicated=split.replicated if sharded and split is not None else ())
+    return of(*at), layout
+
+
+def _tp_degrees(cluster: Cluster, asked: int | None, split: TensorParallel) -> list[int]:
+    """The TP degrees to search: the one asked (None: every one) that divides the GPUs per
+    host, so that a stage's GPUs share a host, and splits every pair of the model (its
+    attention heads and KV heads, its MLPs' hidden widths); one line where it does not."""
+    g = cluster.gpus_per_node
+    usable = [t for t in split.degrees(g) if g % t == 0]
+    if asked is None:
+        return usable
+    if g % asked:
+        hosts = [t for t in range(1, g + 1) if g % t == 0]
+        raise ValueError(f"--tp {asked} does not divide --gpus-per-node {g} (a stage's GPUs "
+                         f"share a host): use one of {', '.join(map(str, hosts))}")
+    why = split.refusal(asked)
+    if why is not None:
+        raise ValueError(f"--tp {asked} does not divide {why}: use one of "
+                         f"{', '.join(map(str, usable))}")
+    return [asked]
 
 
 def _nothing_fits(cluster: Cluster, tried: list[Tried],
@@ -148,5 +186,6 @@ def _nothing_fits(cluster: Cluster, tried: list[Tried],
     return ValueError(
         f"No layout of {cluster.gpus} GPUs ({cluster.gpus_per_node} per host) fits in "
         f"{format_bytes(error.limit)} per GPU; the leanest, {leanest.p} pipeline stage"
-        f"{'s' * (leanest.p > 1)} x {leanest.d} data-parallel ({leanest.mode}), needs "
+        f"{'s' * (leanest.p > 1)} x {leanest.d} data-parallel ({leanest.mode})"
+        f"{f' x {leanest.t} tensor-parallel' if leanest.t > 1 else ''}, needs "
         f"{format_bytes(error.needed)} per GPU. To fit it, {fixes}")

@@ -277,8 +277,9 @@ def _problem(traced: Traced, options: SplitOptions) -> Problem:
 
 
 def _lowered(traced: Traced, options: SplitOptions) -> Lowered:
-    """The analysed graph as the solver's problem, for ``options`` (the optimizer state
-    divided over a layout's data-parallel copies, ``partition.layout.sharded``)."""
+    """The analysed graph as the solver's problem, for ``options`` (each stage's ops split
+    over a layout's TP degree, ``partition.tensor_parallel``, and the optimizer state
+    divided over its data-parallel copies, ``partition.layout.sharded``)."""
     pipedream = options.schedule is ScheduleKind.PIPEDREAM
     lowered = lower(
         traced.gm,
@@ -294,6 +295,7 @@ def _lowered(traced: Traced, options: SplitOptions) -> Lowered:
         block_depth=auto_depth(traced.gm),
         tied_policy=TiedPolicy.COLOCATE if pipedream else TiedPolicy.REPLICATE,
         across_hosts=options.across_hosts,
+        tensor_parallel=options.tensor_parallel,
     )
     return replace(lowered, problem=sharded(lowered.problem, *options.data_parallel))
 

@@ -33,8 +33,10 @@ import torch.fx
 from fxpipe import meta
 from fxpipe.cost_models import Device, allreduce_time, link_time
 from fxpipe.partition.problem import Edge, Node, Problem, Recompute, TiedGroup, TiedPolicy
+from fxpipe.partition.tensor_parallel import tensor_sharded
 from fxpipe.passes.aliasing import aliases, is_view, mutated_input
 from fxpipe.passes.base import OP_NODES
+from fxpipe.passes.tensor_parallel import annotate_tensor_parallel, shards
 from fxpipe.runtime.recompute import KeepRule, Kept
 from fxpipe.schedules import ScheduleKind
 from fxpipe.tracing.export import running_stats
@@ -75,10 +77,13 @@ def lower(
     virtual_stages: int = 1,
     num_devices: int = 0,
     across_hosts: bool = False,
+    tensor_parallel: int = 1,
 ) -> Lowered:
     """The partition problem of ``gm`` (every node costed: run passes and a cost model first).
     ``across_hosts``: the stages send to each other over the link between hosts (a
-    pipeline longer than a host, ``partition.layout``), not the link inside one."""
+    pipeline longer than a host, ``partition.layout``), not the link inside one.
+    ``tensor_parallel``: t GPUs of a host split each op Megatron-LM's layout splits
+    (``partition.tensor_parallel``), priced on the host's link."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"Unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}.")
     ops = tuple(n for n in gm.graph.nodes if n.op in OP_NODES)
@@ -116,6 +121,12 @@ def lower(
         allreduce_bandwidth=device.intra_node_bandwidth,
         allreduce_latency_s=device.intra_node_latency,
     )
+    if tensor_parallel > 1:
+        annotate_tensor_parallel(gm)
+        problem = tensor_sharded(
+            problem, shards(ops), tensor_parallel, bandwidth=device.intra_node_bandwidth,
+            latency_s=device.intra_node_latency,
+            pipeline_latency_s=link_time(0, device, same_node=not across_hosts))
     return Lowered(problem, ops, {k: tuple(sorted(v)) for k, v in reads.items()})
 
 

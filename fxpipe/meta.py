@@ -26,6 +26,7 @@ __all__ = [
     "MEASURED_MEMORY",
     "MODULE",
     "SHAPE",
+    "SHARD",
     "TIME",
     "FlopInfo",
     "MeasuredMemory",
@@ -33,6 +34,7 @@ __all__ = [
     "MetaKey",
     "MissingMeta",
     "ModuleInfo",
+    "ShardInfo",
     "TensorSpec",
     "TimeInfo",
     "ValueInfo",
@@ -177,6 +179,24 @@ class MeasuredMemory:
     peak_bytes: int  # peak increase while it ran
 
 
+@dataclass(frozen=True)
+class ShardInfo:
+    """How an op runs on the t GPUs of a host under tensor parallelism (Megatron-LM's
+    layout, ``fxpipe.passes.tensor_parallel``): its role, and its group's key and size."""
+
+    # "column": a linear whose output features are split; "inside": an op between a
+    # pair's column and row linears, on split values (views, elementwise, attention);
+    # "row": the linear that reduces a pair back to the model width, its output summed
+    # over the t GPUs; "vocab_embedding" / "vocab_head": the token embedding and the LM
+    # head, split by vocabulary rows; "replicated": every GPU runs it whole
+    role: str
+    group: str = ""  # the pair's row linear (a vocabulary-parallel op: itself); "" if none
+    # the pieces the group splits into, which a TP degree must divide: the attention heads
+    # and KV heads' common divisor, an MLP's hidden width; 0: any degree (the vocabulary,
+    # padded as Megatron pads it, or a replicated op)
+    units: int = 0
+
+
 SHAPE = MetaKey("fxpipe.shape", ValueInfo, "fxpipe.passes.shapes.annotate_shapes")
 MODULE = MetaKey("fxpipe.module", ModuleInfo, "fxpipe.passes.modules.annotate_modules")
 FLOPS = MetaKey("fxpipe.flops", FlopInfo, "fxpipe.passes.flops.annotate_flops")
@@ -188,6 +208,8 @@ COPY_OF = MetaKey("fxpipe.copy_of", str, "fxpipe.tracing.repeats.copy_layers")
 # On an attention call that tracing made the call the model makes eagerly
 # (fxpipe.tracing.attention): what changed, in order ("causal", "full", "grouped").
 ATTENTION = MetaKey("fxpipe.attention", tuple, "fxpipe.tracing.attention.attention_calls")
+SHARD = MetaKey("fxpipe.shard", ShardInfo,
+                "fxpipe.passes.tensor_parallel.annotate_tensor_parallel")
 MEASURED_MEMORY = MetaKey(
     "fxpipe.measured_memory", MeasuredMemory, "fxpipe.cost_models.measured.annotate_times"
 )

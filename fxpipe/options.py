@@ -23,12 +23,15 @@ class ClusterOptions:
     to a host (None: 8, or all of them when fewer), run as ``pp`` GPUs per pipeline times
     gpus / pp pipelines (None: the search chooses), the copies of each stage kept equal by
     ``dp_mode`` ("fsdp" or "ddp"; None: the search chooses), ``global_batch`` samples per
-    step (None: ``SplitOptions.microbatches`` micro-batches of the example's samples)."""
+    step (None: ``SplitOptions.microbatches`` micro-batches of the example's samples),
+    each stage's ops split over ``tp`` GPUs of a host (1: none, as before tensor
+    parallelism; None: the search chooses)."""
 
     gpus_per_node: int | None = None
     pp: int | None = None
     dp_mode: str | None = None
     global_batch: int | None = None
+    tp: int | None = 1
 
 
 @dataclass(frozen=True)
@@ -48,9 +51,11 @@ class SplitOptions:
     # None: one pipeline on all the GPUs, as before layouts; else the cluster search
     cluster: ClusterOptions | None = None
     # set by the cluster search for the layout it plans (``fxpipe.cluster``): the d
-    # pipelines' data-parallel mode, and whether stages send across hosts
+    # pipelines' data-parallel mode, whether stages send across hosts, and the GPUs of a
+    # host that split each stage's ops (tensor parallelism)
     data_parallel: tuple[int, str] = (1, "ddp")
     across_hosts: bool = False
+    tensor_parallel: int = 1
 
 
 def options_of(plan: Plan) -> SplitOptions:
@@ -71,6 +76,7 @@ def options_of(plan: Plan) -> SplitOptions:
         precision=parse_precision(plan.precision),
         data_parallel=(1, "ddp") if layout is None else (layout.dp, layout.dp_mode),
         across_hosts=layout is not None and layout.pipeline_link == "inter",
+        tensor_parallel=1 if layout is None else layout.tp,
     )
 
 

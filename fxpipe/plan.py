@@ -188,6 +188,7 @@ class LayoutRow:
     bound_s: float = 0.0  # a step no split of it can beat
     max_memory: int | None = None  # the largest GPU's bytes (None: not solved)
     why: str = ""  # for "no fit" and "invalid": the solver's sentence
+    tp: int = 1  # GPUs of a host splitting each stage's ops (plan.json: only when > 1)
 
 
 @dataclass(frozen=True)
@@ -197,7 +198,11 @@ class Layout:
     ``microbatch_size`` samples per step (``global_batch`` samples in all), the d copies of
     every stage kept equal by torch's FSDP2 or DDP (``dp_mode``). Ranks sit on a
     ``mesh`` of those dimensions, outermost first (rank = i * pp + j: stage j of pipeline
-    i); ``pipeline_link`` and ``sync_link`` ("intra" or "inter") say which link the
+    i). With ``tp`` > 1 each stage runs on tp GPUs of one host, its ops split as
+    Megatron-LM splits them (``fxpipe.passes.tensor_parallel``; ``tp_pairs`` column /
+    row-parallel pairs, the modules in ``tp_replicated`` whole on every GPU), on a
+    (dp, pp, tp) mesh (rank = (i * pp + j) * tp + k); plan.json has the three only then.
+    ``pipeline_link`` and ``sync_link`` ("intra" or "inter") say which link the
     stage sends and the gradient syncs ride. ``step_s`` = the pipeline's step plus
     ``sync_s``, the slowest stage's sync (``fxpipe.partition.layout``). ``proved``: every
     other layout considered was solved or bounded at no better a step."""
@@ -217,6 +222,9 @@ class Layout:
     proved: bool
     mesh: tuple[str, ...] = ("dp", "pp")
     considered: tuple[LayoutRow, ...] = ()
+    tp: int = 1
+    tp_pairs: int = 0
+    tp_replicated: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -319,6 +327,10 @@ class Plan:
             del data["state_keys"]
         if self.layout is None:
             del data["layout"]
+        else:  # a layout without tensor parallelism as before it
+            _drop_ones(data["layout"], ("tp", "tp_pairs", "tp_replicated"))
+            for row in data["layout"]["considered"]:
+                _drop_ones(row, ("tp",))
         return data
 
     def to_json(self) -> str:
@@ -383,4 +395,12 @@ def _layout(raw: dict[str, Any] | None) -> Layout | None:
     fields = dict(raw)
     fields["mesh"] = tuple(fields.get("mesh", ("dp", "pp")))
     fields["considered"] = tuple(LayoutRow(**row) for row in fields.get("considered", ()))
+    fields["tp_replicated"] = tuple(fields.get("tp_replicated", ()))
     return Layout(**fields)
+
+
+def _drop_ones(raw: dict[str, Any], keys: tuple[str, ...]) -> None:
+    """Leave out of ``raw`` the tensor-parallel ``keys`` where its ``tp`` is 1."""
+    if raw.get("tp") == 1:
+        for key in keys:
+            raw.pop(key, None)

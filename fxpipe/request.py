@@ -70,6 +70,7 @@ def split_options(
     gpus_per_node: int | None = None,
     dp_mode: str | None = None,
     global_batch: int | None = None,
+    tp: int | str | None = None,
     spelling: Spelling = CLI,
 ) -> SplitOptions:
     """Every option checked, alone and together, into the driver's ``SplitOptions``; a
@@ -120,7 +121,7 @@ def split_options(
         virtual_stages=virtual_stages,
         replicate=replicate,
         precision=parsed,
-        cluster=_cluster(pp, gpus_per_node, dp_mode, global_batch, replicate=replicate,
+        cluster=_cluster(pp, gpus_per_node, dp_mode, global_batch, tp, replicate=replicate,
                          virtual_stages=virtual_stages, say=say),
     )
 
@@ -189,15 +190,19 @@ def recompute_of(value: str, say: Spelling = CLI) -> Recompute:
 
 
 def _cluster(pp: int | str | None, gpus_per_node: int | None, dp_mode: str | None,
-             global_batch: int | None, *, replicate: bool, virtual_stages: int,
-             say: Spelling) -> ClusterOptions | None:
+             global_batch: int | None, tp: int | str | None, *, replicate: bool,
+             virtual_stages: int, say: Spelling) -> ClusterOptions | None:
     """The cluster search's options, where a cluster option asks for one (else None: one
-    pipeline on all the GPUs)."""
+    pipeline on all the GPUs). ``tp``: None or 1, no tensor parallelism; "auto", the
+    search chooses the degree."""
     from fxpipe.options import ClusterOptions
 
-    if (pp, gpus_per_node, dp_mode, global_batch) == (None,) * 4:
+    if (pp, gpus_per_node, dp_mode, global_batch, tp) == (None,) * 5:
         return None
     per_pipeline = None if pp in (None, "auto") else _whole(pp, "pp", say)
+    per_stage = None if tp == "auto" else 1 if tp is None else _whole(tp, "tp", say)
+    if per_stage is not None and per_stage < 1:
+        raise ValueError(f"{say.name('tp')} must be auto or at least 1, got {per_stage}")
     if replicate or virtual_stages > 1:
         cluster = ", ".join(say.name(o) for o in ("pp", "gpus_per_node", "dp_mode"))
         raise ValueError(f"{say.name('replicate')} and {say.name('virtual_stages')} plan one "
@@ -208,7 +213,7 @@ def _cluster(pp: int | str | None, gpus_per_node: int | None, dp_mode: str | Non
     if dp_mode is not None:
         _one_of(dp_mode, DP_MODES, "dp_mode", say)
     return ClusterOptions(gpus_per_node=gpus_per_node, pp=per_pipeline, dp_mode=dp_mode,
-                          global_batch=global_batch)
+                          global_batch=global_batch, tp=per_stage)
 
 
 def _whole(value: Any, option: str, say: Spelling) -> int:

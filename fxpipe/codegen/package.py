@@ -124,8 +124,18 @@ def runner_source(traced: Traced, plan: Plan) -> str:
         runner_header(traced, plan),
         "",
         "",
-        _RUNNER_FOOTER,
+        *_runner_footer(plan),
     ])
+
+
+def _runner_footer(plan: Plan) -> list[str]:
+    """The runner's functions; one that refuses to run a plan no runner runs yet."""
+    why = _tensor_parallel_limit(plan)
+    if why is None:
+        return [_RUNNER_FOOTER]
+    return ["# UNSUPPORTED: why this plan cannot run here", *_string_constant("UNSUPPORTED", why),
+            "", "", _RUNNER_FOOTER.replace(
+                "    ) -> None:\n", "    ) -> None:\n        raise ValueError(UNSUPPORTED)\n", 1)]
 
 
 _RUNNER_FOOTER = '''def stage_devices(devices: Sequence[Device]) -> list[Device | list[Device]]:
@@ -380,11 +390,25 @@ def _string_constant(name: str, text: str | None) -> list[str]:
     return [f"{name} = (", *(f"    {json.dumps(p)}" for p in pieces), ")"]
 
 
+def _tensor_parallel_limit(plan: Plan) -> str | None:
+    """Why no runner runs ``plan`` yet, or None: its layout splits each stage over tp GPUs
+    of a host (tensor parallelism), which is planned but not run."""
+    layout = plan.layout
+    if layout is None or layout.tp == 1:
+        return None
+    return (f"this plan splits each stage over {layout.tp} GPUs (tensor parallelism, "
+            f"--tp {layout.tp}), which fxpipe plans but does not run yet: split again with "
+            f"--tp 1 to run it")
+
+
 def _distributed_limit(plan: Plan) -> str | None:
     """Why ``distributed.py`` cannot run ``plan``, or None: its schedule kind has no
     torch.distributed.pipelining class to run on, or splits the backward of replicated
     stages."""
     spec = _spec(plan)
+    tensor = _tensor_parallel_limit(plan)
+    if tensor is not None:
+        return tensor
     if spec.splits_backward and any(stage.replicas > 1 for stage in plan.stages):
         return (f"this plan's {plan.schedule} stages are replicated ({plan.configuration}), "
                 f"which a schedule that splits the backward does not run; split again "

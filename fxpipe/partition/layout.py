@@ -1,13 +1,16 @@
 """The cluster's layout as plain data: N GPUs, G to a host, as p pipeline stages × d
-data-parallel replicas of the pipeline, and what a layout costs beyond its cuts.
+data-parallel replicas of the pipeline × t GPUs splitting each stage's ops (tensor
+parallelism, inside a host), and what a layout costs beyond its cuts.
 
-# N: GPUs, G: GPUs per host, p: pipeline degree (GPUs per pipeline), d = N / p: the
-# data-parallel degree, B: samples per step (the global batch), b: samples per
-# micro-batch (the example's), M = B / (d b): micro-batches per pipeline per step.
+# N: GPUs, G: GPUs per host, p: pipeline degree (stages per pipeline), t: the TP degree
+# (GPUs per stage, dividing G), d = N / (p t): the data-parallel degree, B: samples per
+# step (the global batch), b: samples per micro-batch (the example's), M = B / (d b):
+# micro-batches per pipeline per step.
 
-Every GPU runs one pipeline rank; the d pipelines each take B / d samples per step, and
-the d copies of each stage's parameters agree after every step. The two data-parallel
-modes torch runs under a pipeline:
+Every t GPUs of a host run one pipeline rank, each op Megatron-LM's layout splits split
+over them (the problem priced at t: ``partition.tensor_parallel``); the d pipelines each
+take B / d samples per step, and the d copies of each stage's parameters agree after
+every step. The two data-parallel modes torch runs under a pipeline:
 
     ddp    every copy holds the whole stage and its optimizer state; the gradients are
            all-reduced once per step (DDP, no_sync until the last micro-batch)
@@ -25,19 +28,20 @@ the layout search states in the report:
   the wire, 2 (d - 1) / d of the stage's gradient bytes, not overlapped with the pipeline's
   drain (an upper bound: the last stage's sync could start while the first drains); the
   step ends when the slowest stage's sync does (``sync_s``);
-- links: ranks are laid out on a (dp, pp) mesh, pipeline dimension innermost (rank
-  r = i p + j runs stage j of pipeline i), so a pipeline of p <= G stages, G a multiple
-  of p, sits in one host and its sends ride the host's link (NVLink), while the d copies
-  of a stage, one per pipeline, span hosts once N > G and sync on the hosts' link (the
-  NIC); a pipeline longer than a host sends across hosts at its host boundaries, priced
-  for every boundary (an upper bound, as the cuts are chosen per boundary-blind
-  program). The other order (data-parallel innermost) is the same search with the links
-  exchanged; it is not searched yet.
+- links: ranks are laid out on a (dp, pp, tp) mesh, tensor-parallel dimension innermost
+  and then the pipeline's (rank r = (i p + j) t + k is GPU k of stage j of pipeline i),
+  so the t GPUs of a stage share a host (t divides G) and their all-reduces ride its
+  link, a pipeline of p t <= G GPUs, G a multiple of p t, sits in one host and its sends
+  ride the host's link (NVLink), while the d copies of a stage, one per pipeline, span
+  hosts once N > G and sync on the hosts' link (the NIC); a pipeline longer than a host
+  sends across hosts at its host boundaries, priced for every boundary (an upper bound,
+  as the cuts are chosen per boundary-blind program). The other order (data-parallel
+  innermost) is the same search with the links exchanged; it is not searched yet.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -96,21 +100,26 @@ class Cluster:
 
 
 def candidates(cluster: Cluster, global_microbatches: int, *, pp: int | None = None,
-               dp_mode: str | None = None) -> list[tuple[int, int, str, int]]:
-    """The layouts to consider, as (p, d, mode, M): every pipeline degree p dividing N
-    (or the one pinned), and M = the step's micro-batches over d, where d divides them.
-    The mode is the one pinned, else fsdp where there are copies to shard (d > 1): under
-    this cost model ddp moves the same bytes and holds more, so it is never faster, and
-    is planned only when asked for. Smallest p first (ties go to the shorter pipeline)."""
+               dp_mode: str | None = None, tp: Sequence[int] = (1,)
+               ) -> list[tuple[int, int, str, int, int]]:
+    """The layouts to consider, as (p, d, mode, M, t): every TP degree t of ``tp`` (each
+    dividing G; the caller's to check) and every pipeline degree p dividing N / t (or the
+    one pinned), and M = the step's micro-batches over d, where d divides them. The mode
+    is the one pinned, else fsdp where there are copies to shard (d > 1): under this cost
+    model ddp moves the same bytes and holds more, so it is never faster, and is planned
+    only when asked for. Smallest p first, then smallest t (ties go to the shorter
+    pipeline, then to fewer GPUs per stage)."""
     n = cluster.gpus
-    degrees = [pp] if pp is not None else [p for p in range(1, n + 1) if n % p == 0]
-    found: list[tuple[int, int, str, int]] = []
-    for p in degrees:
-        d = n // p
-        if global_microbatches % d:
-            continue
-        mode = dp_mode if dp_mode is not None else ("fsdp" if d > 1 else "ddp")
-        found.append((p, d, mode, global_microbatches // d))
+    found: list[tuple[int, int, str, int, int]] = []
+    for p in [pp] if pp is not None else range(1, n + 1):
+        for t in tp:
+            if n % (p * t):
+                continue
+            d = n // (p * t)
+            if global_microbatches % d:
+                continue
+            mode = dp_mode if dp_mode is not None else ("fsdp" if d > 1 else "ddp")
+            found.append((p, d, mode, global_microbatches // d, t))
     return found
 
 
@@ -123,17 +132,17 @@ def sharded(problem: Problem, d: int, mode: str) -> Problem:
     return replace(problem, state_factor=1.0 + grads + optimizer / d)
 
 
-def pipeline_crosses_hosts(cluster: Cluster, p: int) -> bool:
-    """Whether a pipeline of p ranks, laid out innermost, has a stage boundary between
-    hosts."""
-    g = cluster.gpus_per_node
-    return p > g or g % p != 0
+def pipeline_crosses_hosts(cluster: Cluster, p: int, t: int = 1) -> bool:
+    """Whether a pipeline of p stages of t GPUs each, laid out inside the data-parallel
+    dimension, has a stage boundary between hosts."""
+    g, gpus = cluster.gpus_per_node, p * t
+    return p > 1 and (gpus > g or g % gpus != 0)
 
 
-def sync_crosses_hosts(cluster: Cluster, p: int) -> bool:
-    """Whether the d copies of a stage (ranks j, j + p, j + 2p, ... of all N) span hosts:
-    whenever there are several copies on more than one host."""
-    return cluster.gpus > cluster.gpus_per_node and cluster.gpus // p > 1
+def sync_crosses_hosts(cluster: Cluster, p: int, t: int = 1) -> bool:
+    """Whether the d copies of a stage's GPU (ranks p t apart) span hosts: whenever there
+    are several copies on more than one host."""
+    return cluster.gpus > cluster.gpus_per_node and cluster.gpus // (p * t) > 1
 
 
 def sync_s(grad_bytes: float, d: int, link: Link) -> float:
@@ -170,11 +179,13 @@ def totals(problem: Problem) -> Totals:
     return Totals(sum(NodeCosts.of(problem).compute_s.tolist()), problem.param_bytes * grads)
 
 
-def layout_bound(t: Totals, p: int, d: int, m: int, link: Link) -> float:
+def layout_bound(totals: Totals, p: int, d: int, m: int, link: Link) -> float:
     """A step no split of a (p, d) layout with M = m can beat: the compute spread evenly
-    over the p GPUs of a pipeline for m micro-batches, plus the fill and drain of one
-    micro-batch through all of it, plus the sync of an even share of the gradients."""
-    return (m - 1) * t.compute_s / p + t.compute_s + sync_s(t.grad_bytes / p, d, link)
+    over the p stages of a pipeline for m micro-batches, plus the fill and drain of one
+    micro-batch through all of it, plus the sync of an even share of the gradients
+    (``totals`` of the problem at the layout's TP degree: per GPU of a stage)."""
+    compute = totals.compute_s
+    return (m - 1) * compute / p + compute + sync_s(totals.grad_bytes / p, d, link)
 
 
 @dataclass(frozen=True)
@@ -194,6 +205,7 @@ class Tried:
     status: str = "pruned"
     result: Any = None  # the solver's Partition, where solved
     error: ValueError | None = None  # why it has no split, where it has none
+    t: int = 1  # GPUs of a host splitting each stage (the TP degree)
 
 
 def layout_step(result: Any, d: int, link: Link) -> tuple[float, float]:
@@ -206,37 +218,43 @@ def layout_step(result: Any, d: int, link: Link) -> tuple[float, float]:
     return evaluation.estimate.iteration_s + sync, sync
 
 
-def search(cluster: Cluster, layouts: Sequence[tuple[int, int, str, int]], t: Totals,
-           solve: Callable[[int, int, str, int], Any]) -> list[Tried]:
-    """Solve the layouts in the order of their bounds (the cheapest first, ties to the
-    shorter pipeline), each by ``solve(p, d, mode, M)`` (the driver lowers the model for it
-    and runs ``partition``; a ``ValueError`` says it has no valid split), and stop when
-    the next bound is no better than the best step found: every layout left is pruned,
-    proved no better under the cost model. The best one's status is "chosen"."""
-    def link(p: int) -> Link:
-        return cluster.inter if sync_crosses_hosts(cluster, p) else cluster.intra
+def search(cluster: Cluster, layouts: Sequence[tuple[int, int, str, int, int]],
+           totals: Mapping[int, Totals], solve: Callable[[int, int, str, int, int], Any]
+           ) -> list[Tried]:
+    """Solve the layouts (p, d, mode, M, t) in the order of their bounds (the cheapest
+    first, ties to the shorter pipeline, then the smaller t), each by
+    ``solve(p, d, mode, M, t)`` (the driver lowers the model for it and runs
+    ``partition``; a ``ValueError`` says it has no valid split), and stop when the next
+    bound is no better than the best step found: every layout left is pruned, proved no
+    better under the cost model. ``totals``: the model's at each TP degree. The best one's
+    status is "chosen"."""
+    def link(p: int, t: int) -> Link:
+        return cluster.inter if sync_crosses_hosts(cluster, p, t) else cluster.intra
 
-    order = sorted(((layout_bound(t, p, d, m, link(p)), i) for i, (p, d, _, m)
+    order = sorted(((layout_bound(totals[t], p, d, m, link(p, t)), i) for i, (p, d, _, m, t)
                     in enumerate(layouts)))
     tried: dict[int, Tried] = {}
     best: Tried | None = None
     for bound, i in order:
-        p, d, mode, m = layouts[i]
+        p, d, mode, m, t = layouts[i]
         if best is not None and best.step_s is not None and bound >= best.step_s:
-            tried[i] = Tried(p, d, mode, m, bound)
+            tried[i] = Tried(p, d, mode, m, bound, t=t)
             continue
         try:
-            result = solve(p, d, mode, m)
+            result = solve(p, d, mode, m, t)
         except ValueError as exc:
             status = "no fit" if isinstance(exc, InfeasibleMemoryError) else "invalid"
-            tried[i] = Tried(p, d, mode, m, bound, why=str(exc), status=status, error=exc)
+            tried[i] = Tried(p, d, mode, m, bound, why=str(exc), status=status, error=exc,
+                             t=t)
             continue
-        step, sync = layout_step(result, d, link(p))
+        step, sync = layout_step(result, d, link(p, t))
         # the solver's own bound on the bottleneck bounds this layout's step from below
-        proved = (m - 1) * result.report.bound + t.compute_s + sync_s(t.grad_bytes / p, d,
-                                                                       link(p))
+        model = totals[t]
+        proved = (m - 1) * result.report.bound + model.compute_s + sync_s(
+            model.grad_bytes / p, d, link(p, t))
         found = Tried(p, d, mode, m, max(bound, proved), step, sync,
-                      result.evaluation.estimate.max_memory, status="solved", result=result)
+                      result.evaluation.estimate.max_memory, status="solved", result=result,
+                      t=t)
         tried[i] = found
         if best is None or (step, found.max_memory) < (best.step_s, best.max_memory):
             best = found  # of equal steps, the one needing the least memory

@@ -1,5 +1,6 @@
 """The cluster's layout in report.md: the layout chosen, the cost model it assumes, and
-every layout the search considered, the chosen one first."""
+every layout the search considered, the chosen one first (a TP column where the search
+considered tensor parallelism)."""
 
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ def layout_sentence(layout: Layout) -> str:
     """One line: "64 GPUs (8 per host) as 8 pipeline stages x 8 data-parallel (fsdp)"."""
     data = (f" x {layout.dp} data-parallel ({layout.dp_mode})" if layout.dp > 1
             else ", one pipeline")
+    tensor = f" x {layout.tp} tensor-parallel" if layout.tp > 1 else ""
     return (f"{layout.gpus} GPUs ({layout.gpus_per_node} per host) as {layout.pp} pipeline "
-            f"stage{'s' * (layout.pp > 1)}{data}")
+            f"stage{'s' * (layout.pp > 1)}{data}{tensor}")
 
 
 def layout_lines(plan: Plan) -> list[str]:
@@ -30,6 +32,7 @@ def layout_lines(plan: Plan) -> list[str]:
     layout = plan.layout
     if layout is None:
         return []
+    tp_column = any(row.tp > 1 for row in layout.considered)
     proved = ("proved the fastest under the cost model below" if layout.proved else
               "the fastest found; not every layout was planned to its optimum")
     lines = [
@@ -45,8 +48,10 @@ def layout_lines(plan: Plan) -> list[str]:
         f"- links: stage sends {_link(layout.pipeline_link)}, "
         + (f"gradient syncs {_link(layout.sync_link)}" if layout.dp > 1 else
            "no gradient sync (one pipeline)")
-        + f"; ranks on a ({', '.join(layout.mesh)}) mesh, rank = pipeline x {layout.pp} + "
-        "stage",
+        + f"; ranks on a ({', '.join(layout.mesh)}) mesh, rank = "
+        + (f"(pipeline x {layout.pp} + stage) x {layout.tp} + its GPU of the stage"
+           if layout.tp > 1 else f"pipeline x {layout.pp} + stage"),
+        *_tensor_lines(layout),
         "",
         "The cost model: under fsdp each GPU holds its stage's whole parameters and "
         "gradients during the step (torch's PipelineStage defers FSDP2's reduce-scatter to "
@@ -55,23 +60,48 @@ def layout_lines(plan: Plan) -> list[str]:
         "(ring all-reduce, or reduce-scatter and all-gather: the same bytes), not "
         "overlapped with the drain; the step ends with the slowest stage's sync.",
         "",
-        "| pipeline stages | data-parallel | mode | micro-batches | predicted step | "
-        "bound | max memory | outcome |",
-        "|---|---|---|---|---|---|---|---|",
+        *_tensor_model(layout),
+        "| pipeline stages | data-parallel | " + "tensor-parallel | " * tp_column
+        + "mode | micro-batches | predicted step | bound | max memory | outcome |",
+        "|---|---|---|---|---|---|---|---|" + "---|" * tp_column,
     ]
-    rows = sorted(layout.considered, key=lambda r: (r.status != "chosen", r.pp, r.dp_mode))
-    lines += [_row(row) for row in rows]
+    rows = sorted(layout.considered,
+                  key=lambda r: (r.status != "chosen", r.pp, r.tp, r.dp_mode))
+    lines += [_row(row, tp_column) for row in rows]
     lines.append("")
     return lines
 
 
-def _row(row: LayoutRow) -> str:
+def _tensor_lines(layout: Layout) -> list[str]:
+    """The chosen layout's tensor parallelism: what splits and what stays whole."""
+    if layout.tp == 1:
+        return []
+    whole = ", ".join(layout.tp_replicated) or "none"
+    return [f"- tensor parallelism: each stage's {layout.tp_pairs} column / row-parallel "
+            f"pairs (attention by heads, MLPs by hidden width), its vocabulary-parallel "
+            f"embedding and LM head split over {layout.tp} GPUs of a host; whole on every "
+            f"GPU: the ops between the pairs, and the modules {whole}"]
+
+
+def _tensor_model(layout: Layout) -> list[str]:
+    """The TP cost model, where the search considered tensor parallelism."""
+    if all(row.tp == 1 for row in layout.considered):
+        return []
+    return ["At TP degree t a split op runs 1/t of its FLOPs, parameters and activations; "
+            "each pair all-reduces its output over the t GPUs in the forward and its input "
+            "gradient in the backward (ring, on the host's link, not overlapped), the "
+            "vocabulary-parallel embedding its output in the forward and the LM head its "
+            "input gradient in the backward; the other ops run whole on every GPU.", ""]
+
+
+def _row(row: LayoutRow, tp_column: bool = False) -> str:
     step = "" if row.step_s is None else format_ms(row.step_s)
     memory = "" if row.max_memory is None else format_bytes(row.max_memory)
     outcome = _STATUS.get(row.status, row.status)
     if row.why:
         outcome += f": {row.why.split('; ')[0].split('. ')[0]}"
-    return (f"| {row.pp} | {row.dp} | {row.dp_mode} | {row.microbatches} | {step} | "
+    tp = f"{row.tp} | " if tp_column else ""
+    return (f"| {row.pp} | {row.dp} | {tp}{row.dp_mode} | {row.microbatches} | {step} | "
             f"{format_ms(row.bound_s)} | {memory} | {outcome} |")
 
 

@@ -33,11 +33,12 @@ def _cluster(n: int, g: int = 8) -> Cluster:
 def test_every_pipeline_degree_dividing_the_gpus_with_whole_micro_batches() -> None:
     # ddp moves fsdp's bytes and holds more: planned only when asked for
     assert candidates(_cluster(8), 16) == [
-        (1, 8, "fsdp", 2), (2, 4, "fsdp", 4), (4, 2, "fsdp", 8), (8, 1, "ddp", 16)]
-    assert candidates(_cluster(8), 16, dp_mode="ddp")[0] == (1, 8, "ddp", 2)
+        (1, 8, "fsdp", 2, 1), (2, 4, "fsdp", 4, 1), (4, 2, "fsdp", 8, 1),
+        (8, 1, "ddp", 16, 1)]
+    assert candidates(_cluster(8), 16, dp_mode="ddp")[0] == (1, 8, "ddp", 2, 1)
     # 12 micro-batches do not split over 8 or 4 pipelines
     assert {p for p, *_ in candidates(_cluster(8), 12)} == {2, 4, 8}
-    assert candidates(_cluster(8), 16, pp=4, dp_mode="ddp") == [(4, 2, "ddp", 8)]
+    assert candidates(_cluster(8), 16, pp=4, dp_mode="ddp") == [(4, 2, "ddp", 8, 1)]
 
 
 def test_a_cluster_fills_whole_hosts() -> None:
@@ -111,15 +112,15 @@ def _result(step: float, p: int, params: int = 0) -> _Result:
 def test_the_search_plans_in_bound_order_and_prunes_what_cannot_win() -> None:
     totals = Totals(compute_s=1.0, grad_bytes=0.0)
     layouts = candidates(_cluster(4), 8, dp_mode="ddp")  # p = 1, 2, 4
-    bounds = [layout_bound(totals, p, d, m, NVLINK) for p, d, _, m in layouts]
+    bounds = [layout_bound(totals, p, d, m, NVLINK) for p, d, _, m, _ in layouts]
     assert bounds == sorted(bounds)  # fewer pipeline stages, less fill and drain here
     asked = []
 
-    def solve(p: int, d: int, mode: str, m: int) -> _Result:
+    def solve(p: int, d: int, mode: str, m: int, t: int) -> _Result:
         asked.append(p)
         return _result(bounds[[q for q, *_ in layouts].index(p)], p)
 
-    tried = search(_cluster(4), layouts, totals, solve)
+    tried = search(_cluster(4), layouts, {1: totals}, solve)
     assert asked == [1]  # its step meets its bound: nothing else can be faster
     assert [t.status for t in tried] == ["chosen", "pruned", "pruned"]
 
@@ -128,11 +129,41 @@ def test_a_layout_that_does_not_fit_says_why_and_the_next_is_planned() -> None:
     totals = Totals(compute_s=1.0, grad_bytes=0.0)
     layouts = candidates(_cluster(2), 4, dp_mode="ddp")  # p = 1, 2
 
-    def solve(p: int, d: int, mode: str, m: int) -> _Result:
+    def solve(p: int, d: int, mode: str, m: int, t: int) -> _Result:
         if p == 1:
             raise InfeasibleMemoryError(devices=1, limit=1.0, needed=2.0)
         return _result(5.0, p)
 
-    tried = search(_cluster(2), layouts, totals, solve)
+    tried = search(_cluster(2), layouts, {1: totals}, solve)
     assert [t.status for t in tried] == ["no fit", "chosen"]
     assert "fits in" in tried[0].why
+
+
+def test_tp_is_one_more_dimension_of_the_layouts() -> None:
+    # p x d x t = N; tp innermost: a stage's t GPUs and a pipeline's p t share a host
+    found = candidates(_cluster(8), 16, tp=(1, 2, 4))
+    assert all(p * d * t == 8 for p, d, _, _, t in found)
+    assert (2, 2, "fsdp", 8, 2) in found and (1, 2, "fsdp", 8, 4) in found
+    assert candidates(_cluster(8), 16, pp=4, tp=(4,)) == []  # 16 GPUs per pipeline
+    assert not pipeline_crosses_hosts(_cluster(16), 2, 4)  # 8 GPUs: one host
+    assert pipeline_crosses_hosts(_cluster(16), 4, 4)  # 16 GPUs: two
+    assert sync_crosses_hosts(_cluster(16), 2, 4)  # 2 copies, one per host
+    assert not sync_crosses_hosts(_cluster(16), 4, 4)  # one copy: no sync
+
+
+def test_the_search_chooses_the_tp_degree_by_each_ones_totals() -> None:
+    layouts = candidates(_cluster(4), 4, pp=1, dp_mode="ddp", tp=(1, 2, 4))
+    assert [t for *_, t in layouts] == [1, 2, 4]
+    # t = 2 halves the compute and pays a little for its all-reduces, t = 4 more; with the
+    # global batch fixed, each t has fewer pipelines and so more micro-batches each
+    totals = {1: Totals(1.0, 0.0), 2: Totals(0.55, 0.0), 4: Totals(0.3, 0.0)}
+    bounds = [layout_bound(totals[t], p, d, m, NVLINK) for p, d, _, m, t in layouts]
+    assert bounds == sorted(bounds)
+
+    def solve(p: int, d: int, mode: str, m: int, t: int) -> _Result:
+        if t == 1:  # the whole model does not fit one GPU
+            raise InfeasibleMemoryError(devices=1, limit=1.0, needed=2.0)
+        return _result(layout_bound(totals[t], p, d, m, NVLINK), p)
+
+    tried = search(_cluster(4), layouts, totals, solve)
+    assert [(t.t, t.status) for t in tried] == [(1, "no fit"), (2, "chosen"), (4, "pruned")]

@@ -1,0 +1,107 @@
+"""Which ops shard how under tensor parallelism (fxpipe/passes/tensor_parallel.py): the
+column / row-parallel pairs, the vocabulary-parallel embedding and head, and what stays
+replicated, on a symbolic_trace GPT (fused qkv, tied head), a symbolic_trace Llama (GQA,
+SwiGLU) and an exported transformers Llama (aten.linear with get_attr weights)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from functools import cache
+from pathlib import Path
+
+import pytest
+import torch.fx
+
+from fxpipe import meta
+from fxpipe.compiler import analyze_file
+from fxpipe.cost_models import get_device
+from fxpipe.partition.tensor_parallel import REPLICATED
+from fxpipe.passes.tensor_parallel import TensorParallel, annotate_tensor_parallel, shards
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@cache
+def _found(example: str) -> tuple[torch.fx.GraphModule, TensorParallel]:
+    _, traced = analyze_file(str(EXAMPLES / example), device=get_device("h100"))
+    return traced.gm, annotate_tensor_parallel(traced.gm)
+
+
+def _modules(gm: torch.fx.GraphModule, names: tuple[str, ...]) -> list[str]:
+    nodes = {n.name: n for n in gm.graph.nodes}
+    return [meta.MODULE.get(nodes[name]).path for name in names]
+
+
+def test_gpt_pairs_its_fused_qkv_with_proj_and_fc_with_proj() -> None:
+    gm, found = _found("gpt.py")
+    pairs = [(_modules(gm, p.columns), _modules(gm, (p.row,))[0]) for p in found.pairs]
+    assert pairs[:2] == [(["blocks.0.attn.qkv"], "blocks.0.attn.proj"),
+                         (["blocks.0.mlp.fc"], "blocks.0.mlp.proj")]
+    assert len(pairs) == 8  # 4 blocks, attention and MLP each
+    attention, mlp = found.pairs[:2]
+    assert (attention.heads, attention.kv_heads, attention.units) == (4, 4, 4)
+    assert (mlp.heads, mlp.units) == (0, 512)  # the hidden width
+    assert found.vocab == ("tok_emb", "lm_head")  # tied: both split by vocabulary rows
+    # the position embedding is no vocabulary: it, the norms and the residual stay whole
+    assert found.replicated == ("pos_emb", "blocks.*.ln_1", "blocks.*.ln_2", "ln_f")
+    assert found.degrees(8) == [1, 2, 4]
+
+
+def test_llama_pairs_q_k_v_with_o_and_gate_up_with_down_and_gqa_bounds_the_degree() -> None:
+    gm, found = _found("llama.py")
+    attention, mlp = found.pairs[:2]
+    assert _modules(gm, attention.columns) == [
+        "layers.0.attn.wq", "layers.0.attn.wk", "layers.0.attn.wv"]
+    assert _modules(gm, (attention.row,)) == ["layers.0.attn.wo"]
+    assert _modules(gm, mlp.columns) == ["layers.0.mlp.w1", "layers.0.mlp.w3"]
+    assert _modules(gm, (mlp.row,)) == ["layers.0.mlp.w2"]
+    assert (attention.heads, attention.kv_heads) == (4, 2)
+    assert found.degrees(8) == [1, 2]  # 2 KV heads
+    assert found.refusal(4) == "the 2 KV heads of layers.0.attn (4 query heads)"
+    assert found.refusal(8) == "the 4 attention heads of layers.0.attn"
+    assert found.refusal(2) is None
+    assert found.replicated == ("layers.*.attn_norm", "layers.*.mlp_norm", "norm")
+    # the rotary tables are side inputs of the pair, not split values; q times them is
+    roles = {n.name: meta.SHARD.get(n).role for n in gm.graph.nodes if meta.SHARD.has(n)}
+    nodes = {n.name: n for n in gm.graph.nodes}
+    assert nodes["narrow"].args[0].target == "layers.0.attn.rotary.cos"
+    assert (roles["narrow"], roles["to"], roles["mul_2"]) == ("replicated", "replicated",
+                                                              "inside")
+    assert all(roles[n.name] == "replicated" for n in gm.graph.nodes
+               if n.op != "get_attr" and meta.SHARD.has(n)
+               and meta.MODULE.get(n).path.endswith("norm"))
+
+
+def test_an_exported_llama_pairs_its_aten_linears() -> None:
+    gm, found = _found("hf_llama.py")
+    assert {n.op for n in gm.graph.nodes if meta.SHARD.has(n)
+            and meta.SHARD.get(n).role == "column"} == {"call_function"}
+    attention, mlp = found.pairs[:2]
+    assert attention.module == "model.layers.0.self_attn"
+    assert [m.rpartition(".")[2] for m in _modules(gm, attention.columns)] == [
+        "q_proj", "k_proj", "v_proj"]
+    assert _modules(gm, (attention.row,))[0].endswith("o_proj")
+    assert [m.rpartition(".")[2] for m in _modules(gm, mlp.columns)] == [
+        "gate_proj", "up_proj"]
+    assert (attention.heads, attention.kv_heads) == (4, 2)
+    assert found.vocab == ("model.embed_tokens", "lm_head")
+    assert "model.layers.*.input_layernorm" in found.replicated
+
+
+@pytest.mark.parametrize("example", ["gpt.py", "llama.py", "hf_llama.py"])
+def test_each_op_prices_as_its_role_says(example: str) -> None:
+    gm, found = _found(example)
+    ops = [n for n in gm.graph.nodes if meta.SHARD.has(n)]
+    priced = dict(zip(ops, shards(ops), strict=True))
+    roles = Counter(meta.SHARD.get(n).role for n in ops)
+    assert roles["row"] == len(found.pairs)
+    for node, shard in priced.items():
+        role = meta.SHARD.get(node).role
+        assert (shard == REPLICATED) == (role == "replicated"), node
+        if role == "row":  # a pair's forward all-reduce: its output, whole
+            assert shard.forward_reduce_bytes == meta.SHAPE.get(node).nbytes > 0
+            assert not shard.values
+    # one backward all-reduce per pair, on its first column
+    reducing = [n for n, s in priced.items()
+                if s.backward_reduce_bytes and meta.SHARD.get(n).role == "column"]
+    assert len(reducing) == len(found.pairs)
