@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from .adapter import StageAdapter
-from .zero_bubble import ZERO_BUBBLE
+from .torch_schedules import TORCH_SCHEDULES
 
 __all__ = ["DP_MODES", "DataParallelStage", "check_backward_sync", "check_data_parallel",
            "held_bytes", "make_mesh", "shard", "total_norm", "watch_step", "whole"]
@@ -60,7 +60,8 @@ def check_backward_sync(mode: str | None, schedule: str) -> None:
     """Refuse DDP under a schedule that splits the backward (zb1p, zbv, dualpipev): its
     weight pass fills ``.grad`` outside autograd's accumulation, which DDP's reducer
     hooks, so DDP would never average those gradients (FSDP2's sync runs after it)."""
-    if mode == "ddp" and schedule in ZERO_BUBBLE:
+    how = TORCH_SCHEDULES.get(schedule)
+    if mode == "ddp" and how is not None and how.splits_backward:
         raise ValueError(f"torch's DDP does not average the gradients that {schedule}'s "
                          f"weight pass computes apart from the backward; split again with "
                          f"--dp-mode fsdp, or run schedule 1f1b or gpipe")
