@@ -59,6 +59,7 @@ Legend: j a stage, r its replicas, K stages (see problem.py).
 from __future__ import annotations
 
 import itertools
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple
@@ -113,7 +114,20 @@ class NodeCosts:
 
     @classmethod
     def of(cls, problem: Problem) -> NodeCosts:
-        """A row per node of ``problem``."""
+        """A row per node of ``problem``: read once per problem (``evaluate`` runs on
+        many splits of one), read-only."""
+        held = _COLUMNS.get(id(problem))
+        if held is not None and held[0]() is problem:
+            return held[1]
+        costs = cls._columns(problem)
+        for f in fields(costs):
+            getattr(costs, f.name).setflags(write=False)
+        key = id(problem)  # dropped with the problem, before its id can be another's
+        _COLUMNS[key] = (weakref.ref(problem, lambda _: _COLUMNS.pop(key, None)), costs)
+        return costs
+
+    @classmethod
+    def _columns(cls, problem: Problem) -> NodeCosts:
         nodes = problem.nodes
         levels = range(len(problem.keep_levels))
         chosen = [[node.selective(level) for level in levels] for node in nodes]
@@ -144,6 +158,10 @@ class NodeCosts:
         transient = np.zeros(parts)
         np.maximum.at(transient, index, self.transient)
         return NodeCosts(**summed, transient=transient)
+
+
+# id(problem) -> (a weak reference to it, its ``NodeCosts.of``)
+_COLUMNS: dict[int, tuple[weakref.ref[Problem], NodeCosts]] = {}
 
 
 def added_up(part_of: np.ndarray, parts: int, values: np.ndarray) -> np.ndarray:

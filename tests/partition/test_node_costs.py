@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -143,3 +144,16 @@ def test_no_other_module_of_the_solver_adds_up_node_costs() -> None:
     found = {path.name: _adds_up_a_node_field(ast.parse(path.read_text(encoding="utf-8")))
              for path in sorted(PARTITION.glob("*.py")) if path.name != "cost.py"}
     assert not {name: lines for name, lines in found.items() if lines}
+
+
+def test_a_problem_is_read_once_and_its_columns_stay_as_read() -> None:
+    """``evaluate`` runs on many splits of one problem: its columns are read once, and
+    no reader may write into them."""
+    problem = chain(10, 3)
+    costs = NodeCosts.of(problem)
+    assert NodeCosts.of(problem) is costs
+    with pytest.raises(ValueError, match="read-only"):
+        costs.forward_s[0] = 0.0
+    other = replace(problem, microbatches=4)  # equal nodes, another problem
+    assert NodeCosts.of(other) is not costs
+    assert NodeCosts.of(other).forward_s.tolist() == costs.forward_s.tolist()
