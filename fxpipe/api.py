@@ -60,6 +60,7 @@ def split(
     gpus_per_node: int | None = None,
     dp_mode: str | None = None,
     global_batch: int | None = None,
+    tp: int | str | None = None,
     work_limit: float = 10.0,
     time_limit: float = 120.0,
     measure: bool = False,
@@ -119,6 +120,7 @@ def split_file(
     gpus_per_node: int | None = None,
     dp_mode: str | None = None,
     global_batch: int | None = None,
+    tp: int | str | None = None,
     work_limit: float = 10.0,
     time_limit: float = 120.0,
     measure: bool = False,
@@ -149,7 +151,7 @@ def _split_keywords(given: Mapping[str, Any]) -> dict[str, Any]:
     """The keywords of ``split`` and ``split_file`` that ``split_options`` checks."""
     names = ("gpus", "memory", "device", "microbatches", "schedule", "virtual_stages",
              "replicate", "optimizer", "recompute", "time_limit", "work_limit", "precision",
-             "pp", "gpus_per_node", "dp_mode", "global_batch")
+             "pp", "gpus_per_node", "dp_mode", "global_batch", "tp")
     return {name: given[name] for name in names}
 
 

@@ -133,7 +133,7 @@ def choose(traced: Traced, options: SplitOptions, *,
     proved = final.report.status == "OPTIMAL" and all(
         t.bound_s >= best_step for t in tried
         if t.status in ("solved", "pruned") and t.result is not final)
-    sharded = chosen.t > 1 and split is not None
+    tensor = split if chosen.t > 1 else None  # what the chosen layout splits, if anything
     layout = Layout(
         gpus=cluster.gpus, gpus_per_node=cluster.gpus_per_node, pp=chosen.p, dp=chosen.d,
         dp_mode=chosen.mode, global_batch=steps_microbatches * b, microbatch_size=b,
@@ -141,9 +141,9 @@ def choose(traced: Traced, options: SplitOptions, *,
         pipeline_link="inter" if of(*at).across_hosts else "intra",
         sync_link="inter" if crosses else "intra",
         sync_s=sync, step_s=best_step, proved=proved, considered=rows,
-        mesh=("dp", "pp", "tp") if sharded else ("dp", "pp"), tp=chosen.t,
-        tp_pairs=len(split.pairs) if sharded and split is not None else 0,
-        tp_replicated=split.replicated if sharded and split is not None else ())
+        mesh=("dp", "pp", "tp") if tensor else ("dp", "pp"), tp=chosen.t,
+        tp_pairs=len(tensor.pairs) if tensor else 0,
+        tp_replicated=tensor.replicated if tensor else ())
     return of(*at), layout
 
 

@@ -91,3 +91,12 @@ def test_a_package_of_a_tp_plan_refuses_to_run_in_one_line(tmp_path: Path) -> No
     assert says in str(error.value) and "\n" not in str(error.value)
     distributed = (tmp_path / "out" / "distributed.py").read_text()
     assert "UNSUPPORTED = (\n    \"this plan splits each stage over 2 GPUs" in distributed
+
+
+def test_python_plans_and_refuses_tp_as_the_command_line_does() -> None:
+    import fxpipe
+
+    with pytest.raises(ValueError, match=r"^tp takes auto or a number, got 'x'$"):
+        fxpipe.split_file(GPT, gpus=4, tp="x")
+    plan = fxpipe.split_file(GPT, gpus=4, pp=2, tp=2)
+    assert plan.layout is not None and (plan.layout.pp, plan.layout.tp) == (2, 2)
