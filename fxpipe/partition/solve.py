@@ -109,10 +109,11 @@ SHARED_LARGE = 10_000
 SHARED_SMALL = 2_000
 GAP = 0.01
 # The solver's memory grows with the op count (the ops' costs, their groups, the interval
-# DP's and block bound's rows, CP-SAT on the coarse graph): OP_BYTES an op, measured on
-# GPipe's Transformer-L, 1,663 layers (36,589 ops). Checked before any solving.
+# DP's and block bound's rows, CP-SAT on the coarse graph): OP_BYTES an op, about what
+# GPipe's Transformer-L at 1,663 layers (36,589 ops) took, 0.8 GiB at its peak in all.
+# Checked before any solving.
 MAX_NODES = 200_000
-OP_BYTES = 32 * 1024
+OP_BYTES = 16 * 1024
 # Reachability (which ops precede which, ``reach.py``) keeps a matrix per block between two
 # ops no value skips (bool, then int64: 9 bytes a pair), growing with the square of the
 # largest block: a transformer's are a dozen ops; a graph with a skip over all of it is one

@@ -189,7 +189,7 @@ def test_too_many_nodes_for_the_solver(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (e.nodes, e.most, e.needs_bytes, e.block) == (3, 2, 3 * OP_BYTES, 0)
     assert str(e) == (
         "The model has 3 ops, more than the 2 the solver handles: its memory grows with the "
-        "op count (3 ops would need 96.0 KiB); plan a smaller model with the same blocks, "
+        "op count (3 ops would need 48.0 KiB); plan a smaller model with the same blocks, "
         "e.g. fewer layers.")
     assert isinstance(e, ValueError) and "--" not in str(e)
 
