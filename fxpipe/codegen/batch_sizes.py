@@ -65,15 +65,21 @@ class BatchDims:
         return cls(batch, frozenset(rows), frozenset(without), _batch_multiples(graph, rows))
 
     @classmethod
-    def of_traced(cls, traced: Traced) -> BatchDims:
-        """``of`` for a traced model: its batch is dim 0 of its first batched input."""
+    def of_traced(cls, traced: Traced, ios: Sequence[StageIO] = (), *,
+                  replicated: bool = True) -> BatchDims:
+        """``of`` for a traced model cut into the stages ``ios``: its batch is dim 0 of
+        its first batched input. The run one row longer (a second of meta-device work on
+        a 70B graph) is made only where it tells something: a stage receives a count of
+        dim 0, or stages are ``replicated`` (their replicas take unbatched values whole)."""
         shared = traced.shared_inputs
         batch = next((shape.shape[0] for shape in traced.inputs
                       if shape.shape and shape.name not in shared), None)
         graph = traced.gm.graph
         widened = None
         if batch is not None and not _batch_symbols(graph, shared):
-            widened = widened_rows(traced.gm, traced.flat_inputs, batch, shared)
+            counts = _batch_multiples(graph, {n.name for n in graph.nodes})  # of any dim 0
+            if replicated or any(name in counts for io in ios for name in io.inputs):
+                widened = widened_rows(traced.gm, traced.flat_inputs, batch, shared)
         return cls.of(graph, batch, shared, widened)
 
     def recount_lines(self, io: StageIO) -> list[str]:

@@ -58,7 +58,8 @@ def generate(traced: Traced, plan: Plan) -> dict[str, str]:
         for shape in traced.inputs
         if not all(shape.dynamic)
     }
-    dims = BatchDims.of_traced(traced)
+    dims = BatchDims.of_traced(traced, ios,
+                               replicated=any(stage.replicas > 1 for stage in plan.stages))
     sources = _stage_sources(gm, ios, fixed, dims, traced.model)
     files = {f"stage{io.index}.py": source for io, source in zip(ios, sources, strict=True)}
     files["runner.py"] = runner_source(traced, plan)
