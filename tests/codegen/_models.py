@@ -72,7 +72,9 @@ def import_and_forget(directory: Path) -> types.ModuleType:
     imports many packages, as the fuzzer does, keeps ``sys.modules`` small."""
     name = f"fxpipe_generated_package_{next(_counter)}"
     try:
-        return load_package(directory, name)
+        package = load_package(directory, name)
+        _ = package.distributed  # imported lazily, by its name: while the name is known
+        return package
     finally:
         for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
             del sys.modules[key]
