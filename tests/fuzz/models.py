@@ -66,6 +66,17 @@ or results are appended to the pool):
     batchnorm   BatchNorm1d on (C,) / (C, L), BatchNorm2d on (C, H, W), momentum
                 0.1 / 0.3 / None (cumulative), affine or not; the model may be in eval
                 mode (``ModelSpec.train``)
+    table       a value without a batch dimension and a batch count, made early and
+                read later, as HF Llama's rotary table: from x of shape (L, F), the
+                count ``x.size(0)`` and a table ``cos(arange(L) * w)`` of shape (1, L, F)
+                or (1, L, 1) (``arg``: the Parameter w, of F or 1 elements); adds nothing
+                to the pool. Traced at one row
+                the table has dim 0 of the batch size, and a stage that took it for
+                rows counted 1 whatever the rows
+    rows        y of shape (L, F) and a table's count and table (``arg``: which table;
+                ``srcs[1]``: the x it counted): ``y.unsqueeze(1).expand(count, 2, -1,
+                -1).sum(1) * table`` or ``(y + table).reshape(count, -1, F)``; every
+                table is read at least once
 """
 
 from __future__ import annotations
@@ -162,13 +173,15 @@ MAX_SHARED = 2  # shared inputs per model
 
 @st.composite
 def model_specs(draw: st.DrawFn, *, max_ops: int = 12, untraceable: bool | None = None,
-                reuse: bool = True) -> ModelSpec:
+                reuse: bool = True, table: bool | None = None) -> ModelSpec:
     """A random model: 1-3 inputs, 4-``max_ops`` ops, a tree of 1-4 outputs, that runs
     forward and backward in eager mode. ``reuse``: modules and parameters may be used by
     several ops (shared, tied); without it every parameter has one reader (PipeDream's
-    weight stashing keeps a parameter on one stage, see ``PipedreamTieError``)."""
+    weight stashing keeps a parameter on one stage, see ``PipedreamTieError``).
+    ``table``: a table op right after the first Linear (None: in half the models)."""
     while True:
-        spec = draw(_specs(max_ops=max_ops, untraceable=untraceable, reuse=reuse))
+        spec = draw(_specs(max_ops=max_ops, untraceable=untraceable, reuse=reuse,
+                           table=table))
         if not any(op.kind == "mutate" for op in spec.ops) or runs_eagerly(spec):
             return spec
 
@@ -195,17 +208,23 @@ def _mean_of_leaves(output: Any) -> torch.Tensor:
 
 
 @st.composite
-def _specs(draw: st.DrawFn, *, max_ops: int, untraceable: bool | None, reuse: bool
-           ) -> ModelSpec:
+def _specs(draw: st.DrawFn, *, max_ops: int, untraceable: bool | None, reuse: bool,
+           table: bool | None = None) -> ModelSpec:
     builder = _Builder(draw, reuse=reuse)
-    for _ in range(draw(st.integers(1, 3))):
-        builder.new_input()
+    for i in range(draw(st.integers(1, 3))):
+        builder.new_input(ids=bool(table) and i == 0)  # Llama's input_ids
+    if draw(st.booleans()) if table is None else table:  # made first, read late: rotary
+        builder.table(0)
     # Every model starts with a parameterised op, so some output needs a gradient.
-    builder.linear(0, trainable=True)
+    if 0 not in builder.ids:
+        builder.linear(0, trainable=True)
     for i in sorted(builder.ids):
         builder.embed(i)
     for _ in range(draw(st.integers(min(3, max_ops - 1), max_ops - 1))):
         builder.random_op()
+    for t in range(len(builder.tables)):
+        if t not in builder.read or draw(st.booleans()):  # and by the last layer
+            builder.rows(None, t)
     if untraceable is None:
         untraceable = draw(st.integers(0, 3)) == 0
     if untraceable:
@@ -260,6 +279,9 @@ class _Builder:
         self.frozen: set[str] = set()  # modules never tied: their gradient flags stay exact
         self.shared: list[tuple[Shape, int]] = []
         self.min_batch = 1
+        # each table's shape, the x it counts, and the pool's size when it was made
+        self.tables: list[tuple[Shape, int, int]] = []
+        self.read: set[int] = set()  # the tables some op reads
 
     # -- bookkeeping
 
@@ -330,8 +352,8 @@ class _Builder:
             self.frozen.add(name)
         return name
 
-    def new_input(self) -> None:
-        if self.inputs and self.draw(st.integers(0, 3)) == 0:
+    def new_input(self, *, ids: bool = False) -> None:
+        if ids or (self.inputs and self.draw(st.integers(0, 3)) == 0):
             # Token ids (int64, per sample (L,)) for an Embedding.
             length, vocab = self.draw(st.integers(2, 6)), self.draw(WIDTHS)
             self.ids[len(self.pool)] = vocab
@@ -351,8 +373,10 @@ class _Builder:
         kinds = ["linear", "conv", "norm", "act", "binary", "cat", "chunk", "reshape", "permute",
                  "matmul", "inplace", "reduce", "scalar", "where", "detach", "const",
                  "function"]
+        if self.tables:
+            kinds += ["rows", "rows"]
         if self.draw(st.integers(0, 3)) == 0:  # a third of the models have each of these
-            kinds = ["region", "mutate", "shared_input", "batchnorm"]
+            kinds = ["region", "mutate", "shared_input", "batchnorm", "table"]
         getattr(self, self.draw(st.sampled_from(kinds)))(None)
 
     def linear(self, src: int | None, *, trainable: bool = False) -> None:
@@ -669,6 +693,45 @@ class _Builder:
         self.shared.append((shape, vocab))
         return len(self.shared) - 1
 
+    def table(self, src: int | None) -> None:
+        """A table of x = pool[src] (default: any of rank 2; none fits: a scalar op), or
+        of token ids of shape (L,)."""
+        src = self._pick(lambda s: len(s) == 2) if src is None else src
+        if src is None or not (len(self.pool[src]) == 2 or src in self.ids):
+            return None if src is not None else self.scalar(None)
+        length, width = self.pool[src][0], self.pool[src][-1]
+        # (1, L, 1) broadcasts over any width (and ids have none to match)
+        width = 1 if src in self.ids else self.draw(st.sampled_from([1, width]))
+        arg = f"w{len(self.params)}"
+        self.params[arg] = (width,)
+        self.tables.append(((length, width), src, len(self.pool)))
+        self._add(Op("table", (src,), (), arg=arg), False)
+
+    def _fits(self, t: int) -> list[int]:
+        """The pool entries table t broadcasts against: (L, F), or (L, any) for F = 1."""
+        (length, width), _x, _made = self.tables[t]
+        return [i for i, s in self._floats()
+                if len(s) == 2 and s[0] == length and width in (1, s[1])]
+
+    def rows(self, _: Any, index: int | None = None) -> None:
+        """A read of table ``index`` (default: any table some pool entry fits), by a
+        value made after the table where there is one (as a late layer's activations
+        read a rotary table made first: a stage that receives the table and the count
+        may then receive no batched value made before them)."""
+        fits = [t for t in range(len(self.tables)) if self._fits(t)]
+        if index is None and not fits:
+            return self.scalar(None)
+        t = self.draw(st.sampled_from(fits)) if index is None else index
+        _shape, counted, made = self.tables[t]
+        entries = self._fits(t)  # the table's own x, unless token ids
+        if not entries:
+            return None
+        later = [i for i in entries if i >= made]
+        src = self.draw(st.sampled_from(later or entries))
+        how = self.draw(st.sampled_from(["expand", "reshape"]))
+        self.read.add(t)
+        self._add(Op("rows", (src, counted), (self.pool[src],), how=how, arg=t), True)
+
     def batchnorm(self, _: Any) -> None:
         src = self._pick(lambda s: 1 <= len(s) <= 3)
         if src is None:
@@ -778,8 +841,22 @@ class FuzzModel(nn.Module):
         first = len(self.spec.inputs)
         pool: list[torch.Tensor] = list(xs[:first])
         shared = xs[first:]
+        tables: list[tuple[Any, torch.Tensor]] = []  # (batch count, table) per table op
         for op in self.spec.ops:
-            pool.extend(self._op(op, [pool[i] for i in op.srcs], shared))
+            if op.kind == "table":  # made now, read by later ops
+                x = pool[op.srcs[0]]
+                w = self.weights[op.arg]
+                positions = torch.arange(x.shape[1], dtype=w.dtype).unsqueeze(0)
+                tables.append((x.size(0), torch.cos(positions.unsqueeze(-1) * w)))
+            elif op.kind == "rows":
+                count, table = tables[op.arg]
+                y = pool[op.srcs[0]]
+                if op.how == "expand":  # each sample twice, as a KV head repeated
+                    pool.append(y.unsqueeze(1).expand(count, 2, -1, -1).sum(1) * table)
+                else:
+                    pool.append((y + table).reshape(count, -1, y.shape[-1]))
+            else:
+                pool.extend(self._op(op, [pool[i] for i in op.srcs], shared))
         return _tree_map(self.spec.outputs, lambda i: pool[i])
 
     def _op(self, op: Op, xs: list[torch.Tensor], shared: tuple[torch.Tensor, ...]

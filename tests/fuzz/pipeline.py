@@ -68,6 +68,9 @@ class Case:
     replicate: bool = False  # the solver may run a stage on several GPUs ("2-1-1")
     replicas: tuple[int, ...] | None = None  # the runner's per stage (cycled), over the plan's
     declare: bool = True  # batch_dims given to fxpipe; else it tells shared inputs itself
+    # samples per micro-batch the package is checked at besides the traced ``batch`` (a
+    # model traced at one row runs at any); raised to what replicas and BatchNorm need
+    rows: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -146,8 +149,25 @@ def _batch_dims(case: Case, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
 
 
 def check_transparency(case: Case, directory: Path) -> Split:
-    """Split ``case`` into ``directory`` and check it; returns what the split used."""
+    """Split ``case`` into ``directory`` and check it at the traced batch and every row
+    count of ``case.rows``; returns what the split used."""
     done = split(case, directory)
+    traced = done.traced
+    # a capture that fixed the batch size runs at that size only (and says so)
+    free = all(shape.dynamic[0] is not None for shape in traced.inputs
+               if shape.shape and shape.name not in traced.shared_inputs)
+    for rows in dict.fromkeys((case.batch, *case.rows) if free else (case.batch,)):
+        try:
+            _check_at(case, done, rows)
+        except Exception as exc:
+            exc.add_note(f"at {rows} samples per micro-batch (traced at {case.batch})")
+            raise
+    return done
+
+
+def _check_at(case: Case, done: Split, rows: int) -> None:
+    """The oracle on a mini-batch of ``rows`` samples per micro-batch (at least a sample
+    per replica, and what BatchNorm needs)."""
     package, k, spec = done.package, done.stages, case.spec
     model = build_model(spec)  # a fresh copy: tracing must not have touched the weights
     reference = copy.deepcopy(model)
@@ -160,7 +180,7 @@ def check_transparency(case: Case, directory: Path) -> Split:
         replicas = runner_kwargs["replicas"] = _cycle(case.replicas, k)
     runner = package.PipelineRunner(stages, **runner_kwargs)
     num_mb = package.MICROBATCHES
-    per_mb = max(case.batch, *replicas, spec.min_batch)  # a replica gets a sample at least
+    per_mb = max(rows, *replicas, spec.min_batch)  # a replica gets a sample at least
     args, kwargs = example_inputs(spec, batch=per_mb * num_mb, seed=2)
 
     def fresh() -> Inputs:
@@ -209,7 +229,6 @@ def check_transparency(case: Case, directory: Path) -> Split:
         assert sorted(got_grads) == sorted(want_grads), (sorted(got_grads), sorted(want_grads))
         _assert_close_dicts(got_grads, want_grads, "gradient of {}")
     _assert_close_dicts(_buffers(model), _buffers(reference), "buffer {} after step")
-    return done
 
 
 def check_adapters(case: Case, done: Split) -> None:

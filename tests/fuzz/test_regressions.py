@@ -456,3 +456,32 @@ def test_a_transposed_value_crosses_stages_in_its_memory_order(tmp_path: Path) -
     case = Case(spec, stages=3, schedule="dualpipev", microbatches=2, recompute=True,
                 batch=1, virtual_stages=2)
     check_adapters(case, check_transparency(case, tmp_path / "pkg"))
+
+
+def test_a_table_of_one_row_is_not_taken_for_the_rows(tmp_path: Path) -> None:
+    # Traced at one sample, as HF Llama: the batch count `sym_size(x0, 0)` and a table of
+    # one row made from x0's length, `cos(arange(L) * w)` of shape (1, 5, 1), crossed to
+    # the last stage, which recounted the rows as `cos.size(0)` (a value its own
+    # UNBATCHED listed): 1 at any rows, so `expand(count, 2, ...)` of 3 samples failed
+    # ("The expanded size of the tensor (1) must match the existing size (3)"). Fixed: a
+    # stage counts its rows only from a value whose dim 0 is the batch's symbol
+    # (codegen/batch_sizes.py), here `unsqueeze_2`.
+    ops = (
+        Op("table", (0,), (), arg="w0"),
+        Op("embed", (0,), ((5, 5),), module="embedding0"),
+        Op("embed", (1,), ((6, 4),), module="embedding1"),
+        Op("rows", (3, 0), ((5, 5),), how="expand", arg=0),
+        Op("norm", (5,), ((5, 5),), module="groupnorm2"),
+        Op("function", (3,), ((5, 5),), arg=-1.0),
+        Op("norm", (5,), ((5, 5),), module="groupnorm2"),
+        Op("branch", (3,), ((5, 5),)),
+    )
+    spec = ModelSpec(
+        inputs=((5,), (6,), (6,)), ops=ops, outputs=(6, 7, 8, 9), seed=56154,
+        untraceable=True, modules={"embedding0": ("embedding", (6, 5)),
+                                   "embedding1": ("embedding", (6, 4)),
+                                   "groupnorm2": ("groupnorm", (1, 5))},
+        params={"w0": (1,)}, ids={0: 6, 1: 6}, frozen=("embedding0",))
+    case = Case(spec, stages=2, schedule="dualpipev", microbatches=1, recompute="none",
+                batch=1, rows=(1, 3))
+    check_adapters(case, check_transparency(case, tmp_path / "pkg"))

@@ -35,7 +35,7 @@ SCHEDULES = [kind.value for kind in ScheduleKind]  # the single-process runner r
 
 
 @st.composite
-def cases(draw: st.DrawFn) -> Case:
+def cases(draw: st.DrawFn, *, one_row: bool = False) -> Case:
     """A random model and how to split it. The split settings come from a seeded
     ``random.Random``: uniform, where hypothesis would favour 1 stage and 1 micro-batch.
 
@@ -46,10 +46,14 @@ def cases(draw: st.DrawFn) -> Case:
     replicas with I and W actions), nor with BatchNorm in training mode (each replica
     would normalize with its own chunk's statistics; fxpipe warns), nor where the oracle
     runs micro-batch by micro-batch for reduced precision (a replica's smaller chunk may
-    round differently: the unsplit model has no such run to compare with)."""
+    round differently: the unsplit model has no such run to compare with).
+
+    ``one_row``: traced at one sample, with a table of one row and a batch count made
+    first and read late (HF Llama's rotary table), the runner's stages maybe replicated
+    over the plan's, as a model file's example of one sample is split."""
     rng = random.Random(draw(st.integers(0, 2**32 - 1)))
     kind = ScheduleKind(rng.choice(SCHEDULES))
-    spec = draw(model_specs(reuse=kind is not ScheduleKind.PIPEDREAM))
+    spec = draw(model_specs(reuse=kind is not ScheduleKind.PIPEDREAM, table=one_row or None))
     plan_flag = rng.random() < 0.5  # one recompute flag in the plan, else one per stage
     replicable = not kind.spec.splits_backward and not spec.per_microbatch
     one_per_gpu = kind.spec.interleaved or kind.spec.v_placed
@@ -58,11 +62,13 @@ def cases(draw: st.DrawFn) -> Case:
     policies = ["none", "all", *["selective"] * selective]
     # a keep rule keeps some matmuls' outputs and reruns the others
     modes = ["none", "full", *["selective", "selective:64:32"] * selective]
-    replicate = replicable and not one_per_gpu and rng.random() < 0.25
+    replicate = replicable and not one_per_gpu and not one_row and rng.random() < 0.25
     replicas = (tuple(rng.choice([1, 2]) for _ in range(4))
                 if replicable and rng.random() < 0.25 else None)
     # Traced with a sample per replica at least (a batch of one is traced as a constant).
     batch = max(rng.randint(1, 2), spec.min_batch, 2 if replicate or replicas else 1)
+    if one_row:
+        batch = spec.min_batch
     # With one sample, an input of one row may be per sample or broadcast: with several
     # inputs fxpipe says it cannot tell and asks for batch_dims() (see
     # tests/transparency/test_shared_inputs.py), so the fuzzer declares them.
@@ -80,6 +86,7 @@ def cases(draw: st.DrawFn) -> Case:
         replicate=replicate,
         replicas=replicas,
         declare=ambiguous or rng.random() < 0.5,
+        rows=tuple(rng.sample([1, 2, 3, 5], 2)),  # checked at these too, not only the traced
     )
 
 
@@ -93,6 +100,18 @@ def cases(draw: st.DrawFn) -> Case:
           phases=[Phase.explicit, Phase.generate])
 @given(case=cases())
 def test_split_models_are_transparent(half: str, case: Case) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        done = check_transparency(case, Path(tmp) / "pkg")
+        check_adapters(case, done)
+
+
+# Traced at one sample, checked at other row counts: a stage took a table of one row
+# for its rows (tests/transparency/test_one_row_trace.py).
+@settings(max_examples=max(1, EXAMPLES // 4), deadline=None,
+          suppress_health_check=list(HealthCheck), database=None,
+          phases=[Phase.explicit, Phase.generate])
+@given(case=cases(one_row=True))
+def test_models_traced_at_one_row_are_transparent_at_any_rows(case: Case) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         done = check_transparency(case, Path(tmp) / "pkg")
         check_adapters(case, done)
