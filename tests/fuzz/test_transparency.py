@@ -4,10 +4,12 @@ virtual stages), micro-batch count and recompute setting, the generated package'
 forward equals the model's and its step leaves the model's gradients (see
 pipeline.py for the oracle of BatchNorm, bfloat16 autocast and PipeDream); and the same
 stages as torchrun runs them (each a ``StageAdapter``, recomputing), chained in one
-process on one micro-batch, give the model's output, gradients and buffers.
+process on one micro-batch, give the model's output, gradients and buffers. The package
+is checked at the traced batch and at two other row counts, and a quarter as many models
+again are traced at one sample with a table of one row (HF Llama's rotary table).
 
-Fast profile (default suite): 16 examples in two halves, drawn anew each run (the suite
-keeps within its 10 minutes on 2 cores). Long profile:
+Fast profile (default suite): 16 examples in two halves and 4 traced at one sample, drawn
+anew each run (the suite keeps within its 10 minutes on 2 cores). Long profile:
 ``FXPIPE_FUZZ_EXAMPLES=1000 pytest tests/fuzz/test_transparency.py`` or
 ``python bench/fuzz_long.py``.
 """
