@@ -90,6 +90,12 @@ def choose(traced: Traced, options: SplitOptions, *,
                          f"{', '.join(map(str, divisors))}")
     split = annotate_tensor_parallel(traced.gm) if wanted.tp != 1 else None
     degrees = [1] if split is None else _tp_degrees(cluster, wanted.tp, split)
+    kind = options.schedule
+    if wanted.dp_mode == "ddp" and kind.spec.splits_backward:
+        raise ValueError(
+            f"torch's DDP does not average the gradients {kind.value}'s weight pass computes "
+            f"apart from the backward: use --dp-mode fsdp with --schedule {kind.value}, or "
+            f"another --schedule (1f1b) with ddp")
     layouts = candidates(cluster, steps_microbatches, pp=wanted.pp, dp_mode=wanted.dp_mode,
                          tp=degrees)
     if not layouts and wanted.pp is not None and all(options.gpus % (wanted.pp * t)

@@ -55,6 +55,8 @@ def test_pinned_flags_that_cannot_hold_are_one_line(tmp_path: Path) -> None:
         (("--global-batch", "5"), "--global-batch 5 is not a whole number of micro-batches "
                                   "of the example's 2 samples"),
         (("--pp", "2", "--replicate"), "--replicate and --virtual-stages plan one pipeline"),
+        (("--pp", "2", "--dp-mode", "ddp", "--schedule", "zb1p"),
+         "torch's DDP does not average the gradients zb1p's weight pass computes"),
     ]:
         ran = fxpipe("split", GPT, "--gpus", "4", *flags, "--out", tmp_path / "x",
                      cwd=tmp_path)
