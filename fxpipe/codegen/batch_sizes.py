@@ -14,7 +14,8 @@ input's dim 0 by a symbol, and a value has the batch as dim 0 when its dim 0 is 
 symbol; a graph without such symbols (symbolic_trace) is run once more on the meta
 device with every batched input one row longer, and a value has the batch as dim 0
 when its dim 0 grew with them. A stage that receives no such value keeps the count it
-received: the stage that sent it ran the same micro-batch.
+received: the stage that sent it ran the same micro-batch (when that stage is replicated,
+the runtime hands on replica 0's count, its share: left open, as no such stage is known).
 """
 
 from __future__ import annotations
