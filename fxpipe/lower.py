@@ -122,7 +122,8 @@ def lower(
         allreduce_latency_s=device.intra_node_latency,
     )
     if tensor_parallel > 1:
-        annotate_tensor_parallel(gm)
+        if not all(meta.SHARD.has(op) for op in ops):  # once per graph, not per layout
+            annotate_tensor_parallel(gm)
         problem = tensor_sharded(
             problem, shards(ops), tensor_parallel, bandwidth=device.intra_node_bandwidth,
             latency_s=device.intra_node_latency,

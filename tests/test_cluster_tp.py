@@ -100,3 +100,14 @@ def test_python_plans_and_refuses_tp_as_the_command_line_does() -> None:
         fxpipe.split_file(GPT, gpus=4, tp="x")
     plan = fxpipe.split_file(GPT, gpus=4, pp=2, tp=2)
     assert plan.layout is not None and (plan.layout.pp, plan.layout.tp) == (2, 2)
+
+
+def test_when_nothing_fits_the_leanest_layout_names_its_tp_degree(tmp_path: Path) -> None:
+    ran = fxpipe("split", GPT, "--gpus", "4", "--tp", "2", "--memory", "3MiB", "--out",
+                 tmp_path / "x", cwd=tmp_path)
+    assert ran.returncode == 2
+    line = ran.stderr.strip().splitlines()[-1]
+    assert line.startswith("fxpipe: error: No layout of 4 GPUs (4 per host) fits in 3.0 MiB "
+                           "per GPU; the leanest, 2 pipeline stages x 1 data-parallel (ddp) x "
+                           "2 tensor-parallel, needs "), line
+    assert not (tmp_path / "x").exists()

@@ -105,3 +105,28 @@ def test_each_op_prices_as_its_role_says(example: str) -> None:
     reducing = [n for n, s in priced.items()
                 if s.backward_reduce_bytes and meta.SHARD.get(n).role == "column"]
     assert len(reducing) == len(found.pairs)
+
+
+def test_addmm_and_mm_with_a_weight_of_the_model_are_linears() -> None:
+    from torch import nn
+
+    from fxpipe.passes import annotate_all
+    from fxpipe.passes.tensor_parallel import embedding_rows, linear_features
+
+    class Exported(nn.Module):  # x @ w.t() + b, as torch.export writes a linear
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(24, 8))  # (out, in)
+            self.b = nn.Parameter(torch.randn(24))
+            self.v = nn.Parameter(torch.randn(24, 8))  # (in, out): x @ v
+            self.table = nn.Parameter(torch.randn(50, 8))
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            x = torch.nn.functional.embedding(ids, self.table)
+            return torch.mm(torch.addmm(self.b, x[0], self.w.t()), self.v)
+
+    gm = torch.fx.symbolic_trace(Exported())
+    annotate_all(gm, torch.randint(0, 50, (1, 4)))
+    found = {n.name: linear_features(gm, n) for n in gm.graph.nodes}
+    assert found["addmm"] == (24, 8) and found["mm"] == (8, 24)
+    assert {n.name: embedding_rows(gm, n) for n in gm.graph.nodes}["embedding"] == 50
