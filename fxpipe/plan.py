@@ -198,10 +198,9 @@ class Layout:
     ``microbatch_size`` samples per step (``global_batch`` samples in all), the d copies of
     every stage kept equal by torch's FSDP2 or DDP (``dp_mode``). Ranks sit on a
     ``mesh`` of those dimensions, outermost first (rank = i * pp + j: stage j of pipeline
-    i). With ``tp`` > 1 each stage runs on tp GPUs of one host, its ops split as
-    Megatron-LM splits them (``fxpipe.passes.tensor_parallel``; ``tp_pairs`` column /
-    row-parallel pairs, the modules in ``tp_replicated`` whole on every GPU), on a
-    (dp, pp, tp) mesh (rank = (i * pp + j) * tp + k); plan.json has the three only then.
+    i). With ``tp`` > 1 each stage runs on tp GPUs of a host, split as Megatron-LM splits
+    it (``tp_pairs`` pairs; ``tp_replicated`` modules whole on every GPU), on a (dp, pp,
+    tp) mesh (rank = (i * pp + j) * tp + k); plan.json has the three only then.
     ``pipeline_link`` and ``sync_link`` ("intra" or "inter") say which link the
     stage sends and the gradient syncs ride. ``step_s`` = the pipeline's step plus
     ``sync_s``, the slowest stage's sync (``fxpipe.partition.layout``). ``proved``: every
@@ -327,10 +326,11 @@ class Plan:
             del data["state_keys"]
         if self.layout is None:
             del data["layout"]
-        else:  # a layout without tensor parallelism as before it
-            _drop_ones(data["layout"], ("tp", "tp_pairs", "tp_replicated"))
-            for row in data["layout"]["considered"]:
-                _drop_ones(row, ("tp",))
+        else:  # a layout (or row) without tensor parallelism as before it
+            for raw in (data["layout"], *data["layout"]["considered"]):
+                if raw.get("tp") == 1:
+                    for key in ("tp", "tp_pairs", "tp_replicated"):
+                        raw.pop(key, None)
         return data
 
     def to_json(self) -> str:
@@ -397,10 +397,3 @@ def _layout(raw: dict[str, Any] | None) -> Layout | None:
     fields["considered"] = tuple(LayoutRow(**row) for row in fields.get("considered", ()))
     fields["tp_replicated"] = tuple(fields.get("tp_replicated", ()))
     return Layout(**fields)
-
-
-def _drop_ones(raw: dict[str, Any], keys: tuple[str, ...]) -> None:
-    """Leave out of ``raw`` the tensor-parallel ``keys`` where its ``tp`` is 1."""
-    if raw.get("tp") == 1:
-        for key in keys:
-            raw.pop(key, None)
