@@ -149,7 +149,8 @@ def choose(traced: Traced, options: SplitOptions, *,
         sync_s=sync, step_s=best_step, proved=proved, considered=rows,
         mesh=("dp", "pp", "tp") if tensor else ("dp", "pp"), tp=chosen.t,
         tp_pairs=len(tensor.pairs) if tensor else 0,
-        tp_replicated=tensor.replicated if tensor else ())
+        tp_replicated=tensor.replicated if tensor else (),
+        tp_vocab=tensor.vocab if tensor else ())
     return of(*at), layout
 
 

@@ -198,9 +198,9 @@ class Layout:
     ``microbatch_size`` samples per step (``global_batch`` samples in all), the d copies of
     every stage kept equal by torch's FSDP2 or DDP (``dp_mode``). Ranks sit on a
     ``mesh`` of those dimensions, outermost first (rank = i * pp + j: stage j of pipeline
-    i). With ``tp`` > 1 each stage runs on tp GPUs of a host, split as Megatron-LM splits
-    it (``tp_pairs`` pairs; ``tp_replicated`` modules whole on every GPU), on a (dp, pp,
-    tp) mesh (rank = (i * pp + j) * tp + k); plan.json has the three only then.
+    i). With ``tp`` > 1 each stage runs on tp GPUs of a host as Megatron-LM splits it
+    (``tp_pairs`` pairs, ``tp_vocab`` modules by vocabulary, ``tp_replicated`` whole), on
+    a (dp, pp, tp) mesh (rank = (i * pp + j) * tp + k); plan.json has them only then.
     ``pipeline_link`` and ``sync_link`` ("intra" or "inter") say which link the
     stage sends and the gradient syncs ride. ``step_s`` = the pipeline's step plus
     ``sync_s``, the slowest stage's sync (``fxpipe.partition.layout``). ``proved``: every
@@ -224,6 +224,7 @@ class Layout:
     tp: int = 1
     tp_pairs: int = 0
     tp_replicated: tuple[str, ...] = ()
+    tp_vocab: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -329,7 +330,7 @@ class Plan:
         else:  # a layout (or row) without tensor parallelism as before it
             for raw in (data["layout"], *data["layout"]["considered"]):
                 if raw.get("tp") == 1:
-                    for key in ("tp", "tp_pairs", "tp_replicated"):
+                    for key in ("tp", "tp_pairs", "tp_replicated", "tp_vocab"):
                         raw.pop(key, None)
         return data
 
@@ -395,5 +396,5 @@ def _layout(raw: dict[str, Any] | None) -> Layout | None:
     fields = dict(raw)
     fields["mesh"] = tuple(fields.get("mesh", ("dp", "pp")))
     fields["considered"] = tuple(LayoutRow(**row) for row in fields.get("considered", ()))
-    fields["tp_replicated"] = tuple(fields.get("tp_replicated", ()))
+    fields.update({k: tuple(fields.get(k, ())) for k in ("tp_replicated", "tp_vocab")})
     return Layout(**fields)

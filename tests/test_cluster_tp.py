@@ -37,9 +37,11 @@ def test_the_search_takes_the_tp_degree_that_fits_where_one_gpu_a_stage_does_not
     assert set(rows) == {1, 2, 4} and rows[1]["status"] == "no fit"
     assert rows[2]["status"] == "chosen" and rows[2]["max_memory"] <= 12 * 2**20
     assert layout["tp_pairs"] == 8 and "blocks.*.ln_1" in layout["tp_replicated"]
+    assert layout["tp_vocab"] == ["tok_emb", "lm_head"]
     report = (tmp_path / "out" / "report.md").read_text()
     assert "| pipeline stages | data-parallel | tensor-parallel |" in report
     assert "x 2 tensor-parallel: " in report and "rank = (pipeline x 1 + stage) x 2" in report
+    assert "tok_emb, lm_head by vocabulary rows" in report
 
 
 def test_tp_pinned_divides_each_stage_and_its_memory(tmp_path: Path) -> None:
@@ -58,7 +60,7 @@ def test_without_tp_the_plan_is_as_before_it(tmp_path: Path) -> None:
     before, pinned = ((tmp_path / d / "out" / "plan.json").read_text() for d in "ab")
     assert before == pinned
     layout = json.loads(before)["layout"]
-    assert not {"tp", "tp_pairs", "tp_replicated"} & set(layout)
+    assert not {"tp", "tp_pairs", "tp_replicated", "tp_vocab"} & set(layout)
     assert all("tp" not in row for row in layout["considered"])
     assert "tensor-parallel" not in (tmp_path / "a" / "out" / "report.md").read_text()
 

@@ -76,11 +76,13 @@ def _tensor_lines(layout: Layout) -> list[str]:
     """The chosen layout's tensor parallelism: what splits and what stays whole."""
     if layout.tp == 1:
         return []
+    vocab = (f", and {', '.join(layout.tp_vocab)} by vocabulary rows" if layout.tp_vocab
+             else "")
     whole = ", ".join(layout.tp_replicated) or "none"
     return [f"- tensor parallelism: each stage's {layout.tp_pairs} column / row-parallel "
-            f"pairs (attention by heads, MLPs by hidden width), its vocabulary-parallel "
-            f"embedding and LM head split over {layout.tp} GPUs of a host; whole on every "
-            f"GPU: the ops between the pairs, and the modules {whole}"]
+            f"pairs (attention by heads, MLPs by hidden width){vocab}, split over {layout.tp} "
+            f"GPUs of a host; whole on every GPU: the ops between the pairs, and the modules "
+            f"{whole}"]
 
 
 def _tensor_model(layout: Layout) -> list[str]:
