@@ -282,7 +282,10 @@ class MetaRunner(torch.fx.Interpreter):
         if ran is not None and _equal(ran[0], given):
             return fresh_like(ran[1])
         result = super().run_node(n)
-        if n in self.copied and _equal(given, self._input_specs(n)):
+        # a result fresh_like cannot remake (a sparse tensor) leaves the copies to run
+        if n in self.copied and _equal(given, self._input_specs(n)) and all(
+                t.layout == torch.strided for t in pytree.tree_leaves(result)
+                if isinstance(t, torch.Tensor)):
             self.copy_runs[n] = (given, fresh_like(result))
         return result
 
