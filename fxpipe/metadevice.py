@@ -222,6 +222,8 @@ def fresh_like(value: Any) -> Any:
         made = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
         return made.requires_grad_().clone() if t.requires_grad else made
 
+    if isinstance(value, torch.Tensor):  # the common case, without pytree's walk
+        return fresh(value)
     return pytree.tree_map_only(torch.Tensor, fresh, value)
 
 
@@ -294,8 +296,9 @@ class MetaRunner(torch.fx.Interpreter):
             return (t.shape, t.stride(), t.dtype, t.device.type, t.requires_grad,
                     id(t) in self.state_ids)
 
-        return [pytree.tree_map_only(torch.Tensor, spec, self.env[node])
-                for node in n.all_input_nodes]
+        return [spec(value) if isinstance(value, torch.Tensor)  # without pytree's walk
+                else pytree.tree_map_only(torch.Tensor, spec, value)
+                for value in (self.env[node] for node in n.all_input_nodes)]
 
     def fetch_args_kwargs_from_env(self, n: torch.fx.Node) -> tuple[Any, dict[str, Any]]:
         args, kwargs = super().fetch_args_kwargs_from_env(n)
