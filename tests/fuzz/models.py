@@ -546,7 +546,8 @@ class _Builder:
         elif how == "self":
             self._add(Op("matmul", (a,), ((*shape[:-1], shape[-2]),), how=how), self.grad[a])
         else:
-            same = [n for n, p in self.params.items() if p[0] == shape[-1]]
+            # a (in, out) matrix of the right width; a table's (width,) row is no matmul's
+            same = [n for n, p in self.params.items() if len(p) == 2 and p[0] == shape[-1]]
             if same and self.reuse and self.draw(st.booleans()):
                 name = self.draw(st.sampled_from(same))  # one Parameter read by several ops
                 width = self.params[name][1]
