@@ -45,9 +45,6 @@ __all__ = ["choose", "cluster_of", "example_batch"]
 
 # A host of this many GPUs where --gpus-per-node is not given (an HGX / DGX board)
 DEFAULT_GPUS_PER_NODE = 8
-# The share of --work-limit each layout is planned with while searching (the interval DP
-# and the block bound do most of it); the chosen one is planned again with all of it
-SEARCH_WORK = 0.2
 
 
 def cluster_of(options: SplitOptions) -> Cluster:
@@ -116,10 +113,10 @@ def choose(traced: Traced, options: SplitOptions, *,
     # the model's totals at each TP degree, for the layouts' bounds
     base = {t: totals(problem(of(*next(lay for lay in layouts if lay[4] == t))))
             for t in dict.fromkeys(lay[4] for lay in layouts)}
-    # every layout planned with a share of the work, the chosen one again with all of it
-    cheap = max(options.work_limit * SEARCH_WORK, 0.5)
+    # every layout planned quickly (the interval DP and the block bound, no CP-SAT), the
+    # chosen one again in full
     tried = search(cluster, layouts, base, lambda p, d, mode, m, t: solve(
-        replace(of(p, d, mode, m, t), work_limit=cheap), advise=False))
+        of(p, d, mode, m, t), advise=False, quick=True))
     chosen = next((t for t in tried if t.status == "chosen"), None)
     if chosen is None:
         raise _nothing_fits(cluster, tried,

@@ -261,14 +261,17 @@ def plan_split(
 
 
 def _solve(traced: Traced, solved: dict[SplitOptions, Partition], options: SplitOptions,
-           lowered: Lowered | None = None, *, advise: bool = True) -> Partition:
-    """``partition`` of the model lowered for ``options``, kept in ``solved``; ``advise``:
-    where nothing fits, work out what would (``partition``'s)."""
+           lowered: Lowered | None = None, *, advise: bool = True,
+           quick: bool = False) -> Partition:
+    """``partition`` of the model lowered for ``options``, kept in ``solved`` (unless
+    ``quick``); ``advise`` and ``quick`` as ``partition`` takes them."""
     problem = (lowered or _lowered(traced, options)).problem
-    solved[options] = partition(problem, work_limit=options.work_limit,
-                                time_limit_s=options.time_limit_s, replicate=options.replicate,
-                                advise=advise)
-    return solved[options]
+    result = partition(problem, work_limit=options.work_limit,
+                       time_limit_s=options.time_limit_s, replicate=options.replicate,
+                       advise=advise, quick=quick)
+    if not quick:
+        solved[options] = result
+    return result
 
 
 def _problem(traced: Traced, options: SplitOptions) -> Problem:

@@ -162,7 +162,7 @@ def _check_stage_count(problem: Problem, exact: Coarsening) -> None:
 
 def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s: float = 120.0,
               coarsen: bool = True, workers: int = 2, replicate: bool = False,
-              advise: bool = True) -> Partition:
+              advise: bool = True, quick: bool = False) -> Partition:
     """Split ``problem`` into ``problem.num_stages`` pipeline stages, minimising the
     bottleneck stage time within the memory limit.
 
@@ -181,6 +181,9 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
     ``advise=False``: an ``InfeasibleMemoryError`` says only that nothing fits, with the
     memory floor as what is needed (the layout search asks many problems; working out what
     would fit each, a leanest split and the fewest GPUs, takes minutes on a 70B model).
+    ``quick``: the baselines, the interval DP and the block bound only, no CP-SAT program
+    (building one for a 70B model takes half a minute): a split and a bound good enough
+    to compare layouts, whose chosen one is then solved in full.
     """
     check_size(len(problem.nodes))
     check_blocks(problem)
@@ -204,7 +207,10 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
         # may prove that no split fits, which CP-SAT would take its whole limit to find.
         raise infeasible(problem, exact, work_limit=work_limit, time_limit_s=time_limit_s,
                          workers=workers)
-    lower, settled, prepared = _bound_first(problem, exact, candidates)
+    lower, settled, prepared = _bound_first(problem, exact, candidates, prepare=not quick)
+    if quick and lower is None:  # a problem too small to bound first: its DP all the same
+        _add_dp_split(problem, exact, candidates)
+    settled = settled or quick
     if lower == math.inf:  # not even the block bound's relaxation fits: proved
         raise infeasible(problem, exact, work_limit=work_limit, time_limit_s=time_limit_s,
                          workers=workers)
@@ -310,7 +316,7 @@ def _not_run(exact: Coarsening) -> IlpResult:
 
 
 def _bound_first(problem: Problem, exact: Coarsening,
-                 candidates: list[tuple[float, tuple[int, ...]]]
+                 candidates: list[tuple[float, tuple[int, ...]]], *, prepare: bool = True,
                  ) -> tuple[float | None, bool, StageModel | None]:
     """On a big exact program (BOUND_FIRST): the interval DP over the exact groups (its
     split added to ``candidates``) and the block bound first. Returns the bound (None
@@ -329,7 +335,8 @@ def _bound_first(problem: Problem, exact: Coarsening,
     prepared = None
     with Forked(lambda: block_bound(exact, upper_s=upper)) as bounding:
         _add_dp_split(problem, exact, candidates)
-        if not (large or bounding.ready()) and _proving(problem, exact) and candidates:
+        if (prepare and not (large or bounding.ready()) and _proving(problem, exact)
+                and candidates):
             prepared = _first_program(exact, candidates)
         lower = bounding.result()  # without a split: inf when none fits
     if lower is None or lower == math.inf:
