@@ -230,7 +230,7 @@ class Layout:
 @dataclass(frozen=True)
 class Plan:
     num_stages: int  # stage modules (K * v for an interleaved schedule)
-    schedule: str  # "gpipe", "1f1b", "interleaved" or "pipedream"
+    schedule: str  # a ScheduleKind's value (fxpipe.schedules.KINDS): gpipe, 1f1b, zbv, ...
     microbatches: int
     stages: tuple[StagePlan, ...]
     solver: SolverReport
