@@ -13,7 +13,7 @@ A plan is made for one precision: the analysis passes run the graph as that prec
 runs it (``fxpipe.kernels.Execution``), so bytes, FLOP/s and sent tensors follow.
 
 The generated runner trains the way the plan assumes (``plan.json``'s ``precision``,
-written into runner.py as ``PRECISION`` and applied by fxpipe/runtime/precision.py):
+written into runner.py as ``PRECISION`` and applied by fxpipe/runtime/mixed_precision.py):
 for ``*-mixed``, each stage's forward under ``torch.autocast(device_type, dtype)`` (one
 autocast region per stage forward and micro-batch: autocast's weight copies are made per
 region and kept by backward, which is what the plan counts), backward outside it, float32

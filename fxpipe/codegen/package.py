@@ -43,7 +43,7 @@ from fxpipe.cut import StageIO
 from fxpipe.forked import FORK_MIN_NODES, Forked
 from fxpipe.frontend import Traced
 from fxpipe.plan import Plan
-from fxpipe.runtime.zero_bubble import ZERO_BUBBLE, requirement
+from fxpipe.runtime.torch_zero_bubble import ZERO_BUBBLE, requirement
 
 __all__ = ["generate", "runner_header", "runtime_files", "tied_parameters", "wires"]
 
@@ -120,7 +120,7 @@ def runner_source(traced: Traced, plan: Plan) -> str:
         "from torch import nn",
         "",
         "from . import runtime",
-        "from .runtime.devices import Device",
+        "from .runtime.placement import DeviceSpec",
         "",
         runner_header(traced, plan),
         "",
@@ -139,7 +139,9 @@ def _runner_footer(plan: Plan) -> list[str]:
                 "    ) -> None:\n", "    ) -> None:\n        raise ValueError(UNSUPPORTED)\n", 1)]
 
 
-_RUNNER_FOOTER = '''def stage_devices(devices: Sequence[Device]) -> list[Device | list[Device]]:
+_RUNNER_FOOTER = '''def stage_devices(
+    devices: Sequence[DeviceSpec],
+) -> list[DeviceSpec | list[DeviceSpec]]:
     """One device per stage: ``devices`` as given when there is one per stage;
     when there is one per GPU (NUM_GPUS), stage k's is ``devices[DEVICE_OF[k]]``,
     or the list of its REPLICAS[k] GPUs from there for a replicated stage."""
@@ -154,7 +156,7 @@ class PipelineRunner(runtime.PipelineRunner):
     def __init__(
         self,
         stages: Sequence[nn.Module],
-        devices: Sequence[Device] | None = None,
+        devices: Sequence[DeviceSpec] | None = None,
         *,
         schedule: Sequence[Sequence[tuple[int, str, int]]] = SCHEDULE,
         microbatches: int = MICROBATCHES,
@@ -260,9 +262,9 @@ _KEEPS_COMMENT = ("# (\"selective:W:N\" keeps only those doing more than W FLOPs
                   "# of those doing W, the ones at most N wide; \":W1xN1,...\" never those)")
 _PRECISION_COMMENT = {
     True: ["# PRECISION: every stage forward (and the loss) under torch.autocast at this",
-           "# dtype, backward outside; float32 parameters (runtime/precision.py)"],
+           "# dtype, backward outside; float32 parameters (runtime/mixed_precision.py)"],
     False: ["# PRECISION: the dtype the plan assumes; for bf16-true or 16-true cast the model",
-            "# and inputs to it before build_stages (runtime/precision.py)"],
+            "# and inputs to it before build_stages (runtime/mixed_precision.py)"],
 }
 
 
@@ -300,7 +302,7 @@ from .runner import (
     PipelineRunner,
     stage_devices,
 )
-from .runtime.devices import Device
+from .runtime.placement import DeviceSpec
 {stage_imports}
 
 __all__ = [
@@ -339,7 +341,7 @@ PLAN = json.loads(Path(__file__).with_name("plan.json").read_text(encoding="utf-
 
 
 def build_stages(
-    model: nn.Module, devices: Sequence[Device] | None = None
+    model: nn.Module, devices: Sequence[DeviceSpec] | None = None
 ) -> list[nn.Module]:
     """One module per stage, bound to ``model``\'s own parameters and buffers;
     with ``devices`` (one per stage, or one per GPU), stage k is moved to its

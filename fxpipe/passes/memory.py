@@ -100,7 +100,7 @@ class _MemoryCount(MetaInterpreter):
         self.state_storages: set[StorageWeakRef] | None = None  # parameters' and buffers'
         self.owned: dict[torch.fx.Node, meta.MemoryInfo] = {}  # saved_bytes filled at the end
         self.copy_of = copied_from(gm)
-        self.copied = set(self.copy_of.values())
+        self.copied = frozenset(self.copy_of.values())
         self.ran: dict[torch.fx.Node, _Ran] = {}  # the nodes in ``copied``, once run
         # Copies whose value is the copied node's own result: what other copies compare
         # (``_inputs``) is the same, and a node that runs is first given a new one.

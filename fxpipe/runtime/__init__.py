@@ -10,16 +10,16 @@ runs without fxpipe installed. One idea per module:
     values.py       which stage makes and reads each value; what a step keeps
     microbatch.py   splitting a batch into micro-batches and replica chunks, and merging
     stream.py       CUDA streams and events between stages and devices
-    devices.py      device placement; copies of tied parameters on other devices
+    placement.py    device placement; copies of tied parameters on other devices
     replicas.py     data-parallel replicas of a stage in one process
     stashing.py     PipeDream's weight stashing
     recompute.py    the random state a recomputed forward replays
     recompute_modes.py  the recompute modes in words; a selective stage's keep rule
-    precision.py    the plan's precision: autocast per stage forward, a GradScaler
+    mixed_precision.py  the plan's precision: autocast per stage forward, a GradScaler
     measure.py      measuring a step: each stage's times and memory (measured.json)
     binding.py      how a generated stage binds the model's own parameters, and indexes
                     the modules on the way to them as the model does
-    shapes.py       a stage's check of the input dimensions it was traced at
+    input_dims.py   a stage's check of the input dimensions it was traced at
     checkpoint.py   stage state_dicts <-> one model checkpoint
     loading.py      importing a file or a package folder by path
     pipelining.py   DistributedPipeline: the stages under torchrun
@@ -28,7 +28,7 @@ runs without fxpipe installed. One idea per module:
     grads.py        tied and replicated gradients across ranks
     table.py        the uneven-replica schedule under torchrun
     torch_schedules.py  which torch class runs each schedule kind, placing the stages how
-    zero_bubble.py  zb1p, zbv and dualpipev on torch's zero-bubble schedule classes
+    torch_zero_bubble.py  zb1p, zbv and dualpipev on torch's zero-bubble schedule classes
     rank_measure.py measuring under torchrun: each rank's stages, gathered
     materialize.py  building only this rank's stage from a checkpoint
     older_torch.py  what torch 2.11's pipelining needs to run the stages
@@ -51,16 +51,16 @@ if TYPE_CHECKING:  # the names as type checkers see them (``X as X``: re-exporte
     from .checkpoint import check_stage_states as check_stage_states
     from .checkpoint import merge_stage_state_dicts as merge_stage_state_dicts
     from .checkpoint import split_state_dict as split_state_dict
-    from .devices import place_stages as place_stages
-    from .devices import stage_devices as stage_devices
+    from .input_dims import check_shape as check_shape
     from .loading import import_file as import_file
     from .loading import load_package as load_package
     from .measure import Measurement as Measurement
     from .measured_file import load_measured as load_measured
+    from .placement import place_stages as place_stages
+    from .placement import stage_devices as stage_devices
     from .runner import PipelineRunner as PipelineRunner
     from .schedule import check_schedule as check_schedule
     from .schedule import dependencies as dependencies
-    from .shapes import check_shape as check_shape
 
 # Each public name and the module that defines it.
 _HOMES = {
@@ -68,16 +68,16 @@ _HOMES = {
     "PipelineRunner": "runner",
     "bind": "binding",
     "check_schedule": "schedule",
-    "check_shape": "shapes",
+    "check_shape": "input_dims",
     "check_stage_states": "checkpoint",
     "dependencies": "schedule",
     "import_file": "loading",
     "load_measured": "measured_file",
     "load_package": "loading",
     "merge_stage_state_dicts": "checkpoint",
-    "place_stages": "devices",
+    "place_stages": "placement",
     "split_state_dict": "checkpoint",
-    "stage_devices": "devices",
+    "stage_devices": "placement",
 }
 
 __all__ = sorted(_HOMES)

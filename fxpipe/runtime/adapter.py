@@ -44,7 +44,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
 from .microbatch import torch_chunk_spec
-from .precision import as_activations, autocast, example_device
+from .mixed_precision import as_activations, autocast, example_device
 from .recompute import (
     EachTime,
     buffers_restored,
@@ -98,9 +98,9 @@ class StageAdapter(nn.Module):
         self.replica_group: Any = None  # the ranks running this stage (replicated stages)
         self.microbatches = 1  # per step, set by build_schedule
         # torch runs the backward as I and W (zero-bubble schedules): send fresh copies, which
-        # torch detaches in place, and contiguous input gradients (zero_bubble.py)
+        # torch detaches in place, and contiguous input gradients (torch_zero_bubble.py)
         self.split_backward = False
-        # zero_bubble.py: called once, with the first micro-batch's received tensors and
+        # torch_zero_bubble.py: called once, with the first micro-batch's received tensors and
         # outputs, to look at the stage's autograd graph
         self.check_graph: Callable[[tuple[torch.Tensor, ...], Any], None] | None = None
         # the shape of each received tensor in the example micro-batch it was built with:

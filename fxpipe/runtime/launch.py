@@ -32,7 +32,7 @@ from .materialize import parameters_on_meta
 from .microbatch import shared_leaves
 from .pipelining import DistributedPipeline
 from .rank_measure import measure_ranks
-from .zero_bubble import ZERO_BUBBLE, requirement
+from .torch_zero_bubble import ZERO_BUBBLE, requirement
 
 __all__ = ["init_distributed", "main", "peak_rss_bytes"]
 

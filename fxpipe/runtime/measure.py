@@ -58,7 +58,7 @@ __all__ = [
     "timed",
 ]
 
-KINDS = ("forward", "backward", "comm")
+SPANS = ("forward", "backward", "comm")
 
 
 class Measurement:
@@ -186,12 +186,12 @@ class Recorder:
         for dev in self.cuda:
             torch.cuda.synchronize(dev)
         step_s = time.perf_counter() - self.start
-        totals = [dict.fromkeys(KINDS, 0.0) for _ in range(self.card.num_stages)]
+        totals = [dict.fromkeys(SPANS, 0.0) for _ in range(self.card.num_stages)]
         for k, kind, start, end in self.spans:  # "-forward": comm nested in a forward
             sign = -1.0 if kind.startswith("-") else 1.0
             totals[k][kind.lstrip("-")] += sign * _elapsed(start, end)
         for t in totals:
-            for kind in KINDS:
+            for kind in SPANS:
                 t[kind] = max(0.0, t[kind])
         self.card.add_step(totals, step_s)
         for k, dev in enumerate(self.devices or []):

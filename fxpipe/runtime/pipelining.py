@@ -8,7 +8,7 @@ exports its methods as module functions. Which rank runs which stage is
 ranks.py. Each rank's stage is a torch ``PipelineStage`` around a
 ``StageAdapter``, driven by torch's schedules: gpipe -> ``ScheduleGPipe``, 1f1b
 -> ``Schedule1F1B``, interleaved -> ``ScheduleInterleaved1F1B`` over the rank's
-v stages, zb1p, zbv and dualpipev as zero_bubble.py says. When every stage has the
+v stages, zb1p, zbv and dualpipev as torch_zero_bubble.py says. When every stage has the
 same r, each of the r lanes is a whole ``PipelineStage`` pipeline, and a plan's layout
 runs d of them: on a ``DeviceMesh``, each stage's copies kept equal by torch's DDP (or a
 layout's FSDP2; data_parallel.py). Stages with different replica counts run the
@@ -52,14 +52,14 @@ from .data_parallel import check_backward_sync, check_data_parallel, make_mesh, 
 from .grads import clip_grads, make_groups, reduce_grads
 from .materialize import Checkpoint, load_state, materialize
 from .microbatch import batch_size, lane_share, shared_leaves
+from .mixed_precision import autocast_loss, check_precision, unscaled
 from .older_torch import skip_warmup_sends_to_self, step
 from .own_loss import feed_target, target_or_none
-from .precision import autocast_loss, check_precision, unscaled
 from .ranks import RankLayout
 from .recompute import modes
 from .table import TableSchedule, TableStage
 from .torch_schedules import schedule_class, torch_schedule
-from .zero_bubble import ZERO_BUBBLE, zero_bubble_schedule
+from .torch_zero_bubble import ZERO_BUBBLE, zero_bubble_schedule
 
 __all__ = ["DistributedPipeline"]
 
@@ -263,8 +263,8 @@ class DistributedPipeline(RankLayout):
     ) -> Any:
         """The plan's schedule as torch's: gpipe -> ScheduleGPipe, 1f1b -> Schedule1F1B,
         interleaved -> ScheduleInterleaved1F1B over the rank's stages, zb1p, zbv and
-        dualpipev: zero_bubble.py. Gradients are divided by M, as in one process; the loss
-        runs under the plan's autocast (16-mixed: scaled by ``scaler``; see precision.py).
+        dualpipev: torch_zero_bubble.py. Gradients are divided by M, as in one process; the loss
+        runs under the plan's autocast (16-mixed: scaled by ``scaler``; see mixed_precision.py).
         ``schedule``: another kind, refused unless it places the stages on the ranks the
         plan did (``RankLayout.check_placement``)."""
         kind = schedule or self.schedule

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import schedules as torch_schedules
 
-from .measure import KINDS, Measurement, Recorder
+from .measure import SPANS, Measurement, Recorder
 from .measured_file import package_plan
 
 __all__ = ["measure_ranks"]
@@ -105,7 +105,7 @@ def _gather(card: Measurement, mine: Measurement, own: list[int]) -> None:
     """Fill ``card`` with every rank's own stages from ``mine`` (collective)."""
     comm_share = 1.0 / len(own)  # the rank's waits, recorded on its first stage
     steps = [{k: {kind: step[own[0]]["comm"] * comm_share if kind == "comm" else step[k][kind]
-                  for kind in KINDS} for k in own} for step in mine.totals]
+                  for kind in SPANS} for k in own} for step in mine.totals]
     local = {"steps": steps, "step_s": mine.step_times, "seen": mine.seen,
              "peak": {k: mine.peak_memory[k] for k in own},
              # with the rank: another process's cuda:0 or cpu is not this one's to share
@@ -117,7 +117,7 @@ def _gather(card: Measurement, mine: Measurement, own: list[int]) -> None:
     assert all(held.values()), "a stage no rank runs"
     for i in range(min(len(rank["step_s"]) for rank in ranks)):
         totals = [{kind: statistics.median(rank["steps"][i][k][kind] for rank in held[k])
-                   for kind in KINDS} for k in range(card.num_stages)]
+                   for kind in SPANS} for k in range(card.num_stages)]
         card.add_step(totals, max(rank["step_s"][i] for rank in ranks))
     for k, holders in held.items():
         peaks = [rank["peak"][k] for rank in holders if rank["peak"][k] is not None]

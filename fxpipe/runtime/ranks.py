@@ -31,7 +31,7 @@ kind that places its stages as the plan did (``check_placement``).
 from collections.abc import Sequence
 
 from .torch_schedules import placed, torch_schedule
-from .zero_bubble import placement
+from .torch_zero_bubble import placement
 
 __all__ = ["RankLayout"]
 

@@ -112,7 +112,7 @@ def buffers_restored(stage: nn.Module, k: int,
                      ) -> Iterator[None]:
     """Run, then put every buffer that stage ``k`` may write back to its value before the
     run: the stage's own (or the copies bound in their place on its device) and those
-    ``bound`` for its replicas on other devices (see devices.py).
+    ``bound`` for its replicas on other devices (see placement.py).
 
     The block must include the backward of the recomputed forward: a buffer that the
     forward both updated in place and saved for backward keeps the updated value

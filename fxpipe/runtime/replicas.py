@@ -23,7 +23,7 @@ whose dim 0 happens to equal the batch size (an output: the chunk size, e.g.
 one sample per chunk) is taken for a batched one. On the CPU the r chunks run
 one after another on the same module; on CUDA ``devices[k]`` may be a sequence
 of r devices: replica i runs on ``devices[k][i]`` with copies of the stage's
-Parameters and buffers bound there (see devices.py; a replica on the stage's
+Parameters and buffers bound there (see placement.py; a replica on the stage's
 own device runs the module itself).
 """
 

@@ -4,7 +4,7 @@
 
 The schedule (see schedule.py) is a list of ticks of ``(stage, "F" | "B", m)``
 actions (I and W: a split B, split_backward.py), run in order. Values move between
-stages as values.py draws, across devices as stream.py; replicas.py, devices.py and
+stages as values.py draws, across devices as stream.py; replicas.py, placement.py and
 stashing.py hold replicated stages, tied parameters and weight stashing.
 
 On the CPU (``devices=None``) the ticks run in order on one thread. On CUDA
@@ -17,7 +17,7 @@ loss is weighted by its share of the samples, so a mini-batch that is not a
 multiple of M (split as evenly as ``torch.tensor_split`` does) or has fewer
 than M samples (run as that many micro-batches, the schedule's actions for
 the missing ones skipped) gives the same gradients. ``precision`` (see
-precision.py) runs every stage forward, and the loss, under the plan's autocast;
+mixed_precision.py) runs every stage forward, and the loss, under the plan's autocast;
 for ``16-mixed`` the loss is scaled by ``runner.scaler`` before backward, so call
 ``runner.scaler.step(optimizer)`` and ``runner.scaler.update()`` instead of
 ``optimizer.step()``.
@@ -37,7 +37,7 @@ from torch.utils import _pytree as pytree
 
 from . import recompute as remat
 from .calls import graph_inputs, step_arguments
-from .devices import Device, device_copies, replica_devices, to_device
+from .input_dims import as_passed
 from .measure import MeasuredSteps, timed
 from .microbatch import (
     check_rows,
@@ -51,10 +51,10 @@ from .microbatch import (
     write_back,
     written_back,
 )
-from .precision import as_activations, autocast, check_precision, grad_scaler, warn_uncast
+from .mixed_precision import as_activations, autocast, check_precision, grad_scaler, warn_uncast
+from .placement import DeviceSpec, device_copies, replica_devices, to_device
 from .replicas import batch_sizes, check_replicas, merge_replicas
 from .schedule import Action, check_schedule, check_sizes
-from .shapes import as_passed
 from .split_backward import check_split, input_backward, weight_backward
 from .stashing import Stash, WeightStashes, check_optimizers, check_stashing
 from .stream import Streams
@@ -76,7 +76,7 @@ class PipelineRunner(MeasuredSteps):
     def __init__(
         self,
         stages: Sequence[nn.Module],
-        devices: Sequence[Device | Sequence[Device]] | None = None,
+        devices: Sequence[DeviceSpec | Sequence[DeviceSpec]] | None = None,
         *,
         schedule: Sequence[Sequence[Action]],
         microbatches: int,

@@ -24,13 +24,13 @@ releases stage j. Each (j, m) runs F and B, or F, I and W.
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["GRAD", "KINDS", "Action", "check_schedule", "check_sizes", "dependencies", "events"]
+__all__ = ["ACTIONS", "GRAD", "Action", "check_schedule", "check_sizes", "dependencies", "events"]
 
 Action = tuple[int, str, int]  # (stage, "F" | "B" | "I" | "W", microbatch)
 
 # Forward, full backward, and a backward's two halves (torch.distributed.pipelining's
 # letters): I the input gradient, W the weight gradient.
-KINDS = ("F", "B", "I", "W")
+ACTIONS = ("F", "B", "I", "W")
 # Not an action: the event "stage j's input gradient of micro-batch m is ready", which
 # either its full backward B or its I produces.
 GRAD = "G"
@@ -64,7 +64,7 @@ def check_schedule(schedule: Sequence[Sequence[Action]], num_stages: int, num_mb
         this_tick: set[Action] = set()
         for action in tick:
             j, kind, m = action
-            if not (0 <= j < num_stages and kind in KINDS and 0 <= m < num_mb):
+            if not (0 <= j < num_stages and kind in ACTIONS and 0 <= m < num_mb):
                 raise ValueError(
                     f"Schedule tick {t} has {action}, outside {num_stages} stages x "
                     f"{num_mb} micro-batches: regenerate the schedule for this runner."
@@ -79,7 +79,7 @@ def check_schedule(schedule: Sequence[Sequence[Action]], num_stages: int, num_mb
         done.update(this_tick)
     for j in range(num_stages):
         for m in range(num_mb):
-            ran = {kind for kind in KINDS if (j, kind, m) in done}
+            ran = {kind for kind in ACTIONS if (j, kind, m) in done}
             if ran not in ({"F", "B"}, {"F", "I", "W"}):
                 raise ValueError(
                     f"Schedule runs {sorted(ran)} of stage {j}, micro-batch {m}: want F and "

@@ -4,7 +4,7 @@ A plan may put only parameter-free ops (the sequence length, an ``arange`` of
 positions) in the first stages, so the stage holding the embedding receives nothing but
 integers. torch's split backward (zb1p, zbv, dualpipev) finds a weight's gradient only
 where the weight's path meets a received tensor that needs a gradient: such a stage's
-weights got none, the loss looking right (zero_bubble.py, point 3). Every schedule, on
+weights got none, the loss looking right (runtime/torch_zero_bubble.py, point 3). Every schedule, on
 the tied-embedding GPT cut so, must leave every parameter the unsplit model's gradient.
 """
 

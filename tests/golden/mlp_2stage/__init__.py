@@ -30,7 +30,7 @@ from .runner import (
     PipelineRunner,
     stage_devices,
 )
-from .runtime.devices import Device
+from .runtime.placement import DeviceSpec
 from .stage0 import Stage0
 from .stage1 import Stage1
 
@@ -70,7 +70,7 @@ STAGE_CLASSES = (Stage0, Stage1)
 
 
 def build_stages(
-    model: nn.Module, devices: Sequence[Device] | None = None
+    model: nn.Module, devices: Sequence[DeviceSpec] | None = None
 ) -> list[nn.Module]:
     """One module per stage, bound to ``model``'s own parameters and buffers;
     with ``devices`` (one per stage, or one per GPU), stage k is moved to its

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from . import runtime
-from .runtime.devices import Device
+from .runtime.placement import DeviceSpec
 
 # The 1f1b schedule, one clock tick per line: the actions (stage, "F" | "B", micro-batch)
 # that run together. Fm: forward of micro-batch m, Bm: its backward, ..: idle.
@@ -38,7 +38,7 @@ RECOMPUTE = ("none", "full")
 REPLICAS = (1, 1)
 WEIGHT_STASHING = False
 # PRECISION: the dtype the plan assumes; for bf16-true or 16-true cast the model
-# and inputs to it before build_stages (runtime/precision.py)
+# and inputs to it before build_stages (runtime/mixed_precision.py)
 PRECISION = "32-true"
 # DEVICE_OF[k]: the GPU (0 .. NUM_GPUS - 1) that runs stage k
 DEVICE_OF = (0, 1)
@@ -58,7 +58,9 @@ def build_output(values: dict[str, object]) -> object:
     return values["head"]
 
 
-def stage_devices(devices: Sequence[Device]) -> list[Device | list[Device]]:
+def stage_devices(
+    devices: Sequence[DeviceSpec],
+) -> list[DeviceSpec | list[DeviceSpec]]:
     """One device per stage: ``devices`` as given when there is one per stage;
     when there is one per GPU (NUM_GPUS), stage k's is ``devices[DEVICE_OF[k]]``,
     or the list of its REPLICAS[k] GPUs from there for a replicated stage."""
@@ -73,7 +75,7 @@ class PipelineRunner(runtime.PipelineRunner):
     def __init__(
         self,
         stages: Sequence[nn.Module],
-        devices: Sequence[Device] | None = None,
+        devices: Sequence[DeviceSpec] | None = None,
         *,
         schedule: Sequence[Sequence[tuple[int, str, int]]] = SCHEDULE,
         microbatches: int = MICROBATCHES,

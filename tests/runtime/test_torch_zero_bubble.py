@@ -1,4 +1,4 @@
-"""fxpipe.runtime.zero_bubble: the zero-bubble schedules on torch's classes, and the stage
+"""fxpipe.runtime.torch_zero_bubble: the zero-bubble schedules on torch's classes, and the stage
 boundary their split backward needs (StageAdapter.split_backward)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from fxpipe.runtime.adapter import StageAdapter
-from fxpipe.runtime.zero_bubble import ZERO_BUBBLE, requirement, zero_bubble_schedule
+from fxpipe.runtime.torch_zero_bubble import ZERO_BUBBLE, requirement, zero_bubble_schedule
 from fxpipe.schedules import KINDS
 
 

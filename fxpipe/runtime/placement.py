@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 __all__ = [
-    "Device",
+    "DeviceSpec",
     "as_device",
     "device_copies",
     "place_stages",
@@ -29,10 +29,10 @@ __all__ = [
     "to_device",
 ]
 
-Device = torch.device | str | int
+DeviceSpec = torch.device | str | int
 
 
-def as_device(d: Device) -> torch.device:
+def as_device(d: DeviceSpec) -> torch.device:
     """``d`` as a torch.device; an int or a bare "cuda" is a GPU with its index."""
     if isinstance(d, int):
         return torch.device("cuda", d)
@@ -42,7 +42,7 @@ def as_device(d: Device) -> torch.device:
     return dev
 
 
-def replica_devices(k: int, device: Device | Sequence[Device],
+def replica_devices(k: int, device: DeviceSpec | Sequence[DeviceSpec],
                     replicas: int) -> list[torch.device]:
     """Stage k's devices, one per replica: ``device`` for all of them, or a sequence
     of ``replicas`` devices."""
@@ -57,8 +57,8 @@ def replica_devices(k: int, device: Device | Sequence[Device],
     return devices
 
 
-def stage_devices(devices: Sequence[Device], device_of: Sequence[int],
-                  replicas: Sequence[int], num_gpus: int) -> list[Device | list[Device]]:
+def stage_devices(devices: Sequence[DeviceSpec], device_of: Sequence[int],
+                  replicas: Sequence[int], num_gpus: int) -> list[DeviceSpec | list[DeviceSpec]]:
     """One device per stage: ``devices`` as given when there is one per stage;
     when there is one per GPU (``num_gpus``), stage k's is ``devices[device_of[k]]``,
     or the list of its ``replicas[k]`` GPUs from there for a replicated stage."""
@@ -150,7 +150,7 @@ class _Copies:
 
 
 def place_stages(stages: Sequence[nn.Module],
-                 placed: Sequence[Device | Sequence[Device]]) -> list[nn.Module]:
+                 placed: Sequence[DeviceSpec | Sequence[DeviceSpec]]) -> list[nn.Module]:
     """Each stage moved to its device in ``placed`` (a replicated stage's list: to its
     first replica's device)."""
     return [
