@@ -279,7 +279,7 @@ def trace(
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
     with _autocast(device, autocast), applied_functions() as calls, \
             tensor_hooks() as hook_sites, plain_calls() as regions:
-        traced = _trace(model, args, kwargs, autocast)  # its flat inputs: these tensors
+        traced = _trace(model, args, kwargs, autocast, batch_dims)  # flat inputs: these
     # what the trace kept otherwise than the model runs it, or could not keep
     run_through = [f for f in calls.functions if f not in kept(traced.gm)]
     grad_mode_set = [f for f in run_through if f in calls.grad_mode]
@@ -326,7 +326,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _trace(
     model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any] | None,
-    autocast: torch.dtype | None,
+    autocast: torch.dtype | None, batch_dims: Any = None,
 ) -> Traced:
     """symbolic_trace (``fxpipe.tracing.symbolic``), else torch.export
     (``fxpipe.tracing.export``, with attention called as the model calls it eagerly:
@@ -359,7 +359,7 @@ def _trace(
         notes.append(note)
     else:
         try:
-            program, fixed_shapes = export_program(model, args, kwargs)
+            program, fixed_shapes = export_program(model, args, kwargs, batch_dims=batch_dims)
         except Exception as exc:
             error = _untraceable(model, args, kwargs, reason, exc, symbolic_error)
             raise error from error.__cause__  # the failure that locates the model's line

@@ -42,18 +42,22 @@ __all__ = ["advice", "data_sized", "export_program", "exported_graph", "quiet_st
 
 
 def export_program(
-    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
+    batch_dims: Any = None,
 ) -> tuple[torch.export.ExportedProgram, Exception | None]:
     """``torch.export`` non-strict with every input dimension free (``Dim.AUTO``): export
     keeps symbolic each dimension the model lets vary and specializes the others.
 
     torch.export specializes a dimension of size 1 (its 0/1 rule), so an example batch
-    of one sample is traced as two (every leaf's dim 0 repeated); the costs are still
-    taken at the example's own shapes. A model that cannot be exported with free
+    of one sample is traced as two (every leaf's dim 0 repeated, but the arguments
+    ``batch_dims`` declares shared: a (1, T) table of positions repeated would pass for
+    batched, and export, seeing it added to the batch, would read the batch size off it);
+    the costs are still taken at the example's own shapes. A model that cannot be exported with free
     dimensions is exported at the example's shapes, and the error that stopped the
     export with free dimensions is returned with it (None when it did not fail).
     """
-    attempts = [_widened(args, kwargs)] if _batch_of_one(args, kwargs) else []
+    whole = _declared_whole(batch_dims, len(args))
+    attempts = [_widened(args, kwargs, whole)] if _batch_of_one(args, kwargs, whole) else []
     attempts.append((args, kwargs))
     for trace_args, trace_kwargs in attempts:
         try:
@@ -389,19 +393,46 @@ def _batch_leaves(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.T
     ]
 
 
-def _batch_of_one(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    leaves = _batch_leaves(args, kwargs)
+def _declared_whole(batch_dims: Any, num_args: int) -> frozenset[int | str]:
+    """The positions and keywords the model file's ``batch_dims()`` declares shared (None:
+    handed whole to every micro-batch)."""
+    positional: Any = ()
+    keyword: Any = {}
+    if isinstance(batch_dims, dict):
+        keyword = batch_dims
+    elif (isinstance(batch_dims, tuple) and len(batch_dims) == 2
+          and isinstance(batch_dims[0], (tuple, list)) and isinstance(batch_dims[1], dict)):
+        positional, keyword = batch_dims  # both, as (tuple, dict)
+    elif isinstance(batch_dims, (tuple, list)):
+        positional = batch_dims
+    return frozenset([*(i for i, dim in enumerate(positional[:num_args]) if dim is None),
+                      *(name for name, dim in keyword.items() if dim is None)])
+
+
+def _batched(args: tuple[Any, ...], kwargs: dict[str, Any], whole: frozenset[int | str]
+             ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The arguments but those declared shared (left as they are)."""
+    return (tuple(a for i, a in enumerate(args) if i not in whole),
+            {k: v for k, v in kwargs.items() if k not in whole})
+
+
+def _batch_of_one(args: tuple[Any, ...], kwargs: dict[str, Any],
+                  whole: frozenset[int | str] = frozenset()) -> bool:
+    leaves = _batch_leaves(*_batched(args, kwargs, whole))
     return bool(leaves) and all(x.size(0) == 1 for x in leaves)
 
 
 def _widened(
-    args: tuple[Any, ...], kwargs: dict[str, Any]
+    args: tuple[Any, ...], kwargs: dict[str, Any], whole: frozenset[int | str] = frozenset()
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The example with every batched leaf's single sample repeated: a batch of two."""
-    widened = pytree.tree_map_only(
-        torch.Tensor, lambda x: torch.cat([x, x]) if x.dim() > 0 else x, (args, kwargs)
-    )
-    return widened[0], widened[1]
+    """The example with every batched leaf's single sample repeated: a batch of two (the
+    arguments in ``whole`` as they are)."""
+    def two(value: Any) -> Any:
+        return pytree.tree_map_only(
+            torch.Tensor, lambda x: torch.cat([x, x]) if x.dim() > 0 else x, value)
+
+    return (tuple(a if i in whole else two(a) for i, a in enumerate(args)),
+            {k: v if k in whole else two(v) for k, v in kwargs.items()})
 
 
 def _exported_shapes(

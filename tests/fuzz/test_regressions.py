@@ -485,3 +485,103 @@ def test_a_table_of_one_row_is_not_taken_for_the_rows(tmp_path: Path) -> None:
     case = Case(spec, stages=2, schedule="dualpipev", microbatches=1, recompute="none",
                 batch=1, rows=(1, 3))
     check_adapters(case, check_transparency(case, tmp_path / "pkg"))
+
+
+def test_a_shared_input_of_one_row_is_not_widened_with_the_batch(tmp_path: Path) -> None:
+    # Traced at one sample with a shared (1, 10) table of positions (batch_dims: None):
+    # torch.export specializes size 1, so the example is traced as two samples, and the
+    # table was repeated too; added to the batch, export then read the batch size off the
+    # table, which stays one row (view(x2.size(0), 10, 20) of 2 rows: "shape '[1, 10, 20]'
+    # is invalid"; with a -1 the rows would fold into it). Fixed: the arguments
+    # batch_dims() declares shared are traced as they are (tracing/export.py).
+    case = Case(
+        spec=ModelSpec(
+            inputs=((16,), (13, 5, 4)),
+            ops=(
+                Op(
+                    kind="linear",
+                    srcs=(0,),
+                    out=((11,),),
+                    how="",
+                    arg=None,
+                    module="linear0",
+                    tie="",
+                ),
+                Op(
+                    kind="conv2d",
+                    srcs=(1,),
+                    out=((10, 5, 4),),
+                    how="",
+                    arg=None,
+                    module="conv2d1",
+                    tie="",
+                ),
+                Op(
+                    kind="reshape",
+                    srcs=(3,),
+                    out=((10, 20),),
+                    how="view",
+                    arg=None,
+                    module="",
+                    tie="",
+                ),
+                Op(kind="where", srcs=(4, 4), out=((10, 20),), how="", arg=None, module="", tie=""),
+                Op(
+                    kind="scalar",
+                    srcs=(5,),
+                    out=((10, 20),),
+                    how="add",
+                    arg=None,
+                    module="",
+                    tie="",
+                ),
+                Op(
+                    kind="linear",
+                    srcs=(6,),
+                    out=((10, 11),),
+                    how="",
+                    arg=None,
+                    module="linear2",
+                    tie="",
+                ),
+                Op(
+                    kind="shared",
+                    srcs=(7,),
+                    out=((10, 11),),
+                    how="positions",
+                    arg=0,
+                    module="embedding3",
+                    tie="",
+                ),
+                Op(kind="branch", srcs=(7,), out=((10, 11),), how="", arg=None, module="", tie=""),
+            ),
+            outputs=(2, {"rest": (8, 9)}),
+            seed=1611,
+            kwargs=False,
+            untraceable=True,
+            modules={
+                "linear0": ("linear", (16, 11, True)),
+                "conv2d1": ("conv2d", (13, 10, 1)),
+                "linear2": ("linear", (20, 11, True)),
+                "embedding3": ("embedding", (12, 11)),
+            },
+            buffers={},
+            params={},
+            ids={},
+            frozen=("embedding3", "linear2"),
+            shared=(((1, 10), 12),),
+            train=True,
+            min_batch=1,
+        ),
+        stages=1,
+        schedule="dualpipev",
+        microbatches=2,
+        recompute="none",
+        batch=1,
+        virtual_stages=3,
+        replicate=False,
+        replicas=None,
+        declare=True,
+        rows=(1, 2),
+    )
+    check_transparency(case, tmp_path / "pkg")
