@@ -64,9 +64,9 @@ from fxpipe.partition.baselines import Blocks, min_max_dp
 from fxpipe.partition.coarsen import Coarsening
 from fxpipe.partition.cost import NodeCosts, recompute_options
 from fxpipe.partition.evaluate import consumers
-from fxpipe.partition.problem import Comm, TiedPolicy, stage_flights
+from fxpipe.partition.problem import Comm, Problem, TiedPolicy, stage_flights
 
-__all__ = ["block_bound", "shared_gpu_bound"]
+__all__ = ["block_bound", "shared_gpu_bound", "trivial_bound"]
 
 MAX_IDEALS = 50_000  # per distinct segment; beyond, one cell for them (the enumeration's time)
 LIGHT = 1e-4  # a group below this share of time, parameters and bytes
@@ -570,3 +570,13 @@ def _bin(ideals: np.ndarray, sent: np.ndarray, full: np.ndarray, width: float,
             np.minimum.reduceat(sent[:, :2], starts),
             np.maximum.reduceat(sent[:, 1], starts), np.minimum.reduceat(sent[:, 2], starts),
             np.logical_and.reduceat(full, starts), np.logical_and.reduceat(empty, starts))
+
+
+def trivial_bound(problem: Problem) -> float:
+    """A bottleneck no split can beat: all compute spread evenly over the N GPUs, and (one
+    GPU per stage) the slowest node on one GPU. Communication only adds to either."""
+    N = problem.devices
+    times = NodeCosts.of(problem).compute_s.tolist()
+    if problem.replicates:  # a node's micro-batch may be split over up to N GPUs
+        return max(sum(times), 0.0) / N
+    return max(sum(times) / N, max(times, default=0.0))

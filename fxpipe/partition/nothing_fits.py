@@ -25,7 +25,8 @@ from fxpipe.partition.ilp import StageModel
 from fxpipe.partition.problem import Problem, Recompute
 from fxpipe.plan import StageRecompute
 
-__all__ = ["dp_fits", "fewest_gpus", "heaviest_group", "infeasible", "min_memory"]
+__all__ = ["dp_fits", "fewest_gpus", "heaviest_group", "infeasible", "memory_floor", "min_memory",
+           "unadvised"]
 
 # Placement variables up to which CP-SAT's memory program looks for a leaner split than the
 # interval DP's when nothing fits (see min_memory).
@@ -224,3 +225,22 @@ def _bisect(fits: Callable[[int], bool], lo: int, hi: int) -> int:
         mid = (lo + hi) // 2
         lo, hi = (lo, mid) if fits(mid) else (mid, hi)
     return hi
+
+
+def memory_floor(problem: Problem) -> float:
+    """Memory some GPU needs whatever the split: the parameters with their gradients and
+    optimizer state (``cost.py``: params x max(1, state_factor)), spread evenly over the
+    N GPUs or the largest node's alone, plus the workspace. Activations only add."""
+    per_byte = max(1.0, problem.state_factor)
+    largest = max((n.param_bytes for n in problem.nodes), default=0)
+    return problem.workspace_bytes + per_byte * max(problem.param_bytes / problem.devices,
+                                                    largest)
+
+
+def unadvised(problem: Problem, exact: Coarsening, *, work_limit: float,
+              time_limit_s: float, workers: int) -> InfeasibleMemoryError:
+    """``infeasible`` without working out what would fit: the memory the bounds prove
+    some GPU needs, for a caller that asks many problems (the layout search)."""
+    return InfeasibleMemoryError(devices=problem.devices, limit=problem.memory_limit,
+                                 needed=max(memory_floor(problem),
+                                            heaviest_group(problem, exact)[1]))

@@ -43,10 +43,9 @@ from dataclasses import dataclass, field, replace
 from fxpipe.forked import Forked
 from fxpipe.partition.baselines import baselines as run_baselines
 from fxpipe.partition.baselines import interval_dp
-from fxpipe.partition.bound import block_bound, shared_gpu_bound
+from fxpipe.partition.bound import block_bound, shared_gpu_bound, trivial_bound
 from fxpipe.partition.coarsen import Coarsening, exact_groups
 from fxpipe.partition.coarsen import coarsen as coarsen_graph
-from fxpipe.partition.cost import NodeCosts
 from fxpipe.partition.errors import (
     InfeasibleMemoryError,
     NoSolutionError,
@@ -56,7 +55,7 @@ from fxpipe.partition.errors import (
 from fxpipe.partition.evaluate import Evaluation, evaluate, violations
 from fxpipe.partition.ilp import IlpResult, StageModel
 from fxpipe.partition.interleave import shared_gpu_warm_start
-from fxpipe.partition.nothing_fits import heaviest_group, min_memory
+from fxpipe.partition.nothing_fits import heaviest_group, memory_floor, min_memory, unadvised
 from fxpipe.partition.nothing_fits import infeasible as nothing_fits
 from fxpipe.partition.problem import Problem
 from fxpipe.partition.reach import largest_block
@@ -170,24 +169,18 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
     stages K <= N = ``problem.devices``, the N GPUs shared among them (PipeDream's
     replicated stages); the answer's ``problem`` has the K chosen.
 
-    ``work_limit`` bounds the CP-SAT search in its deterministic time (about seconds on a
-    quiet machine), shared among the solves in fixed proportions, so the same problem
-    gives the same answer on a quiet and on a loaded machine. ``time_limit_s`` of wall
-    clock is a safety net; when it fires the report says so
-    (``SolverReport.wall_clock_stopped``) and the answer may differ from run to run.
+    ``work_limit`` bounds CP-SAT in deterministic time (about seconds, quiet), so the
+    answer is the same at any load; ``time_limit_s`` of wall clock is a safety net, and
+    the report says when it fired (``SolverReport.wall_clock_stopped``).
 
     Raises ``ProblemTooLargeError`` / ``TooManyStagesError`` / ``InfeasibleMemoryError`` /
     ``NoSolutionError`` (all ``ValueError``) with a one-sentence message for the user.
-    ``advise=False``: an ``InfeasibleMemoryError`` says only that nothing fits, with the
-    memory floor as what is needed (the layout search asks many problems; working out what
-    would fit each, a leanest split and the fewest GPUs, takes minutes on a 70B model).
-    ``quick``: the baselines, the interval DP and the block bound only, no CP-SAT program
-    (building one for a 70B model takes half a minute): a split and a bound good enough
-    to compare layouts, whose chosen one is then solved in full.
+    For the layout search (minutes saved on a 70B model): ``advise=False`` says only that
+    nothing fits (``unadvised``); ``quick`` stops at the interval DP and the block bound.
     """
     check_size(len(problem.nodes))
     check_blocks(problem)
-    infeasible = _advised if advise else _unadvised
+    infeasible = nothing_fits if advise else unadvised
     if replicate or problem.replicates:
         return _partition_replicated(problem, work_limit=work_limit, time_limit_s=time_limit_s,
                                      coarsen=coarsen, workers=workers)
@@ -590,39 +583,6 @@ def _partition_replicated(problem: Problem, *, work_limit: float, time_limit_s: 
                      objective=objective, bound=objective if proved else bound,
                      wall_s=time.perf_counter() - start, wall_clock_stopped=wall_clock)
     return replace(best, report=report)
-
-
-def _advised(problem: Problem, exact: Coarsening, *, work_limit: float,
-             time_limit_s: float, workers: int) -> InfeasibleMemoryError:
-    return nothing_fits(problem, exact, work_limit=work_limit, time_limit_s=time_limit_s,
-                        workers=workers)
-
-
-def _unadvised(problem: Problem, exact: Coarsening, *, work_limit: float,
-               time_limit_s: float, workers: int) -> InfeasibleMemoryError:
-    return InfeasibleMemoryError(devices=problem.devices, limit=problem.memory_limit,
-                                 needed=max(memory_floor(problem),
-                                            heaviest_group(problem, exact)[1]))
-
-
-def memory_floor(problem: Problem) -> float:
-    """Memory some GPU needs whatever the split: the parameters with their gradients and
-    optimizer state (``cost.py``: params x max(1, state_factor)), spread evenly over the
-    N GPUs or the largest node's alone, plus the workspace. Activations only add."""
-    per_byte = max(1.0, problem.state_factor)
-    largest = max((n.param_bytes for n in problem.nodes), default=0)
-    return problem.workspace_bytes + per_byte * max(problem.param_bytes / problem.devices,
-                                                    largest)
-
-
-def trivial_bound(problem: Problem) -> float:
-    """A bottleneck no split can beat: all compute spread evenly over the N GPUs, and (one
-    GPU per stage) the slowest node on one GPU. Communication only adds to either."""
-    N = problem.devices
-    times = NodeCosts.of(problem).compute_s.tolist()
-    if problem.replicates:  # a node's micro-batch may be split over up to N GPUs
-        return max(sum(times), 0.0) / N
-    return max(sum(times) / N, max(times, default=0.0))
 
 
 def _report(result: IlpResult, evaluation: Evaluation, *, graph_nodes: int) -> SolverReport:

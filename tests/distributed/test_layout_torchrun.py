@@ -170,10 +170,14 @@ def test_replicated_stages_clip_the_whole_models_norm(tmp_path: Path,
 
 def test_ddp_under_a_schedule_that_splits_the_backward_is_refused(tmp_path: Path) -> None:
     """DDP's reducer never sees the gradients of zb1p's weight pass: each pipeline kept its
-    own (stage 1 up to 89 % off); the schedule is refused in one line instead."""
-    _split(tmp_path / "pkg", "ddp", schedule="zb1p")
+    own (stage 1 up to 89 % off); the schedule is refused in one line instead, when
+    planned (fxpipe split) and when a package planned for 1f1b is asked to run it."""
+    code = cli.main(["split", str(GPT), "--gpus", "4", "--pp", "2", "--dp-mode", "ddp",
+                     "--schedule", "zb1p", "--out", str(tmp_path / "refused")])
+    assert code == 2 and not (tmp_path / "refused").exists()
+    _split(tmp_path / "pkg", "ddp", schedule="1f1b")
     distributed = import_package(tmp_path / "pkg", "layout_ddp_zb1p").distributed
     with pytest.raises(ValueError, match=r"^torch's DDP does not average the gradients that "
                        r"zb1p's weight pass computes apart from the backward; split again "
                        r"with --dp-mode fsdp, or run schedule 1f1b or gpipe$"):
-        distributed.build_schedule([], None)
+        distributed.build_schedule([], None, schedule="zb1p")
