@@ -439,8 +439,9 @@ def _worded(exc: ValueError) -> str:
                 "stages cannot balance; use --schedule 1f1b, or untie the parameter")
     if isinstance(exc, InfeasibleMemoryError):
         fixes = [f"--memory {format_bytes_up(exc.needed)}"]
-        if exc.fits_on is not None:
-            fixes.append(f"--gpus {exc.fits_on}")
+        if exc.fits_on is not None:  # at the M it was found at: the default M follows --gpus
+            at = "" if exc.microbatches is None else f" --microbatches {exc.microbatches}"
+            fixes.append(f"--gpus {exc.fits_on}{at}")
         if exc.recompute is not None:
             fixes.append(f"--recompute {exc.recompute}")
         if exc.precision is not None:

@@ -78,10 +78,13 @@ def _model(tmp_path: Path, text: str) -> Path:
 
 
 @pytest.mark.parametrize(("text", "flags", "named"), [
-    # 2 GPUs: 4 hold the layers, bf16-true halves their state
-    (DEEP, ["--gpus", "2", "--memory", "3MiB"], ["--gpus 4", "--precision bf16-true"]),
+    # 2 GPUs: 4 hold the layers (at the same 8 micro-batches: --gpus 4 alone means 16), and
+    # bf16-true halves their state
+    (DEEP, ["--gpus", "2", "--memory", "3MiB"],
+     ["--gpus 4 --microbatches 8", "--precision bf16-true"]),
     # one layer per GPU in float32; in bfloat16 two, but not on 2 GPUs
-    (DEEP, ["--gpus", "2", "--memory", "1.5MiB"], ["--gpus 8", "--precision bf16-true --gpus 4"]),
+    (DEEP, ["--gpus", "2", "--memory", "1.5MiB"],
+     ["--gpus 8 --microbatches 8", "--precision bf16-true --gpus 4"]),
     # GPipe keeps all 8 micro-batches in flight, 1F1B at most 2
     (WIDE, ["--gpus", "2", "--memory", "8MiB", "--schedule", "gpipe"],
      ["--schedule 1f1b", "--precision bf16-mixed"]),
