@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fxpipe.partition.layout import DP_MODES
 from fxpipe.schedules import KINDS, ScheduleKind
 
 if TYPE_CHECKING:
@@ -28,7 +29,6 @@ __all__ = ["API", "CLI", "MAX_MICROBATCHES", "Spelling", "read_card", "read_plan
 # took 7 minutes (schedule.svg, which drew them all then, draws a bounded part since).
 MAX_MICROBATCHES = 1024
 OPTIMIZERS = ("adam", "sgd", "sgd-momentum")
-DP_MODES = ("fsdp", "ddp")
 
 
 @dataclass(frozen=True)
