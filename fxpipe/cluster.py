@@ -33,6 +33,7 @@ from fxpipe.partition.layout import (
     pipeline_crosses_hosts,
     search,
     sync_crosses_hosts,
+    sync_link,
     totals,
 )
 from fxpipe.partition.problem import Problem
@@ -121,10 +122,10 @@ def choose(traced: Traced, options: SplitOptions, *,
     if chosen is None:
         raise _nothing_fits(cluster, tried,
                             lambda t: solve(of(t.p, t.d, t.mode, t.m, t.t)))
-    at = (chosen.p, chosen.d, chosen.mode, chosen.m, chosen.t)
-    crosses = sync_crosses_hosts(cluster, chosen.p, chosen.t)
-    final = solve(of(*at))
-    best_step, sync = layout_step(final, chosen.d, cluster.inter if crosses else cluster.intra)
+    planned = of(chosen.p, chosen.d, chosen.mode, chosen.m, chosen.t)
+    link = sync_link(cluster, chosen.p, chosen.t)
+    final = solve(planned)
+    best_step, sync = layout_step(final, chosen.d, link)
     tried = [replace(t, step_s=best_step, sync_s=sync, result=final,
                      max_memory=final.evaluation.estimate.max_memory) if t is chosen else t
              for t in tried]
@@ -141,14 +142,14 @@ def choose(traced: Traced, options: SplitOptions, *,
         gpus=cluster.gpus, gpus_per_node=cluster.gpus_per_node, pp=chosen.p, dp=chosen.d,
         dp_mode=chosen.mode, global_batch=steps_microbatches * b, microbatch_size=b,
         microbatches=chosen.m,
-        pipeline_link="inter" if of(*at).across_hosts else "intra",
-        sync_link="inter" if crosses else "intra",
+        pipeline_link="inter" if planned.across_hosts else "intra",
+        sync_link="inter" if sync_crosses_hosts(cluster, chosen.p, chosen.t) else "intra",
         sync_s=sync, step_s=best_step, proved=proved, considered=rows,
         mesh=("dp", "pp", "tp") if tensor else ("dp", "pp"), tp=chosen.t,
         tp_pairs=len(tensor.pairs) if tensor else 0,
         tp_replicated=tensor.replicated if tensor else (),
         tp_vocab=tensor.vocab if tensor else ())
-    return of(*at), layout
+    return planned, layout
 
 
 def _tp_degrees(cluster: Cluster, asked: int | None, split: TensorParallel) -> list[int]:

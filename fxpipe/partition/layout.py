@@ -65,6 +65,7 @@ __all__ = [
     "sharded",
     "slowest_sync_s",
     "sync_crosses_hosts",
+    "sync_link",
     "sync_s",
     "totals",
 ]
@@ -143,6 +144,11 @@ def sync_crosses_hosts(cluster: Cluster, p: int, t: int = 1) -> bool:
     """Whether the d copies of a stage's GPU (ranks p t apart) span hosts: whenever there
     are several copies on more than one host."""
     return cluster.gpus > cluster.gpus_per_node and cluster.gpus // (p * t) > 1
+
+
+def sync_link(cluster: Cluster, p: int, t: int = 1) -> Link:
+    """The link the d copies of a stage sync over (``sync_crosses_hosts``)."""
+    return cluster.inter if sync_crosses_hosts(cluster, p, t) else cluster.intra
 
 
 def sync_s(grad_bytes: float, d: int, link: Link) -> float:
@@ -228,11 +234,8 @@ def search(cluster: Cluster, layouts: Sequence[tuple[int, int, str, int, int]],
     bound is no better than the best step found: every layout left is pruned, proved no
     better under the cost model. ``totals``: the model's at each TP degree. The best one's
     status is "chosen"."""
-    def link(p: int, t: int) -> Link:
-        return cluster.inter if sync_crosses_hosts(cluster, p, t) else cluster.intra
-
-    order = sorted(((layout_bound(totals[t], p, d, m, link(p, t)), i) for i, (p, d, _, m, t)
-                    in enumerate(layouts)))
+    order = sorted((layout_bound(totals[t], p, d, m, sync_link(cluster, p, t)), i)
+                   for i, (p, d, _, m, t) in enumerate(layouts))
     tried: dict[int, Tried] = {}
     best: Tried | None = None
     for bound, i in order:
@@ -247,11 +250,11 @@ def search(cluster: Cluster, layouts: Sequence[tuple[int, int, str, int, int]],
             tried[i] = Tried(p, d, mode, m, bound, why=str(exc), status=status, error=exc,
                              t=t)
             continue
-        step, sync = layout_step(result, d, link(p, t))
+        step, sync = layout_step(result, d, sync_link(cluster, p, t))
         # the solver's own bound on the bottleneck bounds this layout's step from below
         model = totals[t]
         proved = (m - 1) * result.report.bound + model.compute_s + sync_s(
-            model.grad_bytes / p, d, link(p, t))
+            model.grad_bytes / p, d, sync_link(cluster, p, t))
         found = Tried(p, d, mode, m, max(bound, proved), step, sync,
                       result.evaluation.estimate.max_memory, status="solved", result=result,
                       t=t)
