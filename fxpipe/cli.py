@@ -423,15 +423,15 @@ def _worded(exc: ValueError) -> str:
         if exc.nodes == 0:  # no stage count helps: the solver's words say what does
             return str(exc)
         if exc.virtual_stages > 1:
-            return (f"Cannot cut {exc.most} nodes into {exc.stages} stage modules "
+            return (f"cannot cut {exc.most} nodes into {exc.stages} stage modules "
                     f"({exc.devices} GPUs x {exc.virtual_stages} virtual stages); use fewer "
-                    f"--gpus or --virtual-stages.")
+                    f"--gpus or --virtual-stages")
         if exc.nodes < exc.stages:
-            return (f"Cannot cut {exc.nodes} nodes into {exc.stages} stages; use --gpus "
-                    f"{exc.most} or fewer.")
-        return (f"Cannot cut the model into {exc.stages} stages: its {exc.nodes} nodes form "
+            return (f"cannot cut {exc.nodes} nodes into {exc.stages} stages; use --gpus "
+                    f"{exc.most} or fewer")
+        return (f"cannot cut the model into {exc.stages} stages: its {exc.nodes} nodes form "
                 f"only {exc.groups} groups that must share a stage; use --gpus {exc.most} or "
-                f"fewer.")
+                f"fewer")
     if isinstance(exc, PipedreamTieError):
         return (f"--schedule pipedream updates each stage's own weights after every "
                 f"micro-batch, so the tied parameter {exc.name} keeps every op between its "
@@ -455,11 +455,11 @@ def _worded(exc: ValueError) -> str:
         if len(fixes) == 1 and exc.alone is None and exc.searched is None:
             fixes.append("more --gpus" if exc.at_least is None
                          else f"--gpus {exc.at_least} or more")
-        return (f"No split of the model onto {exc.devices} GPUs fits in "
+        return (f"no split of the model onto {exc.devices} GPUs fits in "
                 f"{format_bytes(exc.limit)} per GPU; the best split needs "
-                f"{format_bytes(exc.needed)}{exc.proved()}. Use "
-                + (f"{', '.join(fixes[:-1])} or {fixes[-1]}." if len(fixes) > 1
-                   else f"{fixes[0]}."))
+                f"{format_bytes(exc.needed)}{exc.proved()}; use "
+                + (f"{', '.join(fixes[:-1])} or {fixes[-1]}" if len(fixes) > 1
+                   else fixes[0]))
     if isinstance(exc, NoSolutionError):
         where = (f"onto {exc.devices} GPUs" if exc.limit is None
                  else f"that fits in {format_bytes(exc.limit)} per GPU")
@@ -468,11 +468,11 @@ def _worded(exc: ValueError) -> str:
         else:
             found, fix = f"within --work-limit {exc.work_limit:g}", "raise --work-limit"
         if exc.leanest is not None:  # a limit the leanest split found fits in
-            return (f"No split {where} was found {found}; the leanest found needs "
+            return (f"no split {where} was found {found}; the leanest found needs "
                     f"{format_bytes(exc.leanest)}: {fix} or use --memory "
-                    f"{format_bytes_up(exc.leanest)}.")
+                    f"{format_bytes_up(exc.leanest)}")
         memory = "" if exc.limit is None else " or the memory limit"
-        return f"No split {where} was found {found}; {fix}{memory}."
+        return f"no split {where} was found {found}; {fix}{memory}"
     return str(exc)
 
 

@@ -187,10 +187,10 @@ def _nothing_fits(cluster: Cluster, tried: list[Tried],
         error = exc
     else:  # pragma: no cover - a layout proved not to fit fits when solved again
         raise AssertionError(f"layout pp {leanest.p} x dp {leanest.d} fits after all")
-    fixes = str(error).split(" To fit, ", 1)[-1]
+    fixes = str(error).split("; to fit, ", 1)[-1]
     return ValueError(
-        f"No layout of {cluster.gpus} GPUs ({cluster.gpus_per_node} per host) fits in "
+        f"no layout of {cluster.gpus} GPUs ({cluster.gpus_per_node} per host) fits in "
         f"{format_bytes(error.limit)} per GPU; the leanest, {leanest.p} pipeline stage"
         f"{'s' * (leanest.p > 1)} x {leanest.d} data-parallel ({leanest.mode})"
         f"{f' x {leanest.t} tensor-parallel' if leanest.t > 1 else ''}, needs "
-        f"{format_bytes(error.needed)} per GPU. To fit it, {fixes}")
+        f"{format_bytes(error.needed)} per GPU; to fit it, {fixes}")

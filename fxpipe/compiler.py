@@ -157,9 +157,9 @@ def analyze(
     if (traced.tracer == "export" and precision is not None and not precision.mixed
             and precision is not traced_at):
         raise ValueError(
-            f"The graph was captured by torch.export at {traced_at.value} and holds that "
+            f"the graph was captured by torch.export at {traced_at.value} and holds that "
             f"precision's casts; to plan {precision.value}, trace the model cast with "
-            f"model.to({precision.dtype}) (and its floating inputs), as analyze_file does."
+            f"model.to({precision.dtype}) (and its floating inputs), as analyze_file does"
         )
     with progress("shapes, FLOPs and bytes"):
         annotate_all(traced.gm, *traced.flat_inputs, execution=execution(device, precision))

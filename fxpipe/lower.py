@@ -85,7 +85,7 @@ def lower(
     ``tensor_parallel``: t GPUs of a host split each op Megatron-LM's layout splits
     (``partition.tensor_parallel``), priced on the host's link."""
     if optimizer not in OPTIMIZERS:
-        raise ValueError(f"Unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}.")
+        raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
     ops = tuple(n for n in gm.graph.nodes if n.op in OP_NODES)
     index = {node: i for i, node in enumerate(ops)}
     reads = _parameter_reads(ops)

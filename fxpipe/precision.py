@@ -73,7 +73,7 @@ def parse_precision(name: str) -> Precision:
         return Precision(name.strip().lower())
     except ValueError:
         valid = ", ".join(p.value for p in Precision)
-        raise ValueError(f"Unknown precision {name!r}; use one of {valid}.") from None
+        raise ValueError(f"unknown precision {name!r}; use one of {valid}") from None
 
 
 def default_precision(module: torch.nn.Module) -> Precision:

@@ -60,7 +60,7 @@ def summarize(
 ) -> tuple[list[ProfileRow], ProfileRow]:
     """Rows grouped by module (at ``depth`` levels) or by op, in graph order, and the total."""
     if by not in ("module", "op"):
-        raise ValueError(f"Cannot group by {by!r}; use 'module' or 'op'.")
+        raise ValueError(f"cannot group by {by!r}; use 'module' or 'op'")
     level = depth if depth is not None else auto_depth(gm)
     groups: dict[str, list[torch.fx.Node]] = {}
     for node in _counted(gm.graph.nodes):

@@ -230,12 +230,12 @@ def read_plan(folder: Path, which: str) -> Plan:
     plan_file = Path(folder) / "plan.json"
     if not plan_file.is_file():
         raise ValueError(f"{plan_file}: no such file; pass the folder fxpipe split wrote "
-                         f"({which}).")
+                         f"({which})")
     try:
         return Plan.from_json(plan_file.read_text())
     except (ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{plan_file}: not a plan fxpipe wrote ({type(exc).__name__}: {exc}); "
-                         f"run fxpipe split again.") from None
+                         f"run fxpipe split again") from None
 
 
 def read_card(measured: str | Path, plan_dir: str | Path | None = None) -> ReportCard:

@@ -47,16 +47,16 @@ def parse_bytes(text: str) -> int:
     match = _PATTERN.match(text)
     if match is None:
         raise ValueError(
-            f"Cannot read {text!r} as a size; write a number with an optional unit, "
-            "e.g. 80GiB, 80GB, 512MiB or 1.5T."
+            f"cannot read {text!r} as a size; write a number with an optional unit, "
+            "e.g. 80GiB, 80GB, 512MiB or 1.5T"
         )
     number, prefix, binary, _ = match.groups()
     if binary and not prefix:
-        raise ValueError(f"Cannot read {text!r} as a size: 'i' needs a prefix, e.g. 512MiB.")
+        raise ValueError(f"cannot read {text!r} as a size: 'i' needs a prefix, e.g. 512MiB")
     unit = (_BINARY if binary else _DECIMAL)[prefix.lower()]
     value = float(number) * unit
     if not math.isfinite(value):
-        raise ValueError(f"Size {text!r} is too large.")
+        raise ValueError(f"size {text!r} is too large")
     return round(value)
 
 

@@ -140,8 +140,8 @@ def test_the_package_written_trains_as_the_model(tmp_path: Path) -> None:
     ({"gpus": 2, "pp": "half"}, "pp takes auto or a number, got 'half'"),
     ({"gpus": 2, "time_limit": float("nan")},
      "time_limit must be a positive number of seconds, got nan"),
-    ({"gpus": 2, "memory": "lots"}, "Cannot read 'lots' as a size"),
-    ({"gpus": 2, "device": "h900"}, "Unknown device 'h900'"),
+    ({"gpus": 2, "memory": "lots"}, "cannot read 'lots' as a size"),
+    ({"gpus": 2, "device": "h900"}, "unknown device 'h900'"),
     ({"gpus": 2, "diagram": "ops"}, "diagram takes one of module, op, got 'ops'"),
 ])
 def test_a_mistake_is_one_line_naming_the_keyword(keywords: dict[str, object],

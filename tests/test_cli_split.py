@@ -81,7 +81,7 @@ def test_plan_json_round_trips(gpt_split: Path) -> None:
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["--gpus", "4", "--memory", "2MiB"], "Use --memory"),
+        (["--gpus", "4", "--memory", "2MiB"], "; use --memory"),
         (["--gpus", "500"], "or fewer"),
         (["--gpus", "2", "--memory", "lots"], "lots"),
         (["--gpus", "2", "--device", "h900"], "known devices"),
@@ -103,7 +103,7 @@ def test_infeasible_memory_names_the_memory_that_would_fit(tmp_path: Path) -> No
     done = fxpipe("split", GPT, "--gpus", "2", "--memory", "1MiB", "--out", "out", cwd=tmp_path)
     assert done.returncode == 2
     message = done.stderr.strip().splitlines()[-1]
-    needed = message.split("Use --memory ")[1].split()[0].rstrip(".")  # maybe the only fix
+    needed = message.split("; use --memory ")[1].split()[0].rstrip(",")  # maybe the only fix
     # The memory the message names really is enough.
     again = fxpipe("split", GPT, "--gpus", "2", "--memory", needed, "--out", "out", cwd=tmp_path)
     assert again.returncode == 0, again.stderr
@@ -184,17 +184,17 @@ def test_solver_errors_are_worded_with_the_flags(
     monkeypatch.chdir(tmp_path)
     assert cli.main(["split", MLP, "--gpus", "2", "--time-limit", "0.5"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "fxpipe: error: No split that fits in 1.0 GiB per GPU was found in 0.5 s; raise "
-        "--time-limit or the memory limit.")
+        "fxpipe: error: no split that fits in 1.0 GiB per GPU was found in 0.5 s; raise "
+        "--time-limit or the memory limit")
     assert cli.main(["split", MLP, "--gpus", "2", "--replicate", "--work-limit", "3"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "fxpipe: error: No split onto 2 GPUs was found within --work-limit 3; raise "
-        "--work-limit.")
+        "fxpipe: error: no split onto 2 GPUs was found within --work-limit 3; raise "
+        "--work-limit")
     # where the search found the leanest split, the memory it surely fits in
     assert cli.main(["split", MLP, "--gpus", "2", "--work-limit", "7"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "fxpipe: error: No split that fits in 1.0 GiB per GPU was found within --work-limit "
-        "7; the leanest found needs 1.5 GiB: raise --work-limit or use --memory 1.5GiB.")
+        "fxpipe: error: no split that fits in 1.0 GiB per GPU was found within --work-limit "
+        "7; the leanest found needs 1.5 GiB: raise --work-limit or use --memory 1.5GiB")
     assert not (tmp_path / "fxpipe-out").exists()
 
 
@@ -214,8 +214,8 @@ def test_no_fit_on_any_gpu_count_searched_does_not_advise_more_gpus(
     # bf16-true: no leaner precision to try either
     assert cli.main(["split", MLP, "--gpus", "2", "--precision", "bf16-true"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "fxpipe: error: No split of the model onto 2 GPUs fits in 1.0 GiB per GPU; the best "
-        "split needs 3.0 GiB, and none was found on up to 64 GPUs. Use --memory 3.0GiB.")
+        "fxpipe: error: no split of the model onto 2 GPUs fits in 1.0 GiB per GPU; the best "
+        "split needs 3.0 GiB, and none was found on up to 64 GPUs; use --memory 3.0GiB")
 
 
 @pytest.mark.parametrize("command", ["split", "profile"])

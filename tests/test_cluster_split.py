@@ -76,7 +76,7 @@ def test_when_no_layout_fits_the_leanest_is_named_with_what_it_needs(tmp_path: P
                  tmp_path / "x", cwd=tmp_path)
     assert ran.returncode == 2
     line = ran.stderr.strip().splitlines()[-1]
-    assert line.startswith("fxpipe: error: No layout of 4 GPUs (4 per host) fits in 3.0 MiB "
+    assert line.startswith("fxpipe: error: no layout of 4 GPUs (4 per host) fits in 3.0 MiB "
                            "per GPU; the leanest, 4 pipeline stages x 1 data-parallel (ddp), "
                            "needs "), line
-    assert "To fit it, allow" in line and not (tmp_path / "x").exists()
+    assert "; to fit it, allow" in line and not (tmp_path / "x").exists()

@@ -109,7 +109,7 @@ def test_when_nothing_fits_the_leanest_layout_names_its_tp_degree(tmp_path: Path
                  tmp_path / "x", cwd=tmp_path)
     assert ran.returncode == 2
     line = ran.stderr.strip().splitlines()[-1]
-    assert line.startswith("fxpipe: error: No layout of 4 GPUs (4 per host) fits in 3.0 MiB "
+    assert line.startswith("fxpipe: error: no layout of 4 GPUs (4 per host) fits in 3.0 MiB "
                            "per GPU; the leanest, 2 pipeline stages x 1 data-parallel (ddp) x "
                            "2 tensor-parallel, needs "), line
     assert not (tmp_path / "x").exists()

@@ -38,9 +38,9 @@ def _split(tmp_path: Path, model: Path, flags: list[str],
 
 
 def _fixes(message: str) -> list[list[str]]:
-    """The flags of each fix the message names after "Use", e.g. --precision bf16-true
+    """The flags of each fix the message names after "; use", e.g. --precision bf16-true
     --gpus 4 as one fix."""
-    tail = message.split(". Use ", 1)[1].rstrip().rstrip(".")
+    tail = message.split("; use ", 1)[1].rstrip()
     return [re.findall(r"--[a-z-]+|\S+", fix) for fix in re.split(r", | or ", tail)]
 
 
@@ -95,7 +95,7 @@ def test_every_fix_named_fits(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     code, err = _split(tmp_path, model, flags, capsys)
     assert code == 2, err
     message = err.strip()
-    assert message.count("\n") == 0 and message.startswith("fxpipe: error: No split")
+    assert message.count("\n") == 0 and message.startswith("fxpipe: error: no split")
     fixes = _fixes(message)
     assert fixes[0][0] == "--memory"
     for fix in named:
@@ -120,7 +120,7 @@ def test_smaller_micro_batches_are_named_the_largest_that_fits(
     larger = ["an", "example", "of", "512", "samples", "(not", "2048)", "with",
               "--microbatches", "32"]
     code, again = _split(tmp_path, *_applied(tmp_path, WIDE, flags, larger), capsys)
-    assert code == 2 and "No split" in again, again
+    assert code == 2 and "no split" in again, again
 
 
 def test_no_smaller_micro_batch_is_named_for_an_example_of_one_sample(
@@ -129,7 +129,7 @@ def test_no_smaller_micro_batch_is_named_for_an_example_of_one_sample(
         "torch.nn.Linear(64, 64)", "torch.nn.Linear(64, 4096), torch.nn.Linear(4096, 64)")
     code, err = _split(tmp_path, _model(tmp_path, single), ["--gpus", "2", "--memory", "1MiB"],
                        capsys)
-    assert code == 2 and "No split" in err, err
+    assert code == 2 and "no split" in err, err
     assert "an example of" not in err
 
 
@@ -141,10 +141,10 @@ def test_an_op_too_big_for_one_gpu_rules_out_every_gpu_count(
     assert code == 2, err
     assert "and op _8 of 8 alone needs" in err  # the head, the Sequential's ninth module
     assert "so no number of GPUs fits" in err
-    assert "--gpus" not in err.split(". Use ")[1].split("--precision")[0]  # no count named
+    assert "--gpus" not in err.split("; use ")[1].split("--precision")[0]  # no count named
     for gpus in ("4", "9"):  # proved, not searched: nor does any other count
         code, again = _split(tmp_path, model, _with(flags, ["--gpus", gpus]), capsys)
-        assert code == 2 and "No split" in again, again
+        assert code == 2 and "no split" in again, again
     for fix in _fixes(err.strip()):
         code, again = _split(tmp_path, model, _with(flags, fix), capsys)
         assert code == 0, (fix, again)

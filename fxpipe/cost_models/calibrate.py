@@ -104,7 +104,7 @@ def apply(gm: torch.fx.GraphModule, calibration: Calibration) -> int:
             f"only {known} of this model's {len(ops)} ops are in the plan that was measured "
             f"(this model has {_some(unknown)}, that plan {_some(list(calibration.stage_of))}"
             f"): the measurement is of another model; pass the model that plan was made "
-            f"from, or measure this model's own plan."
+            f"from, or measure this model's own plan"
         )
     for node in ops:
         f = calibration.factors(node.name)

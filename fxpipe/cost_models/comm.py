@@ -24,9 +24,9 @@ def transfer_time(nbytes: int, bandwidth: float, latency: float) -> float:
     Nothing to send costs nothing (no message is sent, so no latency either).
     """
     if nbytes < 0:
-        raise ValueError(f"Cannot send a negative number of bytes ({nbytes})")
+        raise ValueError(f"cannot send a negative number of bytes ({nbytes})")
     if bandwidth <= 0:
-        raise ValueError(f"Link bandwidth must be positive, got {bandwidth} B/s")
+        raise ValueError(f"link bandwidth must be positive, got {bandwidth} B/s")
     if nbytes == 0:
         return 0.0
     return nbytes / bandwidth + latency
@@ -53,11 +53,11 @@ def allreduce_time(nbytes: int, ranks: int, bandwidth: float, latency: float) ->
     nothing.
     """
     if ranks < 1:
-        raise ValueError(f"An all-reduce needs at least one rank, got {ranks}")
+        raise ValueError(f"an all-reduce needs at least one rank, got {ranks}")
     if nbytes < 0:
-        raise ValueError(f"Cannot all-reduce a negative number of bytes ({nbytes})")
+        raise ValueError(f"cannot all-reduce a negative number of bytes ({nbytes})")
     if bandwidth <= 0:
-        raise ValueError(f"Link bandwidth must be positive, got {bandwidth} B/s")
+        raise ValueError(f"link bandwidth must be positive, got {bandwidth} B/s")
     if nbytes == 0:
         return 0.0
     return ring_allreduce_s(nbytes, ranks, bandwidth, latency)

@@ -244,5 +244,5 @@ def get_device(name: str) -> Device:
     key = ALIASES.get(key, key)
     if key not in DEVICES:
         known = ", ".join(sorted(DEVICES))
-        raise UnknownDeviceError(f"Unknown device {name!r}; known devices: {known}")
+        raise UnknownDeviceError(f"unknown device {name!r}; known devices: {known}")
     return DEVICES[key]

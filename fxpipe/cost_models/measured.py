@@ -218,7 +218,7 @@ class _NodeTimer(torch.fx.Interpreter):
             return statistics.median(bracket() for _ in range(_BRACKETS)) / self.repeats
         except RuntimeError as error:
             raise RuntimeError(
-                f"Measuring the backward of {n.format_node()} failed: {error}"
+                f"measuring the backward of {n.format_node()} failed: {error}"
             ) from error
 
     def _parameters(self, n: torch.fx.Node) -> Iterator[torch.Tensor]:
@@ -242,7 +242,7 @@ class _NodeTimer(torch.fx.Interpreter):
             return self.clock.median(backward, warmup=self.warmup, repeats=self.repeats)
         except RuntimeError as error:
             raise RuntimeError(
-                f"Measuring the backward of {n.format_node()} failed: {error}"
+                f"measuring the backward of {n.format_node()} failed: {error}"
             ) from error
 
     def _memory_start(self) -> int:
@@ -265,7 +265,7 @@ def _check_inputs(flat_inputs: tuple[Any, ...], device: str) -> None:
     for i, x in enumerate(flat_inputs):
         if isinstance(x, torch.Tensor) and x.device.type != device:
             raise ValueError(
-                f"Input {i} is on {x.device.type!r} but the graph is measured on {device!r}; "
+                f"input {i} is on {x.device.type!r} but the graph is measured on {device!r}; "
                 f"move the model and its inputs there first (model.to({device!r}))"
             )
 
@@ -284,12 +284,12 @@ def annotate_times(
     ``torch.export.export(m, args, strict=False).module()`` graphs.
     """
     if device not in ("cpu", "cuda"):
-        raise ValueError(f"Measured device must be 'cpu' or 'cuda', got {device!r}")
+        raise ValueError(f"measured device must be 'cpu' or 'cuda', got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("Cannot measure on 'cuda': torch.cuda.is_available() is False")
+        raise ValueError("cannot measure on 'cuda': torch.cuda.is_available() is False")
     if warmup < 0 or repeats < 1:
         raise ValueError(
-            f"Need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}"
+            f"need warmup >= 0 and repeats >= 1, got warmup={warmup}, repeats={repeats}"
         )
     _check_inputs(flat_inputs, device)
     with torch.enable_grad():

@@ -43,15 +43,15 @@ class TooManyStagesError(ValueError):
     def _message(self) -> str:
         K, most = self.stages, self.most
         if self.nodes == 0:  # fewer stages would not help: there is nothing to cut
-            return ("The model has no operations to cut into stages (forward returns its "
-                    "inputs or constants); give it layers, or run it without a pipeline.")
+            return ("the model has no operations to cut into stages (forward returns its "
+                    "inputs or constants); give it layers, or run it without a pipeline")
         if self.virtual_stages > 1:
-            return (f"Cannot cut {most} nodes into {K} stage modules ({self.devices} GPUs x "
-                    f"{self.virtual_stages} virtual stages); use fewer GPUs or virtual stages.")
+            return (f"cannot cut {most} nodes into {K} stage modules ({self.devices} GPUs x "
+                    f"{self.virtual_stages} virtual stages); use fewer GPUs or virtual stages")
         if self.nodes < K:
-            return f"Cannot cut {self.nodes} nodes into {K} stages; use {most} stages or fewer."
-        return (f"Cannot cut the model into {K} stages: its {self.nodes} nodes form only "
-                f"{self.groups} groups that must share a stage; use {most} stages or fewer.")
+            return f"cannot cut {self.nodes} nodes into {K} stages; use {most} stages or fewer"
+        return (f"cannot cut the model into {K} stages: its {self.nodes} nodes form only "
+                f"{self.groups} groups that must share a stage; use {most} stages or fewer")
 
 
 class PipedreamTieError(ValueError):
@@ -82,16 +82,16 @@ class ProblemTooLargeError(ValueError):
         self.needs_bytes = needs_bytes
         self.block = block
         if block:
-            why = (f"The model has {block:,} ops between two that no value skips (one "
+            why = (f"the model has {block:,} ops between two that no value skips (one "
                    f"made early and read late: a skip over the model), more than the "
                    f"{most:,} the solver handles: its memory grows with the square of that "
                    f"count ({block:,} ops would need {format_bytes(needs_bytes)})")
         else:
-            why = (f"The model has {nodes:,} ops, more than the {most:,} the solver handles: "
+            why = (f"the model has {nodes:,} ops, more than the {most:,} the solver handles: "
                    f"its memory grows with the op count ({nodes:,} ops would need "
                    f"{format_bytes(needs_bytes)})")
         super().__init__(f"{why}; plan a smaller model with the same blocks, e.g. fewer "
-                         f"layers.")
+                         f"layers")
 
 
 class InfeasibleMemoryError(ValueError):
@@ -149,9 +149,9 @@ class InfeasibleMemoryError(ValueError):
         if schedule is not None:
             fixes.append(f"use the {schedule} schedule")
         super().__init__(
-            f"No split of the model onto {devices} GPUs fits in {format_bytes(limit)} per GPU; "
-            f"the best split needs {format_bytes(needed)}{self.proved()}. To fit, "
-            f"{_either(fixes)}.")
+            f"no split of the model onto {devices} GPUs fits in {format_bytes(limit)} per GPU; "
+            f"the best split needs {format_bytes(needed)}{self.proved()}; to fit, "
+            f"{_either(fixes)}")
 
     def proved(self) -> str:
         """What the bounds proved cannot fit, as a clause (empty when nothing is)."""
@@ -205,5 +205,5 @@ class NoSolutionError(ValueError):
         fix = f"allow the solver {more}" + ("" if limit is None else " or more memory")
         if leanest is not None:
             fix += f" (the leanest split found needs {format_bytes(leanest)})"
-        message = f"No split {where} was found {budget}; {fix}."
+        message = f"no split {where} was found {budget}; {fix}"
         super().__init__(message)

@@ -187,41 +187,41 @@ class Problem:
 
     def __post_init__(self) -> None:
         if self.num_stages < 1:
-            raise ValueError(f"Number of stages ({self.num_stages}) must be at least 1.")
+            raise ValueError(f"number of stages ({self.num_stages}) must be at least 1")
         if self.microbatches < 1:
-            raise ValueError(f"Number of micro-batches ({self.microbatches}) must be at least 1.")
+            raise ValueError(f"number of micro-batches ({self.microbatches}) must be at least 1")
         v = self.virtual_stages
         if v < 1 or self.num_stages % v:
             raise ValueError(
-                f"Number of stages ({self.num_stages}) must be a multiple of the virtual "
-                f"stages per GPU ({v}).")
+                f"number of stages ({self.num_stages}) must be a multiple of the virtual "
+                f"stages per GPU ({v})")
         spec = self.schedule.spec
         if spec.v_placed:
             if v != 2:
                 raise ValueError(
-                    f"The {self.schedule.value} schedule places two stage modules per GPU "
-                    f"(got {v} virtual stages): use 2.")
+                    f"the {self.schedule.value} schedule places two stage modules per GPU "
+                    f"(got {v} virtual stages): use 2")
             if self.num_devices not in (0, self.num_stages // 2):
-                raise ValueError(f"{self.schedule.value} stages cannot also be replicated.")
+                raise ValueError(f"{self.schedule.value} stages cannot also be replicated")
             if self.schedule is ScheduleKind.DUALPIPEV and self.microbatches < self.num_stages:
                 raise ValueError(
                     f"DualPipeV needs at least as many micro-batches ({self.microbatches}) "
-                    f"as stages ({self.num_stages}): use {self.num_stages} micro-batches.")
+                    f"as stages ({self.num_stages}): use {self.num_stages} micro-batches")
         elif (v > 1) != spec.interleaved:
             raise ValueError(
-                f"Virtual stages ({v}) need the interleaved schedule and the interleaved "
-                f"schedule needs virtual stages (got {self.schedule.value}).")
+                f"virtual stages ({v}) need the interleaved schedule and the interleaved "
+                f"schedule needs virtual stages (got {self.schedule.value})")
         interleaved = spec.interleaved
         if interleaved and self.num_devices not in (0, self.num_stages // v):
-            raise ValueError("Interleaved stages cannot also be replicated.")
+            raise ValueError("interleaved stages cannot also be replicated")
         if interleaved and self.microbatches % (self.num_stages // v):
             n = self.num_stages // v
             raise ValueError(
-                f"Interleaved 1F1B needs the micro-batches ({self.microbatches}) to be a "
-                f"multiple of the GPUs ({n}): use {-(-self.microbatches // n) * n} micro-batches.")
+                f"interleaved 1F1B needs the micro-batches ({self.microbatches}) to be a "
+                f"multiple of the GPUs ({n}): use {-(-self.microbatches // n) * n} micro-batches")
         if self.num_devices and self.num_devices < self.num_stages // v:
             raise ValueError(
-                f"{self.num_devices} GPUs cannot run {self.num_stages // v} stages.")
+                f"{self.num_devices} GPUs cannot run {self.num_stages // v} stages")
         assert isinstance(self.recompute, Recompute), self.recompute
         if self.recompute is Recompute.SELECTIVE and spec.splits_backward:
             raise ValueError(

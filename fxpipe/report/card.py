@@ -139,17 +139,17 @@ def check_measures(plan: Plan, measured: Measured, *, source: str = "the measure
     if measured.plan is not None and measured.plan != given:
         raise ValueError(
             f"{source} measured {measured.plan}, not {plan_source}, {given}; pass the folder "
-            f"of the plan that was measured, or {REMEASURE} with this plan's package."
+            f"of the plan that was measured, or {REMEASURE} with this plan's package"
         )
     if len(measured.stages) != plan.num_stages:
         raise ValueError(
             f"{source} has {len(measured.stages)} stages but the plan has {plan.num_stages}; "
-            f"measure the package this plan generated."
+            f"measure the package this plan generated"
         )
     if measured.microbatches != plan.microbatches:
         raise ValueError(
             f"{source} ran {measured.microbatches} micro-batches per step but the plan has "
-            f"{plan.microbatches}; measure the package this plan generated."
+            f"{plan.microbatches}; measure the package this plan generated"
         )
 
 

@@ -39,7 +39,7 @@ def partition_dot(
 ) -> str:
     """The DOT source of the partition of ``gm`` given fine node name -> stage."""
     if level not in ("module", "op"):
-        raise ValueError(f"Unknown diagram level {level!r}; use 'module' or 'op'.")
+        raise ValueError(f"unknown diagram level {level!r}; use 'module' or 'op'")
     graph = pydot.Dot(
         "partition", graph_type="digraph", rankdir="TB", label=title, fontname="Helvetica"
     )

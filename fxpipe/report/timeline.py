@@ -76,8 +76,8 @@ def action_times(
     num_stages = len(forward_s)
     if len(backward_s) != num_stages:
         raise ValueError(
-            f"Got {num_stages} forward times and {len(backward_s)} backward times: "
-            f"pass one of each per stage."
+            f"got {num_stages} forward times and {len(backward_s)} backward times: "
+            f"pass one of each per stage"
         )
     weight = list(backward_weight_s) if backward_weight_s is not None else [0.0] * num_stages
     duration = {"F": list(forward_s), "B": list(backward_s), "W": weight,
@@ -91,8 +91,8 @@ def action_times(
             j, kind, _ = action
             if not 0 <= j < num_stages:
                 raise ValueError(
-                    f"Schedule action {action} names stage {j}, but times were given "
-                    f"for {num_stages} stages."
+                    f"schedule action {action} names stage {j}, but times were given "
+                    f"for {num_stages} stages"
                 )
             deps = dependencies(action, num_stages)
             start = max([device_free[device_of[j]]] + [finished[d] for d in deps if d in finished])
@@ -127,8 +127,8 @@ def _device_of(devices: Sequence[int] | None, num_stages: int) -> list[int]:
         return list(range(num_stages))
     if len(devices) != num_stages or any(d < 0 for d in devices):
         raise ValueError(
-            f"Got {len(devices)} devices for {num_stages} stages: pass one device "
-            f"index (0, 1, ...) per stage."
+            f"got {len(devices)} devices for {num_stages} stages: pass one device "
+            f"index (0, 1, ...) per stage"
         )
     return [int(d) for d in devices]
 

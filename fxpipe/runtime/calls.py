@@ -52,6 +52,6 @@ def graph_inputs(flatten_inputs: Callable[..., dict[str, Any]], args: tuple[Any,
             given = [describe(a) for a in args] + [f"{k}={describe(v)}" for k, v in kwargs.items()]
             raise ValueError(
                 f"{what} was given ({', '.join(given)}), but the model's forward takes "
-                f"{signature} ({exc}): pass the arguments the model's forward takes."
+                f"{signature} ({exc}): pass the arguments the model's forward takes"
             ) from None
     return flatten_inputs(*args, **kwargs)

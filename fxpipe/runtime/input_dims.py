@@ -45,7 +45,7 @@ def check_shape(stage: str, name: str, value: torch.Tensor, traced: tuple[int | 
     if not isinstance(passed, torch.Tensor):
         raise ValueError(
             f"{stage} received {name!r} as {describe(passed)}, but the model was traced with "
-            f"a tensor of shape ({want}) there: pass a tensor of that shape."
+            f"a tensor of shape ({want}) there: pass a tensor of that shape"
         )
     got = f"of shape {tuple(passed.shape)}"
     if _fits(passed, traced):  # the mini-batch fits, its micro-batches do not
@@ -53,7 +53,7 @@ def check_shape(stage: str, name: str, value: torch.Tensor, traced: tuple[int | 
     raise ValueError(
         f"{stage} received {name!r} {got}, but the model was traced with shape "
         f"({want}) and fixes every dimension not marked *: pass inputs of that shape, or "
-        f"split the model again with example_inputs() of the shape you need."
+        f"split the model again with example_inputs() of the shape you need"
     )
 
 

@@ -68,7 +68,7 @@ class Measurement:
     def __init__(self, num_stages: int, microbatches: int, *, warmup: int = 1,
                  device: str = "cpu", clock: str = "wall") -> None:
         if warmup < 0:
-            raise ValueError(f"warmup must be 0 or more steps, got {warmup}.")
+            raise ValueError(f"warmup must be 0 or more steps, got {warmup}")
         self.num_stages = num_stages
         self.microbatches = microbatches
         self.warmup = warmup
@@ -95,8 +95,8 @@ class Measurement:
     def stages(self) -> list[StageMeasure]:
         if not self.totals:
             raise ValueError(
-                f"No step was measured ({self.seen} run, {self.warmup} of warm-up); run more "
-                f"steps inside runner.measure(...) or lower warmup."
+                f"no step was measured ({self.seen} run, {self.warmup} of warm-up); run more "
+                f"steps inside runner.measure(...) or lower warmup"
             )
         M = self.microbatches
 

@@ -119,11 +119,11 @@ def load_measured(path: str | Path) -> Measured:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{path}: no such file; write one with runner.measure(...) and "
-                         f"card.save(path).")
+                         f"card.save(path)")
     try:
         data = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{path}: not JSON ({exc}); pass the file card.save wrote.") from None
+        raise ValueError(f"{path}: not JSON ({exc}); pass the file card.save wrote") from None
     return check_measured(data, path)
 
 
@@ -132,10 +132,10 @@ def check_measured(data: Any, path: str | Path) -> Measured:
     the file at ``path`` (named in the errors)."""
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ValueError(f"{path}: not an fxpipe measurement (no \"format\": \"{FORMAT}\"); "
-                         f"pass the file card.save wrote.")
+                         f"pass the file card.save wrote")
     if data.get("version") != VERSION:
         raise ValueError(f"{path}: measurement version {data.get('version')!r}, this fxpipe "
-                         f"reads version {VERSION}; measure again with this fxpipe's runtime.")
+                         f"reads version {VERSION}; measure again with this fxpipe's runtime")
     try:
         raw_stages = data["stages"]
         if not isinstance(raw_stages, list) or not all(isinstance(s, dict) for s in raw_stages):
@@ -153,10 +153,10 @@ def check_measured(data: Any, path: str | Path) -> Measured:
         _whole(data.get("warmup_steps", 0), "warmup_steps", 0, path)
     except (KeyError, TypeError) as exc:
         raise ValueError(f"{path}: a field is missing or malformed ({exc!r}); pass the file "
-                         f"card.save wrote.") from None
+                         f"card.save wrote") from None
     if [s.index for s in stages] != list(range(len(stages))) or not stages:
         raise ValueError(f"{path}: stages must be listed 0, 1, ... in order, got "
-                         f"{[s.index for s in stages]}.")
+                         f"{[s.index for s in stages]}")
     return measured
 
 
@@ -181,7 +181,7 @@ def _seconds(value: Any, field: str, path: str | Path, *, zero: bool) -> float:
     if not number or not math.isfinite(value) or value < 0 or (value == 0 and not zero):
         kind = "0 or more" if zero else "more than 0"
         raise ValueError(f"{path}: {field} is {value!r}, which no step measures (a measured "
-                         f"time is a finite number of seconds, {kind}); {REMEASURE}.")
+                         f"time is a finite number of seconds, {kind}); {REMEASURE}")
     return float(value)
 
 
@@ -189,5 +189,5 @@ def _whole(value: Any, field: str, least: int, path: str | Path) -> int:
     """A count: a whole number, ``least`` or more."""
     if not isinstance(value, int) or isinstance(value, bool) or value < least:
         raise ValueError(f"{path}: {field} is {value!r}, which no step measures (it is a "
-                         f"whole number, {least} or more); {REMEASURE}.")
+                         f"whole number, {least} or more); {REMEASURE}")
     return value

@@ -74,8 +74,8 @@ def microbatch_count(value: Any, num_mb: int) -> int:
     sizes = [x.size(0) for x in pytree.tree_leaves(value)
              if isinstance(x, torch.Tensor) and x.dim() > 0]
     if sizes and min(sizes) == 0:
-        raise ValueError("The mini-batch is empty (a tensor input has 0 rows along dim 0): "
-                         "pass at least one sample.")
+        raise ValueError("the mini-batch is empty (a tensor input has 0 rows along dim 0): "
+                         "pass at least one sample")
     return min([num_mb, *sizes])
 
 
@@ -103,8 +103,8 @@ def split_microbatches(value: Any, num_mb: int, what: str | None = None, *,
         for x in pytree.tree_leaves(value):
             if isinstance(x, torch.Tensor) and x.dim() > 0 and x.size(0) < num_mb:
                 raise ValueError(
-                    f"The {what} has batch size {x.size(0)}, fewer than the {num_mb} "
-                    f"micro-batches the inputs make: give it one row per sample."
+                    f"the {what} has batch size {x.size(0)}, fewer than the {num_mb} "
+                    f"micro-batches the inputs make: give it one row per sample"
                 )
     parts = split_leaves(value, num_mb, lambda x: x.dim() > 0)
     if copy and num_mb > 1:
@@ -122,7 +122,7 @@ def split_inputs(flat: dict[str, Any], microbatches: int, shared: Collection[str
     if unknown:
         raise ValueError(
             f"shared_inputs names {unknown}, which are not graph inputs (the inputs are "
-            f"{sorted(flat)}): name inputs that flatten_inputs returns."
+            f"{sorted(flat)}): name inputs that flatten_inputs returns"
         )
     batch_rows(flat, shared)
     num_mb = microbatch_count([v for name, v in flat.items() if name not in shared],
@@ -170,8 +170,8 @@ def batch_rows(flat: Mapping[str, Any], shared: Collection[str] = ()) -> int | N
     if len({n for _, n in rows}) > 1:
         listed = ", ".join(f"{name}: {n}" for name, n in rows)
         raise ValueError(
-            f"The batched inputs have different numbers of rows along dim 0 ({listed}): "
-            f"pass one row per sample in each, all with the same batch size."
+            f"the batched inputs have different numbers of rows along dim 0 ({listed}): "
+            f"pass one row per sample in each, all with the same batch size"
         )
     return rows[0][1] if rows else None
 
@@ -185,8 +185,8 @@ def check_rows(value: Any, flat: Mapping[str, Any], shared: Collection[str], wha
         ours = ", ".join(f"{what}{path}: {n}" for path, n in rows)
         theirs = ", ".join(f"{name}: {n}" for name, n in inputs)
         raise ValueError(
-            f"The {what}'s rows along dim 0 ({ours}) differ from the inputs' ({theirs}): "
-            f"pass one row of the {what} per sample of the inputs."
+            f"the {what}'s rows along dim 0 ({ours}) differ from the inputs' ({theirs}): "
+            f"pass one row of the {what} per sample of the inputs"
         )
 
 
@@ -249,9 +249,9 @@ def _merge_output(output: Any, i: int, parts: list[Any], rows: Sequence[int | No
         problem = f"differs between micro-batches ({first!r}, {parts[1]!r}, ...)"
     name = f"output{_leaf_paths(output)[i]}"
     raise ValueError(
-        f"The model's {name} {problem}: the runner cannot rebuild the mini-batch's value "
+        f"the model's {name} {problem}: the runner cannot rebuild the mini-batch's value "
         f"from its {len(parts)} micro-batches'; return per-sample values (one row per "
-        f"sample) and reduce them after runner.forward, or compute it in loss_fn."
+        f"sample) and reduce them after runner.forward, or compute it in loss_fn"
     )
 
 

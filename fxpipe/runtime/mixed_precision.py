@@ -58,7 +58,7 @@ def check_precision(precision: str) -> str:
     """``precision`` if it is one of ``PRECISIONS``; a ValueError naming them otherwise."""
     if precision not in PRECISIONS:
         raise ValueError(
-            f"Unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}."
+            f"unknown precision {precision!r}; use one of {', '.join(PRECISIONS)}"
         )
     return precision
 

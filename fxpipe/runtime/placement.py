@@ -51,8 +51,8 @@ def replica_devices(k: int, device: DeviceSpec | Sequence[DeviceSpec],
     devices = [as_device(d) for d in device]
     if len(devices) != replicas:
         raise ValueError(
-            f"Stage {k} has {replicas} replicas but devices[{k}] lists {len(devices)} devices: "
-            f"pass one device per replica, or a single device to run them all on."
+            f"stage {k} has {replicas} replicas but devices[{k}] lists {len(devices)} devices: "
+            f"pass one device per replica, or a single device to run them all on"
         )
     return devices
 

@@ -82,14 +82,14 @@ def modes(recompute: Sequence[str | bool] | None, num_stages: int) -> tuple[str,
         return ("none",) * num_stages
     if len(recompute) != num_stages:
         raise ValueError(f"recompute has {len(recompute)} entries for {num_stages} stages: "
-                         f"pass one per stage ({', '.join(MODES)}).")
+                         f"pass one per stage ({', '.join(MODES)})")
     out = []
     for mode in recompute:
         if isinstance(mode, bool):
             mode = "full" if mode else "none"
         if not _valid(str(mode)):
             raise ValueError(f"recompute mode {mode!r} is not one of {', '.join(MODES)} "
-                             f"or selective:W:N[:W1xN1,...] (whole numbers).")
+                             f"or selective:W:N[:W1xN1,...] (whole numbers)")
         out.append(str(mode))
     return tuple(out)
 

@@ -44,13 +44,13 @@ def check_replicas(replicas: Sequence[int], num_stages: int) -> None:
     if len(replicas) != num_stages:
         raise ValueError(
             f"replicas has {len(replicas)} entries for {num_stages} stages: pass one "
-            f"int per stage (1 for a stage that is not replicated)."
+            f"int per stage (1 for a stage that is not replicated)"
         )
     for k, r in enumerate(replicas):
         if isinstance(r, bool) or not isinstance(r, int) or r < 1:
             raise ValueError(
-                f"Stage {k} has replicas={r!r}: the number of replicas of a stage must "
-                f"be an int of at least 1."
+                f"stage {k} has replicas={r!r}: the number of replicas of a stage must "
+                f"be an int of at least 1"
             )
 
 
@@ -66,15 +66,15 @@ def batch_sizes(values: list[dict[str, Any]], stages: Sequence[nn.Module],
         for k, r in enumerate(replicas):
             if r > 1 and size is None:
                 raise ValueError(
-                    f"Stage {k} has {r} replicas, but no graph input is a tensor with a "
-                    f"batch dimension to split among them: use replicas=1 for it."
+                    f"stage {k} has {r} replicas, but no graph input is a tensor with a "
+                    f"batch dimension to split among them: use replicas=1 for it"
                 )
             if r > 1 and size is not None and size < r:
                 raise ValueError(
-                    f"Stage {k} has {r} replicas, more than the {size} samples of "
+                    f"stage {k} has {r} replicas, more than the {size} samples of "
                     f"micro-batch {m}: pass a mini-batch of at least "
                     f"{r * num_mb} samples ({r} per micro-batch), or give the "
-                    f"stage fewer replicas."
+                    f"stage fewer replicas"
                 )
         sizes.append(size)
     _warn_batch_norm(stages, replicas)

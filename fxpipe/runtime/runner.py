@@ -210,8 +210,8 @@ class PipelineRunner(MeasuredSteps):
         """The value ``name`` as stage k receives it."""
         if name not in values:
             raise KeyError(
-                f"Stage {k} reads {name!r}, which no earlier stage produced and "
-                f"flatten_inputs did not return (it has {sorted(values)}).")
+                f"stage {k} reads {name!r}, which no earlier stage produced and "
+                f"flatten_inputs did not return (it has {sorted(values)})")
         p = self.wiring.producer_of(name)
         if p == k:
             return values[name]  # the last stage's own outputs, read by the loss
@@ -317,7 +317,7 @@ class PipelineRunner(MeasuredSteps):
             target = to_device(state.targets[m], self.streams.device(k))
             loss = state.loss_fn(self.build_output(out_in), target)
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                raise TypeError(f"loss_fn must return a scalar tensor, got {loss!r}.")
+                raise TypeError(f"loss_fn must return a scalar tensor, got {loss!r}")
             weighted = loss * sample_share(state.batch, m)
             if not self.weight_stashing:  # with it every micro-batch is its own update
                 loss = weighted

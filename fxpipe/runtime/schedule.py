@@ -66,35 +66,35 @@ def check_schedule(schedule: Sequence[Sequence[Action]], num_stages: int, num_mb
             j, kind, m = action
             if not (0 <= j < num_stages and kind in ACTIONS and 0 <= m < num_mb):
                 raise ValueError(
-                    f"Schedule tick {t} has {action}, outside {num_stages} stages x "
-                    f"{num_mb} micro-batches: regenerate the schedule for this runner."
+                    f"schedule tick {t} has {action}, outside {num_stages} stages x "
+                    f"{num_mb} micro-batches: regenerate the schedule for this runner"
                 )
             happened = events(action)
             if any(e in done or e in this_tick for e in happened):
-                raise ValueError(f"Schedule runs {action} twice (again in tick {t}).")
+                raise ValueError(f"schedule runs {action} twice (again in tick {t})")
             this_tick.update(happened)
             missing = [d for d in dependencies(action, num_stages) if d not in done]
             if missing:
-                raise ValueError(f"Schedule tick {t} runs {action} before {missing}.")
+                raise ValueError(f"schedule tick {t} runs {action} before {missing}")
         done.update(this_tick)
     for j in range(num_stages):
         for m in range(num_mb):
             ran = {kind for kind in ACTIONS if (j, kind, m) in done}
             if ran not in ({"F", "B"}, {"F", "I", "W"}):
                 raise ValueError(
-                    f"Schedule runs {sorted(ran)} of stage {j}, micro-batch {m}: want F and "
-                    f"B, or F, I and W ({num_stages} stages x {num_mb} micro-batches)."
+                    f"schedule runs {sorted(ran)} of stage {j}, micro-batch {m}: want F and "
+                    f"B, or F, I and W ({num_stages} stages x {num_mb} micro-batches)"
                 )
 
 
 def check_sizes(num_stages: int, microbatches: int, devices: Sequence[Any] | None) -> None:
     """The runner's stage count, micro-batches and per-stage settings, checked."""
     if num_stages < 1:
-        raise ValueError("PipelineRunner needs at least one stage.")
+        raise ValueError("PipelineRunner needs at least one stage")
     if microbatches < 1:
-        raise ValueError(f"Number of micro-batches ({microbatches}) must be at least 1.")
+        raise ValueError(f"number of micro-batches ({microbatches}) must be at least 1")
     if devices is not None and len(devices) != num_stages:
         raise ValueError(
-            f"Got {len(devices)} devices for {num_stages} stages: pass one device per "
-            f"stage (or devices=None to run every stage on the CPU in order)."
+            f"got {len(devices)} devices for {num_stages} stages: pass one device per "
+            f"stage (or devices=None to run every stage on the CPU in order)"
         )

@@ -22,8 +22,8 @@ def check_split(schedule: Sequence[Sequence[tuple[int, str, int]]], replicas: Se
     if not any(a[1] == "W" for t in schedule for a in t):
         return
     if weight_stashing or max(replicas) > 1:
-        raise ValueError("A schedule with I and W actions needs replicas=None and "
-                         "weight_stashing=False.")
+        raise ValueError("a schedule with I and W actions needs replicas=None and "
+                         "weight_stashing=False")
     refuse_split_backward(recompute, "A schedule with I and W actions",
                           'recompute those stages "full" or "none", or use a schedule '
                           "without W actions.")

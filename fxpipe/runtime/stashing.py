@@ -88,8 +88,8 @@ def check_stashing(stages: Sequence[nn.Module], weight_stashing: bool, *, scaled
         return
     if scaled:
         raise ValueError(
-            "Weight stashing updates every stage inside step, where a GradScaler cannot "
-            "step: train 16-mixed with --schedule 1f1b or gpipe, or use bf16-mixed."
+            "weight stashing updates every stage inside step, where a GradScaler cannot "
+            "step: train 16-mixed with --schedule 1f1b or gpipe, or use bf16-mixed"
         )
     check_unshared(stages)
 
@@ -103,10 +103,10 @@ def check_unshared(stages: Sequence[nn.Module]) -> None:
             first = owner.setdefault(id(param), (k, name))
             if first[0] != k:
                 raise ValueError(
-                    f"Parameter {first[1]!r} of stage {first[0]} is also bound into stage {k} "
+                    f"parameter {first[1]!r} of stage {first[0]} is also bound into stage {k} "
                     f"(as {name!r}): with weight_stashing each stage updates its own weights "
                     f"after every micro-batch, so a parameter can belong to one stage only; "
-                    f"untie it or keep its uses on one stage."
+                    f"untie it or keep its uses on one stage"
                 )
 
 
@@ -126,27 +126,27 @@ def check_optimizers(stages: Sequence[nn.Module], weight_stashing: bool,
         return
     if optimizers is None:
         raise ValueError(
-            f"With weight_stashing=True every stage updates its weights after each "
+            f"with weight_stashing=True every stage updates its weights after each "
             f"micro-batch: pass step(..., optimizers=[...]) with one optimizer per stage "
-            f"({num_stages}), each over that stage's parameters."
+            f"({num_stages}), each over that stage's parameters"
         )
     if len(optimizers) != num_stages:
         raise ValueError(
-            f"Got {len(optimizers)} optimizers for {num_stages} stages: with "
-            f"weight_stashing pass one optimizer per stage, over that stage's parameters."
+            f"got {len(optimizers)} optimizers for {num_stages} stages: with "
+            f"weight_stashing pass one optimizer per stage, over that stage's parameters"
         )
     for k, opt in enumerate(optimizers):
         trainable = [name for name, p in stages[k].named_parameters() if p.requires_grad]
         if opt is None and trainable:
             raise ValueError(
                 f"optimizers[{k}] is None, but stage {k} has trainable parameters "
-                f"({trainable[0]!r}, ...): pass an optimizer over stages[{k}].parameters()."
+                f"({trainable[0]!r}, ...): pass an optimizer over stages[{k}].parameters()"
             )
         if opt is None:
             continue
         if not isinstance(opt, torch.optim.Optimizer):
             raise ValueError(
-                f"optimizers[{k}] is a {type(opt).__name__}, not a torch.optim.Optimizer."
+                f"optimizers[{k}] is a {type(opt).__name__}, not a torch.optim.Optimizer"
             )
         own = {id(param) for param in stages[k].parameters()}
         for group in opt.param_groups:
@@ -155,7 +155,7 @@ def check_optimizers(stages: Sequence[nn.Module], weight_stashing: bool,
                     raise ValueError(
                         f"optimizers[{k}] updates {_param_name(stages, param)}, which is not "
                         f"a parameter of stage {k}: give each stage an optimizer over "
-                        f"its own parameters (stages[{k}].parameters())."
+                        f"its own parameters (stages[{k}].parameters())"
                     )
 
 

@@ -49,16 +49,16 @@ class Wiring:
                 outs = tuple(getattr(stage, "OUTPUTS"))  # noqa: B009
             except AttributeError:
                 raise TypeError(
-                    f"Stage {k} ({type(stage).__name__}) has no INPUTS/OUTPUTS class "
-                    f"attributes: stages must name the values they read and produce."
+                    f"stage {k} ({type(stage).__name__}) has no INPUTS/OUTPUTS class "
+                    f"attributes: stages must name the values they read and produce"
                 ) from None
             self.inputs.append(ins)
             self.outputs.append(outs)
             for name in outs:
                 if name in self.producer:
                     raise ValueError(
-                        f"Value {name!r} is produced by stage {self.producer[name]} and "
-                        f"stage {k}: every value must have one producer."
+                        f"value {name!r} is produced by stage {self.producer[name]} and "
+                        f"stage {k}: every value must have one producer"
                     )
                 self.producer[name] = k
         for k, ins in enumerate(self.inputs):
@@ -66,8 +66,8 @@ class Wiring:
                 p = self.producer_of(name)
                 if p >= k:
                     raise ValueError(
-                        f"Stage {k} reads {name!r}, produced by stage {p}: a stage can only "
-                        f"read values of earlier stages or graph inputs."
+                        f"stage {k} reads {name!r}, produced by stage {p}: a stage can only "
+                        f"read values of earlier stages or graph inputs"
                     )
 
     def producer_of(self, name: str) -> int:
@@ -83,8 +83,8 @@ class Wiring:
         if not isinstance(outputs, tuple) or len(outputs) != len(expected):
             got = f"a tuple of {len(outputs)}" if isinstance(outputs, tuple) else type(outputs)
             raise TypeError(
-                f"Stage {k} returned {got}, expected a tuple of its {len(expected)} "
-                f"OUTPUTS {expected}."
+                f"stage {k} returned {got}, expected a tuple of its {len(expected)} "
+                f"OUTPUTS {expected}"
             )
 
 

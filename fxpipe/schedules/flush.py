@@ -86,16 +86,16 @@ def interleaved_1f1b(num_devices: int, virtual_stages: int, microbatches: int) -
     ``one_f_one_b`` (Megatron then runs its schedule without interleaving)."""
     K, v, M = num_devices, virtual_stages, microbatches
     if K < 1:
-        raise ValueError(f"Number of GPUs ({K}) must be at least 1.")
+        raise ValueError(f"number of GPUs ({K}) must be at least 1")
     if v < 1:
         raise ValueError(
-            f"Number of virtual stages per GPU ({v}) must be at least 1 (1: plain 1F1B)."
+            f"number of virtual stages per GPU ({v}) must be at least 1 (1: plain 1F1B)"
         )
     check_sizes(K * v, M)
     if v > 1 and M % K:
         raise ValueError(
-            f"Interleaved 1F1B needs the micro-batches ({M}) to be a multiple of the GPUs "
-            f"({K}): use --microbatches {-(-M // K) * K}."
+            f"interleaved 1F1B needs the micro-batches ({M}) to be a multiple of the GPUs "
+            f"({K}): use --microbatches {-(-M // K) * K}"
         )
     total = M * v  # actions of each kind per GPU
 

@@ -134,8 +134,8 @@ def _zero_bubble_table(kind: str) -> Callable[[int, int, int], Table]:
         if kind == "zb1p":
             return zb1p(num_stages, microbatches)
         if num_stages % 2:
-            raise ValueError(f"The {kind} schedule places two stage modules per GPU: it needs "
-                             f"an even number of stages, not {num_stages}.")
+            raise ValueError(f"the {kind} schedule places two stage modules per GPU: it needs "
+                             f"an even number of stages, not {num_stages}")
         build = zbv if kind == "zbv" else dualpipev
         return build(num_stages // 2, microbatches)
     return table

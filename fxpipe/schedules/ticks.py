@@ -30,9 +30,9 @@ Table = list[tuple[Action, ...]]  # one tuple of concurrent actions per clock ti
 def check_sizes(num_stages: int, microbatches: int) -> None:
     """The check every table builder starts with: at least one stage and micro-batch."""
     if num_stages < 1:
-        raise ValueError(f"Number of stages ({num_stages}) must be at least 1.")
+        raise ValueError(f"number of stages ({num_stages}) must be at least 1")
     if microbatches < 1:
-        raise ValueError(f"Number of micro-batches ({microbatches}) must be at least 1.")
+        raise ValueError(f"number of micro-batches ({microbatches}) must be at least 1")
 
 
 def to_ticks(orders: list[list[Action]], num_stages: int) -> Table:

@@ -60,7 +60,7 @@ def v_devices(num_devices: int) -> tuple[int, ...]:
 
 def _check_v(num_devices: int, microbatches: int) -> None:
     if num_devices < 1:
-        raise ValueError(f"Number of GPUs ({num_devices}) must be at least 1.")
+        raise ValueError(f"number of GPUs ({num_devices}) must be at least 1")
     check_sizes(2 * num_devices, microbatches)
 
 
@@ -146,7 +146,7 @@ def dualpipev(num_devices: int, microbatches: int) -> Table:
     if M < 2 * K:
         raise ValueError(
             f"DualPipeV needs at least as many micro-batches ({M}) as stages ({2 * K}): "
-            f"use --microbatches {2 * K}.")
+            f"use --microbatches {2 * K}")
     orders: list[list[Action]] = []
     for d in range(K):
         s0, s1 = d, 2 * K - 1 - d

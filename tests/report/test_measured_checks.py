@@ -224,7 +224,7 @@ def test_a_measurement_of_another_plan_is_refused(
                        f"{measured.fingerprint}), not {plan_file}, mlp.py:build_model (plan "
                        f"{given.fingerprint}); pass the folder of the plan that was measured, "
                        f"or measure again (runner.measure(...) and card.save, or "
-                       f"train_torchrun.py --measure) with this plan's package.\n")
+                       f"train_torchrun.py --measure) with this plan's package\n")
 
     # the same model planned with other micro-batches is another plan too
     data = _measurement(plan)

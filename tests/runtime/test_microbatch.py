@@ -28,7 +28,7 @@ def test_split_then_concat_is_the_identity() -> None:
     torch.testing.assert_close(merged["x"], value["x"])
     assert merged["scale"] == 2.0
     # a 0-dim output is not its micro-batches' stacked (nor, in general, their mean)
-    with pytest.raises(ValueError, match=r"^The model's output\['step'\] is a 0-dim tensor"):
+    with pytest.raises(ValueError, match=r"^the model's output\['step'\] is a 0-dim tensor"):
         concat(parts, [2, 2, 2])
     assert concat(parts[:1]) is parts[0]  # one micro-batch is the mini-batch
 

@@ -203,13 +203,13 @@ def test_user_errors() -> None:
     case = mlp()
     with pytest.raises(ValueError, match="replicas has 2 entries for 3 stages"):
         make_runner(case, 2, (2, 1))
-    with pytest.raises(ValueError, match="Stage 1 has replicas=0"):
+    with pytest.raises(ValueError, match="stage 1 has replicas=0"):
         make_runner(case, 2, (1, 0, 1))
-    with pytest.raises(ValueError, match=r"Stage 0 has 2 replicas but devices\[0\] lists 3"):
+    with pytest.raises(ValueError, match=r"stage 0 has 2 replicas but devices\[0\] lists 3"):
         make_runner(case, 2, (2, 1, 1), devices=[["cpu"] * 3, "cpu", "cpu"])
     x, y = case.inputs[0], case.target
     too_many = make_runner(case, 4, (1, 4, 1))  # micro-batches of 3 samples
-    with pytest.raises(ValueError, match="Stage 1 has 4 replicas, more than the 3 samples of "
+    with pytest.raises(ValueError, match="stage 1 has 4 replicas, more than the 3 samples of "
                                          "micro-batch 0: pass a mini-batch of at least 16"):
         too_many.step((x,), y, F.mse_loss)
     with pytest.raises(ValueError, match="no graph input is a tensor with a batch dimension"):

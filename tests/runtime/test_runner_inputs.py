@@ -103,8 +103,8 @@ def test_batched_inputs_of_different_rows_are_refused(pair: tuple[nn.Module, Any
     x, y = batch(16, 4), batch(4, 3)
     with pytest.raises(RuntimeError):  # the model: cat along dim 1 needs equal rows
         model(x, y)
-    match = (r"^The batched inputs have different numbers of rows along dim 0 \(x: 16, y: 4\): "
-             r"pass one row per sample in each, all with the same batch size\.$")
+    match = (r"^the batched inputs have different numbers of rows along dim 0 \(x: 16, y: 4\): "
+             r"pass one row per sample in each, all with the same batch size$")
     refused(lambda: runner.forward(x, y), model, match)
     refused(lambda: runner.step((x, y), labels(16), F.cross_entropy), model, match)
     refused(lambda: runner.step({"x": x, "y": y}, labels(16), F.cross_entropy), model, match)
@@ -120,8 +120,8 @@ def test_a_target_of_other_rows_than_the_inputs_is_refused(pair: tuple[nn.Module
     with pytest.raises(RuntimeError):
         F.mse_loss(model(x, y), target)
     refused(lambda: runner.step((x, y), target, F.mse_loss), model,
-            r"^The target's rows along dim 0 \(target: 4\) differ from the inputs' "
-            r"\(x: 16, y: 16\): pass one row of the target per sample of the inputs\.$")
+            r"^the target's rows along dim 0 \(target: 4\) differ from the inputs' "
+            r"\(x: 16, y: 16\): pass one row of the target per sample of the inputs$")
     refused(lambda: runner.step((x, y), {"labels": labels(15)},
                                 lambda out, t: F.cross_entropy(out, t["labels"])), model,
             r"\(target\['labels'\]: 15\) differ from the inputs' \(x: 16, y: 16\)")
@@ -181,10 +181,10 @@ def test_a_0_dim_output_is_refused_unless_one_microbatch_is_the_batch() -> None:
     x = batch(6, 4)
     with torch.no_grad():
         want = model[1](torch.tanh(model[0](x))).pow(2).mean()
-        with pytest.raises(ValueError, match=r"^The model's output is a 0-dim tensor .*: the "
+        with pytest.raises(ValueError, match=r"^the model's output is a 0-dim tensor .*: the "
                                              r"runner cannot rebuild the mini-batch's value "
                                              r"from its 4 micro-batches'; return per-sample "
-                                             r"values .* or compute it in loss_fn\.$"):
+                                             r"values .* or compute it in loss_fn$"):
             runner.forward(x)
         one = runner.forward(x[:1])
         assert one.shape == () == want.shape
@@ -201,12 +201,12 @@ def test_an_output_whose_rows_do_not_count_the_samples_is_refused() -> None:
     stages[1].OUTPUTS = ("y", "n")
     runner = PipelineRunner(stages, schedule=gpipe(2, M), microbatches=M,
                             flatten_inputs=flatten_x, build_output=lambda v: (v["y"], v["n"]))
-    with torch.no_grad(), pytest.raises(ValueError, match=r"^The model's output\[0\] has "
+    with torch.no_grad(), pytest.raises(ValueError, match=r"^the model's output\[0\] has "
                                                           r"\[3, 3, 3, 3\] rows along dim 0 "
                                                           r"in micro-batches of \[2, 2, 1, 1\]"):
         runner.forward(batch(6, 4))
     runner.build_output = lambda v: v["n"]  # the rows seen: 2, 2, 1, 1, not the batch's 6
-    with torch.no_grad(), pytest.raises(ValueError, match=r"^The model's output differs "
+    with torch.no_grad(), pytest.raises(ValueError, match=r"^the model's output differs "
                                                           r"between micro-batches \(2, 2, "):
         runner.forward(batch(6, 4))
 

@@ -260,7 +260,7 @@ def test_user_errors() -> None:
     with pytest.raises(ValueError, match=r"pass step\(\.\.\., optimizers=\[\.\.\.\]\) with one "
                                          r"optimizer per stage \(2\)"):
         runner.step((x,), y, F.mse_loss)
-    with pytest.raises(ValueError, match="Got 1 optimizers for 2 stages"):
+    with pytest.raises(ValueError, match="got 1 optimizers for 2 stages"):
         runner.step((x,), y, F.mse_loss, optimizers=sgd[:1])
     with pytest.raises(ValueError, match=r"optimizers\[1\] is None, but stage 1 has "
                                          r"trainable parameters \('block\.0\.weight'"):
@@ -271,7 +271,7 @@ def test_user_errors() -> None:
         runner.step((x,), y, F.mse_loss, optimizers=crossed)
 
     _, tied_stages = test_runtime.make(torch.float64)
-    with pytest.raises(ValueError, match="Parameter 'tied' of stage 0 is also bound into "
+    with pytest.raises(ValueError, match="parameter 'tied' of stage 0 is also bound into "
                                          "stage 2"):
         PipelineRunner(tied_stages, schedule=one_f_one_b(3, 2), microbatches=2,
                        flatten_inputs=test_runtime.flatten_inputs,
