@@ -4,7 +4,10 @@ home of each idea (the files and names it cites exist).
 The layer table lists every module of the package once, in rows from the bottom of the
 stack up; a module imports only from its own row and the rows above it. The import graph
 is read with ``ast`` (imports inside functions and under ``TYPE_CHECKING`` count: a lazy
-import is a dependency all the same)."""
+import is a dependency all the same).
+
+Run as a script, it prints the import graph's summary (modules, imports, circles, upward
+imports): ``python tests/test_layers.py``."""
 
 from __future__ import annotations
 
@@ -13,6 +16,8 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "fxpipe"
@@ -82,10 +87,15 @@ def test_every_module_is_in_exactly_one_layer() -> None:
     assert not missing, f"add these modules to design.md's layer table: {missing}"
 
 
-def test_no_module_imports_from_a_layer_beneath_it() -> None:
+def _upward() -> list[str]:
+    """Each import of a module from a layer beneath it, as ``a -> b``."""
     rank = _layers()
-    upward = [f"{a} -> {b}" for a, targets in sorted(GRAPH.items()) for b in sorted(targets)
-              if rank[b] > rank[a]]
+    return [f"{a} -> {b}" for a, targets in sorted(GRAPH.items()) for b in sorted(targets)
+            if rank[b] > rank[a]]
+
+
+def test_no_module_imports_from_a_layer_beneath_it() -> None:
+    upward = _upward()
     assert not upward, upward
 
 
@@ -106,25 +116,40 @@ def test_the_runtime_imports_nothing_of_fxpipe_beyond_itself() -> None:
             assert all(t.startswith("fxpipe.runtime") for t in targets), (module, targets)
 
 
-def test_there_is_no_import_circle() -> None:
-    order: list[str] = []
+def _circles() -> list[str]:
+    """An import circle for each import that closes one in a depth-first walk of the graph
+    (none: the graph is acyclic), as ``a -> b -> a``."""
+    circles: list[str] = []
     state: dict[str, str] = {}
 
     def visit(module: str, path: list[str]) -> None:
         state[module] = "open"
         for target in sorted(GRAPH[module]):
             if state.get(target) == "open":
-                circle = [*path[path.index(target):], target]
-                raise AssertionError(" -> ".join(circle))
-            if target not in state:
+                circles.append(" -> ".join([*path[path.index(target):], target]))
+            elif target not in state:
                 visit(target, [*path, target])
         state[module] = "done"
-        order.append(module)
 
     for module in sorted(GRAPH):
         if module not in state:
             visit(module, [module])
-    assert len(order) == len(MODULES)
+    return circles
+
+
+def test_there_is_no_import_circle() -> None:
+    circles = _circles()
+    assert not circles, circles
+
+
+def test_a_circle_and_an_upward_import_would_be_found(monkeypatch: pytest.MonkeyPatch
+                                                      ) -> None:
+    """The two checks above see what they look for: a made-up import of the driver by the
+    units module is both a circle and an upward arrow."""
+    monkeypatch.setitem(GRAPH, "fxpipe.units", {*GRAPH["fxpipe.units"], "fxpipe.compiler"})
+    circles = _circles()  # every circle goes through the one import added
+    assert circles and all("fxpipe.units -> fxpipe.compiler" in c for c in circles)
+    assert "fxpipe.units -> fxpipe.compiler" in _upward()
 
 
 def test_the_solver_loads_no_torch() -> None:
@@ -170,3 +195,13 @@ def _defined(path: Path | None) -> set[str]:
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             names.update(t.id for t in targets if isinstance(t, ast.Name))
     return names
+
+
+if __name__ == "__main__":
+    imports = sum(len(targets) for targets in GRAPH.values())
+    circles, upward = _circles(), _upward()
+    print(f"{len(MODULES)} modules, {imports} imports between them, {len(circles)} circles, "
+          f"{len(upward)} upward imports")
+    for line in [*circles, *upward]:
+        print(f"  {line}")
+    sys.exit(1 if circles or upward else 0)
