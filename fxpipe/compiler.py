@@ -9,11 +9,12 @@
 
 The CLI, the benchmarks and the tests all drive fxpipe through these calls, so
 the sequence frontend → passes → cost models → lower → partition → codegen / report
-is written once (``analyze`` alone for a model already traced in memory). ``plan_split``
-is options → (the cluster's layout, cluster.py) → lower → partition (where nothing fits,
-what would, advice.py) → build_plan, with calibration.py around it. ``progress``
-wraps each slow phase (the CLI shows a spinner); ``notify`` receives what a person may
-want to know on the way (which tracer captured the model, its notes).
+is written once (``analyze_file`` also takes a model built in memory, ``analyze`` one
+already traced). ``plan_split`` is options → (the cluster's layout, cluster.py) → lower →
+partition (where nothing fits, what would, advice.py) → build_plan, with calibration.py
+around it. ``progress`` wraps each slow phase (the CLI shows a spinner); ``notify``
+receives what a person may want to know on the way (which tracer captured the model, its
+notes).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def _ignore(line: str) -> None:
 
 
 def analyze_file(
-    spec: str,
+    spec: str | ModelSource,
     *,
     device: Device,
     precision: Precision | None = None,
@@ -88,13 +89,21 @@ def analyze_file(
     progress: Progress = _silent,
     notify: Callable[[str], None] = _ignore,
 ) -> tuple[ModelSource, Traced]:
-    """Load a model file (``model.py`` or ``model.py:FACTORY``), trace it and ``analyze``
-    it: the model as the file builds it, and its graph with every node costed.
+    """Load a model file (``model.py`` or ``model.py:FACTORY``), trace it at the precision
+    it trains at and ``analyze`` it: the model as the file builds it, and its graph with
+    every node costed. A ``ModelSource`` is a model loaded already (``fxpipe.split``'s,
+    built in memory), traced and analysed the same way.
 
-    ``solvable``: the graph is to be split, so one too big for the solver is refused
-    right after tracing (``check_size``), before the passes spend minutes on it."""
-    with progress(f"loading {spec}"):
-        source = load_model_file(spec)
+    The source returned is the model as traced (cast in place for a ``*-true`` precision
+    of another dtype); ``notify`` is told the tracer and the notes. ``solvable``: the graph
+    is to be split, so one too big for the solver is refused right after tracing
+    (``check_size``), before the passes spend minutes on it, and a loss summed over the
+    samples is noted."""
+    if isinstance(spec, str):
+        with progress(f"loading {spec}"):
+            source = load_model_file(spec)
+    else:
+        source = spec
     note = precision_note(precision, source.model)  # 32-true of a float64 model: 64-true
     precision = trained_precision(precision, source.model) if precision is not None else None
     if precision is not None and not precision.mixed:

@@ -456,11 +456,14 @@ def _batch_norm_notes(model: torch.nn.Module) -> list[str]:
 
 
 def trace_source(source: ModelSource, *, autocast: torch.dtype | None = None) -> Traced:
-    """``trace`` for a loaded model file; a trace error names the file and line."""
+    """``trace`` for a loaded model; a trace error names the model file and line (a model
+    built in memory, ``fxpipe.split``'s, has no file to name)."""
     try:
         return trace(source.model, source.args, source.kwargs, batch_dims=source.batch_dims,
                      autocast=autocast)
     except TraceError as exc:
+        if not source.path.is_file():
+            raise
         where = str(source.path)
         for cause in (exc.__cause__, exc.__context__):
             if cause is not None and _where(source.path, cause) != where:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Required, TypedDict
 
 from fxpipe.partition.layout import DP_MODES
 from fxpipe.schedules import KINDS, ScheduleKind
@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     from fxpipe.plan import Plan
     from fxpipe.report.card import ReportCard
 
-__all__ = ["API", "CLI", "MAX_MICROBATCHES", "Spelling", "read_card", "read_plan",
-           "recompute_of", "split_options"]
+__all__ = ["API", "CLI", "MAX_MICROBATCHES", "Spelling", "SplitKeywords", "read_card",
+           "read_plan", "recompute_of", "split_options"]
 
 # runner.py lists every action of the schedule (2 x M x K): 10,000 micro-batches on 4 GPUs
 # took 7 minutes (schedule.svg, which drew them all then, draws a bounded part since).
@@ -50,6 +50,30 @@ class Spelling:
 
 CLI = Spelling(command_line=True)
 API = Spelling(command_line=False)
+
+
+
+class SplitKeywords(TypedDict, total=False):
+    """The options ``fxpipe.split`` and ``fxpipe.split_file`` take as keywords and hand to
+    ``split_options``, which gives each its default and checks it."""
+
+    gpus: Required[int]
+    memory: str | float | None
+    device: str
+    microbatches: int | None
+    schedule: str | None
+    virtual_stages: int
+    replicate: bool
+    optimizer: str
+    recompute: str
+    time_limit: float
+    work_limit: float
+    precision: str | None
+    pp: int | str | None
+    gpus_per_node: int | None
+    dp_mode: str | None
+    global_batch: int | None
+    tp: int | str | None
 
 
 def split_options(

@@ -3,6 +3,7 @@ command line makes, the package it writes, and its checks worded for Python."""
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
 import textwrap
@@ -155,6 +156,19 @@ def test_a_mistake_is_one_line_naming_the_keyword(keywords: dict[str, object],
     assert str(raised.value).startswith(message), str(raised.value)
     assert "\n" not in str(raised.value) and "--" not in str(raised.value)
     assert not (tmp_path / "out").exists()
+
+
+def test_the_options_are_the_keywords_split_options_checks() -> None:
+    """``split`` and ``split_file`` take as options (``SplitKeywords``) every keyword of
+    ``split_options``, of its type, and nothing else; ``gpus`` is required, as there."""
+    from fxpipe.request import SplitKeywords, split_options
+
+    parameters = inspect.signature(split_options).parameters
+    checked = {name: p.annotation for name, p in parameters.items() if name != "spelling"}
+    declared = {name: ref.__forward_arg__ for name, ref in SplitKeywords.__annotations__.items()}
+    required = {name for name, p in parameters.items() if p.default is inspect.Parameter.empty}
+    assert required == {"gpus"} and declared["gpus"] == "Required[int]"
+    assert {**declared, "gpus": "int"} == checked
 
 
 def test_example_inputs_of_another_kind_are_refused() -> None:

@@ -23,13 +23,18 @@ def transfer_time(nbytes: int, bandwidth: float, latency: float) -> float:
 
     Nothing to send costs nothing (no message is sent, so no latency either).
     """
-    if nbytes < 0:
-        raise ValueError(f"cannot send a negative number of bytes ({nbytes})")
-    if bandwidth <= 0:
-        raise ValueError(f"link bandwidth must be positive, got {bandwidth} B/s")
+    _check(nbytes, bandwidth, "send")
     if nbytes == 0:
         return 0.0
     return nbytes / bandwidth + latency
+
+
+def _check(nbytes: int, bandwidth: float, verb: str) -> None:
+    """Refuse a negative byte count (to ``verb``) and a bandwidth that is not positive."""
+    if nbytes < 0:
+        raise ValueError(f"cannot {verb} a negative number of bytes ({nbytes})")
+    if bandwidth <= 0:
+        raise ValueError(f"link bandwidth must be positive, got {bandwidth} B/s")
 
 
 def intra_node_time(nbytes: int, device: Device) -> float:
@@ -54,10 +59,7 @@ def allreduce_time(nbytes: int, ranks: int, bandwidth: float, latency: float) ->
     """
     if ranks < 1:
         raise ValueError(f"an all-reduce needs at least one rank, got {ranks}")
-    if nbytes < 0:
-        raise ValueError(f"cannot all-reduce a negative number of bytes ({nbytes})")
-    if bandwidth <= 0:
-        raise ValueError(f"link bandwidth must be positive, got {bandwidth} B/s")
+    _check(nbytes, bandwidth, "all-reduce")
     if nbytes == 0:
         return 0.0
     return ring_allreduce_s(nbytes, ranks, bandwidth, latency)

@@ -21,7 +21,7 @@ GPU) and are marked as such.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 __all__ = ["DEVICES", "Device", "UnknownDeviceError", "get_device"]
 
@@ -81,84 +81,57 @@ _IB_LATENCY = 10e-6  # typical NCCL latency across hosts, not a datasheet figure
 _PCIE_LATENCY = 10e-6
 _GPU_LAUNCH = 5e-6  # eager PyTorch op: dispatch + kernel launch, not a datasheet figure
 
+# NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column), dense figures:
+# FP64 34 TF, FP64 TC 67 TF, FP32 67 TF, TF32 TC 989/2, BF16/FP16 TC 1979/2;
+# 80 GB HBM3 at 3.35 TB/s; NVLink 900 GB/s.
+_H100 = Device(
+    name="h100",
+    peak_flops_by_dtype={
+        "float64": 67 * TFLOPS,  # FP64 tensor core (DGEMM)
+        "float32": 67 * TFLOPS,
+        "tf32": 494.5 * TFLOPS,
+        "bfloat16": 989.5 * TFLOPS,
+        "float16": 989.5 * TFLOPS,
+    },
+    memory_bandwidth=3.35e12,
+    memory_bytes=80 * GiB,
+    intra_node_bandwidth=_NVLINK4,
+    intra_node_latency=_NVLINK_LATENCY,
+    inter_node_bandwidth=_NDR_PER_GPU,
+    inter_node_latency=_IB_LATENCY,
+    launch_overhead=_GPU_LAUNCH,
+)
+
+# NVIDIA A100 Tensor Core GPU datasheet (A100 40GB SXM column), dense figures:
+# FP64 TC 19.5 TF, FP32 19.5 TF, TF32 TC 156 TF, BF16/FP16 TC 312 TF;
+# 40 GB HBM2 at 1,555 GB/s; NVLink 600 GB/s.
+_A100_40GB = Device(
+    name="a100-40gb",
+    peak_flops_by_dtype={
+        "float64": 19.5 * TFLOPS,
+        "float32": 19.5 * TFLOPS,
+        "tf32": 156 * TFLOPS,
+        "bfloat16": 312 * TFLOPS,
+        "float16": 312 * TFLOPS,
+    },
+    memory_bandwidth=1555 * GB,
+    memory_bytes=40 * GiB,
+    intra_node_bandwidth=_NVLINK3,
+    intra_node_latency=_NVLINK_LATENCY,
+    inter_node_bandwidth=_HDR_PER_GPU,
+    inter_node_latency=_IB_LATENCY,
+    launch_overhead=_GPU_LAUNCH,
+)
+
 DEVICES: dict[str, Device] = {
-    # NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column), dense figures:
-    # FP64 34 TF, FP64 TC 67 TF, FP32 67 TF, TF32 TC 989/2, BF16/FP16 TC 1979/2;
-    # 80 GB HBM3 at 3.35 TB/s; NVLink 900 GB/s.
-    "h100": Device(
-        name="h100",
-        peak_flops_by_dtype={
-            "float64": 67 * TFLOPS,  # FP64 tensor core (DGEMM)
-            "float32": 67 * TFLOPS,
-            "tf32": 494.5 * TFLOPS,
-            "bfloat16": 989.5 * TFLOPS,
-            "float16": 989.5 * TFLOPS,
-        },
-        memory_bandwidth=3.35e12,
-        memory_bytes=80 * GiB,
-        intra_node_bandwidth=_NVLINK4,
-        intra_node_latency=_NVLINK_LATENCY,
-        inter_node_bandwidth=_NDR_PER_GPU,
-        inter_node_latency=_IB_LATENCY,
-        launch_overhead=_GPU_LAUNCH,
-    ),
-    # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM column): same compute as the
-    # H100 SXM; 141 GB HBM3e at 4.8 TB/s; NVLink 900 GB/s.
-    "h200": Device(
-        name="h200",
-        peak_flops_by_dtype={
-            "float64": 67 * TFLOPS,
-            "float32": 67 * TFLOPS,
-            "tf32": 494.5 * TFLOPS,
-            "bfloat16": 989.5 * TFLOPS,
-            "float16": 989.5 * TFLOPS,
-        },
-        memory_bandwidth=4.8e12,
-        memory_bytes=141 * GiB,
-        intra_node_bandwidth=_NVLINK4,
-        intra_node_latency=_NVLINK_LATENCY,
-        inter_node_bandwidth=_NDR_PER_GPU,
-        inter_node_latency=_IB_LATENCY,
-        launch_overhead=_GPU_LAUNCH,
-    ),
-    # NVIDIA A100 Tensor Core GPU datasheet (A100 40GB SXM column), dense figures:
-    # FP64 TC 19.5 TF, FP32 19.5 TF, TF32 TC 156 TF, BF16/FP16 TC 312 TF;
-    # 40 GB HBM2 at 1,555 GB/s; NVLink 600 GB/s.
-    "a100-40gb": Device(
-        name="a100-40gb",
-        peak_flops_by_dtype={
-            "float64": 19.5 * TFLOPS,
-            "float32": 19.5 * TFLOPS,
-            "tf32": 156 * TFLOPS,
-            "bfloat16": 312 * TFLOPS,
-            "float16": 312 * TFLOPS,
-        },
-        memory_bandwidth=1555 * GB,
-        memory_bytes=40 * GiB,
-        intra_node_bandwidth=_NVLINK3,
-        intra_node_latency=_NVLINK_LATENCY,
-        inter_node_bandwidth=_HDR_PER_GPU,
-        inter_node_latency=_IB_LATENCY,
-        launch_overhead=_GPU_LAUNCH,
-    ),
+    "h100": _H100,
+    # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM column): same compute and links as
+    # the H100 SXM; 141 GB HBM3e at 4.8 TB/s; NVLink 900 GB/s.
+    "h200": replace(_H100, name="h200", memory_bandwidth=4.8e12, memory_bytes=141 * GiB),
+    "a100-40gb": _A100_40GB,
     # Same datasheet, A100 80GB SXM column: same compute; 80 GB HBM2e at 2,039 GB/s.
-    "a100-80gb": Device(
-        name="a100-80gb",
-        peak_flops_by_dtype={
-            "float64": 19.5 * TFLOPS,
-            "float32": 19.5 * TFLOPS,
-            "tf32": 156 * TFLOPS,
-            "bfloat16": 312 * TFLOPS,
-            "float16": 312 * TFLOPS,
-        },
-        memory_bandwidth=2039 * GB,
-        memory_bytes=80 * GiB,
-        intra_node_bandwidth=_NVLINK3,
-        intra_node_latency=_NVLINK_LATENCY,
-        inter_node_bandwidth=_HDR_PER_GPU,
-        inter_node_latency=_IB_LATENCY,
-        launch_overhead=_GPU_LAUNCH,
-    ),
+    "a100-80gb": replace(_A100_40GB, name="a100-80gb", memory_bandwidth=2039 * GB,
+                         memory_bytes=80 * GiB),
     # NVIDIA Tesla V100 datasheet (V100 SXM2 32GB column): FP64 7.8 TF, FP32 15.7 TF,
     # tensor (FP16) 125 TF; no TF32 or BF16 (bfloat16 falls back to the fp32 figure);
     # 32 GB HBM2 at 900 GB/s; NVLink 300 GB/s. EDR InfiniBand 100 Gb/s per GPU (DGX-1).

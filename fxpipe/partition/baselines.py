@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -43,8 +43,10 @@ from fxpipe.partition.cost import (
 )
 from fxpipe.partition.problem import Problem, stage_flights
 
-__all__ = ["BASELINES", "Blocks", "baselines", "interval_dp", "leanest_dp", "linear_partition",
-           "min_max_dp"]
+__all__ = ["BASELINES", "Blocks", "baselines", "bisect_least", "interval_dp", "leanest_dp",
+           "linear_partition", "min_max_dp"]
+
+Found = TypeVar("Found")
 
 
 def linear_partition(weights: Sequence[float], num_parts: int, *, allow_empty: bool = False
@@ -70,21 +72,33 @@ def linear_partition(weights: Sequence[float], num_parts: int, *, allow_empty: b
         return out
 
     lo, hi = max(weights), max(sum(weights), max(weights))
-    best = pack(hi)
-    assert best is not None
-    for _ in range(64):
-        if hi - lo <= 1e-12 * max(1.0, hi):
-            break
-        mid = (lo + hi) / 2
-        got = pack(mid)
-        if got is None:
-            lo = mid
-        else:
-            hi, best = mid, got
+    packed = pack(hi)
+    assert packed is not None
+    _, best = bisect_least(pack, lo, hi, packed, halvings=64, tolerance=1e-12)
     if not allow_empty and n >= K:
         # Item i must leave an item for each later part: a monotone fix that hits every part.
         best = [min(i, max(b, i - (n - K))) for i, b in enumerate(best)]
     return best
+
+
+def bisect_least(fits: Callable[[float], Found | None], low: float, high: float,
+                 found: Found, *, halvings: int, tolerance: float | None = None
+                 ) -> tuple[float, Found]:
+    """The least value in (``low``, ``high``] at which ``fits`` finds something (not None),
+    to ``halvings`` halvings of the interval, and what it found there: ``fits`` found
+    ``found`` at ``high``, and finds something at every value above one where it does.
+    ``tolerance``: stop early once the interval is within that share of ``high`` (of 1,
+    below 1). The linear partition's threshold and the re-cut rounds' time bisect so."""
+    for _ in range(halvings):
+        if tolerance is not None and high - low <= tolerance * max(1.0, high):
+            break
+        mid = (low + high) / 2
+        got = fits(mid)
+        if got is None:
+            low = mid
+        else:
+            high, found = mid, got
+    return high, found
 
 
 def uniform_layers(problem: Problem, c: Coarsening | None = None) -> tuple[int, ...]:

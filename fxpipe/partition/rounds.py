@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from fxpipe.partition.baselines import bisect_least
 from fxpipe.partition.prices import Prices
 
 __all__ = ["recut_rounds", "recut_vee"]
@@ -102,14 +103,7 @@ def _least(fits: Callable[[float], Any], high: float) -> tuple[float, Any] | Non
         if tighter is None:
             break
         high, found = low, tighter
-    for _ in range(BISECTIONS):
-        mid = (low + high) / 2
-        tighter = fits(mid)
-        if tighter is None:
-            low = mid
-        else:
-            high, found = mid, tighter
-    return high, found
+    return bisect_least(fits, low, high, found, halvings=BISECTIONS)
 
 
 class _Rounds:
