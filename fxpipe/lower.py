@@ -4,7 +4,7 @@ Problem nodes are the graph's op nodes. Placeholders are free (the runner hands
 each stage the mini-batch inputs it reads) and ``get_attr`` nodes are not
 nodes at all: a parameter read by one op is that op's, a parameter read by
 several ops (a tied embedding and LM head, or one weight reused) becomes a
-``TiedGroup`` the solver co-locates or replicates.
+``TiedGroup`` the solver co-locates or copies.
 
 The ops whose values the graph returns are ``Node.returned``. fxpipe does not trace
 the loss, so its memory is an assumption (``LOSS_FACTORS``): like cross-entropy over

@@ -241,7 +241,9 @@ class Plan:
     memory_limit: float = float("inf")
     optimizer: str = "adam"
     precision: str = "32-true"  # Lightning's name: 32-true, bf16-mixed, bf16-true, 16-mixed
-    tied: dict[str, str] = field(default_factory=dict)  # parameter -> "colocated"/"replicated"
+    # a tied parameter -> "colocated" (its readers on one stage) or "copied" (a copy on each
+    # stage that reads it, their gradients summed)
+    tied: dict[str, str] = field(default_factory=dict)
     # The keys the stages' state_dict()s hold between them, grouped by tensor: a tied
     # parameter's names share a group (("emb.weight", "head.weight")). fxpipe merge --plan
     # checks stage checkpoints against it; empty in plans written before it. It may list

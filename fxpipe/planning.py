@@ -97,7 +97,7 @@ def build_plan(
     tied = {}
     for group in problem.tied:
         used = {evaluation.stage_of[i] for i in group.nodes}
-        tied[group.name] = "colocated" if len(used) == 1 else "replicated"
+        tied[group.name] = "colocated" if len(used) == 1 else "copied"
     return Plan(
         num_stages=problem.num_stages,
         schedule=problem.schedule.value,

@@ -20,7 +20,7 @@ with the solver on the same terms.
 ``interval_dp`` is DESIGN's O(K n^2) warm start: the best contiguous split of the
 order with cut communication and memory (the stage cost formula of ``cost``: received
 and sent values, the loss, the backward transient, recompute per stage) included
-(replicated tied parameters left out; ``evaluate`` has the last word).
+(tied parameters' copies left out; ``evaluate`` has the last word).
 """
 
 from __future__ import annotations

@@ -352,7 +352,7 @@ def coarsen(problem: Problem, *, cap_s: float | None = None, base: Coarsening | 
         if time[a] + time[b] > cap or memory[a] + memory[b] > memory_cap:
             continue
         if has_tied[a] and has_tied[b]:
-            continue  # keep replicated tied users apart: their placement is the decision
+            continue  # keep copied tied users apart: their placement is the decision
         keep = uf.union(a, b)  # the smaller index; fold the other's adjacency into it
         gone = b if keep == a else a
         time[keep] += time[gone]

@@ -186,7 +186,7 @@ class StageSums:
 
     forward_s: float = 0.0
     backward_s: float = 0.0
-    comm_s: float = 0.0  # sends, receives, and all-reduces of replicated tied parameters
+    comm_s: float = 0.0  # sends, receives, and all-reduces of tied parameters' copies
     params: int = 0  # parameter bytes held: its nodes' and its copies of tied ones
     own_params: int = 0  # its nodes' own parameters: all-reduced when the stage is replicated
     activations: int = 0  # saved for backward

@@ -14,7 +14,7 @@ what it adds is where values travel:
                    each crossing of boundary b charges the node's comm_s to stage b and b+1.
         DIRECT     a value read on a stage other than its own charges comm_s once to its
                    own stage, and once to every other stage that reads it.
-               + all-reduce of a replicated tied parameter, on each stage holding a copy,
+               + all-reduce of a copied tied parameter, on each stage holding a copy,
                  when more than one stage holds one.
     received   bytes of values it receives (NEIGHBOUR: also the ones it passes on)
     kept       bytes of the values its own nodes produce that a later stage reads or that

@@ -21,7 +21,7 @@ Variables
                 for w in W (stage j keeps them until the backward: StageMemory.outputs)
       B[j]    = bytes of the largest backward transient on stage j >= grad[g] * x[g,j]
                 (an integer, StageMemory.backward; grad[g]: the largest of g's nodes')
-    tied parameter G (replicated): u[G,j] = [stage j holds a copy], m[G] = [more than one
+    tied parameter G (copied): u[G,j] = [stage j holds a copy], m[G] = [more than one
       copy], a[G,j] = [stage j all-reduces]
     recompute chosen per stage (Problem.recompute AUTO, where memory counts):
       z[j]    = [stage j recomputes in full: keeps one micro-batch's activations, runs its
@@ -156,7 +156,7 @@ class StageModel:
         self._rounding_terms = (
             ((2 if self.replicating else 1) + (self.options != (Option(StageRecompute.NONE),)))
             * G
-            + 4 * p.virtual_stages * len(classes) + len(costs.replicated) + 1)
+            + 4 * p.virtual_stages * len(classes) + len(costs.copied) + 1)
         self._hint_recompute: tuple[Option, ...] | None = None
         self.upper_ticks = self._upper_ticks(hint, upper_s)
 

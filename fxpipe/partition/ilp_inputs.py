@@ -67,8 +67,8 @@ class GroupCosts:
     # seconds it runs again
     selective: list[tuple[int, ...]]
     selective_fwd: list[tuple[float, ...]]
-    # tied groups whose copies are replicated over several coarse nodes: (group, holders)
-    replicated: list[tuple[TiedGroup, list[int]]]
+    # tied groups copied onto several coarse nodes: (group, holders)
+    copied: list[tuple[TiedGroup, list[int]]]
 
 
 def group_costs(coarsening: Coarsening, scale: int) -> GroupCosts:
@@ -82,14 +82,14 @@ def group_costs(coarsening: Coarsening, scale: int) -> GroupCosts:
     param_state = added_up(np.asarray(coarsening.group_of), G, nodes.params * state).tolist()
     params = [int(b) for b in costs.params]
     held = [0] * G
-    replicated = []
+    copied = []
     for tied in p.tied:
         holders = sorted({coarsening.group_of[v] for v in tied.nodes})
         if len(holders) == 1 or p.tied_policy is TiedPolicy.COLOCATE:
             param_state[holders[0]] += tied.param_bytes * state
             held[holders[0]] += tied.param_bytes
         else:
-            replicated.append((tied, holders))
+            copied.append((tied, holders))
     held = [h + b for h, b in zip(held, params, strict=True)]
     secs = costs.compute_s.tolist()
 
@@ -103,7 +103,7 @@ def group_costs(coarsening: Coarsening, scale: int) -> GroupCosts:
                       grad=whole(costs.transient), deferred=whole(costs.deferred),
                       selective=[tuple(whole(row)) for row in costs.selective],
                       selective_fwd=[tuple(row) for row in costs.selective_again_s.tolist()],
-                      replicated=replicated)
+                      copied=copied)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Stage j's time and memory on r replicas as rows over x[g,j]: the stage cost formula
 (``fxpipe.partition.cost``) in the linear form the CP-SAT program (ilp.py) bounds, with
 the indicators it needs: where values travel (cu, cd or r, o), what a stage keeps for a
-later one (e), its largest backward transient (B), and replicated tied parameters (u, m,
+later one (e), its largest backward transient (B), and the copies of tied parameters (u, m,
 a). Recompute (z, A, R) is chosen by the program, which adds it to these rows.
 """
 
@@ -42,7 +42,7 @@ class StageRows:
         self.stash = problem.schedule.spec.stashes_weights  # a weight copy per micro-batch
         # per stage: ticks of transfers and tied all-reduces (compute is added per
         # replica count), bytes received, (bytes, e[k,j]) kept for later stages, B[j],
-        # bytes of replicated tied parameters
+        # bytes of tied parameters' copies
         self.comm_time: list[Terms] = [[] for _ in self.all_stages]
         self.received: list[Terms] = [[] for _ in self.all_stages]
         self.sent: list[Terms] = [[] for _ in self.all_stages]
@@ -123,7 +123,7 @@ class StageRows:
         """Replicated tied parameters: u[G,j] >= x[h,j] for each holder h, m[G] >= u[G,j] -
         x[first holder,j], a[G,j] >= u[G,j] + m[G] - 1. A copy's bytes on every stage that
         holds one, an all-reduce on each when there is more than one."""
-        for tied, holders in self.costs.replicated:
+        for tied, holders in self.costs.copied:
             name = tied.name
             uses = [self.terms.at_least([self.x(h, j) for h in holders], f"u[{name},{j}]")
                     for j in self.all_stages]

@@ -36,7 +36,7 @@ the GPU times, sorted from the slowest, decrease lexicographically and the searc
 Each GPU takes its fastest recompute choice that fits (``cost.choose_recompute``'s
 rule). Blocks are priced like the interval DP prices them (``baselines.Blocks``: the
 stage cost formula with cut communication, received and kept values, the loss, the
-backward transient) plus the copies and all-reduces of replicated tied parameters;
+backward transient) plus the copies of tied parameters and their all-reduces;
 ``evaluate`` has the last word on the split found. Deterministic: no clock, no
 randomness. ``repair.py`` moves single cuts too (``pair_sweeps``), on any split.
 

@@ -4,7 +4,7 @@ The search over splits of the exact groups' order where GPUs share stage modules
 (``interleave.py``, ``rounds.py``) prices a stage on the block [start, end) of the order
 as the interval DP prices it (``baselines.Blocks``: the stage cost formula with cut
 communication, received and kept values, the loss, the backward transient), plus the
-copies and all-reduces of replicated tied parameters, once per recompute choice; and a
+copies of tied parameters and their all-reduces, once per recompute choice; and a
 GPU's time as the sum over its stage modules with its fastest recompute choice that fits.
 Many blocks are priced at once: a row or a column (``block``), or a grid of starts and
 ends (``pairs``).
