@@ -1,6 +1,6 @@
 """fxpipe split --tp: tensor parallelism inside a host as the layout's third dimension,
 searched, pinned, written (plan.json, report.md), refused in one line, and a package of
-such a plan refusing to run (fxpipe plans it; its runtime is a later step)."""
+such a plan running under torchrun only."""
 
 from __future__ import annotations
 
@@ -83,16 +83,23 @@ def test_a_tp_that_cannot_hold_is_one_line(tmp_path: Path, model: Path, flags: t
     assert not (tmp_path / "x").exists()
 
 
-def test_a_package_of_a_tp_plan_refuses_to_run_in_one_line(tmp_path: Path) -> None:
+def test_a_package_of_a_tp_plan_runs_under_torchrun_only(tmp_path: Path) -> None:
+    """The one-process runner refuses in one line; distributed.py runs it, with the table
+    of which parameters split along which dim (tests/distributed/test_tensor_parallel_*
+    runs it)."""
     _split(tmp_path, "--pp", "2", "--tp", "2")
     package = load_package(tmp_path / "out")
     runner = importlib.import_module(f"{package.__name__}.runner")
-    says = "this plan splits each stage over 2 GPUs (tensor parallelism, --tp 2)"
+    says = ("this plan splits each stage over 2 GPUs (tensor parallelism, --tp 2), which "
+            "runs under torchrun only (train_torchrun.py, 4 processes); split again with "
+            "--tp 1 to run it in one process")
     with pytest.raises(ValueError, match=r"^this plan splits each stage over 2 GPUs") as error:
         runner.PipelineRunner([])  # before it reads its stages
-    assert says in str(error.value) and "\n" not in str(error.value)
+    assert str(error.value) == says
     distributed = (tmp_path / "out" / "distributed.py").read_text()
-    assert "UNSUPPORTED = (\n    \"this plan splits each stage over 2 GPUs" in distributed
+    assert "UNSUPPORTED = None" in distributed
+    assert "TENSOR_PARALLEL = (2, (" in distributed
+    assert "    tensor_parallel=TENSOR_PARALLEL,\n" in distributed
 
 
 def test_python_plans_and_refuses_tp_as_the_command_line_does() -> None:

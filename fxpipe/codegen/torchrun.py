@@ -12,6 +12,7 @@ import torch.fx
 from fxpipe import schedules
 from fxpipe.codegen.signature import tuple_literal
 from fxpipe.codegen.stages import PlanError, wrap_line
+from fxpipe.codegen.tensor_parallel import tensor_parallel_lines
 from fxpipe.cut import StageIO
 from fxpipe.frontend import Traced
 from fxpipe.plan import Plan
@@ -45,14 +46,15 @@ def string_constant(name: str, text: str | None) -> list[str]:
 
 
 def tensor_parallel_limit(plan: Plan) -> str | None:
-    """Why no runner runs ``plan`` yet, or None: its layout splits each stage over tp GPUs
-    of a host (tensor parallelism), which is planned but not run."""
+    """Why the one-process runner does not run ``plan``, or None: its layout splits each
+    stage over tp GPUs of a host (tensor parallelism), which runs under torchrun only."""
     layout = plan.layout
     if layout is None or layout.tp == 1:
         return None
     return (f"this plan splits each stage over {layout.tp} GPUs (tensor parallelism, "
-            f"--tp {layout.tp}), which fxpipe plans but does not run yet: split again with "
-            f"--tp 1 to run it")
+            f"--tp {layout.tp}), which runs under torchrun only (train_torchrun.py, "
+            f"{_processes(plan) * layout.tp} processes); split again with --tp 1 to run it "
+            f"in one process")
 
 
 def _distributed_limit(plan: Plan) -> str | None:
@@ -60,9 +62,6 @@ def _distributed_limit(plan: Plan) -> str | None:
     torch.distributed.pipelining class to run on, or splits the backward of replicated
     stages."""
     spec = kind_spec(plan)
-    tensor = tensor_parallel_limit(plan)
-    if tensor is not None:
-        return tensor
     if spec.splits_backward and any(stage.replicas > 1 for stage in plan.stages):
         return (f"this plan's {plan.schedule} stages are replicated ({plan.configuration}), "
                 f"which a schedule that splits the backward does not run; split again "
@@ -164,6 +163,7 @@ def distributed_source(traced: Traced, plan: Plan, ios: list[StageIO]) -> str:
         "# UNSUPPORTED: why this plan cannot run here (None: it can)",
         *string_constant("UNSUPPORTED", _distributed_limit(plan)),
         *_data_parallel(plan),
+        *tensor_parallel_lines(traced.gm, plan, ios, tied),
         "# WIRES[k]: the values stage k receives, in this order; a value passes through",
         "# every stage between the one that makes it and the last one that reads it.",
         "WIRES = (",
@@ -186,6 +186,9 @@ def distributed_source(traced: Traced, plan: Plan, ios: list[StageIO]) -> str:
     if _data_parallel(plan):
         footer = footer.replace("    recompute=RECOMPUTE,\n",
                                 "    recompute=RECOMPUTE,\n    data_parallel=DATA_PARALLEL,\n")
+    if plan.layout is not None and plan.layout.tp > 1:
+        footer = footer.replace("    recompute=RECOMPUTE,\n",
+                                "    recompute=RECOMPUTE,\n    tensor_parallel=TENSOR_PARALLEL,\n")
     return "\n".join([*lines, "", footer])
 
 

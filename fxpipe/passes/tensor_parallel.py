@@ -39,7 +39,7 @@ from fxpipe.partition.tensor_parallel import REPLICATED, Shard
 from fxpipe.passes.base import OP_NODES
 
 __all__ = ["Pair", "TensorParallel", "annotate_tensor_parallel", "embedding_rows",
-           "linear_features", "shards"]
+           "linear_features", "op_name", "shards"]
 
 # What flows from a column's output before reaching a linear spreads past this many ops
 # only on the model's main stream (the residual): no pair is that long
@@ -224,7 +224,7 @@ def _attention(columns: list[torch.fx.Node], inside: set[torch.fx.Node]
     tokens, head width)."""
     flowing = inside | set(columns)
     for node in sorted(inside):  # graph order
-        name = _name(node.target)
+        name = op_name(node.target)
         values = [a for a in node.all_input_nodes if a in flowing]
         if _ATTENTION in name or (name in _MATMULS and len(values) == 2):
             query = meta.SHAPE.get(node.all_input_nodes[0]).tensors[0].shape
@@ -274,7 +274,7 @@ def linear_features(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[int,
             module, torch.nn.Linear) else None
     if node.op != "call_function":
         return None
-    name = _name(node.target)
+    name = op_name(node.target)
     if name == "linear" and len(node.args) > 1:
         shape = _weight_shape(node.args[1])
         return (shape[0], shape[1]) if shape is not None else None
@@ -283,7 +283,7 @@ def linear_features(gm: torch.fx.GraphModule, node: torch.fx.Node) -> tuple[int,
         if isinstance(weight, torch.fx.Node) and weight.op == "get_attr":
             shape = _weight_shape(weight)  # (in, out): x @ w
             return (shape[1], shape[0]) if shape is not None else None
-        if (isinstance(weight, torch.fx.Node) and _name(weight.target) in ("t", "transpose",
+        if (isinstance(weight, torch.fx.Node) and op_name(weight.target) in ("t", "transpose",
                                                                             "permute")
                 and weight.args):
             shape = _weight_shape(weight.args[0])  # (out, in): x @ w.t()
@@ -297,7 +297,7 @@ def embedding_rows(gm: torch.fx.GraphModule, node: torch.fx.Node) -> int | None:
     if node.op == "call_module":
         module = gm.get_submodule(str(node.target))
         return module.num_embeddings if isinstance(module, torch.nn.Embedding) else None
-    if node.op != "call_function" or _name(node.target) != "embedding":
+    if node.op != "call_function" or op_name(node.target) != "embedding":
         return None
     table = next((a for a in node.all_input_nodes if a.op == "get_attr"), None)
     shape = _weight_shape(table) if table is not None else None
@@ -330,7 +330,7 @@ def _layers(path: str) -> str:
     return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", path)
 
 
-def _name(target: object) -> str:
+def op_name(target: object) -> str:
     """An op's name: aten's overload packet's (``linear`` of ``aten.linear.default``), a
     function's or a method's."""
     packet = getattr(target, "overloadpacket", None)

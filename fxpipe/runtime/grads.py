@@ -22,7 +22,8 @@ user or DDP/FSDP) does the same: the holders' ranks in its group mapped to the j
 
 Clipping (``clip_grads``) takes the norm of the whole model's gradients: each rank adds
 the p-th powers of what it alone counts (a tied parameter on its first stage's ranks, a
-replicated gradient on copy 0, a sharded one's local shard on every rank), one
+replicated gradient on copy 0, a sharded one's local shard on every rank, a tensor-parallel
+one's replicated on the first of its tp ranks), one
 all-reduce sums them, and torch's ``clip_grads_with_norm_`` scales every rank's.
 """
 
@@ -37,6 +38,7 @@ from .adapter import StageAdapter
 from .data_parallel import total_norm
 from .materialize import rebind
 from .ranks import RankLayout
+from .tensor_parallel import counted_here, settle_grads
 
 __all__ = ["clip_grads", "make_groups", "reduce_grads"]
 
@@ -81,7 +83,9 @@ def make_groups(layout: RankLayout, tied: Sequence[Mapping[int, str]],
 def reduce_grads(adapters: Sequence[StageAdapter]) -> None:
     """Sum each tied parameter's gradient over the ranks holding a copy (once per
     rank, however many of ``adapters`` use it), and every other gradient of an
-    unevenly replicated stage over its replicas (each divides its loss by r itself)."""
+    unevenly replicated stage over its replicas (each divides its loss by r itself). A
+    stage split over a host's ranks has its gradients placed as its parameters first."""
+    settle_grads(p for adapter in adapters for p in adapter.parameters())
     tied: set[int] = set()
     for adapter in adapters:
         for tied_group, param in adapter.tied:
@@ -118,7 +122,7 @@ def clip_grads(layout: RankLayout, tied: Sequence[Mapping[int, str]],
     params = list({id(p): p for a in adapters.values() for p in a.parameters()
                    if p.grad is not None}.values())
     counted = [p.grad for p in params if p.grad is not None and id(p) not in elsewhere
-               and (first_copy or isinstance(p.grad, DTensor))]
+               and (first_copy or isinstance(p.grad, DTensor)) and counted_here(p.grad)]
     device = next(iter(adapters.values())).device or torch.device("cpu")
     norm = total_norm(counted, norm_type, group, torch.device(device))
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)

@@ -2,17 +2,17 @@
 
 # K: stages, r_j: replicas of stage j (REPLICAS), Σ r_j processes, M: micro-batches.
 
-A ``DistributedPipeline`` holds a package's stage classes, wires (adapter.py)
-and tied parameters (grads.py); the generated ``distributed.py`` makes one and
-exports its methods as module functions. Which rank runs which stage is
-ranks.py. Each rank's stage is a torch ``PipelineStage`` around a
-``StageAdapter``, driven by torch's schedules: gpipe -> ``ScheduleGPipe``, 1f1b
--> ``Schedule1F1B``, interleaved -> ``ScheduleInterleaved1F1B`` over the rank's
-v stages, zb1p, zbv and dualpipev as torch_zero_bubble.py says. When every stage has the
-same r, each of the r lanes is a whole ``PipelineStage`` pipeline, and a plan's layout
-runs d of them: on a ``DeviceMesh``, each stage's copies kept equal by torch's DDP (or a
-layout's FSDP2; data_parallel.py). Stages with different replica counts run the
-runner's schedule table (table.py).
+A ``DistributedPipeline`` holds a package's stage classes, wires (adapter.py) and tied
+parameters (grads.py); the generated ``distributed.py`` makes one and exports its methods
+as module functions. Which rank runs which stage is ranks.py. Each rank's stage is a
+torch ``PipelineStage`` around a ``StageAdapter``, driven by torch's schedules: gpipe ->
+``ScheduleGPipe``, 1f1b -> ``Schedule1F1B``, interleaved -> ``ScheduleInterleaved1F1B``
+over the rank's v stages, zb1p, zbv and dualpipev as torch_zero_bubble.py says. When every
+stage has the same r, each of the r lanes is a whole ``PipelineStage`` pipeline, and a
+plan's layout runs d of them: on a ``DeviceMesh``, each stage's copies kept equal by
+torch's DDP (or a layout's FSDP2; data_parallel.py), each stage split over t ranks of a
+host (tensor_parallel.py). Stages with different replica counts run the runner's
+schedule table (table.py).
 
 Memory: with ``checkpoint``, ``pipeline_stage`` allocates only the rank's own
 stage (materialize.py), so no rank holds the whole model::
@@ -58,6 +58,7 @@ from .own_loss import feed_target, target_or_none
 from .ranks import RankLayout
 from .recompute import modes
 from .table import TableSchedule, TableStage
+from .tensor_parallel import split_stage, tensor_mesh, tensor_step
 from .torch_schedules import schedule_class, torch_schedule
 from .torch_zero_bubble import ZERO_BUBBLE, zero_bubble_schedule
 
@@ -88,6 +89,7 @@ class DistributedPipeline(RankLayout):
         shared_inputs: Collection[str] = (),
         recompute: Sequence[str | bool] = (),
         data_parallel: tuple[int, str] = (1, "fsdp"),
+        tensor_parallel: tuple[int, Sequence[Mapping[str, int]]] = (1, ()),
     ) -> None:
         # per stage, how it recomputes (recompute.MODES)
         self.recompute = modes(tuple(recompute) or None, len(stage_classes))
@@ -97,7 +99,9 @@ class DistributedPipeline(RankLayout):
         # the plan's layout: d pipelines side by side, each stage's d copies kept equal by
         # torch's FSDP2 or DDP (data_parallel.py)
         dp, self.dp_mode = check_data_parallel(data_parallel, replicas)
-        super().__init__(len(stage_classes), replicas, virtual_stages, device_of, dp)
+        # each stage split over tp ranks of a host as the plan says (tensor_parallel.py)
+        tp, self.tp_shards = tensor_parallel[0], [dict(s) for s in tensor_parallel[1]]
+        super().__init__(len(stage_classes), replicas, virtual_stages, device_of, dp, tp)
         self.dp_group: Any = None  # this rank's dp sub-mesh's process group, once built
         self.norm_group: Any = None  # the ranks gradient clipping sums over (None: the job)
         self.unsupported = unsupported  # why this plan cannot run under torchrun
@@ -124,7 +128,7 @@ class DistributedPipeline(RankLayout):
         needed. Parameters and buffers still on ``meta`` are materialized and
         loaded from ``checkpoint`` (a state_dict or a ``torch.save`` file of one,
         memory-mapped); nothing outside this stage is allocated."""
-        k = self._check_stage(stage_index)
+        k = self.check_stage(stage_index)
         device = torch.device(device)
         examples = example_values(self.stage_classes, self.flatten_inputs, self.build_output,
                                   model, example_args, example_kwargs, self.precision, device)
@@ -199,8 +203,8 @@ class DistributedPipeline(RankLayout):
         # d pipelines of a layout, or r lanes (rank j·r + l: stage j of lane l), each
         # pipeline on the mesh's pp dimension, each stage's copies on its dp dimension
         mesh, mode = None, self.dp_mode if self.dp > 1 else "ddp"
-        if self.dp > 1:  # the example micro-batch is one pipeline's, as the plan's M is
-            mesh = make_mesh(device, self.dp, self.num_ranks)
+        if self.dp * self.tp > 1:  # the example micro-batch is one pipeline's, as M is
+            mesh = tensor_mesh(device, self.dp, self.num_ranks, self.tp)
             rank = mesh["pp"].get_local_rank()
         else:
             example_args, example_kwargs = self.lane_share(
@@ -211,9 +215,11 @@ class DistributedPipeline(RankLayout):
         built = {k: self.stage_module(model, k, device, *example_args, checkpoint=checkpoint,
                                       **example_kwargs) for k in self.stages_of(rank)}
         modules: dict[int, Any] = {k: adapter for k, (adapter, _, _) in built.items()}
+        for k in modules if self.tp > 1 else ():
+            split_stage(modules[k].stage, self.tp_shards[k], mesh["tp"])  # type: ignore[index]
         group = group if mesh is None else mesh["pp"].get_group()
         make_groups(self.one_pipeline(), self.tied, modules, group)
-        if mesh is not None:
+        if mesh is not None and self.dp * self.lanes > 1:
             self.dp_group = mesh["dp"].get_group()
             modules = {k: shard(adapter, mode, mesh["dp"]) for k, adapter in modules.items()}
         return skip_warmup_sends_to_self([
@@ -352,9 +358,9 @@ class DistributedPipeline(RankLayout):
         if last is not None:
             target = self.lane_share(target, lane, microbatches=m, what="the target")
             target = pytree.tree_map_only(torch.Tensor, lambda t: t.to(last.device), target)
-            step(schedule, stages, *feed, target=feed_target(target, m), losses=losses)
-        else:
-            step(schedule, stages, *feed)
+        with tensor_step(self.tp, stages[0].device):
+            step(schedule, stages, *feed, **({} if last is None else {
+                "target": feed_target(target, m), "losses": losses}))
         if not schedule.scale_grads:  # built unscaled, see build_schedule
             for param in {id(p): p for s in stages for p in s.submod.parameters()}.values():
                 if param.grad is not None:
@@ -387,11 +393,6 @@ class DistributedPipeline(RankLayout):
         rank, however many of its stages use it); with replicated stages, average every
         gradient over its stage's replicas."""
         reduce_grads([cast(StageAdapter, s.submod) for s in _as_list(stage)])
-
-    def _check_stage(self, k: int) -> int:
-        if not 0 <= k < self.num_stages:
-            raise ValueError(f"no stage {k}: this package has stages 0..{self.num_stages - 1}")
-        return k
 
 
 def _as_list(stage: Any) -> list[Any]:

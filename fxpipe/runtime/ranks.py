@@ -42,12 +42,16 @@ class RankLayout:
     ``device_of[j]`` when there are several."""
 
     def __init__(self, num_stages: int, replicas: Sequence[int] = (),
-                 virtual_stages: int = 1, device_of: Sequence[int] = (), dp: int = 1) -> None:
+                 virtual_stages: int = 1, device_of: Sequence[int] = (), dp: int = 1,
+                 tp: int = 1) -> None:
         self.replicas = tuple(replicas) or (1,) * num_stages
         assert len(self.replicas) == num_stages and min(self.replicas) >= 1
         # pipelines side by side (the plan's layout, data_parallel.py): job rank i·pp + j
         # is rank j of pipeline i; every rank below is a pipeline's own
         self.dp = dp
+        # each rank split over tp job ranks of a host (tensor_parallel.py): job rank
+        # (i·pp + j)·tp + k is rank k of the split of pipeline i's rank j
+        self.tp = tp
         assert dp >= 1 and (dp == 1 or max(self.replicas) == 1), (dp, self.replicas)
         self.virtual_stages = virtual_stages
         assert num_stages % virtual_stages == 0
@@ -91,8 +95,8 @@ class RankLayout:
     def copy_of(self, rank: int) -> int:
         """Which copy of its stage job rank ``rank`` runs: its pipeline (a layout), its
         lane, or its replica; copy 0 speaks for them all."""
-        if self.dp > 1:
-            return rank // self.num_ranks
+        if self.dp * self.tp > 1:
+            return rank // (self.num_ranks * self.tp)
         return self.position(rank)[1]
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
@@ -112,11 +116,21 @@ class RankLayout:
         """Each stage's rank within its lane's pipeline (torch's group rank)."""
         return self.rank_of if self.virtual_stages > 1 else tuple(range(self.num_stages))
 
+    def check_stage(self, k: int) -> int:
+        """``k``, refused in one line where this plan has no stage ``k``."""
+        if not 0 <= k < self.num_stages:
+            raise ValueError(f"no stage {k}: this package has stages 0..{self.num_stages - 1}")
+        return k
+
     def check_world_size(self, world_size: int) -> None:
         """A job of ``world_size`` processes must have one per rank of this layout."""
-        if world_size == self.num_ranks * self.dp:
+        if world_size == self.num_ranks * self.dp * self.tp:
             return
-        if self.dp > 1:
+        if self.tp > 1:
+            what = (f"GPUs of the plan's layout ({self.dp} pipeline{'s' * (self.dp > 1)} of "
+                    f"{self.num_ranks} stages, each split over {self.tp} GPUs, "
+                    f"{self.dp * self.num_ranks * self.tp} in all)")
+        elif self.dp > 1:
             what = (f"GPUs of the plan's layout ({self.dp} data-parallel pipelines of "
                     f"{self.num_ranks} GPUs, {self.dp * self.num_ranks} in all)")
         elif self.virtual_stages > 1:
@@ -128,7 +142,7 @@ class RankLayout:
             what = f"GPUs of the plan ({'-'.join(map(str, self.replicas))})"
         raise ValueError(
             f"world size ({world_size}) must equal the number of {what}: launch with "
-            f"torchrun --nproc-per-node {self.num_ranks * self.dp}"
+            f"torchrun --nproc-per-node {self.num_ranks * self.dp * self.tp}"
         )
 
     def check_placement(self, kind: str, planned: str) -> None:

@@ -1,0 +1,150 @@
+"""The ``TENSOR_PARALLEL`` table of a plan that splits each stage over t GPUs of a host:
+per stage, which parameters split along which dim (``runtime/tensor_parallel.py`` makes
+them DTensors so), read off each op's ``meta.SHARD`` role
+(``passes/tensor_parallel.py``).
+
+A linear's weight is (out, in) as ``nn.Linear`` and ``aten.linear`` hold it, or (in, out)
+where torch.export wrote ``x @ w`` (``addmm`` / ``mm`` on the weight itself): a column-
+parallel linear and a vocabulary-parallel LM head split its out features (and their
+bias), a row-parallel one its in features (its bias, added once to the sum, stays
+whole); a vocabulary-parallel embedding splits its table's rows where its lookups have
+one reader, else its width: torch's DTensor sums each GPU's share of a row-split lookup
+when it is first read and fails on a second reader (torch 2.13's ``_MaskPartial`` keeps
+its mask for one reduction), while a width-split lookup is gathered where read. A
+parameter claimed along two dims (read by two ops that split it differently, or tied to
+one that does) stays whole: DTensor runs any placement exactly, only the collectives
+differ.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch.fx
+
+from fxpipe import meta
+from fxpipe.codegen.stages import wrap_line
+from fxpipe.cut import StageIO
+from fxpipe.passes.base import OP_NODES
+from fxpipe.passes.tensor_parallel import annotate_tensor_parallel, embedding_rows, op_name
+from fxpipe.plan import Plan
+
+__all__ = ["parameter_splits", "tensor_parallel_lines"]
+
+# the dim of an (out, in) weight each role splits: rows (out features) or columns (in)
+_OUT, _IN = 0, 1
+_WEIGHT_DIM = {"column": _OUT, "vocab_head": _OUT, "row": _IN, "vocab_embedding": _OUT}
+# ops that carry a row-split lookup's unsummed shares on (DTensor's partial placement)
+_CARRY = frozenset({"to", "_to_copy", "type_as", "float", "double", "half", "bfloat16",
+                    "view", "reshape", "_unsafe_view", "contiguous", "clone", "alias",
+                    "detach", "dropout", "mul", "div", "neg", "truediv"})
+
+
+def tensor_parallel_lines(gm: torch.fx.GraphModule, plan: Plan, ios: list[StageIO],
+                          tied: list[dict[int, str]]) -> list[str]:
+    """The ``TENSOR_PARALLEL`` lines of ``distributed.py`` (none where the plan's layout
+    has t = 1, so that such a package reads as before tensor parallelism)."""
+    layout = plan.layout
+    if layout is None or layout.tp == 1:
+        return []
+    splits = parameter_splits(gm, ios, tied)
+    lines = [
+        "# TENSOR_PARALLEL: (t, per stage the parameters split over its t GPUs of a host and",
+        "# the dim each splits along); the rest of each stage is whole on every one of them",
+        f"TENSOR_PARALLEL = ({layout.tp}, (",
+    ]
+    for j, split in enumerate(splits):
+        lines.append(f"    # stage {j}")
+        items = ", ".join(f"{json.dumps(name)}: {dim}" for name, dim in split.items())
+        lines += wrap_line(f"    {{{items}}},") if len(items) < 80 else [
+            "    {", *(f"        {json.dumps(name)}: {dim}," for name, dim in split.items()),
+            "    },"]
+    lines.append("))")
+    return lines
+
+
+def parameter_splits(gm: torch.fx.GraphModule, ios: list[StageIO],
+                     tied: list[dict[int, str]]) -> list[dict[str, int]]:
+    """Per stage, the parameters (by the names the stage binds) split over the TP ranks
+    and the dim of each, in name order."""
+    if any(not meta.SHARD.has(n) for n in gm.graph.nodes if n.op in OP_NODES):
+        annotate_tensor_parallel(gm)
+    by_node = {n.name: n for n in gm.graph.nodes}
+    claims: dict[str, set[int]] = {}  # parameter -> the dims ops split it along
+    bound: list[set[str]] = []  # per stage, the parameters it binds
+    for io in ios:
+        nodes = [by_node[name] for name in io.nodes]
+        bound.append({name for node in nodes for name in _parameters(gm, node)})
+        for node in nodes:
+            if node.op in OP_NODES:
+                for param, dim in _claims(gm, node):
+                    claims.setdefault(param, set()).add(dim)
+    split = {name: dims for name, dims in claims.items() if len(dims) == 1}
+    for group in tied:  # a tied parameter splits only as every one of its names does
+        if len({frozenset(split.get(name, ())) for name in group.values()}) > 1:
+            for name in group.values():
+                split.pop(name, None)
+    return [{name: next(iter(split[name])) for name in sorted(names) if name in split}
+            for names in bound]
+
+
+def _parameters(gm: torch.fx.GraphModule, node: torch.fx.Node) -> list[str]:
+    """The names of the parameters ``node`` reads directly (a module call's own, or a
+    ``get_attr``'s)."""
+    if node.op == "call_module":
+        return [name for name, _ in gm.get_submodule(str(node.target)).named_parameters(
+            str(node.target), remove_duplicate=False)]
+    if node.op == "get_attr":
+        return [str(node.target)]
+    return []
+
+
+def _claims(gm: torch.fx.GraphModule, node: torch.fx.Node) -> list[tuple[str, int]]:
+    """(parameter, dim) for each parameter ``node`` splits as its role says."""
+    role = meta.SHARD.get(node).role
+    dim = _WEIGHT_DIM.get(role)
+    if role == "vocab_embedding" and _read_twice(node):
+        dim = _IN  # split by width (see the module's docstring)
+    if dim is None:
+        return []
+    if node.op == "call_module":
+        module = gm.get_submodule(str(node.target))
+        found = [(f"{node.target}.weight", dim)]
+        if getattr(module, "bias", None) is not None and dim == _OUT:
+            found.append((f"{node.target}.bias", _OUT))
+        return found
+    if embedding_rows(gm, node) is not None:
+        table = next(a for a in node.all_input_nodes if a.op == "get_attr")
+        return [(str(table.target), dim)]
+    return _function_claims(node, dim)
+
+
+def _read_twice(node: torch.fx.Node) -> bool:
+    """Whether an embedding's lookups reach two readers before an op sums the GPUs'
+    shares: through casts, views and scalings (which DTensor lets carry the shares on),
+    any node with more than one user."""
+    while len(node.users) == 1:
+        (node,) = node.users
+        if node.op == "output" or op_name(node.target) not in _CARRY:
+            return False
+    return len(node.users) > 1
+
+
+def _function_claims(node: torch.fx.Node, dim: int) -> list[tuple[str, int]]:
+    """``linear(x, w, b)``, ``addmm(b, x, w)`` or ``mm(x, w)``, w a ``get_attr`` weight
+    or its transpose (``t``, ``transpose``, ``permute``)."""
+    name = op_name(node.target)
+    if name == "linear":
+        weight, bias = node.args[1], node.args[2] if len(node.args) > 2 else None
+        transposed = False
+    else:
+        weight, bias = node.args[-1], node.args[0] if name == "addmm" else None
+        transposed = True  # x @ w: w is (in, out)
+        if isinstance(weight, torch.fx.Node) and weight.op != "get_attr" and weight.args:
+            weight, transposed = weight.args[0], False  # x @ w.t(): w is (out, in)
+    found = []
+    if isinstance(weight, torch.fx.Node) and weight.op == "get_attr":
+        found.append((str(weight.target), 1 - dim if transposed else dim))
+    if isinstance(bias, torch.fx.Node) and bias.op == "get_attr" and dim == _OUT:
+        found.append((str(bias.target), 0))
+    return found

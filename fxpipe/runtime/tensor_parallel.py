@@ -1,0 +1,118 @@
+"""Tensor parallelism inside a host: each stage split over t ranks as Megatron-LM splits
+it, on torch's DTensor.
+
+# pp: ranks per pipeline, d: pipelines, t: ranks splitting each stage (the TP degree).
+
+The job's d · pp · t ranks sit on a 3-D ``DeviceMesh`` ("dp", "pp", "tp"), tp innermost
+so that a stage's t ranks share a host: job rank (i · pp + j) · t + k is rank k of the
+split of pipeline i's rank j. Rank k of a stage receives whole values from rank k of the
+stage before it (its pp sub-mesh) and sends whole values on::
+
+    tp 0 | rank 0 (stage 0) ──► rank 2 (stage 1)
+    tp 1 | rank 1 (stage 0) ──► rank 3 (stage 1)
+           └ tp sub-mesh ┘      └ tp sub-mesh ┘     DTensor's collectives run inside each
+
+The plan's ``TENSOR_PARALLEL`` says per stage which parameters split along which dim (a
+column-parallel linear's weight by its rows, a row-parallel one's by its columns, a
+vocabulary-parallel embedding's and LM head's by the vocabulary); every other parameter
+and buffer is a replicated DTensor. The generated stage runs as it is: a DTensor has the
+model's shapes, so the head counts and split sizes written in the stage hold, and torch's
+sharding rules place the all-reduces (a row-parallel linear's partial sums meeting the
+residual stream). Received values enter as replicated DTensors (their gradients summed
+over the t ranks in the backward, the column-parallel pair's all-reduce); sent values
+and the model's output leave whole (``full_tensor``: partial sums all-reduced, split
+values gathered). Tensors the stage makes itself (positions, masks) count as replicated
+(torch's ``implicit_replication``) in the step's forward and backward.
+"""
+
+import contextlib
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.experimental import implicit_replication
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from .data_parallel import make_mesh
+
+__all__ = ["counted_here", "settle_grads", "split_stage", "tensor_mesh", "tensor_step"]
+
+
+def tensor_mesh(device: torch.device | str, dp: int, pp: int, tp: int) -> DeviceMesh:
+    """The job's ranks as a ``DeviceMesh`` ("dp", "pp", "tp"), tp innermost; with t = 1
+    data_parallel.py's ("dp", "pp") (collective: every rank calls it)."""
+    if tp == 1:
+        return make_mesh(device, dp, pp)
+    return init_device_mesh(torch.device(device).type, (dp, pp, tp),
+                            mesh_dim_names=("dp", "pp", "tp"))
+
+
+def split_stage(stage: nn.Module, shards: Mapping[str, int], mesh: DeviceMesh) -> None:
+    """Make every parameter and buffer of ``stage`` a DTensor on ``mesh`` (the stage's
+    1-D tp sub-mesh): split along dim ``shards[name]`` where its name is there, else
+    replicated, one DTensor per original tensor (ties inside the stage stay ties); and
+    make ``stage``'s forward take and give whole tensors (collective over ``mesh``)."""
+    made: dict[int, torch.Tensor] = {}
+    for prefix, module in stage.named_modules(remove_duplicate=False):
+        for table, is_param in ((module._parameters, True), (module._buffers, False)):
+            for key, value in table.items():
+                if value is None or isinstance(value, DTensor):
+                    continue
+                if id(value) not in made:
+                    dim = shards.get(f"{prefix}.{key}" if prefix else key)
+                    placement = Replicate() if dim is None else Shard(dim)
+                    split = distribute_tensor(value.detach(), mesh, [placement])
+                    made[id(value)] = (nn.Parameter(split, requires_grad=value.requires_grad)
+                                       if is_param else split)
+                table[key] = made[id(value)]
+    stage.forward = _whole_at_the_edges(stage.forward, mesh)
+
+
+def _whole_at_the_edges(forward: Callable[..., Any], mesh: DeviceMesh) -> Callable[..., Any]:
+    """``forward`` taking whole tensors (replicated DTensors inside) and giving whole ones."""
+    def split_forward(**inputs: Any) -> Any:
+        entered = {name: DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                   if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
+                   for name, x in inputs.items()}
+        return tuple(x.full_tensor() if isinstance(x, DTensor) else x
+                     for x in forward(**entered))
+    return split_forward
+
+
+def tensor_step(tp: int, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    """The context of a step's forward and backward: with t > 1, tensors a split stage
+    makes itself count as replicated, and on the CPU attention runs as its math (matmuls
+    and a softmax): torch's CPU kernel for it has no DTensor sharding rule."""
+    if tp == 1:
+        return contextlib.nullcontext()
+    stack = contextlib.ExitStack()
+    stack.enter_context(implicit_replication())
+    if device.type == "cpu":
+        stack.enter_context(sdpa_kernel(SDPBackend.MATH))
+    return stack
+
+
+def counted_here(tensor: torch.Tensor) -> bool:
+    """Whether this rank counts ``tensor``'s local part in a sum over the job (a norm):
+    a DTensor's only where it is the first copy along every mesh dim it is replicated on,
+    so each of its shards counts once."""
+    if not isinstance(tensor, DTensor):
+        return True
+    mesh = tensor.device_mesh
+    return all(mesh.get_local_rank(i) == 0 for i, p in enumerate(tensor.placements)
+               if p.is_replicate())
+
+
+def settle_grads(params: Iterable[nn.Parameter]) -> None:
+    """Give each split parameter's gradient its parameter's placement (torch's rules may
+    leave one as partial sums or split otherwise), so that every rank's local gradient
+    is its own shard's: tied copies are summed shard by shard, and the optimizer steps
+    each shard with its own gradient."""
+    for param in params:
+        grad = param.grad
+        if isinstance(param, DTensor) and isinstance(grad, DTensor) and (
+                grad.placements != param.placements):
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
