@@ -1,0 +1,113 @@
+"""Tensor parallelism under torchrun: ``fxpipe split --pp 2 --tp 2`` plans each of 2
+pipeline stages split over 2 GPUs of a host, and its train_torchrun.py runs them on 4
+ranks, a ("dp", "pp", "tp") DeviceMesh, each stage's parameters torch DTensors split as
+the plan's TENSOR_PARALLEL table says. One step gives every parameter the unsplit model's
+gradient (float64, to 1e-12 of the largest; DTensor gradients gathered whole), and each
+rank holds only its shard of every split parameter."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fxpipe import cli
+
+from . import gpt64, llama64
+from ._helpers import import_package, load, torchrun
+
+GPT64 = Path(gpt64.__file__)  # examples/gpt.py in float64: its LM head tied to tok_emb
+LLAMA64 = Path(llama64.__file__)  # HF Llama, grouped-query attention (4 heads, 2 KV heads)
+TOLERANCE = 1e-12  # of the largest gradient
+M = 4  # micro-batches a step
+
+
+def _run(tmp_path: Path, model: Path, *flags: str, gpus: int = 4
+         ) -> tuple[Any, dict[str, Any], list[dict[str, Any]]]:
+    """Split ``model`` with ``flags``, train one step on a random global batch under
+    torchrun: (the package's distributed module, the batch, each rank's save)."""
+    out = tmp_path / "pkg"
+    assert cli.main(["split", str(model), "--gpus", str(gpus), "--microbatches", str(M),
+                     *flags, "--out", str(out), "--force"]) == 0
+    plan = json.loads((out / "plan.json").read_text())
+    source, _ = load(str(model))
+    rows = plan["layout"]["global_batch"]
+    generator = torch.Generator().manual_seed(0)
+    ids = lambda t: torch.randint(3, 1000, (rows, *t.shape[1:]), generator=generator)  # noqa: E731
+    batch = {"args": tuple(ids(a) for a in source.args),
+             "kwargs": {k: ids(v) for k, v in source.kwargs.items()},
+             "target": ids(source.target)}
+    torch.save(batch, tmp_path / "batch.pt")
+    result = torchrun(gpus, out / "train_torchrun.py", "--model", str(model), "--batch",
+                      str(tmp_path / "batch.pt"), "--save", str(tmp_path / "out"))
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
+    saves = [torch.load(tmp_path / "out" / f"rank{r}.pt", weights_only=False)
+             for r in range(gpus)]
+    return import_package(out, f"tp_{tmp_path.name}").distributed, batch, saves
+
+
+def _unsplit(model: Path, batch: dict[str, Any]) -> tuple[float, dict[str, torch.Tensor]]:
+    source, _ = load(str(model))
+    loss = source.loss_fn(source.model(*batch["args"], **batch["kwargs"]), batch["target"])
+    loss.backward()
+    return float(loss.detach()), {name: p.grad for name, p in source.model.named_parameters(
+        remove_duplicate=False)}
+
+
+def _assert_exact(model: Path, batch: dict[str, Any], saves: list[dict[str, Any]]) -> None:
+    """Every rank's gradients (gathered whole) are the unsplit model's, the ranks hold
+    every parameter between them, and the last stage's ranks report its loss."""
+    loss, expected = _unsplit(model, batch)
+    largest = max(float(g.abs().max()) for g in expected.values())
+    seen = set()
+    for rank, save in enumerate(saves):
+        for name, grad in save["grads"].items():
+            seen.add(name)
+            error = float((grad - expected[name]).abs().max())
+            assert error <= TOLERANCE * largest, (rank, name, error, largest)
+        if save["loss"] is not None:
+            assert abs(float(save["loss"]) - loss) <= TOLERANCE * loss, (rank, loss)
+    assert seen == set(expected)
+    assert sum(save["loss"] is not None for save in saves) == 2  # the last stage's 2 ranks
+
+
+def _assert_split_bytes(distributed: Any, model: Path, saves: list[dict[str, Any]],
+                        tp: int = 2) -> None:
+    """Each rank holds 1/tp of every parameter TENSOR_PARALLEL splits, the rest whole."""
+    degree, splits = distributed.TENSOR_PARALLEL
+    assert degree == tp and all(splits)
+    params = dict(load(str(model))[0].model.named_parameters(remove_duplicate=False))
+    pp = len(splits)
+    for rank, save in enumerate(saves):
+        k = rank // tp % pp
+        # the stage's parameters, each once (a tied one under its first name)
+        names = {id(params[n]): n for n in sorted(save["grads"], reverse=True)}.values()
+        held = sum(params[n].numel() * params[n].element_size() // (tp if n in splits[k] else 1)
+                   for n in names)
+        assert save["memory"]["params_local"] == held, (rank, save["memory"], held)
+
+
+def test_gpt_pp2_tp2_gives_the_unsplit_gradients_and_splits_its_parameters(
+        tmp_path: Path) -> None:
+    """4 ranks, 2 stages x 2: the GPT's pairs split Megatron-LM's way and its embedding and
+    tied LM head by vocabulary rows, on different pipeline stages: the tied gradient is
+    summed shard by shard."""
+    distributed, batch, saves = _run(tmp_path, GPT64, "--pp", "2", "--tp", "2")
+    splits = distributed.TENSOR_PARALLEL[1]
+    assert splits[0]["tok_emb.weight"] == splits[1]["lm_head.weight"] == 0
+    assert distributed.TIED == ({0: "tok_emb.weight", 1: "lm_head.weight"},)
+    _assert_exact(GPT64, batch, saves)
+    _assert_split_bytes(distributed, GPT64, saves)
+
+
+@pytest.mark.slow
+def test_hf_llama_with_grouped_query_attention_pp2_tp2(tmp_path: Path) -> None:
+    """torch.export's graph of a Hugging Face Llama (4 query heads, 2 KV heads: each rank
+    one KV head, repeated for its 2 query heads), its LM head split by vocabulary rows."""
+    distributed, batch, saves = _run(tmp_path, LLAMA64, "--pp", "2", "--tp", "2")
+    assert distributed.TENSOR_PARALLEL[1][1]["lm_head.weight"] == 0
+    _assert_exact(LLAMA64, batch, saves)
+    _assert_split_bytes(distributed, LLAMA64, saves)
