@@ -23,6 +23,8 @@ from dataclasses import replace
 
 from fxpipe.frontend import Traced
 from fxpipe.options import SplitOptions
+from fxpipe.partition.bound import block_bound
+from fxpipe.partition.coarsen import exact_groups
 from fxpipe.partition.errors import InfeasibleMemoryError
 from fxpipe.partition.layout import (
     Cluster,
@@ -36,6 +38,7 @@ from fxpipe.partition.layout import (
     sync_link,
     totals,
 )
+from fxpipe.partition.nothing_fits import memory_floor
 from fxpipe.partition.problem import Problem
 from fxpipe.partition.solve import Partition
 from fxpipe.passes.tensor_parallel import TensorParallel, annotate_tensor_parallel
@@ -116,15 +119,18 @@ def choose(traced: Traced, options: SplitOptions, *,
             for t in dict.fromkeys(lay[4] for lay in layouts)}
     # every layout planned quickly (the interval DP and the block bound, no CP-SAT), the
     # chosen one again in full
-    tried = search(cluster, layouts, base, lambda p, d, mode, m, t: solve(
-        of(p, d, mode, m, t), advise=False, quick=True))
+    tried = search(cluster, layouts, base, lambda p, d, mode, m, t, slowest: solve(
+        of(p, d, mode, m, t), advise=False, quick=True, bound_s=slowest),
+        lambda p, d, mode, m, t, upper_s: _slowest_stage(problem(of(p, d, mode, m, t)),
+                                                         upper_s))
     chosen = next((t for t in tried if t.status == "chosen"), None)
     if chosen is None:
         raise _nothing_fits(cluster, tried,
                             lambda t: solve(of(t.p, t.d, t.mode, t.m, t.t)))
     planned = of(chosen.p, chosen.d, chosen.mode, chosen.m, chosen.t)
     link = sync_link(cluster, chosen.p, chosen.t)
-    final = solve(planned)
+    final = solve(planned, bound_s=chosen.result.report.bound,  # from its quick answer
+                  hint=chosen.result.stage_of)
     best_step, sync = layout_step(final, chosen.d, link)
     tried = [replace(t, step_s=best_step, sync_s=sync, result=final,
                      max_memory=final.evaluation.estimate.max_memory) if t is chosen else t
@@ -150,6 +156,18 @@ def choose(traced: Traced, options: SplitOptions, *,
         tp_replicated=tensor.replicated if tensor else (),
         tp_vocab=tensor.vocab if tensor else ())
     return planned, layout
+
+
+def _slowest_stage(problem: Problem, upper_s: float) -> float | None:
+    """The block bound on ``problem``'s slowest stage, ``upper_s`` where no split that fits
+    has a faster one; None where it has none to give, or where the memory floor proves
+    that no split fits, or the problem is invalid (its solve says so in no time)."""
+    if memory_floor(problem) > problem.memory_limit:
+        return None
+    try:
+        return block_bound(exact_groups(problem), upper_s=upper_s)
+    except ValueError:
+        return None
 
 
 def _tp_degrees(cluster: Cluster, asked: int | None, split: TensorParallel) -> list[int]:

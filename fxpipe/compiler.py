@@ -217,19 +217,23 @@ def plan_split(
     options = replace(options, precision=trained_precision(options.precision, traced.gm))
     if calibrate_from is not None:
         notes.append(calibration.calibrate_graph(traced.gm, *calibrate_from))
-    problem = functools.partial(_problem, traced)  # of the graph for some options
+    # the graph lowered for some options, once for the options its nodes depend on (the
+    # layouts'); advice lowers the graph as it is annotated at each call
+    lowered_for = functools.partial(_lowered, traced, lowerings={})
+    problem = functools.partial(_problem, traced)
     layout = None
     solved: dict[SplitOptions, Partition] = {}
     if options.cluster is not None:
         with progress(f"choosing the layout of {options.gpus} GPUs"):
             options, layout = cluster.choose(
-                traced, options, problem=problem, solve=functools.partial(_solve, traced, solved))
-    lowered = _lowered(traced, options)
+                traced, options, problem=lambda o: lowered_for(o).problem,
+                solve=functools.partial(_solve, lowered_for, solved))
+    lowered = lowered_for(options)
     if pipedream and lowered.problem.tied:
         _check_pipedream_ties(lowered.problem)
     with progress(f"solving ({len(lowered.problem.nodes)} nodes onto {options.gpus} GPUs)"):
         try:
-            result = solved.get(options) or _solve(traced, {}, options, lowered)
+            result = solved.get(options) or _solve(lowered_for, {}, options)
         except InfeasibleMemoryError as exc:  # what would fit, the graph costed again
             raise advice.advised(exc, traced, options, problem=problem) from None
     evaluation = result.evaluation
@@ -269,15 +273,16 @@ def plan_split(
     )
 
 
-def _solve(traced: Traced, solved: dict[SplitOptions, Partition], options: SplitOptions,
-           lowered: Lowered | None = None, *, advise: bool = True,
-           quick: bool = False) -> Partition:
+def _solve(lowered_for: Callable[[SplitOptions], Lowered],
+           solved: dict[SplitOptions, Partition], options: SplitOptions, *,
+           advise: bool = True, quick: bool = False, bound_s: float | None = None,
+           hint: tuple[int, ...] | None = None) -> Partition:
     """``partition`` of the model lowered for ``options``, kept in ``solved`` (unless
-    ``quick``); ``advise`` and ``quick`` as ``partition`` takes them."""
-    problem = (lowered or _lowered(traced, options)).problem
-    result = partition(problem, work_limit=options.work_limit,
+    ``quick``); ``advise``, ``quick``, ``bound_s`` and ``hint`` as ``partition`` takes
+    them."""
+    result = partition(lowered_for(options).problem, work_limit=options.work_limit,
                        time_limit_s=options.time_limit_s, replicate=options.replicate,
-                       advise=advise, quick=quick)
+                       advise=advise, quick=quick, bound_s=bound_s, hint=hint)
     if not quick:
         solved[options] = result
     return result
@@ -288,12 +293,36 @@ def _problem(traced: Traced, options: SplitOptions) -> Problem:
     return _lowered(traced, options).problem
 
 
-def _lowered(traced: Traced, options: SplitOptions) -> Lowered:
+def _lowered(traced: Traced, options: SplitOptions,
+             lowerings: dict[SplitOptions, Lowered] | None = None) -> Lowered:
     """The analysed graph as the solver's problem, for ``options`` (each stage's ops split
     over a layout's TP degree, ``partition.tensor_parallel``, and the optimizer state
-    divided over its data-parallel copies, ``partition.layout.sharded``)."""
+    divided over its data-parallel copies, ``partition.layout.sharded``). ``lowerings``
+    keeps one lowering per set of options the nodes' costs depend on: the layouts of a
+    search differ in GPUs, micro-batches, memory and copies, which set only the problem's
+    own fields (``_LAYOUT_FIELDS``)."""
+    lowerings = {} if lowerings is None else lowerings
+    key = replace(options, **_LAYOUT_FIELDS)
+    held = lowerings.get(key)
+    if held is None:
+        held = lowerings[key] = _lower(traced, options)
+    else:
+        held = replace(held, problem=replace(
+            held.problem, num_stages=options.gpus * options.virtual_stages,
+            num_devices=options.gpus, microbatches=options.microbatches,
+            memory_limit=options.memory_limit))
+    return replace(held, problem=sharded(held.problem, *options.data_parallel))
+
+
+# the options a lowering's Problem takes as its own fields, not into its nodes' costs
+_LAYOUT_FIELDS = {"gpus": 1, "microbatches": 1, "memory_limit": 0.0,
+                  "data_parallel": (1, "ddp")}
+
+
+def _lower(traced: Traced, options: SplitOptions) -> Lowered:
+    """``lower`` of the analysed graph for ``options``."""
     pipedream = options.schedule is ScheduleKind.PIPEDREAM
-    lowered = lower(
+    return lower(
         traced.gm,
         num_stages=options.gpus * options.virtual_stages,
         virtual_stages=options.virtual_stages,
@@ -309,7 +338,6 @@ def _lowered(traced: Traced, options: SplitOptions) -> Lowered:
         across_hosts=options.across_hosts,
         tensor_parallel=options.tensor_parallel,
     )
-    return replace(lowered, problem=sharded(lowered.problem, *options.data_parallel))
 
 
 def _check_pipedream_ties(problem: Problem) -> None:

@@ -41,6 +41,7 @@ the layout search states in the report:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -185,13 +186,16 @@ def totals(problem: Problem) -> Totals:
     return Totals(sum(NodeCosts.of(problem).compute_s.tolist()), problem.param_bytes * grads)
 
 
-def layout_bound(totals: Totals, p: int, d: int, m: int, link: Link) -> float:
-    """A step no split of a (p, d) layout with M = m can beat: the compute spread evenly
-    over the p stages of a pipeline for m micro-batches, plus the fill and drain of one
-    micro-batch through all of it, plus the sync of an even share of the gradients
-    (``totals`` of the problem at the layout's TP degree: per GPU of a stage)."""
+def layout_bound(totals: Totals, p: int, d: int, m: int, link: Link,
+                 bottleneck_s: float | None = None) -> float:
+    """A step no split of a (p, d) layout with M = m can beat: m - 1 micro-batches through
+    its slowest stage, at least ``bottleneck_s`` (a bound on it: the block bound's or the
+    solver's) and at least the compute spread evenly over the p stages, plus the fill and
+    drain of one micro-batch through all of it, plus the sync of an even share of the
+    gradients (``totals`` of the problem at the layout's TP degree: per GPU of a stage)."""
     compute = totals.compute_s
-    return (m - 1) * compute / p + compute + sync_s(totals.grad_bytes / p, d, link)
+    slowest = max(compute / p, bottleneck_s or 0.0)
+    return (m - 1) * slowest + compute + sync_s(totals.grad_bytes / p, d, link)
 
 
 @dataclass(frozen=True)
@@ -225,41 +229,58 @@ def layout_step(result: Any, d: int, link: Link) -> tuple[float, float]:
 
 
 def search(cluster: Cluster, layouts: Sequence[tuple[int, int, str, int, int]],
-           totals: Mapping[int, Totals], solve: Callable[[int, int, str, int, int], Any]
+           totals: Mapping[int, Totals],
+           solve: Callable[[int, int, str, int, int, float | None], Any],
+           bottleneck: Callable[[int, int, str, int, int, float], float | None] | None = None,
            ) -> list[Tried]:
     """Solve the layouts (p, d, mode, M, t) in the order of their bounds (the cheapest
     first, ties to the shorter pipeline, then the smaller t), each by
-    ``solve(p, d, mode, M, t)`` (the driver lowers the model for it and runs
-    ``partition``; a ``ValueError`` says it has no valid split), and stop when the next
+    ``solve(p, d, mode, M, t, slowest)`` (the driver lowers the model for it and runs
+    ``partition``, given the bound on its slowest stage where one was found; a
+    ``ValueError`` says it has no valid split), and stop when the next
     bound is no better than the best step found: every layout left is pruned, proved no
-    better under the cost model. ``totals``: the model's at each TP degree. The best one's
-    status is "chosen"."""
+    better under the cost model. ``totals``: the model's at each TP degree.
+
+    ``bottleneck(p, d, mode, M, t, upper_s)``: a bound on the layout's slowest stage
+    (the block bound: seconds where the interval DP takes tens), ``upper_s`` where no split
+    that fits has a faster one, None where it has none to give; once a layout is solved,
+    each one after it is bounded so before it is solved, and pruned where it cannot beat
+    the best step. The best one's status is "chosen"."""
     order = sorted((layout_bound(totals[t], p, d, m, sync_link(cluster, p, t)), i)
                    for i, (p, d, _, m, t) in enumerate(layouts))
     tried: dict[int, Tried] = {}
     best: Tried | None = None
+    best_step = math.inf  # best's step
     for bound, i in order:
         p, d, mode, m, t = layouts[i]
-        if best is not None and best.step_s is not None and bound >= best.step_s:
+        link = sync_link(cluster, p, t)
+        slowest = None
+        if bottleneck is not None and bound < best_step < math.inf and m > 1:
+            # the slowest stage of a split that beats the best step is faster than this
+            sync = sync_s(totals[t].grad_bytes / p, d, link)
+            upper = (best_step - totals[t].compute_s - sync) / (m - 1)
+            slowest = bottleneck(p, d, mode, m, t, upper)
+            if slowest is not None:
+                bound = max(bound, best_step if slowest >= upper else
+                            layout_bound(totals[t], p, d, m, link, slowest))
+        if bound >= best_step:
             tried[i] = Tried(p, d, mode, m, bound, t=t)
             continue
         try:
-            result = solve(p, d, mode, m, t)
+            result = solve(p, d, mode, m, t, slowest)
         except ValueError as exc:
             status = "no fit" if isinstance(exc, InfeasibleMemoryError) else "invalid"
             tried[i] = Tried(p, d, mode, m, bound, why=str(exc), status=status, error=exc,
                              t=t)
             continue
-        step, sync = layout_step(result, d, sync_link(cluster, p, t))
+        step, sync = layout_step(result, d, link)
         # the solver's own bound on the bottleneck bounds this layout's step from below
-        model = totals[t]
-        proved = (m - 1) * result.report.bound + model.compute_s + sync_s(
-            model.grad_bytes / p, d, sync_link(cluster, p, t))
+        proved = layout_bound(totals[t], p, d, m, link, result.report.bound)
         found = Tried(p, d, mode, m, max(bound, proved), step, sync,
                       result.evaluation.estimate.max_memory, status="solved", result=result,
                       t=t)
         tried[i] = found
-        if best is None or (step, found.max_memory) < (best.step_s, best.max_memory):
-            best = found  # of equal steps, the one needing the least memory
+        if best is None or (step, found.max_memory) < (best_step, best.max_memory):
+            best, best_step = found, step  # of equal steps, the one needing the least memory
     rows = [tried[i] for i in range(len(layouts))]
     return [replace(row, status="chosen") if row is best else row for row in rows]

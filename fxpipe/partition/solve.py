@@ -36,6 +36,7 @@ together, each asked only for splits faster than the best so far:
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass, field, replace
@@ -161,7 +162,8 @@ def _check_stage_count(problem: Problem, exact: Coarsening) -> None:
 
 def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s: float = 120.0,
               coarsen: bool = True, workers: int = 2, replicate: bool = False,
-              advise: bool = True, quick: bool = False) -> Partition:
+              advise: bool = True, quick: bool = False, bound_s: float | None = None,
+              hint: tuple[int, ...] | None = None) -> Partition:
     """Split ``problem`` into ``problem.num_stages`` pipeline stages, minimising the
     bottleneck stage time within the memory limit.
 
@@ -175,38 +177,38 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
 
     Raises ``ProblemTooLargeError`` / ``TooManyStagesError`` / ``InfeasibleMemoryError`` /
     ``NoSolutionError`` (all ``ValueError``) with a one-sentence message for the user.
-    For the layout search (minutes saved on a 70B model): ``advise=False`` says only that
-    nothing fits (``unadvised``); ``quick`` stops at the interval DP and the block bound.
+    The layout search: ``advise=False`` says only that nothing fits (``unadvised``); ``quick``
+    stops at the DP and the block bound; ``bound_s``, ``hint`` (a split that fits) stand in.
     """
     check_size(len(problem.nodes))
     check_blocks(problem)
-    infeasible = nothing_fits if advise else unadvised
     if replicate or problem.replicates:
         return _partition_replicated(problem, work_limit=work_limit, time_limit_s=time_limit_s,
                                      coarsen=coarsen, workers=workers)
     start = time.perf_counter()
     deadline = start + time_limit_s
     exact = exact_groups(problem)
+    infeasible = functools.partial(nothing_fits if advise else unadvised, problem, exact,
+                                   work_limit=work_limit, time_limit_s=time_limit_s,
+                                   workers=workers)  # the error, when no split fits
     _check_stage_count(problem, exact)
     if (memory_floor(problem) > problem.memory_limit
             or heaviest_group(problem, exact)[1] > problem.memory_limit):
         # Proved in no time: the full search would spend its time limit proving it again.
-        raise infeasible(problem, exact, work_limit=work_limit, time_limit_s=time_limit_s,
-                         workers=workers)
+        raise infeasible()
 
     splits, scored, candidates = _baselines(problem, exact)
     if not candidates and block_bound(exact) == math.inf:
         # Memory binds every baseline: the block bound (a second or less on 2,000 groups)
         # may prove that no split fits, which CP-SAT would take its whole limit to find.
-        raise infeasible(problem, exact, work_limit=work_limit, time_limit_s=time_limit_s,
-                         workers=workers)
-    lower, settled, prepared = _bound_first(problem, exact, candidates, prepare=not quick)
+        raise infeasible()
+    lower, settled, prepared = _bound_first(problem, exact, candidates, prepare=not quick,
+                                            bound_s=bound_s, hint=hint)
     if quick and lower is None:  # a problem too small to bound first: its DP all the same
         _add_dp_split(problem, exact, candidates)
     settled = settled or quick
     if lower == math.inf:  # not even the block bound's relaxation fits: proved
-        raise infeasible(problem, exact, work_limit=work_limit, time_limit_s=time_limit_s,
-                         workers=workers)
+        raise infeasible()
     level = exact  # the coarse graph is not needed when the bound settles it
     if settled:  # CP-SAT would not help
         phases: list[IlpResult] = []
@@ -225,8 +227,7 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
 
     if best is None:
         if result.status == "INFEASIBLE":
-            raise infeasible(problem, exact, work_limit=work_limit,
-                             time_limit_s=time_limit_s, workers=workers)
+            raise infeasible()
         # nothing proved: what a limit that surely fits would be is still advice to act on
         leanest = min_memory(problem, exact, work_limit=work_limit,
                              time_limit_s=max(1.0, time_limit_s / 2), workers=workers)
@@ -310,6 +311,7 @@ def _not_run(exact: Coarsening) -> IlpResult:
 
 def _bound_first(problem: Problem, exact: Coarsening,
                  candidates: list[tuple[float, tuple[int, ...]]], *, prepare: bool = True,
+                 bound_s: float | None = None, hint: tuple[int, ...] | None = None,
                  ) -> tuple[float | None, bool, StageModel | None]:
     """On a big exact program (BOUND_FIRST): the interval DP over the exact groups (its
     split added to ``candidates``) and the block bound first. Returns the bound (None
@@ -326,12 +328,16 @@ def _bound_first(problem: Problem, exact: Coarsening,
     # a gap (the same program whenever it is built: the answer does not depend on it).
     upper = min((c[0] for c in candidates), default=math.inf)
     prepared = None
-    with Forked(lambda: block_bound(exact, upper_s=upper)) as bounding:
-        _add_dp_split(problem, exact, candidates)
-        if (prepare and not (large or bounding.ready()) and _proving(problem, exact)
-                and candidates):
+    if hint is not None:
+        candidates.append((evaluate(problem, hint).bottleneck_s, hint))
+    with Forked(lambda: block_bound(exact, upper_s=upper), in_child=bound_s is None) as bounding:
+        if hint is None:
+            _add_dp_split(problem, exact, candidates)
+        if (prepare and bound_s is None and not (large or bounding.ready())
+                and _proving(problem, exact) and candidates):
             prepared = _first_program(exact, candidates)
-        lower = bounding.result()  # without a split: inf when none fits
+        # without a split: inf when none fits
+        lower = bounding.result() if bound_s is None else bound_s
     if lower is None or lower == math.inf:
         return lower, lower is not None, prepared
     best = min((c[0] for c in candidates), default=math.inf)

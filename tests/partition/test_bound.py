@@ -286,3 +286,24 @@ def test_a_big_program_is_solved_only_where_the_bound_leaves_a_gap(
     searched = partition(problem, workers=1)
     assert searched.phases != ()
     assert result.report.objective == pytest.approx(searched.report.objective, rel=1e-9)
+
+
+def test_a_bound_and_split_found_already_are_not_worked_out_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layout search plans its chosen layout in full from its quick answer: given
+    that answer's bound and split, ``partition`` runs neither the interval DP nor the
+    block bound again, and answers as it did."""
+    problem = _chain_of_blocks(layers=24, stages=6)
+    monkeypatch.setattr(solve_module, "LARGE_MODEL", 50)
+    monkeypatch.setattr(solve_module, "BOUND_FIRST", 50)
+    quick = partition(problem, workers=1, quick=True, advise=False)
+
+    def again(*_: object, **__: object) -> None:
+        raise AssertionError("worked out again")
+
+    monkeypatch.setattr(solve_module, "interval_dp", again)
+    monkeypatch.setattr(solve_module, "block_bound", again)
+    full = partition(problem, workers=1, bound_s=quick.report.bound, hint=quick.stage_of)
+    assert full.stage_of == quick.stage_of
+    assert full.report.bound == quick.report.bound
+    assert full.report.status == quick.report.status
