@@ -57,7 +57,8 @@ def _unsplit(model: Path, batch: dict[str, Any]) -> tuple[float, dict[str, torch
         remove_duplicate=False)}
 
 
-def _assert_exact(model: Path, batch: dict[str, Any], saves: list[dict[str, Any]]) -> None:
+def _assert_exact(model: Path, batch: dict[str, Any], saves: list[dict[str, Any]],
+                  last_ranks: int = 2) -> None:
     """Every rank's gradients (gathered whole) are the unsplit model's, the ranks hold
     every parameter between them, and the last stage's ranks report its loss."""
     loss, expected = _unsplit(model, batch)
@@ -71,7 +72,7 @@ def _assert_exact(model: Path, batch: dict[str, Any], saves: list[dict[str, Any]
         if save["loss"] is not None:
             assert abs(float(save["loss"]) - loss) <= TOLERANCE * loss, (rank, loss)
     assert seen == set(expected)
-    assert sum(save["loss"] is not None for save in saves) == 2  # the last stage's 2 ranks
+    assert sum(save["loss"] is not None for save in saves) == last_ranks  # the last stage's
 
 
 def _assert_split_bytes(distributed: Any, model: Path, saves: list[dict[str, Any]],
@@ -111,3 +112,26 @@ def test_hf_llama_with_grouped_query_attention_pp2_tp2(tmp_path: Path) -> None:
     assert distributed.TENSOR_PARALLEL[1][1]["lm_head.weight"] == 0
     _assert_exact(LLAMA64, batch, saves)
     _assert_split_bytes(distributed, LLAMA64, saves)
+
+
+@pytest.mark.slow
+def test_gpt_pp2_tp2_dp2_on_8_ranks_with_fsdp(tmp_path: Path) -> None:
+    """8 ranks: 2 pipelines, each of 2 stages split over 2 GPUs, each stage's 2 copies
+    sharded by FSDP2 over the dp sub-mesh of the same 3-D mesh: the unsplit model's
+    gradients on the global batch."""
+    _, batch, saves = _run(tmp_path, GPT64, "--pp", "2", "--tp", "2", "--dp-mode", "fsdp",
+                           gpus=8)
+    _assert_exact(GPT64, batch, saves, last_ranks=4)
+
+
+def test_ddp_pipelines_of_split_stages_are_refused_in_one_line(tmp_path: Path) -> None:
+    """torch's DDP takes no DTensor parameters: a package of pp 2 x tp 2 x dp 2 under ddp
+    refuses before it builds anything, naming the fix."""
+    out = tmp_path / "pkg"
+    assert cli.main(["split", str(GPT64), "--gpus", "8", "--pp", "2", "--tp", "2",
+                     "--dp-mode", "ddp", "--out", str(out)]) == 0
+    distributed = import_package(out, "tp_ddp_refused").distributed
+    with pytest.raises(ValueError, match=r"^this plan's 2 pipelines keep each stage's copies "
+                       r"equal with DDP, which does not run stages split over GPUs \(tensor "
+                       r"parallelism, --tp 2\); split again with --dp-mode fsdp$"):
+        distributed.pipeline_stages(None, 0, 8, "cpu")
