@@ -14,11 +14,18 @@ from typing import Any
 import torch
 from torch import nn
 
-_spec = importlib.util.spec_from_file_location(
-    "_llama_example", Path(__file__).resolve().parents[2] / "examples" / "hf_llama.py")
-assert _spec is not None and _spec.loader is not None
-_llama: Any = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_llama)
+
+def example_file(name: str) -> Any:
+    """examples/{name}.py, imported by path."""
+    spec = importlib.util.spec_from_file_location(
+        f"_{name}_example", Path(__file__).resolve().parents[2] / "examples" / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_llama = example_file("hf_llama")
 
 example_inputs = _llama.example_inputs
 example_target = _llama.example_target

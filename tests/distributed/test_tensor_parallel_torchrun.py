@@ -16,10 +16,11 @@ import torch
 
 from fxpipe import cli
 
-from . import gpt64, llama64
+from . import gpt64, hf_gpt2_64, llama64
 from ._helpers import import_package, load, torchrun
 
 GPT64 = Path(gpt64.__file__)  # examples/gpt.py in float64: its LM head tied to tok_emb
+HF_GPT2_64 = Path(hf_gpt2_64.__file__)  # HF GPT-2: tied head, Conv1D as addmm on (in, out)
 LLAMA64 = Path(llama64.__file__)  # HF Llama, grouped-query attention (4 heads, 2 KV heads)
 TOLERANCE = 1e-12  # of the largest gradient
 M = 4  # micro-batches a step
@@ -49,19 +50,23 @@ def _run(tmp_path: Path, model: Path, *flags: str, gpus: int = 4
     return import_package(out, f"tp_{tmp_path.name}").distributed, batch, saves
 
 
-def _unsplit(model: Path, batch: dict[str, Any]) -> tuple[float, dict[str, torch.Tensor]]:
+def _unsplit(model: Path, batch: dict[str, Any]
+             ) -> tuple[float, dict[str, torch.Tensor], dict[str, int]]:
+    """The unsplit model's loss, gradients, and which parameter each name is (a tied one
+    has several names)."""
     source, _ = load(str(model))
     loss = source.loss_fn(source.model(*batch["args"], **batch["kwargs"]), batch["target"])
     loss.backward()
-    return float(loss.detach()), {name: p.grad for name, p in source.model.named_parameters(
-        remove_duplicate=False)}
+    named = list(source.model.named_parameters(remove_duplicate=False))
+    return (float(loss.detach()), {name: p.grad for name, p in named},
+            {name: id(p) for name, p in named})
 
 
 def _assert_exact(model: Path, batch: dict[str, Any], saves: list[dict[str, Any]],
                   last_ranks: int = 2) -> None:
     """Every rank's gradients (gathered whole) are the unsplit model's, the ranks hold
     every parameter between them, and the last stage's ranks report its loss."""
-    loss, expected = _unsplit(model, batch)
+    loss, expected, which = _unsplit(model, batch)
     largest = max(float(g.abs().max()) for g in expected.values())
     seen = set()
     for rank, save in enumerate(saves):
@@ -71,7 +76,7 @@ def _assert_exact(model: Path, batch: dict[str, Any], saves: list[dict[str, Any]
             assert error <= TOLERANCE * largest, (rank, name, error, largest)
         if save["loss"] is not None:
             assert abs(float(save["loss"]) - loss) <= TOLERANCE * loss, (rank, loss)
-    assert seen == set(expected)
+    assert {which[name] for name in seen} == set(which.values())
     assert sum(save["loss"] is not None for save in saves) == last_ranks  # the last stage's
 
 
@@ -112,6 +117,20 @@ def test_hf_llama_with_grouped_query_attention_pp2_tp2(tmp_path: Path) -> None:
     assert distributed.TENSOR_PARALLEL[1][1]["lm_head.weight"] == 0
     _assert_exact(LLAMA64, batch, saves)
     _assert_split_bytes(distributed, LLAMA64, saves)
+
+
+@pytest.mark.slow
+def test_hf_gpt2_with_a_tied_vocabulary_parallel_head_pp2_tp2(tmp_path: Path) -> None:
+    """torch.export's graph of a Hugging Face GPT-2: its Conv1D weights, (in, out), split
+    along dim 1 where a column-parallel linear's split along 0; its token embedding and
+    the LM head that shares its table split by vocabulary rows on both stages."""
+    distributed, batch, saves = _run(tmp_path, HF_GPT2_64, "--pp", "2", "--tp", "2")
+    stage0, stage1 = distributed.TENSOR_PARALLEL[1]
+    assert stage0["transformer.h.0.attn.c_attn.weight"] == 1
+    assert stage0["transformer.h.0.attn.c_proj.weight"] == 0
+    assert stage0["lm_head.weight"] == stage1["lm_head.weight"] == 0
+    _assert_exact(HF_GPT2_64, batch, saves)
+    _assert_split_bytes(distributed, HF_GPT2_64, saves)
 
 
 @pytest.mark.slow
