@@ -26,6 +26,7 @@ runs without fxpipe installed. One idea per module:
     adapter.py      a stage as torch.distributed.pipelining wants it
     ranks.py        which rank runs which stage
     grads.py        tied and replicated gradients across ranks
+    tensor_parallel.py  each stage split over a host's GPUs as DTensors (tp)
     table.py        the uneven-replica schedule under torchrun
     torch_schedules.py  which torch class runs each schedule kind, placing the stages how
     torch_zero_bubble.py  zb1p, zbv and dualpipev on torch's zero-bubble schedule classes

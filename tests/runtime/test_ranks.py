@@ -75,3 +75,18 @@ def test_a_refused_schedule_says_where_each_would_run_the_stages() -> None:
         V.check_placement("zb", "zbv")
     # one rank: interleaved and the V put both stages on it alike
     RankLayout(2, virtual_stages=2, device_of=(0, 0)).check_placement("zbv", "interleaved")
+
+
+def test_stages_split_over_tp_ranks_count_every_rank_of_the_mesh() -> None:
+    """pp 2 x tp 2 (x dp 2): the job's rank (i·pp + j)·tp + k; a pipeline's copy is i, and
+    the world size counts every split GPU."""
+    split = RankLayout(2, tp=2)
+    assert [split.copy_of(r) for r in range(4)] == [0, 0, 0, 0]
+    split.check_world_size(4)
+    with pytest.raises(ValueError, match=r"^world size \(2\) must equal the number of GPUs "
+                       r"of the plan's layout \(1 pipeline of 2 stages, each split over 2 "
+                       r"GPUs, 4 in all\): launch with torchrun --nproc-per-node 4$"):
+        split.check_world_size(2)
+    both = RankLayout(2, dp=2, tp=2)
+    assert [both.copy_of(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    both.check_world_size(8)

@@ -1,0 +1,77 @@
+"""fxpipe.runtime.tensor_parallel on one gloo rank (a tp sub-mesh of 1): a stage's
+parameters and buffers become DTensors as the table says, its forward takes and gives
+plain tensors, its gradients reach the received values and the parameters as the plain
+module's do, and what a norm counts. The runs on several ranks are
+tests/distributed/test_tensor_parallel_torchrun.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from fxpipe.runtime.tensor_parallel import (
+    counted_here,
+    settle_grads,
+    split_stage,
+    tensor_mesh,
+    tensor_step,
+)
+
+
+@pytest.fixture
+def one_rank():  # type: ignore[no-untyped-def]
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+class _Stage(nn.Module):
+    """A generated stage's shape: inputs by name, a tuple out, a buffer, a made tensor."""
+
+    INPUTS = ("x",)
+    OUTPUTS = ("y", "z")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(4, 8)
+        self.down = nn.Linear(8, 4)
+        self.register_buffer("scale", torch.full((4,), 2.0, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = self.down(torch.relu(self.up(x))) * self.scale
+        return y, y + torch.arange(4, dtype=y.dtype)  # a tensor the stage makes itself
+
+
+def test_a_split_stage_runs_as_the_plain_one(one_rank: None) -> None:
+    torch.manual_seed(0)
+    plain = _Stage().double()
+    split = _Stage().double()
+    split.load_state_dict(plain.state_dict())
+    mesh = tensor_mesh("cpu", 1, 1, 1)
+    assert mesh.mesh_dim_names == ("dp", "pp")  # t = 1: the data-parallel mesh as before
+    tp = dist.device_mesh.init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("dp", "pp", "tp"))
+    split_stage(split, {"up.weight": 0, "up.bias": 0, "down.weight": 1}, tp["tp"])
+    assert split.up.weight.placements == (Shard(0),)
+    assert split.down.weight.placements == (Shard(1),)
+    assert split.down.bias.placements == (Replicate(),)
+    assert isinstance(split.scale, DTensor) and split.scale.placements == (Replicate(),)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    wants = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    outputs = []
+    for module, given in zip((plain, split), wants, strict=True):
+        with tensor_step(2, torch.device("cpu")):  # as a step with t > 1 runs it
+            y, z = module(x=given)
+            (y.sum() + (z * z).sum()).backward()
+        outputs.append((y, z))
+    for got, want in zip(outputs[1], outputs[0], strict=True):
+        assert type(got) is torch.Tensor and torch.equal(got, want)
+    assert torch.equal(wants[1].grad, wants[0].grad)
+    settle_grads(split.parameters())
+    for (name, got), want in zip(split.named_parameters(), plain.parameters(), strict=True):
+        assert got.grad.placements == got.placements, name
+        assert torch.allclose(got.grad.full_tensor(), want.grad, rtol=0, atol=1e-14), name
+    assert counted_here(split.up.weight.grad) and counted_here(split.down.bias.grad)
+    assert counted_here(torch.ones(1))
