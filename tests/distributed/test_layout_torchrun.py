@@ -20,6 +20,7 @@ from fxpipe import cli
 from . import gpt64
 from ._helpers import (
     EXAMPLES,
+    assert_model_grads,
     contiguous_plan,
     import_package,
     load,
@@ -82,20 +83,6 @@ def _run(tmp_path: Path, mode: str, *flags: str, model: Path = GPT, gpus: int = 
     return plan, batch, saves
 
 
-def _assert_model_grads(saves: list[dict[str, Any]], expected: dict[str, torch.Tensor],
-                        tolerance: float) -> None:
-    """Every rank's whole gradients are the unsplit model's (to ``tolerance`` of the
-    largest), and between them the ranks hold every parameter."""
-    largest = max(float(g.abs().max()) for g in expected.values())
-    seen = set()
-    for rank, save in enumerate(saves):
-        for name, grad in save["grads"].items():
-            seen.add(name)
-            error = float((grad - expected[name]).abs().max())
-            assert error <= tolerance * largest, (rank, name, error, largest)
-    assert seen == set(expected)
-
-
 @pytest.mark.parametrize(("model", "mode"), [(GPT, "fsdp"), (GPT, "ddp"), (GPT64, "fsdp")],
                          ids=["fsdp", "ddp", "fsdp-float64"])
 def test_a_layout_step_gives_the_models_gradients_and_the_plans_memory(
@@ -107,7 +94,7 @@ def test_a_layout_step_gives_the_models_gradients_and_the_plans_memory(
     resharding them until the last micro-batch's backward)."""
     plan, batch, saves = _run(tmp_path, mode, "--optimizer", "adam", model=model)
     loss, expected = _unsplit(model, batch, None)
-    _assert_model_grads(saves, expected, TOLERANCE[model])
+    assert_model_grads(saves, expected, TOLERANCE[model])
     pp, dp = plan["layout"]["pp"], plan["layout"]["dp"]
     for rank, save in enumerate(saves):
         stage = plan["stages"][rank % pp]["memory"]
@@ -129,7 +116,7 @@ def test_a_layout_step_clips_the_whole_models_gradient_norm(tmp_path: Path, mode
     unsplit model's gradients after torch's clip_grad_norm_ (zb1p: torch's zero-bubble
     class, whose weight pass FSDP2's sync follows)."""
     _, batch, saves = _run(tmp_path, mode, "--clip-grad-norm", str(CLIP), schedule=schedule)
-    _assert_model_grads(saves, _unsplit(GPT, batch, CLIP)[1], TOLERANCE[GPT])
+    assert_model_grads(saves, _unsplit(GPT, batch, CLIP)[1], TOLERANCE[GPT])
 
 
 def test_a_layout_refuses_another_world_size(tmp_path: Path) -> None:
@@ -165,7 +152,7 @@ def test_replicated_stages_clip_the_whole_models_norm(tmp_path: Path,
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
     saves = [torch.load(tmp_path / "out" / f"rank{r}.pt", weights_only=False)
              for r in range(ranks)]
-    _assert_model_grads(saves, _unsplit(GPT, batch, 0.1)[1], TOLERANCE[GPT])
+    assert_model_grads(saves, _unsplit(GPT, batch, 0.1)[1], TOLERANCE[GPT])
 
 
 def test_ddp_under_a_schedule_that_splits_the_backward_is_refused(tmp_path: Path) -> None:
