@@ -341,7 +341,8 @@ def _steps(pipeline: DistributedPipeline, opts: argparse.Namespace, rank: int, s
         outputs.clear()
         loss = pipeline.train_step(schedule, stages, *args, target=target,
                                    clip_grad_norm=opts.clip_grad_norm, **kwargs)
-        if loss is not None and pipeline.copy_of(rank) == 0:  # copy 0 speaks
+        # copy 0 speaks, from the first of its stage's tp GPUs
+        if loss is not None and pipeline.copy_of(rank) == 0 and rank % pipeline.tp == 0:
             print(f"step {step}: loss {loss.item():.6f}", flush=True)
         scaler = pipeline.scaler  # 16-mixed: every rank unscales, steps and updates it
         saving = step == opts.steps - 1 and opts.save
