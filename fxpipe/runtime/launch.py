@@ -193,6 +193,9 @@ def main(pipeline: DistributedPipeline, argv: Sequence[str] | None = None) -> in
         _error_line(rank, str(error))
         return 2
     except RuntimeError as error:
+        if isinstance(error.__cause__, ValueError):  # a stage refused, under torch's stage
+            _error_line(rank, str(error.__cause__))
+            return 2
         if not any(text in str(error) for text in _PEER_FAILED):
             raise
         # torchrun stops the other ranks when one fails, but one may see the dead peer first

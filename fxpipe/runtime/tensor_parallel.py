@@ -26,6 +26,7 @@ values gathered). Tensors the stage makes itself (positions, masks) count as rep
 """
 
 import contextlib
+import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -72,13 +73,22 @@ def split_stage(stage: nn.Module, shards: Mapping[str, int], mesh: DeviceMesh) -
 
 
 def _whole_at_the_edges(forward: Callable[..., Any], mesh: DeviceMesh) -> Callable[..., Any]:
-    """``forward`` taking whole tensors (replicated DTensors inside) and giving whole ones."""
+    """``forward`` taking whole tensors (replicated DTensors inside) and giving whole ones;
+    an op DTensor has no rule for is refused in one line (a ``ValueError``)."""
     def split_forward(**inputs: Any) -> Any:
         entered = {name: DTensor.from_local(x, mesh, [Replicate()], run_check=False)
                    if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
                    for name, x in inputs.items()}
-        return tuple(x.full_tensor() if isinstance(x, DTensor) else x
-                     for x in forward(**entered))
+        try:
+            outputs = forward(**entered)
+        except NotImplementedError as error:
+            found = re.search(r"Operator (\S+) does not have a sharding strategy", str(error))
+            if found is None:
+                raise
+            raise ValueError(
+                f"torch's DTensor has no sharding rule for {found[1]}, which this stage runs: "
+                f"tensor parallelism cannot split it; split again with --tp 1") from None
+        return tuple(x.full_tensor() if isinstance(x, DTensor) else x for x in outputs)
     return split_forward
 
 

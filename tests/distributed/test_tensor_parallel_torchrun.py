@@ -16,7 +16,7 @@ import torch
 
 from fxpipe import cli
 
-from . import gpt64, hf_gpt2_64, llama64
+from . import gpt64, hf_gpt2_64, llama64, renorm_mlp
 from ._helpers import assert_model_grads, import_package, load, torchrun
 
 GPT64 = Path(gpt64.__file__)  # examples/gpt.py in float64: its LM head tied to tok_emb
@@ -148,3 +148,21 @@ def test_ddp_pipelines_of_split_stages_are_refused_in_one_line(tmp_path: Path) -
                        r"equal with DDP, which does not run stages split over GPUs \(tensor "
                        r"parallelism, --tp 2\); split again with --dp-mode fsdp$"):
         distributed.pipeline_stages(None, 0, 8, "cpu")
+
+
+@pytest.mark.slow
+def test_an_op_dtensor_cannot_split_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A stage running an op torch's DTensor has no rule for (renorm): every rank says
+    which op, in one line, and no rank prints a traceback."""
+    model = Path(renorm_mlp.__file__)
+    out = tmp_path / "pkg"
+    assert cli.main(["split", str(model), "--gpus", "2", "--pp", "1", "--tp", "2",
+                     "--microbatches", "2", "--out", str(out)]) == 0
+    result = torchrun(2, out / "train_torchrun.py", "--model", str(model))
+    output = (result.stdout + result.stderr).splitlines()
+    assert result.returncode != 0
+    assert not any(line.startswith("[rank") for line in output), output  # a traceback
+    why = ("torch's DTensor has no sharding rule for aten.renorm.default, which this stage "
+           "runs: tensor parallelism cannot split it; split again with --tp 1")
+    assert sorted(line for line in output if line.startswith("train_torchrun: error:")) == [
+        f"train_torchrun: error: rank {rank}: {why}" for rank in (0, 1)]

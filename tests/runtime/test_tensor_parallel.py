@@ -75,3 +75,25 @@ def test_a_split_stage_runs_as_the_plain_one(one_rank: None) -> None:
         assert torch.allclose(got.grad.full_tensor(), want.grad, rtol=0, atol=1e-14), name
     assert counted_here(split.up.weight.grad) and counted_here(split.down.bias.grad)
     assert counted_here(torch.ones(1))
+
+
+class _Renorm(nn.Module):
+    INPUTS = ("x",)
+    OUTPUTS = ("y",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(4, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.up(x).renorm(2, 0, 1.0),)
+
+
+def test_an_op_without_a_sharding_rule_is_refused_in_one_line(one_rank: None) -> None:
+    stage = _Renorm()
+    tp = dist.device_mesh.init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("dp", "pp", "tp"))
+    split_stage(stage, {"up.weight": 0}, tp["tp"])
+    with pytest.raises(ValueError, match=r"^torch's DTensor has no sharding rule for "
+                       r"aten\.renorm\.default, which this stage runs: tensor parallelism "
+                       r"cannot split it; split again with --tp 1$"):
+        stage(x=torch.randn(2, 4))
