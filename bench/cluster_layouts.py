@@ -9,7 +9,11 @@ global batch (the default: 4 x --gpus sequences):
   and with torchtitan's layer-count split of that p (the plan's uniform-layers baseline,
   plus the same gradient sync), as a user picking the degree by hand would run it;
 - pure FSDP (p = 1), where it fits;
-- the chosen layout with ``--recompute all`` against ``auto``.
+- the chosen layout with ``--recompute all`` against ``auto``;
+- the search again with every op at each ``--efficiency`` of the roofline's speed (a
+  training step on an H100 / H200 measured 0.63 and 0.54 of it, docs/benchmarks/gpu.md),
+  and, where it chooses another layout, the roofline's choice at that efficiency;
+- the model onto ``--few`` GPUs (8: one host), where no layout fits: the one line it says.
 
     python bench/cluster_layouts.py [--gpus 64] [--gpus-per-node 8] [--spec SPEC]
 
@@ -40,6 +44,9 @@ def main() -> None:
     parser.add_argument("--gpus-per-node", type=int, default=8)
     parser.add_argument("--spec", default=SPEC)
     parser.add_argument("--pp", type=int, nargs="*", default=[4, 8, 16, 32])
+    parser.add_argument("--efficiency", type=float, nargs="*", default=[0.63, 0.54])
+    parser.add_argument("--few", type=int, default=8)
+    parser.add_argument("--only-few", action="store_true", help="only the --few line")
     args = parser.parse_args()
 
     device = get_device("h100")
@@ -86,6 +93,19 @@ def main() -> None:
                          format_bytes(uniform.max_memory), "yes" if uniform.fits else "NO", "",
                          "torchtitan-style: equal layers per stage"))
 
+    if args.few:
+        began = time.perf_counter()
+        try:
+            plan_split(traced, label=source.label, options=replace(
+                base, gpus=args.few, microbatches=4 * args.few,
+                cluster=ClusterOptions(gpus_per_node=min(args.few, args.gpus_per_node))))
+            said = "it fits"
+        except ValueError as exc:
+            said = str(exc)
+        print(f"onto {args.few} GPUs ({time.perf_counter() - began:.1f} s, load "
+              f"{os.getloadavg()[0]:.1f}): {said}", flush=True)
+        if args.only_few:
+            return
     run("fxpipe --pp auto", base)
     chosen = rows[0][5].split(" ")[1] if rows and rows[0][1] != "-" else None
     for p in args.pp:
@@ -97,6 +117,14 @@ def main() -> None:
         run(f"--pp {chosen}, --recompute all",
             replace(base, recompute=Recompute.FULL,
                     cluster=replace(base.cluster, pp=int(chosen), dp_mode="fsdp")))
+    for efficiency in args.efficiency:
+        at = replace(base.cluster, compute_efficiency=efficiency)
+        before = len(rows)
+        run(f"fxpipe --pp auto, compute at {efficiency:.2f}", replace(base, cluster=at))
+        again = rows[before][5].split(" ")[1] if rows[before][1] != "-" else None
+        if chosen is not None and again is not None and again != chosen:
+            run(f"--pp {chosen} (the roofline's choice) at {efficiency:.2f}",
+                replace(base, cluster=replace(at, pp=int(chosen), dp_mode="fsdp")))
     print(f"(load {os.getloadavg()[0]:.1f} at the end)")
 
 

@@ -22,11 +22,12 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from fxpipe.frontend import Traced
-from fxpipe.options import SplitOptions
+from fxpipe.options import ClusterOptions, SplitOptions
 from fxpipe.partition.bound import block_bound
 from fxpipe.partition.coarsen import exact_groups
 from fxpipe.partition.errors import InfeasibleMemoryError
 from fxpipe.partition.layout import (
+    COMPUTE_EFFICIENCY,
     Cluster,
     Link,
     Tried,
@@ -38,7 +39,7 @@ from fxpipe.partition.layout import (
     sync_link,
     totals,
 )
-from fxpipe.partition.nothing_fits import memory_floor
+from fxpipe.partition.nothing_fits import dp_fits, memory_floor
 from fxpipe.partition.problem import Problem
 from fxpipe.partition.solve import Partition
 from fxpipe.passes.tensor_parallel import TensorParallel, annotate_tensor_parallel
@@ -49,6 +50,9 @@ __all__ = ["choose", "cluster_of", "example_batch"]
 
 # A host of this many GPUs where --gpus-per-node is not given (an HGX / DGX board)
 DEFAULT_GPUS_PER_NODE = 8
+# When no layout fits, clusters up to this many times the GPUs asked are searched for the
+# fewest a layout fits on (most layouts are ruled out by their memory floor alone)
+LARGER = 16
 
 
 def cluster_of(options: SplitOptions) -> Cluster:
@@ -67,28 +71,19 @@ def example_batch(traced: Traced) -> int:
 
 def choose(traced: Traced, options: SplitOptions, *,
            problem: Callable[[SplitOptions], Problem],
-           solve: Callable[..., Partition]) -> tuple[SplitOptions, Layout]:
+           solve: Callable[..., Partition], calibrated: bool = False
+           ) -> tuple[SplitOptions, Layout]:
     """The options of the fastest layout that fits, and its ``Layout``. ``problem(options)``
     is the driver's lowering of the model for one layout, ``solve(options, advise=...)``
     its plan (``partition``), raising a ``ValueError`` where no split of it is valid or
     fits (with ``advise``, saying what would fit). When no layout fits: one ``ValueError``
-    naming the leanest layout, what it needs and what would fit it."""
+    naming the leanest layout, what it needs and what would fit it. ``calibrated``: the
+    costs were measured (``--calibrate``), which the layout says."""
     wanted = options.cluster
     assert wanted is not None
     cluster = cluster_of(options)
     b = example_batch(traced)
-    if wanted.global_batch is not None:
-        if wanted.global_batch < 1 or wanted.global_batch % b:
-            raise ValueError(
-                f"--global-batch {wanted.global_batch} is not a whole number of micro-batches "
-                f"of the example's {b} samples: use a multiple of {b}")
-        steps_microbatches = wanted.global_batch // b
-    else:
-        steps_microbatches = options.microbatches
-    if wanted.pp is not None and (wanted.pp < 1 or options.gpus % wanted.pp):
-        divisors = [p for p in range(1, options.gpus + 1) if options.gpus % p == 0]
-        raise ValueError(f"--pp {wanted.pp} does not divide --gpus {options.gpus}: use one of "
-                         f"{', '.join(map(str, divisors))}")
+    steps_microbatches, efficiency = _asked(options, b)
     split = annotate_tensor_parallel(traced.gm) if wanted.tp != 1 else None
     degrees = [1] if split is None else _tp_degrees(cluster, wanted.tp, split)
     kind = options.schedule
@@ -109,10 +104,11 @@ def choose(traced: Traced, options: SplitOptions, *,
             f"{steps_microbatches} micro-batches evenly over its pipelines: use a "
             f"--global-batch that is a multiple of {options.gpus * b} samples")
 
-    def of(p: int, d: int, mode: str, m: int, t: int) -> SplitOptions:
+    def of(p: int, d: int, mode: str, m: int, t: int, on: Cluster = cluster) -> SplitOptions:
         return replace(options, gpus=p, microbatches=m, data_parallel=(d, mode),
-                       across_hosts=pipeline_crosses_hosts(cluster, p, t),
-                       schedule=options.schedule, tensor_parallel=t)
+                       across_hosts=pipeline_crosses_hosts(on, p, t),
+                       schedule=options.schedule, tensor_parallel=t,
+                       compute_efficiency=efficiency)
 
     # the model's totals at each TP degree, for the layouts' bounds
     base = {t: totals(problem(of(*next(lay for lay in layouts if lay[4] == t))))
@@ -125,8 +121,10 @@ def choose(traced: Traced, options: SplitOptions, *,
                                                          upper_s))
     chosen = next((t for t in tried if t.status == "chosen"), None)
     if chosen is None:
-        raise _nothing_fits(cluster, tried,
-                            lambda t: solve(of(t.p, t.d, t.mode, t.m, t.t)))
+        raise _nothing_fits(cluster, tried, lambda t: solve(of(t.p, t.d, t.mode, t.m, t.t)),
+                            lambda: _fewest_fitting(
+                                cluster, steps_microbatches, b, wanted, degrees,
+                                lambda on, lay: _fits(problem(of(*lay, on=on)))))
     planned = of(chosen.p, chosen.d, chosen.mode, chosen.m, chosen.t)
     link = sync_link(cluster, chosen.p, chosen.t)
     final = solve(planned, bound_s=chosen.result.report.bound,  # from its quick answer
@@ -154,8 +152,34 @@ def choose(traced: Traced, options: SplitOptions, *,
         mesh=("dp", "pp", "tp") if tensor else ("dp", "pp"), tp=chosen.t,
         tp_pairs=len(tensor.pairs) if tensor else 0,
         tp_replicated=tensor.replicated if tensor else (),
-        tp_vocab=tensor.vocab if tensor else ())
+        tp_vocab=tensor.vocab if tensor else (), compute_efficiency=efficiency,
+        calibrated=calibrated)
     return planned, layout
+
+
+def _asked(options: SplitOptions, b: int) -> tuple[int, float]:
+    """The step's micro-batches of the example's b samples and the compute efficiency the
+    search assumes; one line where the options asked cannot be."""
+    wanted = options.cluster
+    assert wanted is not None
+    efficiency = (COMPUTE_EFFICIENCY if wanted.compute_efficiency is None
+                  else wanted.compute_efficiency)
+    if not efficiency > 0:
+        raise ValueError(f"a compute efficiency of {efficiency} is no share of the cost "
+                         f"model's speed: use one above 0 ({COMPUTE_EFFICIENCY}: the roofline)")
+    if wanted.global_batch is not None:
+        if wanted.global_batch < 1 or wanted.global_batch % b:
+            raise ValueError(
+                f"--global-batch {wanted.global_batch} is not a whole number of micro-batches "
+                f"of the example's {b} samples: use a multiple of {b}")
+        steps_microbatches = wanted.global_batch // b
+    else:
+        steps_microbatches = options.microbatches
+    if wanted.pp is not None and (wanted.pp < 1 or options.gpus % wanted.pp):
+        divisors = [p for p in range(1, options.gpus + 1) if options.gpus % p == 0]
+        raise ValueError(f"--pp {wanted.pp} does not divide --gpus {options.gpus}: use one of "
+                         f"{', '.join(map(str, divisors))}")
+    return steps_microbatches, efficiency
 
 
 def _slowest_stage(problem: Problem, upper_s: float) -> float | None:
@@ -189,11 +213,44 @@ def _tp_degrees(cluster: Cluster, asked: int | None, split: TensorParallel) -> l
     return [asked]
 
 
+def _fits(problem: Problem) -> bool:
+    """Whether a split of ``problem`` surely fits: within the memory floor, and the interval
+    DP finds one (``dp_fits``: fast, no CP-SAT)."""
+    return memory_floor(problem) <= problem.memory_limit and dp_fits(problem)
+
+
+def _fewest_fitting(cluster: Cluster, steps_microbatches: int, b: int,
+                    wanted: ClusterOptions, degrees: list[int],
+                    fits: Callable[[Cluster, tuple[int, int, str, int, int]], bool]
+                    ) -> tuple[Cluster, tuple[int, int, str, int, int], int] | None:
+    """The fewest GPUs, in whole hosts and up to LARGER times those asked, on which a
+    layout fits (``fits``) with the step's micro-batches of b samples, the layout (the
+    fewest pipeline stages of those that fit; the ``--pp`` and ``--dp-mode`` asked kept)
+    and the global batch; None where none does. A cluster as ``--gpus`` would make it: G
+    to a host as asked, else 8 or all of them."""
+    for n in range(cluster.gpus + 1, LARGER * cluster.gpus + 1):
+        g = wanted.gpus_per_node or min(n, DEFAULT_GPUS_PER_NODE)
+        if n > g and n % g:
+            continue
+        larger = replace(cluster, gpus=n, gpus_per_node=g)
+        usable = [t for t in degrees if g % t == 0]
+        found = next((lay for lay in candidates(
+            larger, steps_microbatches, pp=wanted.pp, dp_mode=wanted.dp_mode, tp=usable)
+            if fits(larger, lay)), None)
+        if found is not None:
+            return larger, found, steps_microbatches * b
+    return None
+
+
 def _nothing_fits(cluster: Cluster, tried: list[Tried],
-                  advised: Callable[[Tried], Partition]) -> ValueError:
+                  advised: Callable[[Tried], Partition],
+                  fewest: Callable[[], tuple[Cluster, tuple[int, int, str, int, int], int]
+                                   | None]) -> ValueError:
     """One sentence when no layout has a split: the leanest layout that does not fit (by
-    the memory its bounds prove it needs), what it needs and what would fit it (``advised``
-    solves it again, working that out); or, where none is about memory, the first reason."""
+    the memory its bounds prove it needs), what it needs, the fewest GPUs a layout fits on
+    (``fewest``) and the flags that plan it, and what would fit the leanest (``advised``
+    solves it again, working that out); or, where none is about memory, the first
+    reason."""
     short = [t for t in tried if isinstance(t.error, InfeasibleMemoryError)]
     if not short:
         return ValueError(f"no layout of {cluster.gpus} GPUs has a valid split: "
@@ -205,10 +262,23 @@ def _nothing_fits(cluster: Cluster, tried: list[Tried],
         error = exc
     else:  # pragma: no cover - a layout proved not to fit fits when solved again
         raise AssertionError(f"layout pp {leanest.p} x dp {leanest.d} fits after all")
-    fixes = str(error).split("; to fit, ", 1)[-1]
-    return ValueError(
-        f"no layout of {cluster.gpus} GPUs ({cluster.gpus_per_node} per host) fits in "
-        f"{format_bytes(error.limit)} per GPU; the leanest, {leanest.p} pipeline stage"
-        f"{'s' * (leanest.p > 1)} x {leanest.d} data-parallel ({leanest.mode})"
-        f"{f' x {leanest.t} tensor-parallel' if leanest.t > 1 else ''}, needs "
-        f"{format_bytes(error.needed)} per GPU; to fit it, {fixes}")
+    head = (f"no layout of {cluster.gpus} GPUs ({cluster.gpus_per_node} per host) fits in "
+            f"{format_bytes(error.limit)} per GPU; the leanest, "
+            f"{_described(leanest.p, leanest.d, leanest.mode, leanest.t)}, needs "
+            f"{format_bytes(error.needed)} per GPU")
+    larger = fewest()
+    if larger is None:
+        return ValueError(f"{head}; to fit it, {str(error).split('; to fit, ', 1)[-1]}")
+    on, (p, d, mode, _, t), global_batch = larger
+    flags = (f"--gpus {on.gpus} --pp {p}" + f" --dp-mode {mode}" * (d > 1)
+             + f" --tp {t}" * (t > 1) + f" --global-batch {global_batch}")
+    # more GPUs as one pipeline: the layout's fix says it, in whole hosts
+    fixes = str(error.but(fits_on=None)).split("; to fit, ", 1)[-1]
+    return ValueError(f"{head}; it fits on {on.gpus} GPUs as {_described(p, d, mode, t)}: "
+                      f"use {flags}; or, to fit the leanest, {fixes}")
+
+
+def _described(p: int, d: int, mode: str, t: int) -> str:
+    """"8 pipeline stages x 8 data-parallel (fsdp)", and " x 2 tensor-parallel"."""
+    return (f"{p} pipeline stage{'s' * (p > 1)} x {d} data-parallel ({mode})"
+            + f" x {t} tensor-parallel" * (t > 1))

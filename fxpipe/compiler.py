@@ -217,6 +217,9 @@ def plan_split(
     options = replace(options, precision=trained_precision(options.precision, traced.gm))
     if calibrate_from is not None:
         notes.append(calibration.calibrate_graph(traced.gm, *calibrate_from))
+        # the costs are measured: at their own speed, whatever efficiency was assumed
+        options = replace(options, compute_efficiency=1.0, cluster=None if options.cluster
+                          is None else replace(options.cluster, compute_efficiency=1.0))
     # the graph lowered for some options, once for the options its nodes depend on (the
     # layouts'); advice lowers the graph as it is annotated at each call
     lowered_for = functools.partial(_lowered, traced, lowerings={})
@@ -227,7 +230,8 @@ def plan_split(
         with progress(f"choosing the layout of {options.gpus} GPUs"):
             options, layout = cluster.choose(
                 traced, options, problem=lambda o: lowered_for(o).problem,
-                solve=functools.partial(_solve, lowered_for, solved))
+                solve=functools.partial(_solve, lowered_for, solved),
+                calibrated=calibrate_from is not None)
     lowered = lowered_for(options)
     if pipedream and lowered.problem.tied:
         _check_pipedream_ties(lowered.problem)
@@ -337,6 +341,7 @@ def _lower(traced: Traced, options: SplitOptions) -> Lowered:
         tied_policy=TiedPolicy.COLOCATE if pipedream else TiedPolicy.REPLICATE,
         across_hosts=options.across_hosts,
         tensor_parallel=options.tensor_parallel,
+        compute_efficiency=options.compute_efficiency,
     )
 
 

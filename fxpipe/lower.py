@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch.fx
@@ -78,12 +78,15 @@ def lower(
     num_devices: int = 0,
     across_hosts: bool = False,
     tensor_parallel: int = 1,
+    compute_efficiency: float = 1.0,
 ) -> Lowered:
     """The partition problem of ``gm`` (every node costed: run passes and a cost model first).
     ``across_hosts``: the stages send to each other over the link between hosts (a
     pipeline longer than a host, ``partition.layout``), not the link inside one.
     ``tensor_parallel``: t GPUs of a host split each op Megatron-LM's layout splits
-    (``partition.tensor_parallel``), priced on the host's link."""
+    (``partition.tensor_parallel``), priced on the host's link. ``compute_efficiency``: the
+    share of the cost model's speed a GPU reaches (``partition.layout.COMPUTE_EFFICIENCY``):
+    every op's seconds are the cost model's divided by it; communication is not."""
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
     ops = tuple(n for n in gm.graph.nodes if n.op in OP_NODES)
@@ -96,7 +99,8 @@ def lower(
     unusable = bool(written) and not levels
     levels = levels or ((0, 0),)
     nodes = _nodes(gm, ops, reads, readers, device=device, block_depth=block_depth,
-                   levels=levels, skip=written, unusable=unusable, same_node=not across_hosts)
+                   levels=levels, skip=written, unusable=unusable, same_node=not across_hosts,
+                   efficiency=compute_efficiency)
     order_edges, fused = _in_place_order(gm, ops, index)
     returned_bytes = sum(n.output_bytes for n in nodes if n.returned)
     problem = Problem(
@@ -169,6 +173,7 @@ def _nodes(
     skip: tuple[tuple[int, int], ...],
     unusable: bool,
     same_node: bool = True,
+    efficiency: float = 1.0,
 ) -> tuple[Node, ...]:
     """One problem node per op, its costs read off the node records; a parameter is the
     bytes of the one op that reads it (several readers make it a tied group instead)."""
@@ -177,7 +182,7 @@ def _nodes(
     for node in ops:
         own = sum(size for name, size in reads[node.name].items() if len(readers[name]) == 1)
         memory = meta.BYTES.get(node)
-        time = meta.TIME.get(node)
+        time = _slower(meta.TIME.get(node), efficiency)
         nodes.append(
             Node(
                 name=node.name,
@@ -198,6 +203,15 @@ def _nodes(
             )
         )
     return tuple(nodes)
+
+
+def _slower(time: meta.TimeInfo, efficiency: float) -> meta.TimeInfo:
+    """``time`` at ``efficiency`` of the cost model's speed."""
+    if efficiency == 1.0:
+        return time
+    return replace(time, forward_s=time.forward_s / efficiency,
+                   backward_s=time.backward_s / efficiency,
+                   backward_weight_s=time.backward_weight_s / efficiency)
 
 
 def keep_levels(kept: Iterable[Kept], written: Collection[tuple[int, int]] = ()

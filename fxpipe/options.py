@@ -25,13 +25,16 @@ class ClusterOptions:
     ``dp_mode`` ("fsdp" or "ddp"; None: the search chooses), ``global_batch`` samples per
     step (None: ``SplitOptions.microbatches`` micro-batches of the example's samples),
     each stage's ops split over ``tp`` GPUs of a host (1: none, as before tensor
-    parallelism; None: the search chooses)."""
+    parallelism; None: the search chooses), every op at ``compute_efficiency`` of the cost
+    model's speed (None: ``partition.layout.COMPUTE_EFFICIENCY``, the roofline's; 1.0
+    under ``--calibrate``, whose costs are measured)."""
 
     gpus_per_node: int | None = None
     pp: int | None = None
     dp_mode: str | None = None
     global_batch: int | None = None
     tp: int | None = 1
+    compute_efficiency: float | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,7 @@ class SplitOptions:
     data_parallel: tuple[int, str] = (1, "ddp")
     across_hosts: bool = False
     tensor_parallel: int = 1
+    compute_efficiency: float = 1.0  # the share of the cost model's speed a GPU reaches
 
 
 def options_of(plan: Plan) -> SplitOptions:
@@ -77,6 +81,7 @@ def options_of(plan: Plan) -> SplitOptions:
         data_parallel=(1, "ddp") if layout is None else (layout.dp, layout.dp_mode),
         across_hosts=layout is not None and layout.pipeline_link == "inter",
         tensor_parallel=1 if layout is None else layout.tp,
+        compute_efficiency=1.0 if layout is None else layout.compute_efficiency,
     )
 
 

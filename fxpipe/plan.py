@@ -204,7 +204,9 @@ class Layout:
     ``pipeline_link`` and ``sync_link`` ("intra" or "inter") say which link the
     stage sends and the gradient syncs ride. ``step_s`` = the pipeline's step plus
     ``sync_s``, the slowest stage's sync (``fxpipe.partition.layout``). ``proved``: every
-    other layout considered was solved or bounded at no better a step."""
+    other layout considered was solved or bounded at no better a step. Every op ran at
+    ``compute_efficiency`` of the cost model's speed in the search and the plan
+    (``calibrated``: the costs were measured, ``--calibrate``)."""
 
     gpus: int
     gpus_per_node: int
@@ -225,6 +227,8 @@ class Layout:
     tp_pairs: int = 0
     tp_replicated: tuple[str, ...] = ()
     tp_vocab: tuple[str, ...] = ()
+    compute_efficiency: float = 1.0
+    calibrated: bool = False
 
 
 @dataclass(frozen=True)

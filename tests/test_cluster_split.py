@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from tests._cli import fxpipe
@@ -79,4 +80,32 @@ def test_when_no_layout_fits_the_leanest_is_named_with_what_it_needs(tmp_path: P
     assert line.startswith("fxpipe: error: no layout of 4 GPUs (4 per host) fits in 3.0 MiB "
                            "per GPU; the leanest, 4 pipeline stages x 1 data-parallel (ddp), "
                            "needs "), line
-    assert "; to fit it, allow" in line and not (tmp_path / "x").exists()
+    # (and 40 GPUs would fit it: the next test's)
+    assert re.search(r"; or, to fit the leanest, allow [\d.]+ MiB per GPU$", line), line
+    assert not (tmp_path / "x").exists()
+
+
+def test_when_no_layout_fits_the_fewest_gpus_a_layout_fits_on_are_named(
+        tmp_path: Path) -> None:
+    """On 2 GPUs of 5 MiB nothing fits; the line names the fewest GPUs, in whole hosts, a
+    layout fits on and the flags that plan it, which do (and one host fewer does not)."""
+    flags = ["--pp", "auto", "--memory", "5MiB"]
+    ran = fxpipe("split", GPT, "--gpus", "2", *flags, "--out", tmp_path / "x", cwd=tmp_path)
+    assert ran.returncode == 2 and not (tmp_path / "x").exists()
+    line = ran.stderr.strip().splitlines()[-1]
+    named = re.search(r"; it fits on (\d+) GPUs as (\d+) pipeline stages x (\d+) "
+                      r"data-parallel \((\w+)\): use (--gpus \d+ --pp \d+[^;]*); or, to fit "
+                      r"the leanest, allow ", line)
+    assert named is not None, line
+    gpus, pp, dp = (int(named[i]) for i in (1, 2, 3))
+    assert gpus > 2 and pp * dp == gpus
+    fix = named[5].split()
+    assert fix[-2:] == ["--global-batch", "16"]  # the step's, as --gpus 2 made it
+    ran = fxpipe("split", GPT, *fix, "--memory", "5MiB", "--out", tmp_path / "fixed",
+                 cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    plan = json.loads((tmp_path / "fixed" / "plan.json").read_text())
+    assert (plan["layout"]["pp"], plan["layout"]["dp"]) == (pp, dp)
+    fewer = fxpipe("split", GPT, "--gpus", str(gpus - 8 if gpus > 8 else gpus - 1),
+                   "--global-batch", "16", *flags, "--out", tmp_path / "y", cwd=tmp_path)
+    assert fewer.returncode == 2 and "no layout of" in fewer.stderr

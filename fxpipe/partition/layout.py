@@ -52,6 +52,7 @@ from fxpipe.partition.errors import InfeasibleMemoryError
 from fxpipe.partition.problem import Problem
 
 __all__ = [
+    "COMPUTE_EFFICIENCY",
     "DP_MODES",
     "Cluster",
     "Link",
@@ -72,6 +73,14 @@ __all__ = [
 ]
 
 DP_MODES = ("fsdp", "ddp")
+
+# The share of the cost model's speed the layout search assumes a GPU reaches: every op's
+# seconds are the cost model's divided by it, communication's are not (``lower``). The
+# roofline's own (1.0): measured against it, a training step on one H100 / H200 took
+# 1.59x (GPT-2) and 1.85x (an 886M Llama) the predicted time, 0.63 and 0.54 of it
+# (docs/benchmarks/gpu.md), which makes compute look cheaper beside the collectives than
+# it is; ``ClusterOptions.compute_efficiency`` sets another, ``--calibrate`` measures it.
+COMPUTE_EFFICIENCY = 1.0
 
 
 @dataclass(frozen=True)
@@ -175,26 +184,30 @@ def grad_bytes(params: Sequence[int], state_factor: float) -> list[float]:
 @dataclass(frozen=True)
 class Totals:
     """What every layout's bound reads of the model, per micro-batch of b samples: its
-    compute seconds and its gradient bytes (all of its parameters')."""
+    compute seconds, its gradient bytes (all of its parameters') and the compute seconds
+    of its slowest op, which some stage holds whole."""
 
     compute_s: float
     grad_bytes: float
+    largest_s: float = 0.0
 
 
 def totals(problem: Problem) -> Totals:
     grads, _ = state_split(problem.state_factor)
-    return Totals(sum(NodeCosts.of(problem).compute_s.tolist()), problem.param_bytes * grads)
+    compute = NodeCosts.of(problem).compute_s.tolist()
+    return Totals(sum(compute), problem.param_bytes * grads, max(compute, default=0.0))
 
 
 def layout_bound(totals: Totals, p: int, d: int, m: int, link: Link,
                  bottleneck_s: float | None = None) -> float:
     """A step no split of a (p, d) layout with M = m can beat: m - 1 micro-batches through
     its slowest stage, at least ``bottleneck_s`` (a bound on it: the block bound's or the
-    solver's) and at least the compute spread evenly over the p stages, plus the fill and
-    drain of one micro-batch through all of it, plus the sync of an even share of the
-    gradients (``totals`` of the problem at the layout's TP degree: per GPU of a stage)."""
+    solver's), the compute spread evenly over the p stages and the slowest op, plus the
+    fill and drain of one micro-batch through all of it, plus the sync of an even share
+    of the gradients (``totals`` of the problem at the layout's TP degree: per GPU of a
+    stage)."""
     compute = totals.compute_s
-    slowest = max(compute / p, bottleneck_s or 0.0)
+    slowest = max(compute / p, totals.largest_s, bottleneck_s or 0.0)
     return (m - 1) * slowest + compute + sync_s(totals.grad_bytes / p, d, link)
 
 

@@ -57,8 +57,11 @@ def layout_lines(plan: Plan) -> list[str]:
         "gradients during the step (torch's PipelineStage defers FSDP2's reduce-scatter to "
         "the last micro-batch) and 1/d of its optimizer state; ddp holds all of it. After "
         "the pipeline's last backward every stage syncs its gradients over its d copies "
-        "(ring all-reduce, or reduce-scatter and all-gather: the same bytes), not "
-        "overlapped with the drain; the step ends with the slowest stage's sync.",
+        "(one flat ring all-reduce, or reduce-scatter and all-gather: the same bytes, at "
+        "the slowest link the ring crosses; not a hierarchical one, inside hosts first), "
+        "not overlapped with the drain; the step ends with the slowest stage's sync. A "
+        "stage's sends to the next are in its time, overlapping none of its compute. "
+        + _compute(layout),
         "",
         *_tensor_model(layout),
         "| pipeline stages | data-parallel | " + "tensor-parallel | " * tp_column
@@ -70,6 +73,17 @@ def layout_lines(plan: Plan) -> list[str]:
     lines += [_row(row, tp_column) for row in rows]
     lines.append("")
     return lines
+
+
+def _compute(layout: Layout) -> str:
+    """The compute efficiency the search assumed, as a sentence."""
+    if layout.calibrated:
+        return ("Every op takes the time a training step measured (--calibrate), for the "
+                "layouts' comparison and the plan alike.")
+    return (f"Every op runs at {layout.compute_efficiency:.2f} of the cost model's speed "
+            f"(assumed; against the roofline a step on an H100 / H200 measured 0.54-0.63, "
+            f"so at 1.00 the collectives look dearer beside the compute than they are; "
+            f"--calibrate measures it).")
 
 
 def _tensor_lines(layout: Layout) -> list[str]:

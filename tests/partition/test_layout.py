@@ -195,3 +195,11 @@ def test_the_search_chooses_the_tp_degree_by_each_ones_totals() -> None:
 
     tried = search(_cluster(4), layouts, totals, solve)
     assert [(t.t, t.status) for t in tried] == [(1, "no fit"), (2, "chosen"), (4, "pruned")]
+
+
+def test_a_layout_is_bounded_by_its_slowest_op_which_some_stage_holds_whole() -> None:
+    # 4 stages of 1.0 s of compute: 0.25 s each at best, but one op alone takes 0.5 s
+    spread = layout_bound(Totals(1.0, 0.0), 4, 1, 3, NVLINK)
+    assert spread == pytest.approx(2 * 0.25 + 1.0)
+    assert layout_bound(Totals(1.0, 0.0, largest_s=0.5), 4, 1, 3, NVLINK) == \
+        pytest.approx(2 * 0.5 + 1.0)
