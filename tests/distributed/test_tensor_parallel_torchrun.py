@@ -26,10 +26,11 @@ TOLERANCE = 1e-12  # of the largest gradient
 M = 4  # micro-batches a step
 
 
-def _run(tmp_path: Path, model: Path, *flags: str, gpus: int = 4
+def _run(tmp_path: Path, model: Path, *flags: str, gpus: int = 4, steps: int = 1
          ) -> tuple[Any, dict[str, Any], list[dict[str, Any]]]:
-    """Split ``model`` with ``flags``, train one step on a random global batch under
-    torchrun: (the package's distributed module, the batch, each rank's save)."""
+    """Split ``model`` with ``flags``, train ``steps`` steps (Adam) on a random global
+    batch under torchrun: (the package's distributed module, the batch, each rank's save
+    of the last step)."""
     out = tmp_path / "pkg"
     assert cli.main(["split", str(model), "--gpus", str(gpus), "--microbatches", str(M),
                      *flags, "--out", str(out), "--force"]) == 0
@@ -43,30 +44,39 @@ def _run(tmp_path: Path, model: Path, *flags: str, gpus: int = 4
              "target": ids(source.target)}
     torch.save(batch, tmp_path / "batch.pt")
     result = torchrun(gpus, out / "train_torchrun.py", "--model", str(model), "--batch",
-                      str(tmp_path / "batch.pt"), "--save", str(tmp_path / "out"))
+                      str(tmp_path / "batch.pt"), "--save", str(tmp_path / "out"),
+                      "--optimizer", "adam", "--steps", str(steps))
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
     saves = [torch.load(tmp_path / "out" / f"rank{r}.pt", weights_only=False)
              for r in range(gpus)]
     return import_package(out, f"tp_{tmp_path.name}").distributed, batch, saves
 
 
-def _unsplit(model: Path, batch: dict[str, Any]
+def _unsplit(model: Path, batch: dict[str, Any], steps: int
              ) -> tuple[float, dict[str, torch.Tensor], dict[str, int]]:
-    """The unsplit model's loss, gradients, and which parameter each name is (a tied one
-    has several names)."""
+    """The unsplit model's loss and gradients in its ``steps``-th step (Adam between, as
+    train_torchrun steps it), and which parameter each name is (a tied one has several
+    names)."""
     source, _ = load(str(model))
-    loss = source.loss_fn(source.model(*batch["args"], **batch["kwargs"]), batch["target"])
-    loss.backward()
+    optimizer = torch.optim.Adam(source.model.parameters(), lr=1e-3)
+    for step in range(steps):
+        if step:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss = source.loss_fn(source.model(*batch["args"], **batch["kwargs"]),
+                              batch["target"])
+        loss.backward()
     named = list(source.model.named_parameters(remove_duplicate=False))
     return (float(loss.detach()), {name: p.grad for name, p in named},
             {name: id(p) for name, p in named})
 
 
 def _assert_exact(model: Path, batch: dict[str, Any], saves: list[dict[str, Any]],
-                  last_ranks: int = 2) -> None:
-    """Every rank's gradients (gathered whole) are the unsplit model's, the ranks hold
-    every parameter between them, and the last stage's ranks report its loss."""
-    loss, expected, which = _unsplit(model, batch)
+                  last_ranks: int = 2, steps: int = 1) -> None:
+    """Every rank's gradients (gathered whole) are the unsplit model's in the same step,
+    the ranks hold every parameter between them, and the last stage's ranks report its
+    loss."""
+    loss, expected, which = _unsplit(model, batch, steps)
     assert_model_grads(saves, expected, TOLERANCE, which)
     for rank, save in enumerate(saves):
         if save["loss"] is not None:
@@ -76,7 +86,8 @@ def _assert_exact(model: Path, batch: dict[str, Any], saves: list[dict[str, Any]
 
 def _assert_split_bytes(distributed: Any, model: Path, saves: list[dict[str, Any]],
                         tp: int = 2) -> None:
-    """Each rank holds 1/tp of every parameter TENSOR_PARALLEL splits, the rest whole."""
+    """Each rank holds 1/tp of every parameter TENSOR_PARALLEL splits, the rest whole, and
+    Adam's two moments of it."""
     degree, splits = distributed.TENSOR_PARALLEL
     assert degree == tp and all(splits)
     params = dict(load(str(model))[0].model.named_parameters(remove_duplicate=False))
@@ -88,18 +99,20 @@ def _assert_split_bytes(distributed: Any, model: Path, saves: list[dict[str, Any
         held = sum(params[n].numel() * params[n].element_size() // (tp if n in splits[k] else 1)
                    for n in names)
         assert save["memory"]["params_local"] == held, (rank, save["memory"], held)
+        assert save["memory"]["optimizer"] == 2 * held, (rank, save["memory"], held)
 
 
 def test_gpt_pp2_tp2_gives_the_unsplit_gradients_and_splits_its_parameters(
         tmp_path: Path) -> None:
     """4 ranks, 2 stages x 2: the GPT's pairs split Megatron-LM's way and its embedding and
     tied LM head by vocabulary rows, on different pipeline stages: the tied gradient is
-    summed shard by shard."""
-    distributed, batch, saves = _run(tmp_path, GPT64, "--pp", "2", "--tp", "2")
+    summed shard by shard. Two steps: after Adam steps each rank's shards, the second
+    step's gradients are still the unsplit model's."""
+    distributed, batch, saves = _run(tmp_path, GPT64, "--pp", "2", "--tp", "2", steps=2)
     splits = distributed.TENSOR_PARALLEL[1]
     assert splits[0]["tok_emb.weight"] == splits[1]["lm_head.weight"] == 0
     assert distributed.TIED == ({0: "tok_emb.weight", 1: "lm_head.weight"},)
-    _assert_exact(GPT64, batch, saves)
+    _assert_exact(GPT64, batch, saves, steps=2)
     _assert_split_bytes(distributed, GPT64, saves)
 
 
