@@ -21,11 +21,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+from fxpipe.forked import Forked
 from fxpipe.frontend import Traced
 from fxpipe.options import ClusterOptions, SplitOptions
+from fxpipe.partition.baselines import interval_dp
 from fxpipe.partition.bound import block_bound
-from fxpipe.partition.coarsen import exact_groups
+from fxpipe.partition.coarsen import Coarsening, exact_groups
 from fxpipe.partition.errors import InfeasibleMemoryError
+from fxpipe.partition.evaluate import evaluate, violations
 from fxpipe.partition.layout import (
     COMPUTE_EFFICIENCY,
     Cluster,
@@ -115,8 +118,8 @@ def choose(traced: Traced, options: SplitOptions, *,
             for t in dict.fromkeys(lay[4] for lay in layouts)}
     # every layout planned quickly (the interval DP and the block bound, no CP-SAT), the
     # chosen one again in full
-    tried = search(cluster, layouts, base, lambda p, d, mode, m, t, slowest: solve(
-        of(p, d, mode, m, t), advise=False, quick=True, bound_s=slowest),
+    tried = search(cluster, layouts, base, lambda p, d, mode, m, t, slowest, split: solve(
+        of(p, d, mode, m, t), advise=False, quick=True, bound_s=slowest, hint=split),
         lambda p, d, mode, m, t, upper_s: _slowest_stage(problem(of(p, d, mode, m, t)),
                                                          upper_s))
     chosen = next((t for t in tried if t.status == "chosen"), None)
@@ -182,16 +185,36 @@ def _asked(options: SplitOptions, b: int) -> tuple[int, float]:
     return steps_microbatches, efficiency
 
 
-def _slowest_stage(problem: Problem, upper_s: float) -> float | None:
+def _slowest_stage(problem: Problem, upper_s: float
+                   ) -> tuple[float | None, tuple[int, ...] | None]:
     """The block bound on ``problem``'s slowest stage, ``upper_s`` where no split that fits
-    has a faster one; None where it has none to give, or where the memory floor proves
-    that no split fits, or the problem is invalid (its solve says so in no time)."""
+    has a faster one, None where it has none to give, or where the memory floor proves
+    that no split fits, or the problem is invalid (its solve says so in no time); and,
+    worked out meanwhile in a forked child (on the second core), the interval DP's split
+    where its slowest stage is faster than ``upper_s`` (None: it is not, or the bound
+    pruned the layout first and the child was stopped)."""
     if memory_floor(problem) > problem.memory_limit:
-        return None
+        return None, None
     try:
-        return block_bound(exact_groups(problem), upper_s=upper_s)
+        exact = exact_groups(problem)
     except ValueError:
+        return None, None
+    with Forked(lambda: _dp_split(problem, exact, upper_s)) as splitting:
+        slowest = block_bound(exact, upper_s=upper_s)
+        if slowest is not None and slowest >= upper_s:
+            return slowest, None
+        return slowest, splitting.result()
+
+
+def _dp_split(problem: Problem, exact: Coarsening, upper_s: float
+              ) -> tuple[int, ...] | None:
+    """The interval DP's split of ``problem`` where its slowest stage is faster than
+    ``upper_s`` and it is valid and fits (as ``partition`` takes it), else None."""
+    found = interval_dp(exact, upper_s=upper_s)
+    split = exact.expand(found) if found is not None else None
+    if split is None or violations(problem, split) or not evaluate(problem, split).estimate.fits:
         return None
+    return split
 
 
 def _tp_degrees(cluster: Cluster, asked: int | None, split: TensorParallel) -> list[int]:

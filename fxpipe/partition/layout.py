@@ -243,22 +243,22 @@ def layout_step(result: Any, d: int, link: Link) -> tuple[float, float]:
 
 def search(cluster: Cluster, layouts: Sequence[tuple[int, int, str, int, int]],
            totals: Mapping[int, Totals],
-           solve: Callable[[int, int, str, int, int, float | None], Any],
-           bottleneck: Callable[[int, int, str, int, int, float], float | None] | None = None,
-           ) -> list[Tried]:
+           solve: Callable[[int, int, str, int, int, float | None, Any], Any],
+           bottleneck: Callable[[int, int, str, int, int, float], tuple[float | None, Any]]
+           | None = None) -> list[Tried]:
     """Solve the layouts (p, d, mode, M, t) in the order of their bounds (the cheapest
     first, ties to the shorter pipeline, then the smaller t), each by
-    ``solve(p, d, mode, M, t, slowest)`` (the driver lowers the model for it and runs
-    ``partition``, given the bound on its slowest stage where one was found; a
-    ``ValueError`` says it has no valid split), and stop when the next
+    ``solve(p, d, mode, M, t, slowest, split)`` (the driver lowers the model for it and
+    runs ``partition``, given the bound on its slowest stage and a split where they were
+    found; a ``ValueError`` says it has no valid split), and stop when the next
     bound is no better than the best step found: every layout left is pruned, proved no
     better under the cost model. ``totals``: the model's at each TP degree.
 
     ``bottleneck(p, d, mode, M, t, upper_s)``: a bound on the layout's slowest stage
-    (the block bound: seconds where the interval DP takes tens), ``upper_s`` where no split
-    that fits has a faster one, None where it has none to give; once a layout is solved,
-    each one after it is bounded so before it is solved, and pruned where it cannot beat
-    the best step. The best one's status is "chosen"."""
+    (the block bound), ``upper_s`` where no split that fits has a faster one, None where
+    it has none to give, and a split the driver found meanwhile (None: none); once a
+    layout is solved, each one after it is bounded so before it is solved, and pruned
+    where it cannot beat the best step. The best one's status is "chosen"."""
     order = sorted((layout_bound(totals[t], p, d, m, sync_link(cluster, p, t)), i)
                    for i, (p, d, _, m, t) in enumerate(layouts))
     tried: dict[int, Tried] = {}
@@ -267,12 +267,12 @@ def search(cluster: Cluster, layouts: Sequence[tuple[int, int, str, int, int]],
     for bound, i in order:
         p, d, mode, m, t = layouts[i]
         link = sync_link(cluster, p, t)
-        slowest = None
+        slowest, split = None, None
         if bottleneck is not None and bound < best_step < math.inf and m > 1:
             # the slowest stage of a split that beats the best step is faster than this
             sync = sync_s(totals[t].grad_bytes / p, d, link)
             upper = (best_step - totals[t].compute_s - sync) / (m - 1)
-            slowest = bottleneck(p, d, mode, m, t, upper)
+            slowest, split = bottleneck(p, d, mode, m, t, upper)
             if slowest is not None:
                 bound = max(bound, best_step if slowest >= upper else
                             layout_bound(totals[t], p, d, m, link, slowest))
@@ -280,7 +280,7 @@ def search(cluster: Cluster, layouts: Sequence[tuple[int, int, str, int, int]],
             tried[i] = Tried(p, d, mode, m, bound, t=t)
             continue
         try:
-            result = solve(p, d, mode, m, t, slowest)
+            result = solve(p, d, mode, m, t, slowest, split)
         except ValueError as exc:
             status = "no fit" if isinstance(exc, InfeasibleMemoryError) else "invalid"
             tried[i] = Tried(p, d, mode, m, bound, why=str(exc), status=status, error=exc,

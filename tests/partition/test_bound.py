@@ -307,3 +307,25 @@ def test_a_bound_and_split_found_already_are_not_worked_out_again(
     assert full.stage_of == quick.stage_of
     assert full.report.bound == quick.report.bound
     assert full.report.status == quick.report.status
+
+
+@pytest.mark.parametrize("fork", [True, False], ids=["DP in a child", "one process"])
+def test_the_layout_search_bounds_a_layout_and_finds_its_dp_split_at_once(
+        monkeypatch: pytest.MonkeyPatch, fork: bool) -> None:
+    """Once a layout is planned, the next is bounded (the block bound, cut off at the
+    slowest stage that could still win) while a child works out its interval DP's split:
+    handed on where the bound does not prune it, dropped where it does."""
+    from fxpipe.cluster import _slowest_stage
+
+    if not fork:
+        monkeypatch.setattr(forked, "_can_fork", lambda: False)
+    problem = _chain_of_blocks(layers=24, stages=6)
+    exact = exact_groups(problem)
+    dp = exact.expand(interval_dp(exact) or ())
+    dp_s = evaluate(problem, dp).bottleneck_s
+    bound = block_bound(exact)
+    assert bound is not None and bound <= dp_s
+    slowest, split = _slowest_stage(problem, 2 * dp_s)
+    assert split == dp and slowest == pytest.approx(bound)
+    cut, none = _slowest_stage(problem, bound / 2)  # no split is that fast: pruned
+    assert cut == bound / 2 and none is None

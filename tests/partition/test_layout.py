@@ -116,7 +116,8 @@ def test_the_search_plans_in_bound_order_and_prunes_what_cannot_win() -> None:
     assert bounds == sorted(bounds)  # fewer pipeline stages, less fill and drain here
     asked = []
 
-    def solve(p: int, d: int, mode: str, m: int, t: int, slowest: float | None) -> _Result:
+    def solve(p: int, d: int, mode: str, m: int, t: int, slowest: float | None,
+              split: object) -> _Result:
         asked.append(p)
         return _result(bounds[[q for q, *_ in layouts].index(p)], p)
 
@@ -129,7 +130,8 @@ def test_a_layout_that_does_not_fit_says_why_and_the_next_is_planned() -> None:
     totals = Totals(compute_s=1.0, grad_bytes=0.0)
     layouts = candidates(_cluster(2), 4, dp_mode="ddp")  # p = 1, 2
 
-    def solve(p: int, d: int, mode: str, m: int, t: int, slowest: float | None) -> _Result:
+    def solve(p: int, d: int, mode: str, m: int, t: int, slowest: float | None,
+              split: object) -> _Result:
         if p == 1:
             raise InfeasibleMemoryError(devices=1, limit=1.0, needed=2.0)
         return _result(5.0, p)
@@ -149,19 +151,22 @@ def test_a_layout_whose_slowest_stage_cannot_beat_the_best_is_pruned_unsolved() 
     assert bounds == [2.0, 2.5, 2.75]
     solved, bounded = [], []
 
-    def solve(p: int, d: int, mode: str, m: int, t: int, slowest: float | None) -> _Result:
-        solved.append((p, slowest))
+    def solve(p: int, d: int, mode: str, m: int, t: int, slowest: float | None,
+              split: object) -> _Result:
+        solved.append((p, slowest, split))
         return _result(3.0 if p == 1 else 2.9, p)
 
-    def bottleneck(p: int, d: int, mode: str, m: int, t: int, upper_s: float) -> float:
+    def bottleneck(p: int, d: int, mode: str, m: int, t: int, upper_s: float
+                   ) -> tuple[float, object]:
         # a split beating the best step (3.0) has its slowest of (M - 1) under 3.0 - 1.0
         assert upper_s == pytest.approx(2.0 / (m - 1))
         bounded.append(p)
-        return upper_s if p == 2 else 0.26  # p = 2: no split that fits is faster
+        # p = 2: no split that fits is faster; p = 4: and the split found meanwhile
+        return (upper_s, None) if p == 2 else (0.26, "the DP's split")
 
     tried = search(_cluster(4), layouts, {1: totals}, solve, bottleneck)
     assert bounded == [2, 4]
-    assert solved == [(1, None), (4, 0.26)]
+    assert solved == [(1, None, None), (4, 0.26, "the DP's split")]
     assert [t.status for t in tried] == ["solved", "pruned", "chosen"]
     assert tried[1].bound_s == 3.0  # no better than the best step when it was pruned
     assert tried[2].bound_s == pytest.approx(7 * 0.26 + 1.0)
@@ -188,7 +193,8 @@ def test_the_search_chooses_the_tp_degree_by_each_ones_totals() -> None:
     bounds = [layout_bound(totals[t], p, d, m, NVLINK) for p, d, _, m, t in layouts]
     assert bounds == sorted(bounds)
 
-    def solve(p: int, d: int, mode: str, m: int, t: int, slowest: float | None) -> _Result:
+    def solve(p: int, d: int, mode: str, m: int, t: int, slowest: float | None,
+              split: object) -> _Result:
         if t == 1:  # the whole model does not fit one GPU
             raise InfeasibleMemoryError(devices=1, limit=1.0, needed=2.0)
         return _result(layout_bound(totals[t], p, d, m, NVLINK), p)
