@@ -24,7 +24,7 @@ and 1/d of them, and of the optimizer state, between steps.
 """
 
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -137,22 +137,37 @@ def _size(tensors: Iterable[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def watch_step(modules: Iterable[nn.Module]) -> dict[int, dict[str, int]]:
-    """Forward pre-hooks on ``modules`` (the stages inside their adapters) keeping, per
-    module, the most bytes of parameters and of gradients it held at the start of a
-    forward: inside a step FSDP2's unsharded parameters, and the gradients they
-    accumulate whole until the last micro-batch's backward (``held_bytes`` reads them)."""
+def watch_step(stages: Iterable[Any]) -> dict[int, dict[str, int]]:
+    """Watch ``stages`` (torch's ``PipelineStage`` objects, or the schedule table's) keeping,
+    per stage module (inside its adapter), the most bytes of parameters and of gradients
+    it held at the start of a forward and just before torch's ``perform_reduce_grad`` (the
+    end of its last micro-batch's backward): inside a step FSDP2's unsharded parameters,
+    and the gradients they accumulate whole until that reduce-scatter (``held_bytes``
+    reads them). Under a V (zbv) a stage's every forward may come before its first
+    backward, so the forwards alone would not see its gradients."""
     seen: dict[int, dict[str, int]] = {}
 
-    def hook(module: nn.Module, args: Any) -> None:
+    def record(module: nn.Module) -> None:
         params = list({id(p): p for p in module.parameters()}.values())
         held = seen.setdefault(id(module), {"params": 0, "grads": 0})
         held["params"] = max(held["params"], _size(params))
         held["grads"] = max(held["grads"], _size(p.grad for p in params if p.grad is not None))
 
-    for module in modules:
-        module.register_forward_pre_hook(hook)
+    for stage in stages:
+        module = stage.submod.stage
+        module.register_forward_pre_hook(lambda module, args: record(module))
+        reduce = getattr(stage, "perform_reduce_grad", None)
+        if reduce is not None:
+            stage.perform_reduce_grad = _before(reduce, lambda m=module: record(m))
     return seen
+
+
+def _before(method: Callable[..., Any], first: Callable[[], None]) -> Callable[..., Any]:
+    """``method``, calling ``first`` before it."""
+    def call(*args: Any, **kwargs: Any) -> Any:
+        first()
+        return method(*args, **kwargs)
+    return call
 
 
 def held_bytes(modules: Iterable[nn.Module], optimizer: torch.optim.Optimizer | None,

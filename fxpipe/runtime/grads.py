@@ -4,7 +4,12 @@ Tied parameters (``TIED``: one Parameter bound into several stages, a GPT
 embedding reused as the LM head) live as one copy per rank; after backward their
 gradients are summed over a process group of exactly the ranks that hold a copy,
 so every copy sees the gradient of the unsplit model. A tied parameter held by
-two stages of one rank (interleaved) is one copy there, summed once.
+two stages of one rank (interleaved, a V) is one copy there, summed once; under a
+layout's FSDP2 or DDP, which shard or sync each stage's module on its own (FSDP2 would
+split one Parameter of two modules into two, each with half the gradient), each stage
+keeps its own equal copy, and the rank adds its copies' gradients before the sum::
+
+    V, 2 x 2 ranks | rank 0: stage 0 (embedding) + stage 3 (head) ─ added on the rank
 
 Unevenly replicated stages (PipeDream's "2-1-1", the schedule table, table.py) then sum
 every gradient over their stage's r replicas, each replica having divided its chunk's
@@ -32,6 +37,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .adapter import StageAdapter
@@ -44,11 +50,13 @@ __all__ = ["clip_grads", "make_groups", "reduce_grads"]
 
 
 def make_groups(layout: RankLayout, tied: Sequence[Mapping[int, str]],
-                adapters: Mapping[int, StageAdapter], group: Any = None) -> None:
+                adapters: Mapping[int, StageAdapter], group: Any = None, *,
+                separate: bool = False) -> None:
     """The process groups of ``tied`` copies (their holders' ranks) and of each replicated
     stage's ranks, created in the same order on every rank of the job (``dist.new_group``
     is collective over it). ``adapters``: this rank's stages by index; a tied parameter two
-    of them hold becomes one copy. ``group``: this pipeline's process group, None for the
+    of them hold becomes one copy, or with ``separate`` (stages FSDP2 or DDP will wrap one
+    by one) one equal copy each. ``group``: this pipeline's process group, None for the
     whole job; every pipeline's tied groups are then made, on every rank, from the job's
     ranks of each pipeline (gathered from all ranks)."""
     mine = tuple(range(layout.num_ranks))
@@ -71,8 +79,10 @@ def make_groups(layout: RankLayout, tied: Sequence[Mapping[int, str]],
             continue
         param = adapters[held[0]].stage.get_parameter(copies[held[0]])
         for k in held:
-            rebind(adapters[k].stage, adapters[k].stage.get_parameter(copies[k]), param)
-            adapters[k].tied.append((groups[pipelines.index(mine)], param))
+            copy = param if not separate or k == held[0] else nn.Parameter(
+                param.detach().clone(), requires_grad=param.requires_grad)
+            rebind(adapters[k].stage, adapters[k].stage.get_parameter(copies[k]), copy)
+            adapters[k].tied.append((groups[pipelines.index(mine)], copy))
     for j in range(layout.num_stages):
         if layout.replicas[j] > 1:  # only on the whole job (pipeline_stages refuses a group)
             replica_group = dist.new_group(list(layout.ranks_of(j)))
@@ -86,17 +96,24 @@ def reduce_grads(adapters: Sequence[StageAdapter]) -> None:
     unevenly replicated stage over its replicas (each divides its loss by r itself). A
     stage split over a host's ranks has its gradients placed as its parameters first."""
     settle_grads(p for adapter in adapters for p in adapter.parameters())
-    tied: set[int] = set()
+    copies: dict[int, tuple[Any, dict[int, torch.Tensor]]] = {}  # by group: its copies here
     for adapter in adapters:
         for tied_group, param in adapter.tied:
-            if id(param) in tied:
-                continue
-            tied.add(id(param))
+            copies.setdefault(id(tied_group), (tied_group, {}))[1][id(param)] = param
+    tied = {id(param) for _, held in copies.values() for param in held.values()}
+    for tied_group, held in copies.values():
+        grads = []
+        for param in held.values():
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             # sharded over a layout's dp sub-mesh: every holder's shard i is the same rows
-            grad = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
-            dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=tied_group)
+            grads.append(param.grad.to_local() if isinstance(param.grad, DTensor)
+                         else param.grad)
+        for grad in grads[1:]:  # a layout's stages' own copies, one rank: added here
+            grads[0] += grad
+        dist.all_reduce(grads[0], op=dist.ReduceOp.SUM, group=tied_group)
+        for grad in grads[1:]:
+            grad.copy_(grads[0])
     for adapter in adapters:
         if adapter.replica_group is None:
             continue
@@ -116,9 +133,13 @@ def clip_grads(layout: RankLayout, tied: Sequence[Mapping[int, str]],
     ranks of the model (None: the job). Collective: every rank calls it."""
     # a user's pipeline (``group``) is one copy; else copy 0 of every stage counts for all
     first_copy = group is not None or layout.copy_of(dist.get_rank()) == 0
-    elsewhere = {id(adapters[k].stage.get_parameter(copies[k]))  # counted on min(copies)
-                 for copies in tied for k in copies
-                 if k in adapters and min(copies) not in adapters}
+    elsewhere = set()  # a tied parameter counts on its first stage's copy, once
+    for copies in tied:
+        first = min(copies)
+        counted = (id(adapters[first].stage.get_parameter(copies[first]))
+                   if first in adapters else None)
+        elsewhere |= {id(adapters[k].stage.get_parameter(copies[k]))
+                      for k in copies if k in adapters} - {counted}
     params = list({id(p): p for a in adapters.values() for p in a.parameters()
                    if p.grad is not None}.values())
     counted = [p.grad for p in params if p.grad is not None and id(p) not in elsewhere

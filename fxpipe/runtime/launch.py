@@ -337,7 +337,7 @@ def _steps(pipeline: DistributedPipeline, opts: argparse.Namespace, rank: int, s
     held and outputs go to rank{rank}.pt."""
     args, kwargs, target = batch
     # with --save: the bytes of parameters and gradients held inside a step
-    watched = watch_step([stage.submod.stage for stage in stages]) if opts.save else {}
+    watched = watch_step(stages) if opts.save else {}
     for step in range(opts.steps):
         if optimizer is not None:
             optimizer.zero_grad(set_to_none=True)

@@ -218,8 +218,9 @@ class DistributedPipeline(RankLayout):
         for k in modules if self.tp > 1 else ():
             split_stage(modules[k].stage, self.tp_shards[k], mesh["tp"])  # type: ignore[index]
         group = group if mesh is None else mesh["pp"].get_group()
-        make_groups(self.one_pipeline(), self.tied, modules, group)
-        if mesh is not None and self.dp * self.lanes > 1:
+        wrapped = mesh is not None and self.dp * self.lanes > 1  # by FSDP2 or DDP
+        make_groups(self.one_pipeline(), self.tied, modules, group, separate=wrapped)
+        if wrapped:
             self.dp_group = mesh["dp"].get_group()
             modules = {k: shard(adapter, mode, mesh["dp"]) for k, adapter in modules.items()}
         return skip_warmup_sends_to_self([
