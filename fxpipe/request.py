@@ -146,7 +146,7 @@ def split_options(
         replicate=replicate,
         precision=parsed,
         cluster=_cluster(pp, gpus_per_node, dp_mode, global_batch, tp, replicate=replicate,
-                         virtual_stages=virtual_stages, say=say),
+                         say=say),
     )
 
 
@@ -215,7 +215,7 @@ def recompute_of(value: str, say: Spelling = CLI) -> Recompute:
 
 def _cluster(pp: int | str | None, gpus_per_node: int | None, dp_mode: str | None,
              global_batch: int | None, tp: int | str | None, *, replicate: bool,
-             virtual_stages: int, say: Spelling) -> ClusterOptions | None:
+             say: Spelling) -> ClusterOptions | None:
     """The cluster search's options, where a cluster option asks for one (else None: one
     pipeline on all the GPUs). ``tp``: None or 1, no tensor parallelism; "auto", the
     search chooses the degree."""
@@ -227,11 +227,10 @@ def _cluster(pp: int | str | None, gpus_per_node: int | None, dp_mode: str | Non
     per_stage = None if tp == "auto" else 1 if tp is None else _whole(tp, "tp", say)
     if per_stage is not None and per_stage < 1:
         raise ValueError(f"{say.name('tp')} must be auto or at least 1, got {per_stage}")
-    if replicate or virtual_stages > 1:
+    if replicate:  # a layout's stages run v to a GPU (interleaved, a V) as one pipeline's do
         cluster = ", ".join(say.name(o) for o in ("pp", "gpus_per_node", "dp_mode"))
-        raise ValueError(f"{say.name('replicate')} and {say.name('virtual_stages')} plan one "
-                         f"pipeline on all the GPUs: leave out {cluster} and "
-                         f"{say.name('global_batch')} with them")
+        raise ValueError(f"{say.name('replicate')} plans one pipeline on all the GPUs: leave "
+                         f"out {cluster} and {say.name('global_batch')} with it")
     if gpus_per_node is not None and gpus_per_node < 1:
         raise ValueError(f"{say.name('gpus_per_node')} must be at least 1, got {gpus_per_node}")
     if dp_mode is not None:

@@ -37,6 +37,20 @@ def test_the_search_writes_the_layout_it_chose_and_every_one_it_considered(
     assert "## Layout" in report and "| pipeline stages | data-parallel |" in report
 
 
+def test_a_layouts_pipeline_runs_two_stages_a_gpu_under_interleaved_and_a_v(
+        tmp_path: Path) -> None:
+    """--pp 2 with --schedule zbv (a V) or interleaved: 4 stages on each pipeline's 2 GPUs,
+    placed as the schedule places them (the layout refused them before)."""
+    for schedule, flags, placed in [("zbv", (), [0, 1, 1, 0]),
+                                    ("interleaved", ("--virtual-stages", "2"), [0, 1, 0, 1])]:
+        plan = _split(tmp_path / schedule, "--pp", "2", "--schedule", schedule, *flags)
+        assert (plan["layout"]["pp"], plan["layout"]["dp"]) == (2, 2), plan["layout"]
+        assert (plan["schedule"], plan["virtual_stages"], plan["num_stages"]) == (
+            schedule, 2, 4)
+        runner = (tmp_path / schedule / "out" / "runner.py").read_text()
+        assert f"DEVICE_OF = {tuple(placed)}" in runner, schedule
+
+
 def test_fsdp_holds_less_than_ddp_by_the_optimizer_state_it_shards(tmp_path: Path) -> None:
     fsdp = _split(tmp_path / "a", "--pp", "2", "--dp-mode", "fsdp")
     ddp = _split(tmp_path / "b", "--pp", "2", "--dp-mode", "ddp")
@@ -55,7 +69,7 @@ def test_pinned_flags_that_cannot_hold_are_one_line(tmp_path: Path) -> None:
         (("--pp", "two"), "--pp takes auto or a number, got 'two'"),
         (("--global-batch", "5"), "--global-batch 5 is not a whole number of micro-batches "
                                   "of the example's 2 samples"),
-        (("--pp", "2", "--replicate"), "--replicate and --virtual-stages plan one pipeline"),
+        (("--pp", "2", "--replicate"), "--replicate plans one pipeline on all the GPUs"),
         (("--pp", "2", "--dp-mode", "ddp", "--schedule", "zb1p"),
          "torch's DDP does not average the gradients zb1p's weight pass computes"),
     ]:
