@@ -23,6 +23,7 @@ under a pipeline), so a rank holds its stage's whole parameters and gradients in
 and 1/d of them, and of the optimizer state, between steps.
 """
 
+import functools
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -158,7 +159,7 @@ def watch_step(stages: Iterable[Any]) -> dict[int, dict[str, int]]:
         module.register_forward_pre_hook(lambda module, args: record(module))
         reduce = getattr(stage, "perform_reduce_grad", None)
         if reduce is not None:
-            stage.perform_reduce_grad = _before(reduce, lambda m=module: record(m))
+            stage.perform_reduce_grad = _before(reduce, functools.partial(record, module))
     return seen
 
 

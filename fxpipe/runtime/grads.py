@@ -103,12 +103,11 @@ def reduce_grads(adapters: Sequence[StageAdapter]) -> None:
     tied = {id(param) for _, held in copies.values() for param in held.values()}
     for tied_group, held in copies.values():
         grads = []
-        for param in held.values():
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
+        for copy in held.values():
+            if copy.grad is None:
+                copy.grad = torch.zeros_like(copy)
             # sharded over a layout's dp sub-mesh: every holder's shard i is the same rows
-            grads.append(param.grad.to_local() if isinstance(param.grad, DTensor)
-                         else param.grad)
+            grads.append(copy.grad.to_local() if isinstance(copy.grad, DTensor) else copy.grad)
         for grad in grads[1:]:  # a layout's stages' own copies, one rank: added here
             grads[0] += grad
         dist.all_reduce(grads[0], op=dist.ReduceOp.SUM, group=tied_group)
@@ -136,10 +135,10 @@ def clip_grads(layout: RankLayout, tied: Sequence[Mapping[int, str]],
     elsewhere = set()  # a tied parameter counts on its first stage's copy, once
     for copies in tied:
         first = min(copies)
-        counted = (id(adapters[first].stage.get_parameter(copies[first]))
-                   if first in adapters else None)
+        kept = (id(adapters[first].stage.get_parameter(copies[first]))
+                if first in adapters else None)
         elsewhere |= {id(adapters[k].stage.get_parameter(copies[k]))
-                      for k in copies if k in adapters} - {counted}
+                      for k in copies if k in adapters} - {kept}
     params = list({id(p): p for a in adapters.values() for p in a.parameters()
                    if p.grad is not None}.values())
     counted = [p.grad for p in params if p.grad is not None and id(p) not in elsewhere

@@ -14,8 +14,7 @@ torch's DDP (or a layout's FSDP2; data_parallel.py), each stage split over t ran
 host (tensor_parallel.py). Stages with different replica counts run the runner's
 schedule table (table.py).
 
-Memory: with ``checkpoint``, ``pipeline_stage`` allocates only the rank's own
-stage (materialize.py), so no rank holds the whole model::
+Memory: with ``checkpoint`` a rank allocates only its own stage (materialize.py)::
 
     rank, world_size, device = init_distributed()
     with parameters_on_meta():
@@ -218,9 +217,9 @@ class DistributedPipeline(RankLayout):
         for k in modules if self.tp > 1 else ():
             split_stage(modules[k].stage, self.tp_shards[k], mesh["tp"])  # type: ignore[index]
         group = group if mesh is None else mesh["pp"].get_group()
-        wrapped = mesh is not None and self.dp * self.lanes > 1  # by FSDP2 or DDP
-        make_groups(self.one_pipeline(), self.tied, modules, group, separate=wrapped)
-        if wrapped:
+        make_groups(self.one_pipeline(), self.tied, modules, group,
+                    separate=self.dp * self.lanes > 1)  # FSDP2 or DDP wraps each stage
+        if mesh is not None and self.dp * self.lanes > 1:
             self.dp_group = mesh["dp"].get_group()
             modules = {k: shard(adapter, mode, mesh["dp"]) for k, adapter in modules.items()}
         return skip_warmup_sends_to_self([
