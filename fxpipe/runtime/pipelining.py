@@ -57,7 +57,7 @@ from .own_loss import feed_target, target_or_none
 from .ranks import RankLayout
 from .recompute import modes
 from .table import TableSchedule, TableStage
-from .tensor_parallel import split_stage, tensor_mesh, tensor_step
+from .tensor_parallel import split_stage, tensor_mesh, tensor_step, whole_loss
 from .torch_schedules import schedule_class, torch_schedule
 from .torch_zero_bubble import ZERO_BUBBLE, zero_bubble_schedule
 
@@ -214,8 +214,9 @@ class DistributedPipeline(RankLayout):
         built = {k: self.stage_module(model, k, device, *example_args, checkpoint=checkpoint,
                                       **example_kwargs) for k in self.stages_of(rank)}
         modules: dict[int, Any] = {k: adapter for k, (adapter, _, _) in built.items()}
-        for k in modules if self.tp > 1 else ():
-            split_stage(modules[k].stage, self.tp_shards[k], mesh["tp"])  # type: ignore[index]
+        for k in modules if self.tp > 1 else ():  # the last stage keeps its logits split
+            split_stage(modules[k].stage, self.tp_shards[k], mesh["tp"],  # type: ignore[index]
+                        last=k == self.num_stages - 1)
         group = group if mesh is None else mesh["pp"].get_group()
         make_groups(self.one_pipeline(), self.tied, modules, group,
                     separate=self.dp * self.lanes > 1)  # FSDP2 or DDP wraps each stage
@@ -280,8 +281,8 @@ class DistributedPipeline(RankLayout):
             self.check_placement(kind, self.schedule)
         # the stages' device, read without assuming stages: the checks below come first
         device = getattr(next(iter(_as_list(stage)), None), "device", None)
-        loss_fn, self.scaler = autocast_loss(target_or_none(loss_fn), self.precision, device,
-                                             self.scaler)
+        loss_fn, self.scaler = autocast_loss(whole_loss(target_or_none(loss_fn), self.tp),
+                                             self.precision, device, self.scaler)
         if kind in ZERO_BUBBLE and not isinstance(_as_list(stage)[0], TableStage):
             return zero_bubble_schedule(kind, _as_list(stage), self.lane_ranks(), m, loss_fn,
                                         self.shared_inputs)
@@ -389,9 +390,8 @@ class DistributedPipeline(RankLayout):
                           max_norm, norm_type, self.norm_group)
 
     def reduce_grads(self, stage: Any) -> None:
-        """Sum each tied parameter's gradient over the ranks holding a copy (once per
-        rank, however many of its stages use it); with replicated stages, average every
-        gradient over its stage's replicas."""
+        """Sum each tied parameter's gradient over the ranks holding a copy (once per rank);
+        with replicated stages, average every gradient over its stage's replicas."""
         reduce_grads([cast(StageAdapter, s.submod) for s in _as_list(stage)])
 
 

@@ -20,9 +20,13 @@ model's shapes, so the head counts and split sizes written in the stage hold, an
 sharding rules place the all-reduces (a row-parallel linear's partial sums meeting the
 residual stream). Received values enter as replicated DTensors (their gradients summed
 over the t ranks in the backward, the column-parallel pair's all-reduce); sent values
-and the model's output leave whole (``full_tensor``: partial sums all-reduced, split
-values gathered). Tensors the stage makes itself (positions, masks) count as replicated
-(torch's ``implicit_replication``) in the step's forward and backward.
+leave whole (``full_tensor``: partial sums all-reduced, split values gathered), and so
+does the model's output but for values split along their last dim (a vocabulary-parallel
+LM head's logits): those reach the loss split, which runs under torch's
+``loss_parallel`` (a cross-entropy over the vocabulary's shards, each rank's logits
+never gathered) and gives a plain loss (``whole_loss``). Tensors the stage makes itself
+(positions, masks) count as replicated (torch's ``implicit_replication``) in the step's
+forward and backward.
 """
 
 import contextlib
@@ -35,6 +39,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .data_parallel import make_mesh
@@ -51,7 +56,8 @@ def tensor_mesh(device: torch.device | str, dp: int, pp: int, tp: int) -> Device
                             mesh_dim_names=("dp", "pp", "tp"))
 
 
-def split_stage(stage: nn.Module, shards: Mapping[str, int], mesh: DeviceMesh) -> None:
+def split_stage(stage: nn.Module, shards: Mapping[str, int], mesh: DeviceMesh,
+                last: bool = False) -> None:
     """Make every parameter and buffer of ``stage`` a DTensor on ``mesh`` (the stage's
     1-D tp sub-mesh): split along dim ``shards[name]`` where its name is there, else
     replicated, one DTensor per original tensor (ties inside the stage stay ties); and
@@ -69,10 +75,11 @@ def split_stage(stage: nn.Module, shards: Mapping[str, int], mesh: DeviceMesh) -
                     made[id(value)] = (nn.Parameter(split, requires_grad=value.requires_grad)
                                        if is_param else split)
                 table[key] = made[id(value)]
-    stage.forward = _whole_at_the_edges(stage.forward, mesh)
+    stage.forward = _whole_at_the_edges(stage.forward, mesh, last)
 
 
-def _whole_at_the_edges(forward: Callable[..., Any], mesh: DeviceMesh) -> Callable[..., Any]:
+def _whole_at_the_edges(forward: Callable[..., Any], mesh: DeviceMesh, last: bool
+                        ) -> Callable[..., Any]:
     """``forward`` taking whole tensors (replicated DTensors inside) and giving whole ones;
     an op DTensor has no rule for is refused in one line (a ``ValueError``)."""
     def split_forward(**inputs: Any) -> Any:
@@ -88,7 +95,8 @@ def _whole_at_the_edges(forward: Callable[..., Any], mesh: DeviceMesh) -> Callab
             raise ValueError(
                 f"torch's DTensor has no sharding rule for {found[1]}, which this stage runs: "
                 f"tensor parallelism cannot split it; split again with --tp 1") from None
-        return tuple(x.full_tensor() if isinstance(x, DTensor) else x for x in outputs)
+        return tuple(x.full_tensor() if isinstance(x, DTensor) and not (
+            last and x.placements == (Shard(x.dim() - 1),)) else x for x in outputs)
     return split_forward
 
 
@@ -100,9 +108,22 @@ def tensor_step(tp: int, device: torch.device) -> contextlib.AbstractContextMana
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()
     stack.enter_context(implicit_replication())
+    stack.enter_context(loss_parallel())
     if device.type == "cpu":
         stack.enter_context(sdpa_kernel(SDPBackend.MATH))
     return stack
+
+
+def whole_loss(loss_fn: Callable[..., Any], tp: int) -> Callable[..., Any]:
+    """``loss_fn`` giving a plain tensor where it gives a DTensor (a loss computed on the
+    last stage's split logits)."""
+    if tp == 1:
+        return loss_fn
+
+    def loss(*args: Any) -> Any:
+        value = loss_fn(*args)
+        return value.full_tensor() if isinstance(value, DTensor) else value
+    return loss
 
 
 def counted_here(tensor: torch.Tensor) -> bool:

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed.tensor import Shard
 
 from fxpipe import cli
 
@@ -106,14 +107,18 @@ def test_gpt_pp2_tp2_gives_the_unsplit_gradients_and_splits_its_parameters(
         tmp_path: Path) -> None:
     """4 ranks, 2 stages x 2: the GPT's pairs split Megatron-LM's way and its embedding and
     tied LM head by vocabulary rows, on different pipeline stages: the tied gradient is
-    summed shard by shard. Two steps: after Adam steps each rank's shards, the second
-    step's gradients are still the unsplit model's."""
+    summed shard by shard, and the loss is a vocabulary-parallel cross-entropy. Two steps:
+    after Adam steps each rank's shards, the second step's gradients are still the
+    unsplit model's."""
     distributed, batch, saves = _run(tmp_path, GPT64, "--pp", "2", "--tp", "2", steps=2)
     splits = distributed.TENSOR_PARALLEL[1]
     assert splits[0]["tok_emb.weight"] == splits[1]["lm_head.weight"] == 0
     assert distributed.TIED == ({0: "tok_emb.weight", 1: "lm_head.weight"},)
     _assert_exact(GPT64, batch, saves, steps=2)
     _assert_split_bytes(distributed, GPT64, saves)
+    for save in saves[2:]:  # the loss read each rank's half of the logits, never gathered
+        (logits, *_) = save["outputs"]
+        assert logits.placements == (Shard(2),) and logits.to_local().shape == (2, 64, 500)
 
 
 @pytest.mark.slow

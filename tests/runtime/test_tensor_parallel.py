@@ -18,6 +18,7 @@ from fxpipe.runtime.tensor_parallel import (
     split_stage,
     tensor_mesh,
     tensor_step,
+    whole_loss,
 )
 
 
@@ -97,3 +98,43 @@ def test_an_op_without_a_sharding_rule_is_refused_in_one_line(one_rank: None) ->
                        r"aten\.renorm\.default, which this stage runs: tensor parallelism "
                        r"cannot split it; split again with --tp 1$"):
         stage(x=torch.randn(2, 4))
+
+
+class _Head(nn.Module):
+    INPUTS = ("x",)
+    OUTPUTS = ("logits",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(4, 10, bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.head(x),)
+
+
+def test_the_last_stage_keeps_its_logits_split_for_a_parallel_loss(one_rank: None) -> None:
+    """A vocabulary-parallel head's logits (split along their last dim) leave the last
+    stage as a DTensor, and the loss on them, under the step's loss_parallel, is a plain
+    tensor equal to the plain head's, with its gradients; another stage gathers them."""
+    torch.manual_seed(0)
+    plain = _Head().double()
+    tp = dist.device_mesh.init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("dp", "pp", "tp"))
+    x, target = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 10, (6,))
+    loss_fn = whole_loss(torch.nn.functional.cross_entropy, 2)
+    grads = []
+    for last in (True, False):
+        split = _Head().double()
+        split.load_state_dict(plain.state_dict())
+        split_stage(split, {"head.weight": 0}, tp["tp"], last=last)
+        with tensor_step(2, torch.device("cpu")):
+            (logits,) = split(x=x)
+            assert isinstance(logits, DTensor) is last
+            loss = loss_fn(logits, target)
+            loss.backward()
+        assert type(loss) is torch.Tensor
+        grads.append(split.head.weight.grad.full_tensor())
+    want = torch.nn.functional.cross_entropy(plain(x=x)[0], target)
+    want.backward()
+    assert torch.allclose(loss, want, rtol=0, atol=1e-15)
+    for got in grads:
+        assert torch.allclose(got, plain.head.weight.grad, rtol=0, atol=1e-15)
