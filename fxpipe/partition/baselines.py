@@ -17,10 +17,11 @@ The baselines' recompute choice is ``evaluate``'s (``Problem.recompute``; under 
 each stage of a baseline's cut takes the fastest choice that fits), so they are compared
 with the solver on the same terms.
 
-``interval_dp`` is DESIGN's O(K n^2) warm start: the best contiguous split of the
-order with cut communication and memory (the stage cost formula of ``cost``: received
-and sent values, the loss, the backward transient, recompute per stage) included
-(tied parameters' copies left out; ``evaluate`` has the last word).
+``interval_dp`` is DESIGN's O(K n^2) warm start (priced only where a best split can
+pass, ``min_max_dp``: about n x (n/K) x a few stages on a balanced chain): the best
+contiguous split of the order with cut communication and memory (the stage cost formula
+of ``cost``: received and sent values, the loss, the backward transient, recompute per
+stage) included (tied parameters' copies left out; ``evaluate`` has the last word).
 """
 
 from __future__ import annotations
@@ -175,7 +176,16 @@ def interval_dp(c: Coarsening, *, upper_s: float = float("inf")) -> tuple[int, .
 def min_max_dp(blocks: Blocks, n: int, *, upper_s: float, allow_empty: bool
                ) -> tuple[Any, Any]:
     """best[j, end]: the least bottleneck of positions [0, end) cut into stages 0..j, and
-    back[j, end] the start of stage j there, blocks priced by ``blocks`` (see interval_dp)."""
+    back[j, end] the start of stage j there, blocks priced by ``blocks`` (see interval_dp).
+
+    Only what a best split can pass through is priced: for each ``end``, the starts from
+    the first block that fits (``_first_starts``), and the stages j from the first whose
+    stage j - 1 ends at one of those starts (between the first and the last end it was
+    seen to, ``ended`` and ``last``) to the last after which the stages left can still
+    cover [end, n) (``_blocks_needed``). Every other cell stays inf: it is on no split of
+    [0, n) whose blocks all fit, so best[K - 1, n] and the walk back from it are the
+    same as pricing every cell. With blocks balanced near ``upper_s``, that is a few
+    stages at each end rather than K."""
     K = blocks.problem.num_stages
     alive = np.zeros(n + 1)  # alive[a]: bytes produced in a and read at or after ``end``
     for _, a, size in blocks.sends:
@@ -185,47 +195,85 @@ def min_max_dp(blocks: Blocks, n: int, *, upper_s: float, allow_empty: bool
     best = np.full((K, n + 1), inf)
     back = np.zeros((K, n + 1), dtype=np.int64)
     gap = 0 if allow_empty else 1
-    # Nor any block whose parameters alone (with their gradients and optimizer state, and
-    # the workspace) exceed the memory limit: start where the most a start holds (a
-    # running maximum, for the bound's cells) is within reach.
-    p = blocks.problem
-    grad_factor, optimizer_factor = state_split(p.state_factor)
-    state = 1.0 + grad_factor + optimizer_factor
-    reach = (p.memory_limit - p.workspace_bytes) / state * (1 + 1e-9)
-    held = np.maximum.accumulate(blocks.P0)
+    firsts = _first_starts(blocks, n, upper_s=upper_s, gap=gap)
+    needed = _blocks_needed(firsts, n, gap=gap)
+    ended = np.full(K, n + 1)  # ended[j]: the first end at which best[j] is finite
+    last = np.full(K, -1)  # last[j]: the last end so far at which it is
     released = 0
     for end in range(n + 1):
         while released < len(blocks.sends) and blocks.sends[released][0] < end:
             _, a, size = blocks.sends[released]
             alive[a] -= size
             released += 1
-        produced = np.concatenate(([0.0], np.cumsum(alive[:end])))  # produced[a]: [0, a)
-        peak = blocks.peaks(end)
-        # No block whose compute alone exceeds upper_s: starts from the first that fits.
         if end < gap:
             continue
-        first = int(np.searchsorted(blocks.T0, blocks.T[end] - upper_s * (1 + 1e-9),
-                                    side="left"))
-        if reach < float("inf"):
-            first = max(first, int(np.searchsorted(held, blocks.P[end] - reach, side="left")))
-        starts = np.arange(min(first, end - gap), end - gap + 1)
-        sent = blocks.outputs(end, starts, produced)
-        load = blocks.loads(end, starts, sent=sent, peak=peak[starts], allow_empty=allow_empty)
+        first = int(firsts[end])
+        starts = np.arange(first, end - gap + 1)
+        # stages 1..K-1 that can end here: after a stage that ended at a start (or, with
+        # empty stages, after stage 0 starting at 0) and before too few are left
+        live = np.flatnonzero((ended[:-1] <= end - gap) & (last[:-1] >= first))
+        low = 1 if gap == 0 and first == 0 else (int(live[0]) + 1 if live.size else K)
+        high = K - 1 - needed[end]
+        stages = np.concatenate(([0], np.arange(low, max(high + 1, low))))
+        # bytes made in [start, end) and read at or after it (whole bytes: exact sums)
+        made = np.append(np.cumsum(alive[first:end][::-1])[::-1], 0.0)[:starts.size]
+        sent = blocks.outputs(end, starts, made)
+        load = blocks.loads(end, starts, stages, sent=sent, peak=blocks.peaks(end, starts),
+                            allow_empty=allow_empty)
         # stage 0 starts at 0; stage j > 0 after the best split of [0, start) into j stages
-        best[0, end], back[0, end] = (load[0, 0] if starts[0] == 0 else inf), 0
-        if K > 1:
-            empty = load[:, -1] if gap == 0 else None  # each stage's load as [end, end)
-            load = np.maximum(load[1:], best[:-1, starts])
-            i = np.argmin(load, axis=1)
-            best[1:, end], back[1:, end] = load[np.arange(K - 1), i], starts[i]
+        best[0, end], back[0, end] = (load[0, 0] if first == 0 else inf), 0
+        if stages.size > 1:
+            rows = stages[1:]
+            empty = load[1:, -1] if gap == 0 else None  # each stage's load as [end, end)
+            tried = np.maximum(load[1:], best[low - 1:rows[-1], first:end - gap + 1])
+            i = np.argmin(tried, axis=1)
+            best[rows, end], back[rows, end] = tried[np.arange(rows.size), i], starts[i]
             if empty is not None:
                 # an empty stage j after stages 0..j-1 ending at ``end``: that column's
                 # best[j - 1, end] is only known now, row by row
-                for j in range(1, K):
-                    tried = max(empty[j], best[j - 1, end])
-                    if tried < best[j, end]:
-                        best[j, end], back[j, end] = tried, end
+                for j, alone in zip(rows.tolist(), empty.tolist(), strict=True):
+                    tried_empty = max(alone, best[j - 1, end])
+                    if tried_empty < best[j, end]:
+                        best[j, end], back[j, end] = tried_empty, end
+        finite = np.isfinite(best[:, end])
+        ended = np.where(finite & (ended > end), end, ended)
+        last = np.where(finite, end, last)
     return best, back
+
+
+def _first_starts(blocks: Blocks, n: int, *, upper_s: float, gap: int) -> Any:
+    """firsts[end]: the first start a block [start, end) is tried from: none whose compute
+    alone exceeds ``upper_s``, nor any whose parameters alone (with their gradients and
+    optimizer state, and the workspace) exceed the memory limit (the most a start holds,
+    a running maximum for the bound's cells, is within reach); the one-item block (the
+    empty one with empty stages) at least. Nondecreasing in end."""
+    p = blocks.problem
+    ends = np.arange(n + 1)
+    firsts = np.searchsorted(blocks.T0, blocks.T[:n + 1] - upper_s * (1 + 1e-9), side="left")
+    grad_factor, optimizer_factor = state_split(p.state_factor)
+    state = 1.0 + grad_factor + optimizer_factor
+    reach = (p.memory_limit - p.workspace_bytes) / state * (1 + 1e-9)
+    if reach < float("inf"):
+        held = np.maximum.accumulate(blocks.P0)
+        firsts = np.maximum(firsts, np.searchsorted(held, blocks.P[:n + 1] - reach,
+                                                    side="left"))
+    return np.minimum(firsts, ends - gap)
+
+
+def _blocks_needed(firsts: Any, n: int, *, gap: int) -> list[int]:
+    """needed[end]: the fewest blocks (each from ``firsts``) that cover [end, n), more
+    than n if none do. Going to the farthest end a block from ``end`` reaches is best:
+    fewer are never needed from later on (a block from a start also fits from a later one)."""
+    needed = [2 * n + 1] * (n + 1)
+    needed[n] = 0
+    farthest = np.full(n + 1, -1)  # farthest[start]: the last end a block from it reaches
+    np.maximum.at(farthest, firsts[gap:], np.arange(gap, n + 1))
+    farthest = np.maximum.accumulate(farthest)
+    for end in range(n - 1, -1, -1):
+        far = int(farthest[end])
+        if far > end:
+            needed[end] = 1 + needed[far]
+    return needed
 
 
 @dataclass(frozen=True)
@@ -282,29 +330,34 @@ class Blocks:
         return cls(p, T, F, P, A, R, costs.transient, cut, cut_bytes, sends, flights,
                    tuple(recompute_options(p)), T, F, P, A, R, S, G, S, G)
 
-    def outputs(self, end: int, starts: Any, produced: Any) -> Any:
-        """sent[a] for each of ``starts``: the bytes a block [a, end) keeps of the values
-        it sends on or returns (``produced[a]``: those of [0, a) read at or after end)."""
-        return produced[end] - produced[starts] + self.R[end] - self.R0[starts]
+    def outputs(self, end: int, starts: Any, made: Any) -> Any:
+        """sent[a] for each of ``starts`` (consecutive): the bytes a block [a, end) keeps
+        of the values it sends on or returns (``made``: those it makes and a position at
+        or after end reads, per start)."""
+        return made + self.R[end] - self.R0[starts]
 
-    def peaks(self, end: int) -> Any:
-        """peak[a] for a in 0..end: the largest backward transient of a block [a, end)."""
-        return np.append(np.maximum.accumulate(self.grad[:end][::-1])[::-1], 0.0)
+    def peaks(self, end: int, starts: Any) -> Any:
+        """peak[a] for each of ``starts`` (consecutive, up to end): the largest backward
+        transient of a block [a, end)."""
+        first = int(starts[0])
+        window = np.maximum.accumulate(self.grad[first:end][::-1])[::-1]
+        return np.append(window, 0.0)[:starts.size]
 
-    def loads(self, end: int, starts: Any, *, sent: Any, peak: Any, allow_empty: bool) -> Any:
-        """(K, starts): the seconds of stage j's block [start, end) on row j, inf where
-        it fits no memory with any recompute choice. Every stage at once; the loss is
-        the last stage's alone."""
+    def loads(self, end: int, starts: Any, stages: Any, *, sent: Any, peak: Any,
+              allow_empty: bool) -> Any:
+        """(stages, starts): the seconds of stage j's block [start, end) on j's row, inf
+        where it fits no memory with any recompute choice. Many stages at once; the loss
+        is the last stage's alone."""
         p = self.problem
         inf = float("inf")
-        load = np.full((p.num_stages, starts.size), inf)
+        load = np.full((stages.size, starts.size), inf)
         plain = np.maximum(self.T[end] - self.T0[starts], 0.0) + self.cut[starts] + self.cut[end]
         for recompute in reversed(self.options):  # the faster choice last: it wins where both fit
-            rows = self.memory(end, starts, sent=sent, peak=peak, recompute=recompute)
+            rows = self.memory(end, starts, stages, sent=sent, peak=peak, recompute=recompute)
             seconds = plain + self.run_again(recompute, end, starts)
             load = np.where(rows <= p.memory_limit, seconds, load)
         if end == 0 and not allow_empty:
-            load[0] = inf
+            load[stages == 0] = inf
         return load
 
     def run_again(self, recompute: Option, end: Any, starts: Any) -> Any:
@@ -318,23 +371,23 @@ class Blocks:
         ``recompute``'s keep level."""
         return np.maximum(self.S[end, recompute.level] - self.S0[starts, recompute.level], 0.0)
 
-    def memory(self, end: int, starts: Any, *, sent: Any, peak: Any,
+    def memory(self, end: int, starts: Any, stages: Any, *, sent: Any, peak: Any,
                recompute: Option) -> Any:
-        """(K, starts): the bytes of stage j's block [start, end) on row j with the given
-        recompute choice; the loss is the last stage's alone."""
+        """(stages, starts): the bytes of stage j's block [start, end) on j's row with the
+        given recompute choice; the loss is the last stage's alone."""
         p = self.problem
-        K = p.num_stages
         block: dict[str, Any] = {
             "params": np.maximum(self.P[end] - self.P0[starts], 0.0),
             "activations": np.maximum(self.A[end] - self.A0[starts], 0.0),
             "received": self.cut_bytes[starts], "kept": sent, "transient": peak,
             "selective": self.selective(recompute, end, starts),
         }
-        parts = memory_parts(p, np.arange(K)[:, None], flight=self.flights,
+        parts = memory_parts(p, stages[:, None], flight=self.flights[stages],
                              recompute=recompute.mode, **block)
         # the parts of a block alone first, then those of each stage's row (whole bytes:
         # the order of the sum does not change it)
-        return np.broadcast_to(sum(sorted(parts.values(), key=np.ndim)), (K, starts.size))
+        return np.broadcast_to(sum(sorted(parts.values(), key=np.ndim)),
+                               (stages.size, starts.size))
 
 
 @dataclass(frozen=True)
@@ -343,12 +396,14 @@ class _LeanBlocks(Blocks):
     (the min-max DP then finds the split that needs the least memory), inf beyond the
     problem's memory limit."""
 
-    def loads(self, end: int, starts: Any, *, sent: Any, peak: Any, allow_empty: bool) -> Any:
-        rows = np.min([self.memory(end, starts, sent=sent, peak=peak, recompute=recompute)
+    def loads(self, end: int, starts: Any, stages: Any, *, sent: Any, peak: Any,
+              allow_empty: bool) -> Any:
+        rows = np.min([self.memory(end, starts, stages, sent=sent, peak=peak,
+                                   recompute=recompute)
                        for recompute in self.options], axis=0)
         load = np.where(rows <= self.problem.memory_limit, rows, float("inf"))
         if end == 0 and not allow_empty:
-            load[0] = float("inf")
+            load[stages == 0] = float("inf")
         return load
 
 

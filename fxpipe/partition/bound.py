@@ -140,13 +140,15 @@ class _Cells(Blocks):
     table: _Table | None = None
     segment_peak: np.ndarray = field(default_factory=lambda: np.zeros(0))
 
-    def peaks(self, end: int) -> np.ndarray:
+    def peaks(self, end: int, starts: np.ndarray) -> np.ndarray:
         assert self.table is not None
-        held = int(self.table.whole[end]) + 1  # segments [0, held) are held up to end
-        peak = np.append(np.maximum.accumulate(self.segment_peak[:held][::-1])[::-1], 0.0)
-        return peak[np.minimum(self.table.segment[:end + 1] + 1, max(held, 0))]
+        held = max(int(self.table.whole[end]) + 1, 0)  # segments [0, held) are held up to end
+        after = np.minimum(self.table.segment[starts] + 1, held)  # the first held whole
+        first = int(after.min())
+        peak = np.append(np.maximum.accumulate(self.segment_peak[first:held][::-1])[::-1], 0.0)
+        return peak[after - first]
 
-    def outputs(self, end: int, starts: np.ndarray, produced: np.ndarray) -> np.ndarray:
+    def outputs(self, end: int, starts: np.ndarray, made: np.ndarray) -> np.ndarray:
         t = self.table
         assert t is not None
         made = np.maximum(t.sent[end, 1] - t.sent_most[starts], 0.0)

@@ -368,7 +368,8 @@ def test_interval_dp_prices_each_stage_by_the_stage_cost_formula(
     peak = np.array(data.draw(st.lists(st.integers(0, 300), min_size=end + 1,
                                        max_size=end + 1)), dtype=float)
     for recompute in (Option(NONE), Option(SELECTIVE, 0), Option(SELECTIVE, 1), Option(FULL)):
-        rows = blocks.memory(end, starts, sent=sent, peak=peak, recompute=recompute)
+        rows = blocks.memory(end, starts, np.arange(K), sent=sent, peak=peak,
+                             recompute=recompute)
         level = recompute.level
         for j in range(K):
             for a in starts:
