@@ -40,39 +40,29 @@ def cut_stages(
     """Every stage's ``StageIO``. ``stage_of`` maps every op (neither placeholder nor
     output) to its stage, stage indices never decreasing along an edge; a get_attr
     node's own stage only matters when nothing reads it."""
-    ops = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
     output = graph.output_node()
-
-    def reads(node: torch.fx.Node, k: int) -> bool:
-        # a get_attr node belongs to every stage that reads it
-        return any(u.op != "output" and stage_of[u.name] == k for u in node.users)
-
-    result = []
-    for k in range(num_stages):
-        runs = [
-            n
-            for n in ops
-            if (n.op == "get_attr" and (reads(n, k) or (not n.users and stage_of[n.name] == k)))
-            or (n.op != "get_attr" and stage_of[n.name] == k)
-        ]
-        inside = set(runs)
-        inputs = [
-            n
-            for n in graph.nodes
-            if n.op not in ("get_attr", "output")
-            and n not in inside
-            and any(u in inside and u.op != "get_attr" for u in n.users)
-        ]
-        outputs = [
-            n
-            for n in runs
-            if n.op != "get_attr"
-            and any(u is output or (u.op != "output" and stage_of[u.name] > k) for u in n.users)
-        ]
-        result.append(StageIO(
-            k,
-            tuple(n.name for n in runs),
-            tuple(n.name for n in inputs),
-            tuple(n.name for n in outputs),
-        ))
-    return result
+    # one pass over the graph, each node to the stages it belongs to, in graph order
+    runs: list[list[torch.fx.Node]] = [[] for _ in range(num_stages)]
+    inputs: list[list[torch.fx.Node]] = [[] for _ in range(num_stages)]
+    outputs: list[list[torch.fx.Node]] = [[] for _ in range(num_stages)]
+    for n in graph.nodes:
+        if n.op == "output":
+            continue
+        readers = {stage_of[u.name] for u in n.users if u.op != "output"}
+        if n.op == "get_attr":  # a get_attr node belongs to every stage that reads it
+            for k in sorted(readers) if n.users else [stage_of[n.name]]:
+                runs[k].append(n)
+            continue
+        own = stage_of[n.name] if n.op != "placeholder" else None
+        if own is not None:
+            runs[own].append(n)
+            if any(u is output or (u.op != "output" and stage_of[u.name] > own)
+                   for u in n.users):
+                outputs[own].append(n)
+        for k in sorted(readers - {own}):  # a get_attr node reads nothing
+            inputs[k].append(n)
+    return [
+        StageIO(k, tuple(n.name for n in runs[k]), tuple(n.name for n in inputs[k]),
+                tuple(n.name for n in outputs[k]))
+        for k in range(num_stages)
+    ]

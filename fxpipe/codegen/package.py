@@ -86,9 +86,10 @@ def _stage_sources(gm: torch.fx.GraphModule, ios: list[StageIO],
     scale) the later stages are written in a forked child meanwhile: each stage's text
     depends only on the graph and its own inputs and outputs."""
     half = len(ios) // 2
+    by_name = {n.name: n for n in gm.graph.nodes}
 
     def write(chunk: list[StageIO]) -> list[str]:
-        return [stage_source(gm, io, fixed, dims, model) for io in chunk]
+        return [stage_source(gm, io, fixed, dims, model, by_name) for io in chunk]
 
     big = len(gm.graph.nodes) >= FORK_MIN_NODES and half > 0
     with Forked(lambda: write(ios[half:]), in_child=big) as later:

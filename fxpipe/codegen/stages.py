@@ -92,6 +92,7 @@ def stage_source(
     fixed: Mapping[str, tuple[int | None, ...]] | None = None,
     dims: BatchDims | None = None,
     model: torch.nn.Module | None = None,
+    by_name: Mapping[str, torch.fx.Node] | None = None,
 ) -> str:
     """The text of ``stage{k}.py`` for one stage of ``gm``.
 
@@ -102,15 +103,17 @@ def stage_source(
     (batch_sizes.py; default: read from ``gm``), by which the stage recomputes on entry
     the batch counts it receives and lists the values it passes that have none.
     ``model``: the model traced, through whose classes the stage finds the functions of
-    a model file it cannot import (``wrapped.py``; default: ``gm``'s).
+    a model file it cannot import (``wrapped.py``; default: ``gm``'s). ``by_name``:
+    ``gm``'s nodes by name (default: made here; the package makes it once for all stages).
     """
     dims = dims or BatchDims.of(gm.graph, None, ())
-    sub = sub_graph(gm.graph, io)
-    written = written_inputs(gm, set(io.nodes))
+    by_name = by_name if by_name is not None else {n.name: n for n in gm.graph.nodes}
+    sub = sub_graph(gm.graph, io, by_name)
+    written = written_inputs(gm, (by_name[name] for name in io.nodes))
     checks = [(name, (fixed or {})[name]) for name in io.inputs if name in (fixed or {})]
-    own = {n.name for n in sub.nodes}  # the stage's values: its nodes and what it receives
-    shapes = {n.name: _shape_comment(n) for n in gm.graph.nodes
-              if n.name in own and meta.SHAPE.has(n)}
+    # the stage's values: its nodes and what it receives
+    own = (by_name[n.name] for n in sub.nodes if n.name in by_name)
+    shapes = {n.name: _shape_comment(n) for n in own if meta.SHAPE.has(n)}
     binding = _binding(gm, sub)
     code = sub.python_code(root_module="self")
     src, globals_, functions = wrapped_functions(

@@ -6,6 +6,7 @@ holds (so a stage placed on a GPU creates its tensors there)."""
 from __future__ import annotations
 
 import inspect
+from collections.abc import Mapping
 
 import torch
 import torch.fx
@@ -16,17 +17,19 @@ from fxpipe.cut import StageIO
 __all__ = ["follow_stage_device", "sub_graph"]
 
 
-def sub_graph(graph: torch.fx.Graph, io: StageIO) -> torch.fx.Graph:
-    """The stage's ops as a graph of their own: INPUTS in, OUTPUTS out, names kept."""
+def sub_graph(graph: torch.fx.Graph, io: StageIO,
+              by_name: Mapping[str, torch.fx.Node] | None = None) -> torch.fx.Graph:
+    """The stage's ops as a graph of their own: INPUTS in, OUTPUTS out, names kept.
+    ``by_name``: ``graph``'s nodes by name (made here when not given; a caller cutting
+    many stages makes it once)."""
     sub = torch.fx.Graph()
     env: dict[torch.fx.Node, torch.fx.Node] = {}
-    by_name = {n.name: n for n in graph.nodes}
+    by_name = by_name if by_name is not None else {n.name: n for n in graph.nodes}
     for name in io.inputs:
         env[by_name[name]] = sub.placeholder(name)
-    inside = set(io.nodes)
-    for node in graph.nodes:
-        if node.name in inside:
-            env[node] = sub.node_copy(node, lambda n: env[n])
+    for name in io.nodes:  # in graph order
+        node = by_name[name]
+        env[node] = sub.node_copy(node, lambda n: env[n])
     sub.output(tuple(env[by_name[name]] for name in io.outputs))
     for node in sub.nodes:
         node.type = None  # no annotations: they would need the types importable
@@ -55,7 +58,7 @@ def _public_kwargs(node: torch.fx.Node) -> dict[str, torch.fx.node.Argument]:
     return kept
 
 
-def follow_stage_device(sub: torch.fx.Graph, by_name: dict[str, torch.fx.Node]) -> None:
+def follow_stage_device(sub: torch.fx.Graph, by_name: Mapping[str, torch.fx.Node]) -> None:
     """Replace device constants with the device of a tensor the stage holds.
 
     torch.export writes the tracing device into ops (``arange(..., device=cpu)``,

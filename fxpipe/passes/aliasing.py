@@ -12,6 +12,7 @@ as ``size``, and not ``contiguous``, which copies when it does not share.)
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterable
 
 import torch.fx
 
@@ -34,13 +35,13 @@ VIEW_NAMES = frozenset({
 })
 
 
-def written_inputs(gm: torch.fx.GraphModule, names: set[str]) -> tuple[str, ...]:
-    """The graph inputs (placeholder names, in graph order) that the ops named ``names``
+def written_inputs(gm: torch.fx.GraphModule, ops: Iterable[torch.fx.Node]) -> tuple[str, ...]:
+    """The graph inputs (placeholder names, in graph order) that ``ops`` (nodes of ``gm``)
     write in place, directly, through a view or through another in-place result
     (``x.mul_(2).add_(1)``). The stage that runs them changes its caller's tensor."""
     written: set[str] = set()
-    for node in gm.graph.nodes:
-        base = mutated_input(gm, node) if node.name in names else None
+    for node in ops:
+        base = mutated_input(gm, node)
         while base is not None and base.op != "placeholder":
             first = base.args[0] if base.args else None
             shares = isinstance(first, torch.fx.Node) and (
@@ -48,7 +49,7 @@ def written_inputs(gm: torch.fx.GraphModule, names: set[str]) -> tuple[str, ...]
             base = first if shares else None  # type: ignore[assignment]
         if base is not None:
             written.add(base.name)
-    return tuple(n.name for n in gm.graph.nodes if n.op == "placeholder" and n.name in written)
+    return tuple(n.name for n in gm.graph.find_nodes(op="placeholder") if n.name in written)
 
 
 def aliases(gm: torch.fx.GraphModule, base: torch.fx.Node) -> list[torch.fx.Node]:
