@@ -47,6 +47,7 @@ from fxpipe.partition.problem import Problem
 from fxpipe.partition.solve import Partition
 from fxpipe.passes.tensor_parallel import TensorParallel, annotate_tensor_parallel
 from fxpipe.plan import Layout, LayoutRow
+from fxpipe.request import MAX_MICROBATCHES
 from fxpipe.units import format_bytes
 
 __all__ = ["choose", "cluster_of", "example_batch"]
@@ -97,6 +98,15 @@ def choose(traced: Traced, options: SplitOptions, *,
             f"another --schedule (1f1b) with ddp")
     layouts = candidates(cluster, steps_microbatches, pp=wanted.pp, dp_mode=wanted.dp_mode,
                          tp=degrees)
+    runnable = [lay for lay in layouts if lay[3] <= MAX_MICROBATCHES]
+    if layouts and not runnable:
+        fewest = min(lay[3] for lay in layouts)
+        raise ValueError(
+            f"the step's {steps_microbatches} micro-batches leave at least {fewest} to each "
+            f"pipeline, more than {MAX_MICROBATCHES}: runner.py lists every forward and "
+            f"backward of every micro-batch; use a smaller --global-batch or --microbatches "
+            f"(bigger micro-batches)")
+    layouts = runnable
     if not layouts and wanted.pp is not None and all(options.gpus % (wanted.pp * t)
                                                      for t in degrees):
         raise ValueError(f"--pp {wanted.pp} x --tp {degrees[0]} GPUs per pipeline do not "

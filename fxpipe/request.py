@@ -25,8 +25,9 @@ if TYPE_CHECKING:
 __all__ = ["API", "CLI", "MAX_MICROBATCHES", "Spelling", "SplitKeywords", "read_card",
            "read_plan", "recompute_of", "split_options"]
 
-# runner.py lists every action of the schedule (2 x M x K): 10,000 micro-batches on 4 GPUs
-# took 7 minutes (schedule.svg, which drew them all then, draws a bounded part since).
+# the most micro-batches one pipeline runs a step (under a layout, each pipeline runs its
+# share): runner.py lists every action of the schedule (2 x M x K): 10,000 micro-batches on
+# 4 GPUs took 7 minutes (schedule.svg, which drew them all then, draws a bounded part since).
 MAX_MICROBATCHES = 1024
 OPTIMIZERS = ("adam", "sgd", "sgd-momentum")
 
@@ -111,7 +112,9 @@ def split_options(
     count = microbatches if microbatches is not None else 4 * gpus
     if count < 1:
         raise ValueError(f"{say.name('microbatches')} must be at least 1, got {count}")
-    if count > MAX_MICROBATCHES:
+    cluster = _cluster(pp, gpus_per_node, dp_mode, global_batch, tp, replicate=replicate,
+                       say=say)
+    if count > MAX_MICROBATCHES and cluster is None:  # a layout's pipelines share them
         given = (f"{say.said('microbatches', count)} is" if microbatches is not None else
                  f"{say.said('gpus', gpus)} means {count} micro-batches (the default, 4 x "
                  f"{say.name('gpus')}),")
@@ -145,8 +148,7 @@ def split_options(
         virtual_stages=virtual_stages,
         replicate=replicate,
         precision=parsed,
-        cluster=_cluster(pp, gpus_per_node, dp_mode, global_batch, tp, replicate=replicate,
-                         say=say),
+        cluster=cluster,
     )
 
 

@@ -80,6 +80,23 @@ def test_pinned_flags_that_cannot_hold_are_one_line(tmp_path: Path) -> None:
         assert not (tmp_path / "x").exists()
 
 
+def test_the_micro_batch_cap_counts_each_pipelines_share_of_the_step(tmp_path: Path) -> None:
+    """1,024 micro-batches a pipeline at most (runner.py lists every action): one pipeline
+    is refused 1,200 of them, a layout of 4 pipelines runs 300 each; a step that leaves more
+    than 1,024 to every layout's pipelines is one line."""
+    ran = fxpipe("split", GPT, "--gpus", "4", "--microbatches", "1200", "--out",
+                 tmp_path / "x", cwd=tmp_path)
+    assert ran.returncode == 2 and "more than 1024" in ran.stderr, ran.stderr
+    plan = _split(tmp_path / "layout", "--pp", "1", "--microbatches", "1200")
+    assert (plan["layout"]["dp"], plan["microbatches"]) == (4, 300)
+    ran = fxpipe("split", GPT, "--gpus", "4", "--pp", "auto", "--global-batch", str(2 * 4100),
+                 "--out", tmp_path / "y", cwd=tmp_path)
+    assert ran.returncode == 2 and ran.stderr.count("\n") == 1, ran.stderr
+    assert ("the step's 4100 micro-batches leave at least 1025 to each pipeline, more than "
+            "1024") in ran.stderr
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
 def test_without_the_cluster_flags_the_plan_is_one_pipeline_and_has_no_layout(
         tmp_path: Path) -> None:
     plan = _split(tmp_path)
