@@ -128,7 +128,7 @@ class RankLayout:
             return
         if self.tp > 1:
             what = (f"GPUs of the plan's layout ({self.dp} pipeline{'s' * (self.dp > 1)} of "
-                    f"{self.num_ranks} stages, each split over {self.tp} GPUs, "
+                    f"{self.num_ranks} ranks, each rank's stages split over {self.tp} GPUs, "
                     f"{self.dp * self.num_ranks * self.tp} in all)")
         elif self.dp > 1:
             what = (f"GPUs of the plan's layout ({self.dp} data-parallel pipelines of "

@@ -116,13 +116,14 @@ def tensor_step(tp: int, device: torch.device) -> contextlib.AbstractContextMana
 
 def whole_loss(loss_fn: Callable[..., Any], tp: int) -> Callable[..., Any]:
     """``loss_fn`` giving a plain tensor where it gives a DTensor (a loss computed on the
-    last stage's split logits)."""
+    last stage's split logits): a copy, not a view of the DTensor's, which torch's
+    zero-bubble schedules detach in place."""
     if tp == 1:
         return loss_fn
 
     def loss(*args: Any) -> Any:
         value = loss_fn(*args)
-        return value.full_tensor() if isinstance(value, DTensor) else value
+        return value.full_tensor().clone() if isinstance(value, DTensor) else value
     return loss
 
 

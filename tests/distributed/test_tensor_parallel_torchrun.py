@@ -146,6 +146,19 @@ def test_hf_gpt2_with_a_tied_vocabulary_parallel_head_pp2_tp2(tmp_path: Path) ->
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("schedule", [("--schedule", "zb1p"),
+                                      ("--schedule", "interleaved", "--virtual-stages", "2"),
+                                      ("--schedule", "zbv", "--virtual-stages", "2")],
+                         ids=["zb1p", "interleaved", "zbv"])
+def test_gpt_pp2_tp2_under_other_schedules(tmp_path: Path, schedule: tuple[str, ...]) -> None:
+    """torch's zero-bubble class (the backward in two passes, the loss detached in place),
+    interleaved 1F1B and the V (4 stages on 2 ranks of 2 GPUs; under zbv the first and
+    last stages, the embedding and its tied head, share a rank): the unsplit gradients."""
+    _, batch, saves = _run(tmp_path, GPT64, "--pp", "2", "--tp", "2", *schedule)
+    _assert_exact(GPT64, batch, saves)
+
+
+@pytest.mark.slow
 def test_gpt_pp2_tp2_dp2_on_8_ranks_with_fsdp(tmp_path: Path) -> None:
     """8 ranks: 2 pipelines, each of 2 stages split over 2 GPUs, each stage's 2 copies
     sharded by FSDP2 over the dp sub-mesh of the same 3-D mesh: the unsplit model's

@@ -84,8 +84,9 @@ def test_stages_split_over_tp_ranks_count_every_rank_of_the_mesh() -> None:
     assert [split.copy_of(r) for r in range(4)] == [0, 0, 0, 0]
     split.check_world_size(4)
     with pytest.raises(ValueError, match=r"^world size \(2\) must equal the number of GPUs "
-                       r"of the plan's layout \(1 pipeline of 2 stages, each split over 2 "
-                       r"GPUs, 4 in all\): launch with torchrun --nproc-per-node 4$"):
+                       r"of the plan's layout \(1 pipeline of 2 ranks, each rank's stages "
+                       r"split over 2 GPUs, 4 in all\): launch with torchrun "
+                       r"--nproc-per-node 4$"):
         split.check_world_size(2)
     both = RankLayout(2, dp=2, tp=2)
     assert [both.copy_of(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]

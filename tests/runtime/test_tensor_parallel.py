@@ -131,7 +131,7 @@ def test_the_last_stage_keeps_its_logits_split_for_a_parallel_loss(one_rank: Non
             assert isinstance(logits, DTensor) is last
             loss = loss_fn(logits, target)
             loss.backward()
-        assert type(loss) is torch.Tensor
+        assert type(loss) is torch.Tensor and (loss._base is None or not last)  # no view
         grads.append(split.head.weight.grad.full_tensor())
     want = torch.nn.functional.cross_entropy(plain(x=x)[0], target)
     want.backward()
