@@ -4,16 +4,6 @@ model file for the torchrun tests that check gradients to 1e-12."""
 
 from __future__ import annotations
 
-from torch import nn
+from tests.distributed.llama64 import in_float64
 
-from tests.distributed.llama64 import example_file
-
-_gpt2 = example_file("hf_gpt2")
-
-example_inputs = _gpt2.example_inputs
-example_target = _gpt2.example_target
-loss_fn = _gpt2.loss_fn
-
-
-def build_model() -> nn.Module:
-    return _gpt2.build_model().double()
+build_model, example_inputs, example_target, loss_fn = in_float64("hf_gpt2")

@@ -25,6 +25,17 @@ def example_file(name: str) -> Any:
     return module
 
 
+def in_float64(name: str) -> tuple[Any, Any, Any, Any]:
+    """examples/{name}.py's model file in float64: (build_model, example_inputs,
+    example_target, loss_fn), its token ids and targets as they are."""
+    example = example_file(name)
+
+    def build_model() -> nn.Module:
+        return example.build_model().double()
+
+    return build_model, example.example_inputs, example.example_target, example.loss_fn
+
+
 _llama = example_file("hf_llama")
 
 example_inputs = _llama.example_inputs

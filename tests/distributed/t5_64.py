@@ -4,16 +4,6 @@ torchrun tests that check gradients to 1e-12."""
 
 from __future__ import annotations
 
-from torch import nn
+from tests.distributed.llama64 import in_float64
 
-from tests.distributed.llama64 import example_file
-
-_t5 = example_file("hf_t5")
-
-example_inputs = _t5.example_inputs
-example_target = _t5.example_target
-loss_fn = _t5.loss_fn
-
-
-def build_model() -> nn.Module:
-    return _t5.build_model().double()
+build_model, example_inputs, example_target, loss_fn = in_float64("hf_t5")
