@@ -25,7 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch.utils import _pytree as pytree
@@ -319,8 +319,8 @@ def _lowered(traced: Traced, options: SplitOptions,
 
 
 # the options a lowering's Problem takes as its own fields, not into its nodes' costs
-_LAYOUT_FIELDS = {"gpus": 1, "microbatches": 1, "memory_limit": 0.0,
-                  "data_parallel": (1, "ddp")}
+_LAYOUT_FIELDS: dict[str, Any] = {"gpus": 1, "microbatches": 1, "memory_limit": 0.0,
+                                  "data_parallel": (1, "ddp")}
 
 
 def _lower(traced: Traced, options: SplitOptions) -> Lowered:

@@ -114,11 +114,12 @@ def tensor_step(tp: int, device: torch.device) -> contextlib.AbstractContextMana
     return stack
 
 
-def whole_loss(loss_fn: Callable[..., Any], tp: int) -> Callable[..., Any]:
+def whole_loss(loss_fn: Callable[..., Any] | None, tp: int) -> Callable[..., Any] | None:
     """``loss_fn`` giving a plain tensor where it gives a DTensor (a loss computed on the
     last stage's split logits): a copy, not a view of the DTensor's, which torch's
-    zero-bubble schedules detach in place."""
-    if tp == 1:
+    zero-bubble schedules detach in place. None (the model's own loss, which leaves its
+    stage whole) stays None."""
+    if tp == 1 or loss_fn is None:
         return loss_fn
 
     def loss(*args: Any) -> Any:
