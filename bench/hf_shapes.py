@@ -6,6 +6,7 @@ Each factory follows the model-file contract and carries its own micro-batch:
     fxpipe split bench/hf_shapes.py:build_llama3_70b --gpus 32
     fxpipe split bench/hf_shapes.py:build_gpt2_xl --gpus 8
     fxpipe split bench/hf_shapes.py:build_llama3_8b --gpus 8
+    fxpipe split bench/hf_shapes.py:build_llama3_405b --gpus 128 --precision bf16-mixed
     fxpipe split bench/hf_shapes.py:build_gpt_oss_20b --gpus 8 --precision bf16-mixed
     fxpipe split bench/hf_shapes.py:build_gemma2_9b --gpus 8 --precision bf16-mixed --memory 40GiB
     fxpipe split bench/hf_shapes.py:build_gemma2_small --gpus 4   (random weights, CPU)
@@ -109,6 +110,10 @@ build_llama3_70b_8k = _factory(
 build_llama3_8b = _factory(
     lambda: _on("meta", lambda: _llama(32, 4096, 32, 8, 14336, 128256)), 1, 4096,
     "build_llama3_8b")
+# Llama-3-405B: 126 layers, width 16384, 128 heads / 8 KV heads, feed-forward 53248
+build_llama3_405b = _factory(
+    lambda: _on("meta", lambda: _llama(126, 16384, 128, 8, 53248, 128256)), 1, 8192,
+    "build_llama3_405b")
 build_gpt2_xl = _factory(lambda: _on("meta", _gpt2_xl), 1, 1024, "build_gpt2_xl")
 build_gpt_oss_20b = _factory(lambda: _on("meta", _gpt_oss_20b), 1, 4096, "build_gpt_oss_20b")
 build_gemma2_9b = _factory(lambda: _on("meta", _gemma2_9b), 1, 4096, "build_gemma2_9b")
