@@ -175,7 +175,8 @@ def test_solver_errors_are_worded_with_the_flags(
     from fxpipe.partition import NoSolutionError
 
     def out_of_work(problem: object, *, work_limit: float, time_limit_s: float,
-                    replicate: bool, advise: bool = True, quick: bool = False) -> None:
+                    replicate: bool, advise: bool = True, quick: bool = False,
+                    **_: object) -> None:
         limit = None if replicate else 2**30
         raise NoSolutionError(devices=2, work_limit=work_limit, time_limit_s=time_limit_s,
                               wall_clock=time_limit_s < 1, limit=limit,

@@ -394,6 +394,6 @@ def _contiguous(starts: Any, K: int, n: int) -> tuple[int, ...]:
     bounds = [0]
     for j, start in enumerate(starts.tolist(), start=1):
         bounds.append(min(max(start, bounds[-1] + 1), n - (K - j)) if n >= K
-                      else max(start, bounds[-1]))
+                      else min(max(start, bounds[-1]), n))  # (a sum's rounding can pass n)
     bounds.append(n)
     return tuple(j for j in range(K) for _ in range(bounds[j], bounds[j + 1]))

@@ -30,6 +30,7 @@ from fxpipe.partition import (
 from fxpipe.partition import solve as solve_module
 from fxpipe.partition.bound import shared_gpu_bound
 from fxpipe.partition.interleave import (
+    _contiguous,
     _Search,
     round_profiles,
     shared_gpu_search,
@@ -342,3 +343,11 @@ def test_shared_gpu_bound_counts_a_tied_all_reduce() -> None:
     result = partition(problem, workers=1)
     assert result.report.bound >= (total + 4 * MS) / 2 * (1 - 1e-6)
     assert np.isclose(result.report.objective, (total + 4 * MS) / 2)
+
+
+def test_a_contiguous_split_of_fewer_groups_than_stages_keeps_one_stage_a_group() -> None:
+    """Stage starts found by summing compute can pass the order's end by a rounding (3
+    groups, 4 stages, a start of 4): the split still has one stage per group, in order
+    (it had 4 entries for 3 groups, which repair's search refused with an assert)."""
+    split = _contiguous(np.array([0, 0, 4]), 4, 3)
+    assert len(split) == 3 and list(split) == sorted(split)
