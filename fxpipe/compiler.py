@@ -338,7 +338,7 @@ def _lower(traced: Traced, options: SplitOptions) -> Lowered:
         optimizer=options.optimizer,
         recompute=options.recompute,
         block_depth=auto_depth(traced.gm),
-        tied_policy=TiedPolicy.COLOCATE if pipedream else TiedPolicy.REPLICATE,
+        tied_policy=TiedPolicy.COLOCATE if pipedream else TiedPolicy.COPY,
         across_hosts=options.across_hosts,
         tensor_parallel=options.tensor_parallel,
         compute_efficiency=options.compute_efficiency,

@@ -72,7 +72,7 @@ def lower(
     microbatches: int,
     optimizer: str = "adam",
     recompute: Recompute = Recompute.AUTO,
-    tied_policy: TiedPolicy = TiedPolicy.REPLICATE,
+    tied_policy: TiedPolicy = TiedPolicy.COPY,
     block_depth: int = 1,
     virtual_stages: int = 1,
     num_devices: int = 0,

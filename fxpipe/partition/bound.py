@@ -168,7 +168,7 @@ def shared_gpu_bound(exact: Coarsening, *, upper_s: float = math.inf) -> float |
     and the slowest GPU takes at least the N-th part of the sum. Of the transfers it
     counts:
 
-    - on each stage holding a copy of a replicated tied parameter, the all-reduce of its
+    - on each stage holding a copy of a tied parameter (copied), the all-reduce of its
       gradient whenever more than one stage holds one: a stage holding every reader of
       it holds all compute between them (stages are convex along the ordering edges),
       so when that alone is ``upper_s`` or more, a faster split has at least two copies;
@@ -186,7 +186,7 @@ def shared_gpu_bound(exact: Coarsening, *, upper_s: float = math.inf) -> float |
     compute = NodeCosts.of(p).by(exact.group_of, exact.num_coarse).compute_s
     total = float(compute.sum())
     work = total
-    if p.tied_policy is TiedPolicy.REPLICATE:
+    if p.tied_policy is TiedPolicy.COPY:
         for tied in p.tied:
             readers = {exact.group_of[v] for v in tied.nodes}
             if len(readers) > 1 and float(compute[_hull(exact, readers)].sum()) >= upper_s:

@@ -68,7 +68,7 @@ class Recompute(str, Enum):
 
 class TiedPolicy(str, Enum):
     COLOCATE = "colocate"  # every user of a tied parameter on one stage
-    REPLICATE = "replicate"  # a copy on each stage that uses it, gradients summed (all-reduce)
+    COPY = "copy"  # a copy on each stage that uses it, gradients summed (all-reduce)
 
 
 @dataclass(frozen=True)
@@ -170,7 +170,7 @@ class Problem:
     loss_grad_bytes: int = 0
     comm: Comm = Comm.NEIGHBOUR
     tied: tuple[TiedGroup, ...] = ()
-    tied_policy: TiedPolicy = TiedPolicy.REPLICATE
+    tied_policy: TiedPolicy = TiedPolicy.COPY
     # Nodes whose index sets must share one stage (a layer's forward and backward).
     colocate: tuple[tuple[int, ...], ...] = field(default=())
     # False: every stage holds at least one node (K devices, K stage modules). True: a stage

@@ -86,7 +86,7 @@ def merge_stage_state_dicts(
 ) -> dict[str, torch.Tensor]:
     """One model checkpoint from the stages' ``state_dict()``s, in stage order.
 
-    A key held by several stages (a tied or replicated parameter, a shared buffer) must
+    A key held by several stages (a tied parameter's copies, a shared buffer) must
     have the same dtype, shape and values in each, and so must the keys of one group of
     ``tied`` (a parameter tied under several names, ``Plan.state_keys``); otherwise
     ``ValueError`` names the two copies and what differs."""

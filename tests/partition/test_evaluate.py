@@ -267,7 +267,7 @@ def test_tied_replicate_charges_copies_and_allreduce() -> None:
     nodes = (Node("emb", 1, 1), Node("mid", 1, 1), Node("head", 1, 1))
     tied = (TiedGroup("wte", (0, 2), param_bytes=1000, allreduce_s=0.25),)
     p = Problem(nodes, (Edge(0, 1), Edge(1, 2)), num_stages=2, tied=tied, state_factor=2.0,
-                tied_policy=TiedPolicy.REPLICATE)
+                tied_policy=TiedPolicy.COPY)
     split = evaluate(p, [0, 0, 1])
     assert [s.memory.params for s in split.stages] == [1000, 1000]
     assert [s.memory.grads for s in split.stages] == [1000, 1000]

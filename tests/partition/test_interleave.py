@@ -335,7 +335,7 @@ def test_shared_gpu_bound_counts_a_tied_all_reduce() -> None:
     everything, so any faster split pays the all-reduce on two stages."""
     base = _chain(8, gpus=2, v=2)
     problem = replace(base, tied=(TiedGroup("w", (0, 7), 100, allreduce_s=2 * MS),),
-                      tied_policy=TiedPolicy.REPLICATE)
+                      tied_policy=TiedPolicy.COPY)
     exact = exact_groups(problem)
     total = 8 * 3 * MS
     assert shared_gpu_bound(exact) == pytest.approx(total / 2)
