@@ -22,7 +22,8 @@ runs without fxpipe installed. One idea per module:
     input_dims.py   a stage's check of the input dimensions it was traced at
     checkpoint.py   stage state_dicts <-> one model checkpoint
     loading.py      importing a file or a package folder by path
-    pipelining.py   DistributedPipeline: the stages under torchrun
+    pipelining.py   DistributedPipeline: the stages under torchrun, their schedule and step
+    rank_stages.py  RankStages: the stages one rank builds, on its plan's process groups
     adapter.py      a stage as torch.distributed.pipelining wants it
     ranks.py        which rank runs which stage
     grads.py        tied and replicated gradients across ranks
