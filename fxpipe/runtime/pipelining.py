@@ -39,11 +39,11 @@ from torch.utils import _pytree as pytree
 
 from .adapter import StageAdapter, check_constants, check_feed, torch_schedule_kwargs
 from .data_parallel import check_backward_sync
-from .grads import clip_grads, reduce_grads
+from .grads import clip_grads
 from .mixed_precision import autocast_loss, unscaled
 from .older_torch import step
 from .own_loss import feed_target, target_or_none
-from .rank_stages import RankStages
+from .rank_stages import RankStages, stage_list
 from .table import TableSchedule, TableStage
 from .tensor_parallel import tensor_step, whole_loss
 from .torch_schedules import schedule_class, torch_schedule
@@ -76,11 +76,11 @@ class DistributedPipeline(RankStages):
         if kind != self.schedule:  # another kind: only if it places the stages as planned
             self.check_placement(kind, self.schedule)
         # the stages' device, read without assuming stages: the checks below come first
-        device = getattr(next(iter(_as_list(stage)), None), "device", None)
+        device = getattr(next(iter(stage_list(stage)), None), "device", None)
         loss_fn, self.scaler = autocast_loss(whole_loss(target_or_none(loss_fn), self.tp),
                                              self.precision, device, self.scaler)
-        if kind in ZERO_BUBBLE and not isinstance(_as_list(stage)[0], TableStage):
-            return zero_bubble_schedule(kind, _as_list(stage), self.lane_ranks(), m, loss_fn,
+        if kind in ZERO_BUBBLE and not isinstance(stage_list(stage)[0], TableStage):
+            return zero_bubble_schedule(kind, stage_list(stage), self.lane_ranks(), m, loss_fn,
                                         self.shared_inputs)
         if isinstance(stage, Sequence) and self.virtual_stages > 1:
             if torch_schedule(kind).placement != "loop" or m % self.num_ranks:
@@ -129,7 +129,7 @@ class DistributedPipeline(RankStages):
         layout's by torch's FSDP2 or DDP) and, with ``clip_grad_norm``, clipped to that norm
         (``clip_grad_norm``). Returns the mean loss on the last stage's ranks, None elsewhere."""
         if isinstance(schedule, TableSchedule):
-            (table_stage,) = _as_list(stage)
+            (table_stage,) = stage_list(stage)
             assert isinstance(table_stage, TableStage)
             if table_stage.is_first:
                 check_constants(table_stage.submod, self.flatten_inputs(*args, **kwargs))
@@ -137,7 +137,7 @@ class DistributedPipeline(RankStages):
             if clip_grad_norm is not None:
                 self.clip_grad_norm(stage, clip_grad_norm)
             return loss
-        stages = [cast(PipelineStage, s) for s in _as_list(stage)]
+        stages = [cast(PipelineStage, s) for s in stage_list(stage)]
         first = next((s for s in stages if s.is_first), None)
         last = next((s for s in stages if s.is_last), None)
         lane = self.copy_of(dist.get_rank()) if self.lanes * self.dp > 1 else 0
@@ -182,15 +182,5 @@ class DistributedPipeline(RankStages):
         if self.scaler is not None:
             raise ValueError("clip_grad_norm under 16-mixed would clip the GradScaler's scaled "
                              "gradients; split with --precision bf16-mixed or 32-true to clip")
-        return clip_grads(self, self.tied, {s.stage_index: s.submod for s in _as_list(stage)},
+        return clip_grads(self, self.tied, {s.stage_index: s.submod for s in stage_list(stage)},
                           max_norm, norm_type, self.norm_group)
-
-    def reduce_grads(self, stage: Any) -> None:
-        """Sum each tied parameter's gradient over the ranks holding a copy (once per rank);
-        with replicated stages, average every gradient over its stage's replicas."""
-        reduce_grads([cast(StageAdapter, s.submod) for s in _as_list(stage)])
-
-
-def _as_list(stage: Any) -> list[Any]:
-    """A rank's stages: ``stage`` itself when ``pipeline_stages`` gave a list, else [stage]."""
-    return list(stage) if isinstance(stage, Sequence) else [stage]

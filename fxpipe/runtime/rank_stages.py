@@ -10,7 +10,7 @@ a host (tensor_parallel.py), or the schedule table's ``TableStage`` for uneven r
 """
 
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -19,7 +19,7 @@ from torch.utils import _pytree as pytree
 
 from .adapter import StageAdapter, example_values, split_wire, wire_example
 from .data_parallel import check_data_parallel, make_mesh, shard
-from .grads import make_groups
+from .grads import make_groups, reduce_grads
 from .materialize import Checkpoint, load_state, materialize
 from .microbatch import batch_size, lane_share, shared_leaves
 from .mixed_precision import check_precision
@@ -29,7 +29,7 @@ from .recompute import modes
 from .table import TableStage
 from .tensor_parallel import split_stage, tensor_mesh
 
-__all__ = ["RankStages"]
+__all__ = ["RankStages", "stage_list"]
 
 
 class RankStages(RankLayout):
@@ -226,3 +226,13 @@ class RankStages(RankLayout):
         parts, microbatches = (self.dp, 1) if self.dp > 1 else (self.lanes, microbatches)
         return lane_share(value, lane, parts, microbatches=microbatches, what=what,
                           whole=shared_leaves(flat, self.shared_inputs))
+
+    def reduce_grads(self, stage: Any) -> None:
+        """Sum each tied parameter's gradient over the ranks holding a copy (once per rank);
+        with replicated stages, average every gradient over its stage's replicas."""
+        reduce_grads([cast(StageAdapter, s.submod) for s in stage_list(stage)])
+
+
+def stage_list(stage: Any) -> list[Any]:
+    """A rank's stages: ``stage`` itself when ``pipeline_stages`` gave a list, else [stage]."""
+    return list(stage) if isinstance(stage, Sequence) else [stage]
