@@ -29,6 +29,7 @@ import torch.fx
 
 from fxpipe import schedules
 from fxpipe.codegen.batch_sizes import BatchDims
+from fxpipe.codegen.local_shards import LocalPair
 from fxpipe.codegen.signature import build_output_lines, flatten_inputs_lines, tuple_literal
 from fxpipe.codegen.stages import (
     LINE_LENGTH,
@@ -46,6 +47,7 @@ from fxpipe.codegen.torchrun import (
     tied_parameters,
     wires,
 )
+from fxpipe.codegen.tensor_parallel import stage_local_pairs
 from fxpipe.codegen.wrap import wrap_tuple
 from fxpipe.cut import StageIO
 from fxpipe.forked import FORK_MIN_NODES, Forked
@@ -67,7 +69,10 @@ def generate(traced: Traced, plan: Plan) -> dict[str, str]:
     }
     dims = BatchDims.of_traced(traced, ios,
                                replicated=any(stage.replicas > 1 for stage in plan.stages))
-    sources = _stage_sources(gm, ios, fixed, dims, traced.model)
+    # the tensor-parallel pairs each stage runs on local shares (none at t = 1)
+    t = plan.layout.tp if plan.layout is not None else 1
+    local = stage_local_pairs(gm, ios, tied_parameters(gm, ios), t)
+    sources = _stage_sources(gm, ios, fixed, dims, traced.model, local)
     files = {f"stage{io.index}.py": source for io, source in zip(ios, sources, strict=True)}
     files["runner.py"] = runner_source(traced, plan)
     files["__init__.py"] = init_source(plan)
@@ -81,7 +86,8 @@ def generate(traced: Traced, plan: Plan) -> dict[str, str]:
 
 def _stage_sources(gm: torch.fx.GraphModule, ios: list[StageIO],
                    fixed: dict[str, tuple[int | None, ...]], dims: BatchDims,
-                   model: torch.nn.Module | None) -> list[str]:
+                   model: torch.nn.Module | None, local: list[list[LocalPair]]
+                   ) -> list[str]:
     """Each stage's module, in order. On a big graph (a second or more of writing at 70B
     scale) the later stages are written in a forked child meanwhile: each stage's text
     depends only on the graph and its own inputs and outputs."""
@@ -89,7 +95,8 @@ def _stage_sources(gm: torch.fx.GraphModule, ios: list[StageIO],
     by_name = {n.name: n for n in gm.graph.nodes}
 
     def write(chunk: list[StageIO]) -> list[str]:
-        return [stage_source(gm, io, fixed, dims, model, by_name) for io in chunk]
+        return [stage_source(gm, io, fixed, dims, model, by_name, local[io.index])
+                for io in chunk]
 
     big = len(gm.graph.nodes) >= FORK_MIN_NODES and half > 0
     with Forked(lambda: write(ios[half:]), in_child=big) as later:

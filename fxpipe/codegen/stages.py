@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +37,7 @@ from fxpipe import meta
 from fxpipe.codegen.batch_sizes import BatchDims
 from fxpipe.codegen.errors import PlanError
 from fxpipe.codegen.imports import import_lines
+from fxpipe.codegen.local_shards import HELPERS, LocalPair, local_shape, write_local
 from fxpipe.codegen.statements import Index, forward_lines, names_in
 from fxpipe.codegen.subgraph import follow_stage_device, sub_graph
 from fxpipe.codegen.wrap import LINE_LENGTH, wrap_line
@@ -93,6 +94,7 @@ def stage_source(
     dims: BatchDims | None = None,
     model: torch.nn.Module | None = None,
     by_name: Mapping[str, torch.fx.Node] | None = None,
+    local: Sequence[LocalPair] = (),
 ) -> str:
     """The text of ``stage{k}.py`` for one stage of ``gm``.
 
@@ -105,6 +107,8 @@ def stage_source(
     ``model``: the model traced, through whose classes the stage finds the functions of
     a model file it cannot import (``wrapped.py``; default: ``gm``'s). ``by_name``:
     ``gm``'s nodes by name (default: made here; the package makes it once for all stages).
+    ``local``: the tensor-parallel pairs the stage runs on each rank's share
+    (``local_shards.py``; none where the plan's t is 1).
     """
     dims = dims or BatchDims.of(gm.graph, None, ())
     by_name = by_name if by_name is not None else {n.name: n for n in gm.graph.nodes}
@@ -115,13 +119,19 @@ def stage_source(
     own = (by_name[n.name] for n in sub.nodes if n.name in by_name)
     shapes = {n.name: _shape_comment(n) for n in own if meta.SHAPE.has(n)}
     binding = _binding(gm, sub)
+    readable = _state_reads(gm, sub)
+    for pair in local:  # the values between a pair: this rank's share
+        shapes.update({name: local_shape(meta.SHAPE.get(by_name[name]).tensors, dim)
+                       for name, dim in pair.dims.items() if name in pair.inside})
+    write_local(sub, list(local), lambda name: _is_tensor(by_name[name]))
     code = sub.python_code(root_module="self")
+    code_src, code_globals = _helpers_by_name(code.src, code.globals)
     src, globals_, functions = wrapped_functions(
-        code.src, code.globals, (gm if model is None else model).named_modules(), binding.paths)
+        code_src, code_globals, (gm if model is None else model).named_modules(), binding.paths)
     renamed = {name: value for name, (value, _) in functions.items()}
     entry = [f'        check_shape("Stage{io.index}", "{name}", {name}, {shape!r})'
              for name, shape in checks] + dims.recount_lines(io)
-    forward, names = forward_lines(src, io, shapes, _state_reads(gm, sub), renamed=renamed,
+    forward, names = forward_lines(src, io, shapes, readable, renamed=renamed,
                                    entry=entry, index=_indexing(gm, binding.paths))
     header_names = set(names) - set(functions)
     header_names |= {own.rpartition(".")[0] or own for own, lookup in functions.values()
@@ -132,11 +142,12 @@ def stage_source(
         *_module_docstring(io),
         "",
         *import_lines(globals_, header_names),
-        *_bind_helper(binds=bool(binding.paths), checks=bool(checks)),
+        *_bind_helper(binds=bool(binding.paths), checks=bool(checks),
+                      helpers=sorted(h.__name__ for h in HELPERS if h.__name__ in names)),
     ]
     for body in binding.bodies:
         lines += ["", "", body]
-    header = _class_header(io, binding, functions, written, dims.unbatched(io))
+    header = _class_header(io, binding, functions, written, dims.unbatched(io), bool(local))
     lines += ["", "", *header, "", *forward]
     return "\n".join(lines).rstrip() + "\n"
 
@@ -241,10 +252,11 @@ def _module_docstring(io: StageIO) -> list[str]:
 
 
 def _class_header(io: StageIO, binding: _Binding, functions: dict[str, tuple[str, str]],
-                  written: tuple[str, ...], unbatched: tuple[str, ...]) -> list[str]:
-    """``class Stage{k}``: its INPUTS and OUTPUTS (and WRITES), and ``__init__`` binding the
-    model's objects, constructing the bodies, and looking up the model file's wrapped
-    functions."""
+                  written: tuple[str, ...], unbatched: tuple[str, ...], local: bool = False
+                  ) -> list[str]:
+    """``class Stage{k}``: its INPUTS and OUTPUTS (and WRITES, and where it runs pairs on
+    local shares ``tp`` and ``tp_mesh``), and ``__init__`` binding the model's objects,
+    constructing the bodies, and looking up the model file's wrapped functions."""
     lines = [
         f"class Stage{io.index}(nn.Module):",
         *_tuple_attr("INPUTS", io.inputs),
@@ -254,6 +266,10 @@ def _class_header(io: StageIO, binding: _Binding, functions: dict[str, tuple[str
         lines += ["    # graph inputs this stage writes in place", *_tuple_attr("WRITES", written)]
     if unbatched:  # a replica takes them whole, not a share of their rows
         lines += ["    # values without a batch dimension", *_tuple_attr("UNBATCHED", unbatched)]
+    if local:  # runtime/tensor_parallel.py's split_stage sets them
+        lines += ["    # the GPUs of a host this stage's tensor-parallel pairs split over, and their",
+                  "    # mesh: split_stage sets them; 1 and None run the stage whole",
+                  "    tp = 1", "    tp_mesh = None"]
     lines += [
         "",
         "    def __init__(self, model: nn.Module) -> None:",
@@ -291,12 +307,14 @@ def _tuple_attr(name: str, values: tuple[str, ...]) -> list[str]:
     return [f"    {name} = (", *(f'        "{v}",' for v in values), "    )"]
 
 
-def _bind_helper(*, binds: bool = True, checks: bool = False) -> list[str]:
+def _bind_helper(*, binds: bool = True, checks: bool = False,
+                 helpers: Sequence[str] = ()) -> list[str]:
     """The import of the runtime's ``bind``, which a stage uses to hold the model's own
     parameters, buffers and modules under their original names (none for a stage of
-    parameter-free ops), and ``check_shape`` where the stage checks a graph input's fixed
-    dimensions."""
+    parameter-free ops), ``check_shape`` where the stage checks a graph input's fixed
+    dimensions, and the ``helpers`` its tensor-parallel pairs call (``local_shards.py``)."""
     names = [name for name, used in (("bind", binds), ("check_shape", checks)) if used]
+    names += helpers
     return ["", f"from .runtime import {', '.join(names)}"] if names else []
 
 
@@ -334,6 +352,21 @@ def _body_class(body: torch.fx.GraphModule, class_name: str, target: str) -> str
         lines[:0] = ["    def __init__(self) -> None:", "        super().__init__()", *inits,
                      ""]
     return "\n\n\n".join([*nested, "\n".join([f"class {class_name}(nn.Module):", *lines])])
+
+
+def _helpers_by_name(src: str, globals_: dict[str, object]) -> tuple[str, dict[str, object]]:
+    """fx's code with the runtime's tensor-parallel functions called by their own names
+    (fx names a global by its module's path), which the stage imports from ``.runtime``."""
+    for helper in HELPERS:
+        qualified = f"{helper.__module__}.{helper.__name__}".replace(".", "_")
+        if qualified in globals_:
+            src = re.sub(rf"\b{qualified}\b", helper.__name__, src)
+            globals_ = {k: v for k, v in globals_.items() if k != qualified}
+    return src, globals_
+
+
+def _is_tensor(node: torch.fx.Node) -> bool:
+    return meta.SHAPE.has(node) and bool(meta.SHAPE.get(node).tensors)
 
 
 def _is_assert(node: torch.fx.Node) -> bool:

@@ -23,13 +23,14 @@ import json
 import torch.fx
 
 from fxpipe import meta
+from fxpipe.codegen.local_shards import LocalPair, local_pairs
 from fxpipe.codegen.stages import wrap_line
 from fxpipe.cut import StageIO
 from fxpipe.passes.base import OP_NODES
 from fxpipe.passes.tensor_parallel import annotate_tensor_parallel, embedding_rows, op_name
 from fxpipe.plan import Plan
 
-__all__ = ["parameter_splits", "tensor_parallel_lines"]
+__all__ = ["claims", "parameter_splits", "stage_local_pairs", "tensor_parallel_lines"]
 
 # the dim of an (out, in) weight each role splits: rows (out features) or columns (in)
 _OUT, _IN = 0, 1
@@ -48,19 +49,48 @@ def tensor_parallel_lines(gm: torch.fx.GraphModule, plan: Plan, ios: list[StageI
     if layout is None or layout.tp == 1:
         return []
     splits = parameter_splits(gm, ios, tied)
+    by_name = {n.name: n for n in gm.graph.nodes}
     lines = [
         "# TENSOR_PARALLEL: (t, per stage the parameters split over its t GPUs of a host and",
-        "# the dim each splits along); the rest of each stage is whole on every one of them",
+        "# the dim each splits along, or (the dim, the sizes of the parts laid along it: a",
+        "# fused qkv's q, k and v, each GPU holding its share of each)); the rest of each",
+        "# stage is whole on every one of them",
         f"TENSOR_PARALLEL = ({layout.tp}, (",
     ]
+    pairs = stage_local_pairs(gm, ios, tied, layout.tp, splits)
     for j, split in enumerate(splits):
+        parts = {param: parts for pair in pairs[j] for column, parts in pair.fused.items()
+                 for param, _ in claims(gm, by_name[column])}
+        table = {name: (dim, parts[name]) if name in parts else dim
+                 for name, dim in split.items()}
         lines.append(f"    # stage {j}")
-        items = ", ".join(f"{json.dumps(name)}: {dim}" for name, dim in split.items())
+        items = ", ".join(f"{json.dumps(name)}: {value}" for name, value in table.items())
         lines += wrap_line(f"    {{{items}}},") if len(items) < 80 else [
-            "    {", *(f"        {json.dumps(name)}: {dim}," for name, dim in split.items()),
+            "    {", *(f"        {json.dumps(name)}: {value}," for name, value in table.items()),
             "    },"]
     lines.append("))")
     return lines
+
+
+def stage_local_pairs(gm: torch.fx.GraphModule, ios: list[StageIO],
+                      tied: list[dict[int, str]], t: int,
+                      splits: list[dict[str, int]] | None = None) -> list[list[LocalPair]]:
+    """Per stage, the pairs that run on local shares (``codegen/local_shards.py``): those
+    whose weights split as Megatron's, the columns' along their out features and the
+    row's along its in features (a weight another op or a tie claims otherwise stays
+    whole, and so does its pair)."""
+    if t == 1:
+        return [[] for _ in ios]
+    splits = splits if splits is not None else parameter_splits(gm, ios, tied)
+    by_name = {n.name: n for n in gm.graph.nodes}
+
+    def megatron(pair: LocalPair, split: dict[str, int]) -> bool:
+        return all((found := claims(gm, by_name[name])) and all(
+            split.get(param) == dim for param, dim in found)
+            for name in (*pair.columns, pair.row))
+
+    return [[pair for pair in local_pairs(gm, io, t) if megatron(pair, split)]
+            for io, split in zip(ios, splits, strict=True)]
 
 
 def parameter_splits(gm: torch.fx.GraphModule, ios: list[StageIO],
@@ -70,16 +100,16 @@ def parameter_splits(gm: torch.fx.GraphModule, ios: list[StageIO],
     if any(not meta.SHARD.has(n) for n in gm.graph.nodes if n.op in OP_NODES):
         annotate_tensor_parallel(gm)
     by_node = {n.name: n for n in gm.graph.nodes}
-    claims: dict[str, set[int]] = {}  # parameter -> the dims ops split it along
+    claimed: dict[str, set[int]] = {}  # parameter -> the dims ops split it along
     bound: list[set[str]] = []  # per stage, the parameters it binds
     for io in ios:
         nodes = [by_node[name] for name in io.nodes]
         bound.append({name for node in nodes for name in _parameters(gm, node)})
         for node in nodes:
             if node.op in OP_NODES:
-                for param, dim in _claims(gm, node):
-                    claims.setdefault(param, set()).add(dim)
-    split = {name: dims for name, dims in claims.items() if len(dims) == 1}
+                for param, dim in claims(gm, node):
+                    claimed.setdefault(param, set()).add(dim)
+    split = {name: dims for name, dims in claimed.items() if len(dims) == 1}
     for group in tied:  # a tied parameter splits only as every one of its names does
         if len({frozenset(split.get(name, ())) for name in group.values()}) > 1:
             for name in group.values():
@@ -99,7 +129,7 @@ def _parameters(gm: torch.fx.GraphModule, node: torch.fx.Node) -> list[str]:
     return []
 
 
-def _claims(gm: torch.fx.GraphModule, node: torch.fx.Node) -> list[tuple[str, int]]:
+def claims(gm: torch.fx.GraphModule, node: torch.fx.Node) -> list[tuple[str, int]]:
     """(parameter, dim) for each parameter ``node`` splits as its role says."""
     role = meta.SHARD.get(node).role
     dim = _WEIGHT_DIM.get(role)

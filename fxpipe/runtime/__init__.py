@@ -63,6 +63,9 @@ if TYPE_CHECKING:  # the names as type checkers see them (``X as X``: re-exporte
     from .runner import PipelineRunner as PipelineRunner
     from .schedule import check_schedule as check_schedule
     from .schedule import dependencies as dependencies
+    from .tensor_parallel import tp_joined as tp_joined
+    from .tensor_parallel import tp_share as tp_share
+    from .tensor_parallel import tp_whole as tp_whole
 
 # Each public name and the module that defines it.
 _HOMES = {
@@ -80,6 +83,9 @@ _HOMES = {
     "place_stages": "placement",
     "split_state_dict": "checkpoint",
     "stage_devices": "placement",
+    "tp_joined": "tensor_parallel",
+    "tp_share": "tensor_parallel",
+    "tp_whole": "tensor_parallel",
 }
 
 __all__ = sorted(_HOMES)

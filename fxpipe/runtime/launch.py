@@ -32,6 +32,7 @@ from .materialize import parameters_on_meta
 from .microbatch import shared_leaves
 from .pipelining import DistributedPipeline
 from .rank_measure import measure_ranks
+from .tensor_parallel import unfused
 from .torch_zero_bubble import ZERO_BUBBLE, requirement
 
 __all__ = ["init_distributed", "main", "peak_rss_bytes"]
@@ -353,11 +354,13 @@ def _steps(pipeline: DistributedPipeline, opts: argparse.Namespace, rank: int, s
             if scaler is not None and optimizer is not None:
                 scaler.unscale_(optimizer)  # save the gradients as the model's loss gives them
             rss["step"] = peak_rss_bytes()
-            # whole: a DTensor gathered over its data-parallel shards (collective, in order)
-            grads = {name: whole(p.grad.detach()).cpu().clone()
+            # whole: a DTensor gathered over its data-parallel shards (collective, in order),
+            # a fused one in the model's order
+            grads = {name: unfused(module, name, whole(p.grad.detach())).cpu().clone()
                      for stage in stages
-                     for name, p in cast(nn.Module, stage.submod.stage).named_parameters(
-                         remove_duplicate=False) if p.grad is not None}
+                     for module in (cast(nn.Module, stage.submod.stage),)
+                     for name, p in module.named_parameters(remove_duplicate=False)
+                     if p.grad is not None}
         if optimizer is not None and scaler is not None:
             scaler.step(optimizer)
             scaler.update()

@@ -31,20 +31,25 @@ forward and backward.
 
 import contextlib
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.experimental import implicit_replication
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .data_parallel import make_mesh
 
-__all__ = ["counted_here", "settle_grads", "split_stage", "tensor_mesh", "tensor_step"]
+__all__ = ["counted_here", "fused_order", "settle_grads", "split_stage", "tensor_mesh",
+           "tensor_step", "tp_joined", "tp_share", "tp_whole", "unfused"]
+
+# a parameter's split: the dim, or (the dim, the sizes of the parts laid end to end along
+# it, as a fused qkv's q, k and v), which each rank takes its share of
+Split = int | tuple[int, tuple[int, ...]]
 
 
 def tensor_mesh(device: torch.device | str, dp: int, pp: int, tp: int) -> DeviceMesh:
@@ -56,26 +61,101 @@ def tensor_mesh(device: torch.device | str, dp: int, pp: int, tp: int) -> Device
                             mesh_dim_names=("dp", "pp", "tp"))
 
 
-def split_stage(stage: nn.Module, shards: Mapping[str, int], mesh: DeviceMesh,
+def split_stage(stage: nn.Module, shards: Mapping[str, Split], mesh: DeviceMesh,
                 last: bool = False) -> None:
     """Make every parameter and buffer of ``stage`` a DTensor on ``mesh`` (the stage's
     1-D tp sub-mesh): split along dim ``shards[name]`` where its name is there, else
     replicated, one DTensor per original tensor (ties inside the stage stay ties); and
-    make ``stage``'s forward take and give whole tensors (collective over ``mesh``)."""
+    make ``stage``'s forward take and give whole tensors (collective over ``mesh``).
+
+    A fused parameter's rows are reordered first (``fused_order``) so that rank r's shard
+    is its share of each part, [q_r | k_r | v_r]: the stage's local code splits it as the
+    whole splits [q | k | v]. ``stage.tp_fused`` keeps the order (``unfused`` undoes it),
+    and ``stage.tp`` and ``stage.tp_mesh`` are what the stage's local code reads."""
     made: dict[int, torch.Tensor] = {}
+    t = mesh.size()
+    fused = {name: split for name, split in shards.items() if isinstance(split, tuple)}
     for prefix, module in stage.named_modules(remove_duplicate=False):
         for table, is_param in ((module._parameters, True), (module._buffers, False)):
             for key, value in table.items():
                 if value is None or isinstance(value, DTensor):
                     continue
                 if id(value) not in made:
-                    dim = shards.get(f"{prefix}.{key}" if prefix else key)
+                    name = f"{prefix}.{key}" if prefix else key
+                    split = shards.get(name)
+                    dim = split[0] if isinstance(split, tuple) else split
                     placement = Replicate() if dim is None else Shard(dim)
-                    split = distribute_tensor(value.detach(), mesh, [placement])
-                    made[id(value)] = (nn.Parameter(split, requires_grad=value.requires_grad)
-                                       if is_param else split)
+                    whole = value.detach()
+                    if isinstance(split, tuple):
+                        whole = whole.index_select(dim, torch.tensor(
+                            fused_order(split[1], t), device=whole.device))
+                    made_split = distribute_tensor(whole, mesh, [placement])
+                    made[id(value)] = (nn.Parameter(made_split, requires_grad=value.requires_grad)
+                                       if is_param else made_split)
                 table[key] = made[id(value)]
+    stage.tp, stage.tp_mesh, stage.tp_fused = t, mesh, fused
     stage.forward = _whole_at_the_edges(stage.forward, mesh, last)
+
+
+def fused_order(parts: Sequence[int], t: int) -> list[int]:
+    """The order of a fused dim's indices that puts each rank's share of every part
+    together: parts (q, k, v) over t = 2 as [q_0 | k_0 | v_0 | q_1 | k_1 | v_1]."""
+    order: list[int] = []
+    for rank in range(t):
+        start = 0
+        for size in parts:
+            share = size // t
+            order += range(start + rank * share, start + (rank + 1) * share)
+            start += size
+    return order
+
+
+def unfused(stage: nn.Module, name: str, whole: torch.Tensor) -> torch.Tensor:
+    """``whole`` (a gathered parameter of ``stage``, or its gradient) in the model's order,
+    where ``split_stage`` reordered it."""
+    split = getattr(stage, "tp_fused", {}).get(name)
+    if split is None:
+        return whole
+    dim, parts = split
+    order = torch.tensor(fused_order(parts, stage.tp), device=whole.device)
+    return whole.index_select(dim, torch.argsort(order))
+
+
+# What a stage written for t ranks calls between a column-parallel op and its row-parallel
+# partner (``fxpipe/codegen/local_shards.py`` writes the calls): the ops between run on
+# plain tensors of this rank's share; each is the identity on a stage run whole.
+
+
+def tp_share(value: Any) -> Any:
+    """A column-parallel op's output as this rank's share of its last dim, a plain tensor
+    (its gradient re-enters as that share)."""
+    if not isinstance(value, DTensor):
+        return value
+    split = Shard(value.dim() - 1)
+    if value.placements != (split,):
+        value = value.redistribute(value.device_mesh, [split])
+    return value.to_local()
+
+
+def tp_whole(value: Any) -> Any:
+    """A replicated value the ops between a pair read (a mask, rotary cos and sin) as a
+    plain tensor; its gradient, different on each rank (each its own heads'), is summed
+    over the ranks (``Partial``) where it leaves."""
+    if not isinstance(value, DTensor):
+        return value
+    whole = [Replicate()] * value.device_mesh.ndim
+    if list(value.placements) != whole:
+        value = value.redistribute(value.device_mesh, whole)
+    return value.to_local(grad_placements=[Partial()] * value.device_mesh.ndim)
+
+
+def tp_joined(value: Any, dim: int, mesh: DeviceMesh | None) -> Any:
+    """This rank's share (along ``dim``) of what a row-parallel op reads, as the DTensor it
+    is a shard of: the op's partial sums are all-reduced by DTensor where they meet whole
+    values (the pair's one all-reduce). ``mesh`` None: the stage runs whole."""
+    if mesh is None:
+        return value
+    return DTensor.from_local(value, mesh, [Shard(dim)], run_check=False)
 
 
 def _whole_at_the_edges(forward: Callable[..., Any], mesh: DeviceMesh, last: bool

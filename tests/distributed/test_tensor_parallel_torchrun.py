@@ -134,11 +134,13 @@ def test_hf_llama_with_grouped_query_attention_pp2_tp2(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_hf_gpt2_with_a_tied_vocabulary_parallel_head_pp2_tp2(tmp_path: Path) -> None:
     """torch.export's graph of a Hugging Face GPT-2: its Conv1D weights, (in, out), split
-    along dim 1 where a column-parallel linear's split along 0; its token embedding and
+    along dim 1 where a column-parallel linear's split along 0 (the fused c_attn by its
+    q, k and v, each rank taking its heads of each); its token embedding and
     the LM head that shares its table split by vocabulary rows on both stages."""
     distributed, batch, saves = _run(tmp_path, HF_GPT2_64, "--pp", "2", "--tp", "2")
     stage0, stage1 = distributed.TENSOR_PARALLEL[1]
-    assert stage0["transformer.h.0.attn.c_attn.weight"] == 1
+    # the fused c_attn: each rank's share of q, k and v (its heads of each)
+    assert stage0["transformer.h.0.attn.c_attn.weight"] == (1, (64, 64, 64))
     assert stage0["transformer.h.0.attn.c_proj.weight"] == 0
     assert stage0["lm_head.weight"] == stage1["lm_head.weight"] == 0
     _assert_exact(HF_GPT2_64, batch, saves)
