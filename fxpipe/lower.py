@@ -129,7 +129,7 @@ def lower(
         if not all(meta.SHARD.has(op) for op in ops):  # once per graph, not per layout
             annotate_tensor_parallel(gm)
         problem = tensor_sharded(
-            problem, shards(ops), tensor_parallel, bandwidth=device.intra_node_bandwidth,
+            problem, shards(ops, gm), tensor_parallel, bandwidth=device.intra_node_bandwidth,
             latency_s=device.intra_node_latency,
             pipeline_latency_s=link_time(0, device, same_node=not across_hosts))
     return Lowered(problem, ops, {k: tuple(sorted(v)) for k, v in reads.items()})

@@ -10,7 +10,8 @@ The cost model, Megatron-LM's layout without sequence parallelism:
 - a sharded op (a pair's column and row linears and the ops between them, a
   vocabulary-parallel embedding or LM head) runs 1/t of its FLOPs: its forward, backward
   and weight-gradient seconds are divided by t, and so are its parameters (and a tied
-  group's, when every op reading it is sharded);
+  group's, when every op reading it is sharded) but a row linear's bias, which every GPU
+  holds whole (``Shard.whole_param_bytes``);
 - the values a sharded op makes are split too (``Shard.values``: a column's output, what
   the ops between a pair save, the LM head's logits and so the loss's bytes), and so are
   the bytes that cross a stage boundary there; a row linear's output and an embedding's
@@ -45,6 +46,9 @@ class Shard:
     inputs: bool = False  # the values it reads are split (its deferred W inputs)
     forward_reduce_bytes: int = 0  # all-reduced over the t GPUs after its forward
     backward_reduce_bytes: int = 0  # and in its backward
+    # of its parameters, the bytes every GPU holds whole though its compute is split: a
+    # row linear's bias, added once to the all-reduced sum (as Megatron-LM adds it)
+    whole_param_bytes: int = 0
 
 
 REPLICATED = Shard()
@@ -68,12 +72,13 @@ def tensor_sharded(problem: Problem, shards: Sequence[Shard], t: int, *, bandwid
         c = 1 / t if shard.compute else 1.0
         v = 1 / t if shard.values else 1.0
         send_s = max(node.comm_s - pipeline_latency_s, 0.0)
+        whole = min(shard.whole_param_bytes, node.param_bytes)
         return replace(
             node,
             forward_s=node.forward_s * c + ar(shard.forward_reduce_bytes),
             backward_s=node.backward_s * c + ar(shard.backward_reduce_bytes),
             backward_weight_s=node.backward_weight_s * c,
-            param_bytes=_divided(node.param_bytes, c),
+            param_bytes=_divided(node.param_bytes - whole, c) + whole,
             activation_bytes=_divided(node.activation_bytes, v),
             grad_bytes=_divided(node.grad_bytes, v if shard.inputs else 1.0),
             output_bytes=_divided(node.output_bytes, v),

@@ -128,10 +128,12 @@ def annotate_tensor_parallel(gm: torch.fx.GraphModule) -> TensorParallel:
                           _replicated(ops))
 
 
-def shards(ops: Sequence[torch.fx.Node]) -> tuple[Shard, ...]:
+def shards(ops: Sequence[torch.fx.Node], gm: torch.fx.GraphModule | None = None
+           ) -> tuple[Shard, ...]:
     """Each op's ``Shard`` (the solver's plain data) from its ``meta.SHARD`` record: what
     is divided by t, and the all-reduces it adds (the pass's docstring); a pair's backward
-    all-reduce on its first column."""
+    all-reduce on its first column; a row linear's bias whole (``gm``: where its modules
+    are)."""
     found = []
     first_columns: set[str] = set()
     for node in ops:
@@ -148,7 +150,8 @@ def shards(ops: Sequence[torch.fx.Node]) -> tuple[Shard, ...]:
         elif role == "inside":
             found.append(Shard(compute=True, values=True, inputs=True))
         elif role == "row":
-            found.append(Shard(compute=True, inputs=True, forward_reduce_bytes=output))
+            found.append(Shard(compute=True, inputs=True, forward_reduce_bytes=output,
+                               whole_param_bytes=_bias_bytes(gm, node)))
         elif role == "vocab_embedding":
             found.append(Shard(compute=True, forward_reduce_bytes=output))
         elif role == "vocab_head":
@@ -157,6 +160,20 @@ def shards(ops: Sequence[torch.fx.Node]) -> tuple[Shard, ...]:
             assert role == "replicated", role
             found.append(REPLICATED)
     return tuple(found)
+
+
+def _bias_bytes(gm: torch.fx.GraphModule | None, node: torch.fx.Node) -> int:
+    """The bytes of a linear op's bias: an ``nn.Linear``'s, or ``linear``'s third argument
+    or ``addmm``'s first, read by ``get_attr``; 0 where it has none."""
+    if node.op == "call_module":
+        bias = getattr(gm.get_submodule(str(node.target)), "bias", None) if gm else None
+        return bias.numel() * bias.element_size() if isinstance(bias, torch.Tensor) else 0
+    name = op_name(node.target)
+    bias = (node.args[2] if name == "linear" and len(node.args) > 2
+            else node.args[0] if name == "addmm" else None)
+    if isinstance(bias, torch.fx.Node) and bias.op == "get_attr" and meta.SHAPE.has(bias):
+        return meta.SHAPE.get(bias).nbytes
+    return 0
 
 
 @dataclass(frozen=True)

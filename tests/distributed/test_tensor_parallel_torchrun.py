@@ -199,3 +199,23 @@ def test_an_op_dtensor_cannot_split_is_refused_in_one_line(tmp_path: Path) -> No
            "runs: tensor parallelism cannot split it; split again with --tp 1")
     assert sorted(line for line in output if line.startswith("train_torchrun: error:")) == [
         f"train_torchrun: error: rank {rank}: {why}" for rank in (0, 1)]
+
+
+def test_attention_and_the_mlp_run_on_each_ranks_share(tmp_path: Path) -> None:
+    """One forward of the GPT split over 2 ranks (pp 1 x tp 2), under torch's
+    CommDebugMode: one all-reduce per pair (attention's and the MLP's in each of the 4
+    blocks) and one for the vocabulary-parallel embedding, no all-gather (a fused qkv run
+    on global DTensors is gathered at its split); the first column's local share is
+    half the qkv's width; the logits are the unsplit model's."""
+    out = tmp_path / "pkg"
+    assert cli.main(["split", str(GPT64), "--gpus", "2", "--pp", "1", "--tp", "2",
+                     "--microbatches", "2", "--out", str(out)]) == 0
+    script = Path(__file__).with_name("comm_counts.py")
+    result = torchrun(2, script, str(out), str(GPT64), str(tmp_path / "counts"))
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
+    layers = load(str(GPT64))[0].model.cfg.n_layer
+    for rank in range(2):
+        found = json.loads((tmp_path / "counts" / f"rank{rank}.json").read_text())
+        assert found["counts"] == {"all_reduce": 2 * layers + 1}, found
+        assert found["first_share"] == [2, 64, 3 * 128 // 2]
+        assert found["error"] <= TOLERANCE

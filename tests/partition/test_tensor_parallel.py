@@ -87,3 +87,13 @@ def test_a_tied_group_splits_only_where_every_reader_does_and_split_logits_split
 def test_the_all_reduce_grows_with_t_as_the_work_shrinks() -> None:
     rows = [_at(t).nodes[3].forward_s - 8.0 / t for t in (2, 4, 8)]
     assert rows == sorted(rows) and rows[0] > 0
+
+
+def test_a_row_linears_bias_is_held_whole_on_every_gpu() -> None:
+    """Of a row linear's 800 parameter bytes, 160 are its bias, which every GPU holds
+    whole (Megatron adds it once after the all-reduce): 640 / 4 + 160 per GPU."""
+    shards = (*SHARDS[:3], Shard(compute=True, inputs=True, forward_reduce_bytes=160,
+                                 whole_param_bytes=160), SHARDS[4])
+    row = tensor_sharded(_problem(), shards, 4, bandwidth=BW, latency_s=LAT).nodes[3]
+    assert row.param_bytes == 640 // 4 + 160
+    assert _at(4).nodes[3].param_bytes == 800 // 4  # no bias: all of it split

@@ -130,3 +130,16 @@ def test_addmm_and_mm_with_a_weight_of_the_model_are_linears() -> None:
     found = {n.name: linear_features(gm, n) for n in gm.graph.nodes}
     assert found["addmm"] == (24, 8) and found["mm"] == (8, 24)
     assert {n.name: embedding_rows(gm, n) for n in gm.graph.nodes}["embedding"] == 50
+
+
+@pytest.mark.parametrize("example", ["gpt.py", "hf_llama.py"])
+def test_a_row_linears_bias_stays_whole(example: str) -> None:
+    """A row linear's bias is added once to the all-reduced sum, so every GPU holds it
+    whole (``whole_param_bytes``): GPT's projections (nn.Linear, 128 float32 each) have
+    one, the exported Llama's o and down (aten.linear, no bias) none."""
+    gm, _ = _found(example)
+    ops = [n for n in gm.graph.nodes if meta.SHARD.has(n)]
+    rows = [s for n, s in zip(ops, shards(ops, gm), strict=True)
+            if meta.SHARD.get(n).role == "row"]
+    assert rows and {s.whole_param_bytes for s in rows} == (
+        {128 * 4} if example == "gpt.py" else {0})

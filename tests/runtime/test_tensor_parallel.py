@@ -14,10 +14,15 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fxpipe.runtime.tensor_parallel import (
     counted_here,
+    fused_order,
     settle_grads,
     split_stage,
     tensor_mesh,
     tensor_step,
+    tp_joined,
+    tp_share,
+    tp_whole,
+    unfused,
     whole_loss,
 )
 
@@ -138,3 +143,39 @@ def test_the_last_stage_keeps_its_logits_split_for_a_parallel_loss(one_rank: Non
     assert torch.allclose(loss, want, rtol=0, atol=1e-15)
     for got in grads:
         assert torch.allclose(got, plain.head.weight.grad, rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize(("parts", "t"), [((8, 8, 8), 2), ((8, 4, 4), 4), ((6,), 3)])
+def test_a_fused_dim_splits_into_each_ranks_share_of_every_part_and_back(
+        parts: tuple[int, ...], t: int) -> None:
+    """A fused qkv's rows reordered by fused_order and cut into t equal shards give rank r
+    its share of q, of k and of v, in that order (its heads of each; GQA's k and v
+    narrower than q); gathering the shards and undoing the order (unfused) gives the
+    model's rows back, on either dim (an (in, out) Conv1D weight splits dim 1)."""
+    rows = torch.arange(sum(parts) * 3, dtype=torch.float64).reshape(sum(parts), 3)
+    order = fused_order(parts, t)
+    assert sorted(order) == list(range(sum(parts)))
+    shards = rows[order].chunk(t)
+    starts = [sum(parts[:i]) for i in range(len(parts))]
+    for rank, shard in enumerate(shards):
+        want = torch.cat([rows[start + rank * (size // t):start + (rank + 1) * (size // t)]
+                          for start, size in zip(starts, parts, strict=True)])
+        assert torch.equal(shard, want), rank
+    stage = nn.Module()
+    stage.tp, stage.tp_fused = t, {"qkv.weight": (0, parts), "conv.weight": (1, parts)}
+    assert torch.equal(unfused(stage, "qkv.weight", torch.cat(shards)), rows)
+    assert torch.equal(unfused(stage, "conv.weight", rows[order].T), rows.T)
+    assert unfused(stage, "other", rows) is rows
+
+
+def test_the_local_helpers_pass_plain_tensors_through(one_rank: None) -> None:
+    """On a stage run whole (t = 1, no mesh) tp_share, tp_whole and tp_joined change
+    nothing; on a DTensor they give its local share and take it back."""
+    x = torch.randn(2, 4, dtype=torch.float64)
+    assert tp_share(x) is x and tp_whole(x) is x and tp_joined(x, 1, None) is x
+    mesh = dist.device_mesh.init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    split = DTensor.from_local(x, mesh, [Shard(1)])
+    assert type(tp_share(split)) is torch.Tensor and torch.equal(tp_share(split), x)
+    assert torch.equal(tp_whole(DTensor.from_local(x, mesh, [Replicate()])), x)
+    joined = tp_joined(x, 1, mesh)
+    assert joined.placements == (Shard(1),) and torch.equal(joined.to_local(), x)
