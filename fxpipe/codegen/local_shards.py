@@ -133,9 +133,9 @@ def write_local(sub: torch.fx.Graph, pairs: list[LocalPair],
         for name in pair.inside:
             node = nodes[name]
             for arg in node.all_input_nodes:
-                if arg in between or arg.op == "get_attr" and arg.target in ("tp", "tp_mesh"):
+                if arg in between or arg in (tp, mesh):
                     continue
-                if arg.name in nodes and is_tensor(arg.name) or arg.op == "get_attr":
+                if arg.op == "get_attr" or (arg.name in nodes and is_tensor(arg.name)):
                     if arg not in whole:
                         with sub.inserting_before(node):
                             whole[arg] = sub.create_node("call_function", tp_whole, (arg,),
@@ -170,9 +170,10 @@ def _set_arg(node: torch.fx.Node, where: Where, value: torch.fx.Node) -> None:
     if len(where) == 2:
         node.update_arg(position, value)
         return
-    items = list(node.args[position])  # type: ignore[arg-type]
-    items[where[2]] = value  # type: ignore[misc]
-    node.update_arg(position, type(node.args[position])(items))  # type: ignore[arg-type,call-arg]
+    items = node.args[position]
+    assert isinstance(items, (list, tuple)), items
+    changed = [value if j == where[2] else item for j, item in enumerate(items)]
+    node.update_arg(position, changed if isinstance(items, list) else tuple(changed))
 
 
 def _local_pair(gm: torch.fx.GraphModule, members: list[torch.fx.Node],

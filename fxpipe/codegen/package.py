@@ -38,6 +38,7 @@ from fxpipe.codegen.stages import (
     stage_source,
     wrap_line,
 )
+from fxpipe.codegen.tensor_parallel import stage_local_pairs
 from fxpipe.codegen.torchrun import (
     distributed_source,
     kind_spec,
@@ -47,7 +48,6 @@ from fxpipe.codegen.torchrun import (
     tied_parameters,
     wires,
 )
-from fxpipe.codegen.tensor_parallel import stage_local_pairs
 from fxpipe.codegen.wrap import wrap_tuple
 from fxpipe.cut import StageIO
 from fxpipe.forked import FORK_MIN_NODES, Forked

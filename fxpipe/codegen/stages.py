@@ -267,8 +267,8 @@ def _class_header(io: StageIO, binding: _Binding, functions: dict[str, tuple[str
     if unbatched:  # a replica takes them whole, not a share of their rows
         lines += ["    # values without a batch dimension", *_tuple_attr("UNBATCHED", unbatched)]
     if local:  # runtime/tensor_parallel.py's split_stage sets them
-        lines += ["    # the GPUs of a host this stage's tensor-parallel pairs split over, and their",
-                  "    # mesh: split_stage sets them; 1 and None run the stage whole",
+        lines += ["    # the GPUs of a host this stage's tensor-parallel pairs split over, and",
+                  "    # their mesh: split_stage sets them; 1 and None run the stage whole",
                   "    tp = 1", "    tp_mesh = None"]
     lines += [
         "",

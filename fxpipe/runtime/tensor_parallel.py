@@ -93,7 +93,7 @@ def split_stage(stage: nn.Module, shards: Mapping[str, Split], mesh: DeviceMesh,
                     made[id(value)] = (nn.Parameter(made_split, requires_grad=value.requires_grad)
                                        if is_param else made_split)
                 table[key] = made[id(value)]
-    stage.tp, stage.tp_mesh, stage.tp_fused = t, mesh, fused
+    vars(stage).update(tp=t, tp_mesh=mesh, tp_fused=fused)  # plain attributes
     stage.forward = _whole_at_the_edges(stage.forward, mesh, last)
 
 
@@ -113,11 +113,11 @@ def fused_order(parts: Sequence[int], t: int) -> list[int]:
 def unfused(stage: nn.Module, name: str, whole: torch.Tensor) -> torch.Tensor:
     """``whole`` (a gathered parameter of ``stage``, or its gradient) in the model's order,
     where ``split_stage`` reordered it."""
-    split = getattr(stage, "tp_fused", {}).get(name)
+    split = vars(stage).get("tp_fused", {}).get(name)
     if split is None:
         return whole
     dim, parts = split
-    order = torch.tensor(fused_order(parts, stage.tp), device=whole.device)
+    order = torch.tensor(fused_order(parts, vars(stage)["tp"]), device=whole.device)
     return whole.index_select(dim, torch.argsort(order))
 
 

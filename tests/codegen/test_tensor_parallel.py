@@ -1,21 +1,31 @@
 """Which parameters a tensor-parallel package splits along which dim (the
 ``TENSOR_PARALLEL`` table of distributed.py), read off the graph's column / row pairs
-and vocabulary ops, under both tracers; a tied parameter splits only as all its names do.
+and vocabulary ops, under both tracers; a tied parameter splits only as all its names do;
+which pairs a stage runs on local shares, and the local sizes it writes for them.
 The runs that hold the table to the unsplit model's gradients are
 tests/distributed/test_tensor_parallel_torchrun.py."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 from torch import nn
 
+from fxpipe import cli
+from fxpipe.codegen import load_package
 from fxpipe.codegen.stages import stage_io
-from fxpipe.codegen.tensor_parallel import parameter_splits
+from fxpipe.codegen.tensor_parallel import parameter_splits, stage_local_pairs
 from fxpipe.codegen.torchrun import tied_parameters
-from fxpipe.frontend import Traced, trace
+from fxpipe.frontend import Traced, load_model_file, trace
 from fxpipe.passes import annotate_all
-from tests.codegen._models import traced
+from tests.codegen._models import ruff, traced
 from tests.codegen._plans import contiguous_plan
+
+DISTRIBUTED = Path(__file__).resolve().parents[1] / "distributed"
+GPT64 = DISTRIBUTED / "gpt64.py"  # examples/gpt.py in float64: a fused qkv
+LLAMA64 = DISTRIBUTED / "llama64.py"  # an exported HF Llama: 4 heads, 2 KV heads
 
 
 def _splits(traced_model: Traced, stages: int = 2) -> list[dict[str, int]]:
@@ -79,3 +89,68 @@ def test_a_tied_parameter_split_two_ways_stays_whole() -> None:
     found = {name: dim for split in _splits(trace(model, (torch.randint(0, 64, (2, 8)),), {}))
              for name, dim in split.items()}
     assert found == {"up.weight": 0, "up.bias": 0, "down.weight": 1}
+
+
+class _Mlp(nn.Module):
+    """A pair with an op between whose split dim the codegen follows (relu), or one it
+    does not (a LayerNorm over the split width, whose statistics need the whole width)."""
+
+    def __init__(self, norm: bool) -> None:
+        super().__init__()
+        self.up = nn.Linear(16, 32)
+        self.mid: nn.Module = nn.LayerNorm(32) if norm else nn.ReLU()
+        self.down = nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(self.mid(self.up(x)))
+
+
+@pytest.mark.parametrize("norm", [False, True])
+def test_a_pair_runs_on_local_shares_only_where_its_ops_split(norm: bool) -> None:
+    """relu between: the pair runs on each rank's share (the row reads its share back
+    along the last dim); a LayerNorm between: the pair stays on global DTensors (its
+    weights still split), as a pair the codegen cannot follow must."""
+    found = trace(_Mlp(norm), (torch.randn(2, 4, 16),), {})
+    gm = found.gm
+    annotate_all(gm, *found.flat_inputs)
+    ios = stage_io(gm.graph, contiguous_plan(gm.graph, 1))
+    (pairs,) = stage_local_pairs(gm, ios, tied_parameters(gm, ios), 2)
+    (split,) = parameter_splits(gm, ios, tied_parameters(gm, ios))
+    assert split == {"up.weight": 0, "up.bias": 0, "down.weight": 1}
+    if norm:
+        assert pairs == []
+        return
+    (pair,) = pairs
+    assert (pair.columns, pair.row, pair.joined[1], pair.fused) == (("up",), "down", 2, {})
+
+
+@pytest.mark.parametrize(("model", "lines"), [
+    (GPT64, ["local_4 = 4 // tp", "local_128 = 128 // tp", ".split(local_128, dim=2)",
+             ".view(size_1, size_2, local_4, 32)", "reshape(size_1, size_2, local_128)"]),
+    (LLAMA64, ["local_2 = 2 // tp", "[sym_size_int_12, local_2, 2, sym_size_int_13, 16]",
+               "[sym_size_int_12, local_4, sym_size_int_13, 16]"]),
+], ids=["gpt", "llama_gqa"])
+def test_a_stage_written_for_two_gpus_writes_local_sizes_and_runs_whole_at_one(
+        tmp_path: Path, model: Path, lines: list[str]) -> None:
+    """A pp 1 x tp 2 package's stage writes its head counts and split sizes as shares of
+    tp (a fused qkv's split, the heads of a view, GQA's KV heads in its expand), and run
+    in one process, where tp is 1, it is the model: the unsplit logits exactly."""
+    out = tmp_path / "pkg"
+    assert cli.main(["split", str(model), "--gpus", "2", "--pp", "1", "--tp", "2",
+                     "--microbatches", "2", "--out", str(out)]) == 0
+    source = (out / "stage0.py").read_text()
+    for line in lines:
+        assert line in source, line
+    assert "tp_share(" in source and "tp_joined(" in source
+    assert ruff(out) == ""
+    package = load_package(out)
+    model_source = load_model_file(str(model))
+    stage = package.stage0.Stage0(model_source.model)
+    assert stage.tp == 1 and stage.tp_mesh is None
+    with torch.no_grad():
+        given = {**dict(zip(stage.INPUTS, model_source.args, strict=False)),
+                 **model_source.kwargs}
+        (got,) = stage(**{name: given[name] for name in stage.INPUTS})
+        want = model_source.model(*model_source.args, **model_source.kwargs)
+    want = getattr(want, "logits", want)
+    assert torch.equal(got, want)
