@@ -246,6 +246,8 @@ def _follow(gm: torch.fx.GraphModule, node: torch.fx.Node, dims: dict[torch.fx.N
         return _split(gm, node, first, d, shape_in, sizes, fused, t)
     if name in _ALONG:  # an op along one dim: not the split one
         axis = _int_arg(node, 1, "dim", 0)
+        if name == "cat" and any(a not in dims for a in node.all_input_nodes):
+            return None  # a whole value cut to this rank's share: not followed
         k = _aligned(node, dims)
         return k if axis is not None and k is not None and axis % len(out) != k else None
     if name in _MATMULS:

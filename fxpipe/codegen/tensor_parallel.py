@@ -14,6 +14,11 @@ its mask for one reduction), while a width-split lookup is gathered where read. 
 parameter claimed along two dims (read by two ops that split it differently, or tied to
 one that does) stays whole: DTensor runs any placement exactly, only the collectives
 differ.
+
+Which pairs a stage runs on each rank's local share (``stage_local_pairs``): those
+``codegen/local_shards.py`` can follow whose weights all split as Megatron's; the columns
+of such a pair that a split cuts into parts (a fused qkv) are written ``(dim, parts)``,
+which the runtime lays out per rank as [q_r | k_r | v_r].
 """
 
 from __future__ import annotations
@@ -69,6 +74,33 @@ def tensor_parallel_lines(gm: torch.fx.GraphModule, plan: Plan, ios: list[StageI
             "    {", *(f"        {json.dumps(name)}: {value}," for name, value in table.items()),
             "    },"]
     lines.append("))")
+    return lines + _whole_pairs(gm, ios, pairs)
+
+
+def _whole_pairs(gm: torch.fx.GraphModule, ios: list[StageIO],
+                 pairs: list[list[LocalPair]]) -> list[str]:
+    """A comment naming the pairs each GPU runs whole (on DTensors with global shapes)
+    though the plan divides them: none where every pair runs on local shares."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    local = {pair.row for stage in pairs for pair in stage}
+    whole = [meta.MODULE.get(by_name[name]).path or name for io in ios for name in io.nodes
+             if meta.SHARD.has(by_name[name]) and meta.SHARD.get(by_name[name]).role == "row"
+             and name not in local]
+    if not whole:
+        return []
+    return ["# pairs run whole on every GPU of a stage (ops between them the stage code",
+            "# cannot split on local shares): correct, though the plan divides their work",
+            *_comment_lines(whole)]
+
+
+def _comment_lines(words: list[str], limit: int = 88) -> list[str]:
+    """``words`` comma-separated on comment lines of at most ``limit`` columns."""
+    lines = ["#"]
+    for i, word in enumerate(words):
+        word += "," if i < len(words) - 1 else ""
+        if len(lines[-1]) + 1 + len(word) > limit and lines[-1] != "#":
+            lines.append("#")
+        lines[-1] += " " + word
     return lines
 
 

@@ -14,17 +14,24 @@ stage before it (its pp sub-mesh) and sends whole values on::
 
 The plan's ``TENSOR_PARALLEL`` says per stage which parameters split along which dim (a
 column-parallel linear's weight by its rows, a row-parallel one's by its columns, a
-vocabulary-parallel embedding's and LM head's by the vocabulary); every other parameter
-and buffer is a replicated DTensor. The generated stage runs as it is: a DTensor has the
-model's shapes, so the head counts and split sizes written in the stage hold, and torch's
-sharding rules place the all-reduces (a row-parallel linear's partial sums meeting the
-residual stream). Received values enter as replicated DTensors (their gradients summed
-over the t ranks in the backward, the column-parallel pair's all-reduce); sent values
-leave whole (``full_tensor``: partial sums all-reduced, split values gathered), and so
-does the model's output but for values split along their last dim (a vocabulary-parallel
-LM head's logits): those reach the loss split, which runs under torch's
-``loss_parallel`` (a cross-entropy over the vocabulary's shards, each rank's logits
-never gathered) and gives a plain loss (``whole_loss``). Tensors the stage makes itself
+vocabulary-parallel embedding's and LM head's by the vocabulary; a fused qkv's as
+``(dim, parts)``, its rows reordered so that each rank holds its share of every part,
+[q_r | k_r | v_r]: ``fused_order``); every other parameter and buffer is a replicated
+DTensor. The stage is written for t (``fxpipe/codegen/local_shards.py``): between a
+pair's column and row linears each rank runs its share on plain tensors, with sizes read
+as shares of ``stage.tp``, which ``split_stage`` sets; ``tp_share`` takes a column's
+output as this rank's share, ``tp_whole`` a replicated value read between as a plain
+tensor, ``tp_joined`` the row's input back as the ``Shard`` DTensor it is a share of, so
+that torch's sharding rules place the pair's all-reduce (the row's partial sums meeting
+the residual stream). A pair the codegen could not follow runs as written on DTensors
+with the model's global shapes (correct; its attention whole on every rank). Received
+values enter as replicated DTensors (their gradients summed over the t ranks in the
+backward, the column-parallel pair's all-reduce); sent values leave whole
+(``full_tensor``: partial sums all-reduced, split values gathered), and so does the
+model's output but for values split along their last dim (a vocabulary-parallel LM
+head's logits): those reach the loss split, which runs under torch's ``loss_parallel``
+(a cross-entropy over the vocabulary's shards, each rank's logits never gathered) and
+gives a plain loss (``whole_loss``). Tensors the stage makes itself
 (positions, masks) count as replicated (torch's ``implicit_replication``) in the step's
 forward and backward.
 """
