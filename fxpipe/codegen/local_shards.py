@@ -222,10 +222,10 @@ def _follow(gm: torch.fx.GraphModule, node: torch.fx.Node, dims: dict[torch.fx.N
     if name is None:
         return None
     if node.target is operator.getitem:
-        return d if first.op != "placeholder" and _is_split(gm, first) else None
+        return d if _is_split(gm, first) else None  # an item of a split, not an index
     if name in _SIZED or name in _VIEWS:
         k = _prefix_dim(shape_in, d, out, t)
-        if k is None or len(split) > 1 or _others_split(node, first, dims):
+        if k is None or len(split) > 1:
             return None
         if name in _SIZED and not _size_at(node, k, out[k], sizes, t):
             return None
@@ -364,11 +364,6 @@ def _size_at(node: torch.fx.Node, k: int, whole: int, sizes: list[tuple[str, Whe
         sizes.append((node.name, at, whole))
         return True
     return False
-
-
-def _others_split(node: torch.fx.Node, first: torch.fx.Node,
-                  dims: Mapping[torch.fx.Node, int]) -> bool:
-    return any(a in dims for a in node.all_input_nodes if a is not first)
 
 
 def _is_split(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
