@@ -10,15 +10,20 @@ whole on every rank, and the plan (which divides it by t) would not be what runs
 pair runs as Megatron-LM runs it::
 
     x (replicated DTensor) ─► column op ─► tp_share ─► plain ops on the local share ─►
-        tp_joined (a Shard DTensor) ─► row op (partial sums) ─► all-reduce by DTensor
+        tp_joined (a Shard DTensor) ─► row op (partial sums) ─► tp_replicated (all-reduce)
 
 ``tp_share`` takes this rank's columns of the column op's output (``to_local``),
 ``tp_whole`` the replicated values the ops between read (a mask, rotary cos and sin),
-and ``tp_joined`` makes the local share the DTensor it is a shard of again
-(``from_local``, ``Shard(d)``): torch's DTensor places the row op's all-reduce, never a
-hand-written collective. The sizes along d the ops between write become
-``local_128 = 128 // tp`` (``self.tp``, 1 where the stage runs whole), found by following
-d from the column's last dim through views, transposes, splits, expands and attention.
+``tp_joined`` makes the local share the DTensor it is a shard of again (``from_local``,
+``Shard(d)``), and ``tp_replicated`` all-reduces the row's partial sums where it makes
+them, as the plan prices the pair (DTensor's ``redistribute``, never a hand-written
+collective; left alone, DTensor may reduce-scatter them into a residual stream that then
+stays split by width). A token embedding split by width (``codegen/tensor_parallel.py``)
+is gathered whole where it is looked up, for the same reason.
+
+The sizes along d the ops between write become ``local_128 = 128 // tp`` (``self.tp``, 1
+where the stage runs whole), found by following d from the column's last dim through
+views, transposes, splits, expands and attention.
 
 A fused column (one linear whose out features are [q | k | v], split along d into parts)
 is laid out per rank as [q_r | k_r | v_r]: its parts go into the ``TENSOR_PARALLEL``
@@ -44,9 +49,9 @@ import torch.fx
 from fxpipe import meta
 from fxpipe.cut import StageIO
 from fxpipe.passes.tensor_parallel import op_name
-from fxpipe.runtime.tensor_parallel import tp_joined, tp_share, tp_whole
+from fxpipe.runtime.tensor_parallel import tp_joined, tp_replicated, tp_share, tp_whole
 
-__all__ = ["HELPERS", "LocalPair", "local_pairs", "local_shape", "write_local"]
+__all__ = ["HELPERS", "LocalPair", "LocalStage", "local_pairs", "local_shape", "write_local"]
 
 # shape-keeping ops whose every element depends on the same elements of its inputs
 _ELEMENTWISE = frozenset({
@@ -65,7 +70,7 @@ _MATMULS = frozenset({"matmul", "bmm"})
 _ALONG = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "slice", "cat"})
 
 # the runtime's functions a stage's local code calls, which it imports from ``.runtime``
-HELPERS = (tp_joined, tp_share, tp_whole)
+HELPERS = (tp_joined, tp_replicated, tp_share, tp_whole)
 
 # where in a node's arguments a size is: ("args", i) or ("args", i, j) (item j of a list)
 Where = tuple[str, int] | tuple[str, int, int]
@@ -83,6 +88,16 @@ class LocalPair:
     sizes: tuple[tuple[str, Where, int], ...]  # (node, where, the whole size)
     joined: tuple[str, int]  # the row's input from the pair, and its split dim
     fused: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LocalStage:
+    """What a stage written for t GPUs runs split: its pairs on local shares, and the
+    width-split embedding lookups it gathers whole where they are made
+    (``tp_replicated``)."""
+
+    pairs: tuple[LocalPair, ...] = ()
+    gathered: tuple[str, ...] = ()
 
 
 def local_pairs(gm: torch.fx.GraphModule, io: StageIO, t: int) -> list[LocalPair]:
@@ -104,21 +119,30 @@ def local_pairs(gm: torch.fx.GraphModule, io: StageIO, t: int) -> list[LocalPair
     return found
 
 
-def write_local(sub: torch.fx.Graph, pairs: list[LocalPair],
+def write_local(sub: torch.fx.Graph, local: LocalStage,
                 is_tensor: Callable[[str], bool]) -> None:
-    """Rewrite stage graph ``sub`` so that ``pairs`` run on local shares (the module's
-    docstring): the columns' outputs through ``tp_share``, the values the ops between
-    read from outside through ``tp_whole`` (``is_tensor``: whether a node of the model's
-    graph, by name, is a tensor), the sizes along the split dim as ``local_N = N // tp``,
-    the row's input through ``tp_joined``."""
+    """Rewrite stage graph ``sub`` so that ``local.pairs`` run on local shares (the
+    module's docstring): the columns' outputs through ``tp_share``, the values the ops
+    between read from outside through ``tp_whole`` (``is_tensor``: whether a node of the
+    model's graph, by name, is a tensor), the sizes along the split dim as
+    ``local_N = N // tp``, the row's input through ``tp_joined``; and ``local.gathered``
+    through ``tp_replicated``."""
+    nodes = {n.name: n for n in sub.nodes}
+    for name in local.gathered:
+        lookup = nodes[name]
+        with sub.inserting_after(lookup):
+            gathered = sub.create_node("call_function", tp_replicated, (lookup,),
+                                       name=f"{name}_gathered")
+        lookup.replace_all_uses_with(gathered,
+                                     delete_user_cb=lambda user, g=gathered: user is not g)
+    pairs = local.pairs
     if not pairs:
         return
-    nodes = {n.name: n for n in sub.nodes}
     first = next(n for n in sub.nodes if n.op != "placeholder")
     with sub.inserting_before(first):
         tp = sub.create_node("get_attr", "tp", name="tp")
         mesh = sub.create_node("get_attr", "tp_mesh", name="tp_mesh")
-    local: dict[int, torch.fx.Node] = {}  # a whole size -> its local share
+    shares_of: dict[int, torch.fx.Node] = {}  # a whole size -> its local share
     whole: dict[torch.fx.Node, torch.fx.Node] = {}  # an outside value -> its plain one
     for pair in pairs:
         shares = set()
@@ -142,17 +166,29 @@ def write_local(sub: torch.fx.Graph, pairs: list[LocalPair],
                                                          name=f"{arg.name}_whole")
                     node.replace_input_with(arg, whole[arg])
         for name, where, size in pair.sizes:
-            if size not in local:
+            if size not in shares_of:
                 with sub.inserting_after(mesh):
-                    local[size] = sub.create_node("call_function", operator.floordiv,
-                                                  (size, tp), name=f"local_{size}")
-            _set_arg(nodes[name], where, local[size])
+                    shares_of[size] = sub.create_node("call_function", operator.floordiv,
+                                                      (size, tp), name=f"local_{size}")
+            _set_arg(nodes[name], where, shares_of[size])
         row = nodes[pair.row]
         (value,) = (a for a in row.all_input_nodes if a in between)
         with sub.inserting_before(row):
             joined = sub.create_node("call_function", tp_joined, (value, pair.joined[1], mesh),
                                      name=f"{value.name}_joined")
         row.replace_input_with(value, joined)
+        _summed(sub, row)
+
+
+def _summed(sub: torch.fx.Graph, row: torch.fx.Node) -> None:
+    """The row's partial sums all-reduced where it makes them (``tp_replicated``), as the
+    plan prices the pair: else torch's sharding rules may reduce-scatter them into the
+    residual stream, which then stays split by width, gathered at every norm (a stage's
+    output is made whole where it leaves)."""
+    with sub.inserting_after(row):
+        summed = sub.create_node("call_function", tp_replicated, (row,), name=f"{row.name}_sum")
+    row.replace_all_uses_with(
+        summed, delete_user_cb=lambda user: user is not summed and user.op != "output")
 
 
 def local_shape(tensors: Sequence[meta.TensorSpec], dim: int) -> str:

@@ -29,7 +29,7 @@ import torch.fx
 
 from fxpipe import schedules
 from fxpipe.codegen.batch_sizes import BatchDims
-from fxpipe.codegen.local_shards import LocalPair
+from fxpipe.codegen.local_shards import LocalStage
 from fxpipe.codegen.signature import build_output_lines, flatten_inputs_lines, tuple_literal
 from fxpipe.codegen.stages import (
     LINE_LENGTH,
@@ -69,7 +69,7 @@ def generate(traced: Traced, plan: Plan) -> dict[str, str]:
     }
     dims = BatchDims.of_traced(traced, ios,
                                replicated=any(stage.replicas > 1 for stage in plan.stages))
-    # the tensor-parallel pairs each stage runs on local shares (none at t = 1)
+    # what each stage runs split over t GPUs: pairs on local shares (none at t = 1)
     t = plan.layout.tp if plan.layout is not None else 1
     local = stage_local_pairs(gm, ios, tied_parameters(gm, ios), t)
     sources = _stage_sources(gm, ios, fixed, dims, traced.model, local)
@@ -86,7 +86,7 @@ def generate(traced: Traced, plan: Plan) -> dict[str, str]:
 
 def _stage_sources(gm: torch.fx.GraphModule, ios: list[StageIO],
                    fixed: dict[str, tuple[int | None, ...]], dims: BatchDims,
-                   model: torch.nn.Module | None, local: list[list[LocalPair]]
+                   model: torch.nn.Module | None, local: list[LocalStage]
                    ) -> list[str]:
     """Each stage's module, in order. On a big graph (a second or more of writing at 70B
     scale) the later stages are written in a forked child meanwhile: each stage's text

@@ -37,7 +37,7 @@ from fxpipe import meta
 from fxpipe.codegen.batch_sizes import BatchDims
 from fxpipe.codegen.errors import PlanError
 from fxpipe.codegen.imports import import_lines
-from fxpipe.codegen.local_shards import HELPERS, LocalPair, local_shape, write_local
+from fxpipe.codegen.local_shards import HELPERS, LocalStage, local_shape, write_local
 from fxpipe.codegen.statements import Index, forward_lines, names_in
 from fxpipe.codegen.subgraph import follow_stage_device, sub_graph
 from fxpipe.codegen.wrap import LINE_LENGTH, wrap_line
@@ -94,7 +94,7 @@ def stage_source(
     dims: BatchDims | None = None,
     model: torch.nn.Module | None = None,
     by_name: Mapping[str, torch.fx.Node] | None = None,
-    local: Sequence[LocalPair] = (),
+    local: LocalStage | None = None,
 ) -> str:
     """The text of ``stage{k}.py`` for one stage of ``gm``.
 
@@ -107,8 +107,8 @@ def stage_source(
     ``model``: the model traced, through whose classes the stage finds the functions of
     a model file it cannot import (``wrapped.py``; default: ``gm``'s). ``by_name``:
     ``gm``'s nodes by name (default: made here; the package makes it once for all stages).
-    ``local``: the tensor-parallel pairs the stage runs on each rank's share
-    (``local_shards.py``; none where the plan's t is 1).
+    ``local``: what the stage runs split over t GPUs, its tensor-parallel pairs on each
+    rank's share (``local_shards.py``; None where the plan's t is 1).
     """
     dims = dims or BatchDims.of(gm.graph, None, ())
     by_name = by_name if by_name is not None else {n.name: n for n in gm.graph.nodes}
@@ -120,10 +120,11 @@ def stage_source(
     shapes = {n.name: _shape_comment(n) for n in own if meta.SHAPE.has(n)}
     binding = _binding(gm, sub)
     readable = _state_reads(gm, sub)
-    for pair in local:  # the values between a pair: this rank's share
+    local = local or LocalStage()
+    for pair in local.pairs:  # the values between a pair: this rank's share
         shapes.update({name: local_shape(meta.SHAPE.get(by_name[name]).tensors, dim)
                        for name, dim in pair.dims.items() if name in pair.inside})
-    write_local(sub, list(local), lambda name: _is_tensor(by_name[name]))
+    write_local(sub, local, lambda name: _is_tensor(by_name[name]))
     code = sub.python_code(root_module="self")
     code_src, code_globals = _helpers_by_name(code.src, code.globals)
     src, globals_, functions = wrapped_functions(
@@ -147,7 +148,7 @@ def stage_source(
     ]
     for body in binding.bodies:
         lines += ["", "", body]
-    header = _class_header(io, binding, functions, written, dims.unbatched(io), bool(local))
+    header = _class_header(io, binding, functions, written, dims.unbatched(io), bool(local.pairs))
     lines += ["", "", *header, "", *forward]
     return "\n".join(lines).rstrip() + "\n"
 

@@ -28,7 +28,7 @@ import json
 import torch.fx
 
 from fxpipe import meta
-from fxpipe.codegen.local_shards import LocalPair, local_pairs
+from fxpipe.codegen.local_shards import LocalPair, LocalStage, local_pairs
 from fxpipe.codegen.stages import wrap_line
 from fxpipe.cut import StageIO
 from fxpipe.passes.base import OP_NODES
@@ -64,7 +64,7 @@ def tensor_parallel_lines(gm: torch.fx.GraphModule, plan: Plan, ios: list[StageI
     ]
     pairs = stage_local_pairs(gm, ios, tied, layout.tp, splits)
     for j, split in enumerate(splits):
-        parts = {param: parts for pair in pairs[j] for column, parts in pair.fused.items()
+        parts = {param: parts for pair in pairs[j].pairs for column, parts in pair.fused.items()
                  for param, _ in claims(gm, by_name[column])}
         table = {name: (dim, parts[name]) if name in parts else dim
                  for name, dim in split.items()}
@@ -78,11 +78,11 @@ def tensor_parallel_lines(gm: torch.fx.GraphModule, plan: Plan, ios: list[StageI
 
 
 def _whole_pairs(gm: torch.fx.GraphModule, ios: list[StageIO],
-                 pairs: list[list[LocalPair]]) -> list[str]:
+                 pairs: list[LocalStage]) -> list[str]:
     """A comment naming the pairs each GPU runs whole (on DTensors with global shapes)
     though the plan divides them: none where every pair runs on local shares."""
     by_name = {n.name: n for n in gm.graph.nodes}
-    local = {pair.row for stage in pairs for pair in stage}
+    local = {pair.row for stage in pairs for pair in stage.pairs}
     whole = [meta.MODULE.get(by_name[name]).path or name for io in ios for name in io.nodes
              if meta.SHARD.has(by_name[name]) and meta.SHARD.get(by_name[name]).role == "row"
              and name not in local]
@@ -106,13 +106,14 @@ def _comment_lines(words: list[str], limit: int = 88) -> list[str]:
 
 def stage_local_pairs(gm: torch.fx.GraphModule, ios: list[StageIO],
                       tied: list[dict[int, str]], t: int,
-                      splits: list[dict[str, int]] | None = None) -> list[list[LocalPair]]:
-    """Per stage, the pairs that run on local shares (``codegen/local_shards.py``): those
-    whose weights split as Megatron's, the columns' along their out features and the
-    row's along its in features (a weight another op or a tie claims otherwise stays
-    whole, and so does its pair)."""
+                      splits: list[dict[str, int]] | None = None) -> list[LocalStage]:
+    """Per stage, what it runs split (``codegen/local_shards.py``): the pairs on local
+    shares, those whose weights split as Megatron's, the columns' along their out features
+    and the row's along its in features (a weight another op or a tie claims otherwise
+    stays whole, and so does its pair); and the embedding lookups split by width, which
+    it gathers whole where they are made."""
     if t == 1:
-        return [[] for _ in ios]
+        return [LocalStage() for _ in ios]
     splits = splits if splits is not None else parameter_splits(gm, ios, tied)
     by_name = {n.name: n for n in gm.graph.nodes}
 
@@ -121,7 +122,12 @@ def stage_local_pairs(gm: torch.fx.GraphModule, ios: list[StageIO],
             split.get(param) == dim for param, dim in found)
             for name in (*pair.columns, pair.row))
 
-    return [[pair for pair in local_pairs(gm, io, t) if megatron(pair, split)]
+    def by_width(node: torch.fx.Node, split: dict[str, int]) -> bool:
+        return meta.SHARD.has(node) and meta.SHARD.get(node).role == "vocab_embedding" and all(
+            split.get(param) == dim == _IN for param, dim in claims(gm, node))
+
+    return [LocalStage(tuple(pair for pair in local_pairs(gm, io, t) if megatron(pair, split)),
+                       tuple(name for name in io.nodes if by_width(by_name[name], split)))
             for io, split in zip(ios, splits, strict=True)]
 
 

@@ -64,6 +64,7 @@ if TYPE_CHECKING:  # the names as type checkers see them (``X as X``: re-exporte
     from .schedule import check_schedule as check_schedule
     from .schedule import dependencies as dependencies
     from .tensor_parallel import tp_joined as tp_joined
+    from .tensor_parallel import tp_replicated as tp_replicated
     from .tensor_parallel import tp_share as tp_share
     from .tensor_parallel import tp_whole as tp_whole
 
@@ -84,6 +85,7 @@ _HOMES = {
     "split_state_dict": "checkpoint",
     "stage_devices": "placement",
     "tp_joined": "tensor_parallel",
+    "tp_replicated": "tensor_parallel",
     "tp_share": "tensor_parallel",
     "tp_whole": "tensor_parallel",
 }

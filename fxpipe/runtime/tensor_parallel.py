@@ -21,9 +21,10 @@ DTensor. The stage is written for t (``fxpipe/codegen/local_shards.py``): betwee
 pair's column and row linears each rank runs its share on plain tensors, with sizes read
 as shares of ``stage.tp``, which ``split_stage`` sets; ``tp_share`` takes a column's
 output as this rank's share, ``tp_whole`` a replicated value read between as a plain
-tensor, ``tp_joined`` the row's input back as the ``Shard`` DTensor it is a share of, so
-that torch's sharding rules place the pair's all-reduce (the row's partial sums meeting
-the residual stream). A pair the codegen could not follow runs as written on DTensors
+tensor, ``tp_joined`` the row's input back as the ``Shard`` DTensor it is a share of, and
+``tp_replicated`` the row's partial sums all-reduced where it makes them (left to torch's
+sharding rules they may be reduce-scattered into a residual stream that stays split by
+width, gathered at every norm). A pair the codegen could not follow runs as written on DTensors
 with the model's global shapes (correct; its attention whole on every rank). Received
 values enter as replicated DTensors (their gradients summed over the t ranks in the
 backward, the column-parallel pair's all-reduce); sent values leave whole
@@ -52,7 +53,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from .data_parallel import make_mesh
 
 __all__ = ["counted_here", "fused_order", "settle_grads", "split_stage", "tensor_mesh",
-           "tensor_step", "tp_joined", "tp_share", "tp_whole", "unfused"]
+           "tensor_step", "tp_joined", "tp_replicated", "tp_share", "tp_whole", "unfused"]
 
 # a parameter's split: the dim, or (the dim, the sizes of the parts laid end to end along
 # it, as a fused qkv's q, k and v), which each rank takes its share of
@@ -154,6 +155,16 @@ def tp_whole(value: Any) -> Any:
     if list(value.placements) != whole:
         value = value.redistribute(value.device_mesh, whole)
     return value.to_local(grad_placements=[Partial()] * value.device_mesh.ndim)
+
+
+def tp_replicated(value: Any) -> Any:
+    """A token embedding's lookups split by width, gathered whole once where they are made
+    (the plan's one collective for the embedding): else torch's sharding rules keep the
+    residual stream split by width after it, gathering it at every norm and column and
+    reduce-scattering every row's sum, which the plan does not price."""
+    if not isinstance(value, DTensor):
+        return value
+    return value.redistribute(value.device_mesh, [Replicate()] * value.device_mesh.ndim)
 
 
 def tp_joined(value: Any, dim: int, mesh: DeviceMesh | None) -> Any:

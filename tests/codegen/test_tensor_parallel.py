@@ -114,7 +114,8 @@ def test_a_pair_runs_on_local_shares_only_where_its_ops_split(norm: bool) -> Non
     gm = found.gm
     annotate_all(gm, *found.flat_inputs)
     ios = stage_io(gm.graph, contiguous_plan(gm.graph, 1))
-    (pairs,) = stage_local_pairs(gm, ios, tied_parameters(gm, ios), 2)
+    (local,) = stage_local_pairs(gm, ios, tied_parameters(gm, ios), 2)
+    pairs = list(local.pairs)
     (split,) = parameter_splits(gm, ios, tied_parameters(gm, ios))
     assert split == {"up.weight": 0, "up.bias": 0, "down.weight": 1}
     if norm:
@@ -126,15 +127,19 @@ def test_a_pair_runs_on_local_shares_only_where_its_ops_split(norm: bool) -> Non
 
 @pytest.mark.parametrize(("model", "lines"), [
     (GPT64, ["local_4 = 4 // tp", "local_128 = 128 // tp", ".split(local_128, dim=2)",
-             ".view(size_1, size_2, local_4, 32)", "reshape(size_1, size_2, local_128)"]),
+             ".view(size_1, size_2, local_4, 32)", "reshape(size_1, size_2, local_128)",
+             "blocks_0_attn_proj_sum = tp_replicated(blocks_0_attn_proj)"]),
     (LLAMA64, ["local_2 = 2 // tp", "[sym_size_int_12, local_2, 2, sym_size_int_13, 16]",
-               "[sym_size_int_12, local_4, sym_size_int_13, 16]"]),
+               "[sym_size_int_12, local_4, sym_size_int_13, 16]",
+               "embedding_gathered = tp_replicated(embedding)"]),
 ], ids=["gpt", "llama_gqa"])
 def test_a_stage_written_for_two_gpus_writes_local_sizes_and_runs_whole_at_one(
         tmp_path: Path, model: Path, lines: list[str]) -> None:
     """A pp 1 x tp 2 package's stage writes its head counts and split sizes as shares of
-    tp (a fused qkv's split, the heads of a view, GQA's KV heads in its expand), and run
-    in one process, where tp is 1, it is the model: the unsplit logits exactly."""
+    tp (a fused qkv's split, the heads of a view, GQA's KV heads in its expand), sums a
+    row's partial sums where it makes them, gathers an embedding split by width where it
+    is looked up, and run in one process, where tp is 1, it is the model: the unsplit
+    logits exactly."""
     out = tmp_path / "pkg"
     assert cli.main(["split", str(model), "--gpus", "2", "--pp", "1", "--tp", "2",
                      "--microbatches", "2", "--out", str(out)]) == 0

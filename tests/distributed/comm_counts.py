@@ -47,8 +47,10 @@ def main(package: str, model_file: str, out: str) -> None:
     stage0.tp_share = recorded
     counter = CommDebugMode()
     with runtime.tensor_step(degree, torch.device("cpu")), counter, torch.no_grad():
-        (logits,) = stage(**dict(zip(stage.INPUTS, source.args, strict=True)))
+        given = {**dict(zip(stage.INPUTS, source.args, strict=False)), **source.kwargs}
+        (logits,) = stage(**{name: given[name] for name in stage.INPUTS})
     got = logits.full_tensor() if isinstance(logits, DTensor) else logits
+    want = getattr(want, "logits", want)
     counts = {str(op).rsplit(".", 1)[-1]: n for op, n in counter.get_comm_counts().items()}
     Path(out).mkdir(parents=True, exist_ok=True)
     Path(out, f"rank{rank}.json").write_text(json.dumps({

@@ -201,21 +201,31 @@ def test_an_op_dtensor_cannot_split_is_refused_in_one_line(tmp_path: Path) -> No
         f"train_torchrun: error: rank {rank}: {why}" for rank in (0, 1)]
 
 
-def test_attention_and_the_mlp_run_on_each_ranks_share(tmp_path: Path) -> None:
-    """One forward of the GPT split over 2 ranks (pp 1 x tp 2), under torch's
-    CommDebugMode: one all-reduce per pair (attention's and the MLP's in each of the 4
-    blocks) and one for the vocabulary-parallel embedding, no all-gather (a fused qkv run
-    on global DTensors is gathered at its split); the first column's local share is
-    half the qkv's width; the logits are the unsplit model's."""
+@pytest.mark.parametrize("model", [
+    GPT64, pytest.param(LLAMA64, marks=pytest.mark.slow)], ids=["gpt", "llama_gqa"])
+def test_attention_and_the_mlp_run_on_each_ranks_share(tmp_path: Path, model: Path) -> None:
+    """One forward of the model split over 2 ranks (pp 1 x tp 2), under torch's
+    CommDebugMode: one all-reduce per pair (attention's and the MLP's in each block), made
+    where the row linear makes its partial sums, and the embedding's one collective (the
+    GPT's table split by vocabulary rows: an all-reduce; the Llama's by width: an
+    all-gather); no other all-gather (a fused qkv run on global DTensors is gathered at
+    its split) and no reduce-scatter (a residual stream left split by width). The first
+    column's local share is half its width; the logits are the unsplit model's."""
     out = tmp_path / "pkg"
-    assert cli.main(["split", str(GPT64), "--gpus", "2", "--pp", "1", "--tp", "2",
+    assert cli.main(["split", str(model), "--gpus", "2", "--pp", "1", "--tp", "2",
                      "--microbatches", "2", "--out", str(out)]) == 0
     script = Path(__file__).with_name("comm_counts.py")
-    result = torchrun(2, script, str(out), str(GPT64), str(tmp_path / "counts"))
+    result = torchrun(2, script, str(out), str(model), str(tmp_path / "counts"))
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
-    layers = load(str(GPT64))[0].model.cfg.n_layer
+    built = load(str(model))[0].model
+    if model == GPT64:  # a fused qkv of 4 heads x 32; the tied embedding split by rows
+        layers, width = built.cfg.n_layer, 3 * 128
+        want = {"all_reduce": 2 * layers + 1}
+    else:  # q of 4 heads x 16 (k and v: 2 KV heads); the embedding split by width
+        layers, width = built.config.num_hidden_layers, 4 * 16
+        want = {"all_reduce": 2 * layers, "all_gather_into_tensor": 1}
     for rank in range(2):
         found = json.loads((tmp_path / "counts" / f"rank{rank}.json").read_text())
-        assert found["counts"] == {"all_reduce": 2 * layers + 1}, found
-        assert found["first_share"] == [2, 64, 3 * 128 // 2]
+        assert found["counts"] == want, found
+        assert found["first_share"][-1] == width // 2
         assert found["error"] <= TOLERANCE
