@@ -159,3 +159,19 @@ def test_a_stage_written_for_two_gpus_writes_local_sizes_and_runs_whole_at_one(
         want = model_source.model(*model_source.args, **model_source.kwargs)
     want = getattr(want, "logits", want)
     assert torch.equal(got, want)
+
+
+def test_a_package_names_the_pairs_that_run_whole(tmp_path: Path) -> None:
+    """A pair with an op the stage code cannot split on local shares (renorm) runs on
+    global-shape DTensors, whole on every GPU though the plan divides it: distributed.py
+    says which, and its stage has no local code; a package whose pairs all split says
+    nothing of the kind."""
+    for model, whole in ((DISTRIBUTED / "renorm_mlp.py", True), (GPT64, False)):
+        out = tmp_path / model.stem
+        assert cli.main(["split", str(model), "--gpus", "2", "--pp", "1", "--tp", "2",
+                         "--microbatches", "2", "--out", str(out)]) == 0
+        distributed = (out / "distributed.py").read_text()
+        assert ("# pairs run whole on every GPU" in distributed) == whole
+        assert ("tp_share(" in (out / "stage0.py").read_text()) != whole
+        if whole:
+            assert "\n# down\n" in distributed
