@@ -49,7 +49,6 @@ import torch.fx
 from fxpipe import meta
 from fxpipe.cut import StageIO
 from fxpipe.passes.tensor_parallel import op_name
-from fxpipe.runtime.tensor_parallel import tp_joined, tp_replicated, tp_share, tp_whole
 
 __all__ = ["HELPERS", "LocalPair", "LocalStage", "local_pairs", "local_shape", "write_local"]
 
@@ -70,7 +69,9 @@ _MATMULS = frozenset({"matmul", "bmm"})
 _ALONG = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "slice", "cat"})
 
 # the runtime's functions a stage's local code calls, which it imports from ``.runtime``
-HELPERS = (tp_joined, tp_replicated, tp_share, tp_whole)
+# (``fxpipe.runtime.tensor_parallel``, imported only where a stage calls them: it loads
+# torch's DTensor, which a plan at t = 1 never needs)
+HELPERS = ("tp_joined", "tp_replicated", "tp_share", "tp_whole")
 
 # where in a node's arguments a size is: ("args", i) or ("args", i, j) (item j of a list)
 Where = tuple[str, int] | tuple[str, int, int]
@@ -127,6 +128,8 @@ def write_local(sub: torch.fx.Graph, local: LocalStage,
     model's graph, by name, is a tensor), the sizes along the split dim as
     ``local_N = N // tp``, the row's input through ``tp_joined``; and ``local.gathered``
     through ``tp_replicated``."""
+    from fxpipe.runtime.tensor_parallel import tp_joined, tp_replicated, tp_share, tp_whole
+
     nodes = {n.name: n for n in sub.nodes}
     for name in local.gathered:
         lookup = nodes[name]
@@ -177,10 +180,11 @@ def write_local(sub: torch.fx.Graph, local: LocalStage,
             joined = sub.create_node("call_function", tp_joined, (value, pair.joined[1], mesh),
                                      name=f"{value.name}_joined")
         row.replace_input_with(value, joined)
-        _summed(sub, row)
+        _summed(sub, row, tp_replicated)
 
 
-def _summed(sub: torch.fx.Graph, row: torch.fx.Node) -> None:
+def _summed(sub: torch.fx.Graph, row: torch.fx.Node, tp_replicated: Callable[..., object]
+            ) -> None:
     """The row's partial sums all-reduced where it makes them (``tp_replicated``), as the
     plan prices the pair: else torch's sharding rules may reduce-scatter them into the
     residual stream, which then stays split by width, gathered at every norm (a stage's

@@ -144,7 +144,7 @@ def stage_source(
         "",
         *import_lines(globals_, header_names),
         *_bind_helper(binds=bool(binding.paths), checks=bool(checks),
-                      helpers=sorted(h.__name__ for h in HELPERS if h.__name__ in names)),
+                      helpers=[name for name in HELPERS if name in names]),
     ]
     for body in binding.bodies:
         lines += ["", "", body]
@@ -359,9 +359,9 @@ def _helpers_by_name(src: str, globals_: dict[str, object]) -> tuple[str, dict[s
     """fx's code with the runtime's tensor-parallel functions called by their own names
     (fx names a global by its module's path), which the stage imports from ``.runtime``."""
     for helper in HELPERS:
-        qualified = f"{helper.__module__}.{helper.__name__}".replace(".", "_")
+        qualified = f"fxpipe_runtime_tensor_parallel_{helper}"
         if qualified in globals_:
-            src = re.sub(rf"\b{qualified}\b", helper.__name__, src)
+            src = re.sub(rf"\b{qualified}\b", helper, src)
             globals_ = {k: v for k, v in globals_.items() if k != qualified}
     return src, globals_
 
