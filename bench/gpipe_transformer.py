@@ -113,7 +113,7 @@ def _fits(num_layers: int, gpus: int, microbatches: int, recompute: str) -> floa
     from fxpipe.partition import InfeasibleMemoryError, NoSolutionError
 
     try:
-        plan = fxpipe.split(layers(num_layers)(), example_inputs(), gpus=gpus,
+        plan = fxpipe.split(layers(num_layers)(), example_inputs(), gpus=gpus, pp=gpus,
                             memory="16GiB", device="v100", schedule="gpipe",
                             microbatches=microbatches, optimizer="sgd-momentum",
                             recompute=recompute, loss_fn=loss_fn,

@@ -130,7 +130,8 @@ def cli(*argv: str) -> str:
 
 
 def split(case: Case, folder: Path, row: str, *extra: str) -> dict[str, Any]:
-    cli("split", str(ROOT / case.spec), "--gpus", str(STAGES), "--microbatches",
+    cli("split", str(ROOT / case.spec), "--gpus", str(STAGES), "--pp", str(STAGES),
+        "--microbatches",
         str(case.microbatches), "--device", row, "--out", str(folder), "--force",
         *case.flags, *extra)
     plan: dict[str, Any] = json.loads((folder / "plan.json").read_text())

@@ -129,6 +129,8 @@ def split(spec: str, gpus: int) -> tuple[dict, float]:
             spec,
             "--gpus",
             str(gpus),
+            "--pp",
+            str(gpus),
             "--device",
             "h100",
             "--out",

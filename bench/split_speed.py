@@ -63,8 +63,9 @@ def loadavg() -> float:
 def split_once(spec: str, gpus: int, flags: tuple[str, ...], root: Path = ROOT) -> dict:
     with tempfile.TemporaryDirectory(prefix="fxpipe-split-speed-") as scratch:
         out = Path(scratch) / "out"
+        pinned = () if "--pp" in flags else ("--pp", str(gpus))  # one pipeline, as before
         command = [sys.executable, "-m", "fxpipe.cli", "split", str(ROOT / spec), "--gpus",
-                   str(gpus), *flags, "--out", str(out)]
+                   str(gpus), *pinned, *flags, "--out", str(out)]
         load_before = loadavg()
         start = time.perf_counter()
         env = {**os.environ, "PYTHONPATH": str(root)}

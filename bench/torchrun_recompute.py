@@ -60,6 +60,7 @@ def loss_fn(output, target):
 def split(model: Path, out: Path, gpus: int, microbatches: int, recompute: str) -> dict:
     cli = "import sys; from fxpipe.cli import main; sys.exit(main(sys.argv[1:]))"
     subprocess.run([sys.executable, "-c", cli, "split", str(model), "--gpus", str(gpus),
+                    "--pp", str(gpus),
                     "--device", "cpu", "--microbatches", str(microbatches), "--recompute",
                     recompute, "--out", str(out)], check=True, capture_output=True, text=True,
                    cwd=ROOT)

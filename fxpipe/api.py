@@ -53,8 +53,9 @@ def split(
     force: bool = False,
     **options: Unpack[SplitKeywords],
 ) -> Plan:
-    """Cut ``model`` into pipeline stages for ``gpus`` GPUs and return the plan; with
-    ``out``, write the folder ``fxpipe split --out`` writes (all or nothing).
+    """Plan ``model`` on ``gpus`` GPUs (the layout searched, as the command line does:
+    ``pp=gpus`` is one pipeline on all of them) and return the plan; with ``out``, write
+    the folder ``fxpipe split --out`` writes (all or nothing).
 
     ``example_inputs`` is one micro-batch, as a model file's ``example_inputs()`` returns
     it: a tuple of positional inputs or a dict of keyword inputs (a lone tensor is taken as

@@ -28,8 +28,8 @@ from fxpipe.cli_flags import UsageError
 from fxpipe.units import format_seconds
 
 if TYPE_CHECKING:
-    from fxpipe.partition import Recompute
-    from fxpipe.plan import Plan
+    from fxpipe.partition import InfeasibleMemoryError, Recompute
+    from fxpipe.plan import Layout, Plan
 
 __all__ = ["main", "run"]
 
@@ -51,7 +51,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # every user mistake fxpipe detects is a ValueError subclass
         if debug:
             raise
-        message = " ".join(_worded(exc).split())
+        arguments = sys.argv[1:] if argv is None else argv
+        # the flag that sets the stage count: --gpus for one pipeline on all of them
+        # (--replicate), else --pp, the GPUs of each of the layout's pipelines
+        stages_flag = "--gpus" if "--replicate" in arguments else "--pp"
+        message = " ".join(_worded(exc, stages_flag).split())
         print(f"fxpipe: error: {message}", file=sys.stderr)
         return EXIT_USER_ERROR
     except (Interrupted, KeyboardInterrupt) as exc:
@@ -268,14 +272,21 @@ def _run_split(args: argparse.Namespace) -> int:
               "(apt-get install graphviz); partition.dot holds the diagram")
 
     table = Table(
-        title=f"{source.label}: {plan.num_stages} stages{_replication(plan)}, {plan.schedule}, "
-        f"M={plan.microbatches}, limit {format_bytes(limit)}"
+        title=f"{source.label}: {_shape(plan)}, {plan.schedule}, M={plan.microbatches}"
+        f"{' per pipeline' * (plan.layout is not None and plan.layout.dp > 1)}, "
+        f"limit {format_bytes(limit)}"
     )
     for column in ("partition", "bottleneck", "iteration", "max memory", "fits"):
         table.add_column(column, justify="left" if column == "partition" else "right")
     for row in summary_rows(plan):
         table.add_row(*row)
-    Console(width=None if sys.stdout.isatty() else 160).print(table)
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    if plan.layout is not None and len(plan.layout.considered) > 1:
+        console.print(_layouts_table(plan.layout))
+    if plan.num_stages > 1:  # one stage: no cut to compare with the baselines'
+        console.print(table)
+    else:
+        console.print(f"{table.title}: the whole model on each GPU, nothing to cut")
     solver = plan.solver
     print(
         f"solver {solver.status}, gap {solver.gap:.2%}, {format_seconds(solver.wall_s)}; "
@@ -343,11 +354,36 @@ def _run_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _replication(plan: Plan) -> str:
-    """The configuration, e.g. " (2-1-1 on 4 GPUs)", for a plan with replicated stages."""
+def _layouts_table(layout: Layout) -> Table:
+    """The layouts the search considered, the chosen one first (report.md's table)."""
+    from fxpipe.report.layouts import considered, layout_cells, layout_sentence
+
+    tp_column = any(row.tp > 1 for row in layout.considered)
+    proved = "proved the fastest" if layout.proved else "the fastest found"
+    table = Table(title=f"layout: {layout_sentence(layout)}, {proved} of "
+                  f"{len(layout.considered)}")
+    columns = ["stages", "data-parallel", *(["tensor-parallel"] * tp_column), "mode",
+               "micro-batches", "step", "bound", "max memory", "outcome"]
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("mode", "outcome") else "right")
+    for row in considered(layout):
+        table.add_row(*layout_cells(row, tp_column))
+    return table
+
+
+def _shape(plan: Plan) -> str:
+    """How the plan uses the GPUs, for the summary's title: "4 stages", "4 stages (2-1-1 on
+    4 GPUs)" with replicated stages, "2 stages x 4 data-parallel (fsdp)" for a layout (its
+    M is per pipeline)."""
+    stages = f"{plan.num_stages} stage{'s' * (plan.num_stages != 1)}"
+    layout = plan.layout
+    if layout is not None:
+        gpus = f" on {layout.pp} GPUs" if layout.pp != plan.num_stages else ""  # v a GPU
+        split = f" x tp {layout.tp}" if layout.tp > 1 else ""
+        return f"{stages}{gpus}{split} x {layout.dp} data-parallel ({layout.dp_mode})"
     if all(stage.replicas == 1 for stage in plan.stages):
-        return ""
-    return f" ({plan.configuration} on {plan.num_devices} GPUs)"
+        return stages
+    return f"{stages} ({plan.configuration} on {plan.num_devices} GPUs)"
 
 
 def _recompute(value: str) -> Recompute:
@@ -406,11 +442,13 @@ def _run_merge(args: argparse.Namespace) -> int:
     return 0
 
 
-def _worded(exc: ValueError) -> str:
+def _worded(exc: ValueError, stages_flag: str = "--pp") -> str:
     """The message for the user of this command: the solver's errors carry their figures
-    (stages, bytes, seconds) and are worded here with the flags that change them."""
+    (stages, bytes, seconds) and are worded here with the flags that change them
+    (``stages_flag``: the one that sets the GPUs of a pipeline)."""
     if "fxpipe.partition" not in sys.modules:  # no solver ran (a mistyped flag): as raised
         return str(exc)
+    from fxpipe.cluster import NoLayoutFits
     from fxpipe.partition import (
         InfeasibleMemoryError,
         NoSolutionError,
@@ -425,36 +463,33 @@ def _worded(exc: ValueError) -> str:
         if exc.virtual_stages > 1:
             return (f"cannot cut {exc.most} nodes into {exc.stages} stage modules "
                     f"({exc.devices} GPUs x {exc.virtual_stages} virtual stages); use fewer "
-                    f"--gpus or --virtual-stages")
+                    f"{stages_flag} or --virtual-stages")
         if exc.nodes < exc.stages:
-            return (f"cannot cut {exc.nodes} nodes into {exc.stages} stages; use --gpus "
-                    f"{exc.most} or fewer")
+            return (f"cannot cut {exc.nodes} nodes into {exc.stages} stages; use "
+                    f"{stages_flag} {exc.most} or fewer")
         return (f"cannot cut the model into {exc.stages} stages: its {exc.nodes} nodes form "
-                f"only {exc.groups} groups that must share a stage; use --gpus {exc.most} or "
-                f"fewer")
+                f"only {exc.groups} groups that must share a stage; use {stages_flag} "
+                f"{exc.most} or fewer")
     if isinstance(exc, PipedreamTieError):
         return (f"--schedule pipedream updates each stage's own weights after every "
                 f"micro-batch, so the tied parameter {exc.name} keeps every op between its "
                 f"readers on one stage, {exc.share:.0%} of the model's time, and {exc.stages} "
                 "stages cannot balance; use --schedule 1f1b, or untie the parameter")
+    if isinstance(exc, NoLayoutFits):
+        inner = exc.error
+        fixes = _memory_fixes(inner, more_gpus=exc.fits_on is None)
+        if exc.fits_on is not None:  # more GPUs: the layout that fits on the fewest
+            fixes.insert(0, exc.flags())
+            where = f"; it fits on {exc.fits_on[0]} GPUs as {exc.fits_on[1]}"
+        elif inner.alone is not None:  # what the bounds proved: no GPU count fits
+            where = inner.proved()
+        else:
+            where = f", and no layout fits on up to {exc.searched} GPUs"
+        return (f"{exc.head()}{where}; use "
+                + (f"{', '.join(fixes[:-1])} or {fixes[-1]}" if len(fixes) > 1
+                   else fixes[0]))
     if isinstance(exc, InfeasibleMemoryError):
-        fixes = [f"--memory {format_bytes_up(exc.needed)}"]
-        if exc.fits_on is not None:  # at the M it was found at: the default M follows --gpus
-            at = "" if exc.microbatches is None else f" --microbatches {exc.microbatches}"
-            fixes.append(f"--gpus {exc.fits_on}{at}")
-        if exc.recompute is not None:
-            fixes.append(f"--recompute {exc.recompute}")
-        if exc.precision is not None:
-            on = "" if exc.precision_gpus is None else f" --gpus {exc.precision_gpus}"
-            fixes.append(f"--precision {exc.precision}{on}")
-        if exc.samples is not None:
-            b, B, M = exc.samples
-            fixes.append(f"an example of {b} samples (not {B}) with --microbatches {M}")
-        if exc.schedule is not None:
-            fixes.append(f"--schedule {exc.schedule}")
-        if len(fixes) == 1 and exc.alone is None and exc.searched is None:
-            fixes.append("more --gpus" if exc.at_least is None
-                         else f"--gpus {exc.at_least} or more")
+        fixes = _memory_fixes(exc)
         return (f"no split of the model onto {exc.devices} GPUs fits in "
                 f"{format_bytes(exc.limit)} per GPU; the best split needs "
                 f"{format_bytes(exc.needed)}{exc.proved()}; use "
@@ -474,6 +509,31 @@ def _worded(exc: ValueError) -> str:
         memory = "" if exc.limit is None else " or the memory limit"
         return f"no split {where} was found {found}; {fix}{memory}"
     return str(exc)
+
+
+def _memory_fixes(exc: InfeasibleMemoryError, more_gpus: bool = True) -> list[str]:
+    """What would fit, as flags, from a solver's ``InfeasibleMemoryError``; ``more_gpus``:
+    "more --gpus" where nothing else is named (not where a layout on more is)."""
+    from fxpipe.units import format_bytes_up
+
+    fixes = [f"--memory {format_bytes_up(exc.needed)}"]
+    if exc.fits_on is not None:  # at the M it was found at: the default M follows --gpus
+        at = "" if exc.microbatches is None else f" --microbatches {exc.microbatches}"
+        fixes.append(f"--gpus {exc.fits_on}{at}")
+    if exc.recompute is not None:
+        fixes.append(f"--recompute {exc.recompute}")
+    if exc.precision is not None:
+        on = "" if exc.precision_gpus is None else f" --gpus {exc.precision_gpus}"
+        fixes.append(f"--precision {exc.precision}{on}")
+    if exc.samples is not None:
+        b, B, M = exc.samples
+        fixes.append(f"an example of {b} samples (not {B}) with --microbatches {M}")
+    if exc.schedule is not None:
+        fixes.append(f"--schedule {exc.schedule}")
+    if more_gpus and len(fixes) == 1 and exc.alone is None and exc.searched is None:
+        fixes.append("more --gpus" if exc.at_least is None
+                     else f"--gpus {exc.at_least} or more")
+    return fixes
 
 
 if __name__ == "__main__":

@@ -92,7 +92,10 @@ def _profile_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _split_arguments(parser: argparse.ArgumentParser) -> None:
     _model_argument(parser)
-    parser.add_argument("--gpus", type=int, required=True, help="pipeline stages, one per GPU")
+    parser.add_argument(
+        "--gpus", type=int, required=True,
+        help="the GPUs to train on, all of them: the search lays them out as pipeline stages "
+        "x data-parallel pipelines (--pp, --dp-mode, --tp pin parts of it)")
     parser.add_argument(
         "--memory", default=None, help="memory per GPU, e.g. 80GiB (default: the device's)"
     )
@@ -169,12 +172,14 @@ def _schedule_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _cluster_arguments(parser: argparse.ArgumentParser) -> None:
-    """``split``'s flags for the cluster: any of them plans a layout of the --gpus (pipeline
-    stages times data-parallel pipelines) instead of one pipeline on all of them."""
+    """``split``'s flags for the cluster: the layout of the --gpus (pipeline stages times
+    data-parallel pipelines times tensor-parallel GPUs) is searched, each flag pinning a
+    part of it."""
     parser.add_argument(
         "--pp", default=None, metavar="{auto,P}",
-        help="GPUs per pipeline, the rest data-parallel pipelines: auto searches every P "
-        "dividing --gpus (default without the cluster flags: one pipeline on all GPUs)")
+        help="GPUs per pipeline, the rest data-parallel pipelines (default auto: the search "
+        "tries every P dividing --gpus; --pp equal to --gpus plans one pipeline on all of "
+        "them)")
     parser.add_argument(
         "--gpus-per-node", type=int, default=None,
         help="GPUs per host, joined by the device's intra-node link (default 8, or --gpus "

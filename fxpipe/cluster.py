@@ -27,10 +27,11 @@ from fxpipe.options import ClusterOptions, SplitOptions
 from fxpipe.partition.baselines import interval_dp
 from fxpipe.partition.bound import block_bound
 from fxpipe.partition.coarsen import Coarsening, exact_groups
-from fxpipe.partition.errors import InfeasibleMemoryError
+from fxpipe.partition.errors import InfeasibleMemoryError, NoSolutionError
 from fxpipe.partition.evaluate import evaluate, violations
 from fxpipe.partition.layout import (
     COMPUTE_EFFICIENCY,
+    DEFAULT_GPUS_PER_NODE,
     Cluster,
     Link,
     Tried,
@@ -50,10 +51,8 @@ from fxpipe.plan import Layout, LayoutRow
 from fxpipe.request import MAX_MICROBATCHES
 from fxpipe.units import format_bytes
 
-__all__ = ["choose", "cluster_of", "example_batch"]
+__all__ = ["NoLayoutFits", "choose", "cluster_of", "example_batch"]
 
-# A host of this many GPUs where --gpus-per-node is not given (an HGX / DGX board)
-DEFAULT_GPUS_PER_NODE = 8
 # When no layout fits, clusters up to this many times the GPUs asked are searched for the
 # fewest a layout fits on (most layouts are ruled out by their memory floor alone)
 LARGER = 16
@@ -128,8 +127,15 @@ def choose(traced: Traced, options: SplitOptions, *,
             for t in dict.fromkeys(lay[4] for lay in layouts)}
     # every layout planned quickly (the interval DP and the block bound, no CP-SAT), the
     # chosen one again in full
-    tried = search(cluster, layouts, base, lambda p, d, mode, m, t, slowest, split: solve(
-        of(p, d, mode, m, t), advise=False, quick=True, bound_s=slowest, hint=split),
+    def planned_quickly(p: int, d: int, mode: str, m: int, t: int, slowest: float | None,
+                        split: tuple[int, ...] | None) -> Partition:
+        try:
+            return solve(of(p, d, mode, m, t), advise=False, quick=True, bound_s=slowest,
+                         hint=split)
+        except NoSolutionError:  # neither the DP nor a baseline fits: CP-SAT may yet
+            return solve(of(p, d, mode, m, t), advise=False, bound_s=slowest, hint=split)
+
+    tried = search(cluster, layouts, base, planned_quickly,
         lambda p, d, mode, m, t, upper_s: _slowest_stage(problem(of(p, d, mode, m, t)),
                                                          upper_s))
     chosen = next((t for t in tried if t.status == "chosen"), None)
@@ -137,7 +143,8 @@ def choose(traced: Traced, options: SplitOptions, *,
         raise _nothing_fits(cluster, tried, lambda t: solve(of(t.p, t.d, t.mode, t.m, t.t)),
                             lambda: _fewest_fitting(
                                 cluster, steps_microbatches, b, wanted, degrees,
-                                lambda on, lay: _fits(problem(of(*lay, on=on)))))
+                                lambda on, lay: _fits(problem(of(*lay, on=on)))),
+                            lambda t: of(t.p, t.d, t.mode, t.m, t.t))
     planned = of(chosen.p, chosen.d, chosen.mode, chosen.m, chosen.t)
     link = sync_link(cluster, chosen.p, chosen.t)
     final = solve(planned, bound_s=chosen.result.report.bound,  # from its quick answer
@@ -275,19 +282,71 @@ def _fewest_fitting(cluster: Cluster, steps_microbatches: int, b: int,
     return None
 
 
+class NoLayoutFits(ValueError):
+    """No layout of ``gpus`` GPUs (``per_host`` to a host) fits: the leanest, ``leanest``
+    (its words, as ``_described`` writes them), planned with ``options``, does not fit by
+    ``raw`` (the solver's error for one of its ``dp`` pipelines, naming what would fit
+    it); ``error`` is ``raw`` counted over the step (its micro-batches are the step's, as
+    ``--microbatches`` counts them). ``fits_on`` = (GPUs, the layout's words, its
+    ``--pp``, ``--dp-mode`` or None, ``--tp``, the global batch) where a layout fits on
+    more GPUs, else None. The command line words the fixes with its flags
+    (``cli._worded``); ``str`` is the sentence for the Python API."""
+
+    def __init__(self, gpus: int, per_host: int, leanest: str, raw: InfeasibleMemoryError,
+                 fits_on: tuple[int, str, int, str | None, int, int] | None,
+                 options: SplitOptions, dp: int) -> None:
+        self.gpus, self.per_host, self.leanest = gpus, per_host, leanest
+        self.raw, self.fits_on, self.options, self.dp = raw, fits_on, options, dp
+        self.searched = LARGER * gpus  # the most GPUs a layout was looked for on
+        self.error = raw.but(
+            samples=None if raw.samples is None else (*raw.samples[:2], raw.samples[2] * dp),
+            microbatches=None if raw.microbatches is None else raw.microbatches * dp,
+            # a pipeline's GPUs that fit it at a leaner precision, as the step's
+            precision_gpus=None if raw.precision_gpus is None
+            else raw.precision_gpus * dp * options.tensor_parallel,
+            fits_on=None if fits_on is not None else raw.fits_on)
+        fixes = str(self.error).split("; to fit, ", 1)[-1]
+        if fits_on is None:
+            super().__init__(f"{self.head()}, and no layout fits on up to {self.searched} "
+                             f"GPUs; to fit it, {fixes}")
+        else:
+            super().__init__(f"{self.head()}; it fits on {fits_on[0]} GPUs as {fits_on[1]}: "
+                             f"use {self.flags()}; or, to fit the leanest, {fixes}")
+
+    def but(self, raw: InfeasibleMemoryError) -> NoLayoutFits:
+        """The same error, the leanest layout's own naming more fixes (``advice.advised``
+        costs the graph again for them)."""
+        return NoLayoutFits(self.gpus, self.per_host, self.leanest, raw, self.fits_on,
+                            self.options, self.dp)
+
+    def head(self) -> str:
+        return (f"no layout of {self.gpus} GPUs ({self.per_host} per host) fits in "
+                f"{format_bytes(self.error.limit)} per GPU; the leanest, {self.leanest}, "
+                f"needs {format_bytes(self.error.needed)} per GPU")
+
+    def flags(self) -> str:
+        """The command line that plans the layout that fits (``fits_on``)."""
+        assert self.fits_on is not None
+        gpus, _, p, mode, t, global_batch = self.fits_on
+        return (f"--gpus {gpus} --pp {p}" + f" --dp-mode {mode}" * (mode is not None)
+                + f" --tp {t}" * (t > 1) + f" --global-batch {global_batch}")
+
+
 def _nothing_fits(cluster: Cluster, tried: list[Tried],
                   advised: Callable[[Tried], Partition],
                   fewest: Callable[[], tuple[Cluster, tuple[int, int, str, int, int], int]
-                                   | None]) -> ValueError:
-    """One sentence when no layout has a split: the leanest layout that does not fit (by
-    the memory its bounds prove it needs), what it needs, the fewest GPUs a layout fits on
-    (``fewest``) and the flags that plan it, and what would fit the leanest (``advised``
-    solves it again, working that out); or, where none is about memory, the first
-    reason."""
+                                   | None],
+                  options_of: Callable[[Tried], SplitOptions]) -> ValueError:
+    """The error when no layout has a split: ``NoLayoutFits``, naming the leanest layout
+    that does not fit (by the memory its bounds prove it needs), what it needs, the fewest
+    GPUs a layout fits on (``fewest``) and what would fit the leanest (``advised`` solves
+    it again, working that out); or, where none is about memory, the first layout's own
+    error (the solver's, which the command line words with its flags)."""
     short = [t for t in tried if isinstance(t.error, InfeasibleMemoryError)]
     if not short:
-        return ValueError(f"no layout of {cluster.gpus} GPUs has a valid split: "
-                          f"{tried[0].why}")
+        first = tried[0]
+        return first.error if first.error is not None else ValueError(
+            f"no layout of {cluster.gpus} GPUs has a valid split: {first.why}")
     leanest = min(short, key=lambda t: (t.error.needed, t.p))  # type: ignore[union-attr]
     try:
         advised(leanest)
@@ -295,20 +354,15 @@ def _nothing_fits(cluster: Cluster, tried: list[Tried],
         error = exc
     else:  # pragma: no cover - a layout proved not to fit fits when solved again
         raise AssertionError(f"layout pp {leanest.p} x dp {leanest.d} fits after all")
-    head = (f"no layout of {cluster.gpus} GPUs ({cluster.gpus_per_node} per host) fits in "
-            f"{format_bytes(error.limit)} per GPU; the leanest, "
-            f"{_described(leanest.p, leanest.d, leanest.mode, leanest.t)}, needs "
-            f"{format_bytes(error.needed)} per GPU")
+    described = _described(leanest.p, leanest.d, leanest.mode, leanest.t)
     larger = fewest()
-    if larger is None:
-        return ValueError(f"{head}; to fit it, {str(error).split('; to fit, ', 1)[-1]}")
-    on, (p, d, mode, _, t), global_batch = larger
-    flags = (f"--gpus {on.gpus} --pp {p}" + f" --dp-mode {mode}" * (d > 1)
-             + f" --tp {t}" * (t > 1) + f" --global-batch {global_batch}")
-    # more GPUs as one pipeline: the layout's fix says it, in whole hosts
-    fixes = str(error.but(fits_on=None)).split("; to fit, ", 1)[-1]
-    return ValueError(f"{head}; it fits on {on.gpus} GPUs as {_described(p, d, mode, t)}: "
-                      f"use {flags}; or, to fit the leanest, {fixes}")
+    fits_on = None
+    if larger is not None:
+        on, (p, d, mode, _, t), global_batch = larger
+        fits_on = (on.gpus, _described(p, d, mode, t), p, mode if d > 1 else None, t,
+                   global_batch)
+    return NoLayoutFits(cluster.gpus, cluster.gpus_per_node, described, error, fits_on,
+                        options_of(leanest), leanest.d)
 
 
 def _described(p: int, d: int, mode: str, t: int) -> str:

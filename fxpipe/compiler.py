@@ -228,10 +228,14 @@ def plan_split(
     solved: dict[SplitOptions, Partition] = {}
     if options.cluster is not None:
         with progress(f"choosing the layout of {options.gpus} GPUs"):
-            options, layout = cluster.choose(
-                traced, options, problem=lambda o: lowered_for(o).problem,
-                solve=functools.partial(_solve, lowered_for, solved),
-                calibrated=calibrate_from is not None)
+            try:
+                options, layout = cluster.choose(
+                    traced, options, problem=lambda o: lowered_for(o).problem,
+                    solve=functools.partial(_solve, lowered_for, solved),
+                    calibrated=calibrate_from is not None)
+            except cluster.NoLayoutFits as exc:  # what fits the leanest, the graph costed again
+                raise exc.but(advice.advised(exc.raw, traced, exc.options, problem=problem)
+                              ) from None
     lowered = lowered_for(options)
     if pipedream and lowered.problem.tied:
         _check_pipedream_ties(lowered.problem)

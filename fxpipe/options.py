@@ -51,7 +51,8 @@ class SplitOptions:
     virtual_stages: int = 1  # interleaved schedule: stage modules per GPU
     replicate: bool = False  # let the solver give a stage several GPUs ("2-1-1")
     precision: Precision | None = None  # None: the model's parameter dtype; as analyze() used
-    # None: one pipeline on all the GPUs, as before layouts; else the cluster search
+    # the cluster search (``fxpipe.cluster``), which every request makes but --replicate's:
+    # None is one pipeline on all the GPUs, its stages replicated as the solver chooses
     cluster: ClusterOptions | None = None
     # set by the cluster search for the layout it plans (``fxpipe.cluster``): the d
     # pipelines' data-parallel mode, whether stages send across hosts, and the GPUs of a

@@ -262,8 +262,8 @@ class Plan:
     dynamic_dims: tuple[DynamicDim, ...] = ()
     # Graph inputs without a batch dimension: handed whole to every micro-batch, not split
     shared_inputs: tuple[str, ...] = ()
-    # The cluster's layout, where the plan was searched for one (``fxpipe.layouts``); None:
-    # one pipeline on all the plan's GPUs, as before layouts (and not in plan.json)
+    # The cluster's layout, where the plan was searched for one (``fxpipe.cluster``); None:
+    # one pipeline on all the plan's GPUs (--replicate, and not in plan.json)
     layout: Layout | None = None
 
     @property

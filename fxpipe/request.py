@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Required, TypedDict
 
-from fxpipe.partition.layout import DP_MODES
+from fxpipe.partition.layout import DEFAULT_GPUS_PER_NODE, DP_MODES
 from fxpipe.schedules import KINDS, ScheduleKind
 
 if TYPE_CHECKING:
@@ -113,15 +113,21 @@ def split_options(
     if count < 1:
         raise ValueError(f"{say.name('microbatches')} must be at least 1, got {count}")
     cluster = _cluster(pp, gpus_per_node, dp_mode, global_batch, tp, replicate=replicate,
-                       say=say)
-    if count > MAX_MICROBATCHES and cluster is None:  # a layout's pipelines share them
+                       gpus=gpus, say=say)
+    # a layout's pipelines share the step's micro-batches: known here where --pp is given
+    # (the search checks its own layouts' shares)
+    width = None if cluster is None else cluster.pp and cluster.pp * (cluster.tp or 1)
+    shares = 1 if cluster is None else gpus // width if width and gpus % width == 0 else None
+    if shares is not None and count // shares > MAX_MICROBATCHES:
         given = (f"{say.said('microbatches', count)} is" if microbatches is not None else
                  f"{say.said('gpus', gpus)} means {count} micro-batches (the default, 4 x "
                  f"{say.name('gpus')}),")
+        each = "" if shares == 1 else f" {count // shares} to each of {shares} pipelines,"
         raise ValueError(
-            f"{given} more than {MAX_MICROBATCHES}: runner.py lists every forward and backward "
-            f"of every micro-batch; use {say.said('microbatches', MAX_MICROBATCHES)} or fewer "
-            "(bigger micro-batches)")
+            f"{given}{each} more than {MAX_MICROBATCHES}: runner.py lists every forward and "
+            f"backward of every micro-batch; use "
+            f"{say.said('microbatches', MAX_MICROBATCHES * shares)} "
+            "or fewer (bigger micro-batches)")
     if not math.isfinite(time_limit) or time_limit <= 0:  # nan <= 0 is False
         raise ValueError(
             f"{say.name('time_limit')} must be a positive number of seconds, got {time_limit}")
@@ -217,13 +223,14 @@ def recompute_of(value: str, say: Spelling = CLI) -> Recompute:
 
 def _cluster(pp: int | str | None, gpus_per_node: int | None, dp_mode: str | None,
              global_batch: int | None, tp: int | str | None, *, replicate: bool,
-             say: Spelling) -> ClusterOptions | None:
-    """The cluster search's options, where a cluster option asks for one (else None: one
-    pipeline on all the GPUs). ``tp``: None or 1, no tensor parallelism; "auto", the
-    search chooses the degree."""
+             gpus: int, say: Spelling) -> ClusterOptions | None:
+    """The cluster search's options: with none of them given, the search chooses every
+    part of the layout; None only under ``replicate`` (PipeDream's uneven replication
+    plans one pipeline on all the GPUs, its stages replicated as the solver chooses).
+    ``tp``: None or 1, no tensor parallelism; "auto", the search chooses the degree."""
     from fxpipe.options import ClusterOptions
 
-    if (pp, gpus_per_node, dp_mode, global_batch, tp) == (None,) * 5:
+    if (pp, gpus_per_node, dp_mode, global_batch, tp) == (None,) * 5 and replicate:
         return None
     per_pipeline = None if pp in (None, "auto") else _whole(pp, "pp", say)
     per_stage = None if tp == "auto" else 1 if tp is None else _whole(tp, "tp", say)
@@ -235,6 +242,14 @@ def _cluster(pp: int | str | None, gpus_per_node: int | None, dp_mode: str | Non
                          f"out {cluster} and {say.name('global_batch')} with it")
     if gpus_per_node is not None and gpus_per_node < 1:
         raise ValueError(f"{say.name('gpus_per_node')} must be at least 1, got {gpus_per_node}")
+    per_host = gpus_per_node or min(gpus, DEFAULT_GPUS_PER_NODE)
+    if gpus % per_host:
+        given = ("" if gpus_per_node is not None else
+                 f" (the default {say.name('gpus_per_node')})")
+        raise ValueError(
+            f"{say.said('gpus', gpus)} does not fill hosts of {per_host} GPUs{given}: use a "
+            f"multiple of {per_host}, or give the GPUs of a host with "
+            f"{say.name('gpus_per_node')} ({say.said('gpus_per_node', gpus)} for one host)")
     if dp_mode is not None:
         _one_of(dp_mode, DP_MODES, "dp_mode", say)
     return ClusterOptions(gpus_per_node=gpus_per_node, pp=per_pipeline, dp_mode=dp_mode,

@@ -56,7 +56,8 @@ def planned(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The folder ``fxpipe split model.py --gpus 2 --precision bf16-mixed`` wrote."""
     folder = tmp_path_factory.mktemp("cli")
     (folder / "model.py").write_text(NET)
-    done = command("split", "model.py", "--gpus", "2", "--precision", "bf16-mixed",
+    done = command("split", "model.py", "--gpus", "2", "--pp", "2", "--precision",
+                   "bf16-mixed",
                    "--out", "out", cwd=folder)
     assert done.returncode == 0, done.stderr
     return folder
@@ -66,7 +67,8 @@ def test_the_commands_last_line_names_what_a_person_opens(tmp_path: Path) -> Non
     """The folder, its report.html, report.md and plan.json, and a count of the stage
     modules and of the files: not the runtime's thirty file names."""
     (tmp_path / "model.py").write_text(NET)
-    done = command("split", "model.py", "--gpus", "2", "--out", "out", cwd=tmp_path)
+    done = command("split", "model.py", "--gpus", "2", "--pp", "2", "--out", "out",
+                   cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     last = done.stdout.strip().splitlines()[-1]
     files = [p for p in (tmp_path / "out").rglob("*") if p.is_file() and p.name != ".fxpipe"]
@@ -80,7 +82,7 @@ def test_a_model_built_in_a_script_gets_the_command_lines_plan(planned: Path) ->
     body = NET.replace("def build_model", "def _build")
     script = body + textwrap.dedent("""
         import fxpipe
-        plan = fxpipe.split(_build(), example_inputs(), gpus=2, precision="bf16-mixed",
+        plan = fxpipe.split(_build(), example_inputs(), gpus=2, pp=2, precision="bf16-mixed",
                             loss_fn=loss_fn, example_target=example_target(),
                             label="model.py:build_model")
         print(plan.to_json(), end="")
@@ -93,7 +95,7 @@ def test_a_model_built_in_a_script_gets_the_command_lines_plan(planned: Path) ->
 
 
 def test_split_file_writes_the_command_lines_folder(planned: Path, tmp_path: Path) -> None:
-    plan = fxpipe.split_file(planned / "model.py", gpus=2, precision="bf16-mixed",
+    plan = fxpipe.split_file(planned / "model.py", gpus=2, pp=2, precision="bf16-mixed",
                              out=tmp_path / "pipe")
     assert plan.to_json() == (planned / "out" / "plan.json").read_text()
     wrote = {p.relative_to(tmp_path / "pipe").as_posix()
@@ -111,7 +113,7 @@ def test_the_package_written_trains_as_the_model(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     x, target = torch.randn(4, 8), torch.randn(4, 2)
-    plan = fxpipe.split(model, x, gpus=2, microbatches=2, out=tmp_path / "pipe")
+    plan = fxpipe.split(model, x, gpus=2, pp=2, microbatches=2, out=tmp_path / "pipe")
     assert plan.num_stages == 2 and plan.model == "Sequential"
     pipe = fxpipe.load_package(tmp_path / "pipe")
     runner = pipe.PipelineRunner(pipe.build_stages(model))
@@ -131,7 +133,7 @@ def test_the_package_written_trains_as_the_model(tmp_path: Path) -> None:
      "virtual_stages=2 needs schedule='interleaved', not gpipe"),
     ({"gpus": 2, "schedule": "interleaved"},
      "schedule='interleaved' needs virtual_stages=2 or more"),
-    ({"gpus": 2, "microbatches": 2000},
+    ({"gpus": 2, "pp": 2, "microbatches": 2000},
      "microbatches=2000 is more than 1024: runner.py lists every forward and backward of "
      "every micro-batch; use microbatches=1024 or fewer (bigger micro-batches)"),
     ({"gpus": 2, "recompute": "some"}, "recompute takes one of auto, "),
@@ -213,10 +215,11 @@ def test_calibrate_re_plans_as_the_command_does(planned: Path, tmp_path: Path) -
             runner.step((inputs,), target, net.loss_fn)
     measured = tmp_path / "measured" / "measured.json"
     card.save(measured)
-    done = command("split", "model.py", "--gpus", "2", "--precision", "bf16-mixed",
+    done = command("split", "model.py", "--gpus", "2", "--pp", "2", "--precision",
+                   "bf16-mixed",
                    "--calibrate", measured, "--out", tmp_path / "cli", cwd=planned)
     assert done.returncode == 0, done.stderr
-    plan = fxpipe.split_file(planned / "model.py", gpus=2, precision="bf16-mixed",
+    plan = fxpipe.split_file(planned / "model.py", gpus=2, pp=2, precision="bf16-mixed",
                              calibrate=measured, out=tmp_path / "api")
     assert plan.to_json() == (tmp_path / "cli" / "plan.json").read_text()
     assert any("calibrated" in note for note in plan.notes), plan.notes

@@ -133,7 +133,8 @@ def interrupt(tmp_path: Path, phase: str, signum: int) -> tuple[int, list[str], 
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     env.pop("FXPIPE_DEBUG", None)
     process = subprocess.Popen(
-        [sys.executable, "launch.py", phase, "split", "model.py", "--gpus", "2", "--out", "out"],
+        [sys.executable, "launch.py", phase, "split", "model.py", "--gpus", "2", "--pp", "2",
+         "--out", "out"],
         cwd=tmp_path, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
     assert process.stderr is not None
     lines = []

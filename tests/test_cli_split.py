@@ -24,8 +24,8 @@ MLP = str(ROOT / "examples" / "mlp.py")
 def gpt_split(tmp_path_factory: pytest.TempPathFactory) -> Path:
     work = tmp_path_factory.mktemp("split")
     # a new interpreter, as a user runs it; the other tests run the command in this one
-    done = fxpipe_process("split", GPT, "--gpus", "4", "--microbatches", "8", "--out", "out",
-                          cwd=work)
+    done = fxpipe_process("split", GPT, "--gpus", "4", "--pp", "4", "--microbatches", "8",
+                          "--out", "out", cwd=work)
     assert done.returncode == 0, done.stderr
     return work / "out"
 
@@ -83,7 +83,7 @@ def test_plan_json_round_trips(gpt_split: Path) -> None:
     ("args", "expected"),
     [
         (["--gpus", "4", "--memory", "2MiB"], "; use --memory"),
-        (["--gpus", "500"], "or fewer"),
+        (["--gpus", "500"], "does not fill hosts of 8 GPUs"),
         (["--gpus", "2", "--memory", "lots"], "lots"),
         (["--gpus", "2", "--device", "h900"], "known devices"),
         (["--gpus", "0"], "--gpus must be at least 1"),
@@ -101,12 +101,14 @@ def test_split_errors_are_one_line_with_exit_2(
 
 
 def test_infeasible_memory_names_the_memory_that_would_fit(tmp_path: Path) -> None:
-    done = fxpipe("split", GPT, "--gpus", "2", "--memory", "1MiB", "--out", "out", cwd=tmp_path)
+    done = fxpipe("split", GPT, "--gpus", "2", "--pp", "2", "--memory", "1MiB", "--out", "out",
+                  cwd=tmp_path)
     assert done.returncode == 2
     message = done.stderr.strip().splitlines()[-1]
     needed = message.split("; use --memory ")[1].split()[0].rstrip(",")  # maybe the only fix
     # The memory the message names really is enough.
-    again = fxpipe("split", GPT, "--gpus", "2", "--memory", needed, "--out", "out", cwd=tmp_path)
+    again = fxpipe("split", GPT, "--gpus", "2", "--pp", "2", "--memory", needed, "--out", "out",
+                   cwd=tmp_path)
     assert again.returncode == 0, again.stderr
 
 
@@ -132,7 +134,8 @@ def test_a_model_file_finds_the_modules_beside_it(tmp_path: Path) -> None:
         "    return nn.Sequential(*(Block(WIDTH) for _ in range(4)))\n\n\n"
         "def example_inputs():\n"
         "    return (torch.randn(8, 16),)\n")
-    done = fxpipe("split", models / "net.py", "--gpus", "2", "--out", "out", cwd=elsewhere)
+    done = fxpipe("split", models / "net.py", "--gpus", "2", "--pp", "2", "--out", "out",
+                  cwd=elsewhere)
     assert done.returncode == 0, done.stderr
     assert json.loads((elsewhere / "out" / "plan.json").read_text())["num_stages"] == 2
     assert sys.path.index(str(models.resolve())) > sys.path.index(os.path.dirname(torch.__file__)
@@ -142,15 +145,16 @@ def test_a_model_file_finds_the_modules_beside_it(tmp_path: Path) -> None:
 def test_existing_foreign_folder_is_not_replaced(tmp_path: Path) -> None:
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "mine.txt").write_text("keep me")
-    done = fxpipe("split", MLP, "--gpus", "2", "--out", "out", cwd=tmp_path)
+    done = fxpipe("split", MLP, "--gpus", "2", "--pp", "2", "--out", "out", cwd=tmp_path)
     assert done.returncode == 2 and "--force" in done.stderr
     assert (tmp_path / "out" / "mine.txt").read_text() == "keep me"
-    forced = fxpipe("split", MLP, "--gpus", "2", "--out", "out", "--force", cwd=tmp_path)
+    forced = fxpipe("split", MLP, "--gpus", "2", "--pp", "2", "--out", "out", "--force",
+                    cwd=tmp_path)
     assert forced.returncode == 0, forced.stderr
     assert not (tmp_path / "out" / "mine.txt").exists()
     assert (tmp_path / "out" / "plan.json").exists()
     # A folder fxpipe wrote is replaced without --force.
-    again = fxpipe("split", MLP, "--gpus", "3", "--out", "out", cwd=tmp_path)
+    again = fxpipe("split", MLP, "--gpus", "3", "--pp", "3", "--out", "out", cwd=tmp_path)
     assert again.returncode == 0, again.stderr
     assert json.loads((tmp_path / "out" / "plan.json").read_text())["num_stages"] == 3
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no staging folders left behind
@@ -161,7 +165,7 @@ def test_main_leaves_the_garbage_collector_of_its_caller_as_it_was(tmp_path: Pat
     collector and freezes what each step built; ``main`` called from a program (as here)
     leaves both as they were."""
     before = (gc.get_threshold(), gc.get_freeze_count())
-    done = fxpipe("split", MLP, "--gpus", "2", "--out", "out", cwd=tmp_path)
+    done = fxpipe("split", MLP, "--gpus", "2", "--pp", "2", "--out", "out", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert (gc.get_threshold(), gc.get_freeze_count()) == before
 
@@ -184,7 +188,7 @@ def test_solver_errors_are_worded_with_the_flags(
 
     monkeypatch.setattr(compiler, "partition", out_of_work)
     monkeypatch.chdir(tmp_path)
-    assert cli.main(["split", MLP, "--gpus", "2", "--time-limit", "0.5"]) == 2
+    assert cli.main(["split", MLP, "--gpus", "2", "--pp", "2", "--time-limit", "0.5"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "fxpipe: error: no split that fits in 1.0 GiB per GPU was found in 0.5 s; raise "
         "--time-limit or the memory limit")
@@ -193,7 +197,7 @@ def test_solver_errors_are_worded_with_the_flags(
         "fxpipe: error: no split onto 2 GPUs was found within --work-limit 3; raise "
         "--work-limit")
     # where the search found the leanest split, the memory it surely fits in
-    assert cli.main(["split", MLP, "--gpus", "2", "--work-limit", "7"]) == 2
+    assert cli.main(["split", MLP, "--gpus", "2", "--pp", "2", "--work-limit", "7"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "fxpipe: error: no split that fits in 1.0 GiB per GPU was found within --work-limit "
         "7; the leanest found needs 1.5 GiB: raise --work-limit or use --memory 1.5GiB")
@@ -214,7 +218,8 @@ def test_no_fit_on_any_gpu_count_searched_does_not_advise_more_gpus(
     monkeypatch.setattr(advice, "fitting_samples", lambda *_, **__: None)
     monkeypatch.chdir(tmp_path)
     # bf16-true: no leaner precision to try either
-    assert cli.main(["split", MLP, "--gpus", "2", "--precision", "bf16-true"]) == 2
+    # --replicate: one pipeline on both GPUs, whose error this is (a layout has its own)
+    assert cli.main(["split", MLP, "--gpus", "2", "--replicate", "--precision", "bf16-true"]) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "fxpipe: error: no split of the model onto 2 GPUs fits in 1.0 GiB per GPU; the best "
         "split needs 3.0 GiB, and none was found on up to 64 GPUs; use --memory 3.0GiB")
@@ -276,7 +281,8 @@ def test_a_bare_recompute_before_the_model_leaves_the_model_its_path(words: list
 
 
 def test_split_with_a_bare_recompute_first_recomputes_every_stage(tmp_path: Path) -> None:
-    done = fxpipe("split", "--recompute", MLP, "--gpus", "2", "--out", "out", cwd=tmp_path)
+    done = fxpipe("split", "--recompute", MLP, "--gpus", "2", "--pp", "2", "--out", "out",
+                  cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     plan = json.loads((tmp_path / "out" / "plan.json").read_text())
     assert [stage["recompute"] for stage in plan["stages"]] == ["full", "full"]
@@ -285,7 +291,7 @@ def test_split_with_a_bare_recompute_first_recomputes_every_stage(tmp_path: Path
 def test_too_many_default_micro_batches_say_where_they_came_from(tmp_path: Path) -> None:
     """--gpus alone sets the micro-batches (4 x --gpus): the error names --gpus and the
     default, not a --microbatches the user never wrote, and docs/errors.md's table has the line."""
-    done = fxpipe("split", MLP, "--gpus", "1000", "--out", "out", cwd=tmp_path)
+    done = fxpipe("split", MLP, "--gpus", "1000", "--pp", "1000", "--out", "out", cwd=tmp_path)
     assert done.returncode == 2
     (line,) = done.stderr.strip().splitlines()
     message = line.removeprefix("fxpipe: error: ")

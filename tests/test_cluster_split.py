@@ -84,7 +84,7 @@ def test_the_micro_batch_cap_counts_each_pipelines_share_of_the_step(tmp_path: P
     """1,024 micro-batches a pipeline at most (runner.py lists every action): one pipeline
     is refused 1,200 of them, a layout of 4 pipelines runs 300 each; a step that leaves more
     than 1,024 to every layout's pipelines is one line."""
-    ran = fxpipe("split", GPT, "--gpus", "4", "--microbatches", "1200", "--out",
+    ran = fxpipe("split", GPT, "--gpus", "4", "--pp", "4", "--microbatches", "1200", "--out",
                  tmp_path / "x", cwd=tmp_path)
     assert ran.returncode == 2 and "more than 1024" in ran.stderr, ran.stderr
     plan = _split(tmp_path / "layout", "--pp", "1", "--microbatches", "1200")
@@ -97,10 +97,34 @@ def test_the_micro_batch_cap_counts_each_pipelines_share_of_the_step(tmp_path: P
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
 
 
-def test_without_the_cluster_flags_the_plan_is_one_pipeline_and_has_no_layout(
-        tmp_path: Path) -> None:
-    plan = _split(tmp_path)
-    assert "layout" not in plan and plan["num_stages"] == 4
+def test_without_the_cluster_flags_the_search_chooses_the_layout(tmp_path: Path) -> None:
+    """--gpus alone is the whole machine: every pipeline degree dividing it is considered;
+    --pp equal to --gpus is one pipeline on all of them."""
+    plan = _split(tmp_path / "searched")
+    layout = plan["layout"]
+    assert sorted(row["pp"] for row in layout["considered"]) == [1, 2, 4]
+    assert plan["num_stages"] == layout["pp"] and layout["pp"] * layout["dp"] == 4
+    one = _split(tmp_path / "one", "--pp", "4")
+    assert (one["num_stages"], one["layout"]["dp"]) == (4, 1)
+
+
+def test_the_command_prints_every_layout_it_considered(tmp_path: Path) -> None:
+    """The output's first table is the layouts, the chosen one first, with the sentence
+    report.md opens with; a one-stage plan has no cut to put beside the baselines."""
+    ran = fxpipe("split", GPT, "--gpus", "4", "--out", tmp_path / "out", cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    plan = json.loads((tmp_path / "out" / "plan.json").read_text())
+    layout = plan["layout"]
+    lines = ran.stdout.splitlines()
+    title = next(i for i, line in enumerate(lines) if "layout: 4 GPUs (4 per host) as" in line)
+    rows = [line for line in lines[title:] if line.startswith("│")]
+    assert len(rows) >= len(layout["considered"])
+    chosen = rows[0].split("│")
+    assert [cell.strip() for cell in chosen[1:4]] == [
+        str(layout["pp"]), str(layout["dp"]), layout["dp_mode"]]
+    assert "chosen" in rows[0]
+    if plan["num_stages"] == 1:
+        assert "the whole model on each GPU, nothing to cut" in ran.stdout
 
 
 def test_when_no_layout_fits_the_leanest_is_named_with_what_it_needs(tmp_path: Path) -> None:
@@ -111,8 +135,9 @@ def test_when_no_layout_fits_the_leanest_is_named_with_what_it_needs(tmp_path: P
     assert line.startswith("fxpipe: error: no layout of 4 GPUs (4 per host) fits in 3.0 MiB "
                            "per GPU; the leanest, 4 pipeline stages x 1 data-parallel (ddp), "
                            "needs "), line
-    # (and 40 GPUs would fit it: the next test's)
-    assert re.search(r"; or, to fit the leanest, allow [\d.]+ MiB per GPU$", line), line
+    # and what would fit: a layout on more GPUs (the next test's), more memory
+    assert re.search(r"; it fits on \d+ GPUs as .*; use --gpus \d+ --pp .*, --memory [\d.]+MiB",
+                     line), line
     assert not (tmp_path / "x").exists()
 
 
@@ -125,8 +150,8 @@ def test_when_no_layout_fits_the_fewest_gpus_a_layout_fits_on_are_named(
     assert ran.returncode == 2 and not (tmp_path / "x").exists()
     line = ran.stderr.strip().splitlines()[-1]
     named = re.search(r"; it fits on (\d+) GPUs as (\d+) pipeline stages x (\d+) "
-                      r"data-parallel \((\w+)\): use (--gpus \d+ --pp \d+[^;]*); or, to fit "
-                      r"the leanest, allow ", line)
+                      r"data-parallel \((\w+)\); use (--gpus \d+ --pp \d+[^,]*), --memory ",
+                      line)
     assert named is not None, line
     gpus, pp, dp = (int(named[i]) for i in (1, 2, 3))
     assert gpus > 2 and pp * dp == gpus

@@ -282,9 +282,9 @@ CASES: dict[str, tuple[dict[str, str], list[str]]] = {
         model(GOOD),
         ["split", "model.py", "--gpus", "2", "--virtual-stages", "2", "--microbatches", "3"],
     ),
-    "more GPUs than ops": (model(GOOD), ["split", "model.py", "--gpus", "8"]),
+    "more GPUs than ops": (model(GOOD), ["split", "model.py", "--gpus", "8", "--pp", "8"]),
     "more stage modules than ops": (
-        model(GOOD), ["split", "model.py", "--gpus", "2", "--virtual-stages", "2"]
+        model(GOOD), ["split", "model.py", "--gpus", "2", "--pp", "2", "--virtual-stages", "2"]
     ),
     "memory no split fits": (
         model(GOOD), ["split", "model.py", "--gpus", "2", "--memory", "100B"]
@@ -336,7 +336,7 @@ CASES: dict[str, tuple[dict[str, str], list[str]]] = {
         model(GOOD), ["split", "model.py", "--gpus", "2", "--out", ".", "--force"]
     ),
     "pipedream with a tied parameter": (
-        model(TIED), ["split", "model.py", "--gpus", "2", "--schedule", "pipedream"]
+        model(TIED), ["split", "model.py", "--gpus", "2", "--pp", "2", "--schedule", "pipedream"]
     ),
     "merge: missing stage file": ({}, ["merge", "stage0.pt", "--out", "model.pt"]),
     "merge: copies of a key differ": (
@@ -376,7 +376,7 @@ def materialize(folder: Path, files: dict[str, str]) -> None:
             fill = torch.zeros if content == "zeros" else torch.ones
             torch.save({"shared.weight": fill(2)}, path)
         elif content == "split":  # the folder fxpipe split writes for model.py on 2 GPUs
-            assert cli.main(["split", str(folder / "model.py"), "--gpus", "2",
+            assert cli.main(["split", str(folder / "model.py"), "--gpus", "2", "--pp", "2",
                              "--out", str(path.parent), "--force"]) == 0
         else:
             path.write_text(content)

@@ -52,7 +52,7 @@ def tied(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Modul
     """The folder fxpipe split wrote for the tied model on 2 GPUs, and the model."""
     work = tmp_path_factory.mktemp("tied")
     (work / "model.py").write_text(MODEL)
-    done = fxpipe("split", "model.py", "--gpus", "2", "--out", "pipe", cwd=work)
+    done = fxpipe("split", "model.py", "--gpus", "2", "--pp", "2", "--out", "pipe", cwd=work)
     assert done.returncode == 0, done.stderr
     return work / "pipe", import_file(work / "model.py", "merge_tied_model").build_model()
 

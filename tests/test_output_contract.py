@@ -27,7 +27,7 @@ def snapshot(folder: Path) -> dict[str, bytes]:
 def previous(tmp_path: Path) -> Path:
     """A folder an earlier `fxpipe split` wrote, the thing a failed run must leave alone."""
     out = tmp_path / "out"
-    assert cli.main(["split", MLP, "--gpus", "2", "--out", str(out)]) == 0
+    assert cli.main(["split", MLP, "--gpus", "2", "--pp", "2", "--out", str(out)]) == 0
     return out
 
 
@@ -52,7 +52,7 @@ def test_a_failing_step_leaves_the_previous_folder_untouched(
     before = snapshot(previous)
     module, _, name = where.rpartition(".")
     monkeypatch.setattr(f"{module}.{name}", failing(ValueError(f"{name} broke")))
-    assert cli.main(["split", MLP, "--gpus", "3", "--out", str(previous)]) == 2
+    assert cli.main(["split", MLP, "--gpus", "3", "--pp", "3", "--out", str(previous)]) == 2
     assert f"{name} broke" in capsys.readouterr().err
     assert snapshot(previous) == before
     assert leftovers(previous) == []
@@ -73,7 +73,7 @@ def test_a_full_disk_is_one_line_and_changes_nothing(
         return real_write(self, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(Path, "write_text", write_text)
-    assert cli.main(["split", MLP, "--gpus", "3", "--out", str(previous)]) == 2
+    assert cli.main(["split", MLP, "--gpus", "3", "--pp", "3", "--out", str(previous)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "No space left on device" in err[0] and "--out" in err[0]
     assert snapshot(previous) == before
@@ -85,7 +85,7 @@ def test_ctrl_c_while_writing_leaves_the_previous_folder(
 ) -> None:
     before = snapshot(previous)
     monkeypatch.setattr(Path, "write_bytes", failing(KeyboardInterrupt()))
-    assert cli.main(["split", MLP, "--gpus", "3", "--out", str(previous)]) == 130
+    assert cli.main(["split", MLP, "--gpus", "3", "--pp", "3", "--out", str(previous)]) == 130
     assert snapshot(previous) == before
     assert leftovers(previous) == []
 
@@ -93,7 +93,7 @@ def test_ctrl_c_while_writing_leaves_the_previous_folder(
 def test_a_failed_first_run_leaves_no_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
                                              ) -> None:
     monkeypatch.setattr("fxpipe.compiler.generate", failing(ValueError("codegen broke")))
-    assert cli.main(["split", MLP, "--gpus", "2", "--out", str(tmp_path / "out")]) == 2
+    assert cli.main(["split", MLP, "--gpus", "2", "--pp", "2", "--out", str(tmp_path / "out")]) == 2
     assert list(tmp_path.iterdir()) == []
 
 
@@ -106,7 +106,7 @@ def test_same_model_and_flags_give_identical_files_across_hash_seeds(
         out = tmp_path / f"out{seed}"
         done = subprocess.run(
             [sys.executable, "-m", "fxpipe.cli", "split", str(ROOT / "examples" / example),
-             "--gpus", "3", "--out", str(out)],
+             "--gpus", "3", "--pp", "3", "--out", str(out)],
             capture_output=True, text=True, timeout=300,
             env={**os.environ, "PYTHONHASHSEED": seed},
         )
@@ -162,7 +162,7 @@ def test_an_out_that_cannot_be_written_is_refused_first_with_its_cause(
     monkeypatch.setattr("fxpipe.frontend.trace", failing(AssertionError("traced first")))
     before = sorted(p.name for p in tmp_path.iterdir())
     out, message = OUT_REFUSED[case]
-    assert cli.main(["split", MLP, "--gpus", "2", "--out", out]) == 2
+    assert cli.main(["split", MLP, "--gpus", "2", "--pp", "2", "--out", out]) == 2
     assert one_error(capsys) == message
     assert sorted(p.name for p in tmp_path.iterdir()) == before
     assert f"| {case} | `{message}` |" in ERRORS, f"docs/errors.md lacks the row for {case}"
@@ -188,7 +188,7 @@ def test_a_read_only_file_system_names_itself_and_the_fix(
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(previous.parent / "x"))
 
     monkeypatch.setattr(tempfile, name, read_only)
-    assert cli.main(["split", MLP, "--gpus", "3", "--out", str(previous)]) == 2
+    assert cli.main(["split", MLP, "--gpus", "3", "--pp", "3", "--out", str(previous)]) == 2
     assert one_error(capsys) == (
         f"could not write {previous}: Read-only file system in {previous.parent}; choose an "
         "--out on a writable file system (nothing was changed)")
@@ -205,7 +205,7 @@ def test_a_link_to_an_fxpipe_folder_is_followed_and_kept(
     link.symlink_to(previous.name)
     monkeypatch.chdir(previous.parent)
     capsys.readouterr()
-    assert cli.main(["split", MLP, "--gpus", "3", "--out", "latest"]) == 0
+    assert cli.main(["split", MLP, "--gpus", "3", "--pp", "3", "--out", "latest"]) == 0
     assert "wrote latest/, the folder it links to, out/ (" in capsys.readouterr().out
     assert link.is_symlink() and link.resolve() == previous.resolve()
     assert (previous / "stage2.py").exists()
@@ -213,7 +213,7 @@ def test_a_link_to_an_fxpipe_folder_is_followed_and_kept(
     # a link to a folder not there yet: the folder is made where the link points
     (previous.parent / "next").symlink_to("runs/seven")
     (previous.parent / "runs").mkdir()
-    assert cli.main(["split", MLP, "--gpus", "2", "--out", "next"]) == 0
+    assert cli.main(["split", MLP, "--gpus", "2", "--pp", "2", "--out", "next"]) == 0
     assert (previous.parent / "runs" / "seven" / "plan.json").exists()
     assert (previous.parent / "next").is_symlink()
 
@@ -226,12 +226,13 @@ def test_a_long_name_is_written_and_a_too_long_one_named(
     monkeypatch.chdir(tmp_path)
     longest = os.pathconf(tmp_path, "PC_NAME_MAX")
     fits = "a" * (longest - 5)
-    assert cli.main(["split", MLP, "--gpus", "2", "--out", fits]) == 0, capsys.readouterr()
+    code = cli.main(["split", MLP, "--gpus", "2", "--pp", "2", "--out", fits])
+    assert code == 0, capsys.readouterr()
     assert [p.name for p in tmp_path.iterdir()] == [fits]
     capsys.readouterr()
     too_long = "b" * (longest + 45)
     monkeypatch.setattr("fxpipe.frontend.trace", failing(AssertionError("traced first")))
-    assert cli.main(["split", MLP, "--gpus", "2", "--out", f"{too_long}/pipe"]) == 2
+    assert cli.main(["split", MLP, "--gpus", "2", "--pp", "2", "--out", f"{too_long}/pipe"]) == 2
     assert one_error(capsys) == (
         f"could not write {too_long}/pipe: the name {'b' * 24}... is {longest + 45} bytes "
         f"long, more than the {longest} a name may have there; choose a shorter --out "

@@ -25,7 +25,7 @@ def test_recompute_values() -> None:
     """The command line's words are the plan's and the runtime's (``full``), and ``all``,
     the word for full before, still reads as full."""
     parser = cli._parser()
-    split = ["split", GPT, "--gpus", "2"]
+    split = ["split", GPT, "--gpus", "2", "--pp", "2"]
     assert parser.parse_args(split).recompute == "auto"  # the default
     assert cli._recompute(parser.parse_args([*split, "--recompute"]).recompute) is (
         Recompute.FULL)  # bare
@@ -39,7 +39,7 @@ def test_recompute_values() -> None:
 
 def test_bad_recompute_value_is_one_line_error(tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
-    code = cli.main(["split", GPT, "--gpus", "2", "--recompute", "sometimes",
+    code = cli.main(["split", GPT, "--gpus", "2", "--pp", "2", "--recompute", "sometimes",
                      "--out", str(tmp_path / "out")])
     assert code == 2
     lines = capsys.readouterr().err.strip().splitlines()
@@ -123,7 +123,7 @@ def test_auto_keeps_only_some_matmuls_where_keeping_all_does_not_fit() -> None:
 
 def test_selective_recompute_under_a_schedule_that_splits_the_backward_is_refused(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = cli.main(["split", GPT, "--gpus", "2", "--schedule", "zb1p", "--recompute",
+    code = cli.main(["split", GPT, "--gpus", "2", "--pp", "2", "--schedule", "zb1p", "--recompute",
                      "selective", "--out", str(tmp_path / "out")])
     assert code == 2
     lines = capsys.readouterr().err.strip().splitlines()
@@ -174,7 +174,7 @@ def test_a_model_that_writes_into_a_matmuls_output_never_keeps_that_output(
     kept = {n.name: meta.BYTES.get(n).selective_bytes for n in traced.gm.graph.nodes
             if meta.BYTES.get(n) is not None}
     assert [name for name, size in kept.items() if size] == ["fc1", "fc2", "fc3"], kept
-    code = cli.main(["split", str(model), "--gpus", "2", "--recompute", "selective",
+    code = cli.main(["split", str(model), "--gpus", "2", "--pp", "2", "--recompute", "selective",
                      "--out", str(tmp_path / "out")])
     assert code == 0, capsys.readouterr().err
     plan = Plan.from_json((tmp_path / "out" / "plan.json").read_text())
@@ -189,7 +189,7 @@ def test_a_model_that_writes_into_a_matmuls_output_never_keeps_that_output(
         "h = self.fc1(x).relu()", "h = self.fc1(x)\n        h.add_(1)\n        h = h.relu()"
     ).replace("return self.fc3(h.tanh())", "return self.fc3(h.tanh()).add_(1)"))
     assert every.read_text().count(".add_(1)") == 3, every.read_text()
-    code = cli.main(["split", str(every), "--gpus", "2", "--recompute", "selective",
+    code = cli.main(["split", str(every), "--gpus", "2", "--pp", "2", "--recompute", "selective",
                      "--out", str(tmp_path / "out2")])
     assert code == 2
     lines = capsys.readouterr().err.strip().splitlines()

@@ -53,6 +53,7 @@ from fxpipe.partition.problem import Problem
 
 __all__ = [
     "COMPUTE_EFFICIENCY",
+    "DEFAULT_GPUS_PER_NODE",
     "DP_MODES",
     "Cluster",
     "Link",
@@ -81,6 +82,9 @@ DP_MODES = ("fsdp", "ddp")
 # (docs/benchmarks/gpu.md), which makes compute look cheaper beside the collectives than
 # it is; ``ClusterOptions.compute_efficiency`` sets another, ``--calibrate`` measures it.
 COMPUTE_EFFICIENCY = 1.0
+# A host of this many GPUs where --gpus-per-node is not given (an HGX / DGX board), or all
+# of them where fewer
+DEFAULT_GPUS_PER_NODE = 8
 
 
 @dataclass(frozen=True)

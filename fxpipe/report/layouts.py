@@ -7,7 +7,7 @@ from __future__ import annotations
 from fxpipe.plan import Layout, LayoutRow, Plan
 from fxpipe.units import format_bytes, format_ms
 
-__all__ = ["layout_lines", "layout_sentence"]
+__all__ = ["considered", "layout_cells", "layout_lines", "layout_sentence"]
 
 _STATUS = {
     "chosen": "chosen",
@@ -68,9 +68,7 @@ def layout_lines(plan: Plan) -> list[str]:
         + "mode | micro-batches | predicted step | bound | max memory | outcome |",
         "|---|---|---|---|---|---|---|---|" + "---|" * tp_column,
     ]
-    rows = sorted(layout.considered,
-                  key=lambda r: (r.status != "chosen", r.pp, r.tp, r.dp_mode))
-    lines += [_row(row, tp_column) for row in rows]
+    lines += [_row(row, tp_column) for row in considered(layout)]
     lines.append("")
     return lines
 
@@ -111,14 +109,27 @@ def _tensor_model(layout: Layout) -> list[str]:
 
 
 def _row(row: LayoutRow, tp_column: bool = False) -> str:
+    return "| " + " | ".join(layout_cells(row, tp_column)) + " |"
+
+
+def layout_cells(row: LayoutRow, tp_column: bool = False) -> list[str]:
+    """A considered layout's cells, as report.md's table has them: pipeline stages,
+    data-parallel, (tensor-parallel,) mode, micro-batches, predicted step, bound, max
+    memory, outcome."""
     step = "" if row.step_s is None else format_ms(row.step_s)
     memory = "" if row.max_memory is None else format_bytes(row.max_memory)
     outcome = _STATUS.get(row.status, row.status)
     if row.why:
         outcome += f": {row.why.split('; ')[0].split('. ')[0]}"
-    tp = f"{row.tp} | " if tp_column else ""
-    return (f"| {row.pp} | {row.dp} | {tp}{row.dp_mode} | {row.microbatches} | {step} | "
-            f"{format_ms(row.bound_s)} | {memory} | {outcome} |")
+    tp = [str(row.tp)] if tp_column else []
+    return [str(row.pp), str(row.dp), *tp, row.dp_mode, str(row.microbatches), step,
+            format_ms(row.bound_s), memory, outcome]
+
+
+def considered(layout: Layout) -> list[LayoutRow]:
+    """The layouts the search considered, the chosen one first, then by pipeline degree."""
+    return sorted(layout.considered, key=lambda r: (r.status != "chosen", r.pp, r.tp,
+                                                    r.dp_mode))
 
 
 def _link(which: str) -> str:

@@ -61,7 +61,8 @@ def test_split_writes_nothing_when_a_stage_does_not_build(
 
     monkeypatch.setattr(compiler, "generate", faulty)
     out = tmp_path / "out"
-    code = cli.main(["split", str(tmp_path / "model.py"), "--gpus", "2", "--out", str(out)])
+    code = cli.main(["split", str(tmp_path / "model.py"), "--gpus", "2", "--pp", "2", "--out",
+                     str(out)])
     lines = capsys.readouterr().err.strip().splitlines()
     assert code == cli.EXIT_INTERNAL_ERROR and len(lines) == 1, lines
     assert "stage1.py does not build against the model (AttributeError" in lines[0]

@@ -39,6 +39,16 @@ def test_a_layout_step_gives_the_models_gradients_and_the_plans_memory(
             assert abs(float(save["loss"]) - loss) <= model.tolerance * loss, (rank, loss)
 
 
+@pytest.mark.parametrize("mode", ["fsdp", "ddp"])
+def test_pure_data_parallelism_is_a_layout_that_runs(tmp_path: Path, mode: str) -> None:
+    """pp 1: one stage, the whole model, on each of 2 ranks (what ``--gpus 2`` alone chooses
+    for a model this small): the unsplit model's gradients and the plan's bytes."""
+    plan, batch, saves = run(tmp_path, GPT64, mode, "--optimizer", "adam", gpus=2, pp=1)
+    assert plan["num_stages"] == 1
+    assert_unsplit(saves, GPT64, batch)
+    assert_plan_memory(tmp_path / "pkg", plan, saves)
+
+
 @pytest.mark.parametrize(("mode", "schedule"), [("fsdp", "1f1b"), ("ddp", "1f1b"),
                                                ("fsdp", "zb1p")])
 def test_a_layout_step_clips_the_whole_models_gradient_norm(tmp_path: Path, mode: str,

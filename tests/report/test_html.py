@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from fxpipe.compiler import SplitOptions, analyze_file, output_files, plan_split
+from fxpipe.compiler import analyze_file, output_files, plan_split
 from fxpipe.cost_models import get_device
 from fxpipe.frontend import Traced
 from fxpipe.output import write_folder
@@ -27,6 +27,7 @@ from fxpipe.profile import auto_depth
 from fxpipe.report import render_html
 from fxpipe.report.diagram import PALETTE
 from fxpipe.report.layers import cuts, stage_layers
+from fxpipe.request import split_options
 from fxpipe.units import format_bytes
 from tests._cli import fxpipe_process
 
@@ -37,13 +38,12 @@ SVG = "{http://www.w3.org/2000/svg}"
 
 @pytest.fixture(scope="module")
 def gpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[Traced, Plan, Path]:
-    """examples/gpt.py split onto 4 GPUs with 8 micro-batches, as `fxpipe split` does by
-    default, written to a folder."""
+    """examples/gpt.py split as one pipeline on 4 GPUs with 8 micro-batches, as `fxpipe
+    split --gpus 4 --pp 4 --microbatches 8` does, written to a folder."""
     out = tmp_path_factory.mktemp("html") / "out"
     h100 = get_device("h100")
     source, traced = analyze_file(GPT, device=h100, solvable=True)
-    options = SplitOptions(gpus=4, device=h100, memory_limit=float(h100.memory_bytes),
-                           microbatches=8)
+    options = split_options(gpus=4, pp=4, microbatches=8)
     plan = plan_split(traced, label=source.label, options=options)
     write_folder(out, output_files(traced, plan, label=source.label))
     return traced, plan, out
@@ -81,8 +81,8 @@ def test_the_page_stands_alone_and_draws_four_charts(gpt: tuple[Traced, Plan, Pa
 def test_the_page_is_the_same_from_a_new_interpreter(gpt: tuple[Traced, Plan, Path],
                                                       tmp_path: Path) -> None:
     _, _, out = gpt
-    done = fxpipe_process("split", GPT, "--gpus", "4", "--microbatches", "8", "--out", "b",
-                          cwd=tmp_path)
+    done = fxpipe_process("split", GPT, "--gpus", "4", "--pp", "4", "--microbatches", "8",
+                          "--out", "b", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "b" / "plan.json").read_bytes() == (out / "plan.json").read_bytes()
     assert (tmp_path / "b" / "report.html").read_bytes() == (out / "report.html").read_bytes()

@@ -88,7 +88,7 @@ def step_grads(package: object, model: torch.nn.Module, x: torch.Tensor, y: torc
 def test_replicated_split_beats_every_unreplicated_one_and_keeps_gradients(
     dominant: Path,
 ) -> None:
-    one_each = split(dominant, "--gpus", "4", "--microbatches", "4", "plain")
+    one_each = split(dominant, "--gpus", "4", "--pp", "4", "--microbatches", "4", "plain")
     replicated = split(dominant, "--gpus", "4", "--microbatches", "4", "--replicate", "rep")
     replicas = [s["replicas"] for s in replicated["stages"]]
     assert sum(replicas) == 4 and max(replicas) >= 2
@@ -122,7 +122,7 @@ def test_replicated_split_beats_every_unreplicated_one_and_keeps_gradients(
 
 
 @pytest.mark.parametrize("flags", [["--gpus", "4", "--replicate"],
-                                   ["--gpus", "2", "--virtual-stages", "2"]],
+                                   ["--gpus", "2", "--pp", "2", "--virtual-stages", "2"]],
                          ids=["replicated", "interleaved"])
 def test_solver_plan_trains_under_torchrun(dominant: Path, tmp_path: Path,
                                            flags: list[str]) -> None:
@@ -179,7 +179,8 @@ def test_report_bubble_is_the_schedule_formula(
 ) -> None:
     M = 4
     name = "-".join(flags).strip("-")
-    plan = split(dominant, "--gpus", str(K), "--microbatches", str(M), *flags, name)
+    plan = split(dominant, "--gpus", str(K), "--pp", str(K), "--microbatches", str(M), *flags,
+                 name)
     assert plan["num_stages"] == K * v and plan["virtual_stages"] == v
     e = plan["estimate"]
     assert e["bubble_fraction"] == pytest.approx((K - 1) / (v * M + K - 1))
@@ -202,8 +203,8 @@ def test_zero_bubble_split_end_to_end(dominant: Path, schedule: str) -> None:
     memory is counted, and the package's table splits every backward (its gradients are
     checked in tests/codegen/test_zero_bubble_runner.py)."""
     K, M = 2, 4
-    plan = split(dominant, "--gpus", str(K), "--microbatches", str(M), "--schedule", schedule,
-                 schedule)
+    plan = split(dominant, "--gpus", str(K), "--pp", str(K), "--microbatches", str(M),
+                 "--schedule", schedule, schedule)
     v = 1 if schedule == "zb1p" else 2
     assert plan["schedule"] == schedule and plan["num_stages"] == K * v
     assert plan["virtual_stages"] == v
