@@ -127,15 +127,8 @@ def choose(traced: Traced, options: SplitOptions, *,
             for t in dict.fromkeys(lay[4] for lay in layouts)}
     # every layout planned quickly (the interval DP and the block bound, no CP-SAT), the
     # chosen one again in full
-    def planned_quickly(p: int, d: int, mode: str, m: int, t: int, slowest: float | None,
-                        split: tuple[int, ...] | None) -> Partition:
-        try:
-            return solve(of(p, d, mode, m, t), advise=False, quick=True, bound_s=slowest,
-                         hint=split)
-        except NoSolutionError:  # neither the DP nor a baseline fits: CP-SAT may yet
-            return solve(of(p, d, mode, m, t), advise=False, bound_s=slowest, hint=split)
-
-    tried = search(cluster, layouts, base, planned_quickly,
+    tried = search(cluster, layouts, base, lambda p, d, mode, m, t, slowest, split: _quickly(
+        solve, of(p, d, mode, m, t), slowest, split),
         lambda p, d, mode, m, t, upper_s: _slowest_stage(problem(of(p, d, mode, m, t)),
                                                          upper_s))
     chosen = next((t for t in tried if t.status == "chosen"), None)
@@ -251,6 +244,16 @@ def _tp_degrees(cluster: Cluster, asked: int | None, split: TensorParallel) -> l
         raise ValueError(f"--tp {asked} does not divide {why}: use one of "
                          f"{', '.join(map(str, usable))}")
     return [asked]
+
+
+def _quickly(solve: Callable[..., Partition], options: SplitOptions, slowest: float | None,
+             split: tuple[int, ...] | None) -> Partition:
+    """A layout planned quickly (the interval DP and the block bound), or in full where
+    neither the DP nor a baseline found a split: CP-SAT may yet, at a tight memory."""
+    try:
+        return solve(options, advise=False, quick=True, bound_s=slowest, hint=split)
+    except NoSolutionError:
+        return solve(options, advise=False, bound_s=slowest, hint=split)
 
 
 def _fits(problem: Problem) -> bool:
