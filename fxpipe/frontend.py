@@ -40,6 +40,7 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
+from fxpipe import meta
 from fxpipe.batching import decide_batching
 from fxpipe.metadevice import named_state
 from fxpipe.runtime.loading import NotPythonError, import_file
@@ -349,8 +350,11 @@ def _trace(
         reason = _one_line(exc)
         symbolic_error = exc
     else:
-        # outside the try: a fault here is fxpipe's, not a reason to export instead
-        mark_copies(gm, model)  # repeated layers named, for the passes not to run again
+        # Repeated layers are named for the passes not to run them again, by
+        # symbolic_graph; where that failed (nothing named), again here, outside the try:
+        # a fault there is fxpipe's, not a reason to export instead.
+        if not any(meta.COPY_OF.has(node) for node in gm.graph.nodes):
+            mark_copies(gm, model)
         return Traced(gm, "symbolic_trace", None, flat, tuple(notes), inputs)
 
     layered = export_in_layers(model, args, kwargs)

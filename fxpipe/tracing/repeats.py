@@ -232,8 +232,8 @@ def mark_copies(gm: torch.fx.GraphModule, model: torch.nn.Module) -> int:
     copy of the node in the same place of the first layer, from the second on, whose graph
     (``_layer_graph``) it has (``meta.COPY_OF``), so that the passes need not run it again.
     The number of nodes named; the passes check each copy's inputs against its node's
-    before they take that node's records."""
-    named = 0
+    before they take that node's records. Nothing is named where it fails part way."""
+    names: list[tuple[torch.fx.Node, str]] = []
     for layers in layer_lists(model):
         members = _members(gm, layers.path)
         if sorted(members) != list(range(len(layers.modules))):
@@ -248,11 +248,12 @@ def mark_copies(gm: torch.fx.GraphModule, model: torch.nn.Module) -> int:
             if first is None:
                 seen.append((graph, index))
                 continue
-            for node, copy in zip(members[first], members[index], strict=True):
-                if copy.op in ("call_function", "call_method", "call_module"):
-                    meta.COPY_OF.set(copy, node.name)
-                    named += 1
-    return named
+            names += [(copy, node.name)
+                      for node, copy in zip(members[first], members[index], strict=True)
+                      if copy.op in ("call_function", "call_method", "call_module")]
+    for copy, name in names:
+        meta.COPY_OF.set(copy, name)
+    return len(names)
 
 
 def _layer_graph(members: dict[int, list[torch.fx.Node]], path: str, index: int

@@ -14,6 +14,7 @@ from fxpipe.frontend import trace
 from fxpipe.passes import annotate_all
 from fxpipe.passes.base import copied_from
 from fxpipe.passes.memory import _MemoryCount
+from fxpipe.tracing import repeats, symbolic
 from fxpipe.tracing.repeats import mark_copies
 
 
@@ -214,6 +215,44 @@ def test_a_fault_in_naming_the_copies_is_not_taken_for_a_tracing_failure(
     def broken(gm: torch.fx.GraphModule, model: nn.Module) -> int:
         raise RuntimeError("mark_copies broke")
 
+    monkeypatch.setattr(symbolic, "mark_copies", broken)  # inside the fallback's try
     monkeypatch.setattr(frontend, "mark_copies", broken)
     with pytest.raises(RuntimeError, match="mark_copies broke"):
         trace(_ConvStack(), (torch.randn(2, 4, 16),))
+
+
+def test_the_copies_are_named_once_a_trace(monkeypatch: pytest.MonkeyPatch) -> None:
+    """symbolic_graph names the copies for its own runs and the frontend keeps them (at
+    1,663 layers each naming is half a second): ``mark_copies`` runs once."""
+    calls: list[str] = []
+
+    def counted(gm: torch.fx.GraphModule, model: nn.Module) -> int:
+        calls.append(type(model).__name__)
+        return mark_copies(gm, model)
+
+    monkeypatch.setattr(symbolic, "mark_copies", counted)
+    monkeypatch.setattr(frontend, "mark_copies", counted)
+    gm = trace(_ConvStack(), (torch.randn(2, 4, 16),)).gm
+    assert calls == ["_ConvStack"]
+    assert sum(meta.COPY_OF.has(n) for n in gm.graph.nodes) == 4 * 3
+
+
+def test_a_naming_that_fails_part_way_names_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The frontend names the copies again only where none are named: a naming that
+    failed after the first list would otherwise leave it believing they all were."""
+    model = _ConvStack()
+    gm = torch.fx.symbolic_trace(model)
+    lists = repeats.layer_lists(model)
+    monkeypatch.setattr(repeats, "layer_lists",
+                        lambda m: [*lists, _broken_list()])  # a second list that fails
+    with pytest.raises(AttributeError):
+        mark_copies(gm, model)
+    assert not any(meta.COPY_OF.has(n) for n in gm.graph.nodes)
+    monkeypatch.setattr(repeats, "layer_lists", lambda m: lists)
+    assert mark_copies(gm, model) == 4 * 3
+
+
+def _broken_list() -> object:
+    class Broken:
+        path = property(lambda self: self.missing)  # AttributeError when read
+    return Broken()
