@@ -58,11 +58,30 @@ def to_meta(
     if device == "meta" and tensor.dim() == 0 and not floating and not tensor.is_complex() and (
             not _storageless(tensor)):
         return tensor.detach().clone()
-    if device == "meta":
+    if device == "meta" and _row_major(tensor):
+        # what empty_like makes of it, without empty_like's Python decomposition on meta
+        # (50 us against 2 an op: every parameter in every run, 20,000 at 1,663 layers)
+        copy = torch.empty(tensor.shape, dtype=cast, device="meta")
+    elif device == "meta":
         copy = torch.empty_like(tensor, dtype=cast, device="meta")
     else:
         copy = torch.empty(tensor.shape, dtype=cast, device=device)
     return copy.requires_grad_(tensor.requires_grad) if floating else copy
+
+
+def _row_major(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a plain dense tensor (no subclass: a fake tensor, say) with
+    the strides ``torch.empty`` gives its shape. Where a size-1 dimension lets several
+    stride conventions hold (a channels-last (n, c, 1, 1), a (1, k) of stride (100, 1)),
+    empty_like picks one by its own rules: such tensors are left to it."""
+    if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or tensor.layout != torch.strided:
+        return False
+    expected = 1
+    for size, stride in zip(reversed(tensor.shape), reversed(tensor.stride()), strict=True):
+        if stride != expected:
+            return False
+        expected *= max(size, 1)
+    return True
 
 
 def named_state(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:

@@ -9,7 +9,7 @@ import torch
 from fxpipe import meta
 from fxpipe.frontend import trace
 from fxpipe.kernels import Execution
-from fxpipe.metadevice import on_meta
+from fxpipe.metadevice import on_meta, to_meta
 from fxpipe.passes import AnalysisError, annotate_flops, annotate_memory, annotate_shapes
 from fxpipe.precision import Precision
 from tests.passes.test_flops import import_example
@@ -134,3 +134,32 @@ def test_a_module_of_several_names_gets_its_own_parameters_back() -> None:
     traced = trace(model, (torch.randint(0, 10, (2, 3)),))
     annotate_memory(traced.gm, *traced.flat_inputs)
     assert model.shared.weight is weight and model.head.weight is weight
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_a_meta_copy_has_the_strides_empty_like_gives(device: str) -> None:
+    """``to_meta`` makes a row-major tensor with ``torch.empty`` (empty_like runs a Python
+    decomposition on meta, 25x slower) and any other with empty_like: the copies have
+    empty_like's shape, strides, dtype and grad either way, also where a size-1
+    dimension leaves the strides ambiguous (channels-last, a (1, k) of stride (100, 1))."""
+    base = torch.empty(2, 3, 4, 5, device=device)
+    tensors = [
+        torch.empty(3, 4, device=device), torch.empty((), device=device),
+        torch.empty(0, 3, device=device), torch.empty(2, 1, 1, device=device),
+        torch.nn.Parameter(torch.empty(4, 1, device=device)),
+        torch.empty_strided((1, 4), (100, 1), device=device),
+        torch.empty_strided((4, 1), (1, 7), device=device),
+        base.to(memory_format=torch.channels_last), base.transpose(0, 1), base[:, :, ::2],
+        torch.empty(2, 3, 1, 1, device=device).to(memory_format=torch.channels_last),
+        torch.empty(2, 1, 4, 4, device=device).to(memory_format=torch.channels_last),
+        torch.empty(3, 4, dtype=torch.int64, device=device),
+    ]
+    for tensor in tensors:
+        for dtype in (None, torch.float16):
+            copy = to_meta(tensor, dtype=dtype)
+            floating = tensor.is_floating_point()
+            want = torch.empty_like(tensor, dtype=dtype if floating else None, device="meta")
+            assert copy.is_meta and type(copy) is torch.Tensor
+            assert (copy.shape, copy.stride(), copy.dtype) == (want.shape, want.stride(),
+                                                               want.dtype), tensor.stride()
+            assert copy.requires_grad == (floating and tensor.requires_grad)
