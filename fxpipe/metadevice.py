@@ -232,12 +232,20 @@ def _alike(a: torch.nn.Module, b: torch.nn.Module) -> bool:
             and state(a) == state(b))
 
 
-def fresh_like(value: Any) -> Any:
+def fresh_like(value: Any, *, exact: bool = False) -> Any:
     """``value`` with every tensor leaf replaced by a new storage-less one of the same
     shape, strides, dtype, device and ``requires_grad`` (not a leaf, so in-place ops on it
-    stay legal)."""
+    stay legal). One that requires grad and has gaps between its elements (a slice,
+    ``split``'s parts) comes back dense, unless ``exact``: then it is a view with its
+    strides, as a copied layer's values must be for the nodes after them to see the
+    inputs the copied layer's did (``MetaRunner``)."""
 
     def fresh(t: torch.Tensor) -> torch.Tensor:
+        if exact and t.requires_grad and not t.is_contiguous() and t.numel() > 0:
+            span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(),
+                                                                      strict=True))
+            base = torch.empty(span, dtype=t.dtype, device=t.device).requires_grad_().clone()
+            return base.as_strided(t.shape, t.stride())
         made = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
         return made.requires_grad_().clone() if t.requires_grad else made
 
@@ -301,13 +309,13 @@ class MetaRunner(torch.fx.Interpreter):
         given = self._input_specs(n)
         ran = self.copy_runs.get(template) if template is not None else None
         if ran is not None and _equal(ran[0], given):
-            return fresh_like(ran[1])
+            return fresh_like(ran[1], exact=True)
         result = super().run_node(n)
         # a result fresh_like cannot remake (a sparse tensor) leaves the copies to run
         if n in self.copied and _equal(given, self._input_specs(n)) and all(
                 t.layout == torch.strided for t in pytree.tree_leaves(result)
                 if isinstance(t, torch.Tensor)):
-            self.copy_runs[n] = (given, fresh_like(result))
+            self.copy_runs[n] = (given, fresh_like(result, exact=True))
         return result
 
     def _input_specs(self, n: torch.fx.Node) -> list[Any]:

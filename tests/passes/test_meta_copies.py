@@ -119,3 +119,58 @@ def test_the_trace_check_and_probes_run_a_repeated_layer_once(monkeypatch: Any) 
     monkeypatch.setattr(symbolic, "_copies", lambda gm, model: {})
     _, _, every_node = symbolic.symbolic_graph(_ConvStack(), (x,), {})
     assert shapes == every_node
+
+
+class _SplitBlock(torch.nn.Module):
+    """Attention's ``qkv(x).split``: parts with gaps between their rows, that require
+    grad, viewed and transposed after."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = torch.nn.Linear(8, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).split(8, dim=-1)
+        q = q.view(2, 4, 2, 4).transpose(1, 2)
+        return x + (q.transpose(1, 2).reshape(2, 4, 8) * k + v)
+
+
+class _SplitStack(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_SplitBlock() for _ in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_copied_value_keeps_the_strides_of_the_value_it_copies() -> None:
+    """A copy's value has the copied node's strides, also a ``split`` part with gaps: the
+    nodes after it then see the inputs the copied layer's did and are taken as copies
+    too (dense stand-ins made each copied layer run its ``getitem``, ``view`` and
+    ``transpose`` again); the run's result is the run of every node's."""
+    torch.manual_seed(0)
+    model, x = _SplitStack(), torch.randn(2, 4, 8)
+    gm = trace(model, (x,)).gm
+    copies = copied_from(gm)
+    assert len(copies) == 4 * sum(1 for n in gm.graph.nodes if n in copies.values()) > 0
+    ran: list[str] = []
+
+    class Noting(MetaRunner):
+        def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+            ran.append(getattr(target, "__name__", str(target)))
+            return super().call_function(target, args, kwargs)
+
+        def call_method(self, target: Any, args: Any, kwargs: Any) -> Any:
+            ran.append(target)
+            return super().call_method(target, args, kwargs)
+
+    out = Noting(gm, copies=copies).run_on_meta(x)
+    once = len(ran)
+    ran.clear()
+    every = Noting(gm).run_on_meta(x)
+    assert _specs(out) == _specs(every)
+    per_layer = len(ran) // 6
+    assert once == 2 * per_layer  # blocks 0 and 1; blocks 2..5 copy block 1
