@@ -199,6 +199,8 @@ class _MemoryCount(MetaInterpreter):
         def spec(t: torch.Tensor) -> tuple[Any, ...]:
             return (t.shape, t.stride(), t.dtype, t.requires_grad, id(t) in self.state_ids)
 
+        if isinstance(value, torch.Tensor):  # the common case, without pytree's walk
+            return spec(value)
         return pytree.tree_map_only(torch.Tensor, spec, value)
 
     def _as_copy(self, n: torch.fx.Node, ran: _Ran) -> Any:
