@@ -256,3 +256,70 @@ def _broken_list() -> object:
     class Broken:
         path = property(lambda self: self.missing)  # AttributeError when read
     return Broken()
+
+
+class _Alternating(nn.Module):
+    """Blocks of one structure whose forward differs by a flag set at build time: even
+    ones tanh, odd ones sigmoid (sliding-window and full attention, every other layer);
+    ``scale_by_index`` makes each block read its own index instead."""
+
+    def __init__(self, index: int, scale_by_index: bool) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.index, self.scale_by_index = index, scale_by_index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.scale_by_index:
+            return self.linear(x) * (self.index + 1)
+        act = torch.tanh if self.index % 2 == 0 else torch.sigmoid
+        return act(self.linear(x)) + x
+
+
+class _AlternatingStack(nn.Module):
+    def __init__(self, scale_by_index: bool = False, every_output: bool = False) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_Alternating(i, scale_by_index) for i in range(7))
+        self.every_output = every_output
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        outputs = []
+        for block in self.blocks:
+            x = block(x)
+            outputs.append(x)
+        return torch.stack(outputs).sum() if self.every_output else x.sum()
+
+
+def _unmarked_records(model: nn.Module, x: torch.Tensor) -> list[tuple[object, ...]]:
+    gm = trace(model, (x,)).gm
+    for node in gm.graph.nodes:
+        node.meta.pop(meta.COPY_OF.name, None)
+    return _records(gm, x)
+
+
+@pytest.mark.parametrize("every_output", [False, True], ids=["last output", "every output"])
+def test_alternating_layers_are_copies_of_the_first_layer_of_their_phase(
+        every_output: bool) -> None:
+    """Period 2: blocks 3, 5 copy block 1 and blocks 4, 6 block 2 (block 0 reads the
+    model's input, the first of its phase that reads a layer's); a model that reads every
+    block's output copies them alike. The records are those of running every node."""
+    torch.manual_seed(0)
+    model, x = _AlternatingStack(every_output=every_output), torch.randn(4, 8)
+    gm = trace(model, (x,)).gm
+    copies = {c.name: t.name for c, t in copied_from(gm).items()}
+    of_block = {f"blocks_{k}_linear": k for k in range(7)}
+    linear_copies = {of_block[c]: of_block[t] for c, t in copies.items() if c in of_block}
+    assert linear_copies == {3: 1, 4: 2, 5: 1, 6: 2}
+    assert len(copies) == 4 * 3  # linear, activation, add of blocks 3..6
+    assert _copies_taken(gm, x)  # the passes take them
+    assert _records(gm, x) == _unmarked_records(model, x)
+
+
+def test_layers_that_read_their_index_are_no_copies() -> None:
+    """Each block multiplies by its own index + 1, a constant symbolic_trace writes into
+    its graph: no two blocks have one graph, so none is named a copy."""
+    torch.manual_seed(0)
+    model, x = _AlternatingStack(scale_by_index=True), torch.randn(4, 8)
+    gm = trace(model, (x,)).gm
+    assert mark_copies(gm, model) == 0
+    assert copied_from(gm) == {}
+    assert _records(gm, x) == _unmarked_records(model, x)
