@@ -30,14 +30,14 @@ EXAMPLES = ("gpt", "hf_bert", "hf_gpt2", "hf_llama", "hf_t5", "hf_vit", "llama",
             "resnet", "unet")
 GPIPE = ("--memory 16GiB --optimizer sgd-momentum --recompute all --device v100")
 SPLITS = {
-    **{f"{name}-{gpus}": f"examples/{name}.py --gpus {gpus}"
+    **{f"{name}-{gpus}": f"examples/{name}.py --gpus {gpus} --pp {gpus}"
        for name in EXAMPLES for gpus in (4, 8)},
-    "gpipe-103": f"bench/gpipe_transformer.py:layers_103 --gpus 8 {GPIPE} --schedule gpipe "
+    "gpipe-103": f"bench/gpipe_transformer.py:layers_103 --gpus 8 --pp 8 {GPIPE} --schedule gpipe "
                  "--microbatches 32",
-    "gpipe-415": f"bench/gpipe_transformer.py:layers_415 --gpus 32 {GPIPE} --schedule gpipe "
-                 "--microbatches 32",
-    "gpipe-1663": f"bench/gpipe_transformer.py:layers_1663 --gpus 128 {GPIPE} --schedule 1f1b "
-                  "--microbatches 128",
+    "gpipe-415": f"bench/gpipe_transformer.py:layers_415 --gpus 32 --pp 32 {GPIPE} "
+                 "--schedule gpipe --microbatches 32",
+    "gpipe-1663": f"bench/gpipe_transformer.py:layers_1663 --gpus 128 --pp 128 {GPIPE} "
+                  "--schedule 1f1b --microbatches 128",
 }
 
 

@@ -5,7 +5,7 @@ through ``fxpipe.cli.main``. Run it on one core so that no step forks a child (`
 does not where one core is all the process has) and the phases add up to the CPU::
 
     taskset -c 0 python bench/split_phases.py split bench/gpipe_transformer.py:layers_1663 \\
-        --gpus 128 --memory 16GiB --optimizer sgd-momentum --recompute all --device v100 \\
+        --gpus 128 --pp 128 --memory 16GiB --optimizer sgd-momentum --recompute all --device v100 \\
         --schedule 1f1b --microbatches 128 --out /tmp/x
 
 cProfile inflates the per-node Python of the meta runs several times over, so its shares
