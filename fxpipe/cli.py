@@ -360,8 +360,8 @@ def _layouts_table(layout: Layout) -> Table:
 
     tp_column = any(row.tp > 1 for row in layout.considered)
     proved = "proved the fastest" if layout.proved else "the fastest found"
-    table = Table(title=f"layout: {layout_sentence(layout)}, {proved} of "
-                  f"{len(layout.considered)}")
+    searched = sum(row.status != "by hand" for row in layout.considered)
+    table = Table(title=f"layout: {layout_sentence(layout)}, {proved} of {searched}")
     columns = ["stages", "data-parallel", *(["tensor-parallel"] * tp_column), "mode",
                "micro-batches", "step", "bound", "max memory", "outcome"]
     for column in columns:

@@ -39,6 +39,7 @@ from fxpipe.partition.layout import (
     layout_step,
     pipeline_crosses_hosts,
     search,
+    split_step,
     sync_crosses_hosts,
     sync_link,
     totals,
@@ -149,6 +150,10 @@ def choose(traced: Traced, options: SplitOptions, *,
     rows = tuple(LayoutRow(pp=t.p, dp=t.d, dp_mode=t.mode, microbatches=t.m, status=t.status,
                            step_s=t.step_s, bound_s=t.bound_s, max_memory=t.max_memory,
                            why=t.why, tp=t.t) for t in tried)
+    # pure FSDP as a person would run it, whether or not the search had it (--pp pinned)
+    pure = ((1, cluster.gpus, "fsdp", steps_microbatches // cluster.gpus, 1)
+            if steps_microbatches % cluster.gpus == 0 else None)
+    rows += _by_hand(cluster, final, chosen, pure, lambda lay: problem(of(*lay)))
     # proved best under the cost model: its own split is, and every other layout that
     # fits is bounded (by its bound or its solver's) at no better a step
     proved = final.report.status == "OPTIMAL" and all(
@@ -244,6 +249,40 @@ def _tp_degrees(cluster: Cluster, asked: int | None, split: TensorParallel) -> l
         raise ValueError(f"--tp {asked} does not divide {why}: use one of "
                          f"{', '.join(map(str, usable))}")
     return [asked]
+
+
+def _by_hand(cluster: Cluster, final: Partition, chosen: Tried,
+             pure: tuple[int, int, str, int, int] | None,
+             problem: Callable[[tuple[int, int, str, int, int]], Problem]
+             ) -> tuple[LayoutRow, ...]:
+    """The layouts a person would pick by hand, planned as they would run, beside the
+    chosen one: its degrees with torchtitan's layer-count cuts (the pipeline's
+    uniform-layers baseline), and pure FSDP (one stage, the whole model on every GPU),
+    where the chosen layout is neither."""
+    rows = []
+    cuts = final.baseline_splits.get("uniform-layers")
+    if chosen.p > 1 and cuts is not None:
+        link = sync_link(cluster, chosen.p, chosen.t)
+        step, _, evaluation = split_step(final.problem, cuts, chosen.d, link)
+        rows.append(LayoutRow(
+            pp=chosen.p, dp=chosen.d, dp_mode=chosen.mode, microbatches=chosen.m,
+            status="by hand", step_s=step, bound_s=step,
+            max_memory=evaluation.estimate.max_memory, tp=chosen.t,
+            why="torchtitan's layer-count cuts" + _unfit(evaluation.estimate.fits)))
+    if pure is not None and (chosen.p, chosen.mode, chosen.t) != (1, "fsdp", 1):
+        whole = problem(pure)
+        if whole.num_stages == 1:  # (not where each GPU holds v stage modules)
+            step, _, evaluation = split_step(whole, (0,) * len(whole.nodes), pure[1],
+                                             sync_link(cluster, 1))
+            rows.append(LayoutRow(
+                pp=1, dp=pure[1], dp_mode="fsdp", microbatches=pure[3], status="by hand",
+                step_s=step, bound_s=step, max_memory=evaluation.estimate.max_memory,
+                why="pure FSDP" + _unfit(evaluation.estimate.fits)))
+    return tuple(rows)
+
+
+def _unfit(fits: bool) -> str:
+    return "" if fits else ", over the memory limit"
 
 
 def _quickly(solve: Callable[..., Partition], options: SplitOptions, slowest: float | None,

@@ -183,7 +183,9 @@ class LayoutRow:
     dp: int  # pipelines, data-parallel
     dp_mode: str  # "fsdp" or "ddp" (torch's FSDP2 or DDP over the d copies of a stage)
     microbatches: int  # per pipeline per step
-    status: str  # "chosen", "solved", "pruned" (its bound is no better), "no fit", "invalid"
+    # "chosen", "solved", "pruned" (its bound is no better), "no fit", "invalid"; "by hand":
+    # a layout people pick, planned as it runs (``why`` says which; its bound is its step)
+    status: str
     step_s: float | None = None  # predicted step (None: not solved)
     bound_s: float = 0.0  # a step no split of it can beat
     max_memory: int | None = None  # the largest GPU's bytes (None: not solved)

@@ -1,10 +1,12 @@
-"""fxpipe split with the cluster flags: the layout searched, pinned, written and refused."""
+"""fxpipe split's layouts: searched, pinned, written and refused."""
 
 from __future__ import annotations
 
 import json
 import re
 from pathlib import Path
+
+import pytest
 
 from tests._cli import fxpipe
 
@@ -106,6 +108,35 @@ def test_without_the_cluster_flags_the_search_chooses_the_layout(tmp_path: Path)
     assert plan["num_stages"] == layout["pp"] and layout["pp"] * layout["dp"] == 4
     one = _split(tmp_path / "one", "--pp", "4")
     assert (one["num_stages"], one["layout"]["dp"]) == (4, 1)
+
+
+def test_the_layouts_picked_by_hand_are_planned_as_they_run(tmp_path: Path) -> None:
+    """Beside the chosen layout, plan.json and the report give the ones a person would pick:
+    its degrees with torchtitan's layer-count cuts (the pipeline's uniform-layers baseline
+    plus the same sync) and pure FSDP, priced as the search prices its own (with --pp
+    pinned too, where pure FSDP was never a candidate)."""
+    pinned = _split(tmp_path / "pinned", "--pp", "4")
+    rows = {row["why"]: row for row in pinned["layout"]["considered"]
+            if row["status"] == "by hand"}
+    assert set(rows) == {"torchtitan's layer-count cuts", "pure FSDP"}
+    uniform = pinned["baselines"]["uniform-layers"]
+    layer_count = rows["torchtitan's layer-count cuts"]
+    assert (layer_count["pp"], layer_count["dp"]) == (4, 1)
+    assert layer_count["step_s"] == pytest.approx(
+        uniform["iteration_s"] + pinned["layout"]["sync_s"])
+    assert layer_count["max_memory"] == uniform["max_memory"]
+    assert layer_count["step_s"] > pinned["layout"]["step_s"]  # fxpipe's cuts beat it here
+    searched = _split(tmp_path / "searched")
+    pure = [row for row in searched["layout"]["considered"]
+            if (row["pp"], row["dp_mode"]) == (1, "fsdp") and row["status"] != "by hand"]
+    assert pure and pure[0]["status"] == "chosen"  # what the search found for pp 1
+    assert rows["pure FSDP"]["step_s"] == pytest.approx(pure[0]["step_s"])
+    assert rows["pure FSDP"]["max_memory"] == pure[0]["max_memory"]
+    # the chosen layout is pure FSDP: nothing else to pick by hand
+    assert not [row for row in searched["layout"]["considered"] if row["status"] == "by hand"]
+    report = (tmp_path / "pinned" / "out" / "report.md").read_text()
+    assert "by hand: torchtitan's layer-count cuts |" in report
+    assert "by hand: pure FSDP |" in report
 
 
 def test_the_command_prints_every_layout_it_considered(tmp_path: Path) -> None:

@@ -49,6 +49,7 @@ from typing import Any
 from fxpipe.collectives import ring_allreduce_s
 from fxpipe.partition.cost import NodeCosts, state_split
 from fxpipe.partition.errors import InfeasibleMemoryError
+from fxpipe.partition.evaluate import Evaluation, evaluate
 from fxpipe.partition.problem import Problem
 
 __all__ = [
@@ -67,6 +68,7 @@ __all__ = [
     "search",
     "sharded",
     "slowest_sync_s",
+    "split_step",
     "sync_crosses_hosts",
     "sync_link",
     "sync_s",
@@ -238,9 +240,21 @@ class Tried:
 def layout_step(result: Any, d: int, link: Link) -> tuple[float, float]:
     """(step, sync) of a solved layout: the pipeline's iteration, then the slowest
     stage's gradient sync over its d copies (``result``: the solver's Partition)."""
-    evaluation = result.evaluation
+    return _step(result.evaluation, result.problem, d, link)
+
+
+def split_step(problem: Problem, stage_of: Sequence[int], d: int, link: Link
+               ) -> tuple[float, float, Evaluation]:
+    """(step, sync, its evaluation) of the layout whose pipelines are cut as ``stage_of``
+    (a split a person would pick, priced as the solver's answer is)."""
+    evaluation = evaluate(problem, stage_of)
+    return (*_step(evaluation, problem, d, link), evaluation)
+
+
+def _step(evaluation: Evaluation, problem: Problem, d: int, link: Link
+          ) -> tuple[float, float]:
     stage_grads = grad_bytes([s.memory.params for s in evaluation.stages],
-                             result.problem.state_factor)
+                             problem.state_factor)
     sync = slowest_sync_s(stage_grads, d, link)
     return evaluation.estimate.iteration_s + sync, sync
 

@@ -15,6 +15,7 @@ _STATUS = {
     "pruned": "its bound is no better",
     "no fit": "no split fits",
     "invalid": "not valid",
+    "by hand": "by hand",
 }
 
 
@@ -127,9 +128,10 @@ def layout_cells(row: LayoutRow, tp_column: bool = False) -> list[str]:
 
 
 def considered(layout: Layout) -> list[LayoutRow]:
-    """The layouts the search considered, the chosen one first, then by pipeline degree."""
-    return sorted(layout.considered, key=lambda r: (r.status != "chosen", r.pp, r.tp,
-                                                    r.dp_mode))
+    """The layouts the search considered, the chosen one first, then by pipeline degree;
+    last, the ones a person would pick by hand, as they would run."""
+    return sorted(layout.considered, key=lambda r: (r.status == "by hand", r.status != "chosen",
+                                                    r.pp, r.tp, r.dp_mode))
 
 
 def _link(which: str) -> str:
