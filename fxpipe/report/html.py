@@ -22,10 +22,10 @@ from html import escape
 
 import torch.fx
 
-from fxpipe.plan import Plan, StageMemory
+from fxpipe.plan import Layout, Plan, StageMemory
 from fxpipe.report.diagram import PALETTE
 from fxpipe.report.layers import Cut, Layer, cuts, stage_layers
-from fxpipe.report.layouts import layout_sentence
+from fxpipe.report.layouts import considered, layout_cells, layout_sentence
 from fxpipe.report.markdown import compared, overview, summary_rows
 from fxpipe.report.timeline import schedule_svg
 from fxpipe.units import format_bytes, format_ms
@@ -88,6 +88,7 @@ def render_html(plan: Plan, gm: torch.fx.GraphModule, *, depth: int,
         '<ul class="overview">', *(f"<li>{escape(line)}</li>" for line in overview(plan)),
         *([f"<li>layout: {escape(layout_sentence(plan.layout))}</li>"] if plan.layout else []),
         "</ul>",
+        *_layouts(plan.layout),
         "<h2>The model's layers, stage by stage</h2>",
         "<p>Each band is a stage, its rows the model's modules in the order they run; a "
         "layer a cut goes through lists the parts of it the stage holds. The bars are "
@@ -374,3 +375,22 @@ def _baselines_table(plan: Plan) -> str:
         for row in summary_rows(plan)
     ]
     return "\n".join(["<table>", f"<tr>{head}</tr>", *rows, "</table>"])
+
+
+def _layouts(layout: Layout | None) -> list[str]:
+    """The layouts the search considered and those a person would pick by hand (report.md's
+    table), where there is more than the chosen one."""
+    if layout is None or len(layout.considered) < 2:
+        return []
+    tp_column = any(row.tp > 1 for row in layout.considered)
+    columns = ["pipeline stages", "data-parallel", *(["tensor-parallel"] * tp_column), "mode",
+               "micro-batches", "predicted step", "bound", "max memory", "outcome"]
+    head = "".join(f"<th>{escape(c)}</th>" for c in columns)
+    rows = ["<tr>" + "".join(f"<td>{escape(cell)}</td>" for cell in layout_cells(row, tp_column))
+            + "</tr>" for row in considered(layout)]
+    return ["<h2>Layouts</h2>",
+            "<p>Each layout of the GPUs the search considered, the chosen one first; one whose "
+            "bound was no better than the chosen step was not planned and shows its bound "
+            "alone. Last, the layouts a person would pick by hand, planned as they would "
+            "run.</p>",
+            "<table>", f"<tr>{head}</tr>", *rows, "</table>"]

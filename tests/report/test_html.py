@@ -78,6 +78,23 @@ def test_the_page_stands_alone_and_draws_four_charts(gpt: tuple[Traced, Plan, Pa
     assert "[report.html](report.html)" in (out / "report.md").read_text(encoding="utf-8")
 
 
+def test_the_page_shows_the_layouts_considered_and_picked_by_hand(
+        gpt: tuple[Traced, Plan, Path]) -> None:
+    _, plan, out = gpt
+    assert plan.layout is not None
+    text = (out / "report.html").read_text(encoding="utf-8")
+    page = _page(text)
+    heading = [h for h in page.iter("h2") if h.text == "Layouts"]
+    assert heading, "no Layouts section"
+    table = next(t for t in page.iter("table")
+                 if any(th.text == "pipeline stages" for th in t.iter("th")))
+    rows = [[td.text for td in tr.iter("td")] for tr in table.iter("tr")][1:]
+    assert len(rows) == len(plan.layout.considered)
+    assert rows[0][-1] == "chosen" and rows[0][:2] == [str(plan.layout.pp), str(plan.layout.dp)]
+    assert {row[-1] for row in rows if row[-1].startswith("by hand")} == {
+        "by hand: pure FSDP", "by hand: torchtitan's layer-count cuts"}
+
+
 def test_the_page_is_the_same_from_a_new_interpreter(gpt: tuple[Traced, Plan, Path],
                                                       tmp_path: Path) -> None:
     _, _, out = gpt
