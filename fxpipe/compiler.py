@@ -33,6 +33,7 @@ from torch.utils import _pytree as pytree
 from fxpipe import advice, calibration, cluster
 from fxpipe.codegen import generate
 from fxpipe.codegen.build_check import check_builds
+from fxpipe.codegen.package import pairs_run_whole
 from fxpipe.cost_models import Device, analytic, measured
 from fxpipe.frontend import ModelSource, Traced, load_model_file, trace_source
 from fxpipe.loss_reduction import summed_loss_note
@@ -263,7 +264,7 @@ def plan_split(
             f"inputs without a batch dimension, handed whole to every micro-batch: "
             f"{', '.join(traced.shared_inputs)} ({traced.batching})"
         )
-    return build_plan(
+    plan = build_plan(
         lowered,
         result.problem,
         evaluation,
@@ -279,6 +280,16 @@ def plan_split(
         shared_inputs=traced.shared_inputs,
         layout=layout,
     )
+    whole = pairs_run_whole(traced.gm, plan)
+    if whole:  # the plan divides their work by t; say so, it is not what runs
+        assert layout is not None
+        plan = replace(plan, notes=(*plan.notes, (
+            f"{len(whole)} of {layout.tp_pairs} tensor-parallel pairs run whole on each of "
+            f"the {layout.tp} GPUs of their stage (an op between them the stage code cannot "
+            f"split on local shares, or a weight a tie keeps whole: {', '.join(whole[:4])}"
+            f"{', ...' * (len(whole) > 4)}), where the plan divides their work by "
+            f"{layout.tp}: those stages take longer and hold more than predicted")))
+    return plan
 
 
 def _solve(lowered_for: Callable[[SplitOptions], Lowered],

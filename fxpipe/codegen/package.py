@@ -38,7 +38,7 @@ from fxpipe.codegen.stages import (
     stage_source,
     wrap_line,
 )
-from fxpipe.codegen.tensor_parallel import stage_local_pairs
+from fxpipe.codegen.tensor_parallel import stage_local_pairs, whole_pairs
 from fxpipe.codegen.torchrun import (
     distributed_source,
     kind_spec,
@@ -54,7 +54,19 @@ from fxpipe.forked import FORK_MIN_NODES, Forked
 from fxpipe.frontend import Traced
 from fxpipe.plan import Plan
 
-__all__ = ["generate", "runner_header", "runtime_files", "tied_parameters", "wires"]
+__all__ = ["generate", "pairs_run_whole", "runner_header", "runtime_files", "tied_parameters",
+           "wires"]
+
+
+def pairs_run_whole(gm: torch.fx.GraphModule, plan: Plan) -> list[str]:
+    """The tensor-parallel pairs the package of ``plan`` runs whole on every GPU of their
+    stage (``codegen/local_shards.py`` cannot follow the ops between them, or a tie keeps a
+    weight whole): none at t = 1."""
+    if plan.layout is None or plan.layout.tp == 1:
+        return []
+    ios = stage_io(gm.graph, plan)
+    return whole_pairs(gm, ios, stage_local_pairs(gm, ios, tied_parameters(gm, ios),
+                                                  plan.layout.tp))
 
 
 def generate(traced: Traced, plan: Plan) -> dict[str, str]:

@@ -35,7 +35,8 @@ from fxpipe.passes.base import OP_NODES
 from fxpipe.passes.tensor_parallel import annotate_tensor_parallel, embedding_rows, op_name
 from fxpipe.plan import Plan
 
-__all__ = ["claims", "parameter_splits", "stage_local_pairs", "tensor_parallel_lines"]
+__all__ = ["claims", "parameter_splits", "stage_local_pairs", "tensor_parallel_lines",
+           "whole_pairs"]
 
 # the dim of an (out, in) weight each role splits: rows (out features) or columns (in)
 _OUT, _IN = 0, 1
@@ -77,15 +78,22 @@ def tensor_parallel_lines(gm: torch.fx.GraphModule, plan: Plan, ios: list[StageI
     return lines + _whole_pairs(gm, ios, pairs)
 
 
-def _whole_pairs(gm: torch.fx.GraphModule, ios: list[StageIO],
-                 pairs: list[LocalStage]) -> list[str]:
-    """A comment naming the pairs each GPU runs whole (on DTensors with global shapes)
-    though the plan divides them: none where every pair runs on local shares."""
+def whole_pairs(gm: torch.fx.GraphModule, ios: list[StageIO],
+                pairs: list[LocalStage]) -> list[str]:
+    """The pairs (their row op's module, or name) each GPU of a stage runs whole, on
+    DTensors with global shapes, though the plan divides them."""
     by_name = {n.name: n for n in gm.graph.nodes}
     local = {pair.row for stage in pairs for pair in stage.pairs}
-    whole = [meta.MODULE.get(by_name[name]).path or name for io in ios for name in io.nodes
-             if meta.SHARD.has(by_name[name]) and meta.SHARD.get(by_name[name]).role == "row"
-             and name not in local]
+    return [meta.MODULE.get(by_name[name]).path or name for io in ios for name in io.nodes
+            if meta.SHARD.has(by_name[name]) and meta.SHARD.get(by_name[name]).role == "row"
+            and name not in local]
+
+
+def _whole_pairs(gm: torch.fx.GraphModule, ios: list[StageIO],
+                 pairs: list[LocalStage]) -> list[str]:
+    """A comment naming the pairs each GPU runs whole (``whole_pairs``): none where every
+    pair runs on local shares."""
+    whole = whole_pairs(gm, ios, pairs)
     if not whole:
         return []
     return ["# pairs run whole on every GPU of a stage (ops between them the stage code",

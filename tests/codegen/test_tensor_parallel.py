@@ -7,6 +7,7 @@ tests/distributed/test_tensor_parallel_torchrun.py."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -173,5 +174,12 @@ def test_a_package_names_the_pairs_that_run_whole(tmp_path: Path) -> None:
         distributed = (out / "distributed.py").read_text()
         assert ("# pairs run whole on every GPU" in distributed) == whole
         assert ("tp_share(" in (out / "stage0.py").read_text()) != whole
+        # and the plan's notes say so, with report.md: its prediction is not what runs
+        notes = json.loads((out / "plan.json").read_text())["notes"]
+        said = [note for note in notes if "tensor-parallel pairs run whole" in note]
+        assert bool(said) == whole, notes
         if whole:
             assert "\n# down\n" in distributed
+            assert said[0].startswith("1 of 1 tensor-parallel pairs run whole on each of the 2")
+            assert "(down)" not in said[0] and ": down)" in said[0]
+            assert said[0] in (out / "report.md").read_text().replace("\n", " ")
