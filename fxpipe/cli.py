@@ -477,7 +477,8 @@ def _worded(exc: ValueError, stages_flag: str = "--pp") -> str:
                 "stages cannot balance; use --schedule 1f1b, or untie the parameter")
     if isinstance(exc, NoLayoutFits):
         inner = exc.error
-        fixes = _memory_fixes(inner, more_gpus=exc.fits_on is None)
+        # more GPUs: the layout that fits on the fewest, or none up to exc.searched
+        fixes = _memory_fixes(inner, more_gpus=False)
         if exc.fits_on is not None:  # more GPUs: the layout that fits on the fewest
             fixes.insert(0, exc.flags())
             where = f"; it fits on {exc.fits_on[0]} GPUs as {exc.fits_on[1]}"

@@ -346,7 +346,10 @@ class NoLayoutFits(ValueError):
             # a pipeline's GPUs that fit it at a leaner precision, as the step's
             precision_gpus=None if raw.precision_gpus is None
             else raw.precision_gpus * dp * options.tensor_parallel,
-            fits_on=None if fits_on is not None else raw.fits_on)
+            # the solver's "fits on N GPUs" counts one pipeline's stages at its d and M, not
+            # the job's GPUs: said as --gpus N it was wrong ("--gpus 4" for a job of 64);
+            # the layouts on more GPUs are ``fits_on``'s, searched as the job would run
+            fits_on=None)
         fixes = str(self.error).split("; to fit, ", 1)[-1]
         if fits_on is None:
             super().__init__(f"{self.head()}, and no layout fits on up to {self.searched} "

@@ -149,3 +149,25 @@ def test_an_op_too_big_for_one_gpu_rules_out_every_gpu_count(
     for fix in _fixes(err.strip()):
         code, again = _split(tmp_path, model, _with(flags, fix), capsys)
         assert code == 0, (fix, again)
+
+
+def test_a_layouts_fix_never_names_one_pipelines_gpu_count_as_the_jobs() -> None:
+    """The solver's "fits on 4 GPUs" for the leanest layout counts its pipeline's stages (at
+    its d and M): the command line must not say "--gpus 4" for a job of 64 GPUs (it did,
+    with --pp 2 --tp 8 on Llama-3-70B)."""
+    from fxpipe import cli
+    from fxpipe.cluster import NoLayoutFits
+    from fxpipe.cost_models import get_device
+    from fxpipe.options import SplitOptions
+    from fxpipe.partition import InfeasibleMemoryError
+
+    raw = InfeasibleMemoryError(devices=2, limit=80 * 2**30, needed=127.7 * 2**30, fits_on=4,
+                                microbatches=64)
+    options = SplitOptions(gpus=2, device=get_device("h100"), memory_limit=80 * 2**30,
+                           microbatches=64, tensor_parallel=8)
+    error = NoLayoutFits(64, 8, "2 pipeline stages x 4 data-parallel (fsdp)", raw, None,
+                         options, 4)
+    worded = cli._worded(error)
+    assert "--gpus" not in worded.split("; use ")[1], worded
+    assert worded.endswith("; use --memory 127.7GiB"), worded
+    assert "use 4 GPUs" not in str(error), str(error)
