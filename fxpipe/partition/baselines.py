@@ -215,6 +215,12 @@ def min_max_dp(blocks: Blocks, n: int, *, upper_s: float, allow_empty: bool
         low = 1 if gap == 0 and first == 0 else (int(live[0]) + 1 if live.size else K)
         high = K - 1 - needed[end]
         stages = np.concatenate(([0], np.arange(low, max(high + 1, low))))
+        if stages.size == 1:  # only stage 0 can end here, and it starts at 0
+            if first > 0:
+                if last.max() < 0:  # nothing ever fitted: no later end can be reached
+                    break
+                continue
+            starts = starts[:1]
         # bytes made in [start, end) and read at or after it (whole bytes: exact sums)
         made = np.append(np.cumsum(alive[first:end][::-1])[::-1], 0.0)[:starts.size]
         sent = blocks.outputs(end, starts, made)
