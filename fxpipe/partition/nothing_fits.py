@@ -21,6 +21,7 @@ from fxpipe.partition.coarsen import coarsen as coarsen_graph
 from fxpipe.partition.cost import NodeCosts, memory_parts
 from fxpipe.partition.errors import InfeasibleMemoryError
 from fxpipe.partition.evaluate import evaluate, violations
+from fxpipe.partition.grain import block_grain
 from fxpipe.partition.ilp import StageModel
 from fxpipe.partition.problem import Problem, Recompute
 from fxpipe.plan import StageRecompute
@@ -90,10 +91,15 @@ def infeasible(problem: Problem, exact: Coarsening, *, work_limit: float,
 
 def dp_fits(problem: Problem) -> bool:
     """Whether the interval DP finds a split of ``problem`` within its memory limit: fast
-    (no CP-SAT), and a split it finds fits for sure, so a fix it confirms is real."""
+    (no CP-SAT), and a split it finds fits for sure, so a fix it confirms is real. First
+    over the model's blocks (``grain.py``: a few hundred for a transformer of thousands
+    of groups), then, where none of those splits fits, over the capped coarse graph."""
     exact = exact_groups(problem)
     if exact.num_coarse < problem.num_stages:
         return False
+    grain = block_grain(exact)
+    if grain is not None and interval_dp(grain) is not None:
+        return True
     return interval_dp(coarsen_graph(problem, base=exact)) is not None
 
 
