@@ -17,7 +17,8 @@ The steps, each in its own module:
 
 On a big exact program (BOUND_FIRST) the block bound (``bound.py``) runs beside the
 interval DP first, and where the DP's split is within PROVED of it (GAP on a program too
-big for CP-SAT to help, LARGE_MODEL) no CP-SAT solve runs.
+big for CP-SAT to help, LARGE_MODEL; any gap on one far too big, HUGE_MODEL) no CP-SAT
+solve runs.
 
 The last solve works on the exact groups, so the bound and gap it proves are for
 the real problem, and whatever the coarse graph lost is won back there. Where it does
@@ -89,6 +90,12 @@ LARGE_MODEL = 40_000
 # Llama-3-8B onto 8 (1,946 x 8): CP-SAT proves the DP's split in 1.7 s; the bound, beside
 # the DP, proves it within PROVED in 0.9 s.
 BOUND_FIRST = 10_000
+# Placement variables beyond which no CP-SAT solve runs at all where one GPU runs each
+# stage: the interval DP's split stands, with the block bound's gap, however wide. Building
+# the programs alone takes tens of seconds there, and they found nothing: Llama-3-405B at
+# bf16-mixed onto 32 stages (6,830 x 32), 129 s of CP-SAT left the DP's split and its
+# 1.65 % gap as they were; onto 128 (x 128), 773 s and 6.4 GiB left its 36.3 %.
+HUGE_MODEL = 200_000
 # A bound this close below a split proves it optimal. CP-SAT's own OPTIMAL is exact for
 # its scaled rows only, which sit 0.01-0.15 % off the real costs on the HF shapes.
 PROVED = 1e-4
@@ -206,7 +213,7 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
                                             bound_s=bound_s, hint=hint)
     if quick and lower is None:  # a problem too small to bound first: its DP all the same
         _add_dp_split(problem, exact, candidates)
-    settled = settled or quick
+    settled = settled or quick or (_huge(problem, exact) and bool(candidates))
     if lower == math.inf:  # not even the block bound's relaxation fits: proved
         raise infeasible()
     level = exact  # the coarse graph is not needed when the bound settles it
@@ -285,6 +292,12 @@ def _bounded_first(problem: Problem, exact: Coarsening) -> bool:
 def _large(problem: Problem, exact: Coarsening) -> bool:
     """Whether the exact model is too big for CP-SAT to help (see LARGE_MODEL)."""
     return exact.num_coarse * problem.num_stages > LARGE_MODEL
+
+
+def _huge(problem: Problem, exact: Coarsening) -> bool:
+    """Whether one GPU runs each stage and the exact model is too big for any CP-SAT
+    solve (see HUGE_MODEL)."""
+    return not _shared(problem) and exact.num_coarse * problem.num_stages > HUGE_MODEL
 
 
 def _shared_large(problem: Problem, exact: Coarsening) -> bool:
