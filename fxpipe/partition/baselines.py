@@ -217,7 +217,7 @@ def min_max_dp(blocks: Blocks, n: int, *, upper_s: float, allow_empty: bool
         stages = np.concatenate(([0], np.arange(low, max(high + 1, low))))
         if stages.size == 1:  # only stage 0 can end here, and it starts at 0
             if first > 0:
-                if last.max() < 0:  # nothing ever fitted: no later end can be reached
+                if not live.size:  # no stage ended at or after ``first``: none will
                     break
                 continue
             starts = starts[:1]

@@ -187,10 +187,13 @@ class NoSolutionError(ValueError):
     (``time_limit_s``) did first. ``limit``: the per-GPU memory every split had to fit, or
     None when memory was not the obstacle (the replicated search, which tries every stage
     count). ``leanest``: the per-GPU memory of the leanest split found (``min_memory``),
-    which fits for sure at that limit; None where it was not looked for."""
+    which fits for sure at that limit; None where it was not looked for. ``too_big``: the
+    placement variables of a program too big for CP-SAT (``solve.HUGE_MODEL``), where only
+    the interval DP looked: more work would not help there."""
 
     def __init__(self, *, devices: int, work_limit: float, time_limit_s: float,
-                 wall_clock: bool, limit: float | None, leanest: float | None = None) -> None:
+                 wall_clock: bool, limit: float | None, leanest: float | None = None,
+                 too_big: int | None = None) -> None:
         self.devices = devices
         self.work_limit = work_limit
         self.time_limit_s = time_limit_s
@@ -203,6 +206,10 @@ class NoSolutionError(ValueError):
                   else f"within a work limit of {work_limit:g}")
         more = "more time" if wall_clock else "more work"
         fix = f"allow the solver {more}" + ("" if limit is None else " or more memory")
+        if too_big is not None and limit is not None:
+            budget = (f"by the interval DP (a program of {too_big:,} placement variables is "
+                      f"too big for CP-SAT)")
+            fix = "allow more memory"
         if leanest is not None:
             fix += f" (the leanest split found needs {format_bytes(leanest)})"
         message = f"no split {where} was found {budget}; {fix}"

@@ -91,10 +91,12 @@ LARGE_MODEL = 40_000
 # the DP, proves it within PROVED in 0.9 s.
 BOUND_FIRST = 10_000
 # Placement variables beyond which no CP-SAT solve runs at all where one GPU runs each
-# stage: the interval DP's split stands, with the block bound's gap, however wide. Building
-# the programs alone takes tens of seconds there, and they found nothing: Llama-3-405B at
-# bf16-mixed onto 32 stages (6,830 x 32), 129 s of CP-SAT left the DP's split and its
-# 1.65 % gap as they were; onto 128 (x 128), 773 s and 6.4 GiB left its 36.3 %.
+# stage: the interval DP's split stands, with the block bound's gap, however wide, and
+# where the DP finds none, no split was found. Building the programs alone takes tens of
+# seconds there, and they found nothing: Llama-3-405B at bf16-mixed onto 32 stages
+# (6,830 x 32), 129 s of CP-SAT left the DP's split and its 1.65 % gap as they were; onto
+# 128 (x 128), 773 s and 6.4 GiB left its 36.3 %; GPipe's Transformer-L at 2,975 layers
+# onto 128 in 16 GiB, where the DP found no split, grew past 21.5 GB building one.
 HUGE_MODEL = 200_000
 # A bound this close below a split proves it optimal. CP-SAT's own OPTIMAL is exact for
 # its scaled rows only, which sit 0.01-0.15 % off the real costs on the HF shapes.
@@ -213,7 +215,7 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
                                             bound_s=bound_s, hint=hint)
     if quick and lower is None:  # a problem too small to bound first: its DP all the same
         _add_dp_split(problem, exact, candidates)
-    settled = settled or quick or (_huge(problem, exact) and bool(candidates))
+    settled = settled or quick or _huge(problem, exact)
     if lower == math.inf:  # not even the block bound's relaxation fits: proved
         raise infeasible()
     level = exact  # the coarse graph is not needed when the bound settles it
@@ -242,7 +244,9 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
                               time_limit_s=time_limit_s,
                               wall_clock=any(p.wall_clock_stopped for p in phases),
                               limit=problem.memory_limit,
-                              leanest=leanest if leanest > problem.memory_limit else None)
+                              leanest=leanest if leanest > problem.memory_limit else None,
+                              too_big=exact.num_coarse * problem.num_stages
+                              if _huge(problem, exact) else None)
 
     evaluation = evaluate(problem, best)
     if lower is None and result.status not in ("OPTIMAL", "INFEASIBLE"):  # not yet proved

@@ -223,3 +223,39 @@ def test_pipedream_tie_carries_its_share() -> None:
     assert (e.name, e.share, e.stages) == ("embed.weight", 1.0, 2)
     assert "100% of the model's time, and 2 stages cannot balance" in str(e)
     assert isinstance(e, ValueError) and "--" not in str(e)
+
+
+def test_no_cp_sat_program_beyond_huge_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The memory blow-up of GPipe's Transformer-L at 2,975 layers onto 128 (21.5 GB): the
+    interval DP found no split, the block bound proved none impossible, and CP-SAT's
+    program over 59,000 groups x 128 stages was built. Here on a small scale, with
+    HUGE_MODEL set below the program's size and a bound that proves nothing: no program
+    is built, and the error says only the DP looked."""
+    from fxpipe.partition import solve
+
+    built: list[int] = []
+
+    class Counted(solve.StageModel):  # type: ignore[misc]
+        def __init__(self, exact: object, **kwargs: object) -> None:
+            built.append(1)
+            super().__init__(exact, **kwargs)
+
+    monkeypatch.setattr(solve, "StageModel", Counted)
+    monkeypatch.setattr(solve, "HUGE_MODEL", 10)
+    monkeypatch.setattr(solve, "block_bound", lambda exact, upper_s=0.0: 0.0)
+    # 13 layers of 1 GiB on 3 GPUs of 4.5 GiB: no split fits (5 layers on one at least),
+    # the parameters spread evenly would (4.3 GiB), and the stand-in bound does not say
+    nodes = tuple(Node(f"n{i}", 1, 1, param_bytes=GiB) for i in range(13))
+    p = Problem(nodes, tuple(Edge(i, i + 1) for i in range(12)), num_stages=3,
+                memory_limit=4.5 * GiB, state_factor=1.0)
+    with pytest.raises(NoSolutionError) as caught:
+        partition(p, time_limit_s=10)
+    assert not built
+    assert "by the interval DP (a program of 39 placement variables is too big for CP-SAT)" \
+        in str(caught.value)
+    assert "allow more memory (the leanest split found needs" in str(caught.value)
+    # and where the DP has a split: it stands, with the bound's gap, and no program either
+    fits = partition(replace(p, memory_limit=8 * GiB), time_limit_s=10)
+    assert not built
+    assert fits.report.method == "interval-dp" and fits.phases == ()
+    assert fits.report.bound <= fits.report.objective
