@@ -102,3 +102,31 @@ def test_pruned_dp_equals_the_plain_dp_on_long_chains(problem: Problem) -> None:
     """The same on chains of up to 40 ops onto up to 12 stages, where most cells are
     left unpriced (starts beyond the upper bound, stages that cannot end there)."""
     _check(problem)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems())
+def test_the_leanest_block_prices_full_recompute_alone(problem: Problem) -> None:
+    """The leanest-split DP prices a block by its leanest recompute choice; where the
+    policy allows full recompute it prices that one alone: the same bytes as the least
+    over every choice, on every block and stage of random graphs (auto, selective levels
+    included)."""
+    from dataclasses import fields, replace
+
+    from fxpipe.partition.baselines import _LeanBlocks
+
+    problem = replace(problem, recompute=Recompute.AUTO, memory_limit=math.inf)
+    exact = exact_groups(problem)
+    blocks = Blocks.of(exact)
+    lean = _LeanBlocks(*(getattr(blocks, f.name) for f in fields(blocks)))
+    n, K = exact.num_coarse, problem.num_stages
+    assert len(blocks.options) > 1
+    for end in range(1, n + 1):
+        starts, stages = np.arange(0, end), np.arange(K)
+        made = np.array([sum(size for last, at, size in blocks.sends
+                             if a <= at < end and last >= end) for a in starts], dtype=float)
+        sent, peak = blocks.outputs(end, starts, made), blocks.peaks(end, starts)
+        every = np.min([blocks.memory(end, starts, stages, sent=sent, peak=peak, recompute=o)
+                        for o in blocks.options], axis=0)
+        got = lean.loads(end, starts, stages, sent=sent, peak=peak, allow_empty=True)
+        assert np.array_equal(got, every)
