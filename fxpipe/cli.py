@@ -499,7 +499,10 @@ def _worded(exc: ValueError, stages_flag: str = "--pp") -> str:
     if isinstance(exc, NoSolutionError):
         where = (f"onto {exc.devices} GPUs" if exc.limit is None
                  else f"that fits in {format_bytes(exc.limit)} per GPU")
-        if exc.wall_clock:
+        if exc.too_big is not None:  # only the interval DP looked: more work is no fix
+            found = f"by the interval DP (too big for CP-SAT: {exc.too_big:,} placements)"
+            fix = "use more --gpus"
+        elif exc.wall_clock:
             found, fix = f"in {exc.time_limit_s:g} s", "raise --time-limit"
         else:
             found, fix = f"within --work-limit {exc.work_limit:g}", "raise --work-limit"

@@ -184,7 +184,8 @@ def test_solver_errors_are_worded_with_the_flags(
         limit = None if replicate else 2**30
         raise NoSolutionError(devices=2, work_limit=work_limit, time_limit_s=time_limit_s,
                               wall_clock=time_limit_s < 1, limit=limit,
-                              leanest=1.5 * 2**30 if work_limit == 7 else None)
+                              leanest=1.5 * 2**30 if work_limit in (7, 8) else None,
+                              too_big=300_000 if work_limit == 8 else None)
 
     monkeypatch.setattr(compiler, "partition", out_of_work)
     monkeypatch.chdir(tmp_path)
@@ -201,6 +202,12 @@ def test_solver_errors_are_worded_with_the_flags(
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "fxpipe: error: no split that fits in 1.0 GiB per GPU was found within --work-limit "
         "7; the leanest found needs 1.5 GiB: raise --work-limit or use --memory 1.5GiB")
+    # where the program was too big for CP-SAT, more work is no fix
+    assert cli.main(["split", MLP, "--gpus", "2", "--work-limit", "8"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "fxpipe: error: no split that fits in 1.0 GiB per GPU was found by the interval DP "
+        "(too big for CP-SAT: 300,000 placements); the leanest found needs 1.5 GiB: use "
+        "more --gpus or use --memory 1.5GiB")
     assert not (tmp_path / "fxpipe-out").exists()
 
 

@@ -200,6 +200,7 @@ class NoSolutionError(ValueError):
         self.wall_clock = wall_clock
         self.limit = limit
         self.leanest = leanest
+        self.too_big = too_big
         where = (f"onto {devices} GPUs" if limit is None
                  else f"that fits in {format_bytes(limit)} per GPU")
         budget = (f"in {time_limit_s:g} s of wall clock" if wall_clock

@@ -62,6 +62,7 @@ from fxpipe.partition.nothing_fits import infeasible as nothing_fits
 from fxpipe.partition.problem import Problem
 from fxpipe.partition.reach import largest_block
 from fxpipe.partition.repair import repair
+from fxpipe.partition.verdict import PROVED, exact_report, replicated_report
 from fxpipe.plan import Estimate, SolverReport
 
 __all__ = [
@@ -98,9 +99,6 @@ BOUND_FIRST = 10_000
 # 128 (x 128), 773 s and 6.4 GiB left its 36.3 %; GPipe's Transformer-L at 2,975 layers
 # onto 128 in 16 GiB, where the DP found no split, grew past 21.5 GB building one.
 HUGE_MODEL = 200_000
-# A bound this close below a split proves it optimal. CP-SAT's own OPTIMAL is exact for
-# its scaled rows only, which sit 0.01-0.15 % off the real costs on the HF shapes.
-PROVED = 1e-4
 SHARED_STARTS = 2  # best candidates the shared-GPU search starts from (besides its own)
 # Placement variables beyond which, where GPUs run several stage modules, CP-SAT on the
 # exact groups neither proves nor improves the shared-GPU search's split within the work
@@ -253,13 +251,13 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
         lower = block_bound(exact, upper_s=evaluation.bottleneck_s)
         if lower is None:
             lower = shared_gpu_bound(exact, upper_s=evaluation.bottleneck_s)
-    report = _exact_report(problem, exact, evaluation, result, phases, start=start,
+    report = exact_report(problem, exact, evaluation, result, phases, start=start,
                            lower=lower)
     if report.status != "OPTIMAL":  # not proved: neighbours may still share out work
         repaired = repair(exact, best)
         if repaired is not None:
             best, evaluation = repaired.stage_of, repaired
-            report = _exact_report(problem, exact, evaluation, result, phases,
+            report = exact_report(problem, exact, evaluation, result, phases,
                                    start=start, lower=lower)
     return Partition(
         stage_of=tuple(best),
@@ -504,36 +502,6 @@ def _shared_gpu_start(problem: Problem, exact: Coarsening,
         candidates.append((evaluate(problem, split).bottleneck_s, split))
 
 
-def _exact_report(problem: Problem, exact: Coarsening, evaluation: Evaluation,
-                  result: IlpResult, phases: list[IlpResult], *, start: float,
-                  lower: float | None) -> SolverReport:
-    """What the exact solve ``result`` and the block bound ``lower`` (``bound.py``) proved
-    about the best split found (``evaluation``)."""
-    objective = evaluation.bottleneck_s
-    lower = 0.0 if lower is None else lower
-    if lower >= objective * (1 - PROVED):
-        status, bound = "OPTIMAL", min(objective, lower)
-    elif result.status == "OPTIMAL":
-        status, bound = "OPTIMAL", min(objective, result.bound)
-    elif result.status == "INFEASIBLE":
-        # Nothing with T <= the warm start's value in the scaled model: the warm start is
-        # optimal up to the rounding margin (see ilp.py).
-        status, bound = "OPTIMAL", objective * (1 - 1e-9)
-    else:
-        status, bound = "FEASIBLE", min(result.bound, objective)
-    bound = min(objective, max(bound, trivial_bound(problem), lower))
-    return SolverReport(
-        method="cp-sat",
-        status=status,
-        objective=objective,
-        bound=bound,
-        wall_s=time.perf_counter() - start,
-        solved_nodes=exact.num_coarse,
-        graph_nodes=len(problem.nodes),
-        wall_clock_stopped=any(phase.wall_clock_stopped for phase in phases),
-    )
-
-
 def _left(deadline: float) -> float:
     """Wall-clock seconds left before ``deadline`` (the safety net), at least a little."""
     return max(0.05, deadline - time.perf_counter())
@@ -587,7 +555,7 @@ def _partition_replicated(problem: Problem, *, work_limit: float, time_limit_s: 
             best = Partition(
                 stage_of=result.stage_of,
                 problem=sub,
-                report=_report(result, found, graph_nodes=len(problem.nodes)),
+                report=replicated_report(result, found, graph_nodes=len(problem.nodes)),
                 evaluation=found,
                 baselines=best.baselines if best is not None else {},
                 baseline_splits=best.baseline_splits if best is not None else {},
@@ -606,10 +574,3 @@ def _partition_replicated(problem: Problem, *, work_limit: float, time_limit_s: 
                      objective=objective, bound=objective if proved else bound,
                      wall_s=time.perf_counter() - start, wall_clock_stopped=wall_clock)
     return replace(best, report=report)
-
-
-def _report(result: IlpResult, evaluation: Evaluation, *, graph_nodes: int) -> SolverReport:
-    return SolverReport(method="cp-sat", status=result.status,
-                        objective=evaluation.bottleneck_s,
-                        bound=min(result.bound, evaluation.bottleneck_s), wall_s=result.wall_s,
-                        solved_nodes=result.num_nodes, graph_nodes=graph_nodes)
