@@ -24,13 +24,15 @@ import numpy as np
 
 from fxpipe.partition.baselines import interval_dp
 from fxpipe.partition.coarsen import Coarsening
+from fxpipe.partition.cost import NodeCosts
 
 __all__ = ["GRAIN_SHARE", "LIGHT", "block_grain", "grain_split"]
 
 # Blocks beyond this share of the exact groups: no repeated structure worth a first DP.
 GRAIN_SHARE = 0.25
-# A group below this share of the compute, parameters and output bytes (a rotary table,
-# a mask every layer reads) may send across a block's end: what it sends is no block's.
+# A group below this share of the compute, parameters and saved activations (a rotary
+# table, a mask every layer reads) may send across a block's end: what it sends is no
+# block's.
 LIGHT = 1e-4
 
 
@@ -78,12 +80,9 @@ def grain_split(exact: Coarsening, *, upper_s: float = float("inf")) -> tuple[in
 
 
 def _light(exact: Coarsening) -> np.ndarray:
-    """Per exact group, whether its compute, parameters and output bytes are each below
-    LIGHT of the model's."""
-    p = exact.problem
-    sums = np.zeros((exact.num_coarse, 3))
-    for v, node in enumerate(p.nodes):
-        sums[exact.group_of[v]] += (node.forward_s + node.backward_s, node.param_bytes,
-                                    node.output_bytes)
+    """Per exact group, whether its compute, parameters and saved activations are each
+    below LIGHT of the model's."""
+    costs = NodeCosts.of(exact.problem).by(exact.group_of, exact.num_coarse)
+    sums = np.column_stack((costs.compute_s, costs.params, costs.activations))
     totals = np.maximum(sums.sum(axis=0), 1e-300)
     return np.all(sums <= LIGHT * totals, axis=1)

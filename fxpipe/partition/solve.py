@@ -213,7 +213,8 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
                                             bound_s=bound_s, hint=hint)
     if quick and lower is None:  # a problem too small to bound first: its DP all the same
         _add_dp_split(problem, exact, candidates)
-    settled = settled or quick or _huge(problem, exact)
+    huge = _huge(problem, exact)  # no CP-SAT at all: the DP's split stands, or none
+    settled = settled or quick or huge
     if lower == math.inf:  # not even the block bound's relaxation fits: proved
         raise infeasible()
     level = exact  # the coarse graph is not needed when the bound settles it
@@ -226,7 +227,6 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
             dp_done=_bounded_first(problem, exact),
             work_limit=work_limit, deadline=deadline, workers=workers, prepared=prepared)
     best = min(candidates, key=lambda c: c[0])[1] if candidates else None
-
     if result.stage_of is not None:
         found = evaluate(problem, result.stage_of)
         if best is None or found.bottleneck_s <= evaluate(problem, best).bottleneck_s:
@@ -239,12 +239,10 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
         leanest = min_memory(problem, exact, work_limit=work_limit,
                              time_limit_s=max(1.0, time_limit_s / 2), workers=workers)
         raise NoSolutionError(devices=problem.devices, work_limit=work_limit,
-                              time_limit_s=time_limit_s,
+                              time_limit_s=time_limit_s, limit=problem.memory_limit,
                               wall_clock=any(p.wall_clock_stopped for p in phases),
-                              limit=problem.memory_limit,
                               leanest=leanest if leanest > problem.memory_limit else None,
-                              too_big=exact.num_coarse * problem.num_stages
-                              if _huge(problem, exact) else None)
+                              too_big=_placements(problem, exact) if huge else None)
 
     evaluation = evaluate(problem, best)
     if lower is None and result.status not in ("OPTIMAL", "INFEASIBLE"):  # not yet proved
@@ -299,7 +297,12 @@ def _large(problem: Problem, exact: Coarsening) -> bool:
 def _huge(problem: Problem, exact: Coarsening) -> bool:
     """Whether one GPU runs each stage and the exact model is too big for any CP-SAT
     solve (see HUGE_MODEL)."""
-    return not _shared(problem) and exact.num_coarse * problem.num_stages > HUGE_MODEL
+    return not _shared(problem) and _placements(problem, exact) > HUGE_MODEL
+
+
+def _placements(problem: Problem, exact: Coarsening) -> int:
+    """The exact program's placement variables: a group's stage, each group and stage."""
+    return exact.num_coarse * problem.num_stages
 
 
 def _shared_large(problem: Problem, exact: Coarsening) -> bool:
