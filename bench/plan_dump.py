@@ -4,8 +4,8 @@
 
 runs ``fxpipe split`` (the fxpipe on PYTHONPATH) for each command of COMMANDS, one at a
 time, and copies its plan.json and report.md to OUT/NAME/ (timing.json, which holds wall
-clocks, is left out), and the exit code and the last line of what it said to
-OUT/NAME/said.txt (a refusal writes no plan). Run it in two worktrees (say one at main)
+clocks, is left out), and the exit code and, for a refusal (which writes no plan), its
+message to OUT/NAME/said.txt. Run it in two worktrees (say one at main)
 and ``diff -r`` the folders: a change meant to keep the answers keeps them byte for byte
 where the solver proved its plan, and says which moved where it did not.
 """
@@ -48,8 +48,9 @@ def dump(name: str, args: tuple[str, ...], out: Path) -> None:
         for file in ("plan.json", "report.md"):
             if (Path(tmp) / "plan" / file).exists():
                 shutil.copy(Path(tmp) / "plan" / file, target / file)
-    lines = (run.stderr or run.stdout).strip().splitlines()
-    (target / "said.txt").write_text(f"exit {run.returncode}\n{lines[-1] if lines else ''}\n")
+    lines = run.stderr.strip().splitlines()
+    said = lines[-1] if run.returncode and lines else ""  # a refusal's message (no clocks)
+    (target / "said.txt").write_text(f"exit {run.returncode}\n{said}\n")
     print(f"{name}: exit {run.returncode}", flush=True)
 
 
