@@ -485,7 +485,7 @@ def _worded(exc: ValueError, stages_flag: str = "--pp") -> str:
         elif inner.alone is not None:  # what the bounds proved: no GPU count fits
             where = inner.proved()
         else:
-            where = f", and no layout fits on up to {exc.searched} GPUs"
+            where = exc.none_larger()
         return (f"{exc.head()}{where}; use "
                 + (f"{', '.join(fixes[:-1])} or {fixes[-1]}" if len(fixes) > 1
                    else fixes[0]))

@@ -57,6 +57,12 @@ __all__ = ["NoLayoutFits", "choose", "cluster_of", "example_batch"]
 # When no layout fits, clusters up to this many times the GPUs asked are searched for the
 # fewest a layout fits on (most layouts are ruled out by their memory floor alone)
 LARGER = 16
+# ... checking at most this many ops' worth of layouts (each check is the memory floor and
+# an interval DP, about 0.5 s on the 7,000 groups of a 400B model; without a cap, --gpus
+# 128 of Llama-3-405B took 7 minutes to refuse), and at least FEWEST_CHECKS layouts: the
+# search is advice, deterministic, and says how far it went
+FEWEST_WORK = 200_000
+FEWEST_CHECKS = 16
 
 
 def cluster_of(options: SplitOptions) -> Cluster:
@@ -137,7 +143,7 @@ def choose(traced: Traced, options: SplitOptions, *,
         raise _nothing_fits(cluster, tried, lambda t: solve(of(t.p, t.d, t.mode, t.m, t.t)),
                             lambda: _fewest_fitting(
                                 cluster, steps_microbatches, b, wanted, degrees,
-                                lambda on, lay: _fits(problem(of(*lay, on=on)))),
+                                lambda on, lay: problem(of(*lay, on=on))),
                             lambda t: of(t.p, t.d, t.mode, t.m, t.t))
     planned = of(chosen.p, chosen.d, chosen.mode, chosen.m, chosen.t)
     link = sync_link(cluster, chosen.p, chosen.t)
@@ -303,25 +309,33 @@ def _fits(problem: Problem) -> bool:
 
 def _fewest_fitting(cluster: Cluster, steps_microbatches: int, b: int,
                     wanted: ClusterOptions, degrees: list[int],
-                    fits: Callable[[Cluster, tuple[int, int, str, int, int]], bool]
-                    ) -> tuple[Cluster, tuple[int, int, str, int, int], int] | None:
+                    problem_of: Callable[[Cluster, tuple[int, int, str, int, int]], Problem]
+                    ) -> tuple[tuple[Cluster, tuple[int, int, str, int, int], int] | None, int]:
     """The fewest GPUs, in whole hosts and up to LARGER times those asked, on which a
-    layout fits (``fits``) with the step's micro-batches of b samples, the layout (the
-    fewest pipeline stages of those that fit; the ``--pp`` and ``--dp-mode`` asked kept)
-    and the global batch; None where none does. A cluster as ``--gpus`` would make it: G
-    to a host as asked, else 8 or all of them."""
+    layout fits (``_fits`` of its ``problem_of``) with the step's micro-batches of b
+    samples, the layout (the fewest pipeline stages of those that fit; the ``--pp`` and
+    ``--dp-mode`` asked kept) and the global batch, or None where none does; and the most
+    GPUs whose every layout was checked, within FEWEST_WORK ops' worth of checks. A
+    cluster as ``--gpus`` would make it: G to a host as asked, else 8 or all of them."""
+    searched, checks = cluster.gpus, None
     for n in range(cluster.gpus + 1, LARGER * cluster.gpus + 1):
         g = wanted.gpus_per_node or min(n, DEFAULT_GPUS_PER_NODE)
         if n > g and n % g:
             continue
         larger = replace(cluster, gpus=n, gpus_per_node=g)
         usable = [t for t in degrees if g % t == 0]
-        found = next((lay for lay in candidates(
-            larger, steps_microbatches, pp=wanted.pp, dp_mode=wanted.dp_mode, tp=usable)
-            if fits(larger, lay)), None)
-        if found is not None:
-            return larger, found, steps_microbatches * b
-    return None
+        for lay in candidates(larger, steps_microbatches, pp=wanted.pp,
+                              dp_mode=wanted.dp_mode, tp=usable):
+            problem = problem_of(larger, lay)
+            if checks is None:  # every layout's problem has the model's ops
+                checks = max(FEWEST_CHECKS, FEWEST_WORK // max(1, len(problem.nodes)))
+            checks -= 1
+            if checks < 0:
+                return None, searched
+            if _fits(problem):
+                return (larger, lay, steps_microbatches * b), n
+        searched = n
+    return None, searched
 
 
 class NoLayoutFits(ValueError):
@@ -336,10 +350,10 @@ class NoLayoutFits(ValueError):
 
     def __init__(self, gpus: int, per_host: int, leanest: str, raw: InfeasibleMemoryError,
                  fits_on: tuple[int, str, int, str | None, int, int] | None,
-                 options: SplitOptions, dp: int) -> None:
+                 options: SplitOptions, dp: int, searched: int) -> None:
         self.gpus, self.per_host, self.leanest = gpus, per_host, leanest
         self.raw, self.fits_on, self.options, self.dp = raw, fits_on, options, dp
-        self.searched = LARGER * gpus  # the most GPUs a layout was looked for on
+        self.searched = searched  # the most GPUs a layout was looked for on
         self.error = raw.but(
             samples=None if raw.samples is None else (*raw.samples[:2], raw.samples[2] * dp),
             microbatches=None if raw.microbatches is None else raw.microbatches * dp,
@@ -352,8 +366,7 @@ class NoLayoutFits(ValueError):
             fits_on=None)
         fixes = str(self.error).split("; to fit, ", 1)[-1]
         if fits_on is None:
-            super().__init__(f"{self.head()}, and no layout fits on up to {self.searched} "
-                             f"GPUs; to fit it, {fixes}")
+            super().__init__(f"{self.head()}{self.none_larger()}; to fit it, {fixes}")
         else:
             super().__init__(f"{self.head()}; it fits on {fits_on[0]} GPUs as {fits_on[1]}: "
                              f"use {self.flags()}; or, to fit the leanest, {fixes}")
@@ -362,7 +375,13 @@ class NoLayoutFits(ValueError):
         """The same error, the leanest layout's own naming more fixes (``advice.advised``
         costs the graph again for them)."""
         return NoLayoutFits(self.gpus, self.per_host, self.leanest, raw, self.fits_on,
-                            self.options, self.dp)
+                            self.options, self.dp, self.searched)
+
+    def none_larger(self) -> str:
+        """Where no layout on more GPUs fits, how far the search went (nothing where it
+        could check none of them)."""
+        return ("" if self.searched <= self.gpus
+                else f", and no layout fits on up to {self.searched} GPUs")
 
     def head(self) -> str:
         return (f"no layout of {self.gpus} GPUs ({self.per_host} per host) fits in "
@@ -379,8 +398,8 @@ class NoLayoutFits(ValueError):
 
 def _nothing_fits(cluster: Cluster, tried: list[Tried],
                   advised: Callable[[Tried], Partition],
-                  fewest: Callable[[], tuple[Cluster, tuple[int, int, str, int, int], int]
-                                   | None],
+                  fewest: Callable[[], tuple[tuple[Cluster, tuple[int, int, str, int, int],
+                                                   int] | None, int]],
                   options_of: Callable[[Tried], SplitOptions]) -> ValueError:
     """The error when no layout has a split: ``NoLayoutFits``, naming the leanest layout
     that does not fit (by the memory its bounds prove it needs), what it needs, the fewest
@@ -400,14 +419,14 @@ def _nothing_fits(cluster: Cluster, tried: list[Tried],
     else:  # pragma: no cover - a layout proved not to fit fits when solved again
         raise AssertionError(f"layout pp {leanest.p} x dp {leanest.d} fits after all")
     described = _described(leanest.p, leanest.d, leanest.mode, leanest.t)
-    larger = fewest()
+    larger, searched = fewest()
     fits_on = None
     if larger is not None:
         on, (p, d, mode, _, t), global_batch = larger
         fits_on = (on.gpus, _described(p, d, mode, t), p, mode if d > 1 else None, t,
                    global_batch)
     return NoLayoutFits(cluster.gpus, cluster.gpus_per_node, described, error, fits_on,
-                        options_of(leanest), leanest.d)
+                        options_of(leanest), leanest.d, searched)
 
 
 def _described(p: int, d: int, mode: str, t: int) -> str:

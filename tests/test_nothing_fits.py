@@ -166,7 +166,7 @@ def test_a_layouts_fix_never_names_one_pipelines_gpu_count_as_the_jobs() -> None
     options = SplitOptions(gpus=2, device=get_device("h100"), memory_limit=80 * 2**30,
                            microbatches=64, tensor_parallel=8)
     error = NoLayoutFits(64, 8, "2 pipeline stages x 4 data-parallel (fsdp)", raw, None,
-                         options, 4)
+                         options, 4, 1024)
     worded = cli._worded(error)
     assert "--gpus" not in worded.split("; use ")[1], worded
     assert worded.endswith("; use --memory 127.7GiB"), worded
