@@ -35,7 +35,7 @@ from .rank_measure import measure_ranks
 from .tensor_parallel import unfused
 from .torch_zero_bubble import ZERO_BUBBLE, requirement
 
-__all__ = ["init_distributed", "main", "peak_rss_bytes"]
+__all__ = ["init_distributed", "main", "peak_rss_bytes", "peer_failed"]
 
 
 def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device]:
@@ -197,7 +197,7 @@ def main(pipeline: DistributedPipeline, argv: Sequence[str] | None = None) -> in
         if isinstance(error.__cause__, ValueError):  # a stage refused, under torch's stage
             _error_line(rank, str(error.__cause__))
             return 2
-        if not any(text in str(error) for text in _PEER_FAILED):
+        if not peer_failed(error):
             raise
         # torchrun stops the other ranks when one fails, but one may see the dead peer first
         _error_line(rank, "stopped: another rank failed and closed its connection (see its "
@@ -208,8 +208,16 @@ def main(pipeline: DistributedPipeline, argv: Sequence[str] | None = None) -> in
     return 0
 
 
-# what gloo and NCCL say when a peer rank has exited
-_PEER_FAILED = ("Connection closed by peer", "remote process exited")
+# what gloo and NCCL say when a peer rank has exited: gloo's read sees the closed
+# connection, or (under load, a write racing the peer's exit) a reset or a broken pipe
+_PEER_FAILED = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                "remote process exited")
+
+
+def peer_failed(error: RuntimeError) -> bool:
+    """Whether ``error`` is a collective's failure because another rank exited (which that
+    rank's own line explains), rather than a fault of this rank's."""
+    return any(text in str(error) for text in _PEER_FAILED)
 
 
 def _error_line(rank: int, text: str) -> None:

@@ -116,3 +116,22 @@ def test_checkpoints_that_are_not_a_state_dict(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=f"^--checkpoint {path} holds a dict, not a state_dict "
                        "of tensors; give the torch.save'd state_dict of the whole model"):
         launch._load_checkpoint(str(path))
+
+
+@pytest.mark.parametrize("said", [
+    "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+    "[127.0.0.1]:29500",
+    "[../third_party/gloo/gloo/transport/tcp/pair.cc:589] Read error [127.0.0.1]:40612: "
+    "Connection reset by peer",
+    "[../third_party/gloo/gloo/transport/tcp/pair.cc:601] Write error: Broken pipe",
+    "NCCL error: remote process exited or there was a network error",
+])
+def test_what_a_collective_says_when_a_peer_exits_is_the_peers_failure(said: str) -> None:
+    """A rank that loses its peer stops in its one line, not a traceback, however gloo
+    words it: a write racing the peer's exit under load gives a reset or a broken pipe
+    (the loss test above printed rank 0's traceback once in a loaded CI run)."""
+    assert launch.peer_failed(RuntimeError(said))
+
+
+def test_a_rank_of_its_own_fault_is_not_taken_for_a_peers() -> None:
+    assert not launch.peer_failed(RuntimeError("CUDA out of memory"))
