@@ -204,7 +204,11 @@ def main(pipeline: DistributedPipeline, argv: Sequence[str] | None = None) -> in
                     "error)")
         return 2
     finally:
-        dist.destroy_process_group()
+        try:
+            dist.destroy_process_group()
+        except RuntimeError as error:  # a peer that exited has nothing left to tear down
+            if not peer_failed(error):
+                raise
     return 0
 
 
