@@ -31,12 +31,13 @@ from fxpipe.partition.errors import InfeasibleMemoryError, NoSolutionError
 from fxpipe.partition.evaluate import evaluate, violations
 from fxpipe.partition.layout import (
     COMPUTE_EFFICIENCY,
-    DEFAULT_GPUS_PER_NODE,
     Cluster,
     Link,
     Tried,
     candidates,
+    fills_hosts,
     layout_step,
+    per_host,
     pipeline_crosses_hosts,
     search,
     split_step,
@@ -67,8 +68,7 @@ FEWEST_CHECKS = 16
 
 def cluster_of(options: SplitOptions) -> Cluster:
     n, device = options.gpus, options.device
-    asked = options.cluster.gpus_per_node if options.cluster is not None else None
-    g = asked if asked is not None else min(n, DEFAULT_GPUS_PER_NODE)
+    g = per_host(n, options.cluster.gpus_per_node if options.cluster is not None else None)
     return Cluster(n, g, Link(device.intra_node_bandwidth, device.intra_node_latency),
                    Link(device.inter_node_bandwidth, device.inter_node_latency))
 
@@ -319,8 +319,8 @@ def _fewest_fitting(cluster: Cluster, steps_microbatches: int, b: int,
     cluster as ``--gpus`` would make it: G to a host as asked, else 8 or all of them."""
     searched, checks = cluster.gpus, None
     for n in range(cluster.gpus + 1, LARGER * cluster.gpus + 1):
-        g = wanted.gpus_per_node or min(n, DEFAULT_GPUS_PER_NODE)
-        if n > g and n % g:
+        g = per_host(n, wanted.gpus_per_node)
+        if not fills_hosts(n, g):
             continue
         larger = replace(cluster, gpus=n, gpus_per_node=g)
         usable = [t for t in degrees if g % t == 0]

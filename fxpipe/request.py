@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Required, TypedDict
 
-from fxpipe.partition.layout import DEFAULT_GPUS_PER_NODE, DP_MODES
+from fxpipe.partition.layout import DP_MODES, fills_hosts, per_host
 from fxpipe.schedules import KINDS, ScheduleKind
 
 if TYPE_CHECKING:
@@ -242,13 +242,13 @@ def _cluster(pp: int | str | None, gpus_per_node: int | None, dp_mode: str | Non
                          f"out {cluster} and {say.name('global_batch')} with it")
     if gpus_per_node is not None and gpus_per_node < 1:
         raise ValueError(f"{say.name('gpus_per_node')} must be at least 1, got {gpus_per_node}")
-    per_host = gpus_per_node or min(gpus, DEFAULT_GPUS_PER_NODE)
-    if gpus % per_host:
+    host = per_host(gpus, gpus_per_node)
+    if not fills_hosts(gpus, host):
         given = ("" if gpus_per_node is not None else
                  f" (the default {say.name('gpus_per_node')})")
         raise ValueError(
-            f"{say.said('gpus', gpus)} does not fill hosts of {per_host} GPUs{given}: use a "
-            f"multiple of {per_host}, or give the GPUs of a host with "
+            f"{say.said('gpus', gpus)} does not fill hosts of {host} GPUs{given}: use a "
+            f"multiple of {host}, or give the GPUs of a host with "
             f"{say.name('gpus_per_node')} ({say.said('gpus_per_node', gpus)} for one host)")
     if dp_mode is not None:
         _one_of(dp_mode, DP_MODES, "dp_mode", say)

@@ -196,3 +196,10 @@ def test_when_no_layout_fits_the_fewest_gpus_a_layout_fits_on_are_named(
     fewer = fxpipe("split", GPT, "--gpus", str(gpus - 8 if gpus > 8 else gpus - 1),
                    "--global-batch", "16", *flags, "--out", tmp_path / "y", cwd=tmp_path)
     assert fewer.returncode == 2 and "no layout of" in fewer.stderr
+
+
+def test_fewer_gpus_than_a_host_holds_are_part_of_one_host(tmp_path: Path) -> None:
+    """--gpus 4 --gpus-per-node 8: four GPUs of one host, planned (the check that --gpus
+    fill whole hosts refused it for a while)."""
+    plan = _split(tmp_path, "--gpus-per-node", "8")
+    assert (plan["layout"]["gpus"], plan["layout"]["gpus_per_node"]) == (4, 8)

@@ -61,9 +61,11 @@ __all__ = [
     "Totals",
     "Tried",
     "candidates",
+    "fills_hosts",
     "grad_bytes",
     "layout_bound",
     "layout_step",
+    "per_host",
     "pipeline_crosses_hosts",
     "search",
     "sharded",
@@ -89,6 +91,17 @@ COMPUTE_EFFICIENCY = 1.0
 DEFAULT_GPUS_PER_NODE = 8
 
 
+def per_host(gpus: int, asked: int | None) -> int:
+    """The GPUs of a host: as asked (``--gpus-per-node``), else DEFAULT_GPUS_PER_NODE, or
+    all ``gpus`` where fewer."""
+    return asked if asked is not None else min(gpus, DEFAULT_GPUS_PER_NODE)
+
+
+def fills_hosts(gpus: int, per_host: int) -> bool:
+    """Whether ``gpus`` sit in whole hosts of ``per_host`` (or in part of one)."""
+    return gpus <= per_host or gpus % per_host == 0
+
+
 @dataclass(frozen=True)
 class Link:
     """A link's bandwidth (bytes / s, one direction) and per-message latency (s)."""
@@ -110,7 +123,7 @@ class Cluster:
         if self.gpus < 1 or self.gpus_per_node < 1:
             raise ValueError(f"a cluster needs at least one GPU and one per host, got "
                              f"{self.gpus} GPUs, {self.gpus_per_node} per host")
-        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
+        if not fills_hosts(self.gpus, self.gpus_per_node):
             raise ValueError(
                 f"{self.gpus} GPUs do not fill hosts of {self.gpus_per_node}: use a multiple "
                 f"of --gpus-per-node {self.gpus_per_node}, or set --gpus-per-node")
