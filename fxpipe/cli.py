@@ -51,11 +51,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # every user mistake fxpipe detects is a ValueError subclass
         if debug:
             raise
-        arguments = sys.argv[1:] if argv is None else argv
-        # the flag that sets the stage count: --gpus for one pipeline on all of them
-        # (--replicate), else --pp, the GPUs of each of the layout's pipelines
-        stages_flag = "--gpus" if "--replicate" in arguments else "--pp"
-        message = " ".join(_worded(exc, stages_flag).split())
+        message = " ".join(_worded(exc).split())
         print(f"fxpipe: error: {message}", file=sys.stderr)
         return EXIT_USER_ERROR
     except (Interrupted, KeyboardInterrupt) as exc:
@@ -442,10 +438,11 @@ def _run_merge(args: argparse.Namespace) -> int:
     return 0
 
 
-def _worded(exc: ValueError, stages_flag: str = "--pp") -> str:
+def _worded(exc: ValueError) -> str:
     """The message for the user of this command: the solver's errors carry their figures
-    (stages, bytes, seconds) and are worded here with the flags that change them
-    (``stages_flag``: the one that sets the GPUs of a pipeline)."""
+    (stages, bytes, seconds) and are worded here with the flags that change them. A
+    pipeline's stage count is --pp's: only a layout's pipeline has a count to refuse
+    (--replicate's one pipeline chooses its own)."""
     if "fxpipe.partition" not in sys.modules:  # no solver ran (a mistyped flag): as raised
         return str(exc)
     from fxpipe.cluster import NoLayoutFits
@@ -455,7 +452,7 @@ def _worded(exc: ValueError, stages_flag: str = "--pp") -> str:
         PipedreamTieError,
         TooManyStagesError,
     )
-    from fxpipe.units import format_bytes, format_bytes_up
+    from fxpipe.units import format_alternatives, format_bytes, format_bytes_up
 
     if isinstance(exc, TooManyStagesError):
         if exc.nodes == 0:  # no stage count helps: the solver's words say what does
@@ -463,13 +460,13 @@ def _worded(exc: ValueError, stages_flag: str = "--pp") -> str:
         if exc.virtual_stages > 1:
             return (f"cannot cut {exc.most} nodes into {exc.stages} stage modules "
                     f"({exc.devices} GPUs x {exc.virtual_stages} virtual stages); use fewer "
-                    f"{stages_flag} or --virtual-stages")
+                    f"--pp or --virtual-stages")
         if exc.nodes < exc.stages:
             return (f"cannot cut {exc.nodes} nodes into {exc.stages} stages; use "
-                    f"{stages_flag} {exc.most} or fewer")
+                    f"--pp {exc.most} or fewer")
         return (f"cannot cut the model into {exc.stages} stages: its {exc.nodes} nodes form "
-                f"only {exc.groups} groups that must share a stage; use {stages_flag} "
-                f"{exc.most} or fewer")
+                f"only {exc.groups} groups that must share a stage; use --pp {exc.most} "
+                f"or fewer")
     if isinstance(exc, PipedreamTieError):
         return (f"--schedule pipedream updates each stage's own weights after every "
                 f"micro-batch, so the tied parameter {exc.name} keeps every op between its "
@@ -477,7 +474,6 @@ def _worded(exc: ValueError, stages_flag: str = "--pp") -> str:
                 "stages cannot balance; use --schedule 1f1b, or untie the parameter")
     if isinstance(exc, NoLayoutFits):
         inner = exc.error
-        # more GPUs: the layout that fits on the fewest, or none up to exc.searched
         fixes = _memory_fixes(inner, more_gpus=False)
         if exc.fits_on is not None:  # more GPUs: the layout that fits on the fewest
             fixes.insert(0, exc.flags())
@@ -486,16 +482,12 @@ def _worded(exc: ValueError, stages_flag: str = "--pp") -> str:
             where = inner.proved()
         else:
             where = exc.none_larger()
-        return (f"{exc.head()}{where}; use "
-                + (f"{', '.join(fixes[:-1])} or {fixes[-1]}" if len(fixes) > 1
-                   else fixes[0]))
+        return f"{exc.head()}{where}; use {format_alternatives(fixes)}"
     if isinstance(exc, InfeasibleMemoryError):
         fixes = _memory_fixes(exc)
         return (f"no split of the model onto {exc.devices} GPUs fits in "
                 f"{format_bytes(exc.limit)} per GPU; the best split needs "
-                f"{format_bytes(exc.needed)}{exc.proved()}; use "
-                + (f"{', '.join(fixes[:-1])} or {fixes[-1]}" if len(fixes) > 1
-                   else fixes[0]))
+                f"{format_bytes(exc.needed)}{exc.proved()}; use {format_alternatives(fixes)}")
     if isinstance(exc, NoSolutionError):
         where = (f"onto {exc.devices} GPUs" if exc.limit is None
                  else f"that fits in {format_bytes(exc.limit)} per GPU")

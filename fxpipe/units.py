@@ -24,6 +24,7 @@ import re
 from collections.abc import Iterable
 
 __all__ = [
+    "format_alternatives",
     "format_bytes",
     "format_bytes_up",
     "format_count",
@@ -117,3 +118,8 @@ def format_indices(indices: Iterable[int]) -> str:
             runs.append([i])
     return ", ".join(f"{run[0]}-{run[-1]}" if len(run) >= 3 else ", ".join(map(str, run))
                      for run in runs)
+
+
+def format_alternatives(options: list[str]) -> str:
+    """``["a", "b", "c"]`` -> ``"a, b or c"``: the fixes an error offers, any one of them."""
+    return options[0] if len(options) == 1 else ", ".join(options[:-1]) + " or " + options[-1]

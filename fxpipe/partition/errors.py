@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fxpipe.units import format_bytes
+from fxpipe.units import format_alternatives, format_bytes
 
 __all__ = [
     "InfeasibleMemoryError",
@@ -151,7 +151,7 @@ class InfeasibleMemoryError(ValueError):
         super().__init__(
             f"no split of the model onto {devices} GPUs fits in {format_bytes(limit)} per GPU; "
             f"the best split needs {format_bytes(needed)}{self.proved()}; to fit, "
-            f"{_either(fixes)}")
+            f"{format_alternatives(fixes)}")
 
     def proved(self) -> str:
         """What the bounds proved cannot fit, as a clause (empty when nothing is)."""
@@ -175,10 +175,6 @@ class InfeasibleMemoryError(ValueError):
                   "at_least", "alone", "precision_gpus", "searched", "samples", "schedule",
                   "microbatches")
         return InfeasibleMemoryError(**{**{f: getattr(self, f) for f in fields}, **fixes})
-
-
-def _either(options: list[str]) -> str:
-    return options[0] if len(options) == 1 else ", ".join(options[:-1]) + " or " + options[-1]
 
 
 class NoSolutionError(ValueError):
