@@ -352,18 +352,16 @@ def _run_report(args: argparse.Namespace) -> int:
 
 def _layouts_table(layout: Layout) -> Table:
     """The layouts the search considered, the chosen one first (report.md's table)."""
-    from fxpipe.report.layouts import considered, layout_cells, layout_sentence
+    from fxpipe.report.layouts import layout_sentence, layout_table
 
-    tp_column = any(row.tp > 1 for row in layout.considered)
     proved = "proved the fastest" if layout.proved else "the fastest found"
     searched = sum(row.status != "by hand" for row in layout.considered)
     table = Table(title=f"layout: {layout_sentence(layout)}, {proved} of {searched}")
-    columns = ["stages", "data-parallel", *(["tensor-parallel"] * tp_column), "mode",
-               "micro-batches", "step", "bound", "max memory", "outcome"]
+    columns, rows = layout_table(layout)
     for column in columns:
         table.add_column(column, justify="left" if column in ("mode", "outcome") else "right")
-    for row in considered(layout):
-        table.add_row(*layout_cells(row, tp_column))
+    for row in rows:
+        table.add_row(*row)
     return table
 
 

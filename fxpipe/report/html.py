@@ -25,7 +25,7 @@ import torch.fx
 from fxpipe.plan import Layout, Plan, StageMemory
 from fxpipe.report.diagram import PALETTE
 from fxpipe.report.layers import Cut, Layer, cuts, stage_layers
-from fxpipe.report.layouts import considered, layout_cells, layout_sentence
+from fxpipe.report.layouts import layout_sentence, layout_table
 from fxpipe.report.markdown import compared, overview, summary_rows
 from fxpipe.report.timeline import schedule_svg
 from fxpipe.units import format_bytes, format_ms
@@ -382,12 +382,10 @@ def _layouts(layout: Layout | None) -> list[str]:
     table), where there is more than the chosen one."""
     if layout is None or len(layout.considered) < 2:
         return []
-    tp_column = any(row.tp > 1 for row in layout.considered)
-    columns = ["pipeline stages", "data-parallel", *(["tensor-parallel"] * tp_column), "mode",
-               "micro-batches", "predicted step", "bound", "max memory", "outcome"]
+    columns, cells = layout_table(layout)
     head = "".join(f"<th>{escape(c)}</th>" for c in columns)
-    rows = ["<tr>" + "".join(f"<td>{escape(cell)}</td>" for cell in layout_cells(row, tp_column))
-            + "</tr>" for row in considered(layout)]
+    rows = ["<tr>" + "".join(f"<td>{escape(cell)}</td>" for cell in row) + "</tr>"
+            for row in cells]
     return ["<h2>Layouts</h2>",
             "<p>Each layout of the GPUs the search considered, the chosen one first; one whose "
             "bound was no better than the chosen step was not planned and shows its bound "

@@ -7,7 +7,7 @@ from __future__ import annotations
 from fxpipe.plan import Layout, LayoutRow, Plan
 from fxpipe.units import format_bytes, format_ms
 
-__all__ = ["considered", "layout_cells", "layout_lines", "layout_sentence"]
+__all__ = ["layout_lines", "layout_sentence", "layout_table"]
 
 _STATUS = {
     "chosen": "chosen",
@@ -33,7 +33,6 @@ def layout_lines(plan: Plan) -> list[str]:
     layout = plan.layout
     if layout is None:
         return []
-    tp_column = any(row.tp > 1 for row in layout.considered)
     proved = ("proved the fastest under the cost model below" if layout.proved else
               "the fastest found; not every layout was planned to its optimum")
     lines = [
@@ -65,11 +64,9 @@ def layout_lines(plan: Plan) -> list[str]:
         + _compute(layout),
         "",
         *_tensor_model(layout),
-        "| pipeline stages | data-parallel | " + "tensor-parallel | " * tp_column
-        + "mode | micro-batches | predicted step | bound | max memory | outcome |",
-        "|---|---|---|---|---|---|---|---|" + "---|" * tp_column,
     ]
-    lines += [_row(row, tp_column) for row in considered(layout)]
+    columns, rows = layout_table(layout)
+    lines += [_row(columns), "|" + "---|" * len(columns), *(_row(row) for row in rows)]
     lines.append("")
     return lines
 
@@ -109,11 +106,21 @@ def _tensor_model(layout: Layout) -> list[str]:
             "input gradient in the backward; the other ops run whole on every GPU.", ""]
 
 
-def _row(row: LayoutRow, tp_column: bool = False) -> str:
-    return "| " + " | ".join(layout_cells(row, tp_column)) + " |"
+def _row(cells: list[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
 
 
-def layout_cells(row: LayoutRow, tp_column: bool = False) -> list[str]:
+def layout_table(layout: Layout) -> tuple[list[str], list[list[str]]]:
+    """The table of the layouts considered, as report.md, report.html and the command
+    print it: its column names (a tensor-parallel column where the search considered TP)
+    and a row of cells per layout, the chosen one first."""
+    tp_column = any(row.tp > 1 for row in layout.considered)
+    columns = ["pipeline stages", "data-parallel", *["tensor-parallel"] * tp_column, "mode",
+               "micro-batches", "predicted step", "bound", "max memory", "outcome"]
+    return columns, [_cells(row, tp_column) for row in _considered(layout)]
+
+
+def _cells(row: LayoutRow, tp_column: bool = False) -> list[str]:
     """A considered layout's cells, as report.md's table has them: pipeline stages,
     data-parallel, (tensor-parallel,) mode, micro-batches, predicted step, bound, max
     memory, outcome."""
@@ -127,7 +134,7 @@ def layout_cells(row: LayoutRow, tp_column: bool = False) -> list[str]:
             format_ms(row.bound_s), memory, outcome]
 
 
-def considered(layout: Layout) -> list[LayoutRow]:
+def _considered(layout: Layout) -> list[LayoutRow]:
     """The layouts the search considered, the chosen one first, then by pipeline degree;
     last, the ones a person would pick by hand, as they would run."""
     return sorted(layout.considered, key=lambda r: (r.status == "by hand", r.status != "chosen",
