@@ -113,10 +113,6 @@ def choose(traced: Traced, options: SplitOptions, *,
             f"backward of every micro-batch; use a smaller --global-batch or --microbatches "
             f"(bigger micro-batches)")
     layouts = runnable
-    if not layouts and wanted.pp is not None and all(options.gpus % (wanted.pp * t)
-                                                     for t in degrees):
-        raise ValueError(f"--pp {wanted.pp} x --tp {degrees[0]} GPUs per pipeline do not "
-                         f"divide --gpus {options.gpus}: use a smaller --pp or --tp")
     if not layouts:
         raise ValueError(
             f"no pipeline degree of {options.gpus} GPUs splits the step's "
@@ -199,10 +195,6 @@ def _asked(options: SplitOptions, b: int) -> tuple[int, float]:
         steps_microbatches = wanted.global_batch // b
     else:
         steps_microbatches = options.microbatches
-    if wanted.pp is not None and (wanted.pp < 1 or options.gpus % wanted.pp):
-        divisors = [p for p in range(1, options.gpus + 1) if options.gpus % p == 0]
-        raise ValueError(f"--pp {wanted.pp} does not divide --gpus {options.gpus}: use one of "
-                         f"{', '.join(map(str, divisors))}")
     return steps_microbatches, efficiency
 
 
@@ -246,10 +238,7 @@ def _tp_degrees(cluster: Cluster, asked: int | None, split: TensorParallel) -> l
     usable = [t for t in split.degrees(g) if g % t == 0]
     if asked is None:
         return usable
-    if g % asked:
-        hosts = [t for t in range(1, g + 1) if g % t == 0]
-        raise ValueError(f"--tp {asked} does not divide --gpus-per-node {g} (a stage's GPUs "
-                         f"share a host): use one of {', '.join(map(str, hosts))}")
+    assert g % asked == 0, "request.split_options refuses a --tp that does not divide a host"
     why = split.refusal(asked)
     if why is not None:
         raise ValueError(f"--tp {asked} does not divide {why}: use one of "

@@ -109,6 +109,10 @@ def split_options(
     say = spelling
     if gpus < 1:
         raise ValueError(f"{say.name('gpus')} must be at least 1, got {gpus}")
+    if microbatches is not None and global_batch is not None:
+        raise ValueError(
+            f"{say.name('microbatches')} and {say.name('global_batch')} both size the step (its "
+            f"micro-batches are the global batch over the example's samples): give one of them")
     count = microbatches if microbatches is not None else 4 * gpus
     if count < 1:
         raise ValueError(f"{say.name('microbatches')} must be at least 1, got {count}")
@@ -252,8 +256,30 @@ def _cluster(pp: int | str | None, gpus_per_node: int | None, dp_mode: str | Non
             f"{say.name('gpus_per_node')} ({say.said('gpus_per_node', gpus)} for one host)")
     if dp_mode is not None:
         _one_of(dp_mode, DP_MODES, "dp_mode", say)
+    _degrees_fit(per_pipeline, per_stage, gpus=gpus, host=host, say=say)
     return ClusterOptions(gpus_per_node=gpus_per_node, pp=per_pipeline, dp_mode=dp_mode,
                           global_batch=global_batch, tp=per_stage)
+
+
+def _degrees_fit(pp: int | None, tp: int | None, *, gpus: int, host: int,
+                 say: Spelling) -> None:
+    """Refuse, before tracing, a pinned pipeline degree that does not divide the GPUs and a
+    pinned TP degree that does not divide a host's (a stage's GPUs share a host)."""
+    if pp is not None and (pp < 1 or gpus % pp):
+        raise ValueError(f"{say.said('pp', pp)} does not divide {say.said('gpus', gpus)}: use "
+                         f"one of {', '.join(map(str, _divisors(gpus)))}")
+    if tp is not None and host % tp:
+        raise ValueError(f"{say.said('tp', tp)} does not divide {say.said('gpus_per_node', host)}"
+                         f" (a stage's GPUs share a host): use one of "
+                         f"{', '.join(map(str, _divisors(host)))}")
+    if pp is not None and tp is not None and gpus % (pp * tp):
+        raise ValueError(f"{say.said('pp', pp)} x {say.said('tp', tp)} GPUs per pipeline do "
+                         f"not divide {say.said('gpus', gpus)}: use a smaller "
+                         f"{say.name('pp')} or {say.name('tp')}")
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
 
 
 def _whole(value: Any, option: str, say: Spelling) -> int:

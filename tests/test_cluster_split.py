@@ -82,6 +82,30 @@ def test_pinned_flags_that_cannot_hold_are_one_line(tmp_path: Path) -> None:
         assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.parametrize(("flags", "says"), [
+    (("--pp", "3"), "--pp 3 does not divide --gpus 4: use one of 1, 2, 4"),
+    (("--tp", "3"), "--tp 3 does not divide --gpus-per-node 4"),
+    (("--pp", "4", "--tp", "2"), "--pp 4 x --tp 2 GPUs per pipeline do not divide --gpus 4"),
+    (("--microbatches", "3", "--global-batch", "8"),
+     "--microbatches and --global-batch both size the step"),
+])
+def test_degrees_and_sizes_that_cannot_hold_are_refused_before_tracing(
+        tmp_path: Path, flags: tuple[str, ...], says: str) -> None:
+    """What the flags alone refuse waits for no trace (seconds on a big model); and
+    --microbatches beside --global-batch was dropped without a word, the global batch
+    deciding the micro-batches."""
+    ran = fxpipe("split", GPT, "--gpus", "4", *flags, "--out", tmp_path / "x", cwd=tmp_path)
+    assert ran.returncode == 2 and says in ran.stderr, ran.stderr
+    assert "traced" not in ran.stdout + ran.stderr
+
+
+def test_the_api_words_a_refused_degree_in_its_own_keywords() -> None:
+    import fxpipe as api
+
+    with pytest.raises(ValueError, match=r"^pp=3 does not divide gpus=4: use one of 1, 2, 4$"):
+        api.split_file(GPT, gpus=4, pp=3)
+
+
 def test_the_micro_batch_cap_counts_each_pipelines_share_of_the_step(tmp_path: Path) -> None:
     """1,024 micro-batches a pipeline at most (runner.py lists every action): one pipeline
     is refused 1,200 of them, a layout of 4 pipelines runs 300 each; a step that leaves more

@@ -282,6 +282,12 @@ CASES: dict[str, tuple[dict[str, str], list[str]]] = {
         model(GOOD),
         ["split", "model.py", "--gpus", "2", "--virtual-stages", "2", "--microbatches", "3"],
     ),
+    "--pp not dividing --gpus": (model(GOOD), ["split", "model.py", "--gpus", "4", "--pp", "3"]),
+    "--tp not dividing a host": (model(GOOD), ["split", "model.py", "--gpus", "4", "--tp", "3"]),
+    "--microbatches with --global-batch": (
+        model(GOOD),
+        ["split", "model.py", "--gpus", "2", "--microbatches", "3", "--global-batch", "8"],
+    ),
     "more GPUs than ops": (model(GOOD), ["split", "model.py", "--gpus", "8", "--pp", "8"]),
     "more stage modules than ops": (
         model(GOOD), ["split", "model.py", "--gpus", "2", "--pp", "2", "--virtual-stages", "2"]
