@@ -193,6 +193,11 @@ def _asked(options: SplitOptions, b: int) -> tuple[int, float]:
                 f"--global-batch {wanted.global_batch} is not a whole number of micro-batches "
                 f"of the example's {b} samples: use a multiple of {b}")
         steps_microbatches = wanted.global_batch // b
+        if wanted.microbatches not in (None, steps_microbatches):
+            raise ValueError(
+                f"--global-batch {wanted.global_batch} is {steps_microbatches} micro-batches of "
+                f"the example's {b} samples, not the --microbatches {wanted.microbatches} "
+                f"given: leave out one of them, or use --microbatches {steps_microbatches}")
     else:
         steps_microbatches = options.microbatches
     return steps_microbatches, efficiency

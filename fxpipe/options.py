@@ -35,6 +35,7 @@ class ClusterOptions:
     global_batch: int | None = None
     tp: int | None = 1
     compute_efficiency: float | None = None
+    microbatches: int | None = None  # --microbatches given beside global_batch: must agree
 
 
 @dataclass(frozen=True)

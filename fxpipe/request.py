@@ -9,7 +9,7 @@ option as its caller spells it (``Spelling``): ``--virtual-stages 2`` on the com
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Required, TypedDict
 
@@ -109,15 +109,13 @@ def split_options(
     say = spelling
     if gpus < 1:
         raise ValueError(f"{say.name('gpus')} must be at least 1, got {gpus}")
-    if microbatches is not None and global_batch is not None:
-        raise ValueError(
-            f"{say.name('microbatches')} and {say.name('global_batch')} both size the step (its "
-            f"micro-batches are the global batch over the example's samples): give one of them")
     count = microbatches if microbatches is not None else 4 * gpus
     if count < 1:
         raise ValueError(f"{say.name('microbatches')} must be at least 1, got {count}")
     cluster = _cluster(pp, gpus_per_node, dp_mode, global_batch, tp, replicate=replicate,
                        gpus=gpus, say=say)
+    if cluster is not None and global_batch is not None and microbatches is not None:
+        cluster = replace(cluster, microbatches=microbatches)  # checked once b is known
     # a layout's pipelines share the step's micro-batches: known here where --pp is given
     # (the search checks its own layouts' shares)
     width = None if cluster is None else cluster.pp and cluster.pp * (cluster.tp or 1)

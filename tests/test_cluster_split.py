@@ -86,17 +86,26 @@ def test_pinned_flags_that_cannot_hold_are_one_line(tmp_path: Path) -> None:
     (("--pp", "3"), "--pp 3 does not divide --gpus 4: use one of 1, 2, 4"),
     (("--tp", "3"), "--tp 3 does not divide --gpus-per-node 4"),
     (("--pp", "4", "--tp", "2"), "--pp 4 x --tp 2 GPUs per pipeline do not divide --gpus 4"),
-    (("--microbatches", "3", "--global-batch", "8"),
-     "--microbatches and --global-batch both size the step"),
 ])
-def test_degrees_and_sizes_that_cannot_hold_are_refused_before_tracing(
+def test_degrees_that_cannot_divide_are_refused_before_tracing(
         tmp_path: Path, flags: tuple[str, ...], says: str) -> None:
-    """What the flags alone refuse waits for no trace (seconds on a big model); and
-    --microbatches beside --global-batch was dropped without a word, the global batch
-    deciding the micro-batches."""
+    """What the flags alone refuse waits for no trace (seconds on a big model)."""
     ran = fxpipe("split", GPT, "--gpus", "4", *flags, "--out", tmp_path / "x", cwd=tmp_path)
     assert ran.returncode == 2 and says in ran.stderr, ran.stderr
     assert "traced" not in ran.stdout + ran.stderr
+
+
+def test_micro_batches_beside_a_global_batch_must_agree(tmp_path: Path) -> None:
+    """--microbatches 3 beside --global-batch 8 (4 micro-batches of the example's 2) was
+    dropped without a word; the count that agrees plans as the global batch alone does."""
+    ran = fxpipe("split", GPT, "--gpus", "4", "--microbatches", "3", "--global-batch", "8",
+                 "--out", tmp_path / "x", cwd=tmp_path)
+    assert ran.returncode == 2 and ran.stderr.count("\n") == 1, ran.stderr
+    assert ("--global-batch 8 is 4 micro-batches of the example's 2 samples, not the "
+            "--microbatches 3 given: leave out one of them, or use --microbatches 4") in ran.stderr
+    alone = _split(tmp_path / "a", "--global-batch", "8")
+    both = _split(tmp_path / "b", "--global-batch", "8", "--microbatches", "4")
+    assert alone == both
 
 
 def test_the_api_words_a_refused_degree_in_its_own_keywords() -> None:

@@ -284,7 +284,7 @@ CASES: dict[str, tuple[dict[str, str], list[str]]] = {
     ),
     "--pp not dividing --gpus": (model(GOOD), ["split", "model.py", "--gpus", "4", "--pp", "3"]),
     "--tp not dividing a host": (model(GOOD), ["split", "model.py", "--gpus", "4", "--tp", "3"]),
-    "--microbatches with --global-batch": (
+    "--microbatches disagreeing with --global-batch": (
         model(GOOD),
         ["split", "model.py", "--gpus", "2", "--microbatches", "3", "--global-batch", "8"],
     ),
