@@ -48,6 +48,7 @@ from fxpipe.partition import (
     check_size,
     exact_groups,
     partition,
+    shortest_step,
 )
 from fxpipe.partition.layout import sharded
 from fxpipe.passes import annotate_all
@@ -299,9 +300,10 @@ def _solve(lowered_for: Callable[[SplitOptions], Lowered],
     """``partition`` of the model lowered for ``options``, kept in ``solved`` (unless
     ``quick``); ``advise``, ``quick``, ``bound_s`` and ``hint`` as ``partition`` takes
     them."""
-    result = partition(lowered_for(options).problem, work_limit=options.work_limit,
-                       time_limit_s=options.time_limit_s, replicate=options.replicate,
-                       advise=advise, quick=quick, bound_s=bound_s, hint=hint)
+    result = shortest_step(partition(
+        lowered_for(options).problem, work_limit=options.work_limit,
+        time_limit_s=options.time_limit_s, replicate=options.replicate, advise=advise,
+        quick=quick, bound_s=bound_s, hint=hint))
     if not quick:
         solved[options] = result
     return result

@@ -19,7 +19,7 @@ from fxpipe.partition.cost import StageCost
 from fxpipe.partition.evaluate import Evaluation
 from fxpipe.partition.problem import Problem
 from fxpipe.plan import DynamicDim, Estimate, Layout, Plan, SolverReport, StagePlan, StageRecompute
-from fxpipe.units import format_indices
+from fxpipe.units import format_indices, format_ms
 
 __all__ = ["build_plan", "stage_of_nodes", "state_keys"]
 
@@ -114,7 +114,8 @@ def build_plan(
         tied=tied,
         state_keys=state_keys(graph_nodes[0].graph.owning_module) if graph_nodes else (),
         baselines=dict(baselines),
-        notes=(*notes, *idle_notes(stage_plans, report, problem.schedule.value)),
+        notes=(*notes, *step_notes(report, problem.microbatches),
+               *idle_notes(stage_plans, report, problem.schedule.value)),
         virtual_stages=problem.virtual_stages,
         dynamic_dims=tuple(dynamic_dims),
         shared_inputs=tuple(shared_inputs),
@@ -135,6 +136,20 @@ def state_keys(gm: torch.fx.GraphModule | None) -> tuple[tuple[str, ...], ...]:
         if any(".".join(parts[:i]) in read for i in range(1, len(parts) + 1)):
             groups.setdefault(id(value), []).append(key)
     return tuple(sorted(tuple(sorted(names)) for names in groups.values()))
+
+
+def step_notes(report: SolverReport, microbatches: int) -> list[str]:
+    """Where the plan keeps a baseline's cuts for their shorter step (partition's
+    ``_shortest_step``), why: the search minimises the slowest stage."""
+    if report.method in ("cp-sat", "interval-dp", "hand-written"):
+        return []
+    m = microbatches
+    runs = ("runs each stage once" if m == 1 else
+            f"runs each stage once and the slowest {m - 1} times more")
+    return [f"the cuts are the {report.method} baseline's: a step of {m} micro-batch"
+            f"{'es' * (m > 1)} {runs}, so the split with the least slowest stage (the search "
+            f"proved none under {format_ms(report.bound)}) is not the shortest step; these "
+            f"cuts' is shorter."]
 
 
 def idle_notes(stages: Sequence[StagePlan], report: SolverReport, schedule: str) -> list[str]:

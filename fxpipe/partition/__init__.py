@@ -17,6 +17,7 @@ from fxpipe.partition.errors import (
 )
 from fxpipe.partition.evaluate import Evaluation, evaluate, violations
 from fxpipe.partition.ilp import IlpResult, StageModel
+from fxpipe.partition.keep import shortest_step
 from fxpipe.partition.nothing_fits import dp_fits, fewest_gpus
 from fxpipe.partition.problem import (
     Comm,
@@ -61,6 +62,7 @@ __all__ = [
     "fewest_gpus",
     "interval_dp",
     "partition",
+    "shortest_step",
     "stage_cost",
     "violations",
 ]
