@@ -236,3 +236,14 @@ def test_fewer_gpus_than_a_host_holds_are_part_of_one_host(tmp_path: Path) -> No
     fill whole hosts refused it for a while)."""
     plan = _split(tmp_path, "--gpus-per-node", "8")
     assert (plan["layout"]["gpus"], plan["layout"]["gpus_per_node"]) == (4, 8)
+
+
+def test_the_runner_says_it_runs_one_pipeline_of_a_layout(tmp_path: Path) -> None:
+    """runner.py runs one pipeline on one host: where the layout has more, it says so and
+    what runs them all, rather than pass for the plan's whole step."""
+    plan = _split(tmp_path / "two", "--pp", "2")
+    runner = (tmp_path / "two" / "out" / "runner.py").read_text()
+    assert (f"This runs one pipeline of the plan's layout of {plan['layout']['dp']} "
+            f"({plan['layout']['dp_mode']});\ntrain_torchrun.py runs the whole layout") in runner
+    _split(tmp_path / "one", "--pp", "4")
+    assert "layout" not in (tmp_path / "one" / "out" / "runner.py").read_text().split('"""')[1]

@@ -35,13 +35,12 @@ RUNS = [("fsdp", "1f1b"), ("ddp", "1f1b"), ("fsdp", "interleaved"), ("ddp", "int
 
 
 def _cases() -> list:
-    """Every layout, mode and schedule on the GPT (but 2 x 2 1f1b, test_layout_torchrun.py's);
-    on the HF models every mode and schedule at 2 x 2, and one run of 8 ranks each."""
+    """Every layout, mode and schedule: on the GPT (but 2 x 2 1f1b, test_layout_torchrun.py's)
+    and on both HF models."""
     cases = [("gpt", layout, mode, schedule) for layout in LAYOUTS for mode, schedule in RUNS
              if (layout, schedule) != ("2x2", "1f1b")]  # test_layout_torchrun.py's
-    cases += [(model, "2x2", mode, schedule) for model in ("llama", "t5")
-              for mode, schedule in RUNS]
-    cases += [("llama", "2x4", "ddp", "interleaved"), ("t5", "4x2", "fsdp", "zbv")]
+    cases += [(model, layout, mode, schedule) for model in ("llama", "t5")
+              for layout in LAYOUTS for mode, schedule in RUNS]
     return [pytest.param(*case, marks=() if case in FAST else (pytest.mark.slow,),
                          id="-".join(case)) for case in cases]
 
