@@ -25,6 +25,11 @@ The sizes along d the ops between write become ``local_128 = 128 // tp`` (``self
 where the stage runs whole), found by following d from the column's last dim through
 views, transposes, splits, expands and attention.
 
+A random op between (a dropout on this rank's heads, attention's ``dropout_p``) draws
+from this rank's own state: ``tp_own_random`` on its input and ``tp_shared_random`` on
+its output (``runtime/tp_random.py``), so that each rank's mask is its own, as the
+unsplit model's differs from head to head.
+
 A fused column (one linear whose out features are [q | k | v], split along d into parts)
 is laid out per rank as [q_r | k_r | v_r]: its parts go into the ``TENSOR_PARALLEL``
 table (``codegen/tensor_parallel.py``) and ``runtime/tensor_parallel.py`` reorders the
@@ -71,7 +76,13 @@ _ALONG = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "slice
 # the runtime's functions a stage's local code calls, which it imports from ``.runtime``
 # (``fxpipe.runtime.tensor_parallel``, imported only where a stage calls them: it loads
 # torch's DTensor, which a plan at t = 1 never needs)
-HELPERS = ("tp_joined", "tp_replicated", "tp_share", "tp_whole")
+HELPERS = ("tp_joined", "tp_own_random", "tp_replicated", "tp_share", "tp_shared_random",
+           "tp_whole")
+# ops that draw random numbers (a dropout's mask): on a share, each rank draws its own
+# (``runtime/tp_random.py``)
+_RANDOM = frozenset({"dropout", "native_dropout", "alpha_dropout", "feature_alpha_dropout",
+                     "feature_dropout", "dropout1d", "dropout2d", "dropout3d", "bernoulli",
+                     "rand_like", "randn_like", "randint_like"})
 
 # where in a node's arguments a size is: ("args", i) or ("args", i, j) (item j of a list)
 Where = tuple[str, int] | tuple[str, int, int]
@@ -89,6 +100,7 @@ class LocalPair:
     sizes: tuple[tuple[str, Where, int], ...]  # (node, where, the whole size)
     joined: tuple[str, int]  # the row's input from the pair, and its split dim
     fused: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    random: tuple[str, ...] = ()  # its ops between that draw random numbers (a dropout)
 
 
 @dataclass(frozen=True)
@@ -129,6 +141,7 @@ def write_local(sub: torch.fx.Graph, local: LocalStage,
     ``local_N = N // tp``, the row's input through ``tp_joined``; and ``local.gathered``
     through ``tp_replicated``."""
     from fxpipe.runtime.tensor_parallel import tp_joined, tp_replicated, tp_share, tp_whole
+    from fxpipe.runtime.tp_random import tp_own_random, tp_shared_random
 
     nodes = {n.name: n for n in sub.nodes}
     for name in local.gathered:
@@ -181,6 +194,25 @@ def write_local(sub: torch.fx.Graph, local: LocalStage,
                                      name=f"{value.name}_joined")
         row.replace_input_with(value, joined)
         _summed(sub, row, tp_replicated)
+        for name in pair.random:
+            _own_random(sub, nodes[name], mesh, tp_own_random, tp_shared_random)
+
+
+def _own_random(sub: torch.fx.Graph, op: torch.fx.Node, mesh: torch.fx.Node,
+                own: Callable[..., object], shared: Callable[..., object]) -> None:
+    """A random op on a share (a dropout on this rank's heads) drawing from this rank's
+    own state (``tp_own_random`` on its input), the shared one back after it
+    (``tp_shared_random`` on its output): each rank's mask its own, as the unsplit
+    model's differs from head to head."""
+    value = op.all_input_nodes[0]
+    with sub.inserting_before(op):
+        entered = sub.create_node("call_function", own, (value, mesh),
+                                  name=f"{value.name}_own_random")
+    op.replace_input_with(value, entered)
+    with sub.inserting_after(op):
+        left = sub.create_node("call_function", shared, (op, mesh),
+                               name=f"{op.name}_shared_random")
+    op.replace_all_uses_with(left, delete_user_cb=lambda user: user is not left)
 
 
 def _summed(sub: torch.fx.Graph, row: torch.fx.Node, tp_replicated: Callable[..., object]
@@ -244,7 +276,8 @@ def _local_pair(gm: torch.fx.GraphModule, members: list[torch.fx.Node],
     assert activation is not None
     return LocalPair(row.name, tuple(c.name for c in columns), tuple(n.name for n in inside),
                      {n.name: d for n, d in dims.items()}, tuple(sizes),
-                     (activation.name, dims[activation]), fused)
+                     (activation.name, dims[activation]), fused,
+                     tuple(n.name for n in inside if _draws(gm, n)))
 
 
 def _follow(gm: torch.fx.GraphModule, node: torch.fx.Node, dims: dict[torch.fx.Node, int],
@@ -404,6 +437,18 @@ def _size_at(node: torch.fx.Node, k: int, whole: int, sizes: list[tuple[str, Whe
         sizes.append((node.name, at, whole))
         return True
     return False
+
+
+def _draws(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+    """Whether ``node`` draws random numbers: a dropout module, a random op, or torch's
+    attention with a dropout (its ``dropout_p`` not a literal 0)."""
+    if node.op == "call_module":
+        return isinstance(gm.get_submodule(str(node.target)), torch.nn.modules.dropout._DropoutNd)
+    name = op_name(node.target)
+    if name == "scaled_dot_product_attention":
+        p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+        return p != 0
+    return name in _RANDOM
 
 
 def _is_split(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:

@@ -358,11 +358,12 @@ def _body_class(body: torch.fx.GraphModule, class_name: str, target: str) -> str
 def _helpers_by_name(src: str, globals_: dict[str, object]) -> tuple[str, dict[str, object]]:
     """fx's code with the runtime's tensor-parallel functions called by their own names
     (fx names a global by its module's path), which the stage imports from ``.runtime``."""
-    for helper in HELPERS:
-        qualified = f"fxpipe_runtime_tensor_parallel_{helper}"
-        if qualified in globals_:
+    for qualified, value in list(globals_.items()):
+        helper = getattr(value, "__name__", "")
+        if helper in HELPERS and qualified == (
+                f"{getattr(value, '__module__', '').replace('.', '_')}_{helper}"):
             src = re.sub(rf"\b{qualified}\b", helper, src)
-            globals_ = {k: v for k, v in globals_.items() if k != qualified}
+            del globals_[qualified]
     return src, globals_
 
 

@@ -28,6 +28,7 @@ runs without fxpipe installed. One idea per module:
     ranks.py        which rank runs which stage
     grads.py        tied and replicated gradients across ranks
     tensor_parallel.py  each stage split over a host's GPUs as DTensors (tp)
+    tp_random.py        random draws on a split stage: own per rank on a share, else alike
     table.py        the uneven-replica schedule under torchrun
     torch_schedules.py  which torch class runs each schedule kind, placing the stages how
     torch_zero_bubble.py  zb1p, zbv and dualpipev on torch's zero-bubble schedule classes
@@ -67,6 +68,8 @@ if TYPE_CHECKING:  # the names as type checkers see them (``X as X``: re-exporte
     from .tensor_parallel import tp_replicated as tp_replicated
     from .tensor_parallel import tp_share as tp_share
     from .tensor_parallel import tp_whole as tp_whole
+    from .tp_random import tp_own_random as tp_own_random
+    from .tp_random import tp_shared_random as tp_shared_random
 
 # Each public name and the module that defines it.
 _HOMES = {
@@ -85,8 +88,10 @@ _HOMES = {
     "split_state_dict": "checkpoint",
     "stage_devices": "placement",
     "tp_joined": "tensor_parallel",
+    "tp_own_random": "tp_random",
     "tp_replicated": "tensor_parallel",
     "tp_share": "tensor_parallel",
+    "tp_shared_random": "tp_random",
     "tp_whole": "tensor_parallel",
 }
 

@@ -51,6 +51,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from .data_parallel import make_mesh
+from .tp_random import same_random_state
 
 __all__ = ["counted_here", "fused_order", "settle_grads", "split_stage", "tensor_mesh",
            "tensor_step", "tp_joined", "tp_replicated", "tp_share", "tp_whole", "unfused"]
@@ -102,6 +103,7 @@ def split_stage(stage: nn.Module, shards: Mapping[str, Split], mesh: DeviceMesh,
                                        if is_param else made_split)
                 table[key] = made[id(value)]
     vars(stage).update(tp=t, tp_mesh=mesh, tp_fused=fused)  # plain attributes
+    same_random_state(mesh)  # a dropout on whole values draws alike on every rank
     stage.forward = _whole_at_the_edges(stage.forward, mesh, last)
 
 

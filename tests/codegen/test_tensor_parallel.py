@@ -183,3 +183,43 @@ def test_a_package_names_the_pairs_that_run_whole(tmp_path: Path) -> None:
             assert said[0].startswith("1 of 1 tensor-parallel pairs run whole on each of the 2")
             assert "(down)" not in said[0] and ": down)" in said[0]
             assert said[0] in (out / "report.md").read_text().replace("\n", " ")
+
+
+class _Attention(nn.Module):
+    """Attention with a dropout on its probabilities (torch's ``dropout_p``), and one on
+    its output after the row, on the residual stream."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+        self.qkv = nn.Linear(16, 48)
+        self.proj = nn.Linear(16, 16)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s = x.size(0), x.size(1)
+        q, k, v = self.qkv(x).split(16, dim=2)
+        q, k, v = (q.view(b, s, 2, 8).transpose(1, 2), k.view(b, s, 2, 8).transpose(1, 2),
+                   v.view(b, s, 2, 8).transpose(1, 2))
+        y = nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=self.p)
+        return x + self.drop(self.proj(y.transpose(1, 2).reshape(b, s, 16)))
+
+
+@pytest.mark.parametrize("p", [0.0, 0.1])
+def test_a_pair_draws_its_own_random_numbers_where_it_drops(p: float) -> None:
+    """The ops of a pair that draw random numbers (attention with a dropout) are the
+    pair's ``random``: its stage code runs them on each rank's own state; attention
+    without one draws nothing, and the dropout after the row (on values whole on every
+    rank) is not the pair's."""
+    found = trace(_Attention(p), (torch.randn(2, 4, 16),), {})
+    assert found.tracer == "symbolic_trace"
+    gm = found.gm
+    annotate_all(gm, *found.flat_inputs)
+    ios = stage_io(gm.graph, contiguous_plan(gm.graph, 1))
+    ((pair,),) = (stage.pairs for stage in stage_local_pairs(gm, ios, tied_parameters(gm, ios),
+                                                            2))
+    attention = [n.name for n in gm.graph.nodes
+                 if "scaled_dot_product" in str(n.target)]
+    assert pair.random == (tuple(attention) if p else ())
+    drop = next(n.name for n in gm.graph.nodes if n.target == "drop")
+    assert drop not in pair.inside

@@ -17,7 +17,7 @@ from torch.distributed.tensor import Shard
 
 from fxpipe import cli
 
-from . import gpt64, hf_gpt2_64, llama64, renorm_mlp
+from . import dropout_mlp, gpt64, hf_gpt2_64, llama64, renorm_mlp
 from ._helpers import assert_model_grads, import_package, load, torchrun
 
 GPT64 = Path(gpt64.__file__)  # examples/gpt.py in float64: its LM head tied to tok_emb
@@ -229,3 +229,26 @@ def test_attention_and_the_mlp_run_on_each_ranks_share(tmp_path: Path, model: Pa
         assert found["counts"] == want, found
         assert found["first_share"][-1] == width // 2
         assert found["error"] <= TOLERANCE
+
+
+def test_a_dropout_on_a_share_draws_each_ranks_own_mask_and_on_whole_values_one(
+        tmp_path: Path) -> None:
+    """One training forward of a block split over 2 ranks (pp 1 x tp 2), each rank seeded
+    its own way first: the dropout between the pair's linears (on each rank's half of
+    the hidden width) draws a different mask on each rank, as the unsplit model's differs
+    from column to column, and the dropout on the residual stream after the row (whole on
+    every rank) the same mask, so the copies stay equal; both drop about half."""
+    model = Path(dropout_mlp.__file__)
+    out = tmp_path / "pkg"
+    assert cli.main(["split", str(model), "--gpus", "2", "--pp", "1", "--tp", "2",
+                     "--microbatches", "2", "--out", str(out)]) == 0
+    script = Path(__file__).with_name("dropout_masks.py")
+    result = torchrun(2, script, str(out), str(model), str(tmp_path / "masks"))
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
+    masks = [torch.load(tmp_path / "masks" / f"rank{r}.pt") for r in range(2)]
+    inner, outer = ([m[key] for m in masks] for key in ("inner", "outer"))
+    assert inner[0].shape == inner[1].shape == (2, 16, 32)  # each rank's half of 64
+    assert not torch.equal(inner[0], inner[1])
+    assert torch.equal(outer[0], outer[1])
+    for mask in (*inner, *outer):
+        assert 0.35 < float(mask.double().mean()) < 0.65
