@@ -55,7 +55,8 @@ from fxpipe import meta
 from fxpipe.cut import StageIO
 from fxpipe.passes.tensor_parallel import op_name
 
-__all__ = ["HELPERS", "LocalPair", "LocalStage", "local_pairs", "local_shape", "write_local"]
+__all__ = ["HELPERS", "LocalPair", "LocalStage", "Tokens", "draws", "local_pairs",
+           "local_shape", "write_local"]
 
 # shape-keeping ops whose every element depends on the same elements of its inputs
 _ELEMENTWISE = frozenset({
@@ -77,7 +78,7 @@ _ALONG = frozenset({"softmax", "_softmax", "log_softmax", "_log_softmax", "slice
 # (``fxpipe.runtime.tensor_parallel``, imported only where a stage calls them: it loads
 # torch's DTensor, which a plan at t = 1 never needs)
 HELPERS = ("tp_joined", "tp_own_random", "tp_replicated", "tp_share", "tp_shared_random",
-           "tp_whole")
+           "tp_tokens", "tp_whole")
 # ops that draw random numbers (a dropout's mask): on a share, each rank draws its own
 # (``runtime/tp_random.py``)
 _RANDOM = frozenset({"dropout", "native_dropout", "alpha_dropout", "feature_alpha_dropout",
@@ -105,12 +106,30 @@ class LocalPair:
 
 @dataclass(frozen=True)
 class LocalStage:
-    """What a stage written for t GPUs runs split: its pairs on local shares, and the
+    """What a stage written for t GPUs runs split: its pairs on local shares, the
     width-split embedding lookups it gathers whole where they are made
-    (``tp_replicated``)."""
+    (``tp_replicated``), and the ops between its pairs it runs on its share of the
+    tokens (``Tokens``)."""
 
     pairs: tuple[LocalPair, ...] = ()
     gathered: tuple[str, ...] = ()
+    tokens: Tokens = field(default_factory=lambda: Tokens())
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """What a stage runs on each rank's share of the tokens (sequence parallelism,
+    ``passes/sequence_parallel.py``): the ops per token between pairs (by name, with the
+    token dim their values split along), the rows whose partial sums are reduce-scattered
+    along it, the values cut to this rank's tokens where those ops read them from
+    outside (the embedding's output, a value received whole), the values gathered whole
+    where ops outside read them (the next columns), and the random ops among them."""
+
+    ops: Mapping[str, int] = field(default_factory=dict)
+    scattered: Mapping[str, int] = field(default_factory=dict)
+    entering: Mapping[str, int] = field(default_factory=dict)
+    leaving: tuple[str, ...] = ()
+    random: tuple[str, ...] = ()
 
 
 def local_pairs(gm: torch.fx.GraphModule, io: StageIO, t: int) -> list[LocalPair]:
@@ -140,7 +159,13 @@ def write_local(sub: torch.fx.Graph, local: LocalStage,
     model's graph, by name, is a tensor), the sizes along the split dim as
     ``local_N = N // tp``, the row's input through ``tp_joined``; and ``local.gathered``
     through ``tp_replicated``."""
-    from fxpipe.runtime.tensor_parallel import tp_joined, tp_replicated, tp_share, tp_whole
+    from fxpipe.runtime.tensor_parallel import (
+        tp_joined,
+        tp_replicated,
+        tp_share,
+        tp_tokens,
+        tp_whole,
+    )
     from fxpipe.runtime.tp_random import tp_own_random, tp_shared_random
 
     nodes = {n.name: n for n in sub.nodes}
@@ -193,9 +218,47 @@ def write_local(sub: torch.fx.Graph, local: LocalStage,
             joined = sub.create_node("call_function", tp_joined, (value, pair.joined[1], mesh),
                                      name=f"{value.name}_joined")
         row.replace_input_with(value, joined)
-        _summed(sub, row, tp_replicated)
+        dim = local.tokens.scattered.get(pair.row)
+        if dim is None:
+            _summed(sub, row, tp_replicated)
+        else:  # its sums reduce-scattered along the tokens
+            _summed(sub, row, tp_tokens, dim)
         for name in pair.random:
             _own_random(sub, nodes[name], mesh, tp_own_random, tp_shared_random)
+    _by_tokens(sub, local.tokens, mesh, (tp_tokens, tp_replicated),
+               (tp_own_random, tp_shared_random))
+
+
+def _by_tokens(sub: torch.fx.Graph, tokens: Tokens, mesh: torch.fx.Node,
+               split: tuple[Callable[..., object], Callable[..., object]],
+               random: tuple[Callable[..., object], Callable[..., object]]) -> None:
+    """The ops per token between pairs on this rank's tokens: what they read from outside
+    cut to its tokens (``tp_tokens``, no collective), what ops outside read of them
+    gathered whole (``tp_replicated``: the all-gather that, with the row's
+    reduce-scatter, is the pair's all-reduce), their random ops on this rank's own
+    state (its tokens' masks its own)."""
+    to_tokens, to_whole = split
+    nodes = {n.name: n for n in sub.nodes}
+    inside = {nodes[name] for name in tokens.ops if name in nodes}
+    first = next(n for n in sub.nodes if n.op != "placeholder")
+    for name, dim in tokens.entering.items():
+        value = nodes[name]
+        where = sub.inserting_before(first) if value.op == "placeholder" else (
+            sub.inserting_after(value))
+        with where:
+            cut = sub.create_node("call_function", to_tokens, (value, dim),
+                                  name=f"{name}_tokens")
+        value.replace_all_uses_with(cut, delete_user_cb=lambda user: user in inside)
+    for name in tokens.leaving:
+        value = nodes[f"{name}_sum" if name in tokens.scattered else name]
+        users = [u for u in value.users if u not in inside and u.op != "output"]
+        if not users:
+            continue
+        with sub.inserting_after(value):
+            whole = sub.create_node("call_function", to_whole, (value,), name=f"{name}_whole")
+        value.replace_all_uses_with(whole, delete_user_cb=lambda user, u=users: user in u)
+    for name in tokens.random:
+        _own_random(sub, nodes[name], mesh, *random)
 
 
 def _own_random(sub: torch.fx.Graph, op: torch.fx.Node, mesh: torch.fx.Node,
@@ -215,14 +278,16 @@ def _own_random(sub: torch.fx.Graph, op: torch.fx.Node, mesh: torch.fx.Node,
     op.replace_all_uses_with(left, delete_user_cb=lambda user: user is not left)
 
 
-def _summed(sub: torch.fx.Graph, row: torch.fx.Node, tp_replicated: Callable[..., object]
-            ) -> None:
+def _summed(sub: torch.fx.Graph, row: torch.fx.Node, tp_replicated: Callable[..., object],
+            *dim: int) -> None:
     """The row's partial sums all-reduced where it makes them (``tp_replicated``), as the
     plan prices the pair: else torch's sharding rules may reduce-scatter them into the
     residual stream, which then stays split by width, gathered at every norm (a stage's
-    output is made whole where it leaves)."""
+    output is made whole where it leaves); or, with ``dim``, reduce-scattered along that
+    token dim (``tp_tokens``: sequence parallelism)."""
     with sub.inserting_after(row):
-        summed = sub.create_node("call_function", tp_replicated, (row,), name=f"{row.name}_sum")
+        summed = sub.create_node("call_function", tp_replicated, (row, *dim),
+                                 name=f"{row.name}_sum")
     row.replace_all_uses_with(
         summed, delete_user_cb=lambda user: user is not summed and user.op != "output")
 
@@ -277,7 +342,7 @@ def _local_pair(gm: torch.fx.GraphModule, members: list[torch.fx.Node],
     return LocalPair(row.name, tuple(c.name for c in columns), tuple(n.name for n in inside),
                      {n.name: d for n, d in dims.items()}, tuple(sizes),
                      (activation.name, dims[activation]), fused,
-                     tuple(n.name for n in inside if _draws(gm, n)))
+                     tuple(n.name for n in inside if draws(gm, n)))
 
 
 def _follow(gm: torch.fx.GraphModule, node: torch.fx.Node, dims: dict[torch.fx.Node, int],
@@ -439,7 +504,7 @@ def _size_at(node: torch.fx.Node, k: int, whole: int, sizes: list[tuple[str, Whe
     return False
 
 
-def _draws(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
+def draws(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     """Whether ``node`` draws random numbers: a dropout module, a random op, or torch's
     attention with a dropout (its ``dropout_p`` not a literal 0)."""
     if node.op == "call_module":

@@ -124,6 +124,8 @@ def stage_source(
     for pair in local.pairs:  # the values between a pair: this rank's share
         shapes.update({name: local_shape(meta.SHAPE.get(by_name[name]).tensors, dim)
                        for name, dim in pair.dims.items() if name in pair.inside})
+    shapes.update({name: local_shape(meta.SHAPE.get(by_name[name]).tensors, dim)  # its tokens
+                   for name, dim in local.tokens.ops.items()})
     write_local(sub, local, lambda name: _is_tensor(by_name[name]))
     code = sub.python_code(root_module="self")
     code_src, code_globals = _helpers_by_name(code.src, code.globals)

@@ -28,10 +28,11 @@ import json
 import torch.fx
 
 from fxpipe import meta
-from fxpipe.codegen.local_shards import LocalPair, LocalStage, local_pairs
+from fxpipe.codegen.local_shards import LocalPair, LocalStage, Tokens, draws, local_pairs
 from fxpipe.codegen.stages import wrap_line
 from fxpipe.cut import StageIO
 from fxpipe.passes.base import OP_NODES
+from fxpipe.passes.sequence_parallel import Gap, sequence_gaps
 from fxpipe.passes.tensor_parallel import annotate_tensor_parallel, embedding_rows, op_name
 from fxpipe.plan import Plan
 
@@ -134,9 +135,43 @@ def stage_local_pairs(gm: torch.fx.GraphModule, ios: list[StageIO],
         return meta.SHARD.has(node) and meta.SHARD.get(node).role == "vocab_embedding" and all(
             split.get(param) == dim == _IN for param, dim in claims(gm, node))
 
-    return [LocalStage(tuple(pair for pair in local_pairs(gm, io, t) if megatron(pair, split)),
-                       tuple(name for name in io.nodes if by_width(by_name[name], split)))
-            for io, split in zip(ios, splits, strict=True)]
+    gaps = sequence_gaps(gm).at(t)
+    stages = []
+    for io, split in zip(ios, splits, strict=True):
+        pairs = tuple(pair for pair in local_pairs(gm, io, t) if megatron(pair, split))
+        stages.append(LocalStage(
+            pairs, tuple(name for name in io.nodes if by_width(by_name[name], split)),
+            _tokens(gm, io, {pair.row for pair in pairs}, gaps) if pairs else Tokens()))
+    return stages
+
+
+def _tokens(gm: torch.fx.GraphModule, io: StageIO, rows: set[str], gaps: tuple[Gap, ...]
+            ) -> Tokens:
+    """What stage ``io`` runs on each rank's share of the tokens: the ops of ``gaps`` it
+    runs, the rows among ``rows`` (its pairs on local shares) whose sums enter them, what
+    they read from outside and what is read of them outside (``local_shards.Tokens``)."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    here = set(io.nodes)
+    ops: dict[str, int] = {}
+    scattered: dict[str, int] = {}
+    for gap in gaps:
+        ops.update({name: gap.dim for name in gap.ops if name in here})
+        scattered.update({name: gap.dim for name in gap.rows if name in rows})
+    made = set(ops) | set(scattered)
+    entering = {a.name: ops[name] for name in ops for a in by_name[name].all_input_nodes
+                if a.name not in made and _tokens_of(a) == _tokens_of(by_name[name])}
+    leaving = tuple(name for name in (*scattered, *ops) if any(  # size reads stay
+        u.name in here and u.name not in ops and _tokens_of(u) is not None
+        for u in by_name[name].users))
+    random = tuple(name for name in ops if draws(gm, by_name[name]))
+    return Tokens(ops, scattered, entering, leaving, random)
+
+
+def _tokens_of(node: torch.fx.Node) -> tuple[int, ...] | None:
+    """The dims of a value before its last (its batch and tokens); None for another."""
+    if not meta.SHAPE.has(node) or len(meta.SHAPE.get(node).tensors) != 1:
+        return None
+    return tuple(meta.SHAPE.get(node).tensors[0].shape[:-1])
 
 
 def parameter_splits(gm: torch.fx.GraphModule, ios: list[StageIO],

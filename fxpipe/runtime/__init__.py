@@ -67,6 +67,7 @@ if TYPE_CHECKING:  # the names as type checkers see them (``X as X``: re-exporte
     from .tensor_parallel import tp_joined as tp_joined
     from .tensor_parallel import tp_replicated as tp_replicated
     from .tensor_parallel import tp_share as tp_share
+    from .tensor_parallel import tp_tokens as tp_tokens
     from .tensor_parallel import tp_whole as tp_whole
     from .tp_random import tp_own_random as tp_own_random
     from .tp_random import tp_shared_random as tp_shared_random
@@ -92,6 +93,7 @@ _HOMES = {
     "tp_replicated": "tensor_parallel",
     "tp_share": "tensor_parallel",
     "tp_shared_random": "tp_random",
+    "tp_tokens": "tensor_parallel",
     "tp_whole": "tensor_parallel",
 }
 

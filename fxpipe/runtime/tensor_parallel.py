@@ -54,7 +54,8 @@ from .data_parallel import make_mesh
 from .tp_random import same_random_state
 
 __all__ = ["counted_here", "fused_order", "settle_grads", "split_stage", "tensor_mesh",
-           "tensor_step", "tp_joined", "tp_replicated", "tp_share", "tp_whole", "unfused"]
+           "tensor_step", "tp_joined", "tp_replicated", "tp_share", "tp_tokens", "tp_whole",
+           "unfused"]
 
 # a parameter's split: the dim, or (the dim, the sizes of the parts laid end to end along
 # it, as a fused qkv's q, k and v), which each rank takes its share of
@@ -160,13 +161,26 @@ def tp_whole(value: Any) -> Any:
 
 
 def tp_replicated(value: Any) -> Any:
-    """A token embedding's lookups split by width, gathered whole once where they are made
-    (the plan's one collective for the embedding): else torch's sharding rules keep the
-    residual stream split by width after it, gathering it at every norm and column and
-    reduce-scattering every row's sum, which the plan does not price."""
+    """``value`` whole on every rank: a row's partial sums all-reduced where it makes
+    them; values split by tokens gathered where they leave the ops per token (sequence
+    parallelism: for the next columns); a token embedding's lookups split by width,
+    gathered whole once where they are made (the plan's one collective for the
+    embedding). Left to themselves, torch's sharding rules could keep the residual
+    stream split by width, gathering it at every norm and column and reduce-scattering
+    every row's sum, which the plan does not price."""
     if not isinstance(value, DTensor):
         return value
     return value.redistribute(value.device_mesh, [Replicate()] * value.device_mesh.ndim)
+
+
+def tp_tokens(value: Any, dim: int) -> Any:
+    """``value`` split along token dim ``dim`` over the ranks (sequence parallelism): a
+    row's partial sums reduce-scattered (the pair's all-reduce, half of it here, the
+    other half where the ops per token end and ``tp_replicated`` gathers them), a whole
+    value cut to this rank's tokens (no collective)."""
+    if not isinstance(value, DTensor):
+        return value
+    return value.redistribute(value.device_mesh, [Shard(dim)] * value.device_mesh.ndim)
 
 
 def tp_joined(value: Any, dim: int, mesh: DeviceMesh | None) -> Any:

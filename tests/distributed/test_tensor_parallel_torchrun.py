@@ -205,12 +205,15 @@ def test_an_op_dtensor_cannot_split_is_refused_in_one_line(tmp_path: Path) -> No
     GPT64, pytest.param(LLAMA64, marks=pytest.mark.slow)], ids=["gpt", "llama_gqa"])
 def test_attention_and_the_mlp_run_on_each_ranks_share(tmp_path: Path, model: Path) -> None:
     """One forward of the model split over 2 ranks (pp 1 x tp 2), under torch's
-    CommDebugMode: one all-reduce per pair (attention's and the MLP's in each block), made
-    where the row linear makes its partial sums, and the embedding's one collective (the
-    GPT's table split by vocabulary rows: an all-reduce; the Llama's by width: an
-    all-gather); no other all-gather (a fused qkv run on global DTensors is gathered at
-    its split) and no reduce-scatter (a residual stream left split by width). The first
-    column's local share is half its width; the logits are the unsplit model's."""
+    CommDebugMode: where each pair's all-reduce was (attention's and the MLP's in each
+    block), a reduce-scatter along the tokens where the row linear makes its partial sums
+    and an all-gather where the residual stream, on each rank's half of the tokens in
+    between (sequence parallelism), is read by the next columns or the LM head; and the
+    embedding's one collective (the GPT's table split by vocabulary rows: an all-reduce;
+    the Llama's by width: an all-gather); no other collective (a fused qkv run on global
+    DTensors is gathered at its split; a residual stream left split by width is gathered
+    at every norm). The first column's local share is half its width; the logits are the
+    unsplit model's."""
     out = tmp_path / "pkg"
     assert cli.main(["split", str(model), "--gpus", "2", "--pp", "1", "--tp", "2",
                      "--microbatches", "2", "--out", str(out)]) == 0
@@ -220,10 +223,11 @@ def test_attention_and_the_mlp_run_on_each_ranks_share(tmp_path: Path, model: Pa
     built = load(str(model))[0].model
     if model == GPT64:  # a fused qkv of 4 heads x 32; the tied embedding split by rows
         layers, width = built.cfg.n_layer, 3 * 128
-        want = {"all_reduce": 2 * layers + 1}
+        want = {"all_reduce": 1, "reduce_scatter_tensor": 2 * layers,
+                "all_gather_into_tensor": 2 * layers}
     else:  # q of 4 heads x 16 (k and v: 2 KV heads); the embedding split by width
         layers, width = built.config.num_hidden_layers, 4 * 16
-        want = {"all_reduce": 2 * layers, "all_gather_into_tensor": 1}
+        want = {"reduce_scatter_tensor": 2 * layers, "all_gather_into_tensor": 2 * layers + 1}
     for rank in range(2):
         found = json.loads((tmp_path / "counts" / f"rank{rank}.json").read_text())
         assert found["counts"] == want, found
