@@ -19,6 +19,7 @@ prices them).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 from dataclasses import replace
 
 from fxpipe.forked import Forked
@@ -48,6 +49,7 @@ from fxpipe.partition.layout import (
 from fxpipe.partition.nothing_fits import dp_fits, memory_floor
 from fxpipe.partition.problem import Problem
 from fxpipe.partition.solve import Partition
+from fxpipe.passes.sequence_parallel import sequence_gaps
 from fxpipe.passes.tensor_parallel import TensorParallel, annotate_tensor_parallel
 from fxpipe.plan import Layout, LayoutRow
 from fxpipe.request import MAX_MICROBATCHES
@@ -170,11 +172,20 @@ def choose(traced: Traced, options: SplitOptions, *,
         sync_link="inter" if sync_crosses_hosts(cluster, chosen.p, chosen.t) else "intra",
         sync_s=sync, step_s=best_step, proved=proved, considered=rows,
         mesh=("dp", "pp", "tp") if tensor else ("dp", "pp"), tp=chosen.t,
-        tp_pairs=len(tensor.pairs) if tensor else 0,
-        tp_replicated=tensor.replicated if tensor else (),
-        tp_vocab=tensor.vocab if tensor else (), compute_efficiency=efficiency,
+        **_tensor_fields(traced, tensor, chosen.t), compute_efficiency=efficiency,
         calibrated=calibrated)
     return planned, layout
+
+
+def _tensor_fields(traced: Traced, tensor: TensorParallel | None, t: int) -> dict[str, Any]:
+    """The layout's tensor-parallel fields: what splits at t, and what runs on 1/t of the
+    tokens between the pairs (``passes/sequence_parallel.py``); none where t is 1."""
+    if tensor is None:
+        return {}
+    sequence = sequence_gaps(traced.gm)
+    return {"tp_pairs": len(tensor.pairs), "tp_replicated": tensor.replicated,
+            "tp_vocab": tensor.vocab, "sp_ops": sum(len(g.ops) for g in sequence.at(t)),
+            "sp_kept": sequence.kept_at(traced.gm, t)}
 
 
 def _asked(options: SplitOptions, b: int) -> tuple[int, float]:

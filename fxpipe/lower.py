@@ -36,6 +36,7 @@ from fxpipe.partition.problem import Edge, Node, Problem, Recompute, TiedGroup, 
 from fxpipe.partition.tensor_parallel import tensor_sharded
 from fxpipe.passes.aliasing import aliases, is_view, mutated_input
 from fxpipe.passes.base import OP_NODES
+from fxpipe.passes.sequence_parallel import sequence_gaps, sequence_shards
 from fxpipe.passes.tensor_parallel import annotate_tensor_parallel, shards
 from fxpipe.runtime.recompute import KeepRule, Kept
 from fxpipe.schedules import ScheduleKind
@@ -128,8 +129,9 @@ def lower(
     if tensor_parallel > 1:
         if not all(meta.SHARD.has(op) for op in ops):  # once per graph, not per layout
             annotate_tensor_parallel(gm)
+        split = sequence_shards(ops, shards(ops, gm), sequence_gaps(gm).at(tensor_parallel))
         problem = tensor_sharded(
-            problem, shards(ops, gm), tensor_parallel, bandwidth=device.intra_node_bandwidth,
+            problem, split, tensor_parallel, bandwidth=device.intra_node_bandwidth,
             latency_s=device.intra_node_latency,
             pipeline_latency_s=link_time(0, device, same_node=not across_hosts))
     return Lowered(problem, ops, {k: tuple(sorted(v)) for k, v in reads.items()})

@@ -201,8 +201,10 @@ class Layout:
     every stage kept equal by torch's FSDP2 or DDP (``dp_mode``). Ranks sit on a
     ``mesh`` of those dimensions, outermost first (rank = i * pp + j: stage j of pipeline
     i). With ``tp`` > 1 each stage runs on tp GPUs of a host as Megatron-LM splits it
-    (``tp_pairs`` pairs, ``tp_vocab`` modules by vocabulary, ``tp_replicated`` whole), on
-    a (dp, pp, tp) mesh (rank = (i * pp + j) * tp + k); plan.json has them only then.
+    (``tp_pairs`` pairs, ``tp_vocab`` modules by vocabulary, ``tp_replicated`` whole;
+    ``sp_ops`` ops between the pairs on 1/tp of the tokens, sequence parallelism, whose
+    rows ``sp_kept`` keep their all-reduce), on a (dp, pp, tp) mesh (rank = (i * pp + j)
+    * tp + k); plan.json has them only then.
     ``pipeline_link`` and ``sync_link`` ("intra" or "inter") say which link the
     stage sends and the gradient syncs ride. ``step_s`` = the pipeline's step plus
     ``sync_s``, the slowest stage's sync (``fxpipe.partition.layout``). ``proved``: every
@@ -229,6 +231,10 @@ class Layout:
     tp_pairs: int = 0
     tp_replicated: tuple[str, ...] = ()
     tp_vocab: tuple[str, ...] = ()
+    # sequence parallelism between the pairs: the ops per token run on 1/t of the tokens
+    # (0: none), and the modules of the rows that keep their all-reduce
+    sp_ops: int = 0
+    sp_kept: tuple[str, ...] = ()
     compute_efficiency: float = 1.0
     calibrated: bool = False
 
@@ -338,7 +344,8 @@ class Plan:
         else:  # a layout (or row) without tensor parallelism as before it
             for raw in (data["layout"], *data["layout"]["considered"]):
                 if raw.get("tp") == 1:
-                    for key in ("tp", "tp_pairs", "tp_replicated", "tp_vocab"):
+                    for key in ("tp", "tp_pairs", "tp_replicated", "tp_vocab", "sp_ops",
+                                "sp_kept"):
                         raw.pop(key, None)
         return data
 
@@ -404,5 +411,6 @@ def _layout(raw: dict[str, Any] | None) -> Layout | None:
     fields = dict(raw)
     fields["mesh"] = tuple(fields.get("mesh", ("dp", "pp")))
     fields["considered"] = tuple(LayoutRow(**row) for row in fields.get("considered", ()))
-    fields.update({k: tuple(fields.get(k, ())) for k in ("tp_replicated", "tp_vocab")})
+    fields.update({k: tuple(fields.get(k, ())) for k in ("tp_replicated", "tp_vocab",
+                                                         "sp_kept")})
     return Layout(**fields)

@@ -177,7 +177,7 @@ def write_local(sub: torch.fx.Graph, local: LocalStage,
         lookup.replace_all_uses_with(gathered,
                                      delete_user_cb=lambda user, g=gathered: user is not g)
     pairs = local.pairs
-    if not pairs:
+    if not pairs and not local.tokens.ops:
         return
     first = next(n for n in sub.nodes if n.op != "placeholder")
     with sub.inserting_before(first):
@@ -242,7 +242,9 @@ def _by_tokens(sub: torch.fx.Graph, tokens: Tokens, mesh: torch.fx.Node,
     inside = {nodes[name] for name in tokens.ops if name in nodes}
     first = next(n for n in sub.nodes if n.op != "placeholder")
     for name, dim in tokens.entering.items():
-        value = nodes[name]
+        value = nodes.get(f"{name}_gathered", nodes[name])  # a lookup gathered first
+        if not any(user in inside for user in value.users):
+            continue
         where = sub.inserting_before(first) if value.op == "placeholder" else (
             sub.inserting_after(value))
         with where:
@@ -512,7 +514,7 @@ def draws(gm: torch.fx.GraphModule, node: torch.fx.Node) -> bool:
     name = op_name(node.target)
     if name == "scaled_dot_product_attention":
         p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
-        return p != 0
+        return not (isinstance(p, (int, float)) and p == 0)
     return name in _RANDOM
 
 

@@ -150,7 +150,8 @@ def stage_source(
     ]
     for body in binding.bodies:
         lines += ["", "", body]
-    header = _class_header(io, binding, functions, written, dims.unbatched(io), bool(local.pairs))
+    header = _class_header(io, binding, functions, written, dims.unbatched(io),
+                           bool(local.pairs or local.tokens.ops))
     lines += ["", "", *header, "", *forward]
     return "\n".join(lines).rstrip() + "\n"
 

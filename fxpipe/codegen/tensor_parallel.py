@@ -141,7 +141,7 @@ def stage_local_pairs(gm: torch.fx.GraphModule, ios: list[StageIO],
         pairs = tuple(pair for pair in local_pairs(gm, io, t) if megatron(pair, split))
         stages.append(LocalStage(
             pairs, tuple(name for name in io.nodes if by_width(by_name[name], split)),
-            _tokens(gm, io, {pair.row for pair in pairs}, gaps) if pairs else Tokens()))
+            _tokens(gm, io, {pair.row for pair in pairs}, gaps)))
     return stages
 
 

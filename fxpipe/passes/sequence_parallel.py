@@ -33,16 +33,18 @@ it is met).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx
 
 from fxpipe import meta
+from fxpipe.partition.tensor_parallel import Shard
 from fxpipe.passes.base import OP_NODES
-from fxpipe.passes.tensor_parallel import op_name
+from fxpipe.passes.tensor_parallel import layer_pattern, op_name
 
-__all__ = ["Gap", "SequenceParallel", "sequence_gaps"]
+__all__ = ["Gap", "SequenceParallel", "sequence_gaps", "sequence_shards"]
 
 # ops that act on each element alone (their other inputs broadcast over the tokens)
 _ELEMENTWISE = frozenset({
@@ -89,6 +91,13 @@ class SequenceParallel:
         """The gaps whose tokens t divides (the others' rows keep their all-reduce)."""
         return tuple(g for g in self.gaps if g.tokens % t == 0)
 
+    def kept_at(self, gm: torch.fx.GraphModule, t: int) -> tuple[str, ...]:
+        """The modules of the rows that keep their all-reduce at t (layer numbers ``*``)."""
+        rows = (*self.kept, *(r for g in self.gaps if g.tokens % t for r in g.rows))
+        by_name = {n.name: n for n in gm.graph.nodes}
+        return tuple(dict.fromkeys(layer_pattern(meta.MODULE.get(by_name[r]).path or r)
+                                   for r in rows))
+
 
 def sequence_gaps(gm: torch.fx.GraphModule) -> SequenceParallel:
     """The gaps of ``gm`` (needs ``meta.SHARD`` and ``meta.SHAPE``): from each
@@ -106,7 +115,7 @@ def sequence_gaps(gm: torch.fx.GraphModule) -> SequenceParallel:
             kept.append(row.name)
             continue
         assert shape is not None
-        joined, found = by_shape.setdefault(shape[:-1] + (shape[-1],), ([], set()))
+        joined, found = by_shape.setdefault(shape, ([], set()))
         joined.append(row)
         found |= ops
     gaps = []
@@ -119,6 +128,68 @@ def sequence_gaps(gm: torch.fx.GraphModule) -> SequenceParallel:
         gaps.append(Gap(ordered(joined), len(shape) - 2, shape[-2], ordered(ops),
                         ordered(exits), ordered(entries)))
     return SequenceParallel(tuple(gaps), tuple(kept))
+
+
+def sequence_shards(ops: Sequence[torch.fx.Node], shards: Sequence[Shard],
+                    gaps: Sequence[Gap]) -> tuple[Shard, ...]:
+    """``shards`` (each op's ``Shard`` without sequence parallelism) with ``gaps`` run on
+    each GPU's share of the tokens, as ``partition/tensor_parallel.py`` prices them: a
+    gap's ops by tokens (their norms' weight gradients all-reduced), its rows'
+    all-reduces reduce-scatters (and their gradients all-gathered), each value read
+    outside gathered where it is made (its gradient reduce-scattered, but where only the
+    graph's output reads it), no longer the reading column's or LM head's backward
+    all-reduce, and each value entering cut locally (its gradient all-gathered)."""
+    index = {node.name: i for i, node in enumerate(ops)}
+    found = list(shards)
+
+    def add(name: str, **changes: object) -> None:
+        if name in index:
+            i = index[name]
+            found[i] = replace(found[i], **{k: getattr(found[i], k) + v
+                                            for k, v in changes.items()})
+
+    by_name = {node.name: node for node in ops}
+    for gap in gaps:
+        for name in gap.ops:
+            if name in index:
+                found[index[name]] = replace(found[index[name]], compute=True, values=True,
+                                             inputs=True, tokens=True,
+                                             backward_reduce_bytes=_param_bytes(by_name[name]))
+        for name in gap.rows:
+            if name in index:
+                out = _nbytes(by_name[name])
+                found[index[name]] = replace(found[index[name]], forward_reduce_bytes=0)
+                add(name, forward_halves=(out,), backward_halves=(out,))
+        for name in gap.exits:
+            node = by_name.get(name)
+            if node is None:
+                continue
+            readers = [u for u in node.users if u.name not in gap.ops and _reads_values(u)]
+            inside = [u for u in readers if u.op != "output"]
+            add(name, forward_halves=(_nbytes(node),),
+                backward_halves=(_nbytes(node),) if inside else ())
+            for reader in inside:  # its gradient reduce-scattered: not all-reduced again
+                if reader.name in index and found[index[reader.name]].backward_reduce_bytes:
+                    found[index[reader.name]] = replace(found[index[reader.name]],
+                                                        backward_reduce_bytes=0)
+        for name in gap.entries:
+            if name in by_name:
+                add(name, backward_halves=(_nbytes(by_name[name]),))
+    return tuple(found)
+
+
+def _nbytes(node: torch.fx.Node) -> int:
+    return meta.SHAPE.get(node).nbytes if meta.SHAPE.has(node) else 0
+
+
+def _param_bytes(node: torch.fx.Node) -> int:
+    """The bytes of the parameters ``node`` reads (a norm's weight and bias): their
+    gradients, summed over this GPU's tokens only, are all-reduced."""
+    owned = dict(meta.BYTES.get(node).params) if meta.BYTES.has(node) else {}
+    for source in node.all_input_nodes:
+        if source.op == "get_attr" and meta.BYTES.has(source):
+            owned.update(meta.BYTES.get(source).params)
+    return sum(owned.values())
 
 
 def _reached(gm: torch.fx.GraphModule, row: torch.fx.Node, shape: tuple[int, ...]

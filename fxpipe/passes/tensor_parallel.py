@@ -38,7 +38,7 @@ from fxpipe import meta
 from fxpipe.partition.tensor_parallel import REPLICATED, Shard
 from fxpipe.passes.base import OP_NODES
 
-__all__ = ["Pair", "TensorParallel", "annotate_tensor_parallel", "embedding_rows",
+__all__ = ["Pair", "TensorParallel", "annotate_tensor_parallel", "embedding_rows", "layer_pattern",
            "linear_features", "op_name", "shards"]
 
 # What flows from a column's output before reaching a linear spreads past this many ops
@@ -124,7 +124,7 @@ def annotate_tensor_parallel(gm: torch.fx.GraphModule) -> TensorParallel:
     summary = tuple(_pair(row, columns, inside, units) for row, columns, inside, units in pairs)
     vocab = tuple(meta.MODULE.get(n).path for n in ops if meta.SHARD.get(n).role.startswith(
         "vocab"))
-    return TensorParallel(summary, tuple(dict.fromkeys(_layers(p) for p in vocab)),
+    return TensorParallel(summary, tuple(dict.fromkeys(layer_pattern(p) for p in vocab)),
                           _replicated(ops))
 
 
@@ -338,11 +338,11 @@ def _replicated(ops: list[torch.fx.Node]) -> tuple[str, ...]:
         params = meta.BYTES.get(node).params or any(
             meta.BYTES.get(s).params for s in node.all_input_nodes if s.op == "get_attr")
         if params:
-            found.append(_layers(meta.MODULE.get(node).path or "(the model)"))
+            found.append(layer_pattern(meta.MODULE.get(node).path or "(the model)"))
     return tuple(dict.fromkeys(found))
 
 
-def _layers(path: str) -> str:
+def layer_pattern(path: str) -> str:
     """``layers.3.attn_norm`` as ``layers.*.attn_norm``: one name for every layer's."""
     return re.sub(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.)", "*", path)
 

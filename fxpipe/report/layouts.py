@@ -89,10 +89,16 @@ def _tensor_lines(layout: Layout) -> list[str]:
     vocab = (f", and {', '.join(layout.tp_vocab)} by vocabulary rows" if layout.tp_vocab
              else "")
     whole = ", ".join(layout.tp_replicated) or "none"
+    kept = (f"; the rows {', '.join(layout.sp_kept)} keep their all-reduce" if layout.sp_kept
+            else "")
+    between = (f"on 1/{layout.tp} of the tokens on each GPU (sequence parallelism): "
+               f"{layout.sp_ops} ops between the pairs, each row's all-reduce a "
+               f"reduce-scatter and an all-gather{kept}; whole on every GPU: the other ops "
+               f"between the pairs" if layout.sp_ops else
+               "whole on every GPU: the ops between the pairs")
     return [f"- tensor parallelism: each stage's {layout.tp_pairs} column / row-parallel "
             f"pairs (attention by heads, MLPs by hidden width){vocab}, split over {layout.tp} "
-            f"GPUs of a host; whole on every GPU: the ops between the pairs, and the modules "
-            f"{whole}"]
+            f"GPUs of a host; {between}, and the modules {whole}"]
 
 
 def _tensor_model(layout: Layout) -> list[str]:
@@ -103,7 +109,11 @@ def _tensor_model(layout: Layout) -> list[str]:
             "each pair all-reduces its output over the t GPUs in the forward and its input "
             "gradient in the backward (ring, on the host's link, not overlapped), the "
             "vocabulary-parallel embedding its output in the forward and the LM head its "
-            "input gradient in the backward; the other ops run whole on every GPU.", ""]
+            "input gradient in the backward; the ops per token between a row and the next "
+            "columns (residual adds, norms, dropout) run on 1/t of the tokens (sequence "
+            "parallelism), the row's all-reduce a reduce-scatter and the next columns' input "
+            "an all-gather (and so in the backward), the same bytes; the other ops run whole "
+            "on every GPU.", ""]
 
 
 def _row(cells: list[str]) -> str:

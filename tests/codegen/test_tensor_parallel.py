@@ -129,17 +129,22 @@ def test_a_pair_runs_on_local_shares_only_where_its_ops_split(norm: bool) -> Non
 @pytest.mark.parametrize(("model", "lines"), [
     (GPT64, ["local_4 = 4 // tp", "local_128 = 128 // tp", ".split(local_128, dim=2)",
              ".view(size_1, size_2, local_4, 32)", "reshape(size_1, size_2, local_128)",
-             "blocks_0_attn_proj_sum = tp_replicated(blocks_0_attn_proj)"]),
+             "blocks_0_attn_proj_sum = tp_tokens(blocks_0_attn_proj, 1)",
+             "blocks_0_ln_2_whole = tp_replicated(blocks_0_ln_2)",
+             "add_1 = add_tokens + blocks_0_attn_proj_sum  # float64[2, 64 / tp, 128]"]),
     (LLAMA64, ["local_2 = 2 // tp", "[sym_size_int_12, local_2, 2, sym_size_int_13, 16]",
                "[sym_size_int_12, local_4, sym_size_int_13, 16]",
-               "embedding_gathered = tp_replicated(embedding)"]),
+               "embedding_gathered = tp_replicated(embedding)",
+               "embedding_tokens = tp_tokens(embedding_gathered, 1)"]),
 ], ids=["gpt", "llama_gqa"])
 def test_a_stage_written_for_two_gpus_writes_local_sizes_and_runs_whole_at_one(
         tmp_path: Path, model: Path, lines: list[str]) -> None:
     """A pp 1 x tp 2 package's stage writes its head counts and split sizes as shares of
-    tp (a fused qkv's split, the heads of a view, GQA's KV heads in its expand), sums a
-    row's partial sums where it makes them, gathers an embedding split by width where it
-    is looked up, and run in one process, where tp is 1, it is the model: the unsplit
+    tp (a fused qkv's split, the heads of a view, GQA's KV heads in its expand),
+    reduce-scatters a row's partial sums along the tokens where it makes them, runs the
+    ops between on its tokens (the residual stream from the embedding cut to them) and
+    gathers them for the next columns, gathers an embedding split by width where it is
+    looked up, and run in one process, where tp is 1, it is the model: the unsplit
     logits exactly."""
     out = tmp_path / "pkg"
     assert cli.main(["split", str(model), "--gpus", "2", "--pp", "1", "--tp", "2",

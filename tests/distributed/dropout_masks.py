@@ -1,8 +1,8 @@
 """Run under torchrun by test_tensor_parallel_torchrun.py: one forward, in training, of a
 pp 1 x tp 2 package's stage split over the ranks, each rank first seeded its own way
-(as a training script may); writes, to ``OUT/rank{r}.pt``, the mask each dropout drew on
-this rank: the one between the pair's linears (on this rank's share of the hidden
-width) and the one on the residual stream (whole).
+(as a training script may); writes, to ``OUT/rank{r}.pt``, the mask each dropout of
+dropout_mlp.py drew on this rank, as this rank holds its output: ``pre`` whole, ``inner``
+its share of the hidden width, ``outer`` its share of the tokens.
 
     torchrun --nproc-per-node 2 dropout_masks.py PACKAGE MODEL OUT
 """
@@ -16,7 +16,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+
+def _local(value: Any) -> torch.Tensor:
+    return value.to_local() if isinstance(value, DTensor) else value
 
 
 def main(package: str, model_file: str, out: str) -> None:
@@ -34,28 +40,21 @@ def main(package: str, model_file: str, out: str) -> None:
     torch.manual_seed(100 + rank)  # each rank its own state: the split makes them agree
     mesh = init_device_mesh("cpu", (degree,), mesh_dim_names=("tp",))
     runtime.split_stage(stage, splits[0], mesh, last=True)
-    drawn: list[torch.Tensor] = []
-    entered = stage0.tp_own_random
+    masks: dict[str, torch.Tensor] = {}
 
-    def own(value: Any, on: Any) -> Any:  # the dropout's input on this rank's share
-        drawn.append(value.detach().clone())
-        return entered(value, on)
+    def record(name: str) -> Any:
+        def hook(_: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+            assert bool((_local(inputs[0]) != 0).all())  # so a zero out is a drop
+            masks[name] = _local(output) != 0
+        return hook
 
-    left = stage0.tp_shared_random
-
-    def shared(value: Any, on: Any) -> Any:  # its output: kept where the mask keeps
-        drawn.append(value.detach().clone())
-        return left(value, on)
-
-    stage0.tp_own_random, stage0.tp_shared_random = own, shared
+    for name in ("pre", "inner", "outer"):
+        getattr(source.model, name).register_forward_hook(record(name))
     (x,) = source.args
     with runtime.tensor_step(degree, torch.device("cpu")), torch.no_grad():
-        (y,) = stage(x=x)
-    (before, after) = drawn
-    assert bool((before != 0).all())  # tanh of a random input: none zero
+        stage(x=x)
     Path(out).mkdir(parents=True, exist_ok=True)
-    torch.save({"inner": after != 0, "outer": (y - x) != 0, "inner_seen": len(drawn)},
-               Path(out, f"rank{rank}.pt"))
+    torch.save(masks, Path(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 

@@ -1,7 +1,8 @@
-"""A residual MLP block with two dropouts: one between its column- and row-parallel
-linears (on each rank's share of the hidden width under tensor parallelism), one after
-the row, on the residual stream every rank holds whole: a model file for the random
-draws of a split stage."""
+"""A residual MLP block with three dropouts: one on its input, before the
+column-parallel linear (whole on every rank under tensor parallelism), one between its
+column- and row-parallel linears (on each rank's share of the hidden width), and one
+after the row, on the residual stream (on each rank's share of the tokens, sequence
+parallelism): a model file for the random draws of a split stage."""
 
 from __future__ import annotations
 
@@ -12,13 +13,15 @@ from torch import nn
 class DropoutMLP(nn.Module):
     def __init__(self) -> None:
         super().__init__()
+        self.pre = nn.Dropout(0.5)  # whole on every rank
         self.up = nn.Linear(32, 64)
         self.inner = nn.Dropout(0.5)  # on the hidden width: split over the ranks
         self.down = nn.Linear(64, 32)
-        self.outer = nn.Dropout(0.5)  # on the residual stream: whole on every rank
+        self.outer = nn.Dropout(0.5)  # on the residual stream: split by tokens
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.outer(self.down(self.inner(torch.tanh(self.up(x)))))
+        h = self.pre(x)
+        return h + self.outer(self.down(self.inner(torch.tanh(self.up(h)))))
 
 
 def build_model() -> nn.Module:

@@ -239,9 +239,10 @@ def test_a_dropout_on_a_share_draws_each_ranks_own_mask_and_on_whole_values_one(
         tmp_path: Path) -> None:
     """One training forward of a block split over 2 ranks (pp 1 x tp 2), each rank seeded
     its own way first: the dropout between the pair's linears (on each rank's half of
-    the hidden width) draws a different mask on each rank, as the unsplit model's differs
-    from column to column, and the dropout on the residual stream after the row (whole on
-    every rank) the same mask, so the copies stay equal; both drop about half."""
+    the hidden width) and the one on the residual stream after the row (on each rank's
+    half of the tokens) draw a different mask on each rank, as the unsplit model's
+    differs from column to column and from token to token; the dropout on the input
+    (whole on every rank) the same mask, so the copies stay equal; all drop about half."""
     model = Path(dropout_mlp.__file__)
     out = tmp_path / "pkg"
     assert cli.main(["split", str(model), "--gpus", "2", "--pp", "1", "--tp", "2",
@@ -250,9 +251,11 @@ def test_a_dropout_on_a_share_draws_each_ranks_own_mask_and_on_whole_values_one(
     result = torchrun(2, script, str(out), str(model), str(tmp_path / "masks"))
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
     masks = [torch.load(tmp_path / "masks" / f"rank{r}.pt") for r in range(2)]
-    inner, outer = ([m[key] for m in masks] for key in ("inner", "outer"))
+    pre, inner, outer = ([m[key] for m in masks] for key in ("pre", "inner", "outer"))
+    assert pre[0].shape == (2, 16, 32) and torch.equal(pre[0], pre[1])
     assert inner[0].shape == inner[1].shape == (2, 16, 32)  # each rank's half of 64
     assert not torch.equal(inner[0], inner[1])
-    assert torch.equal(outer[0], outer[1])
-    for mask in (*inner, *outer):
+    assert outer[0].shape == outer[1].shape == (2, 8, 32)  # each rank's half of 16 tokens
+    assert not torch.equal(outer[0], outer[1])
+    for mask in (*pre, *inner, *outer):
         assert 0.35 < float(mask.double().mean()) < 0.65
