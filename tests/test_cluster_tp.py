@@ -39,7 +39,10 @@ def test_the_search_takes_the_tp_degree_that_fits_where_one_gpu_a_stage_does_not
     assert rows[2]["status"] == "chosen" and rows[2]["max_memory"] <= 12 * 2**20
     assert layout["tp_pairs"] == 8 and "blocks.*.ln_1" in layout["tp_replicated"]
     assert layout["tp_vocab"] == ["tok_emb", "lm_head"]
+    # the residual adds and norms after the first attention, on half the tokens each
+    assert layout["sp_ops"] == 16 and layout["sp_kept"] == []
     report = (tmp_path / "out" / "report.md").read_text()
+    assert "on 1/2 of the tokens on each GPU (sequence parallelism): 16 ops" in report
     assert "| pipeline stages | data-parallel | tensor-parallel |" in report
     assert "x 2 tensor-parallel: " in report and "rank = (pipeline x 1 + stage) x 2" in report
     assert "tok_emb, lm_head by vocabulary rows" in report
@@ -62,7 +65,8 @@ def test_without_tp_the_plan_is_as_before_it(tmp_path: Path) -> None:
     before, pinned = ((tmp_path / d / "out" / "plan.json").read_text() for d in "ab")
     assert before == pinned
     layout = json.loads(before)["layout"]
-    assert not {"tp", "tp_pairs", "tp_replicated", "tp_vocab"} & set(layout)
+    assert not {"tp", "tp_pairs", "tp_replicated", "tp_vocab", "sp_ops", "sp_kept"} & set(
+        layout)
     assert all("tp" not in row for row in layout["considered"])
     assert "tensor-parallel" not in (tmp_path / "a" / "out" / "report.md").read_text()
 

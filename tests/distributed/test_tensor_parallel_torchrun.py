@@ -105,9 +105,11 @@ def _assert_split_bytes(distributed: Any, model: Path, saves: list[dict[str, Any
 
 def test_gpt_pp2_tp2_gives_the_unsplit_gradients_and_splits_its_parameters(
         tmp_path: Path) -> None:
-    """4 ranks, 2 stages x 2: the GPT's pairs split Megatron-LM's way and its embedding and
-    tied LM head by vocabulary rows, on different pipeline stages: the tied gradient is
-    summed shard by shard, and the loss is a vocabulary-parallel cross-entropy. Two steps:
+    """4 ranks, 2 stages x 2: the GPT's pairs split Megatron-LM's way, the ops between
+    them on each GPU's half of the tokens (sequence parallelism; the residual stream
+    crosses the stage boundary whole), and its embedding and tied LM head by vocabulary
+    rows, on different pipeline stages: the tied gradient is summed shard by shard, and
+    the loss is a vocabulary-parallel cross-entropy. Two steps:
     after Adam steps each rank's shards, the second step's gradients are still the
     unsplit model's."""
     distributed, batch, saves = _run(tmp_path, GPT64, "--pp", "2", "--tp", "2", steps=2)
@@ -161,13 +163,14 @@ def test_gpt_pp2_tp2_under_other_schedules(tmp_path: Path, schedule: tuple[str, 
 
 
 @pytest.mark.slow
-def test_gpt_pp2_tp2_dp2_on_8_ranks_with_fsdp(tmp_path: Path) -> None:
-    """8 ranks: 2 pipelines, each of 2 stages split over 2 GPUs, each stage's 2 copies
-    sharded by FSDP2 over the dp sub-mesh of the same 3-D mesh: the unsplit model's
-    gradients on the global batch."""
-    _, batch, saves = _run(tmp_path, GPT64, "--pp", "2", "--tp", "2", "--dp-mode", "fsdp",
+@pytest.mark.parametrize("model", [GPT64, LLAMA64], ids=["gpt", "llama_gqa"])
+def test_pp2_tp2_dp2_on_8_ranks_with_fsdp(tmp_path: Path, model: Path) -> None:
+    """8 ranks: 2 pipelines, each of 2 stages split over 2 GPUs (the ops between the pairs
+    on each GPU's half of the tokens), each stage's 2 copies sharded by FSDP2 over the dp
+    sub-mesh of the same 3-D mesh: the unsplit model's gradients on the global batch."""
+    _, batch, saves = _run(tmp_path, model, "--pp", "2", "--tp", "2", "--dp-mode", "fsdp",
                            gpus=8)
-    _assert_exact(GPT64, batch, saves, last_ranks=4)
+    _assert_exact(model, batch, saves, last_ranks=4)
 
 
 def test_ddp_pipelines_of_split_stages_are_refused_in_one_line(tmp_path: Path) -> None:

@@ -97,3 +97,25 @@ def test_a_row_linears_bias_is_held_whole_on_every_gpu() -> None:
     row = tensor_sharded(_problem(), shards, 4, bandwidth=BW, latency_s=LAT).nodes[3]
     assert row.param_bytes == 640 // 4 + 160
     assert _at(4).nodes[3].param_bytes == 800 // 4  # no bias: all of it split
+
+
+def test_sequence_parallelism_prices_halves_and_sends_whole() -> None:
+    """An op on 1/t of the tokens (``Shard.tokens``) runs and saves 1/t, but what it sends
+    across a stage boundary is gathered and sent whole (its output and send whole, plus
+    an all-gather, half a ring all-reduce); a reduce-scatter or all-gather (``halves``)
+    costs half a ring all-reduce of its bytes, so a row's reduce-scatter and the next
+    column's all-gather cost its all-reduce."""
+    t = 4
+    half = ring_allreduce_s(160, t, BW, LAT) / 2
+    tokens = Shard(compute=True, values=True, inputs=True, tokens=True)
+    scattered = Shard(compute=True, inputs=True, forward_halves=(160,), backward_halves=(160,))
+    sharded = tensor_sharded(_problem(), (tokens, *SHARDS[1:3], scattered, SHARDS[4]), t,
+                             bandwidth=BW, latency_s=LAT, pipeline_latency_s=PIPE_LAT)
+    norm, whole = sharded.nodes[0], _problem().nodes[0]
+    assert (norm.forward_s, norm.activation_bytes, norm.grad_bytes) == (2.0, 100, 60)
+    assert norm.output_bytes == whole.output_bytes
+    assert norm.comm_s == pytest.approx(whole.comm_s + half)
+    row, reduced = sharded.nodes[3], _at(t).nodes[3]
+    assert row.forward_s == pytest.approx(reduced.forward_s - 2 * half + half)
+    assert row.backward_s == pytest.approx(reduced.backward_s + half)
+    assert 2 * half == pytest.approx(ring_allreduce_s(160, t, BW, LAT))

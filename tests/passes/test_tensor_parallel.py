@@ -143,3 +143,59 @@ def test_a_row_linears_bias_stays_whole(example: str) -> None:
             if meta.SHARD.get(n).role == "row"]
     assert rows and {s.whole_param_bytes for s in rows} == (
         {128 * 4} if example == "gpt.py" else {0})
+
+
+def test_sequence_parallelism_runs_the_ops_per_token_between_the_pairs() -> None:
+    """The GPT: every row's output enters one gap along the tokens (dim 1, 64 of them):
+    the residual adds and the LayerNorms after the first attention; the norms the next
+    columns or the LM head read are its exits, the embedding's sum its entry; the first
+    block's ln_1 (before any row) is not in it. At a t that does not divide 64 no gap
+    applies and every row keeps its all-reduce."""
+    from fxpipe.passes.sequence_parallel import sequence_gaps
+
+    gm, found = _found("gpt.py")
+    sequence = sequence_gaps(gm)
+    (gap,) = sequence.gaps
+    assert set(gap.rows) == {p.row for p in found.pairs} and sequence.kept == ()
+    assert (gap.dim, gap.tokens) == (1, 64)
+    modules = _modules(gm, gap.ops)
+    assert "blocks.0.ln_1" not in modules and "blocks.0.ln_2" in modules
+    assert "ln_f" in modules and "blocks.3.ln_1" in modules
+    assert _modules(gm, gap.exits) == [*[f"blocks.{i // 2}.ln_{i % 2 + 1}" for i in
+                                         range(1, 8)], "ln_f"]
+    assert len(gap.entries) == 1
+    assert sequence.at(3) == () and sequence.kept_at(gm, 3) == ("blocks.*.attn.proj",
+                                                                 "blocks.*.mlp.proj")
+
+
+class _Mixing(torch.nn.Module):
+    """A pair whose output meets an op that mixes positions (a running sum along the
+    tokens): at once (``direct``), or after a residual add."""
+
+    def __init__(self, direct: bool) -> None:
+        super().__init__()
+        self.direct = direct
+        self.up = torch.nn.Linear(16, 32)
+        self.down = torch.nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.down(torch.relu(self.up(x)))
+        return (y if self.direct else x + y).cumsum(1)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_an_op_mixing_positions_ends_a_gap_or_keeps_the_all_reduce(direct: bool) -> None:
+    from fxpipe.frontend import trace
+    from fxpipe.passes import annotate_all
+    from fxpipe.passes.sequence_parallel import sequence_gaps
+
+    found = trace(_Mixing(direct), (torch.randn(2, 8, 16),), {})
+    annotate_all(found.gm, *found.flat_inputs)
+    annotate_tensor_parallel(found.gm)
+    sequence = sequence_gaps(found.gm)
+    if direct:  # nothing per token between: the row keeps its all-reduce
+        assert sequence.gaps == () and sequence.kept == ("down",)
+        return
+    (gap,) = sequence.gaps
+    assert (gap.rows, gap.ops, gap.exits, gap.entries) == (("down",), ("add",), ("add",),
+                                                           ("x",))
