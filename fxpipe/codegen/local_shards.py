@@ -30,6 +30,15 @@ from this rank's own state: ``tp_own_random`` on its input and ``tp_shared_rando
 its output (``runtime/tp_random.py``), so that each rank's mask is its own, as the
 unsplit model's differs from head to head.
 
+Between the pairs, the ops per token (residual adds, norms, dropout:
+``passes/sequence_parallel.py``'s gaps) run on each rank's share of the tokens
+(``Tokens``): a row's partial sums reduce-scattered along them (``tp_tokens`` instead of
+``tp_replicated``), what those ops read from outside cut to this rank's tokens
+(``tp_tokens``), and what ops outside read of them gathered whole (``tp_replicated``)::
+
+    row ─► tp_tokens (reduce-scatter) ─► add, norm on tokens / t ─► tp_replicated
+        (all-gather) ─► the next column
+
 A fused column (one linear whose out features are [q | k | v], split along d into parts)
 is laid out per rank as [q_r | k_r | v_r]: its parts go into the ``TENSOR_PARALLEL``
 table (``codegen/tensor_parallel.py``) and ``runtime/tensor_parallel.py`` reorders the

@@ -24,7 +24,12 @@ output as this rank's share, ``tp_whole`` a replicated value read between as a p
 tensor, ``tp_joined`` the row's input back as the ``Shard`` DTensor it is a share of, and
 ``tp_replicated`` the row's partial sums all-reduced where it makes them (left to torch's
 sharding rules they may be reduce-scattered into a residual stream that stays split by
-width, gathered at every norm). A pair the codegen could not follow runs as written on DTensors
+width, gathered at every norm). Between the pairs (sequence parallelism, Megatron-LM's),
+``tp_tokens`` puts a row's partial sums on each rank's share of the tokens (a
+reduce-scatter: the other half of the pair's all-reduce is ``tp_replicated``'s
+all-gather where the next columns read the stream) and cuts whole values entering those
+ops to the rank's tokens (no collective). A pair the codegen could not follow runs as
+written on DTensors
 with the model's global shapes (correct; its attention whole on every rank). Received
 values enter as replicated DTensors (their gradients summed over the t ranks in the
 backward, the column-parallel pair's all-reduce); sent values leave whole
