@@ -19,8 +19,8 @@ prices them).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 from dataclasses import replace
+from typing import Any
 
 from fxpipe.forked import Forked
 from fxpipe.frontend import Traced
