@@ -16,12 +16,14 @@ all-gather); those ops' FLOPs and kept activations divide by t::
                                  │
                                  └─► add, ... (the residual, still on tokens / t)
 
-A gap is the ops reached from a row's output, through ops that act per token, before a
-value is read by an op that does not: a column or an LM head (which read every token),
-an op that mixes positions or changes the shape, or the graph's output. Those reads are
-the gap's exits, where its value is gathered whole. A row whose output is read at once
-by such an op keeps its all-reduce (nothing would run on a share), and so does one whose
-output has no token dim (fewer than two dims).
+A gap is the ops reached from the rows' outputs through ops that act per token (the
+residual stream runs on from one row's reach into the next's, so the rows whose outputs
+have one shape share one gap), up to the values read by an op that does not: a column or
+an LM head (which read every token), an op that mixes positions or changes the shape, or
+the graph's output. Those values are the gap's exits, gathered whole where they are
+made. A row whose output is read at once by such an op keeps its all-reduce (nothing
+would run on a share), and so does one whose output has no token dim (fewer than two
+dims).
 
 What an op acting per token is, checked from the graph: an elementwise op (adds, casts,
 activations, dropout) or a norm over the last dim (LayerNorm, RMSNorm, or the reduction

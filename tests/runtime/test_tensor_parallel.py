@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from fxpipe.runtime.tensor_parallel import (
     counted_here,
@@ -21,6 +21,7 @@ from fxpipe.runtime.tensor_parallel import (
     tensor_step,
     tp_joined,
     tp_share,
+    tp_tokens,
     tp_whole,
     unfused,
     whole_loss,
@@ -179,3 +180,15 @@ def test_the_local_helpers_pass_plain_tensors_through(one_rank: None) -> None:
     assert torch.equal(tp_whole(DTensor.from_local(x, mesh, [Replicate()])), x)
     joined = tp_joined(x, 1, mesh)
     assert joined.placements == (Shard(1),) and torch.equal(joined.to_local(), x)
+
+
+def test_tp_tokens_puts_a_value_on_its_share_of_the_tokens(one_rank: None) -> None:
+    """Sequence parallelism: a row's partial sums (``Partial``) and a whole value
+    (``Replicate``) both become ``Shard`` along the token dim asked; a plain tensor (the
+    stage run whole) is left as it is."""
+    x = torch.randn(2, 4, 3, dtype=torch.float64)
+    assert tp_tokens(x, 1) is x
+    mesh = dist.device_mesh.init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    for placement in (Partial(), Replicate()):
+        cut = tp_tokens(DTensor.from_local(x, mesh, [placement]), 1)
+        assert cut.placements == (Shard(1),) and torch.equal(cut.full_tensor(), x)
