@@ -140,7 +140,9 @@ def sequence_shards(ops: Sequence[torch.fx.Node], shards: Sequence[Shard],
     all-reduces reduce-scatters (and their gradients all-gathered), each value read
     outside gathered where it is made (its gradient reduce-scattered, but where only the
     graph's output reads it), no longer the reading column's or LM head's backward
-    all-reduce, and each value entering cut locally (its gradient all-gathered)."""
+    all-reduce, and kept whole (the column saves the gathered value for its weight
+    gradient: measured with autograd's saved tensors), and each value entering cut
+    locally (its gradient all-gathered)."""
     index = {node.name: i for i, node in enumerate(ops)}
     found = list(shards)
 
@@ -170,6 +172,8 @@ def sequence_shards(ops: Sequence[torch.fx.Node], shards: Sequence[Shard],
             inside = [u for u in readers if u.op != "output"]
             add(name, forward_halves=(_nbytes(node),),
                 backward_halves=(_nbytes(node),) if inside else ())
+            if inside and name in index:  # a column keeps the gathered value, whole
+                found[index[name]] = replace(found[index[name]], values=False)
             for reader in inside:  # its gradient reduce-scattered: not all-reduced again
                 if reader.name in index and found[index[reader.name]].backward_reduce_bytes:
                     found[index[reader.name]] = replace(found[index[reader.name]],
