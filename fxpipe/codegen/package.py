@@ -90,7 +90,7 @@ def generate(traced: Traced, plan: Plan) -> dict[str, str]:
     files["__init__.py"] = init_source(plan)
     files["plan.json"] = plan.to_json()
     # the same stages on torch.distributed.pipelining (see the section below)
-    files["distributed.py"] = distributed_source(traced, plan, ios)
+    files["distributed.py"] = distributed_source(traced, plan, ios, local)
     files["train_torchrun.py"] = launch_source(plan)
     files.update(runtime_files())
     return dict(sorted(files.items()))

@@ -49,9 +49,10 @@ _CARRY = frozenset({"to", "_to_copy", "type_as", "float", "double", "half", "bfl
 
 
 def tensor_parallel_lines(gm: torch.fx.GraphModule, plan: Plan, ios: list[StageIO],
-                          tied: list[dict[int, str]]) -> list[str]:
+                          tied: list[dict[int, str]], pairs: list[LocalStage]) -> list[str]:
     """The ``TENSOR_PARALLEL`` lines of ``distributed.py`` (none where the plan's layout
-    has t = 1, so that such a package reads as before tensor parallelism)."""
+    has t = 1, so that such a package reads as before tensor parallelism); ``pairs``: what
+    the stages run split (``stage_local_pairs``, worked out once for the stages' code)."""
     layout = plan.layout
     if layout is None or layout.tp == 1:
         return []
@@ -64,7 +65,6 @@ def tensor_parallel_lines(gm: torch.fx.GraphModule, plan: Plan, ios: list[StageI
         "# stage is whole on every one of them",
         f"TENSOR_PARALLEL = ({layout.tp}, (",
     ]
-    pairs = stage_local_pairs(gm, ios, tied, layout.tp, splits)
     for j, split in enumerate(splits):
         parts = {param: parts for pair in pairs[j].pairs for column, parts in pair.fused.items()
                  for param, _ in claims(gm, by_name[column])}

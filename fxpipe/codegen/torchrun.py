@@ -10,6 +10,7 @@ import textwrap
 import torch.fx
 
 from fxpipe import schedules
+from fxpipe.codegen.local_shards import LocalStage
 from fxpipe.codegen.signature import tuple_literal
 from fxpipe.codegen.stages import PlanError, wrap_line
 from fxpipe.codegen.tensor_parallel import tensor_parallel_lines
@@ -130,7 +131,9 @@ def tied_parameters(gm: torch.fx.GraphModule, ios: list[StageIO]) -> list[dict[i
     return [dict(sorted(g.items())) for g in groups if len(g) > 1]
 
 
-def distributed_source(traced: Traced, plan: Plan, ios: list[StageIO]) -> str:
+def distributed_source(traced: Traced, plan: Plan, ios: list[StageIO],
+                       local: list[LocalStage]) -> str:
+    """distributed.py; ``local``: what each stage runs split over its TP GPUs."""
     k = plan.num_stages
     doc = [
         f"{plan.model or 'The model'}'s {k} stages on torch.distributed.pipelining, generated",
@@ -169,7 +172,7 @@ def distributed_source(traced: Traced, plan: Plan, ios: list[StageIO]) -> str:
         "# UNSUPPORTED: why this plan cannot run here (None: it can)",
         *string_constant("UNSUPPORTED", _distributed_limit(plan)),
         *_data_parallel(plan),
-        *tensor_parallel_lines(traced.gm, plan, ios, tied),
+        *tensor_parallel_lines(traced.gm, plan, ios, tied, local),
         "# WIRES[k]: the values stage k receives, in this order; a value passes through",
         "# every stage between the one that makes it and the last one that reads it.",
         "WIRES = (",
