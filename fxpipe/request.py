@@ -255,6 +255,13 @@ def _cluster(pp: int | str | None, gpus_per_node: int | None, dp_mode: str | Non
     if dp_mode is not None:
         _one_of(dp_mode, DP_MODES, "dp_mode", say)
     _degrees_fit(per_pipeline, per_stage, gpus=gpus, host=host, say=say)
+    if (dp_mode == "ddp" and per_stage is not None and per_stage > 1
+            and per_pipeline is not None and per_pipeline * per_stage != gpus):
+        raise ValueError(
+            f"{say.said('dp_mode', 'ddp')} cannot keep copies of stages split over GPUs "
+            f"({say.said('tp', per_stage)}): torch's DDP takes no DTensor parameters; use "
+            f"{say.said('dp_mode', 'fsdp')}, or {say.said('pp', gpus // per_stage)} for one "
+            f"pipeline of all the GPUs")
     return ClusterOptions(gpus_per_node=gpus_per_node, pp=per_pipeline, dp_mode=dp_mode,
                           global_batch=global_batch, tp=per_stage)
 

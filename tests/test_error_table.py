@@ -284,6 +284,10 @@ CASES: dict[str, tuple[dict[str, str], list[str]]] = {
     ),
     "--pp not dividing --gpus": (model(GOOD), ["split", "model.py", "--gpus", "4", "--pp", "3"]),
     "--tp not dividing a host": (model(GOOD), ["split", "model.py", "--gpus", "4", "--tp", "3"]),
+    "--dp-mode ddp with stages split over GPUs": (
+        model(GOOD),
+        ["split", "model.py", "--gpus", "4", "--pp", "1", "--tp", "2", "--dp-mode", "ddp"],
+    ),
     "--microbatches disagreeing with --global-batch": (
         model(GOOD),
         ["split", "model.py", "--gpus", "2", "--microbatches", "3", "--global-batch", "8"],

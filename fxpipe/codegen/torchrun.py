@@ -61,14 +61,9 @@ def tensor_parallel_limit(plan: Plan) -> str | None:
 def _distributed_limit(plan: Plan) -> str | None:
     """Why ``distributed.py`` cannot run ``plan``, or None: its schedule kind has no
     torch.distributed.pipelining class to run on, or splits the backward of replicated
-    stages; or its pipelines keep their stages equal with DDP, which takes no DTensor
-    parameters (tensor parallelism; FSDP2 takes them)."""
+    stages. (DDP copies of stages split over GPUs, whose DTensor parameters DDP does not
+    take, are never planned: ``request`` and ``partition.layout.candidates``.)"""
     spec = kind_spec(plan)
-    layout = plan.layout
-    if layout is not None and layout.tp > 1 and layout.dp > 1 and layout.dp_mode == "ddp":
-        return (f"this plan's {layout.dp} pipelines keep each stage's copies equal with DDP, "
-                f"which does not run stages split over GPUs (tensor parallelism, --tp "
-                f"{layout.tp}); split again with --dp-mode fsdp")
     if spec.splits_backward and any(stage.replicas > 1 for stage in plan.stages):
         return (f"this plan's {plan.schedule} stages are replicated ({plan.configuration}), "
                 f"which a schedule that splits the backward does not run; split again "

@@ -137,8 +137,9 @@ def candidates(cluster: Cluster, global_microbatches: int, *, pp: int | None = N
     one pinned), and M = the step's micro-batches over d, where d divides them. The mode
     is the one pinned, else fsdp where there are copies to shard (d > 1): under this cost
     model ddp moves the same bytes and holds more, so it is never faster, and is planned
-    only when asked for. Smallest p first, then smallest t (ties go to the shorter
-    pipeline, then to fewer GPUs per stage)."""
+    only when asked for, and never for copies of stages split over GPUs (t > 1, d > 1),
+    whose DTensor parameters torch's DDP does not take. Smallest p first, then smallest t
+    (ties go to the shorter pipeline, then to fewer GPUs per stage)."""
     n = cluster.gpus
     found: list[tuple[int, int, str, int, int]] = []
     for p in [pp] if pp is not None else range(1, n + 1):
@@ -149,6 +150,8 @@ def candidates(cluster: Cluster, global_microbatches: int, *, pp: int | None = N
             if global_microbatches % d:
                 continue
             mode = dp_mode if dp_mode is not None else ("fsdp" if d > 1 else "ddp")
+            if mode == "ddp" and t > 1 and d > 1:
+                continue
             found.append((p, d, mode, global_microbatches // d, t))
     return found
 

@@ -173,17 +173,23 @@ def test_pp2_tp2_dp2_on_8_ranks_with_fsdp(tmp_path: Path, model: Path) -> None:
     _assert_exact(model, batch, saves, last_ranks=4)
 
 
-def test_ddp_pipelines_of_split_stages_are_refused_in_one_line(tmp_path: Path) -> None:
-    """torch's DDP takes no DTensor parameters: a package of pp 2 x tp 2 x dp 2 under ddp
-    refuses before it builds anything, naming the fix."""
+def test_ddp_pipelines_of_split_stages_are_refused_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """torch's DDP takes no DTensor parameters: fxpipe split refuses pp 2 x tp 2 x dp 2
+    under ddp before tracing (it planned it, and only the package refused), and the
+    search under ddp plans split stages only as one pipeline."""
     out = tmp_path / "pkg"
-    assert cli.main(["split", str(GPT64), "--gpus", "8", "--pp", "2", "--tp", "2",
-                     "--dp-mode", "ddp", "--out", str(out)]) == 0
-    distributed = import_package(out, "tp_ddp_refused").distributed
-    with pytest.raises(ValueError, match=r"^this plan's 2 pipelines keep each stage's copies "
-                       r"equal with DDP, which does not run stages split over GPUs \(tensor "
-                       r"parallelism, --tp 2\); split again with --dp-mode fsdp$"):
-        distributed.pipeline_stages(None, 0, 8, "cpu")
+    flags = ["split", str(GPT64), "--gpus", "8", "--pp", "2", "--tp", "2", "--out", str(out)]
+    assert cli.main([*flags, "--dp-mode", "ddp"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "fxpipe: error: --dp-mode ddp cannot keep copies of stages split over GPUs (--tp 2): "
+        "torch's DDP takes no DTensor parameters; use --dp-mode fsdp, or --pp 4 for one "
+        "pipeline of all the GPUs")
+    assert not out.exists()
+    assert cli.main(["split", str(GPT64), "--gpus", "8", "--tp", "2", "--pp", "auto",
+                     "--out", str(tmp_path / "auto"), "--dp-mode", "ddp"]) == 0
+    layout = json.loads((tmp_path / "auto" / "plan.json").read_text())["layout"]
+    assert all(row["dp"] == 1 for row in layout["considered"] if row.get("tp", 1) > 1)
 
 
 @pytest.mark.slow

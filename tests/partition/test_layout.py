@@ -185,8 +185,11 @@ def test_tp_is_one_more_dimension_of_the_layouts() -> None:
 
 
 def test_the_search_chooses_the_tp_degree_by_each_ones_totals() -> None:
-    layouts = candidates(_cluster(4), 4, pp=1, dp_mode="ddp", tp=(1, 2, 4))
+    layouts = candidates(_cluster(4), 4, pp=1, dp_mode="fsdp", tp=(1, 2, 4))
     assert [t for *_, t in layouts] == [1, 2, 4]
+    # torch's DDP takes no DTensor parameters: no ddp copies of split stages (t = 4 is one)
+    assert [(d, t) for _, d, _, _, t in candidates(_cluster(4), 4, pp=1, dp_mode="ddp",
+                                                   tp=(1, 2, 4))] == [(4, 1), (1, 4)]
     # t = 2 halves the compute and pays a little for its all-reduces, t = 4 more; with the
     # global batch fixed, each t has fewer pipelines and so more micro-batches each
     totals = {1: Totals(1.0, 0.0), 2: Totals(0.55, 0.0), 4: Totals(0.3, 0.0)}
