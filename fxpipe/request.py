@@ -138,6 +138,7 @@ def split_options(
     _one_of(optimizer, OPTIMIZERS, "optimizer", say)
     kind, virtual_stages = _schedule(schedule, virtual_stages, replicate=replicate, gpus=gpus,
                                      microbatches=count, say=say)
+    cluster = _one_process(cluster, kind, gpus=gpus, say=say)
     chosen = recompute_of(recompute, say)
     parsed = parse_precision(precision) if precision is not None else None
     target = get_device(device)
@@ -264,6 +265,21 @@ def _cluster(pp: int | str | None, gpus_per_node: int | None, dp_mode: str | Non
             f"pipeline of all the GPUs")
     return ClusterOptions(gpus_per_node=gpus_per_node, pp=per_pipeline, dp_mode=dp_mode,
                           global_batch=global_batch, tp=per_stage)
+
+
+def _one_process(cluster: ClusterOptions | None, kind: ScheduleKind, *, gpus: int,
+                 say: Spelling) -> ClusterOptions | None:
+    """A schedule torch.distributed.pipelining has no class for (PipeDream's weight
+    stashing) runs in runner.py's one process only: one pipeline on all the GPUs, no
+    data-parallel copies to keep equal or stages split over GPUs, which need torchrun."""
+    if cluster is None or kind.spec.torch_class is not None:
+        return cluster
+    if cluster.pp not in (None, gpus) or cluster.tp not in (None, 1):
+        raise ValueError(
+            f"{say.said('schedule', kind.value)} runs in one process (runner.py), as one "
+            f"pipeline on all the GPUs: leave out {say.name('pp')} and {say.name('tp')} with "
+            f"it, or use another {say.name('schedule')} (1f1b) for a layout")
+    return replace(cluster, pp=gpus, tp=1)
 
 
 def _degrees_fit(pp: int | None, tp: int | None, *, gpus: int, host: int,

@@ -247,3 +247,21 @@ def test_the_runner_says_it_runs_one_pipeline_of_a_layout(tmp_path: Path) -> Non
             f"({plan['layout']['dp_mode']});\ntrain_torchrun.py runs the whole layout") in runner
     _split(tmp_path / "one", "--pp", "4")
     assert "layout" not in (tmp_path / "one" / "out" / "runner.py").read_text().split('"""')[1]
+
+
+def test_pipedream_runs_as_one_pipeline_on_all_the_gpus(tmp_path: Path) -> None:
+    """PipeDream's weight stashing runs in runner.py's one process only: the search laid
+    it out as 1 stage x 4 FSDP copies, which nothing could run; it is one pipeline of all
+    the GPUs, and a layout pinned with it is one line."""
+    mlp = ROOT / "examples" / "mlp.py"  # untied: PipeDream keeps a tied weight's readers together
+    ran = fxpipe("split", mlp, "--gpus", "4", "--schedule", "pipedream", "--out",
+                 tmp_path / "one", cwd=tmp_path)
+    assert ran.returncode == 0, ran.stderr
+    plan = json.loads((tmp_path / "one" / "plan.json").read_text())
+    assert (plan["layout"]["pp"], plan["layout"]["dp"], plan["num_stages"]) == (4, 1, 4)
+    ran = fxpipe("split", mlp, "--gpus", "4", "--schedule", "pipedream", "--pp", "2",
+                 "--out", tmp_path / "x", cwd=tmp_path)
+    assert ran.returncode == 2 and ran.stderr.count("\n") == 1, ran.stderr
+    assert ("--schedule pipedream runs in one process (runner.py), as one pipeline on all the "
+            "GPUs: leave out --pp and --tp with it, or use another --schedule (1f1b) for a "
+            "layout") in ran.stderr
