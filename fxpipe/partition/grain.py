@@ -24,15 +24,17 @@ import numpy as np
 
 from fxpipe.partition.baselines import interval_dp
 from fxpipe.partition.coarsen import Coarsening
-from fxpipe.partition.cost import NodeCosts
+from fxpipe.partition.cost import NodeCosts, added_up
 
 __all__ = ["GRAIN_SHARE", "LIGHT", "block_grain", "grain_split"]
 
 # Blocks beyond this share of the exact groups: no repeated structure worth a first DP.
 GRAIN_SHARE = 0.25
-# A group below this share of the compute, parameters and saved activations (a rotary
-# table, a mask every layer reads) may send across a block's end: what it sends is no
-# block's.
+# A group below this share of the compute, parameters, saved activations and output bytes
+# (a rotary table, a mask every layer reads) may send across a block's end: what it sends
+# is no block's. Not a residual add: little compute and nothing saved, but it sends a
+# layer's width to the next add (without the output bytes, every place in 405B's layers
+# passed for a block's end, and no grain was found).
 LIGHT = 1e-4
 
 
@@ -80,9 +82,12 @@ def grain_split(exact: Coarsening, *, upper_s: float = float("inf")) -> tuple[in
 
 
 def _light(exact: Coarsening) -> np.ndarray:
-    """Per exact group, whether its compute, parameters and saved activations are each
-    below LIGHT of the model's."""
+    """Per exact group, whether its compute, parameters, saved activations and output
+    bytes are each below LIGHT of the model's."""
     costs = NodeCosts.of(exact.problem).by(exact.group_of, exact.num_coarse)
-    sums = np.column_stack((costs.compute_s, costs.params, costs.activations))
+    outputs = added_up(np.asarray(exact.group_of, dtype=np.int64), exact.num_coarse,
+                       np.array([node.output_bytes for node in exact.problem.nodes],
+                                dtype=float))
+    sums = np.column_stack((costs.compute_s, costs.params, costs.activations, outputs))
     totals = np.maximum(sums.sum(axis=0), 1e-300)
     return np.all(sums <= LIGHT * totals, axis=1)

@@ -113,3 +113,25 @@ def test_no_grain_for_a_plain_chain() -> None:
     problem = Problem(nodes=nodes, edges=edges, num_stages=2, memory_limit=math.inf)
     assert block_grain(exact_groups(problem)) is None
     assert grain_split(exact_groups(problem)) is None
+
+
+def test_a_residual_add_is_no_light_group() -> None:
+    """A residual add does next to no compute, holds no parameters and saves nothing, but
+    sends a layer's width on to the next add: the places inside a layer, which that value
+    crosses, are no block's end. Taken for a light group (a rotary table), it let every
+    place pass for one, and Llama-3-405B had no grain at all."""
+    nodes = [Node(name="embed", forward_s=MS, backward_s=MS, param_bytes=100,
+                  activation_bytes=30, output_bytes=30)]
+    edges = []
+    for b in range(6):
+        before = len(nodes) - 1  # the block's input: the embedding or the add before
+        for i in range(4):
+            nodes.append(Node(name=f"b{b}_mm{i}", forward_s=5 * MS, backward_s=10 * MS,
+                              param_bytes=100, activation_bytes=30, output_bytes=30))
+            edges.append(Edge(len(nodes) - 2, len(nodes) - 1))
+        nodes.append(Node(name=f"b{b}_add", forward_s=0.0, backward_s=0.0, output_bytes=30))
+        edges += [Edge(len(nodes) - 2, len(nodes) - 1), Edge(before, len(nodes) - 1)]
+    problem = Problem(nodes=tuple(nodes), edges=tuple(edges), num_stages=2)
+    exact = exact_groups(problem)
+    grain = block_grain(exact)
+    assert grain is not None and grain.num_coarse == 7  # the embedding, then one a block
