@@ -207,16 +207,8 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
         raise infeasible()
 
     splits, scored, candidates = _baselines(problem, exact)
-    # Memory binds every baseline: nothing bounds the interval DP, nor the block bound. On a
-    # big program the DP first, its split bounding the bound (405B onto 128 stages in 160
-    # GiB: 9.7 -> 5.9 s); where it finds none, the block bound may prove that no split fits
-    # (CP-SAT: its whole limit), and stands in for _bound_first's. A bound given is one
-    # the caller proved, with a split of the relaxation that fits: not computed again.
-    dp_first = (not candidates and bound_s is None and hint is None
-                and _bounded_first(problem, exact))
-    if dp_first:
-        _add_dp_split(problem, exact, candidates)
-    if bound_s is None and not candidates and (bound_s := block_bound(exact)) == math.inf:
+    bound_s, dp_first = _unbounded(problem, exact, candidates, bound_s=bound_s, hint=hint)
+    if bound_s == math.inf:  # not even the block bound's relaxation fits: proved
         raise infeasible()
     lower, settled, prepared = _bound_first(problem, exact, candidates, prepare=not quick,
                                             bound_s=bound_s, hint=hint, dp_done=dp_first)
@@ -275,6 +267,25 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
         coarse_nodes=level.num_coarse,
         phases=tuple(phases),
     )
+
+
+def _unbounded(problem: Problem, exact: Coarsening,
+               candidates: list[tuple[float, tuple[int, ...]]], *, bound_s: float | None,
+               hint: tuple[int, ...] | None) -> tuple[float | None, bool]:
+    """Where memory binds every baseline (no ``candidates``), nothing bounds the interval
+    DP nor the block bound. On a big program (BOUND_FIRST) the DP first, its split added
+    to ``candidates`` to bound the bound (405B onto 128 stages in 160 GiB: 9.7 -> 5.9 s);
+    where it finds none, the block bound, which may prove that no split fits (inf;
+    CP-SAT: its whole limit) and stands in for _bound_first's. A bound given is one the
+    caller proved, with a split of the relaxation that fits: not computed again. Returns
+    the bound (``bound_s``, the one computed, or None) and whether the DP ran."""
+    dp_first = (not candidates and bound_s is None and hint is None
+                and _bounded_first(problem, exact))
+    if dp_first:
+        _add_dp_split(problem, exact, candidates)
+    if bound_s is None and not candidates:
+        bound_s = block_bound(exact)
+    return bound_s, dp_first
 
 
 def _baselines(problem: Problem, exact: Coarsening) -> tuple[
