@@ -17,12 +17,13 @@ from torch.distributed.tensor import Shard
 
 from fxpipe import cli
 
-from . import dropout_mlp, gpt64, hf_gpt2_64, llama64, renorm_mlp
+from . import dropout_mlp, gpt64, hf_gpt2_64, llama64, renorm_mlp, t5_64_tp
 from ._helpers import assert_model_grads, import_package, load, torchrun
 
 GPT64 = Path(gpt64.__file__)  # examples/gpt.py in float64: its LM head tied to tok_emb
 HF_GPT2_64 = Path(hf_gpt2_64.__file__)  # HF GPT-2: tied head, Conv1D as addmm on (in, out)
 LLAMA64 = Path(llama64.__file__)  # HF Llama, grouped-query attention (4 heads, 2 KV heads)
+T5_TP = Path(t5_64_tp.__file__)  # HF T5: encoder-decoder, one embedding read three times
 TOLERANCE = 1e-12  # of the largest gradient
 M = 4  # micro-batches a step
 
@@ -131,6 +132,15 @@ def test_hf_llama_with_grouped_query_attention_pp2_tp2(tmp_path: Path) -> None:
     assert distributed.TENSOR_PARALLEL[1][1]["lm_head.weight"] == 0
     _assert_exact(LLAMA64, batch, saves)
     _assert_split_bytes(distributed, LLAMA64, saves)
+
+
+@pytest.mark.slow
+def test_hf_t5_encoder_decoder_pp2_tp2(tmp_path: Path) -> None:
+    """torch.export's graph of a Hugging Face T5: an encoder and a decoder with
+    cross-attention and relative position biases split by heads, its norms on each
+    rank's tokens, and one embedding read by the encoder, the decoder and the LM head."""
+    _, batch, saves = _run(tmp_path, T5_TP, "--pp", "2", "--tp", "2")
+    _assert_exact(T5_TP, batch, saves)
 
 
 @pytest.mark.slow
