@@ -26,14 +26,19 @@ The decision, per tensor leaf of the example inputs:
 
 The trial runs use meta tensors, or fake CPU tensors (``FakeTensorMode``) for a model
 that makes a tensor of its own in forward (``torch.arange``), which meta ones cannot meet.
+Neither checks an index against the size it indexes, so the trials do it for indices
+counted by ``arange`` (``_IndexBounds``): Hugging Face's masks read a padding mask at
+``arange(batch)``, and a mask left at b rows beside inputs of b + 1 ran, was taken for
+one every sample shares, and gave each micro-batch the first one's padding.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 from collections import Counter
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,12 +46,15 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxpipe.metadevice import on_meta, to_meta
 
 __all__ = ["BatchDimsError", "InputBatching", "decide_batching"]
 
 MAX_TRIALS = 64  # meta-device runs spent on telling shared from batched inputs
+# logs a trial's expected failure (inputs that do not broadcast) at ERROR, with a traceback
+FAKE_TENSOR_LOG = "torch._subclasses.fake_tensor"
 
 
 class BatchDimsError(ValueError):
@@ -207,13 +215,25 @@ def _output_rows(model: torch.nn.Module, leaves: _Leaves, resized: frozenset[int
     statistics = _BatchStatistics()
     try:
         with (FakeTensorMode() if device == "cpu" else contextlib.nullcontext()), \
-                torch.no_grad(), on_meta(model, device=device), statistics:
+                torch.no_grad(), on_meta(model, device=device), statistics, _IndexBounds(), \
+                _quiet(FAKE_TENSOR_LOG):
             fake_args, fake_kwargs = leaves.rebuilt(storageless)
             output = model(*fake_args, **fake_kwargs)
     except Exception:
         return None
     return {int(t.size(0)) for t in pytree.tree_leaves(output)
             if isinstance(t, torch.Tensor) and t.dim() > 0} | statistics.rows
+
+
+@contextlib.contextmanager
+def _quiet(name: str) -> Iterator[None]:
+    """Logger ``name`` silent inside: a trial that fails is an answer, not an error."""
+    logger = logging.getLogger(name)
+    disabled, logger.disabled = logger.disabled, True
+    try:
+        yield
+    finally:
+        logger.disabled = disabled
 
 
 class _BatchStatistics(TorchFunctionMode):
@@ -237,6 +257,64 @@ class _BatchStatistics(TorchFunctionMode):
             if training and isinstance(value, torch.Tensor) and value.dim() > 0:
                 self.rows.add(int(value.size(0)))
         return func(*args, **kwargs)
+
+
+_aten = torch.ops.aten
+# ops whose output holds exactly its input's values (laid out otherwise): the highest
+# index counted by an arange stays the highest through them
+_SAME_VALUES = frozenset({
+    _aten.unsqueeze, _aten.view, _aten._unsafe_view, _aten.reshape, _aten.expand,
+    _aten.alias, _aten.clone, _aten._to_copy, _aten.permute, _aten.transpose, _aten.t,
+    _aten.squeeze, _aten.detach, _aten.contiguous, _aten.lift_fresh})
+
+
+class _IndexBounds(TorchDispatchMode):
+    """Fails an index op that reads past the end of a dim with an index counted by
+    ``arange`` (kept through ops that only lay its values out otherwise, or add a number),
+    as a real tensor would and a meta or fake one does not."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.highest: dict[int, tuple[torch.Tensor, int]] = {}  # id -> (tensor, its top)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        packet = func.overloadpacket
+        if packet is _aten.index and len(args) > 1:
+            for dim, index in enumerate(args[1]):
+                top = self._top(index)
+                if top is not None and top >= args[0].size(dim):
+                    raise IndexError(f"index {top} is out of bounds for dim {dim} with size "
+                                     f"{args[0].size(dim)}")
+        output = func(*args, **kwargs)
+        top = self._made(packet, args, kwargs)
+        if top is not None and isinstance(output, torch.Tensor):
+            self.highest[id(output)] = (output, top)
+        return output
+
+    def _top(self, value: Any) -> int | None:
+        held = self.highest.get(id(value)) if isinstance(value, torch.Tensor) else None
+        return held[1] if held is not None and held[0] is value else None
+
+    def _made(self, packet: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+        """The highest value of the output of ``packet(*args)``, where it is known."""
+        if packet is _aten.arange:
+            numbers = [*args, *(kwargs[k] for k in ("start", "end", "step") if k in kwargs)]
+            if not numbers or not all(isinstance(n, int) for n in numbers[:3]):
+                return None
+            start, end, step = (0, numbers[0], 1) if len(numbers) == 1 else (
+                *numbers[:2], numbers[2] if len(numbers) > 2 else 1)
+            count = -(-(end - start) // step) if step > 0 else 0
+            return start + (count - 1) * step if count > 0 else None
+        top = self._top(args[0]) if args else None
+        if top is None:
+            return None
+        if packet in _SAME_VALUES:
+            return top
+        if packet is _aten.add and len(args) > 1 and isinstance(args[1], int):
+            return top + args[1]
+        return None
 
 
 def _ambiguous(leaves: _Leaves, same: Sequence[int], b: int) -> str:

@@ -4,6 +4,8 @@ named on its own."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -73,3 +75,47 @@ def test_one_tensor_batched_in_one_place_and_shared_in_another_is_refused() -> N
         decide_batching(Table(), (x, x), {}, declared=(0, None))
     decision = decide_batching(Table(), (x, x.clone()), {})  # a copy of its own: decided
     assert decision.batched == {id(x)}
+
+
+class PaddingMask(nn.Module):
+    """Reads its padding mask where each sample's row is, at arange(batch), as Hugging
+    Face's masks do: meta and fake tensors do not check that index against the mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        rows = torch.arange(x.shape[0])[:, None]
+        keep = mask[rows, torch.arange(x.shape[1])[None, :]]
+        return self.a(x) * keep[..., None]
+
+
+def test_an_input_read_at_arange_of_the_batch_is_batched() -> None:
+    """The mask was taken for one every sample shares: left at b rows beside an input of
+    b + 1 the trial ran, its index past the mask's end unchecked."""
+    x, mask = torch.randn(2, 5, 8), torch.ones(2, 5)
+    decision = decide_batching(PaddingMask(), (x, mask), {})
+    assert decision.batched == {id(x), id(mask)}, decision
+
+
+def test_hf_bert_micro_batches_keep_each_samples_padding(tmp_path: Path) -> None:
+    """HF BERT's attention_mask went whole to every micro-batch, and each read the first
+    micro-batch's rows of it: padded samples got another sample's mask, silently."""
+    import fxpipe
+    from fxpipe.frontend import load_model_file
+
+    bert = Path(__file__).resolve().parents[1] / "examples" / "hf_bert.py"
+    plan = fxpipe.split_file(bert, gpus=2, pp=2, microbatches=2, out=tmp_path / "pkg")
+    assert plan.shared_inputs == ()
+    model = load_model_file(str(bert)).model.eval()
+    ids = torch.randint(3, 1000, (4, 32), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(4, 32, dtype=torch.long)
+    mask[2:, 16:] = 0  # the last two samples padded
+    inputs = {"input_ids": ids, "attention_mask": mask, "token_type_ids": torch.zeros_like(ids)}
+    package = fxpipe.load_package(tmp_path / "pkg")
+    runner = package.PipelineRunner(package.build_stages(model))
+    with torch.no_grad():
+        want = model(**inputs).logits
+        got = runner.forward(**inputs)
+    torch.testing.assert_close(got["logits"], want, rtol=1e-5, atol=1e-5)
