@@ -281,12 +281,13 @@ class _IndexBounds(TorchDispatchMode):
                            kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
         packet = func.overloadpacket
-        if packet is _aten.index and len(args) > 1:
-            for dim, index in enumerate(args[1]):
-                top = self._top(index)
-                if top is not None and top >= args[0].size(dim):
-                    raise IndexError(f"index {top} is out of bounds for dim {dim} with size "
-                                     f"{args[0].size(dim)}")
+        reads = (enumerate(args[1]) if packet is _aten.index and len(args) > 1 else
+                 [(args[1], args[2])] if packet is _aten.index_select and len(args) > 2 else [])
+        for dim, index in reads:
+            top = self._top(index)
+            if top is not None and top >= args[0].size(dim):
+                raise IndexError(f"index {top} is out of bounds for dim {dim} with size "
+                                 f"{args[0].size(dim)}")
         output = func(*args, **kwargs)
         top = self._made(packet, args, kwargs)
         if top is not None and isinstance(output, torch.Tensor):

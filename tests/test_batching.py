@@ -91,11 +91,17 @@ class PaddingMask(nn.Module):
         return self.a(x) * keep[..., None]
 
 
-def test_an_input_read_at_arange_of_the_batch_is_batched() -> None:
+class SelectedRows(PaddingMask):
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.a(x) * mask.index_select(0, torch.arange(x.shape[0]) + 0)[..., None]
+
+
+@pytest.mark.parametrize("model", [PaddingMask, SelectedRows])
+def test_an_input_read_at_arange_of_the_batch_is_batched(model: type[nn.Module]) -> None:
     """The mask was taken for one every sample shares: left at b rows beside an input of
     b + 1 the trial ran, its index past the mask's end unchecked."""
     x, mask = torch.randn(2, 5, 8), torch.ones(2, 5)
-    decision = decide_batching(PaddingMask(), (x, mask), {})
+    decision = decide_batching(model(), (x, mask), {})
     assert decision.batched == {id(x), id(mask)}, decision
 
 
