@@ -105,20 +105,41 @@ def test_an_input_read_at_arange_of_the_batch_is_batched(model: type[nn.Module])
     assert decision.batched == {id(x), id(mask)}, decision
 
 
-def test_hf_bert_micro_batches_keep_each_samples_padding(tmp_path: Path) -> None:
-    """HF BERT's attention_mask went whole to every micro-batch, and each read the first
-    micro-batch's rows of it: padded samples got another sample's mask, silently."""
+LLAMA_WITH_A_MASK = """
+import sys
+import torch
+sys.path.insert(0, {examples!r})
+from transformers_models import _make_llama as build_model
+
+
+def example_inputs():
+    ids = torch.randint(3, 1000, (2, 32), generator=torch.Generator().manual_seed(1))
+    return {{"input_ids": ids, "attention_mask": torch.ones(2, 32, dtype=torch.long)}}
+"""
+
+
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_hf_micro_batches_keep_each_samples_padding(tmp_path: Path, family: str) -> None:
+    """HF BERT's and Llama's attention_mask went whole to every micro-batch, and each read
+    the first micro-batch's rows of it: padded samples got another sample's mask,
+    silently (Llama's logits 0.56 off with the last two samples left-padded)."""
     import fxpipe
     from fxpipe.frontend import load_model_file
 
-    bert = Path(__file__).resolve().parents[1] / "examples" / "hf_bert.py"
-    plan = fxpipe.split_file(bert, gpus=2, pp=2, microbatches=2, out=tmp_path / "pkg")
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    path = examples / "hf_bert.py"
+    if family == "llama":
+        path = tmp_path / "llama_mask.py"
+        path.write_text(LLAMA_WITH_A_MASK.format(examples=str(examples)))
+    plan = fxpipe.split_file(path, gpus=2, pp=2, microbatches=2, out=tmp_path / "pkg")
     assert plan.shared_inputs == ()
-    model = load_model_file(str(bert)).model.eval()
+    model = load_model_file(str(path)).model.eval()
     ids = torch.randint(3, 1000, (4, 32), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(4, 32, dtype=torch.long)
-    mask[2:, 16:] = 0  # the last two samples padded
-    inputs = {"input_ids": ids, "attention_mask": mask, "token_type_ids": torch.zeros_like(ids)}
+    mask[2:, :10] = 0  # the last two samples padded on the left
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    if family == "bert":
+        inputs["token_type_ids"] = torch.zeros_like(ids)
     package = fxpipe.load_package(tmp_path / "pkg")
     runner = package.PipelineRunner(package.build_stages(model))
     with torch.no_grad():
