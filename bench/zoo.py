@@ -15,6 +15,8 @@
     python bench/zoo.py --recompute selective  # all of it but its matmuls and attention
     python bench/zoo.py --recompute selective --keep-level 0  # keeping only the outputs
                                         # of the model's leanest keep level
+    python bench/zoo.py --padded        # the token models given a padding mask, half the
+                                        # samples padded on the left
     python bench/zoo.py --precision bf16-mixed  # float32 models planned, traced and
                                         # trained under CPU autocast, against the model
                                         # under autocast micro-batch by micro-batch
@@ -126,6 +128,13 @@ BATCHES = {
     "tokens": """\
     ids = torch.randint(3, {vocab}, (size, {seq} + 1), generator=g)
     return {{"input_ids": ids[:, :-1]}}, ids[:, 1:]""",
+    # the same with a padding mask (--padded): the later half of the samples padded on the
+    # left, as a batch of prompts of different lengths is, each its own mask
+    "tokens_padded": """\
+    ids = torch.randint(3, {vocab}, (size, {seq} + 1), generator=g)
+    mask = torch.ones(size, {seq}, dtype=torch.long)
+    mask[size // 2:, :{seq} // 4] = 0
+    return {{"input_ids": ids[:, :-1], "attention_mask": mask}}, ids[:, 1:]""",
     # teacher forcing: the decoder reads the labels shifted right behind a start token
     "seq2seq": """\
     ids = torch.randint(3, {vocab}, (size, {seq}), generator=g)
@@ -1211,6 +1220,9 @@ def main() -> int:
                         help="every selective stage keeps by the model's keep level L (0: "
                         "the fewest outputs), not the planned one; with --recompute "
                         "selective, every stage")
+    parser.add_argument("--padded", action="store_true",
+                        help="give the token models an attention_mask, half the samples "
+                        "padded on the left (the families without one are left out)")
     parser.add_argument("--keep", type=Path,
                         help="write the model files and packages here (default: a temp folder)")
     args = parser.parse_args()
@@ -1230,6 +1242,9 @@ def main() -> int:
         families = [f for f in families if f.slug in wanted]
     if args.layers != 2:
         families = [deeper(f, args.layers) for f in families]
+    if args.padded:
+        families = [replace(f, inputs=("tokens_padded", f.inputs[1])) for f in families
+                    if f.inputs[0] == "tokens"]
     if args.gpus is not None:
         families = [replace(f, stages=args.gpus) for f in families]
 
