@@ -15,6 +15,7 @@ import torch.fx
 from fxpipe import meta
 from fxpipe.cut import cut_stages
 from fxpipe.lower import Lowered
+from fxpipe.partition.baselines import BASELINES
 from fxpipe.partition.cost import StageCost
 from fxpipe.partition.evaluate import Evaluation
 from fxpipe.partition.problem import Problem
@@ -139,9 +140,9 @@ def state_keys(gm: torch.fx.GraphModule | None) -> tuple[tuple[str, ...], ...]:
 
 
 def step_notes(report: SolverReport, microbatches: int) -> list[str]:
-    """Where the plan keeps a baseline's cuts for their shorter step (partition's
-    ``_shortest_step``), why: the search minimises the slowest stage."""
-    if report.method in ("cp-sat", "interval-dp", "hand-written"):
+    """Where the plan keeps a baseline's cuts for their shorter step
+    (``partition.keep.shortest_step``), why: the search minimises the slowest stage."""
+    if report.method not in BASELINES:
         return []
     m = microbatches
     runs = ("runs each stage once" if m == 1 else

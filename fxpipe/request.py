@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Required, TypedDict
 
-from fxpipe.partition.layout import DP_MODES, fills_hosts, per_host
+from fxpipe.partition.layout import DP_MODES, ddp_copies, fills_hosts, per_host
 from fxpipe.schedules import KINDS, ScheduleKind
 
 if TYPE_CHECKING:
@@ -256,8 +256,8 @@ def _cluster(pp: int | str | None, gpus_per_node: int | None, dp_mode: str | Non
     if dp_mode is not None:
         _one_of(dp_mode, DP_MODES, "dp_mode", say)
     _degrees_fit(per_pipeline, per_stage, gpus=gpus, host=host, say=say)
-    if (dp_mode == "ddp" and per_stage is not None and per_stage > 1
-            and per_pipeline is not None and per_pipeline * per_stage != gpus):
+    if (dp_mode is not None and per_pipeline is not None and per_stage is not None
+            and not ddp_copies(dp_mode, gpus // (per_pipeline * per_stage), per_stage)):
         raise ValueError(
             f"{say.said('dp_mode', 'ddp')} cannot keep copies of stages split over GPUs "
             f"({say.said('tp', per_stage)}): torch's DDP takes no DTensor parameters; use "

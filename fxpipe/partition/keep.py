@@ -23,10 +23,12 @@ def shortest_step(found: Partition) -> Partition:
     """``found``, or the same problem split by the baseline that fits with the shortest
     step where that is shorter than ``found``'s (the module docstring)."""
     problem, report, step = found.problem, found.report, found.evaluation.estimate.iteration_s
+    if problem.replicates:
+        return found
     shorter = [(estimate.iteration_s, name) for name, estimate in found.baselines.items()
                if estimate.fits and estimate.iteration_s < step * (1 - 1e-9)
                and not violations(problem, found.baseline_splits[name])]
-    if problem.replicates or not shorter:
+    if not shorter:
         return found
     name = min(shorter)[1]
     kept = evaluate(problem, found.baseline_splits[name])

@@ -61,6 +61,7 @@ __all__ = [
     "Totals",
     "Tried",
     "candidates",
+    "ddp_copies",
     "fills_hosts",
     "grad_bytes",
     "layout_bound",
@@ -89,6 +90,12 @@ COMPUTE_EFFICIENCY = 1.0
 # A host of this many GPUs where --gpus-per-node is not given (an HGX / DGX board), or all
 # of them where fewer
 DEFAULT_GPUS_PER_NODE = 8
+
+
+def ddp_copies(mode: str, d: int, t: int) -> bool:
+    """Whether ``mode`` can keep d copies of stages split over t GPUs: not DDP where there
+    are copies of split stages, whose DTensor parameters torch's DDP does not take."""
+    return not (mode == "ddp" and t > 1 and d > 1)
 
 
 def per_host(gpus: int, asked: int | None) -> int:
@@ -150,7 +157,7 @@ def candidates(cluster: Cluster, global_microbatches: int, *, pp: int | None = N
             if global_microbatches % d:
                 continue
             mode = dp_mode if dp_mode is not None else ("fsdp" if d > 1 else "ddp")
-            if mode == "ddp" and t > 1 and d > 1:
+            if not ddp_copies(mode, d, t):
                 continue
             found.append((p, d, mode, global_microbatches // d, t))
     return found
