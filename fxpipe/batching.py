@@ -295,19 +295,18 @@ class _IndexBounds(TorchDispatchMode):
         return output
 
     def _top(self, value: Any) -> int | None:
-        held = self.highest.get(id(value)) if isinstance(value, torch.Tensor) else None
-        return held[1] if held is not None and held[0] is value else None
+        # the tensors are held, so an id seen here is theirs alone
+        held = self.highest.get(id(value))
+        return None if held is None else held[1]
 
     def _made(self, packet: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
         """The highest value of the output of ``packet(*args)``, where it is known."""
-        if packet is _aten.arange:
-            numbers = [*args, *(kwargs[k] for k in ("start", "end", "step") if k in kwargs)]
-            if not numbers or not all(isinstance(n, int) for n in numbers[:3]):
+        if packet is _aten.arange:  # (end), (start, end) or (start, end, step)
+            bounds = [*args, *(kwargs[k] for k in ("start", "end", "step") if k in kwargs)][:3]
+            if not bounds or not all(isinstance(n, int) for n in bounds):
                 return None
-            start, end, step = (0, numbers[0], 1) if len(numbers) == 1 else (
-                *numbers[:2], numbers[2] if len(numbers) > 2 else 1)
-            count = -(-(end - start) // step) if step > 0 else 0
-            return start + (count - 1) * step if count > 0 else None
+            counted = range(*bounds)
+            return max(counted[0], counted[-1]) if counted else None
         top = self._top(args[0]) if args else None
         if top is None:
             return None
