@@ -9,7 +9,6 @@ its share of the hidden width, ``outer`` its share of the tokens.
 
 from __future__ import annotations
 
-import importlib
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,8 +16,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+
+try:
+    from tests.distributed.tp_stage import one_stage
+except ModuleNotFoundError:  # run as a script: its folder is on the path
+    from tp_stage import one_stage  # type: ignore[no-redef]
 
 
 def _local(value: Any) -> torch.Tensor:
@@ -26,20 +29,10 @@ def _local(value: Any) -> torch.Tensor:
 
 
 def main(package: str, model_file: str, out: str) -> None:
-    from fxpipe.codegen import load_package
-    from fxpipe.frontend import load_model_file
-
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    load_package(Path(package), "dropout_masks_pkg")
-    stage0 = importlib.import_module("dropout_masks_pkg.stage0")
-    runtime = importlib.import_module("dropout_masks_pkg.runtime.tensor_parallel")
-    degree, splits = importlib.import_module("dropout_masks_pkg.distributed").TENSOR_PARALLEL
-    source = load_model_file(model_file)
-    stage = stage0.Stage0(source.model)
-    torch.manual_seed(100 + rank)  # each rank its own state: the split makes them agree
-    mesh = init_device_mesh("cpu", (degree,), mesh_dim_names=("tp",))
-    runtime.split_stage(stage, splits[0], mesh, last=True)
+    one = one_stage(package, model_file, "dropout_masks_pkg")
+    source = one.source
+    torch.manual_seed(100 + one.rank)  # each rank its own state: the split makes them agree
+    one.split()
     masks: dict[str, torch.Tensor] = {}
 
     def record(name: str) -> Any:
@@ -51,10 +44,10 @@ def main(package: str, model_file: str, out: str) -> None:
     for name in ("pre", "inner", "outer"):
         getattr(source.model, name).register_forward_hook(record(name))
     (x,) = source.args
-    with runtime.tensor_step(degree, torch.device("cpu")), torch.no_grad():
-        stage(x=x)
+    with one.step(), torch.no_grad():
+        one.stage(x=x)
     Path(out).mkdir(parents=True, exist_ok=True)
-    torch.save(masks, Path(out, f"rank{rank}.pt"))
+    torch.save(masks, Path(out, f"rank{one.rank}.pt"))
     dist.destroy_process_group()
 
 

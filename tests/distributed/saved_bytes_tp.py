@@ -8,15 +8,18 @@ plan's activations per micro-batch predict.
 
 from __future__ import annotations
 
-import importlib
 import json
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
+
+try:
+    from tests.distributed.tp_stage import one_stage
+except ModuleNotFoundError:  # run as a script: its folder is on the path
+    from tp_stage import one_stage  # type: ignore[no-redef]
 
 
 def _storage(tensor: torch.Tensor) -> torch.UntypedStorage:
@@ -24,19 +27,9 @@ def _storage(tensor: torch.Tensor) -> torch.UntypedStorage:
 
 
 def main(package: str, model_file: str, out: str) -> None:
-    from fxpipe.codegen import load_package
-    from fxpipe.frontend import load_model_file
-
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    load_package(Path(package), "saved_bytes_pkg")
-    stage0 = importlib.import_module("saved_bytes_pkg.stage0")
-    runtime = importlib.import_module("saved_bytes_pkg.runtime.tensor_parallel")
-    degree, splits = importlib.import_module("saved_bytes_pkg.distributed").TENSOR_PARALLEL
-    source = load_model_file(model_file)
-    stage = stage0.Stage0(source.model)
-    mesh = init_device_mesh("cpu", (degree,), mesh_dim_names=("tp",))
-    runtime.split_stage(stage, splits[0], mesh, last=True)
+    one = one_stage(package, model_file, "saved_bytes_pkg")
+    source, stage = one.source, one.stage
+    one.split()
     params = {_storage(p).data_ptr() for p in stage.parameters()}
     kept: dict[int, int] = {}
 
@@ -47,11 +40,11 @@ def main(package: str, model_file: str, out: str) -> None:
         return tensor
 
     given = {**dict(zip(stage.INPUTS, source.args, strict=False)), **source.kwargs}
-    with (runtime.tensor_step(degree, torch.device("cpu")),
+    with (one.step(),
           torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor)):
         stage(**{name: given[name] for name in stage.INPUTS})
     Path(out).mkdir(parents=True, exist_ok=True)
-    Path(out, f"rank{rank}.json").write_text(json.dumps({"saved": sum(kept.values())}))
+    Path(out, f"rank{one.rank}.json").write_text(json.dumps({"saved": sum(kept.values())}))
     dist.destroy_process_group()
 
 

@@ -54,6 +54,19 @@ def _run(tmp_path: Path, model: Path, *flags: str, gpus: int = 4, steps: int = 1
     return import_package(out, f"tp_{tmp_path.name}").distributed, batch, saves
 
 
+def _one_split_stage(tmp_path: Path, model: Path, script: str) -> Path:
+    """``model`` split into one stage over 2 ranks (pp 1 x tp 2, 2 micro-batches) in
+    ``tmp_path``/pkg, and ``script`` of this folder (PACKAGE MODEL OUT) run on it under
+    torchrun: OUT, where each rank wrote."""
+    out = tmp_path / "pkg"
+    assert cli.main(["split", str(model), "--gpus", "2", "--pp", "1", "--tp", "2",
+                     "--microbatches", "2", "--out", str(out)]) == 0
+    written = tmp_path / "ranks"
+    result = torchrun(2, Path(__file__).with_name(script), str(out), str(model), str(written))
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
+    return written
+
+
 def _unsplit(model: Path, batch: dict[str, Any], steps: int
              ) -> tuple[float, dict[str, torch.Tensor], dict[str, int]]:
     """The unsplit model's loss and gradients in its ``steps``-th step (Adam between, as
@@ -233,12 +246,7 @@ def test_attention_and_the_mlp_run_on_each_ranks_share(tmp_path: Path, model: Pa
     DTensors is gathered at its split; a residual stream left split by width is gathered
     at every norm). The first column's local share is half its width; the logits are the
     unsplit model's."""
-    out = tmp_path / "pkg"
-    assert cli.main(["split", str(model), "--gpus", "2", "--pp", "1", "--tp", "2",
-                     "--microbatches", "2", "--out", str(out)]) == 0
-    script = Path(__file__).with_name("comm_counts.py")
-    result = torchrun(2, script, str(out), str(model), str(tmp_path / "counts"))
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
+    counts = _one_split_stage(tmp_path, model, "comm_counts.py")
     built = load(str(model))[0].model
     if model == GPT64:  # a fused qkv of 4 heads x 32; the tied embedding split by rows
         layers, width = built.cfg.n_layer, 3 * 128
@@ -248,7 +256,7 @@ def test_attention_and_the_mlp_run_on_each_ranks_share(tmp_path: Path, model: Pa
         layers, width = built.config.num_hidden_layers, 4 * 16
         want = {"reduce_scatter_tensor": 2 * layers, "all_gather_into_tensor": 2 * layers + 1}
     for rank in range(2):
-        found = json.loads((tmp_path / "counts" / f"rank{rank}.json").read_text())
+        found = json.loads((counts / f"rank{rank}.json").read_text())
         assert found["counts"] == want, found
         assert found["first_share"][-1] == width // 2
         assert found["error"] <= TOLERANCE
@@ -262,14 +270,8 @@ def test_a_dropout_on_a_share_draws_each_ranks_own_mask_and_on_whole_values_one(
     half of the tokens) draw a different mask on each rank, as the unsplit model's
     differs from column to column and from token to token; the dropout on the input
     (whole on every rank) the same mask, so the copies stay equal; all drop about half."""
-    model = Path(dropout_mlp.__file__)
-    out = tmp_path / "pkg"
-    assert cli.main(["split", str(model), "--gpus", "2", "--pp", "1", "--tp", "2",
-                     "--microbatches", "2", "--out", str(out)]) == 0
-    script = Path(__file__).with_name("dropout_masks.py")
-    result = torchrun(2, script, str(out), str(model), str(tmp_path / "masks"))
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
-    masks = [torch.load(tmp_path / "masks" / f"rank{r}.pt") for r in range(2)]
+    written = _one_split_stage(tmp_path, Path(dropout_mlp.__file__), "dropout_masks.py")
+    masks = [torch.load(written / f"rank{r}.pt") for r in range(2)]
     pre, inner, outer = ([m[key] for m in masks] for key in ("pre", "inner", "outer"))
     assert pre[0].shape == (2, 16, 32) and torch.equal(pre[0], pre[1])
     assert inner[0].shape == inner[1].shape == (2, 16, 32)  # each rank's half of 64
@@ -287,13 +289,9 @@ def test_the_plan_keeps_what_autograd_keeps_on_each_rank(tmp_path: Path, model: 
     half of the tokens): the bytes autograd keeps on each rank in a forward are the
     plan's activations of one micro-batch, within 0.5 % (the values the next columns
     read gathered and kept whole, the ops per token's own halved)."""
-    out = tmp_path / "pkg"
-    assert cli.main(["split", str(model), "--gpus", "2", "--pp", "1", "--tp", "2",
-                     "--microbatches", "2", "--out", str(out)]) == 0
-    planned = json.loads((out / "plan.json").read_text())["stages"][0]["memory"]["activations"]
-    script = Path(__file__).with_name("saved_bytes_tp.py")
-    result = torchrun(2, script, str(out), str(model), str(tmp_path / "saved"))
-    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-8000:]
+    written = _one_split_stage(tmp_path, model, "saved_bytes_tp.py")
+    plan = json.loads((tmp_path / "pkg" / "plan.json").read_text())
+    planned = plan["stages"][0]["memory"]["activations"]
     for rank in range(2):
-        saved = json.loads((tmp_path / "saved" / f"rank{rank}.json").read_text())["saved"]
+        saved = json.loads((written / f"rank{rank}.json").read_text())["saved"]
         assert abs(saved - planned) <= 0.005 * planned, (rank, saved, planned)
