@@ -12,14 +12,16 @@ a graph that traces and then fails to run (run once on meta tensors to find out)
 input dimensions may vary is learnt by running the graph on meta tensors with each
 dimension resized.
 
-A model whose layers repeat is traced whole, not cut to a few layers and copied as
-``torch.export`` graphs are (``repeats.py``): a copy is only right where the recorded
-run of the whole model (``layer_runs.record``) shows every later layer running as the
-copied one, and that record costs about four times the whole trace it would spare
-(GPipe's 1,663-layer Transformer-L: 18.6 s of CPU against 4.8 s; torch.export takes
-milliseconds an op, so there the record pays). The whole trace is itself the exact
-record: ``mark_copies`` reads the repeated layers off it, node for node, and the runs
-below and the passes run each such layer once.
+A model whose layers repeat is traced one layer of a kind at a time: each later layer of
+a list whose class, attributes and call match one already traced replays that one's
+nodes (``replay.py``), checked against a second layer traced and the list's last. This is
+not ``torch.export``'s shortcut (``repeats.py``: export two layers, copy the second),
+which needs the recorded run of the whole model (``layer_runs.record``) to know the
+copies right: under ``symbolic_trace`` a layer sees proxies, not values, so what it
+records follows from what the key compares, and the record would cost four times the
+trace it spares (GPipe's 1,663-layer Transformer-L: 18.6 s of CPU against 4.8 s).
+``mark_copies`` then reads the repeated layers off the graph, node for node, and the
+runs below and the passes run each such layer once.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from fxpipe.tracing.functions import kept_functions
 from fxpipe.tracing.hooks import HookedLeaves, backward_hooked
 from fxpipe.tracing.records import InputShape
 from fxpipe.tracing.repeats import mark_copies
+from fxpipe.tracing.replay import LayerReplay, ReplayMismatch
 
 __all__ = ["BufferUpdateError", "ConstantError", "GradRegionError", "symbolic_graph"]
 
@@ -48,23 +51,56 @@ _STACKS = (torch.nn.TransformerEncoder, torch.nn.TransformerDecoder, torch.nn.Tr
 
 
 class _Tracer(HookedLeaves):
-    """``HookedLeaves``, tracing through torch.nn's stacks of layers (``_STACKS``)."""
+    """``HookedLeaves``, tracing through torch.nn's stacks of layers (``_STACKS``) and
+    replaying a recorded layer for each later one alike (``replay.py``)."""
+
+    def __init__(self, replay: LayerReplay) -> None:
+        super().__init__()
+        self._replay = replay
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         if isinstance(m, _STACKS) and not backward_hooked(m):
             return False
         return super().is_leaf_module(m, module_qualified_name)
 
+    def call_module(self, m: torch.nn.Module, forward: Callable[..., Any],
+                    args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        name = self.path_of_module(m)
+        self._replay.note(name)
+        return self._replay.call(self, m, name, args, kwargs,
+                                 lambda: super(_Tracer, self).call_module(m, forward, args, kwargs))
+
+    def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:
+        self._replay.cache = parameter_proxy_cache
+        return super().getattr(attr, attr_val, parameter_proxy_cache)
+
 
 def symbolic_graph(
-    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], replay: bool = True
 ) -> tuple[torch.fx.GraphModule, tuple[Any, ...], tuple[InputShape, ...]]:
     """``model`` traced by ``symbolic_trace``, the example inputs in placeholder order and
-    the shape of each tensor input; raises whatever stops it."""
+    the shape of each tensor input; raises whatever stops it. ``replay``: alike layers
+    are traced once and replayed (``replay.py``); a model whose last layer then traces
+    otherwise is traced again without."""
+    try:
+        gm = _traced(model, LayerReplay(model, enabled=replay))
+    except ReplayMismatch:
+        gm = _traced(model, LayerReplay(model, enabled=False))
+    flat = _symbolic_inputs(model, gm, args, kwargs)
+    copies = _copies(gm, model)
+    # The graph run resized (a run per size) in a forked child while it is checked here
+    big = len(gm.graph.nodes) >= FORK_MIN_NODES
+    with Forked(lambda: _probe_dynamic(gm, flat, copies), in_child=big) as probed:
+        _check_runs(gm, flat, copies)
+        return gm, flat, probed.result()
+
+
+def _traced(model: torch.nn.Module, replay: LayerReplay) -> torch.fx.GraphModule:
+    """``model``'s graph, where symbolic_trace records it rightly; raises where not."""
     # the grad-mode patches come off first: putting buffers back enters no_grad
     with _buffer_updates(model) as updated, _grad_regions() as entered, kept_functions(), \
             _constants(model) as constants:
-        tracer = _Tracer()
+        tracer = _Tracer(replay)
         graph = tracer.trace(model)
         gm = torch.fx.GraphModule(tracer.root, graph, type(model).__name__)
     if constants:
@@ -84,13 +120,7 @@ def symbolic_graph(
             f"forward updates the buffer {updated[0]} in place in Python code, which "
             "symbolic_trace runs once while tracing instead of recording it"
         )
-    flat = _symbolic_inputs(model, gm, args, kwargs)
-    copies = _copies(gm, model)
-    # The graph run resized (a run per size) in a forked child while it is checked here
-    big = len(gm.graph.nodes) >= FORK_MIN_NODES
-    with Forked(lambda: _probe_dynamic(gm, flat, copies), in_child=big) as probed:
-        _check_runs(gm, flat, copies)
-        return gm, flat, probed.result()
+    return gm
 
 
 class GradRegionError(RuntimeError):
