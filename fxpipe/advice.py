@@ -5,7 +5,9 @@ tell (``partition/nothing_fits.py``: the leanest split's memory, the fewest GPUs
 recompute). What needs the graph itself is found here, each by costing the graph's bytes
 once more and a fast split that fits for sure (``dp_fits``): a leaner precision
 (``fitting_precision``), smaller micro-batches (``fitting_samples``), and 1F1B where
-another schedule was asked for (``fits_in_1f1b``). ``advised`` adds them to the error.
+another schedule was asked for (``fits_in_1f1b``). ``advised`` adds them to the error;
+``advised_layout`` to the layout search's, where a leaner precision that needs more GPUs
+is said as the layout it fits on, searched as the job runs.
 
 The driver lowers (``problem``: the solver's problem the options make of the graph, as
 it is annotated at the time of the call), so each fix is a problem lowered as a split of
@@ -15,10 +17,10 @@ those options would be.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,7 +33,11 @@ from fxpipe.passes.base import AnalysisError
 from fxpipe.precision import Precision, default_precision
 from fxpipe.schedules import ScheduleKind
 
-__all__ = ["MAX_HALVINGS", "advised", "fits_in_1f1b", "fitting_precision", "fitting_samples"]
+if TYPE_CHECKING:
+    from fxpipe.cluster import NoLayoutFits
+
+__all__ = ["MAX_HALVINGS", "advised", "advised_layout", "fits_in_1f1b", "fitting_precision",
+           "fitting_samples"]
 
 # the solver's problem ``options`` make of the graph as it is annotated now
 Lowering = Callable[[SplitOptions], Problem]
@@ -68,6 +74,22 @@ def advised(error: InfeasibleMemoryError, traced: Traced, options: SplitOptions,
     if fits_in_1f1b(options, problem=problem):
         fixes.update(schedule=ScheduleKind.ONE_F_ONE_B.value)
     return error.but(**fixes) if fixes else error
+
+
+def advised_layout(error: NoLayoutFits, traced: Traced, *, problem: Lowering) -> NoLayoutFits:
+    """``error`` with what fits its leanest layout named (``advised``); a leaner precision
+    that fits that layout's pipeline only on more stages is named with the layout it
+    fits on, the fewest GPUs in whole hosts with the --pp and --dp-mode asked
+    (``error.fewest``, with the graph's bytes costed at that precision), or not at all
+    where none does."""
+    raw = advised(error.raw, traced, error.options, problem=problem)
+    if raw.precision is None or raw.precision_gpus is None:
+        return error.but(raw)
+    precision = Precision(raw.precision)
+    with _costed(traced, replace(error.options, precision=precision),
+                 traced.flat_inputs) as ran:
+        leaner_on = error.fewest(precision)[0] if ran else None
+    return error.but(raw, leaner_on)
 
 
 def fitting_precision(traced: Traced, options: SplitOptions, fits_on: int | None, *,
@@ -153,18 +175,29 @@ def fitting_samples(traced: Traced, options: SplitOptions, *, problem: Lowering
 def _bytes_again(traced: Traced, options: SplitOptions, inputs: tuple[Any, ...],
                  problem: Lowering) -> Problem | None:
     """The problem ``options`` make of the graph with its shapes and bytes costed once
-    more, on ``inputs`` at the options' precision (one run of the graph; FLOPs and times,
-    which do not decide a fit, are left as they are: the FLOP pass is the slowest); None
-    where the passes cannot run it. The graph's own annotations are restored after."""
+    more (``_costed``); None where the passes cannot run it."""
+    with _costed(traced, options, inputs) as ran:
+        return problem(options) if ran else None
+
+
+@contextmanager
+def _costed(traced: Traced, options: SplitOptions, inputs: tuple[Any, ...]
+            ) -> Iterator[bool]:
+    """While open, the graph's shapes and bytes are costed once more, on ``inputs`` at the
+    options' precision (one run of the graph; FLOPs and times, which do not decide a fit,
+    are left as they are: the FLOP pass is the slowest); yields whether the passes could
+    run it. The graph's own annotations are restored after."""
     gm = traced.gm
     at = execution(options.device, options.precision or default_precision(gm))
     saved = {node: dict(node.meta) for node in gm.graph.nodes}
     try:
-        annotate_memory(gm, *inputs, execution=at, shapes=True)
-        annotate_modules(gm)
-        return problem(options)
-    except AnalysisError:
-        return None
+        try:
+            annotate_memory(gm, *inputs, execution=at, shapes=True)
+            annotate_modules(gm)
+        except AnalysisError:
+            yield False
+        else:
+            yield True
     finally:
         for node, meta in saved.items():
             node.meta = meta

@@ -473,8 +473,11 @@ def _worded(exc: ValueError) -> str:
     if isinstance(exc, NoLayoutFits):
         inner = exc.error
         fixes = _memory_fixes(inner, more_gpus=False)
+        if exc.leaner_on is not None and inner.precision_gpus is not None:  # as a layout
+            fixes = [f"--precision {inner.precision} {exc.flags(exc.leaner_on)}"
+                     if fix.startswith("--precision ") else fix for fix in fixes]
         if exc.fits_on is not None:  # more GPUs: the layout that fits on the fewest
-            fixes.insert(0, exc.flags())
+            fixes.insert(0, exc.flags(exc.fits_on))
             where = f"; it fits on {exc.fits_on[0]} GPUs as {exc.fits_on[1]}"
         elif inner.alone is not None:  # what the bounds proved: no GPU count fits
             where = inner.proved()

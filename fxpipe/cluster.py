@@ -52,6 +52,7 @@ from fxpipe.partition.solve import Partition
 from fxpipe.passes.sequence_parallel import sequence_gaps
 from fxpipe.passes.tensor_parallel import TensorParallel, annotate_tensor_parallel
 from fxpipe.plan import Layout, LayoutRow
+from fxpipe.precision import Precision
 from fxpipe.request import MAX_MICROBATCHES
 from fxpipe.units import format_bytes
 
@@ -139,9 +140,10 @@ def choose(traced: Traced, options: SplitOptions, *,
     chosen = next((t for t in tried if t.status == "chosen"), None)
     if chosen is None:
         raise _nothing_fits(cluster, tried, lambda t: solve(of(t.p, t.d, t.mode, t.m, t.t)),
-                            lambda: _fewest_fitting(
+                            lambda precision: _fewest_fitting(
                                 cluster, steps_microbatches, b, wanted, degrees,
-                                lambda on, lay: problem(of(*lay, on=on))),
+                                lambda on, lay: problem(replace(
+                                    of(*lay, on=on), precision=precision or options.precision))),
                             lambda t: of(t.p, t.d, t.mode, t.m, t.t))
     planned = of(chosen.p, chosen.d, chosen.mode, chosen.m, chosen.t)
     link = sync_link(cluster, chosen.p, chosen.t)
@@ -343,44 +345,60 @@ def _fewest_fitting(cluster: Cluster, steps_microbatches: int, b: int,
     return None, searched
 
 
+# a layout that fits on more GPUs: (GPUs, the layout's words, its --pp, --dp-mode or None,
+# --tp, the global batch)
+FitsOn = tuple[int, str, int, str | None, int, int]
+# the fewest GPUs a layout fits on, with the graph's bytes as they are costed at the time
+# of the call, at a precision (None: the one planned): the layout, and the most GPUs
+# whose every layout was checked
+Fewest = Callable[[Precision | None], tuple[FitsOn | None, int]]
+
+
 class NoLayoutFits(ValueError):
     """No layout of ``gpus`` GPUs (``per_host`` to a host) fits: the leanest, ``leanest``
     (its words, as ``_described`` writes them), planned with ``options``, does not fit by
     ``raw`` (the solver's error for one of its ``dp`` pipelines, naming what would fit
     it); ``error`` is ``raw`` counted over the step (its micro-batches are the step's, as
-    ``--microbatches`` counts them). ``fits_on`` = (GPUs, the layout's words, its
-    ``--pp``, ``--dp-mode`` or None, ``--tp``, the global batch) where a layout fits on
-    more GPUs, else None. The command line words the fixes with its flags
+    ``--microbatches`` counts them). ``fits_on``: the layout that fits on the fewest more
+    GPUs, else None; ``fewest`` searches it again at a leaner precision, and
+    ``leaner_on`` is what it found for ``raw.precision`` where that needs more GPUs
+    (``advice.advised_layout``). The command line words the fixes with its flags
     (``cli._worded``); ``str`` is the sentence for the Python API."""
 
     def __init__(self, gpus: int, per_host: int, leanest: str, raw: InfeasibleMemoryError,
-                 fits_on: tuple[int, str, int, str | None, int, int] | None,
-                 options: SplitOptions, dp: int, searched: int) -> None:
+                 fits_on: FitsOn | None, options: SplitOptions, dp: int, searched: int,
+                 fewest: Fewest, leaner_on: FitsOn | None = None) -> None:
         self.gpus, self.per_host, self.leanest = gpus, per_host, leanest
         self.raw, self.fits_on, self.options, self.dp = raw, fits_on, options, dp
         self.searched = searched  # the most GPUs a layout was looked for on
+        self.fewest, self.leaner_on = fewest, leaner_on
+        # The solver's "fits on N GPUs", at this precision or a leaner one, counts one
+        # pipeline's stages at its d and M, not the job's GPUs: said as --gpus N it was
+        # wrong ("--gpus 4" for a job of 64; "--gpus 9" beside --pp 8 or hosts of 8). The
+        # layouts on more GPUs are ``fits_on``'s and ``leaner_on``'s, searched as the job
+        # would run; a leaner precision that needs more GPUs and has no such layout, or
+        # one on no fewer GPUs than ``fits_on``'s, is no fix.
+        leaner = raw.precision if raw.precision_gpus is None or (
+            leaner_on is not None and (fits_on is None or leaner_on[0] < fits_on[0])) else None
         self.error = raw.but(
             samples=None if raw.samples is None else (*raw.samples[:2], raw.samples[2] * dp),
             microbatches=None if raw.microbatches is None else raw.microbatches * dp,
-            # a pipeline's GPUs that fit it at a leaner precision, as the step's
-            precision_gpus=None if raw.precision_gpus is None
-            else raw.precision_gpus * dp * options.tensor_parallel,
-            # the solver's "fits on N GPUs" counts one pipeline's stages at its d and M, not
-            # the job's GPUs: said as --gpus N it was wrong ("--gpus 4" for a job of 64);
-            # the layouts on more GPUs are ``fits_on``'s, searched as the job would run
+            precision=leaner,
+            precision_gpus=None if leaner is None or leaner_on is None else leaner_on[0],
             fits_on=None)
         fixes = str(self.error).split("; to fit, ", 1)[-1]
         if fits_on is None:
             super().__init__(f"{self.head()}{self.none_larger()}; to fit it, {fixes}")
         else:
             super().__init__(f"{self.head()}; it fits on {fits_on[0]} GPUs as {fits_on[1]}: "
-                             f"use {self.flags()}; or, to fit the leanest, {fixes}")
+                             f"use {self.flags(fits_on)}; or, to fit the leanest, {fixes}")
 
-    def but(self, raw: InfeasibleMemoryError) -> NoLayoutFits:
+    def but(self, raw: InfeasibleMemoryError, leaner_on: FitsOn | None = None
+            ) -> NoLayoutFits:
         """The same error, the leanest layout's own naming more fixes (``advice.advised``
-        costs the graph again for them)."""
+        costs the graph again for them), and the layout its leaner precision fits on."""
         return NoLayoutFits(self.gpus, self.per_host, self.leanest, raw, self.fits_on,
-                            self.options, self.dp, self.searched)
+                            self.options, self.dp, self.searched, self.fewest, leaner_on)
 
     def none_larger(self) -> str:
         """Where no layout on more GPUs fits, how far the search went (nothing where it
@@ -393,24 +411,24 @@ class NoLayoutFits(ValueError):
                 f"{format_bytes(self.error.limit)} per GPU; the leanest, {self.leanest}, "
                 f"needs {format_bytes(self.error.needed)} per GPU")
 
-    def flags(self) -> str:
-        """The command line that plans the layout that fits (``fits_on``)."""
-        assert self.fits_on is not None
-        gpus, _, p, mode, t, global_batch = self.fits_on
+    def flags(self, layout: FitsOn) -> str:
+        """The command line that plans ``layout`` (``fits_on`` or ``leaner_on``)."""
+        gpus, _, p, mode, t, global_batch = layout
         return (f"--gpus {gpus} --pp {p}" + f" --dp-mode {mode}" * (mode is not None)
                 + f" --tp {t}" * (t > 1) + f" --global-batch {global_batch}")
 
 
 def _nothing_fits(cluster: Cluster, tried: list[Tried],
                   advised: Callable[[Tried], Partition],
-                  fewest: Callable[[], tuple[tuple[Cluster, tuple[int, int, str, int, int],
-                                                   int] | None, int]],
+                  fewest: Callable[[Precision | None], tuple[
+                      tuple[Cluster, tuple[int, int, str, int, int], int] | None, int]],
                   options_of: Callable[[Tried], SplitOptions]) -> ValueError:
     """The error when no layout has a split: ``NoLayoutFits``, naming the leanest layout
     that does not fit (by the memory its bounds prove it needs), what it needs, the fewest
-    GPUs a layout fits on (``fewest``) and what would fit the leanest (``advised`` solves
-    it again, working that out); or, where none is about memory, the first layout's own
-    error (the solver's, which the command line words with its flags)."""
+    GPUs a layout fits on (``fewest``, at a precision) and what would fit the leanest
+    (``advised`` solves it again, working that out); or, where none is about memory, the
+    first layout's own error (the solver's, which the command line words with its
+    flags)."""
     short = [t for t in tried if isinstance(t.error, InfeasibleMemoryError)]
     if not short:
         first = tried[0]
@@ -424,14 +442,18 @@ def _nothing_fits(cluster: Cluster, tried: list[Tried],
     else:  # pragma: no cover - a layout proved not to fit fits when solved again
         raise AssertionError(f"layout pp {leanest.p} x dp {leanest.d} fits after all")
     described = _described(leanest.p, leanest.d, leanest.mode, leanest.t)
-    larger, searched = fewest()
-    fits_on = None
-    if larger is not None:
+
+    def fits_on(precision: Precision | None) -> tuple[FitsOn | None, int]:
+        larger, searched = fewest(precision)
+        if larger is None:
+            return None, searched
         on, (p, d, mode, _, t), global_batch = larger
-        fits_on = (on.gpus, _described(p, d, mode, t), p, mode if d > 1 else None, t,
-                   global_batch)
-    return NoLayoutFits(cluster.gpus, cluster.gpus_per_node, described, error, fits_on,
-                        options_of(leanest), leanest.d, searched)
+        return (on.gpus, _described(p, d, mode, t), p, mode if d > 1 else None, t,
+                global_batch), searched
+
+    found, searched = fits_on(None)
+    return NoLayoutFits(cluster.gpus, cluster.gpus_per_node, described, error, found,
+                        options_of(leanest), leanest.d, searched, fits_on)
 
 
 def _described(p: int, d: int, mode: str, t: int) -> str:

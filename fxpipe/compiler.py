@@ -236,8 +236,7 @@ def plan_split(
                     solve=functools.partial(_solve, lowered_for, solved),
                     calibrated=calibrate_from is not None)
             except cluster.NoLayoutFits as exc:  # what fits the leanest, the graph costed again
-                raise exc.but(advice.advised(exc.raw, traced, exc.options, problem=problem)
-                              ) from None
+                raise advice.advised_layout(exc, traced, problem=problem) from None
     lowered = lowered_for(options)
     if pipedream and lowered.problem.tied:
         _check_pipedream_ties(lowered.problem)

@@ -84,7 +84,15 @@ def _model(tmp_path: Path, text: str) -> Path:
      ["--gpus 4 --pp 4 --global-batch 32", "--precision bf16-true"]),
     # one layer per GPU in float32; in bfloat16 two, but not on 2 GPUs
     (DEEP, ["--gpus", "2", "--memory", "1.5MiB"],
-     ["--gpus 8 --pp 8 --global-batch 32", "--precision bf16-true --gpus 4"]),
+     ["--gpus 8 --pp 8 --global-batch 32",
+      "--precision bf16-true --gpus 4 --pp 4 --global-batch 32"]),
+    # --pp 2 kept: in bfloat16 its two stages fit as 4 FSDP pipelines, not as one of 4
+    # stages (said "--gpus 4" before, which did not fit beside --pp 2) ...
+    (DEEP, ["--gpus", "2", "--pp", "2", "--memory", "1.5MiB"],
+     ["--precision bf16-true --gpus 8 --pp 2 --dp-mode fsdp --global-batch 32"]),
+    # ... and in hosts of 4 (said "--gpus 6", which fills none)
+    (DEEP, ["--gpus", "4", "--pp", "2", "--memory", "1.5MiB"],
+     ["--precision bf16-true --gpus 8 --pp 2 --dp-mode fsdp --global-batch 32"]),
     # GPipe keeps all its micro-batches in flight: 4 FSDP pipelines of 2 stages share the
     # step's, and bf16-mixed halves the activations
     (WIDE, ["--gpus", "2", "--memory", "8MiB", "--schedule", "gpipe"],
@@ -166,7 +174,7 @@ def test_a_layouts_fix_never_names_one_pipelines_gpu_count_as_the_jobs() -> None
     options = SplitOptions(gpus=2, device=get_device("h100"), memory_limit=80 * 2**30,
                            microbatches=64, tensor_parallel=8)
     error = NoLayoutFits(64, 8, "2 pipeline stages x 4 data-parallel (fsdp)", raw, None,
-                         options, 4, 1024)
+                         options, 4, 1024, lambda precision: (None, 1024))
     worded = cli._worded(error)
     assert "--gpus" not in worded.split("; use ")[1], worded
     assert worded.endswith("; use --memory 127.7GiB"), worded

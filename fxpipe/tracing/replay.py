@@ -1,23 +1,28 @@
 """Tracing a list of alike layers once: ``symbolic_trace`` records one layer's nodes and
 replays them for each later layer alike, instead of running its forward again.
 
-``symbolic_trace`` runs every layer's Python (some 75 us an op): 2.5 of the 30 CPU
-seconds that GPipe's 1,663-layer Transformer-L takes to plan. Under it, a layer's forward
-sees no values, only proxies, so what it records is fixed by the layer's class, its
-attributes and how it is called. ``LayerReplay`` keys each layer of an ``nn.ModuleList``
-or ``nn.Sequential`` by all of these (``_state``: every attribute of every module in it,
-its parameters' and buffers' shapes, dtypes and devices, no hooks, nothing shared with
-another layer) and replays a recorded layer's nodes for a later layer with the same key
-and a call of the same form (``_Call``: the same constants, proxies in the same places):
-each copy reads the new layer's modules and parameters and the new call's inputs, and is
-the node the tracer would have made, name and ``nn_module_stack`` included.
+``symbolic_trace`` runs every layer's Python (some 75 us an op; 3 of the 30 CPU seconds
+that GPipe's 1,663-layer Transformer-L takes to plan). Under it a layer's forward sees
+proxies, not values, so what it records is fixed by what its Python can read: its class,
+its attributes, the globals its methods name, and how it is called. ``LayerReplay`` keys
+each layer of an ``nn.ModuleList`` or ``nn.Sequential`` by these as it is called
+(``_state``: every attribute of every module in it, its parameters' and buffers' shapes,
+dtypes and devices, the values of the globals its classes' methods name; no hooks,
+nothing shared with another layer) and replays a recorded layer's nodes for a later
+layer with the same key and a call of the same form (``_Call``: the same constants,
+proxies in the same places). Each copy reads the new layer's modules and parameters and
+the new call's inputs, and is the node the tracer would have made, name and
+``nn_module_stack`` included.
 
-A layer's recording is replayed only once a second layer with its key has traced to the
-same nodes (``_same``), and the last layer of each list is always traced and compared
-too: forward reading state that changes from call to call (a global counter) shows
-there, and the caller traces again without replaying (``ReplayMismatch``). A layer
-whose recording reads anything but its own modules and inputs (a constant the tracer
-stores on the model, a value of the layer before) is never replayed.
+A recording is replayed only once a second layer with its key has traced to the same
+nodes (``_same``: torchvision's ViT layers do not, each writing its input's name into an
+assert's message), and the last layer of each list is always traced and compared: where
+it differs, state no key holds changed between layers, and the caller traces again
+without replaying (``ReplayMismatch``). What neither sees is the assumption: a helper
+elsewhere that reads state the model changes between layers, alike at the second and
+the last. A recording that reads anything but its own modules and inputs (a constant
+the tracer stores on the model, a value of the layer before) is never replayed, nor one
+whose forward changes its own layer.
 """
 
 from __future__ import annotations
