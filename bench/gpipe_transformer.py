@@ -110,6 +110,7 @@ def _fits(num_layers: int, gpus: int, microbatches: int, recompute: str) -> floa
     """The largest stage's bytes of L layers planned onto ``gpus`` under GPipe's schedule
     in 16 GiB (v100's row, sgd-momentum: 12 bytes a parameter); None when nothing fits."""
     import fxpipe
+    from fxpipe.cluster import NoLayoutFits
     from fxpipe.partition import InfeasibleMemoryError, NoSolutionError
 
     try:
@@ -118,7 +119,7 @@ def _fits(num_layers: int, gpus: int, microbatches: int, recompute: str) -> floa
                             microbatches=microbatches, optimizer="sgd-momentum",
                             recompute=recompute, loss_fn=loss_fn,
                             example_target=example_target(), work_limit=2.0)
-    except (InfeasibleMemoryError, NoSolutionError):
+    except (InfeasibleMemoryError, NoLayoutFits, NoSolutionError):
         return None
     return float(max(stage.memory.total for stage in plan.stages))
 

@@ -83,7 +83,7 @@ def advised_layout(error: NoLayoutFits, traced: Traced, *, problem: Lowering) ->
     (``error.fewest``, with the graph's bytes costed at that precision), or not at all
     where none does."""
     raw = advised(error.raw, traced, error.options, problem=problem)
-    if raw.precision is None or raw.precision_gpus is None:
+    if raw.precision is None or raw.precision_gpus is None or error.fewest is None:
         return error.but(raw)
     precision = Precision(raw.precision)
     with _costed(traced, replace(error.options, precision=precision),

@@ -28,7 +28,7 @@ from fxpipe.options import ClusterOptions, SplitOptions
 from fxpipe.partition.baselines import interval_dp
 from fxpipe.partition.bound import block_bound
 from fxpipe.partition.coarsen import Coarsening, exact_groups
-from fxpipe.partition.errors import InfeasibleMemoryError, NoSolutionError
+from fxpipe.partition.errors import Figures, InfeasibleMemoryError, NoSolutionError
 from fxpipe.partition.evaluate import evaluate, violations
 from fxpipe.partition.layout import (
     COMPUTE_EFFICIENCY,
@@ -351,10 +351,10 @@ FitsOn = tuple[int, str, int, str | None, int, int]
 # the fewest GPUs a layout fits on, with the graph's bytes as they are costed at the time
 # of the call, at a precision (None: the one planned): the layout, and the most GPUs
 # whose every layout was checked
-Fewest = Callable[[Precision | None], tuple[FitsOn | None, int]]
+Fewest = Callable[[Precision | None], tuple[FitsOn | None, int]] | None
 
 
-class NoLayoutFits(ValueError):
+class NoLayoutFits(Figures):
     """No layout of ``gpus`` GPUs (``per_host`` to a host) fits: the leanest, ``leanest``
     (its words, as ``_described`` writes them), planned with ``options``, does not fit by
     ``raw`` (the solver's error for one of its ``dp`` pipelines, naming what would fit
@@ -392,6 +392,10 @@ class NoLayoutFits(ValueError):
         else:
             super().__init__(f"{self.head()}; it fits on {fits_on[0]} GPUs as {fits_on[1]}: "
                              f"use {self.flags(fits_on)}; or, to fit the leanest, {fixes}")
+
+    def _figures(self) -> dict[str, Any]:
+        # ``fewest`` plans with the graph, which stays in this process
+        return {**vars(self), "fewest": None}
 
     def but(self, raw: InfeasibleMemoryError, leaner_on: FitsOn | None = None
             ) -> NoLayoutFits:

@@ -179,3 +179,26 @@ def test_a_layouts_fix_never_names_one_pipelines_gpu_count_as_the_jobs() -> None
     assert "--gpus" not in worded.split("; use ")[1], worded
     assert worded.endswith("; use --memory 127.7GiB"), worded
     assert "use 4 GPUs" not in str(error), str(error)
+
+
+def test_no_layout_fits_crosses_processes(tmp_path: Path) -> None:
+    """fxpipe.split in a multiprocessing pool (as bench/gpipe_transformer.py probes) raises
+    NoLayoutFits in the parent, its figures kept; its search for a layout on more GPUs,
+    which plans with the graph, stays behind."""
+    import multiprocessing
+
+    from fxpipe.cluster import NoLayoutFits
+
+    model = _model(tmp_path, DEEP)
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        result = pool.apply_async(_split_in_child, (str(model),))
+        with pytest.raises(NoLayoutFits, match="no layout of 2 GPUs") as caught:
+            result.get(timeout=120)
+    assert caught.value.error.needed > caught.value.error.limit
+    assert caught.value.fits_on is not None and caught.value.fewest is None
+
+
+def _split_in_child(model: str) -> None:
+    import fxpipe
+
+    fxpipe.split_file(model, gpus=2, memory="1.5MiB", device="h100", microbatches=8)

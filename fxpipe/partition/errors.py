@@ -4,7 +4,8 @@ advise the user (stages asked for and possible, bytes needed, the limit, the tim
 The messages speak the solver's terms (stages, GPUs, bytes, seconds); the CLI words the
 same figures with its flags (``--gpus``, ``--memory``, ``--time-limit``), so this layer
 knows nothing of how it is driven. All are ``ValueError``: the user asked for a split that
-cannot be had.
+cannot be had. Each crosses processes as it is (``Figures``: a split run in a
+``multiprocessing`` pool raises the same error in the parent, not a pickling one).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 from fxpipe.units import format_alternatives, format_bytes
 
 __all__ = [
+    "Figures",
     "InfeasibleMemoryError",
     "NoSolutionError",
     "PipedreamTieError",
@@ -22,7 +24,27 @@ __all__ = [
 ]
 
 
-class TooManyStagesError(ValueError):
+class Figures(ValueError):
+    """An error whose figures are its attributes and whose message is worded from them
+    once: pickled as both, not by calling ``__init__`` again with the message (which
+    takes the figures, not a message)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuilt, (type(self), self.args, self._figures())
+
+    def _figures(self) -> dict[str, Any]:
+        """The attributes that cross processes (all of them here)."""
+        return dict(vars(self))
+
+
+def _rebuilt(cls: type[Figures], args: tuple[Any, ...], figures: dict[str, Any]) -> Figures:
+    error = cls.__new__(cls)
+    ValueError.__init__(error, *args)
+    vars(error).update(figures)
+    return error
+
+
+class TooManyStagesError(Figures):
     """More stages than nodes, or than groups of nodes that must share a stage.
 
     ``most`` is the largest stage count the graph allows: ``nodes`` when there are too
@@ -54,7 +76,7 @@ class TooManyStagesError(ValueError):
                 f"{self.groups} groups that must share a stage; use {most} stages or fewer")
 
 
-class PipedreamTieError(ValueError):
+class PipedreamTieError(Figures):
     """Under PipeDream's weight stashing the tied parameter ``name`` keeps every op
     between its readers on one stage: ``share`` of the model's time, more than ``stages``
     balanced stages would give one of them."""
@@ -70,7 +92,7 @@ class PipedreamTieError(ValueError):
             f"another schedule, or untie the parameter")
 
 
-class ProblemTooLargeError(ValueError):
+class ProblemTooLargeError(Figures):
     """More nodes (``nodes``) than the solver's memory allows (``most``): its program
     would need ``needs_bytes``, growing with the node count; or, where ``block`` is set,
     more nodes than ``most`` between two that no value skips, whose reachability matrix
@@ -94,7 +116,7 @@ class ProblemTooLargeError(ValueError):
                          f"layers")
 
 
-class InfeasibleMemoryError(ValueError):
+class InfeasibleMemoryError(Figures):
     """No split onto ``devices`` GPUs fits ``limit`` bytes per GPU; the leanest split found
     needs ``needed``.
 
@@ -177,7 +199,7 @@ class InfeasibleMemoryError(ValueError):
         return InfeasibleMemoryError(**{**{f: getattr(self, f) for f in fields}, **fixes})
 
 
-class NoSolutionError(ValueError):
+class NoSolutionError(Figures):
     """The search ended before any split was found: its work limit (``work_limit``, CP-SAT
     deterministic time) ran out, or, when ``wall_clock`` is true, the wall-clock safety net
     (``time_limit_s``) did first. ``limit``: the per-GPU memory every split had to fit, or

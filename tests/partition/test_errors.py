@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pickle
 from dataclasses import replace
 
 import pytest
@@ -259,3 +260,20 @@ def test_no_cp_sat_program_beyond_huge_model(monkeypatch: pytest.MonkeyPatch) ->
     assert not built
     assert fits.report.method == "interval-dp" and fits.phases == ()
     assert fits.report.bound <= fits.report.objective
+
+
+@pytest.mark.parametrize("error", [
+    TooManyStagesError(stages=8, nodes=3, groups=3, devices=8),
+    PipedreamTieError(name="embed.weight", share=0.4, stages=4),
+    ProblemTooLargeError(nodes=30_000, most=20_000, needs_bytes=11 * GiB),
+    InfeasibleMemoryError(devices=2, limit=GiB, needed=3 * GiB, fits_on=8, precision="bf16-true"),
+    NoSolutionError(devices=4, work_limit=2.0, time_limit_s=60.0, wall_clock=False,
+                    limit=GiB, leanest=2 * GiB),
+], ids=lambda e: type(e).__name__)
+def test_each_error_crosses_processes_with_its_figures(error: ValueError) -> None:
+    """A split run in a multiprocessing pool raises the same error in the parent: each was
+    pickled as ``cls(message)``, which its keyword-only figures refused, and the pool
+    raised its own error instead."""
+    again = pickle.loads(pickle.dumps(error))
+    assert type(again) is type(error) and str(again) == str(error)
+    assert vars(again) == vars(error)
