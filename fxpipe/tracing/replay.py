@@ -50,7 +50,7 @@ _HOOKS = (
 # kept by nn.Module for its own bookkeeping, not read by forward
 _BOOKKEEPING = ("_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
                 "_load_state_dict_post_hooks", "_is_full_backward_hook")
-_DEEPEST, _LONGEST = 6, 256  # the containers a key holds by value
+_MOST, _DEEPEST = 1024, 8  # the containers a key holds by value, each attribute or global
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device,
           torch.layout, torch.memory_format, type(Ellipsis))
 
@@ -270,10 +270,11 @@ def _tensor(t: torch.Tensor | None) -> Any:
     return (type(t), tuple(t.shape), t.dtype, t.device, t.requires_grad)
 
 
-def _value(value: Any, depth: int = 0) -> Any:
+def _value(value: Any, budget: list[int] | None = None, depth: int = 0) -> Any:
     """``value`` as a key: plain values by value, containers by their items, tensors not
-    at all (``_Unkeyable``, as containers too large or deep to compare at each call),
-    anything else by identity (shared configs, functions, modules)."""
+    at all (``_Unkeyable``, as containers of more than ``_MOST`` items in all or
+    ``_DEEPEST`` levels, or that hold themselves), anything else by identity (shared
+    configs, functions, modules)."""
     if isinstance(value, _PLAIN):
         if isinstance(value, float) and math.isnan(value):
             return ("nan",)
@@ -284,12 +285,14 @@ def _value(value: Any, depth: int = 0) -> Any:
         kind = type(value)
         if isinstance(value, slice):
             value = (value.start, value.stop, value.step)
-        if depth > _DEEPEST or len(value) > _LONGEST:
+        budget = [_MOST] if budget is None else budget
+        budget[0] -= len(value)
+        if budget[0] < 0 or depth == _DEEPEST:
             raise _Unkeyable(kind.__name__)
         if isinstance(value, dict):
-            return (kind, tuple((_value(k, depth + 1), _value(v, depth + 1))
+            return (kind, tuple((_value(k, budget, depth + 1), _value(v, budget, depth + 1))
                                 for k, v in value.items()))
-        items = tuple(_value(v, depth + 1) for v in value)
+        items = tuple(_value(v, budget, depth + 1) for v in value)
         return (kind, tuple(sorted(items, key=repr)) if isinstance(value, set | frozenset)
                 else items)
     return ("is", id(value))

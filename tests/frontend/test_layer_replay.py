@@ -241,7 +241,7 @@ def test_symbolic_graph_traces_again_where_replay_was_wrong(
     assert gm.code == _traced(Stack(), LayerReplay(Stack(), enabled=False)).code
 
 
-def test_layers_sharing_a_module_or_keeping_a_tensor_are_traced() -> None:
+def test_layers_sharing_a_module_or_keeping_a_tensor_or_a_cycle_are_traced() -> None:
     def shared() -> nn.Module:
         model = Stack()
         for layer in model.layers:
@@ -254,7 +254,14 @@ def test_layers_sharing_a_module_or_keeping_a_tensor_are_traced() -> None:
             layer.mask = torch.ones(8)  # no parameter or buffer: a key cannot hold it
         return model
 
-    for build in (shared, kept):
+    def cyclic() -> nn.Module:
+        model = Stack()
+        for layer in model.layers:
+            layer.path = [0]
+            layer.path.append(layer.path)  # holds itself: no key compares it
+        return model
+
+    for build in (shared, kept, cyclic):
         a, b, replayed = _both(build)
         assert replayed == 0
         _assert_same(a, b)
