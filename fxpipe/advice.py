@@ -34,13 +34,15 @@ from fxpipe.precision import Precision, default_precision
 from fxpipe.schedules import ScheduleKind
 
 if TYPE_CHECKING:
-    from fxpipe.cluster import NoLayoutFits
+    from fxpipe.cluster import FitsOn, NoLayoutFits
 
 __all__ = ["MAX_HALVINGS", "advised", "advised_layout", "fits_in_1f1b", "fitting_precision",
            "fitting_samples"]
 
 # the solver's problem ``options`` make of the graph as it is annotated now
 Lowering = Callable[[SplitOptions], Problem]
+# the fewest GPUs a split fits on at a leaner precision, counted the caller's way
+OnMore = Callable[[Precision], int | None]
 
 # The precisions that may need less memory than each, in the order they are suggested:
 # bf16-mixed first, the way LLMs usually train (float32 master weights); bf16-true halves
@@ -60,12 +62,13 @@ MAX_HALVINGS = 6
 
 
 def advised(error: InfeasibleMemoryError, traced: Traced, options: SplitOptions, *,
-            problem: Lowering) -> InfeasibleMemoryError:
+            problem: Lowering, on_more: OnMore | None = None) -> InfeasibleMemoryError:
     """``error`` with the fixes that fit named (a leaner precision, and the GPUs it needs
-    where it needs more; smaller micro-batches; 1F1B), or ``error`` itself where none
-    does."""
+    where it needs more, counted by ``on_more``, else as one pipeline's stages; smaller
+    micro-batches; 1F1B), or ``error`` itself where none does."""
     fixes: dict[str, object] = {}
-    leaner = fitting_precision(traced, options, error.fits_on, problem=problem)
+    leaner = fitting_precision(traced, options, error.fits_on, problem=problem,
+                               on_more=on_more)
     if leaner is not None:
         fixes.update(precision=leaner[0].value, precision_gpus=leaner[1])
     samples = fitting_samples(traced, options, problem=problem)
@@ -78,29 +81,35 @@ def advised(error: InfeasibleMemoryError, traced: Traced, options: SplitOptions,
 
 def advised_layout(error: NoLayoutFits, traced: Traced, *, problem: Lowering) -> NoLayoutFits:
     """``error`` with what fits its leanest layout named (``advised``); a leaner precision
-    that fits that layout's pipeline only on more stages is named with the layout it
-    fits on, the fewest GPUs in whole hosts with the --pp and --dp-mode asked
-    (``error.fewest``, with the graph's bytes costed at that precision), or not at all
-    where none does."""
-    raw = advised(error.raw, traced, error.options, problem=problem)
-    if raw.precision is None or raw.precision_gpus is None or error.fewest is None:
-        return error.but(raw)
-    precision = Precision(raw.precision)
-    with _costed(traced, replace(error.options, precision=precision),
-                 traced.flat_inputs) as ran:
-        leaner_on = error.fewest(precision)[0] if ran else None
+    that fits that layout's pipeline only on more GPUs is named with the layout it fits
+    on, the fewest GPUs in whole hosts with the --pp and --dp-mode asked (``error.fewest``,
+    the graph's bytes costed at that precision), or not at all where none does."""
+    found: dict[Precision, FitsOn] = {}
+
+    def on_more(precision: Precision) -> int | None:
+        with _costed(traced, replace(error.options, precision=precision),
+                     traced.flat_inputs) as ran:
+            layout = error.fewest(precision)[0] if ran and error.fewest else None
+        if layout is None:
+            return None
+        found[precision] = layout
+        return layout[0]
+
+    raw = advised(error.raw, traced, error.options, problem=problem, on_more=on_more)
+    leaner_on = None if raw.precision is None else found.get(Precision(raw.precision))
     return error.but(raw, leaner_on)
 
 
 def fitting_precision(traced: Traced, options: SplitOptions, fits_on: int | None, *,
-                      problem: Lowering) -> tuple[Precision, int | None] | None:
+                      problem: Lowering, on_more: OnMore | None = None
+                      ) -> tuple[Precision, int | None] | None:
     """The first leaner precision (``_LEANER``) at which a split of the model fits with the
-    other options as given, and None; else the one that fits on the fewest GPUs
-    (``fewest_gpus``), fewer than ``fits_on`` (the fewest at the current precision; None:
-    none), and that count. Found by costing the graph's bytes at it (``_bytes_again``)
-    and a fast fitting split (``dp_fits``); the GPU counts are searched only when no
-    precision fits as given. A precision the passes cannot run the graph at is not named
-    (it could not be planned either).
+    other options as given, and None; else the one that fits on the fewest GPUs, fewer
+    than ``fits_on`` (the fewest at the current precision; None: none), and that count:
+    ``on_more``'s, else one pipeline's fewest stages (``fewest_gpus``). Found by costing
+    the graph's bytes at it (``_bytes_again``) and a fast fitting split (``dp_fits``); the
+    GPU counts are searched only when no precision fits as given. A precision the passes
+    cannot run the graph at is not named (it could not be planned either).
 
     On a graph torch.export captured, the bytes at a ``*-true`` precision are those of the
     traced casts (a float32 trace keeps RMSNorm's ``to(float32)`` where the cast model
@@ -121,13 +130,13 @@ def fitting_precision(traced: Traced, options: SplitOptions, fits_on: int | None
             if fits:
                 return candidate, None
             costed.append((candidate, at))
-    on_more: tuple[Precision, int | None] | None = None
+    leanest: tuple[Precision, int | None] | None = None
     for candidate, at in costed:
-        gpus = fewest_gpus(at)
-        fewest = on_more[1] if on_more is not None else fits_on
+        gpus = on_more(candidate) if on_more is not None else fewest_gpus(at)
+        fewest = leanest[1] if leanest is not None else fits_on
         if gpus is not None and (fewest is None or gpus < fewest):
-            on_more = candidate, gpus
-    return on_more
+            leanest = candidate, gpus
+    return leanest
 
 
 def _fit_at(traced: Traced, options: SplitOptions, precision: Precision, problem: Lowering

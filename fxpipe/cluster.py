@@ -139,7 +139,10 @@ def choose(traced: Traced, options: SplitOptions, *,
                                                          upper_s))
     chosen = next((t for t in tried if t.status == "chosen"), None)
     if chosen is None:
-        raise _nothing_fits(cluster, tried, lambda t: solve(of(t.p, t.d, t.mode, t.m, t.t)),
+        # the leanest layout advised, but for one pipeline's fewest GPUs: NoLayoutFits
+        # counts the layouts on more, as the job runs
+        raise _nothing_fits(cluster, tried, lambda t: solve(of(t.p, t.d, t.mode, t.m, t.t),
+                                                            count_gpus=False),
                             lambda precision: _fewest_fitting(
                                 cluster, steps_microbatches, b, wanted, degrees,
                                 lambda on, lay: problem(replace(

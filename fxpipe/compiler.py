@@ -295,14 +295,14 @@ def plan_split(
 def _solve(lowered_for: Callable[[SplitOptions], Lowered],
            solved: dict[SplitOptions, Partition], options: SplitOptions, *,
            advise: bool = True, quick: bool = False, bound_s: float | None = None,
-           hint: tuple[int, ...] | None = None) -> Partition:
+           hint: tuple[int, ...] | None = None, count_gpus: bool = True) -> Partition:
     """``partition`` of the model lowered for ``options``, kept in ``solved`` (unless
-    ``quick``); ``advise``, ``quick``, ``bound_s`` and ``hint`` as ``partition`` takes
-    them."""
+    ``quick``); ``advise``, ``quick``, ``bound_s``, ``hint`` and ``count_gpus`` as
+    ``partition`` takes them."""
     result = shortest_step(partition(
         lowered_for(options).problem, work_limit=options.work_limit,
         time_limit_s=options.time_limit_s, replicate=options.replicate, advise=advise,
-        quick=quick, bound_s=bound_s, hint=hint))
+        quick=quick, bound_s=bound_s, hint=hint, count_gpus=count_gpus))
     if not quick:
         solved[options] = result
     return result

@@ -87,11 +87,14 @@ def _leanest_over_blocks(problem: Problem, exact: Coarsening, upper: float
 
 
 def infeasible(problem: Problem, exact: Coarsening, *, work_limit: float,
-               time_limit_s: float, workers: int) -> InfeasibleMemoryError:
+               time_limit_s: float, workers: int, count_gpus: bool = True
+               ) -> InfeasibleMemoryError:
     """The error for a problem no split of fits: what the best split needs, and what would
     fit instead (more GPUs, recompute), each checked by the interval DP (fast, and a split
     it finds fits for sure) after the lower bounds (``heaviest_group``, ``memory_floor``,
-    the block bound) have ruled out what cannot fit without any search."""
+    the block bound) have ruled out what cannot fit without any search. ``count_gpus``:
+    whether to search the fewest GPUs one pipeline fits on (not where the caller counts
+    them its own way: the layout search, as the job runs)."""
     needed = min_memory(problem, exact, work_limit=work_limit,
                         time_limit_s=max(1.0, time_limit_s / 2), workers=workers)
     recompute = None
@@ -102,7 +105,8 @@ def infeasible(problem: Problem, exact: Coarsening, *, work_limit: float,
     if alone > problem.memory_limit:  # no stage can hold it, whatever the GPU count
         return InfeasibleMemoryError(devices=problem.devices, limit=problem.memory_limit,
                                      needed=needed, recompute=recompute, alone=(name, alone))
-    fits_on, at_least, searched = _fewest_gpus(problem, needed)
+    fits_on, at_least, searched = (_fewest_gpus(problem, needed) if count_gpus
+                                   else (None, None, None))
     return InfeasibleMemoryError(devices=problem.devices, limit=problem.memory_limit,
                                  needed=needed, fits_on=fits_on, at_least=at_least,
                                  recompute=recompute, searched=searched,

@@ -170,7 +170,7 @@ def _check_stage_count(problem: Problem, exact: Coarsening) -> None:
 def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s: float = 120.0,
               coarsen: bool = True, workers: int = 2, replicate: bool = False,
               advise: bool = True, quick: bool = False, bound_s: float | None = None,
-              hint: tuple[int, ...] | None = None) -> Partition:
+              hint: tuple[int, ...] | None = None, count_gpus: bool = True) -> Partition:
     """Split ``problem`` into ``problem.num_stages`` pipeline stages, minimising the
     bottleneck stage time within the memory limit.
 
@@ -184,7 +184,8 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
 
     Raises ``ProblemTooLargeError`` / ``TooManyStagesError`` / ``InfeasibleMemoryError`` /
     ``NoSolutionError`` (all ``ValueError``) with a one-sentence message for the user.
-    The layout search: ``advise=False`` says only that nothing fits (``unadvised``); ``quick``
+    The layout search: ``advise=False`` says only that nothing fits (``unadvised``);
+    ``count_gpus=False`` advises but for the fewest GPUs (it counts layouts); ``quick``
     stops at the DP and the block bound; ``bound_s`` (a lower bound the caller proved,
     where a split of the relaxation fits: the block bound's), ``hint`` (a split that fits)
     stand in.
@@ -197,9 +198,9 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
     start = time.perf_counter()
     deadline = start + time_limit_s
     exact = exact_groups(problem)
-    infeasible = functools.partial(nothing_fits if advise else unadvised, problem, exact,
-                                   work_limit=work_limit, time_limit_s=time_limit_s,
-                                   workers=workers)  # the error, when no split fits
+    infeasible = functools.partial(  # the error, when no split fits
+        functools.partial(nothing_fits, count_gpus=count_gpus) if advise else unadvised,
+        problem, exact, work_limit=work_limit, time_limit_s=time_limit_s, workers=workers)
     _check_stage_count(problem, exact)
     if (memory_floor(problem) > problem.memory_limit
             or heaviest_group(problem, exact)[1] > problem.memory_limit):
