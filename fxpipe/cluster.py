@@ -354,7 +354,7 @@ FitsOn = tuple[int, str, int, str | None, int, int]
 # the fewest GPUs a layout fits on, with the graph's bytes as they are costed at the time
 # of the call, at a precision (None: the one planned): the layout, and the most GPUs
 # whose every layout was checked
-Fewest = Callable[[Precision | None], tuple[FitsOn | None, int]] | None
+Fewest = Callable[[Precision | None], tuple[FitsOn | None, int]]
 
 
 class NoLayoutFits(Figures):
@@ -363,14 +363,15 @@ class NoLayoutFits(Figures):
     ``raw`` (the solver's error for one of its ``dp`` pipelines, naming what would fit
     it); ``error`` is ``raw`` counted over the step (its micro-batches are the step's, as
     ``--microbatches`` counts them). ``fits_on``: the layout that fits on the fewest more
-    GPUs, else None; ``fewest`` searches it again at a leaner precision, and
-    ``leaner_on`` is what it found for ``raw.precision`` where that needs more GPUs
-    (``advice.advised_layout``). The command line words the fixes with its flags
-    (``cli._worded``); ``str`` is the sentence for the Python API."""
+    GPUs, else None; ``fewest`` searches it again at a leaner precision (None once the
+    error crossed processes: it plans with the graph), and ``leaner_on`` is what it found
+    for ``raw.precision`` where that needs more GPUs (``advice.advised_layout``). The
+    command line words the fixes with its flags (``cli._worded``); ``str`` is the
+    sentence for the Python API."""
 
     def __init__(self, gpus: int, per_host: int, leanest: str, raw: InfeasibleMemoryError,
                  fits_on: FitsOn | None, options: SplitOptions, dp: int, searched: int,
-                 fewest: Fewest, leaner_on: FitsOn | None = None) -> None:
+                 fewest: Fewest | None, leaner_on: FitsOn | None = None) -> None:
         self.gpus, self.per_host, self.leanest = gpus, per_host, leanest
         self.raw, self.fits_on, self.options, self.dp = raw, fits_on, options, dp
         self.searched = searched  # the most GPUs a layout was looked for on
