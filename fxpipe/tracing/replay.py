@@ -241,15 +241,16 @@ def _state(layer: torch.nn.Module) -> tuple[Any, ...]:
 
 @functools.cache
 def _globals_read(cls: type) -> tuple[tuple[dict[str, Any], tuple[str, ...]], ...]:
-    """The module globals each method of ``cls`` (below ``nn.Module``) may read, with
-    the namespace it reads them in: a layer that branches on a global the model sets
-    before each call traces as the global is then."""
+    """The module globals each method or property of ``cls`` (below ``nn.Module``) may
+    read, with the namespace it reads them in: a layer that branches on a global the
+    model sets before each call traces as the global is then."""
     found = []
     for klass in cls.__mro__:
         if klass in (torch.nn.Module, object):
             break
         for value in vars(klass).values():
-            function = getattr(value, "__func__", value)
+            function = value.fget if isinstance(value, property) else getattr(
+                value, "__func__", value)
             code = getattr(function, "__code__", None)
             if isinstance(code, types.CodeType):
                 found.append((function.__globals__, tuple(sorted(_names(code)))))
