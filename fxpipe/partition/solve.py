@@ -188,8 +188,7 @@ def partition(problem: Problem, *, work_limit: float = WORK_LIMIT, time_limit_s:
     ``count_gpus=False`` advises but for the fewest GPUs (it counts layouts); ``quick``
     stops at the DP and the block bound; ``bound_s`` (a lower bound the caller proved,
     where a split of the relaxation fits: the block bound's), ``hint`` (a split that fits)
-    stand in.
-    """
+    stand in."""
     check_size(len(problem.nodes))
     check_blocks(problem)
     if replicate or problem.replicates:
