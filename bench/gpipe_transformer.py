@@ -130,12 +130,13 @@ def _probe(num_layers: int, gpus: int, microbatches: int, recompute: str) -> flo
         return pool.apply(_fits, (num_layers, gpus, microbatches, recompute))
 
 
-def largest(gpus: int, microbatches: int, recompute: str, guess: int, within: float = 0.0
-            ) -> tuple[int, int]:
+def largest(gpus: int, microbatches: int, recompute: str, guess: int, within: float = 0.0,
+            between: tuple[int, int] | None = None) -> tuple[int, int]:
     """(lo, hi): lo layers fit and hi do not (0 if not even one layer does): up or down
     from ``guess`` by doubling steps until L fits and L + step does not, then bisection
     between, until hi - lo is 1 or at most ``within`` of lo (a probe of 1,663 layers is a
-    minute on 2 cores)."""
+    minute on 2 cores); ``between`` = (lo, hi) known from an earlier search: bisection
+    alone."""
     import fxpipe.api
     import fxpipe.compiler  # noqa: F401  (imported once, before the children fork)
 
@@ -148,7 +149,9 @@ def largest(gpus: int, microbatches: int, recompute: str, guess: int, within: fl
 
     lo, hi, step = 0, None, max(1, guess // 16)
     at = guess
-    if fits(at):
+    if between is not None:
+        lo, hi = between
+    elif fits(at):
         lo = at
         while hi is None:
             if fits(lo + step):
@@ -175,6 +178,8 @@ def main() -> None:
     parser.add_argument("--within", type=float, default=0.0,
                         help="stop when the bracket is this share of L wide (default: exact)")
     parser.add_argument("--guess", type=int, help="the first L tried (default: GPipe's)")
+    parser.add_argument("--between", type=int, nargs=2, metavar=("LO", "HI"),
+                        help="bisect between LO layers, known to fit, and HI, known not to")
     args = parser.parse_args()
     recompute = "full" if args.recompute == "all" else "none"
     guess = GPIPE_NAIVE if args.recompute == "none" else GPIPE[args.gpus]
@@ -182,7 +187,8 @@ def main() -> None:
           f"{guess} layers; fxpipe (gpipe schedule, M = {args.microbatches}, 1 x {TOKENS} "
           "tokens a micro-batch):", flush=True)
     start = time.perf_counter()
-    lo, hi = largest(args.gpus, args.microbatches, recompute, args.guess or guess, args.within)
+    lo, hi = largest(args.gpus, args.microbatches, recompute, args.guess or guess, args.within,
+                     tuple(args.between) if args.between else None)
     said = f"{lo}" if hi == lo + 1 else f"{lo} to {hi - 1}"
     print(f"largest L: {said} (GPipe: {guess}); {time.perf_counter() - start:.0f} s")
 

@@ -27,7 +27,6 @@ whose forward changes its own layer.
 
 from __future__ import annotations
 
-import functools
 import math
 import types
 from collections.abc import Callable
@@ -239,22 +238,28 @@ def _state(layer: torch.nn.Module) -> tuple[Any, ...]:
     return tuple(modules)
 
 
-@functools.cache
 def _globals_read(cls: type) -> tuple[tuple[dict[str, Any], tuple[str, ...]], ...]:
     """The module globals each method or property of ``cls`` (below ``nn.Module``) may
     read, with the namespace it reads them in: a layer that branches on a global the
-    model sets before each call traces as the global is then."""
+    model sets before each call traces as the global is then. Found once a class."""
+    known = _READ.get(cls)
+    if known is not None:
+        return known
     found = []
     for klass in cls.__mro__:
         if klass in (torch.nn.Module, object):
             break
         for value in vars(klass).values():
-            function = value.fget if isinstance(value, property) else getattr(
+            function: Any = value.fget if isinstance(value, property) else getattr(
                 value, "__func__", value)
             code = getattr(function, "__code__", None)
             if isinstance(code, types.CodeType):
                 found.append((function.__globals__, tuple(sorted(_names(code)))))
-    return tuple(found)
+    _READ[cls] = tuple(found)
+    return _READ[cls]
+
+
+_READ: dict[type, tuple[tuple[dict[str, Any], tuple[str, ...]], ...]] = {}
 
 
 def _names(code: types.CodeType) -> set[str]:
