@@ -110,7 +110,7 @@ class _Recording:
 
 class LayerReplay:
     """What a ``torch.fx.Tracer`` needs to replay alike layers (see the module docstring):
-    the tracer calls ``call`` from its ``call_module`` and ``note`` from every one."""
+    the tracer calls ``call`` from its ``call_module``."""
 
     def __init__(self, root: torch.nn.Module, enabled: bool = True) -> None:
         self._places: dict[int, bool] = {}  # id(layer): whether it ends its list
@@ -146,19 +146,16 @@ class LayerReplay:
         if any(tracer.num_calls.get(prefix + c, 0) for c in recording.called):
             return False
         return not self.cache or not any(
-            _renamed(str(n.target), recording.prefix, prefix) in self.cache
+            _target(n, recording.prefix, prefix) in self.cache
             for n in recording.nodes if n.op == "get_attr")
-
-    def note(self, name: str) -> None:
-        """The tracer calls the module ``name`` (recorded while a layer is)."""
-        if self._called is not None:
-            self._called.append(name)
 
     def call(self, tracer: torch.fx.Tracer, m: torch.nn.Module, name: str,
              args: tuple[Any, ...], kwargs: dict[str, Any],
              trace: Callable[[], Any]) -> Any:
         """``m`` called as ``name`` with ``args``, ``kwargs``: its recording replayed where
         one fits, else ``trace()`` recorded."""
+        if self._called is not None:  # the modules the layer being recorded calls
+            self._called.append(name)
         last = self._places.get(id(m))
         call = _Call.of(args, kwargs) if last is not None else None
         state = _key(m) if call is not None else None
@@ -349,8 +346,25 @@ def _recorded(tracer: torch.fx.Tracer, before: torch.fx.Node | None, prefix: str
     return _Recording(prefix, call, nodes, own, (spec, kept))
 
 
-def _renamed(target: str, old: str, new: str) -> str:
-    return new + target[len(old):] if target.startswith(old) else target
+def _renamed(name: str, old: str, new: str) -> str:
+    """``name``, the layer at prefix ``old`` or a module, attribute or call key inside it,
+    as the layer at prefix ``new``'s; any other name as it is."""
+    if name == old[:-1]:
+        return new[:-1]
+    return new + name[len(old):] if name.startswith(old) else name
+
+
+def _target(node: torch.fx.Node, old: str, new: str) -> Any:
+    """``node``'s target in the layer at prefix ``new``, the node being the layer at
+    ``old``'s (its modules and attributes renamed)."""
+    if node.op in ("call_module", "get_attr"):
+        return _renamed(str(node.target), old, new)
+    return node.target
+
+
+def _inputs(recorded: _Call, now: _Call) -> dict[torch.fx.Node, torch.fx.Node]:
+    """The nodes a recorded call read, each to the node another call of its form reads."""
+    return {p.node: q.node for p, q in zip(recorded.proxies, now.proxies, strict=True)}
 
 
 def _stack(tracer: torch.fx.Tracer, recording: _Recording, node: torch.fx.Node,
@@ -363,8 +377,8 @@ def _stack(tracer: torch.fx.Tracer, recording: _Recording, node: torch.fx.Node,
     for key, (path, kind) in node.meta.get("nn_module_stack", {}).items():
         inside = inside or path == own
         if inside:
-            stack[_renamed(key + ".", recording.prefix, prefix)[:-1]] = (
-                _renamed(path + ".", recording.prefix, prefix)[:-1], kind)
+            stack[_renamed(key, recording.prefix, prefix)] = (
+                _renamed(path, recording.prefix, prefix), kind)
     return stack
 
 
@@ -372,15 +386,12 @@ def _replay(tracer: torch.fx.Tracer, recording: _Recording, prefix: str, call: _
             cache: dict[str, torch.fx.Proxy] | None) -> Any:
     """The recorded layer's nodes made again for the layer at ``prefix`` called as
     ``call``, as tracing it would have made them; what it returns."""
-    env: dict[torch.fx.Node, torch.fx.Node] = {
-        p.node: q.node for p, q in zip(recording.call.proxies, call.proxies, strict=True)}
+    env = _inputs(recording.call, call)
     proxies = {p.node: q for p, q in zip(recording.call.proxies, call.proxies, strict=True)}
     for name in [prefix[:-1], *(prefix + c for c in recording.called)]:
         tracer.num_calls[name] = tracer.num_calls.get(name, 0) + 1
     for node in recording.nodes:
-        target = node.target
-        if node.op in ("call_module", "get_attr"):
-            target = _renamed(str(target), recording.prefix, prefix)
+        target = _target(node, recording.prefix, prefix)
         copy = tracer.graph.create_node(
             node.op, target, torch.fx.map_arg(node.args, env.__getitem__),
             torch.fx.map_arg(node.kwargs, env.__getitem__), type_expr=node.type)
@@ -388,7 +399,7 @@ def _replay(tracer: torch.fx.Tracer, recording: _Recording, prefix: str, call: _
         scope = tracer.node_name_to_scope.get(node.name)
         if scope is not None:
             tracer.node_name_to_scope[copy.name] = (
-                _renamed(scope[0] + ".", recording.prefix, prefix)[:-1], scope[1])
+                _renamed(scope[0], recording.prefix, prefix), scope[1])
         env[node] = copy
         if node.op == "get_attr" and cache is not None:
             cache[str(target)] = proxies[node] = tracer.proxy(copy)
@@ -408,11 +419,9 @@ def _same(first: _Recording, second: _Recording) -> bool:
     """Whether ``second`` is ``first`` replayed under its name and inputs, node for node."""
     if len(first.nodes) != len(second.nodes) or first.called != second.called:
         return False
-    env = {p.node: q.node for p, q in zip(first.call.proxies, second.call.proxies, strict=True)}
+    env = _inputs(first.call, second.call)
     for a, b in zip(first.nodes, second.nodes, strict=True):
-        target = a.target
-        if a.op in ("call_module", "get_attr"):
-            target = _renamed(str(target), first.prefix, second.prefix)
+        target = _target(a, first.prefix, second.prefix)
         mapped = (torch.fx.map_arg(a.args, env.__getitem__),
                   torch.fx.map_arg(a.kwargs, env.__getitem__))
         if (a.op, target, mapped) != (b.op, b.target, (b.args, b.kwargs)) or a.type != b.type:

@@ -65,9 +65,7 @@ class _Tracer(HookedLeaves):
 
     def call_module(self, m: torch.nn.Module, forward: Callable[..., Any],
                     args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        name = self.path_of_module(m)
-        self._replay.note(name)
-        return self._replay.call(self, m, name, args, kwargs,
+        return self._replay.call(self, m, self.path_of_module(m), args, kwargs,
                                  lambda: super(_Tracer, self).call_module(m, forward, args, kwargs))
 
     def getattr(self, attr: str, attr_val: Any, parameter_proxy_cache: dict[str, Any]) -> Any:

@@ -124,14 +124,25 @@ def test_nested_lists_and_tuples_replay_as_traced() -> None:
     _assert_same(a, b)
 
 
-class Indexed(nn.Module):
+class Branching(nn.Module):
+    """A linear layer whose output is doubled where ``doubled`` says, in Python."""
+
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(8, 8)
-        self.index = 0
+
+    def doubled(self) -> bool:
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(x) * 2 if self.index % 3 else self.fc(x)
+        return self.fc(x) * 2 if self.doubled() else self.fc(x)
+
+
+class Indexed(Branching):
+    index = 0
+
+    def doubled(self) -> bool:
+        return self.index % 3 != 0
 
 
 class SetsIndex(Stack):
@@ -150,17 +161,13 @@ class SetsIndex(Stack):
 _DEPTH = [0]
 
 
-class ReadsGlobal(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(8, 8)
-
+class ReadsGlobal(Branching):
     @property
     def deep(self) -> bool:  # a property reads the global: its key holds it too
         return _DEPTH[0] == 4
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc(x) * 3 if self.deep else self.fc(x)
+    def doubled(self) -> bool:
+        return self.deep
 
 
 class SetsGlobal(Stack):
@@ -176,15 +183,12 @@ class SetsGlobal(Stack):
         return x
 
 
-class Counts(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(8, 8)
-        self.calls = 0
+class Counts(Branching):
+    calls = 0
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def doubled(self) -> bool:
         self.calls += 1
-        return self.fc(x) if self.calls < 2 else self.fc(x) * 2
+        return self.calls >= 2
 
 
 class Twice(Stack):
