@@ -472,10 +472,9 @@ def _worded(exc: ValueError) -> str:
                 "stages cannot balance; use --schedule 1f1b, or untie the parameter")
     if isinstance(exc, NoLayoutFits):
         inner = exc.error
-        fixes = _memory_fixes(inner, more_gpus=False)
-        if exc.leaner_on is not None and inner.precision_gpus is not None:  # as a layout
-            fixes = [f"--precision {inner.precision} {exc.flags(exc.leaner_on)}"
-                     if fix.startswith("--precision ") else fix for fix in fixes]
+        # a leaner precision on more GPUs: the layout it fits on
+        on = None if exc.leaner_on is None else exc.flags(exc.leaner_on)
+        fixes = _memory_fixes(inner, more_gpus=False, precision_on=on)
         if exc.fits_on is not None:  # more GPUs: the layout that fits on the fewest
             fixes.insert(0, exc.flags(exc.fits_on))
             where = f"; it fits on {exc.fits_on[0]} GPUs as {exc.fits_on[1]}"
@@ -508,9 +507,12 @@ def _worded(exc: ValueError) -> str:
     return str(exc)
 
 
-def _memory_fixes(exc: InfeasibleMemoryError, more_gpus: bool = True) -> list[str]:
+def _memory_fixes(exc: InfeasibleMemoryError, more_gpus: bool = True,
+                  precision_on: str | None = None) -> list[str]:
     """What would fit, as flags, from a solver's ``InfeasibleMemoryError``; ``more_gpus``:
-    "more --gpus" where nothing else is named (not where a layout on more is)."""
+    "more --gpus" where nothing else is named (not where a layout on more is);
+    ``precision_on``: the flags of the GPUs a leaner precision needs where it needs more
+    (a layout's), else ``--gpus`` its count."""
     from fxpipe.units import format_bytes_up
 
     fixes = [f"--memory {format_bytes_up(exc.needed)}"]
@@ -520,7 +522,8 @@ def _memory_fixes(exc: InfeasibleMemoryError, more_gpus: bool = True) -> list[st
     if exc.recompute is not None:
         fixes.append(f"--recompute {exc.recompute}")
     if exc.precision is not None:
-        on = "" if exc.precision_gpus is None else f" --gpus {exc.precision_gpus}"
+        on = ("" if exc.precision_gpus is None
+              else f" {precision_on or f'--gpus {exc.precision_gpus}'}")
         fixes.append(f"--precision {exc.precision}{on}")
     if exc.samples is not None:
         b, B, M = exc.samples
