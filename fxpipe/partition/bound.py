@@ -10,7 +10,7 @@ The relaxation. Per stage, keep what is a sum over its nodes: compute C, forward
 parameter bytes P (its nodes' own), saved activations A, returned bytes R; and, with
 neighbour transport, the least its cuts send: the values an ideal's groups produce for
 groups outside it cross the cut after it, costing their comm_s to the stages on both
-sides and their bytes to the one after (``_Crossing``). Of what is not a sum, keep a
+sides and their bytes to the one after (``Crossing``). Of what is not a sum, keep a
 part every such stage surely has (``_Cells``): the backward transient of the segments
 it holds whole, and of the outputs it keeps for later stages, those crossing the cut
 after it less those crossing the cut before it. Drop the rest (tied copies, deferred
@@ -18,21 +18,16 @@ weight gradients, values sent back down). The stage cost formula
 (``cost.memory_parts``) on those parts under-prices every stage in time and in memory,
 so the best split of the relaxation is no slower than the program's optimum.
 
-The chain. A stage holds D_j \\ D_{j-1} for ideals (downward closed sets of exact groups)
-D_{j-1} of D_j. A *separator* s is comparable (ancestor or descendant) with every group
-that counts: an ideal either holds all of s's ancestors and s, or none of s's
-descendants. Groups too light to count (next to no time, parameters or bytes: a source
-reading a few bytes of parameters, say GPT-OSS's attention sinks, which a split may put
-in any stage before its reader) get their costs zeroed, which only lowers the bound.
-Between consecutive separators lie segments, and an ideal is all segments before some k
-plus an ideal of segment k. The ideals of a segment are enumerated (once per distinct
-segment: identical layers are one enumeration) and their sums binned by compute into
-cells; for each cell, ``lo`` and ``hi`` are the least and most of each sum over its
-ideals, and ``sent`` the least its ideals send (``sent_most`` the most bytes). A stage
-from a cell a to a later cell b then holds at least lo(b) - hi(a) of each sum, receives
-and sends at least sent(a) and sent(b), and keeps at least sent(b) - sent_most(a) bytes
-of outputs (the DP also tries pairs of cells whose ideals do not nest, which can only
-lower the bound).
+The chain (``chain.py``). An ideal is all segments before some k plus an ideal of
+segment k. The ideals of a segment are enumerated (once per distinct segment: identical
+layers are one enumeration) and their sums binned by compute into cells; for each cell,
+``lo`` and ``hi`` are the least and most of each sum over its ideals, and ``sent`` the
+least its ideals send (``sent_most`` the most bytes). A stage from a cell a to a later
+cell b then holds at least lo(b) - hi(a) of each sum, receives and sends at least
+sent(a) and sent(b), and keeps at least sent(b) - sent_most(a) bytes of outputs, and at
+least what b's cut sends that segments after a's made (``_Through``: a residual made in
+the stage beside what its last groups make); the DP also tries pairs of cells whose
+ideals do not nest, which can only lower the bound.
 
 The bound is the min-max DP of the interval DP (``baselines.min_max_dp``) over the cells
 in order, each block priced at those least sums; 1e-9 relative is taken off for the
@@ -61,6 +56,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from fxpipe.partition.baselines import Blocks, min_max_dp
+from fxpipe.partition.chain import (
+    Crossing,
+    chain_segments,
+    enumerate_ideals,
+    group_sums,
+    neighbours,
+    predecessor_masks,
+    segment_crossings,
+    segment_places,
+)
 from fxpipe.partition.coarsen import Coarsening
 from fxpipe.partition.cost import NodeCosts, recompute_options
 from fxpipe.partition.evaluate import consumers
@@ -68,9 +73,8 @@ from fxpipe.partition.problem import Comm, Problem, TiedPolicy, stage_flights
 
 __all__ = ["block_bound", "shared_gpu_bound", "trivial_bound"]
 
-MAX_IDEALS = 50_000  # per distinct segment; beyond, one cell for them (the enumeration's time)
-LIGHT = 1e-4  # a group below this share of time, parameters and bytes
 CELL = 1e-3  # a cell spans at most this share of the mean stage's compute
+RECENT = 64  # segments after its maker's in which a value crossing them counts (``_Through``)
 
 
 def block_bound(exact: Coarsening, *, upper_s: float = math.inf) -> float | None:
@@ -79,9 +83,9 @@ def block_bound(exact: Coarsening, *, upper_s: float = math.inf) -> float | None
     p = exact.problem
     if p.virtual_stages > 1 or p.replicates or p.schedule.spec.v_placed:
         return None
-    sums = _group_sums(exact)
-    segments, preds = _segments(exact, sums)
-    crossings = _crossings(exact, segments) if p.comm is Comm.NEIGHBOUR else None
+    sums = group_sums(exact)
+    segments, preds = chain_segments(exact, sums)
+    crossings = segment_crossings(exact, segments) if p.comm is Comm.NEIGHBOUR else None
     cells = _cells(segments, preds, sums, crossings,
                    CELL * float(sums[:, 0].sum()) / p.num_stages)
     lo, hi, sent = cells.lo, cells.hi, cells.sent
@@ -92,7 +96,8 @@ def block_bound(exact: Coarsening, *, upper_s: float = math.inf) -> float | None
                     np.array(stage_flights(p), dtype=np.int64)[:, None],
                     tuple(recompute_options(p)), hi[:, 0], hi[:, 1], hi[:, 2], hi[:, 3],
                     hi[:, 4], lo[:, kept], lo[:, again], hi[:, kept], hi[:, again],
-                    table=cells, segment_peak=_segment_peaks(exact, segments))
+                    table=cells, segment_peak=_segment_peaks(exact, segments),
+                    through=_through(exact, segments))
     best, _ = min_max_dp(blocks, n, upper_s=upper_s, allow_empty=True)
     value = float(best[p.num_stages - 1, n])
     if value == math.inf:  # no split of the relaxation is faster than upper_s, or fits
@@ -104,7 +109,7 @@ def block_bound(exact: Coarsening, *, upper_s: float = math.inf) -> float | None
 class _Table:
     """Per position of the relaxation's DP (the empty ideal, then each segment's cells in
     order of compute, then every group): ``lo`` and ``hi`` (positions, sums) the least and
-    most of each sum (``_group_sums``) over the cell's ideals; ``sent`` (positions, 2) the
+    most of each sum (``group_sums``) over the cell's ideals; ``sent`` (positions, 2) the
     least comm_s and bytes they send, ``sent_most`` the most bytes; ``own`` the least
     bytes of the values their groups in the segment make and send (0 without neighbour
     transport, at the empty ideal and at every group); ``segment`` the cell's segment (-1
@@ -139,6 +144,7 @@ class _Cells(Blocks):
 
     table: _Table | None = None
     segment_peak: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    through: _Through | None = None
 
     def peaks(self, end: int, starts: np.ndarray) -> np.ndarray:
         assert self.table is not None
@@ -153,7 +159,49 @@ class _Cells(Blocks):
         assert t is not None
         made = np.maximum(t.sent[end, 1] - t.sent_most[starts], 0.0)
         own = np.where(t.segment[starts] < t.segment[end], t.own[end], 0.0)
+        if self.through is not None:
+            own = own + self.through.made_after(int(t.segment[end]), t.segment[starts])
         return np.maximum(np.maximum(self.R[end] - self.R0[starts], made), own)
+
+
+@dataclass(frozen=True)
+class _Through:
+    """Per segment k, the values made in an earlier segment and read after k, which every
+    cut in k sends: the segments that make them, ascending (``made_in[at[k]:at[k + 1]]``),
+    and per such entry the bytes of it and of those after it there (``after``). A value
+    is listed in the RECENT segments after its maker's only (fewer only lowers the bound)."""
+
+    at: np.ndarray
+    made_in: np.ndarray
+    after: np.ndarray
+
+    def made_after(self, k: int, first: np.ndarray) -> np.ndarray:
+        """Per segment in ``first``, the bytes of the values crossing segment k that a
+        segment after it made (0 where k is no segment: the empty ideal, every group)."""
+        if not 0 <= k < len(self.at) - 1:
+            return np.zeros(len(first))
+        lo, hi = int(self.at[k]), int(self.at[k + 1])
+        tail = np.append(self.after[lo:hi], 0.0)
+        return tail[np.searchsorted(self.made_in[lo:hi], first, side="right")]
+
+
+def _through(exact: Coarsening, segments: list[list[int]]) -> _Through:
+    """What crosses each segment from an earlier one (``_Through``), from counted groups
+    to counted groups."""
+    p = exact.problem
+    segment_of, _ = segment_places(exact.num_coarse, segments)
+    entries: list[tuple[int, int, int]] = []  # (segment crossed, maker's segment, bytes)
+    for v, readers in enumerate(consumers(p)):
+        made, out = int(segment_of[exact.group_of[v]]), p.nodes[v].output_bytes
+        last = max((int(segment_of[exact.group_of[w]]) for w in readers), default=-1)
+        if made >= 0 and out > 0:
+            entries += [(k, made, out) for k in range(made + 1, min(last, made + 1 + RECENT))]
+    entries.sort()
+    crossed, made_in, size = (np.array([e[i] for e in entries], dtype=np.int64)
+                              for i in range(3))
+    at = np.searchsorted(crossed, np.arange(len(segments) + 1))
+    suffix = np.append(np.cumsum(size[::-1])[::-1], 0).astype(float)
+    return _Through(at, made_in, suffix[:-1] - suffix[at[crossed + 1]])
 
 
 def _segment_peaks(exact: Coarsening, segments: list[list[int]]) -> np.ndarray:
@@ -210,7 +258,7 @@ class _Sends:
 
     - ``at``, ``least``: ideals by counted compute, ascending; ``least[i]`` the least
       any ideal from ``at[i]`` on sends;
-    - ``uncounted``: the compute of the groups the block bound zeroes (``_segments``),
+    - ``uncounted``: the compute of the groups the block bound zeroes (``chain_segments``),
       which the counted compute of an ideal may lack;
     - ``cheapest``: ascending, per number of counted groups, the least an ideal of that
       many sends; and per zeroed group z, the least an ideal that z may follow sends:
@@ -247,10 +295,10 @@ def _least_sends(exact: Coarsening) -> _Sends | None:
     all segments before some k plus an ideal I of segment k, other than its full one
     (that is the next segment's empty ideal; of the last segment, it holds every counted
     group, which no cut's ideal does when every zeroed group has a counted descendant: it
-    must stay out with them). What it sends: ``_Crossing``. None beyond MAX_IDEALS."""
-    sums = _group_sums(exact)
+    must stay out with them). What it sends: ``Crossing``. None beyond MAX_IDEALS."""
+    sums = group_sums(exact)
     compute = sums[:, 0].copy()
-    segments, preds = _segments(exact, sums)
+    segments, preds = chain_segments(exact, sums)
     counted = np.zeros(exact.num_coarse, dtype=bool)
     for segment in segments:
         counted[segment] = True
@@ -261,8 +309,8 @@ def _least_sends(exact: Coarsening) -> _Sends | None:
     sized: dict[int, float] = {}  # number of counted groups -> the least sent
     per_segment: list[tuple[list[int], np.ndarray]] = []
     before, held = 0.0, 0
-    for segment, crossing in zip(segments, _crossings(exact, segments), strict=True):
-        ideals = _ideals(_masks(segment, preds), sums[segment])
+    for segment, crossing in zip(segments, segment_crossings(exact, segments), strict=True):
+        ideals = enumerate_ideals(predecessor_masks(segment, preds), sums[segment])
         if ideals is None:
             return None
         full = (1 << len(segment)) - 1
@@ -296,8 +344,8 @@ def _least_followed(exact: Coarsening, segments: list[list[int]], counted: np.nd
     and the first holding a descendant will do, and of those two segments the ideals
     whose bits say so."""
     G = exact.num_coarse
-    segment_of, place = _places(G, segments)
-    preds, succs = _neighbours(exact)
+    segment_of, place = segment_places(G, segments)
+    preds, succs = neighbours(exact)
 
     def nearest(step: list[list[int]], order: range, later: bool) -> list[tuple[int, int]]:
         """Per group, the segment nearest it holding a counted group it reaches by ``step``
@@ -330,53 +378,6 @@ def _least_followed(exact: Coarsening, segments: list[list[int]], counted: np.nd
     return followed
 
 
-@dataclass(frozen=True)
-class _Crossing:
-    """What an ideal of one segment sends with neighbour transport, as (comm_s, bytes):
-    values from or to groups the block bound zeroes are left out, which only lowers it."""
-
-    through: np.ndarray  # values produced before the segment and read after it: every
-    #                      ideal sends them
-    incoming: tuple[tuple[int, float, int], ...]  # (readers' bits, comm, bytes) of values
-    #                                               from before read last in the segment
-    local: tuple[tuple[int, int, bool, float, int], ...]  # (producer's bit, readers' bits,
-    #                      read after the segment, comm, bytes) of the segment's own values
-
-    def sent(self, ideal: int) -> tuple[float, int, int]:
-        """What ``ideal`` (bits of the segment's groups) sends beyond ``through``: comm_s,
-        bytes, and the bytes of those its own groups make."""
-        crossing = [(c, b) for bits, c, b in self.incoming if bits & ~ideal]
-        own = [(c, b) for bit, bits, later, c, b in self.local
-               if ideal & bit and (later or bits & ~ideal)]
-        return (sum(c for c, _ in crossing + own), sum(b for _, b in crossing + own),
-                sum(b for _, b in own))
-
-
-def _crossings(exact: Coarsening, segments: list[list[int]]) -> list[_Crossing]:
-    """Per segment, what its ideals send (``_Crossing``)."""
-    p = exact.problem
-    segment_of, place = _places(exact.num_coarse, segments)
-    through = np.zeros((len(segments), 2))
-    incoming: list[list[tuple[int, float, int]]] = [[] for _ in segments]
-    local: list[list[tuple[int, int, bool, float, int]]] = [[] for _ in segments]
-    for v, readers in enumerate(consumers(p)):
-        g = exact.group_of[v]
-        read = {exact.group_of[w] for w in readers} - {g}
-        read = {r for r in read if segment_of[r] >= 0}
-        comm, size = p.nodes[v].comm_s, p.nodes[v].output_bytes
-        if segment_of[g] < 0 or not read or (comm <= 0 and size <= 0):
-            continue
-        k0, last = int(segment_of[g]), max(int(segment_of[r]) for r in read)
-        through[k0 + 1:last] += (comm, size)
-        if last > k0:
-            bits = sum(1 << int(place[r]) for r in read if segment_of[r] == last)
-            incoming[last].append((bits, comm, size))
-        bits = sum(1 << int(place[r]) for r in read if segment_of[r] == k0)
-        local[k0].append((1 << int(place[g]), bits, last > k0, comm, size))
-    return [_Crossing(through[k], tuple(incoming[k]), tuple(local[k]))
-            for k in range(len(segments))]
-
-
 def _zeroed_lead_to_counted(exact: Coarsening, counted: np.ndarray) -> bool:
     """Whether every group not counted has a counted group among its descendants."""
     leads = counted.copy()
@@ -385,30 +386,10 @@ def _zeroed_lead_to_counted(exact: Coarsening, counted: np.ndarray) -> bool:
     return bool(leads.all())
 
 
-def _neighbours(exact: Coarsening) -> tuple[list[list[int]], list[list[int]]]:
-    """Per exact group, its predecessors and its successors along the ordering edges."""
-    preds: list[list[int]] = [[] for _ in range(exact.num_coarse)]
-    succs: list[list[int]] = [[] for _ in range(exact.num_coarse)]
-    for a, b in exact.order_edges:
-        preds[b].append(a)
-        succs[a].append(b)
-    return preds, succs
-
-
-def _places(G: int, segments: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Per exact group, its segment (-1 for a zeroed group) and its place in it."""
-    segment_of = np.full(G, -1)
-    place = np.zeros(G, dtype=np.int64)
-    for k, segment in enumerate(segments):
-        for i, g in enumerate(segment):
-            segment_of[g], place[g] = k, i
-    return segment_of, place
-
-
 def _hull(exact: Coarsening, groups: set[int]) -> list[int]:
     """The groups on an ordering path between two of ``groups`` (and those): what a stage
     holding all of ``groups`` holds."""
-    preds, succs = _neighbours(exact)
+    preds, succs = neighbours(exact)
 
     def reach(step: list[list[int]]) -> set[int]:
         seen, todo = set(groups), list(groups)
@@ -422,61 +403,8 @@ def _hull(exact: Coarsening, groups: set[int]) -> list[int]:
     return sorted(reach(succs) & reach(preds))
 
 
-def _group_sums(exact: Coarsening) -> np.ndarray:
-    """(G, sums): per exact group, its compute, forward, parameter, activation and returned
-    bytes sums (what its stage keeps of the model's outputs until their backward), then
-    per keep level what a selective recompute keeps, then per level what it runs again
-    (``Blocks``' S and G)."""
-    c = NodeCosts.of(exact.problem).by(exact.group_of, exact.num_coarse)
-    return np.column_stack((c.compute_s, c.forward_s, c.params, c.activations, c.returned,
-                            c.selective, c.selective_again_s))
-
-
-def _segments(exact: Coarsening, sums: np.ndarray) -> tuple[list[list[int]], list[list[int]]]:
-    """The groups that count, cut into segments at the separators, in order, and every
-    group's predecessors; the light groups that some separator is not comparable with
-    get their sums zeroed (in ``sums``)."""
-    G = exact.num_coarse
-    preds, succs = _neighbours(exact)
-    ancestors = [0] * G  # bit sets; groups are numbered in a topological order
-    for g in range(G):
-        for a in preds[g]:
-            ancestors[g] |= ancestors[a] | (1 << a)
-    descendants = [0] * G
-    for g in range(G - 1, -1, -1):
-        for b in succs[g]:
-            descendants[g] |= descendants[b] | (1 << b)
-    totals = np.maximum(sums.sum(axis=0), 1e-300)
-    light = np.all(sums <= LIGHT * totals, axis=1)
-    heavy = sum(1 << g for g in range(G) if not light[g])
-    separators = [s for s in range(G)
-                  if heavy & ((1 << s) - 1) & ~ancestors[s] == 0
-                  and (heavy >> (s + 1) << (s + 1)) & ~descendants[s] == 0]
-    zeroed = 0
-    for s in separators:
-        zeroed |= ((1 << G) - 1) & ~(ancestors[s] | descendants[s] | (1 << s))
-    assert zeroed & heavy == 0
-    segments: list[list[int]] = [[]]
-    cuts = set(separators)
-    for g in range(G):
-        if zeroed >> g & 1:
-            sums[g] = 0.0
-            continue
-        segments[-1].append(g)
-        if g in cuts:
-            segments.append([])
-    return [segment for segment in segments if segment], preds
-
-
-def _masks(segment: list[int], preds: list[list[int]]) -> tuple[int, ...]:
-    """Per group of the segment, the bits of its predecessors in it (a predecessor outside
-    it is in every ideal that reaches it)."""
-    local = {g: i for i, g in enumerate(segment)}
-    return tuple(sum(1 << local[a] for a in preds[g] if a in local) for g in segment)
-
-
 def _cells(segments: list[list[int]], preds: list[list[int]], sums: np.ndarray,
-           crossings: list[_Crossing] | None, width: float) -> _Table:
+           crossings: list[Crossing] | None, width: float) -> _Table:
     """The relaxation's positions (``_Table``): the empty ideal, then per segment its
     cells in order of compute but one holding only the empty ideal (the same set as the
     previous segment's full ideal), then every group; a segment with more than MAX_IDEALS
@@ -491,12 +419,12 @@ def _cells(segments: list[list[int]], preds: list[list[int]], sums: np.ndarray,
     before = np.zeros(columns)
     cache: dict[tuple[object, ...], tuple[np.ndarray, ...]] = {}
     for k, segment in enumerate(segments):
-        masks = _masks(segment, preds)
-        crossing = crossings[k] if crossings is not None else _Crossing(np.zeros(2), (), ())
+        masks = predecessor_masks(segment, preds)
+        crossing = crossings[k] if crossings is not None else Crossing(np.zeros(2), (), ())
         # identical layers: one enumeration
         key = (masks, sums[segment].tobytes(), crossing.incoming, crossing.local)
         if key not in cache:
-            ideals = _ideals(masks, sums[segment])
+            ideals = enumerate_ideals(masks, sums[segment])
             full = (1 << len(segment)) - 1
             cache[key] = _any_ideal(sums[segment].sum(axis=0), crossing.sent(full)) \
                 if ideals is None else _bin(
@@ -521,28 +449,6 @@ def _cells(segments: list[list[int]], preds: list[list[int]], sums: np.ndarray,
     return _Table(**{name: np.concatenate(row) for name, row in rows.items()})
 
 
-def _ideals(masks: tuple[int, ...], sums: np.ndarray) -> tuple[list[int], np.ndarray] | None:
-    """(bits, sums (ideals, ``_group_sums``)) of every ideal of a segment (``masks[i]``: the bits of
-    group i's predecessors in it, groups in a topological order), the empty one first;
-    None beyond MAX_IDEALS. Each ideal is made once, from the ideal of its groups but the
-    last (in order), which is one too."""
-    rows = sums.tolist()
-    bits: list[int] = [0]
-    found: list[list[float]] = [[0.0] * sums.shape[1]]
-    stack: list[tuple[int, int, list[float]]] = [(0, 0, found[0])]  # (ideal, next group, sums)
-    while stack:
-        ideal, first, total = stack.pop()
-        for g in range(first, len(masks)):
-            if masks[g] & ~ideal == 0:
-                grown = [a + b for a, b in zip(total, rows[g], strict=True)]
-                bits.append(ideal | (1 << g))
-                found.append(grown)
-                if len(found) > MAX_IDEALS:
-                    return None
-                stack.append((bits[-1], g + 1, grown))
-    return bits, np.array(found)
-
-
 def _any_ideal(full: np.ndarray, sent: tuple[float, int, int]) -> tuple[np.ndarray, ...]:
     """``_bin``'s cells for a segment with too many ideals to enumerate: the empty ideal,
     one cell for every other ideal but the full one, which holds between none and all of
@@ -558,7 +464,7 @@ def _any_ideal(full: np.ndarray, sent: tuple[float, int, int]) -> tuple[np.ndarr
 def _bin(ideals: np.ndarray, sent: np.ndarray, full: np.ndarray, width: float,
          ) -> tuple[np.ndarray, ...]:
     """Per cell of ``width`` seconds of compute (in order) of a segment's ideals (the empty
-    one first; ``sent`` what each sends, ``_Crossing.sent``; ``full`` which is the full
+    one first; ``sent`` what each sends, ``Crossing.sent``; ``full`` which is the full
     one): the least and the most of each sum over the cell's ideals, the least comm_s
     and bytes they send, the most bytes, the least bytes their own groups send, whether
     the cell holds only the full ideal, and whether only the empty one."""

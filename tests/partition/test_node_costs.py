@@ -16,7 +16,7 @@ import pytest
 
 from fxpipe.partition import Edge, Node, Problem, Recompute, evaluate
 from fxpipe.partition.baselines import Blocks
-from fxpipe.partition.bound import _group_sums
+from fxpipe.partition.chain import group_sums
 from fxpipe.partition.coarsen import coarsen, exact_groups
 from fxpipe.partition.cost import NodeCosts, prefix_sums
 from fxpipe.partition.evaluate import stage_sums
@@ -117,7 +117,7 @@ def test_every_reader_reads_the_same_sums() -> None:
     assert np.array_equal(blocks.S, prefix_sums(groups.selective))
 
     by_exact = NodeCosts.of(problem).by(exact.group_of, exact.num_coarse)
-    assert np.array_equal(_group_sums(exact)[:, 0], by_exact.compute_s)
+    assert np.array_equal(group_sums(exact)[:, 0], by_exact.compute_s)
 
 
 def _adds_up_a_node_field(tree: ast.AST) -> list[int]:
