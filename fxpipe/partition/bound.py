@@ -136,11 +136,13 @@ class _Cells(Blocks):
     - of the values it sends on, the bytes crossing the cut after it less the most
       crossing the cut before it (a value made before the stage and read after it
       crosses both, so the rest was made in it); where a lies in an earlier segment than
-      b, at least the bytes b's ideal makes in its segment and sends (``own``); or its
+      b, at least the bytes b's ideal makes in its segment and sends (``own``) and those
+      of the values crossing b's segment that a segment after a's made (``through``: a
+      layer's residual, made in the stage beside what its last groups make); or its
       returned bytes, if more.
 
     ``table``: the cells (``_Table``); ``segment_peak``: per segment, the largest backward
-    transient of its groups' nodes."""
+    transient of its groups' nodes; ``through``: ``_Through``."""
 
     table: _Table | None = None
     segment_peak: np.ndarray = field(default_factory=lambda: np.zeros(0))
