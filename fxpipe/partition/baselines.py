@@ -26,6 +26,7 @@ stage) included (tied parameters' copies left out; ``evaluate`` has the last wor
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
@@ -372,18 +373,22 @@ class Blocks:
     def loads(self, end: int, starts: Any, stages: Any, *, sent: Any, peak: Any,
               allow_empty: bool) -> Any:
         """(stages, starts): the seconds of stage j's block [start, end) on j's row, inf
-        where it fits no memory with any recompute choice. Many stages at once; the loss
-        is the last stage's alone."""
-        p = self.problem
-        inf = float("inf")
-        load = np.full((stages.size, starts.size), inf)
+        where it fits no memory with any recompute choice: those of the first choice that
+        fits (the fastest). Many stages at once, a mode's keep levels together; the loss is
+        the last stage's alone."""
         plain = np.maximum(self.T[end] - self.T0[starts], 0.0) + self.cut[starts] + self.cut[end]
-        for recompute in reversed(self.options):  # the faster choice last: it wins where both fit
-            rows = self.memory(end, starts, stages, sent=sent, peak=peak, recompute=recompute)
-            seconds = plain + self.run_again(recompute, end, starts)
-            load = np.where(rows <= p.memory_limit, seconds, load)
+        rows, seconds = [], []
+        for mode, options in itertools.groupby(self.options, key=lambda option: option.mode):
+            levels = [option.level for option in options]
+            rows.append(self.levels_memory(end, starts, stages, sent=sent, peak=peak, mode=mode,
+                                           levels=levels))
+            seconds.append(plain + self.levels_run_again(mode, levels, end, starts))
+        fits = np.concatenate(rows) <= self.problem.memory_limit  # (choices, stages, starts)
+        first = np.argmax(fits, axis=0)
+        load = np.where(fits.any(axis=0),
+                        np.concatenate(seconds)[first, np.arange(starts.size)], float("inf"))
         if end == 0 and not allow_empty:
-            load[stages == 0] = inf
+            load[stages == 0] = float("inf")
         return load
 
     def run_again(self, recompute: Option, end: Any, starts: Any) -> Any:
@@ -391,6 +396,14 @@ class Blocks:
         mode, level = recompute
         return run_again_s(mode, np.maximum(self.F[end] - self.F0[starts], 0.0),
                            np.maximum(self.G[end, level] - self.G0[starts, level], 0.0))
+
+    def levels_run_again(self, mode: StageRecompute, levels: Sequence[int], end: int,
+                         starts: Any) -> Any:
+        """(levels, starts): ``run_again`` for each of ``mode``'s keep ``levels``."""
+        again = np.maximum(self.G[end, levels][:, None] - self.G0[starts][:, levels].T, 0.0)
+        return np.broadcast_to(
+            run_again_s(mode, np.maximum(self.F[end] - self.F0[starts], 0.0), again),
+            (len(levels), starts.size))
 
     def selective(self, recompute: Option, end: Any, starts: Any) -> Any:
         """The bytes a block [start, end) keeps per micro-batch recomputed selectively at
@@ -401,19 +414,28 @@ class Blocks:
                recompute: Option) -> Any:
         """(stages, starts): the bytes of stage j's block [start, end) on j's row with the
         given recompute choice; the loss is the last stage's alone."""
+        return self.levels_memory(end, starts, stages, sent=sent, peak=peak,
+                                  mode=recompute.mode, levels=[recompute.level])[0]
+
+    def levels_memory(self, end: int, starts: Any, stages: Any, *, sent: Any, peak: Any,
+                      mode: StageRecompute, levels: Sequence[int]) -> Any:
+        """(levels, stages, starts): ``memory`` for each of ``mode``'s keep ``levels``,
+        the parts no level changes made once."""
         p = self.problem
+        selective = np.maximum(self.S[end, levels][:, None] - self.S0[starts][:, levels].T, 0.0)
         block: dict[str, Any] = {
             "params": np.maximum(self.P[end] - self.P0[starts], 0.0),
             "activations": np.maximum(self.A[end] - self.A0[starts], 0.0),
             "received": self.cut_bytes[starts], "kept": sent, "transient": peak,
-            "selective": self.selective(recompute, end, starts),
+            "selective": selective[:, None, :],
         }
-        parts = memory_parts(p, stages[:, None], flight=self.flights[stages],
-                             recompute=recompute.mode, **block)
-        # the parts of a block alone first, then those of each stage's row (whole bytes:
-        # the order of the sum does not change it)
-        return np.broadcast_to(sum(sorted(parts.values(), key=np.ndim)),
-                               (stages.size, starts.size))
+        parts = memory_parts(p, stages[:, None], flight=self.flights[stages], recompute=mode,
+                             **block)
+        # the parts of a block alone first, then those of each stage's row, the levels'
+        # among them where a row's would be (whole bytes: the order of the sum does not
+        # change it; the order kept all the same)
+        total = sum(sorted(parts.values(), key=lambda part: min(np.ndim(part), 2)))
+        return np.broadcast_to(total, (len(levels), stages.size, starts.size))
 
 
 @dataclass(frozen=True)
