@@ -26,6 +26,11 @@ def test_idle_and_parameter_free_stages_are_named_with_what_the_search_proved() 
     (note,) = idle_notes([*stages[:2], _stage(2, 5, ("w",))], feasible, "zbv")
     assert "stage 0 computes nothing" in note and "gap of 10.00%" in note
     assert "under a V each GPU runs two stages" in note
+    assert "raise --work-limit" in note
+    # within 1 % of the bound a longer search is no fix: the note says how close it is
+    (note,) = idle_notes(stages, SolverReport("interval-dp", "FEASIBLE", 1.0, 0.9991), "1f1b")
+    assert "within 0.09% of its bound, so no split is faster by more than that" in note
+    assert "--work-limit" not in note
     assert idle_notes([_stage(0, 1, ("w",))], optimal, "1f1b") == []
 
 
