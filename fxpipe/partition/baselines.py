@@ -271,6 +271,10 @@ def _first_starts(blocks: Blocks, n: int, *, upper_s: float, gap: int) -> Any:
         held = np.maximum.accumulate(blocks.P0)
         firsts = np.maximum(firsts, np.searchsorted(held, blocks.P[:n + 1] - reach,
                                                     side="left"))
+    # The least of those from each end on: the bound's cells hold parameters that need
+    # not grow with their compute (a later cell's ideal may lack an earlier one's groups),
+    # and the DP stops where no stage can start from a later end's first start.
+    firsts = np.minimum.accumulate(firsts[::-1])[::-1]
     return np.minimum(firsts, ends - gap)
 
 

@@ -154,6 +154,33 @@ def test_block_bound_is_the_optimum_of_a_chain_that_keeps_and_sends(problem: Pro
         assert bound == pytest.approx(best, rel=1e-6, abs=1e-12)
 
 
+def test_a_later_cell_holding_fewer_parameters_is_still_reached() -> None:
+    """Two diamond layers (in -> a, b -> out; a twice b's compute, out the most parameters)
+    onto 3 stages, memory for 750 parameter bytes a stage: the best split cuts after the
+    first layer's a and b and after the second's a. In the relaxation the second layer's
+    cell holding b alone comes before the one holding a alone (less compute) and holds
+    more parameters, so a stage to it fits nowhere while one to the later cell does; the
+    DP stopped at the earlier cell, as if no later end could start a stage before it, and
+    the bound was inf: "no split fits" where one did (found by hypothesis, 2026-11-29)."""
+    nodes, edges = [], []
+    for layer in range(2):
+        first = len(nodes)
+        for i, (t, params) in enumerate(((0, 100), (2, 100), (1, 200), (1, 500))):
+            nodes.append(Node(f"l{layer}n{i}", forward_s=t * MS / 3, backward_s=2 * t * MS / 3,
+                              param_bytes=params))
+        if layer:
+            edges.append(Edge(first - 1, first))
+        edges += [Edge(first, first + 1), Edge(first, first + 2), Edge(first + 1, first + 3),
+                  Edge(first + 2, first + 3)]
+    problem = Problem(nodes=tuple(nodes), edges=tuple(edges), num_stages=3, memory_limit=3000,
+                      schedule=ScheduleKind.ONE_F_ONE_B, microbatches=3,
+                      recompute=Recompute.AUTO)
+    best, _, _ = brute_force(problem)
+    assert best == pytest.approx(3 * MS)
+    bound = block_bound(exact_groups(problem))
+    assert bound is not None and bound <= best
+
+
 @pytest.mark.parametrize("limit", [200, 300, 400, 500, 600, 700, 800, 900, 1200])
 def test_a_middle_stage_keeps_the_residual_it_makes(limit: int) -> None:
     """Eight nodes in a chain, each also reading the one two back, onto 3 stages under
