@@ -71,7 +71,7 @@ from fxpipe.partition.cost import NodeCosts, recompute_options
 from fxpipe.partition.evaluate import consumers
 from fxpipe.partition.problem import Comm, Problem, TiedPolicy, stage_flights
 
-__all__ = ["block_bound", "shared_gpu_bound", "trivial_bound"]
+__all__ = ["block_bound", "relaxation", "shared_gpu_bound", "trivial_bound"]
 
 CELL = 1e-3  # a cell spans at most this share of the mean stage's compute
 RECENT = 64  # segments after its maker's in which a value crossing them counts (``_Through``)
@@ -83,26 +83,33 @@ def block_bound(exact: Coarsening, *, upper_s: float = math.inf) -> float | None
     p = exact.problem
     if p.virtual_stages > 1 or p.replicates or p.schedule.spec.v_placed:
         return None
+    blocks = relaxation(exact)
+    n = len(blocks.T) - 1  # positions 0..n: 0 is the empty ideal, n every group
+    best, _ = min_max_dp(blocks, n, upper_s=upper_s, allow_empty=True)
+    value = float(best[p.num_stages - 1, n])
+    if value == math.inf:  # no split of the relaxation is faster than upper_s, or fits
+        return upper_s
+    return value * (1 - 1e-9)
+
+
+def relaxation(exact: Coarsening) -> Blocks:
+    """The relaxation's positions as blocks the interval DP's min-max prices (``_Cells``)."""
+    p = exact.problem
     sums = group_sums(exact)
     segments, preds = chain_segments(exact, sums)
     crossings = segment_crossings(exact, segments) if p.comm is Comm.NEIGHBOUR else None
     cells = _cells(segments, preds, sums, crossings,
                    CELL * float(sums[:, 0].sum()) / p.num_stages)
     lo, hi, sent = cells.lo, cells.hi, cells.sent
-    n = lo.shape[0] - 1  # positions 0..n: 0 is the empty ideal, n every group
+    n = lo.shape[0] - 1
     kept, again = slice(5, 5 + len(p.keep_levels)), slice(5 + len(p.keep_levels), None)
-    blocks = _Cells(p, lo[:, 0], lo[:, 1], lo[:, 2], lo[:, 3], lo[:, 4], np.zeros(n),
-                    sent[:, 0], sent[:, 1], [],
-                    np.array(stage_flights(p), dtype=np.int64)[:, None],
-                    tuple(recompute_options(p)), hi[:, 0], hi[:, 1], hi[:, 2], hi[:, 3],
-                    hi[:, 4], lo[:, kept], lo[:, again], hi[:, kept], hi[:, again],
-                    table=cells, segment_peak=_segment_peaks(exact, segments),
-                    through=_through(exact, segments))
-    best, _ = min_max_dp(blocks, n, upper_s=upper_s, allow_empty=True)
-    value = float(best[p.num_stages - 1, n])
-    if value == math.inf:  # no split of the relaxation is faster than upper_s, or fits
-        return upper_s
-    return value * (1 - 1e-9)
+    return _Cells(p, lo[:, 0], lo[:, 1], lo[:, 2], lo[:, 3], lo[:, 4], np.zeros(n),
+                  sent[:, 0], sent[:, 1], [],
+                  np.array(stage_flights(p), dtype=np.int64)[:, None],
+                  tuple(recompute_options(p)), hi[:, 0], hi[:, 1], hi[:, 2], hi[:, 3],
+                  hi[:, 4], lo[:, kept], lo[:, again], hi[:, kept], hi[:, again],
+                  table=cells, segment_peak=_segment_peaks(exact, segments),
+                  through=_through(exact, segments))
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,12 @@ on a model too big for CP-SAT."""
 
 from __future__ import annotations
 
+import math
 from unittest import mock
 
+import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from fxpipe import forked
@@ -23,7 +25,8 @@ from fxpipe.partition import (
     partition,
 )
 from fxpipe.partition import solve as solve_module
-from fxpipe.partition.bound import block_bound
+from fxpipe.partition.baselines import min_max_dp
+from fxpipe.partition.bound import block_bound, relaxation
 from fxpipe.schedules import ScheduleKind
 
 from ._brute import brute_force
@@ -154,14 +157,12 @@ def test_block_bound_is_the_optimum_of_a_chain_that_keeps_and_sends(problem: Pro
         assert bound == pytest.approx(best, rel=1e-6, abs=1e-12)
 
 
-def test_a_later_cell_holding_fewer_parameters_is_still_reached() -> None:
+def _two_diamonds() -> Problem:
     """Two diamond layers (in -> a, b -> out; a twice b's compute, out the most parameters)
-    onto 3 stages, memory for 750 parameter bytes a stage: the best split cuts after the
-    first layer's a and b and after the second's a. In the relaxation the second layer's
-    cell holding b alone comes before the one holding a alone (less compute) and holds
-    more parameters, so a stage to it fits nowhere while one to the later cell does; the
-    DP stopped at the earlier cell, as if no later end could start a stage before it, and
-    the bound was inf: "no split fits" where one did (found by hypothesis, 2026-11-29)."""
+    onto 3 stages, memory for 750 parameter bytes a stage: the best split (3 ms) cuts after
+    the first layer's a and b and after the second's a. In the relaxation the second
+    layer's cell holding b alone comes before the one holding a alone (less compute) and
+    holds more parameters, so a stage to it fits nowhere while one to the later cell does."""
     nodes, edges = [], []
     for layer in range(2):
         first = len(nodes)
@@ -172,9 +173,43 @@ def test_a_later_cell_holding_fewer_parameters_is_still_reached() -> None:
             edges.append(Edge(first - 1, first))
         edges += [Edge(first, first + 1), Edge(first, first + 2), Edge(first + 1, first + 3),
                   Edge(first + 2, first + 3)]
-    problem = Problem(nodes=tuple(nodes), edges=tuple(edges), num_stages=3, memory_limit=3000,
-                      schedule=ScheduleKind.ONE_F_ONE_B, microbatches=3,
-                      recompute=Recompute.AUTO)
+    return Problem(nodes=tuple(nodes), edges=tuple(edges), num_stages=3, memory_limit=3000,
+                   schedule=ScheduleKind.ONE_F_ONE_B, microbatches=3, recompute=Recompute.AUTO)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.one_of(problems(), layered(comm=True), layered(comm=True, residual=True)))
+@example(_two_diamonds())
+def test_the_pruned_dp_over_the_cells_is_the_dp_that_prices_every_cell(
+        problem: Problem) -> None:
+    """The min-max DP prices only the cells a best split can pass through, which assumes
+    things of its blocks (the first start tried grows with the end); the bound's cells,
+    unlike an order's blocks, need not grow in every sum. Over the relaxation, its value is
+    the one of the DP that prices every (stage, start, end)."""
+    assume(small_enough(problem))
+    exact = exact_groups(problem)
+    if block_bound(exact) is None:
+        return
+    blocks = relaxation(exact)
+    n, K = len(blocks.T) - 1, problem.num_stages
+    best, _ = min_max_dp(blocks, n, upper_s=math.inf, allow_empty=True)
+    every = np.full((K, n + 1), math.inf)
+    for end in range(n + 1):
+        starts = np.arange(end + 1)
+        load = blocks.loads(end, starts, np.arange(K), allow_empty=True,
+                            sent=blocks.outputs(end, starts, np.zeros(starts.size)),
+                            peak=blocks.peaks(end, starts))
+        every[0, end] = load[0, 0]
+        for j in range(1, K):
+            every[j, end] = np.min(np.maximum(every[j - 1, :end + 1], load[j]))
+    assert best[K - 1, n] == every[K - 1, n]
+
+
+def test_a_later_cell_holding_fewer_parameters_is_still_reached() -> None:
+    """``_two_diamonds``: the DP stopped at the earlier cell, as if no later end could
+    start a stage before it, and the bound was inf, "no split fits" where one did (found
+    by hypothesis, 2026-11-29)."""
+    problem = _two_diamonds()
     best, _, _ = brute_force(problem)
     assert best == pytest.approx(3 * MS)
     bound = block_bound(exact_groups(problem))
