@@ -59,6 +59,7 @@ from fxpipe.partition.baselines import Blocks, min_max_dp
 from fxpipe.partition.chain import (
     Crossing,
     chain_segments,
+    counted_reads,
     enumerate_ideals,
     group_sums,
     neighbours,
@@ -68,7 +69,6 @@ from fxpipe.partition.chain import (
 )
 from fxpipe.partition.coarsen import Coarsening
 from fxpipe.partition.cost import NodeCosts, recompute_options
-from fxpipe.partition.evaluate import consumers
 from fxpipe.partition.problem import Comm, Problem, TiedPolicy, stage_flights
 
 __all__ = ["block_bound", "relaxation", "shared_gpu_bound", "trivial_bound"]
@@ -97,7 +97,9 @@ def relaxation(exact: Coarsening) -> Blocks:
     p = exact.problem
     sums = group_sums(exact)
     segments, preds = chain_segments(exact, sums)
-    crossings = segment_crossings(exact, segments) if p.comm is Comm.NEIGHBOUR else None
+    reads = counted_reads(exact, segments)
+    crossings = (segment_crossings(exact, segments, reads) if p.comm is Comm.NEIGHBOUR
+                 else None)
     cells = _cells(segments, preds, sums, crossings,
                    CELL * float(sums[:, 0].sum()) / p.num_stages)
     lo, hi, sent = cells.lo, cells.hi, cells.sent
@@ -109,7 +111,7 @@ def relaxation(exact: Coarsening) -> Blocks:
                   tuple(recompute_options(p)), hi[:, 0], hi[:, 1], hi[:, 2], hi[:, 3],
                   hi[:, 4], lo[:, kept], lo[:, again], hi[:, kept], hi[:, again],
                   table=cells, segment_peak=_segment_peaks(exact, segments),
-                  through=_through(exact, segments))
+                  through=_through(exact, segments, reads))
 
 
 @dataclass(frozen=True)
@@ -194,16 +196,16 @@ class _Through:
         return tail[np.searchsorted(self.made_in[lo:hi], first, side="right")]
 
 
-def _through(exact: Coarsening, segments: list[list[int]]) -> _Through:
+def _through(exact: Coarsening, segments: list[list[int]],
+             reads: list[tuple[int, int, set[int]]]) -> _Through:
     """What crosses each segment from an earlier one (``_Through``), from counted groups
-    to counted groups."""
-    p = exact.problem
+    to counted groups (``reads``: ``counted_reads``)."""
     segment_of, _ = segment_places(exact.num_coarse, segments)
     entries: list[tuple[int, int, int]] = []  # (segment crossed, maker's segment, bytes)
-    for v, readers in enumerate(consumers(p)):
-        made, out = int(segment_of[exact.group_of[v]]), p.nodes[v].output_bytes
-        last = max((int(segment_of[exact.group_of[w]]) for w in readers), default=-1)
-        if made >= 0 and out > 0:
+    for v, g, read in reads:
+        made, out = int(segment_of[g]), exact.problem.nodes[v].output_bytes
+        last = max(int(segment_of[r]) for r in read)
+        if out > 0:
             entries += [(k, made, out) for k in range(made + 1, min(last, made + 1 + RECENT))]
     entries.sort()
     crossed, made_in, size = (np.array([e[i] for e in entries], dtype=np.int64)
@@ -318,7 +320,8 @@ def _least_sends(exact: Coarsening) -> _Sends | None:
     sized: dict[int, float] = {}  # number of counted groups -> the least sent
     per_segment: list[tuple[list[int], np.ndarray]] = []
     before, held = 0.0, 0
-    for segment, crossing in zip(segments, segment_crossings(exact, segments), strict=True):
+    crossings = segment_crossings(exact, segments, counted_reads(exact, segments))
+    for segment, crossing in zip(segments, crossings, strict=True):
         ideals = enumerate_ideals(predecessor_masks(segment, preds), sums[segment])
         if ideals is None:
             return None

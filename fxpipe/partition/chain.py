@@ -25,8 +25,9 @@ from fxpipe.partition.coarsen import Coarsening
 from fxpipe.partition.cost import NodeCosts
 from fxpipe.partition.evaluate import consumers
 
-__all__ = ["MAX_IDEALS", "Crossing", "chain_segments", "enumerate_ideals", "group_sums",
-           "neighbours", "predecessor_masks", "segment_crossings", "segment_places"]
+__all__ = ["MAX_IDEALS", "Crossing", "chain_segments", "counted_reads", "enumerate_ideals",
+           "group_sums", "neighbours", "predecessor_masks", "segment_crossings",
+           "segment_places"]
 
 MAX_IDEALS = 50_000  # per distinct segment; beyond, none (the enumeration's time)
 LIGHT = 1e-4  # a group below this share of time, parameters and bytes
@@ -54,19 +55,31 @@ class Crossing:
                 sum(b for _, b in own))
 
 
-def segment_crossings(exact: Coarsening, segments: list[list[int]]) -> list[Crossing]:
-    """Per segment, what its ideals send (``Crossing``)."""
+def counted_reads(exact: Coarsening, segments: list[list[int]]
+                  ) -> list[tuple[int, int, set[int]]]:
+    """Per value a counted group makes and other counted groups read (the groups in
+    ``segments``): its node, the maker's group and the readers' groups."""
+    segment_of, _ = segment_places(exact.num_coarse, segments)
+    reads = []
+    for v, readers in enumerate(consumers(exact.problem)):
+        g = exact.group_of[v]
+        read = {r for r in {exact.group_of[w] for w in readers} - {g} if segment_of[r] >= 0}
+        if segment_of[g] >= 0 and read:
+            reads.append((v, g, read))
+    return reads
+
+
+def segment_crossings(exact: Coarsening, segments: list[list[int]],
+                      reads: list[tuple[int, int, set[int]]]) -> list[Crossing]:
+    """Per segment, what its ideals send (``Crossing``); ``reads``: ``counted_reads``."""
     p = exact.problem
     segment_of, place = segment_places(exact.num_coarse, segments)
     through = np.zeros((len(segments), 2))
     incoming: list[list[tuple[int, float, int]]] = [[] for _ in segments]
     local: list[list[tuple[int, int, bool, float, int]]] = [[] for _ in segments]
-    for v, readers in enumerate(consumers(p)):
-        g = exact.group_of[v]
-        read = {exact.group_of[w] for w in readers} - {g}
-        read = {r for r in read if segment_of[r] >= 0}
+    for v, g, read in reads:
         comm, size = p.nodes[v].comm_s, p.nodes[v].output_bytes
-        if segment_of[g] < 0 or not read or (comm <= 0 and size <= 0):
+        if comm <= 0 and size <= 0:
             continue
         k0, last = int(segment_of[g]), max(int(segment_of[r]) for r in read)
         through[k0 + 1:last] += (comm, size)
