@@ -27,6 +27,7 @@ writes, the planner to leave those outputs out of every rule (``KeepRule.skip``)
 runtime to refuse a write into one its rule keeps."""
 
 import contextlib
+import inspect
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -37,6 +38,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import (
     CheckpointPolicy,
+    SelectiveCheckpointContext,
     checkpoint,
     create_selective_checkpoint_contexts,
 )
@@ -192,7 +194,11 @@ class KeptWrites(TorchDispatchMode):
     """While open: the storages of the outputs of ``SELECTIVE_KEEPS`` calls that ``rule``
     keeps (``added``: those first seen since it was last emptied, as ``Kept``), and
     ``on_write(op, (work, width))`` called for each op that writes into one in place,
-    with the (``work_and_width``) of the call whose output it writes."""
+    with the (``work_and_width``) of the call whose output it writes.
+
+    Its bookkeeping of one call is ``written`` (before the call runs) and ``made`` (after):
+    the dispatch mode calls both on every op; a SAC policy that sees each op's output can
+    call them itself (``selective_contexts``), with no second mode to dispatch through."""
 
     def __init__(self, on_write: Callable[[Any, tuple[int, int]], None],
                  rule: KeepRule = KEEP_ALL) -> None:
@@ -209,23 +215,34 @@ class KeptWrites(TorchDispatchMode):
         held = self._kept.get(StorageWeakRef(t.untyped_storage()).cdata)
         return held[1] if held is not None and not held[0].expired() else None
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
+    def written(self, func: Any, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+        """``on_write`` for each kept output the call ``func(*args, **kwargs)`` writes."""
         if func._schema.is_mutable:
             for made in {self._made(t) for t in _written(func, args, kwargs)} - {None}:
                 assert made is not None
                 self.on_write(func, made)
+
+    def made(self, func: Any, args: Sequence[Any], result: Any) -> bool:
+        """Whether ``rule`` keeps the output ``result`` of the call of ``func`` on
+        ``args``; if so, its storages are recorded (``added``, for those not seen before)."""
+        if func.overloadpacket not in SELECTIVE_KEEPS:
+            return False
+        made = work_and_width(func, args)
+        if not self.rule.keeps(*made):
+            return False
+        for t in pytree.tree_leaves(result):
+            if isinstance(t, torch.Tensor) and self._made(t) is None:
+                ref = StorageWeakRef(t.untyped_storage())
+                self._kept[ref.cdata] = (ref, made)
+                self.added.append(Kept(*made, t.untyped_storage().nbytes()))
+        return True
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        self.written(func, args, kwargs)
         result = func(*args, **kwargs)
-        if func.overloadpacket in SELECTIVE_KEEPS:
-            made = work_and_width(func, args)
-            if not self.rule.keeps(*made):
-                return result
-            for t in pytree.tree_leaves(result):
-                if isinstance(t, torch.Tensor) and self._made(t) is None:
-                    ref = StorageWeakRef(t.untyped_storage())
-                    self._kept[ref.cdata] = (ref, made)
-                    self.added.append(Kept(*made, t.untyped_storage().nbytes()))
+        self.made(func, args, result)
         return result
 
 
@@ -252,20 +269,43 @@ def selective_contexts(restored: Callable[[], contextlib.AbstractContextManager[
     """``torch.utils.checkpoint``'s ``context_fn`` result for a selective stage: (the first
     run's context, which keeps the outputs of ``SELECTIVE_KEEPS`` that ``rule`` keeps and
     refuses a write into one of those; the run again's, which reads them back and, each time, runs
-    inside ``restored()``, which undoes what it writes into buffers)."""
-    keep, again = create_selective_checkpoint_contexts(keeping(rule))
+    inside ``restored()``, which undoes what it writes into buffers).
 
-    @contextlib.contextmanager
-    def first() -> Iterator[None]:
-        with keep, KeptWrites(_refuse_write, rule):  # the watch inside: it sees each op first
-            yield
+    Every op of the first run passes through SAC's dispatch mode, which costs the host tens
+    of microseconds a call (bench/sac_overhead.py). Where torch hands the policy each op's
+    output (``SelectiveCheckpointContext.op_output``, torch 2.13), the policy watches for the
+    writes itself; an older torch's policy runs before the op, so a mode of its own watches."""
+    if _POLICY_SEES_OUTPUT:
+        watch = KeptWrites(_refuse_write, rule)
+
+        def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+            watch.written(op, args, kwargs)
+            if watch.made(op, args, ctx.op_output):
+                return CheckpointPolicy.MUST_SAVE
+            return CheckpointPolicy.PREFER_RECOMPUTE
+
+        keep, again = create_selective_checkpoint_contexts(policy)
+        first: Any = keep
+    else:
+        keep, again = create_selective_checkpoint_contexts(keeping(rule))
+        first = _watched(keep, KeptWrites(_refuse_write, rule))
 
     @contextlib.contextmanager
     def both() -> Iterator[None]:
         with restored(), again:  # the restore's own copies outside what SAC replays
             yield
 
-    return first(), EachTime(both)
+    return first, EachTime(both)
+
+
+# torch 2.13's SAC asks the policy once per op, after running it, and hands it the output
+_POLICY_SEES_OUTPUT = "op_output" in inspect.signature(SelectiveCheckpointContext).parameters
+
+
+@contextlib.contextmanager
+def _watched(keep: Any, watch: KeptWrites) -> Iterator[None]:
+    with keep, watch:  # the watch inside: it sees each op first
+        yield
 
 
 def selective_run(run: Callable[..., Any], inputs: dict[str, Any], rule: KeepRule,

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fxpipe.runtime import recompute
 from fxpipe.runtime.adapter import StageAdapter, check_feed
 
 
@@ -160,7 +161,46 @@ class WritesIntoAMatmul(nn.Module):
         return (h.tanh(),)
 
 
-def test_a_selective_stage_that_writes_into_a_kept_output_is_refused() -> None:
+@pytest.fixture(params=["policy", "mode"])
+def watch(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Who watches a selective stage's first run for writes into what it keeps: SAC's
+    policy, where torch hands it each op's output (torch 2.13), or a dispatch mode of its
+    own (an older torch); the number of ops that pass through that mode is counted."""
+    if request.param == "policy" and not recompute._POLICY_SEES_OUTPUT:
+        pytest.skip(f"torch {torch.__version__}'s SAC policy does not see each op's output")
+    monkeypatch.setattr(recompute, "_POLICY_SEES_OUTPUT", request.param == "policy")
+    watched = recompute.KeptWrites.__torch_dispatch__
+    counted = MODE_CALLS.setdefault(request.param, [])
+    counted.clear()
+
+    def counting(self: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        counted.append(func)
+        return watched(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(recompute.KeptWrites, "__torch_dispatch__", counting)
+    return str(request.param)
+
+
+MODE_CALLS: dict[str, list[Any]] = {}
+
+
+def test_a_selective_stage_dispatches_through_sac_alone_where_its_policy_watches(
+        watch: str) -> None:
+    """Every op a selective stage's first run dispatches through a Python mode costs the
+    host tens of microseconds (bench/sac_overhead.py): where SAC's policy sees each op's
+    output, it watches for the writes itself and no second mode runs; else the watch's
+    own mode sees every op. The gradients are the same either way."""
+    plain, _, _, _ = _step(False)
+    grads, _, _, _ = _step("selective")
+    for name, grad in plain.items():
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=0, msg=name)
+    if watch == "policy":
+        assert MODE_CALLS[watch] == []
+    else:
+        assert torch.ops.aten.addmm.default in MODE_CALLS[watch], MODE_CALLS[watch]
+
+
+def test_a_selective_stage_that_writes_into_a_kept_output_is_refused(watch: str) -> None:
     """SAC would hand the backward a matmul's output written after it was kept (torch
     says so only in the backward, in its own words): the forward refuses it and says
     what to do instead. Recomputed in full, or selectively by a rule that does not keep
