@@ -8,8 +8,12 @@ the generated package trains it on cuda:0:
   M = 4 micro-batches of 2 x 1024 tokens;
 - ``llama``: bench/hf_shapes.py's scaled transformers Llama (16 x 2048, 886M
   parameters, SDPA), ``bf16-mixed``, M = 8 micro-batches of 1 x 4096 tokens, with
-  ``--memory 7GiB`` so that the solver has recompute to choose (on the h200 row: stage 0
-  selective by a keep rule, stages 1-2 selective keeping all, stage 3 none).
+  ``--memory 7GiB`` so that the solver has recompute to choose (on the h200 row: stages
+  0-2 in full, stage 3 none; selective would keep more for no less time, its ops being
+  too short to hide what torch's SAC costs the host);
+- ``llama-selective``: the same Llama with ``--recompute selective`` and no memory limit:
+  every stage under torch's SAC, keeping every matmul's and attention's output, its time
+  as planned (SAC's host time included, ``Device.sac_dispatch``) against the measured.
 
 Per model:
 
@@ -115,6 +119,9 @@ def cases(small: bool) -> list[Case]:
              gpt_model, gpt_batch, gpt.loss_fn, memory=False),
         Case("llama", llama_spec,
              ("--precision", "bf16-mixed", *(() if small else ("--memory", "7GiB"))), 8,
+             llama_model, llama_batch, hf_shapes.loss_fn, memory=not small),
+        Case("llama-selective", llama_spec, ("--precision", "bf16-mixed", "--recompute",
+                                             "selective"), 8,
              llama_model, llama_batch, hf_shapes.loss_fn, memory=not small),
     ]
 
@@ -283,7 +290,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("gpu-plan-check"))
     parser.add_argument("--small", action="store_true", help="tiny models (a smoke run)")
-    parser.add_argument("--only", nargs="*", help="cases to run (gpt2, llama)")
+    parser.add_argument("--only", nargs="*", help="cases to run (gpt2, llama, llama-selective)")
     args = parser.parse_args()
     dev = "cuda:0" if torch.cuda.is_available() else "cpu"
     row = device_row()

@@ -152,3 +152,21 @@ def test_keep_levels_order_by_work_then_width_and_skip_what_the_model_writes() -
     assert works == sorted(set(works), reverse=True)
     gaps = [a - b for a, b in itertools.pairwise(works)]
     assert max(gaps) - min(gaps) <= 1  # evenly spread
+
+
+def test_each_op_pays_what_sacs_host_time_its_device_time_does_not_hide() -> None:
+    """Recomputed selectively, every op runs through torch's SAC on its first run and its
+    run again, each time taking the host ``Device.sac_dispatch``: an op shorter than that
+    keeps the device waiting the rest (twice), a longer one hides it."""
+    wide = nn.Sequential(nn.Linear(4096, 4096), nn.ReLU())
+    traced = trace(wide, (torch.randn(1024, 4096),))
+    device = get_device("h100")
+    analyze(traced, device=device)
+    lowered = lower(traced.gm, num_stages=1, device=device, memory_limit=float("inf"),
+                    schedule=ScheduleKind.ONE_F_ONE_B, microbatches=1)
+    by_name = {n.name: n for n in lowered.problem.nodes}
+    matmul, relu = by_name["_0"], by_name["_1"]
+    assert matmul.forward_s > device.sac_dispatch > relu.forward_s
+    assert matmul.selective_host_s == 0.0
+    assert relu.selective_host_s == pytest.approx(2 * (device.sac_dispatch - relu.forward_s))
+    assert relu.selective(0)[1] == pytest.approx(relu.forward_s + relu.selective_host_s)

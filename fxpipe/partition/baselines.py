@@ -377,8 +377,9 @@ class Blocks:
     def loads(self, end: int, starts: Any, stages: Any, *, sent: Any, peak: Any,
               allow_empty: bool) -> Any:
         """(stages, starts): the seconds of stage j's block [start, end) on j's row, inf
-        where it fits no memory with any recompute choice: those of the first choice that
-        fits (the fastest). Many stages at once, a mode's keep levels together; the loss is
+        where it fits no memory with any recompute choice: those of the fastest choice that
+        fits (not always the first: SAC's host time can make a selective one slower than
+        full recompute). Many stages at once, a mode's keep levels together; the loss is
         the last stage's alone."""
         plain = np.maximum(self.T[end] - self.T0[starts], 0.0) + self.cut[starts] + self.cut[end]
         rows, seconds = [], []
@@ -388,9 +389,7 @@ class Blocks:
                                            levels=levels))
             seconds.append(plain + self.levels_run_again(mode, levels, end, starts))
         fits = np.concatenate(rows) <= self.problem.memory_limit  # (choices, stages, starts)
-        first = np.argmax(fits, axis=0)
-        load = np.where(fits.any(axis=0),
-                        np.concatenate(seconds)[first, np.arange(starts.size)], float("inf"))
+        load = np.where(fits, np.concatenate(seconds)[:, None, :], float("inf")).min(axis=0)
         if end == 0 and not allow_empty:
             load[stages == 0] = float("inf")
         return load

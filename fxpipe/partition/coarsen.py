@@ -102,6 +102,7 @@ class Coarsening:
                 backward_weight_s=float(costs.backward_weight_s[g]),
                 deferred_bytes=int(costs.deferred[g]),
                 selective_bytes=tuple(int(b) for b in costs.selective[g]),
+                # the seconds run again, SAC's host time among them, as the members add up
                 selective_kept_s=tuple(forward_s - s for s in costs.selective_again_s[g].tolist()),
                 writes_kept=any(n.writes_kept for n in fine),
             ))

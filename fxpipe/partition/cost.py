@@ -10,7 +10,9 @@ Per stage j, for one micro-batch, from ``StageSums`` (sums over its nodes):
     time        forward_s + backward_s + comm_s; a stage recomputed in full runs its
                 forward again in the backward (backward_s + forward_s), one recomputed
                 selectively all of it but the matmuls and attention its keep level keeps
-                (backward_s + selective_again_s[level])
+                (backward_s + selective_again_s[level]); the host time torch's SAC adds
+                to both runs, in that, is the forward's half and the backward's half
+                (selective_host_s)
     memory (StageMemory)
         params      parameter bytes held (its nodes' and its tied copies)
         grads       params * clamp(state_factor - 1, 0, 1)
@@ -111,6 +113,7 @@ class NodeCosts:
     # forward seconds run again (``Node.selective``)
     selective: np.ndarray
     selective_again_s: np.ndarray
+    selective_host_s: np.ndarray  # SAC's host time on both runs, in selective_again_s
 
     @classmethod
     def of(cls, problem: Problem) -> NodeCosts:
@@ -148,7 +151,8 @@ class NodeCosts:
             selective=column([[kept for kept, _ in row] for row in chosen]).reshape(
                 len(nodes), len(levels)),
             selective_again_s=column([[again for _, again in row] for row in chosen]).reshape(
-                len(nodes), len(levels)))
+                len(nodes), len(levels)),
+            selective_host_s=column([n.selective_host_s for n in nodes]))
 
     def by(self, part_of: Sequence[int] | np.ndarray, parts: int) -> NodeCosts:
         """A row per part: ``part_of[v]`` the part of row v, ``parts`` how many there are."""
@@ -199,6 +203,7 @@ class StageSums:
     # seconds it runs again (``Node.selective``)
     selective: tuple[int, ...] = ()
     selective_again_s: tuple[float, ...] = ()
+    selective_host_s: float = 0.0  # of those seconds, SAC's host time on both runs
 
 
 class Option(NamedTuple):
@@ -304,9 +309,13 @@ def stage_cost(problem: Problem, j: int, sums: StageSums, *, flight: int,
                          replicas=replicas, deferred=sums.deferred, waiting=waiting,
                          selective=sums.selective[level])
     memory = StageMemory(**{name: round(float(value)) for name, value in parts.items()})
+    forward_s = sums.forward_s
     backward_s = sums.backward_s + float(run_again_s(mode, sums.forward_s,
                                                      sums.selective_again_s[level]))
-    return StageCost(sums.forward_s / replicas, backward_s / replicas,
+    if mode is StageRecompute.SELECTIVE:  # SAC's host time: half on the first run
+        forward_s += sums.selective_host_s / 2
+        backward_s -= sums.selective_host_s / 2
+    return StageCost(forward_s / replicas, backward_s / replicas,
                      sums.comm_s + allreduce_s(problem, sums.own_params, replicas), memory,
                      replicas, mode, sums.backward_weight_s / replicas, level)
 

@@ -259,7 +259,8 @@ def stage_sums(problem: Problem, stage_of: Sequence[int]) -> list[StageSums]:
                       backward_weight_s=float(costs.backward_weight_s[j]),
                       deferred=int(costs.deferred[j]),
                       selective=tuple(int(b) for b in costs.selective[j]),
-                      selective_again_s=tuple(float(s) for s in costs.selective_again_s[j]))
+                      selective_again_s=tuple(float(s) for s in costs.selective_again_s[j]),
+                      selective_host_s=float(costs.selective_host_s[j]))
             for j in range(K)]
 
 

@@ -104,6 +104,9 @@ class Node:
     # as recomputed in full).
     selective_bytes: tuple[int, ...] = ()
     selective_kept_s: tuple[float, ...] = ()
+    # Recomputed selectively at any level, the seconds torch's SAC adds to its first run
+    # and its run again, the host's that its device time does not hide (``lower``).
+    selective_host_s: float = 0.0
     # It writes in place into what selective recompute keeps (a matmul's output), which
     # SAC would hand the backward written, and no keep level is left that skips all such
     # outputs (fxpipe.lower.keep_levels): no stage recomputes selectively.
@@ -115,10 +118,11 @@ class Node:
 
     def selective(self, level: int) -> tuple[int, float]:
         """(bytes kept, forward seconds run again) recomputed selectively at ``level``: all
-        of its forward but what it keeps."""
+        of its forward but what it keeps, and what SAC adds to both runs."""
         if level >= len(self.selective_bytes):
-            return 0, self.forward_s
-        return self.selective_bytes[level], self.forward_s - self.selective_kept_s[level]
+            return 0, self.forward_s + self.selective_host_s
+        return (self.selective_bytes[level],
+                self.forward_s - self.selective_kept_s[level] + self.selective_host_s)
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,7 @@ def layered(draw: st.DrawFn, *, comm: bool, branches: bool = True, limited: bool
     selective = [(sorted(draw(st.integers(0, act)) for _ in range(2)),
                   sorted(draw(st.integers(0, t)) for _ in range(2)))
                  for t, _, act, _, _ in shape]
+    host = [draw(st.sampled_from([0, 0, 2, 9])) for _ in shape]  # SAC's, on both runs
     nodes, edges = [], []
     for layer in range(layers):
         first = len(nodes)
@@ -80,6 +81,7 @@ def layered(draw: st.DrawFn, *, comm: bool, branches: bool = True, limited: bool
                               param_bytes=params * 100, activation_bytes=act * 10,
                               selective_bytes=tuple(k * 10 for k in kept),
                               selective_kept_s=tuple(k * MS / 3 for k in kept_t),
+                              selective_host_s=host[i] * MS / 3,
                               output_bytes=out * 10 if comm else 0,
                               comm_s=out * MS if comm else 0.0, grad_bytes=grad * 100))
         if layer:

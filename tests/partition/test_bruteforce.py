@@ -85,6 +85,8 @@ def problems(draw: st.DrawFn, layout: str = "one per GPU") -> Problem:
             activation_bytes=saved[i] * 10,
             selective_bytes=tuple(b * 10 for b in kept[i]),
             selective_kept_s=tuple(s * MS for s in kept_s[i]),
+            # SAC's host time, which can make a selective stage slower than a full one
+            selective_host_s=draw(st.sampled_from([0, 0, 1, 6])) * MS,
             grad_bytes=draw(st.sampled_from([0, 0, 40, 250])),
             output_bytes=draw(st.sampled_from([0, 10, 30, 200])),
             comm_s=draw(st.integers(0, 4)) * MS,

@@ -17,6 +17,8 @@ from fxpipe.partition import (
     evaluate,
     violations,
 )
+from fxpipe.partition.baselines import Blocks, interval_dp, min_max_dp
+from fxpipe.partition.coarsen import exact_groups
 from fxpipe.partition.cost import Option
 from fxpipe.plan import StageRecompute
 from fxpipe.schedules import ScheduleKind
@@ -135,6 +137,34 @@ def test_auto_takes_selective_where_it_fits_and_is_faster_than_full() -> None:
     written = (replace(nodes[0], writes_kept=True), *nodes[1:])
     ev = evaluate(replace(problem, nodes=written, memory_limit=limit), split)
     assert ev.recompute == (FULL, FULL, NONE, NONE)
+
+
+def test_auto_recomputes_in_full_where_sacs_host_time_makes_selective_slower() -> None:
+    """Torch's SAC costs the host time on every op of both runs, which short ops do not
+    hide (``Node.selective_host_s``): there a stage recomputed in full runs faster than
+    one recomputed selectively, and auto takes full where both fit. The interval DP,
+    which takes each block's fastest choice that fits, finds the split evaluate prices."""
+    nodes = tuple(Node(f"l{i}", 1.0, 2.0, activation_bytes=100, selective_bytes=(60,),
+                       selective_kept_s=(0.75,), selective_host_s=1.5, output_bytes=1)
+                  for i in range(4))
+    edges = tuple(Edge(i, i + 1) for i in range(3))
+    problem = Problem(nodes, edges, num_stages=2, microbatches=8, recompute=Recompute.AUTO)
+    split = (0, 0, 1, 1)
+    by_mode = {mode: evaluate(problem, split, recompute=(mode,) * 2).stages
+               for mode in (NONE, SELECTIVE, FULL)}
+    # run again: 2 x (1.0 - 0.75 + 1.5) selectively against 2 x 1.0 in full; SAC's host
+    # time (2 x 1.5) is half the first run's, half the run again's
+    assert [(s.forward_s, s.backward_s) for s in by_mode[SELECTIVE]] == [(3.5, 6.0)] * 2
+    assert [(s.forward_s, s.backward_s) for s in by_mode[FULL]] == [(2.0, 6.0)] * 2
+    limit = by_mode[SELECTIVE][0].memory.total  # 2 in flight: stage 0 fits kept selectively
+    assert by_mode[NONE][0].memory.total > limit >= by_mode[FULL][0].memory.total
+    limited = replace(problem, memory_limit=limit)
+    ev = evaluate(limited, split)
+    assert ev.recompute == (FULL, NONE) and ev.estimate.fits
+    groups = exact_groups(limited)
+    best, _ = min_max_dp(Blocks.of(groups), 4, upper_s=float("inf"), allow_empty=False)
+    assert best[-1][-1] == ev.estimate.bottleneck_s == 8.0
+    assert interval_dp(groups) == split
 
 
 def test_auto_takes_the_keep_level_that_fits_where_keeping_all_does_not() -> None:

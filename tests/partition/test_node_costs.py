@@ -25,7 +25,8 @@ from fxpipe.partition.ilp_inputs import group_costs
 PARTITION = Path(__file__).resolve().parents[2] / "fxpipe" / "partition"
 # Node's cost fields that a stage, group or block adds up (or takes the largest of)
 SUMMED = {"forward_s", "backward_s", "backward_weight_s", "activation_bytes",
-          "deferred_bytes", "grad_bytes", "selective_bytes", "selective_kept_s"}
+          "deferred_bytes", "grad_bytes", "selective_bytes", "selective_kept_s",
+          "selective_host_s"}
 NODES = {"nodes", "fine"}  # what the solver's modules name a list of nodes
 
 
@@ -42,7 +43,7 @@ def chain(n: int, seed: int, levels: int = 2) -> Problem:
             output_bytes=rng.randrange(10**6), returned=i == n - 1,
             backward_weight_s=rng.uniform(0, 1e-4), deferred_bytes=rng.randrange(10**5),
             selective_bytes=tuple(rng.randrange(10**6) for _ in kept_s),
-            selective_kept_s=kept_s))
+            selective_kept_s=kept_s, selective_host_s=rng.choice([0.0, rng.uniform(0, 1e-4)])))
     levels_ = tuple((w, 0) for w in range(levels))
     return Problem(tuple(nodes), tuple(Edge(i, i + 1) for i in range(n - 1)), num_stages=4,
                    keep_levels=levels_, microbatches=8, recompute=Recompute.AUTO)
