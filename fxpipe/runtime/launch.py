@@ -41,13 +41,7 @@ __all__ = ["init_distributed", "main", "peak_rss_bytes", "peer_failed"]
 def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device]:
     """Join the torchrun job: (rank, world size, this rank's device). gloo on the
     CPU, NCCL on GPUs (one GPU per local rank)."""
-    missing = [name for name in ("RANK", "WORLD_SIZE") if name not in os.environ]
-    if missing:
-        raise RuntimeError(
-            f"not launched under torchrun ({' and '.join(missing)} unset): run "
-            "`torchrun --nproc-per-node N train_torchrun.py ...` with N the plan's GPUs"
-        )
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank, world_size = _launched()
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
@@ -56,6 +50,18 @@ def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device
     if not dist.is_initialized():
         dist.init_process_group(backend or ("nccl" if device.type == "cuda" else "gloo"))
     return rank, world_size, device
+
+
+def _launched() -> tuple[int, int]:
+    """(rank, world size) as torchrun sets them; RuntimeError saying how to launch where
+    it did not."""
+    missing = [name for name in ("RANK", "WORLD_SIZE") if name not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"not launched under torchrun ({' and '.join(missing)} unset): run "
+            "`torchrun --nproc-per-node N train_torchrun.py ...` with N the plan's GPUs"
+        )
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 
 
 def peak_rss_bytes() -> int:
@@ -184,12 +190,22 @@ def main(pipeline: DistributedPipeline, argv: Sequence[str] | None = None) -> in
         return 2
 
     try:
+        rank, _ = _launched()
+    except RuntimeError as error:
+        print(f"train_torchrun: error: {error}", file=sys.stderr)
+        return 2
+    try:  # before joining the job: a file that does not load fails alone on every rank,
+        loaded = _load_model_file(opts.model)  # not on a peer's closed connection
+    except (ValueError, FileNotFoundError) as error:
+        _error_line(rank, str(error))
+        return 2
+    try:
         rank, world_size, device = init_distributed()
     except RuntimeError as error:
         print(f"train_torchrun: error: {error}", file=sys.stderr)
         return 2
     try:
-        _train(pipeline, opts, rank, world_size, device)
+        _train(pipeline, opts, loaded, rank, world_size, device)
     except (ValueError, FileNotFoundError) as error:
         _error_line(rank, str(error))
         return 2
@@ -254,12 +270,15 @@ def _check_batch(pipeline: DistributedPipeline, example: tuple[Any, Any],
 def _train(
     pipeline: DistributedPipeline,
     opts: argparse.Namespace,
+    loaded: tuple[Any, Callable[[], nn.Module]],
     rank: int,
     world_size: int,
     device: torch.device,
 ) -> None:
+    """``opts.steps`` training steps of the model file ``loaded`` (``_load_model_file``'s
+    module and factory) on this rank's stages."""
     path = opts.model.partition(":")[0]
-    module, build = _load_model_file(opts.model)
+    module, build = loaded
     make_inputs = _from_file(module, build, "example_inputs")
     if make_inputs is None:
         raise ValueError(f"{path} defines no example_inputs()")
