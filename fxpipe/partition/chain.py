@@ -136,8 +136,13 @@ def chain_segments(exact: Coarsening, sums: np.ndarray) -> tuple[list[list[int]]
     for g in range(G - 1, -1, -1):
         for b in succs[g]:
             descendants[g] |= descendants[b] | (1 << b)
-    totals = np.maximum(sums.sum(axis=0), 1e-300)
-    light = np.all(sums <= LIGHT * totals, axis=1)
+    # What a group runs again selectively is left out: SAC's host time puts a share of it
+    # on every node a stage dispatches, views too, which would leave no group light (and
+    # the segments too long to enumerate). A light group's sums, that one among them, are
+    # zeroed, which only lowers the bound.
+    weighed = sums[:, :sums.shape[1] - len(exact.problem.keep_levels)]
+    totals = np.maximum(weighed.sum(axis=0), 1e-300)
+    light = np.all(weighed <= LIGHT * totals, axis=1)
     heavy = sum(1 << g for g in range(G) if not light[g])
     separators = [s for s in range(G)
                   if heavy & ((1 << s) - 1) & ~ancestors[s] == 0
