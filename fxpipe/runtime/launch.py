@@ -53,8 +53,7 @@ def init_distributed(backend: str | None = None) -> tuple[int, int, torch.device
 
 
 def _launched() -> tuple[int, int]:
-    """(rank, world size) as torchrun sets them; RuntimeError saying how to launch where
-    it did not."""
+    """(rank, world size) as torchrun sets them; RuntimeError saying how, where it did not."""
     missing = [name for name in ("RANK", "WORLD_SIZE") if name not in os.environ]
     if missing:
         raise RuntimeError(
@@ -194,8 +193,8 @@ def main(pipeline: DistributedPipeline, argv: Sequence[str] | None = None) -> in
     except RuntimeError as error:
         print(f"train_torchrun: error: {error}", file=sys.stderr)
         return 2
-    try:  # before joining the job: a file that does not load fails alone on every rank,
-        loaded = _load_model_file(opts.model)  # not on a peer's closed connection
+    try:  # before joining: a file that does not load fails alone on every rank, not on
+        loaded = _load_model_file(opts.model)  # a peer's closed connection
     except (ValueError, FileNotFoundError) as error:
         _error_line(rank, str(error))
         return 2
@@ -267,16 +266,10 @@ def _check_batch(pipeline: DistributedPipeline, example: tuple[Any, Any],
                pipeline.microbatches * pipeline.dp, pipeline.shared_inputs)
 
 
-def _train(
-    pipeline: DistributedPipeline,
-    opts: argparse.Namespace,
-    loaded: tuple[Any, Callable[[], nn.Module]],
-    rank: int,
-    world_size: int,
-    device: torch.device,
-) -> None:
-    """``opts.steps`` training steps of the model file ``loaded`` (``_load_model_file``'s
-    module and factory) on this rank's stages."""
+def _train(pipeline: DistributedPipeline, opts: argparse.Namespace,
+           loaded: tuple[Any, Callable[[], nn.Module]], rank: int, world_size: int,
+           device: torch.device) -> None:
+    """``opts.steps`` steps of the model file ``loaded`` (module, factory) on this rank."""
     path = opts.model.partition(":")[0]
     module, build = loaded
     make_inputs = _from_file(module, build, "example_inputs")
