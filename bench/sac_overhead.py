@@ -21,6 +21,11 @@ Forward and backward are timed by CUDA events (wall clock on the CPU), medians o
 returns, without waiting for the device: where it nears the forward's, the host is what
 the device waits for. "aten ops" is what one forward dispatches (counted once).
 
+Beside each recomputing mode, what it adds to no recompute, measured and as fxpipe plans
+it: the same layers traced and costed for the device's row (h100 or h200; ``cpu`` on the
+CPU), in full their forward, selectively (``"selective"``) the forward of the ops SAC does
+not keep and SAC's host time on both runs (``Node.selective``, ``Device.sac_dispatch``).
+
     python bench/sac_overhead.py --out sac-overhead                 # on a GPU: bf16-mixed
     python bench/sac_overhead.py --small --out /tmp/sac-overhead    # tiny, on the CPU
 
@@ -138,6 +143,37 @@ def timed(forward: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor,
     return {"forward_ms": fwd, "backward_ms": bwd, "host_forward_ms": host}
 
 
+def planned(body: nn.Module, hidden: torch.Tensor, row: str,
+            autocast: torch.dtype | None) -> dict[str, float]:
+    """What fxpipe plans each recomputing mode to add to a forward and backward of
+    ``body`` on ``hidden``'s shape, in milliseconds (see the module docstring)."""
+    from fxpipe.compiler import analyze
+    from fxpipe.cost_models import get_device
+    from fxpipe.frontend import trace
+    from fxpipe.lower import lower
+    from fxpipe.precision import parse_precision
+    from fxpipe.schedules import ScheduleKind
+
+    class Stage(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = body
+
+        def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+            return self.body(inputs_embeds=hidden).last_hidden_state
+
+    device = get_device(row)
+    traced = trace(Stage(), (hidden.to("meta"),), autocast=autocast)
+    analyze(traced, device=device,
+            precision=parse_precision("bf16-mixed") if autocast is not None else None)
+    nodes = lower(traced.gm, num_stages=1, device=device, memory_limit=float("inf"),
+                  schedule=ScheduleKind.ONE_F_ONE_B, microbatches=1).problem.nodes
+    keep_all = max(len(n.selective_bytes) for n in nodes) - 1  # the last level: all kept
+    return {"full": 1e3 * sum(n.forward_s for n in nodes),
+            "sac": 1e3 * sum(n.selective(keep_all)[1] for n in nodes),
+            "selective": 1e3 * sum(n.selective(keep_all)[1] for n in nodes)}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("sac-overhead"))
@@ -162,27 +198,34 @@ def main() -> int:
         return torch.autocast("cuda", dtype=dtype)
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    results: dict[str, Any] = {"device": name, "torch": torch.__version__,
+    row_name = ("h200" if "H200" in name else "h100") if device.type == "cuda" else "cpu"
+    results: dict[str, Any] = {"device": name, "row": row_name, "torch": torch.__version__,
                                "layers": args.layers, "shape": shape, "cases": []}
     lines = [f"{name}, torch {torch.__version__}, {args.layers} layers of width "
              f"{shape['hidden']} (FFN {shape['ffn']}), "
-             f"{'bf16 autocast' if device.type == 'cuda' else 'float32'}, one sequence",
+             f"{'bf16 autocast' if device.type == 'cuda' else 'float32'}, one sequence; "
+             f"planned on the {row_name} row",
              "", "| tokens | mode | aten ops | forward | backward | F + B | x none "
-             "| host forward |", "|---:|---|---:|---:|---:|---:|---:|---:|"]
+             "| host forward | over none: measured | planned |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for seq in args.seqs:
         hidden = torch.randn(1, seq, shape["hidden"], device=device)
+        plan = planned(layers(args.layers, shape, torch.device("meta")), hidden, row_name,
+                       dtype if device.type == "cuda" else None)
         base = None
         for mode in MODES:
             forward = forward_of(body, mode)
             row = {"tokens": seq, "mode": mode,
                    "aten_ops": aten_ops(forward, hidden, autocast()),
-                   **timed(forward, hidden, autocast(), args.repeats)}
+                   **timed(forward, hidden, autocast(), args.repeats),
+                   "planned_over_none_ms": plan.get(mode, 0.0)}
             total = row["forward_ms"] + row["backward_ms"]
             base = total if base is None else base
             results["cases"].append(row)
             lines.append(f"| {seq} | {mode} | {row['aten_ops']} | {row['forward_ms']:.2f} ms "
                          f"| {row['backward_ms']:.2f} ms | {total:.2f} ms "
-                         f"| {total / base:.2f} | {row['host_forward_ms']:.2f} ms |")
+                         f"| {total / base:.2f} | {row['host_forward_ms']:.2f} ms "
+                         f"| {total - base:.2f} ms | {row['planned_over_none_ms']:.2f} ms |")
             print(lines[-1], flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "sac_overhead.json").write_text(json.dumps(results, indent=2) + "\n")
