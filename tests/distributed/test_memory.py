@@ -17,7 +17,7 @@ def test_each_rank_holds_only_its_stage(tmp_path: Path) -> None:
         # materializing and loading (stage params + its checkpoint pages) costs a
         # fraction of the whole; the whole model would cost at least `whole`
         assert rank["loaded"] - rank["built"] < 0.75 * whole, (rank, whole)
-        # a training step adds this stage's gradients and activations (measured: about
-        # 3.5 stages' worth over the baseline, not the 4 + 4 of the whole model's
-        # parameters and gradients)
-        assert rank["step"] - rank["built"] < 1.25 * whole, (rank, whole)
+        # a training step adds this stage's gradients and activations (measured: 3.9 to
+        # 4.7 stages' worth over the baseline, once past 5 in CI on 2 busy cores), not the
+        # 4 + 4 of the whole model's parameters and gradients
+        assert rank["step"] - rank["built"] < 1.5 * whole, (rank, whole)
