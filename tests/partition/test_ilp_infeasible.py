@@ -21,11 +21,11 @@ def test_infeasible_is_no_proof_where_the_hint_solves_the_program(
     monkeypatch.setattr(ilp, "run_search", lambda model, **_: Search(
         cp_model.CpSolver(), cp_model.INFEASIBLE, 0.0, wall_clock_stopped=False))
     hinted = StageModel(exact, hint=split)
-    assert hinted.hint_solves
+    assert hinted.upper_ticks == hinted.hint_ticks
     assert hinted.solve().status == "UNKNOWN"
     # a split to beat: INFEASIBLE is the proof that none is better
     bottleneck = evaluate(exact.problem, exact.expand(split)).bottleneck_s
     beaten = StageModel(exact, hint=split, upper_s=bottleneck)
-    assert not beaten.hint_solves
+    assert beaten.upper_ticks is not None and beaten.upper_ticks < beaten.hint_ticks
     assert beaten.solve().status == "INFEASIBLE"
     assert StageModel(exact).solve().status == "INFEASIBLE"
