@@ -158,6 +158,7 @@ class StageModel:
             * G
             + 4 * p.virtual_stages * len(classes) + len(costs.copied) + 1)
         self._hint_recompute: tuple[Option, ...] | None = None
+        self.hint_ticks: int | None = None  # the hint's bound on T, where it is valid and fits
         self.upper_ticks = self._upper_ticks(hint, upper_s)
 
         self.model = cp_model.CpModel()
@@ -192,10 +193,8 @@ class StageModel:
 
     def _upper_ticks(self, hint: Sequence[int] | None, upper_s: float | None) -> int | None:
         """An upper bound on T in ticks, from a valid hint that fits and from ``upper_s``."""
-        upper: int | None = None
-        hint_valid = hint is not None and not self.replicating and self._hint_is_valid(hint)
-        if hint is not None and hint_valid and self.objective == "time":
-            upper = self._hint_upper_ticks(hint)
+        upper = (self._hint_upper_ticks(hint) if hint is not None and not self.replicating
+                 and self._hint_is_valid(hint) and self.objective == "time" else None)
         if upper_s is not None and self.objective == "time":
             # strictly below the best so far, less the rounding margin of the scaled rows
             cap = math.floor(upper_s * self.scale - self._rounding_terms * 0.5)
@@ -467,7 +466,7 @@ def _status(name: str, model: StageModel) -> str:
     proved such a program INFEASIBLE (Llama-3-70B's exact groups at --gpus 64 --pp 8 --tp 8,
     one worker), and read as proof it made the hint "OPTIMAL" where a split 0.9 % faster
     existed."""
-    hinted = getattr(model, "hint_ticks", None)
+    hinted = model.hint_ticks
     if name == "INFEASIBLE" and hinted is not None and model.upper_ticks == hinted:
         return "UNKNOWN"
     return name
