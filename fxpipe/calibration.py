@@ -29,7 +29,8 @@ def calibrate_graph(gm: torch.fx.GraphModule, plan: Plan, measured: Measured) ->
     (a ValueError where it is not: ``check_measures``); the note that says what was
     calibrated, by how much, and what was not."""
     check_measures(plan, measured)
-    fitted = calibrate.fit(*figures(plan, measured))
+    efficiency = 1.0 if plan.layout is None else plan.layout.compute_efficiency
+    fitted = calibrate.fit(*figures(plan, measured), efficiency=efficiency)
     new_ops = calibrate.apply(gm, fitted)
     return _note(measured, fitted, new_ops)
 
@@ -45,7 +46,8 @@ def figures(plan: Plan, measured: Measured) -> tuple[list[StageFigures], list[St
                  + stage.memory.stashed)
         peak = None if stage.index in shared else m.peak_memory_bytes
         predicted.append(StageFigures(stage.nodes, stage.forward_s, stage.backward_s,
-                                      stage.memory.total - fixed if peak is not None else None))
+                                      stage.memory.total - fixed if peak is not None else None,
+                                      stage.recompute_s))
         seen.append(StageFigures(stage.nodes, m.forward_s, m.backward_s,
                                  float(peak - fixed) if peak is not None else None))
     return predicted, seen

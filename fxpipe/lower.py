@@ -201,21 +201,21 @@ def _nodes(
                 backward_weight_s=time.backward_weight_s,
                 deferred_bytes=_deferred_bytes(node),
                 **_selective(memory.selective, time.forward_s, levels, skip),
-                selective_host_s=_sac_host_s(node, time.forward_s, device),
+                selective_host_s=_sac_host_s(node, time, device),
                 writes_kept=bool(memory.writes_kept) and unusable,
             )
         )
     return tuple(nodes)
 
 
-def _sac_host_s(node: torch.fx.Node, forward_s: float, device: Device) -> float:
+def _sac_host_s(node: torch.fx.Node, time: meta.TimeInfo, device: Device) -> float:
     """The seconds torch's SAC adds to a node's first run and its run again, recomputed
-    selectively: each time what the host takes for it (``device.sac_dispatch``) beyond its
-    forward, which hides the rest; none for a node that dispatches no op (its value is
-    no tensor, or an item of a tuple)."""
+    selectively: each time what the host takes for it (``device.sac_dispatch``, as
+    calibrated) beyond its forward, which hides the rest; none for a node that dispatches
+    no op (its value is no tensor, or an item of a tuple)."""
     if node.target is operator.getitem or not meta.SHAPE.get(node).tensors:
         return 0.0
-    return 2 * max(device.sac_dispatch - forward_s, 0.0)
+    return 2 * max(device.sac_dispatch * time.host_scale - time.forward_s, 0.0)
 
 
 def _slower(time: meta.TimeInfo, efficiency: float) -> meta.TimeInfo:

@@ -165,6 +165,9 @@ class TimeInfo:
     backward_s: float  # the whole backward: input gradient (B) + weight gradient (W)
     source: str  # "analytic:<device>", "measured:cuda", "measured:cpu"
     backward_weight_s: float = 0.0  # the W part of ``backward_s`` (see ``FlopInfo``)
+    # Calibration's factor on the host time torch's SAC adds to the node (``lower``): the
+    # measured over the planned forward of the stage it was measured on.
+    host_scale: float = 1.0
 
     @property
     def backward_input_s(self) -> float:

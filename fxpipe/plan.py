@@ -69,6 +69,7 @@ class StageTimes:
     backward_s: float  # input gradient (B) + weight gradient (W), a recomputed forward included
     comm_s: float  # send + receive time per micro-batch
     backward_weight_s: float  # the weight-gradient (W) part of backward_s
+    recompute_s: float  # the part of backward_s that runs the forward again (recompute)
 
     @property
     def backward_input_s(self) -> float:
@@ -100,6 +101,9 @@ class StagePlan(StageTimes):
     # (already divided by replicas); comm_s includes the all-reduce.
     replicas: int = 1
     backward_weight_s: float = 0.0  # the weight-gradient (W) part of backward_s
+    # The part of backward_s that runs the forward again, recomputed (SAC's host time on
+    # that run included); plan.json has it only then.
+    recompute_s: float = 0.0
     # A selective stage that keeps only some of its matmuls' and attention's outputs: the
     # (work, width) of its fxpipe.runtime.recompute_modes.KeepRule (those doing more FLOPs per
     # element than work, and of those doing work, the ones at most width wide). None:
@@ -329,6 +333,8 @@ class Plan:
             raw["backward_input_s"] = stage.backward_input_s
             raw["memory"]["total"] = stage.memory.total
             del raw["skips"]
+            if not stage.recompute_s:
+                del raw["recompute_s"]
             if stage.keeps is None and not stage.skips:
                 del raw["keeps"]
             else:

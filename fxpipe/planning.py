@@ -91,6 +91,7 @@ def build_plan(
                 recompute=cost.recompute,
                 replicas=cost.replicas,
                 backward_weight_s=cost.backward_weight_s,
+                recompute_s=cost.recompute_s,
                 keeps=_keeps(problem, cost),
                 skips=problem.unkept if cost.recompute is StageRecompute.SELECTIVE else (),
             )

@@ -1,6 +1,8 @@
 """plan_split calibrates from plain data, the measured plan and its ``Measured``: a
 measurement that is not of that plan is refused in one line before any cost is
-rescaled, and the figures fitted are the plan's and the measurement's, per stage."""
+rescaled, the figures fitted are the plan's and the measurement's, per stage, and the
+calibrated costs predict the measured plan's own stages as measured, whatever they
+recompute and whatever speed the plan assumed."""
 
 from __future__ import annotations
 
@@ -10,9 +12,11 @@ import pytest
 
 from fxpipe import meta
 from fxpipe.calibration import figures
-from fxpipe.compiler import plan_split
+from fxpipe.compiler import _lowered, analyze, plan_split
+from fxpipe.options import ClusterOptions, Recompute
+from fxpipe.partition import evaluate
 from fxpipe.passes.base import OP_NODES
-from fxpipe.plan import Plan
+from fxpipe.plan import Plan, StageRecompute
 from fxpipe.runtime.measured_file import Measured, StageMeasure, plan_identity
 from tests.cost_models.test_calibrate import _mlp_plan
 
@@ -56,3 +60,41 @@ def test_the_figures_are_the_plan_and_the_measurement_per_stage() -> None:
     assert [f.memory is None for f in predicted] == [False, True, True]
     fixed = plan.stages[0].memory.total - predicted[0].memory  # type: ignore[operator]
     assert seen[0].memory == peak - fixed
+
+
+@pytest.mark.parametrize("efficiency", [1.0, 0.5])
+@pytest.mark.parametrize("recompute", ["none", "full", "selective"])
+def test_the_measured_plans_own_stages_are_predicted_again_as_measured(
+        recompute: str, efficiency: float) -> None:
+    """Forward measured twice the plan's and backward three times: under the calibrated
+    costs the measured plan's cut has those times, its weight-gradient part three times
+    the plan's too. A recomputed forward (and SAC's host time) takes the forward's factor,
+    the rest of the backward what is left; the costs, not the plan's times, are rescaled
+    where the plan ran every op at half the cost model's speed."""
+    source, traced, options, _ = _mlp_plan()
+    options = replace(options, recompute=Recompute(recompute),
+                      cluster=ClusterOptions(pp=3, compute_efficiency=efficiency))
+    plan = plan_split(traced, label=source.label, options=options)
+    assert {s.recompute for s in plan.stages} == {StageRecompute(recompute)}
+    assert all((s.recompute_s > 0) == (recompute != "none") for s in plan.stages)
+    # the measured backward, beyond the forward run again at the forward's factor, is
+    # more than twice what the plan predicted beyond it: the two factors differ
+    measured = _measured(plan, devices=["cuda:0", "cuda:1", "cuda:2"])
+
+    analyze(traced, device=options.device)  # fresh costs: calibration rescales them
+    again = plan_split(traced, label=source.label, options=options,
+                       calibrate_from=(plan, measured))
+    # as plan_split lowers it calibrated: every op at the costs' own speed
+    lowered = _lowered(traced, replace(options, compute_efficiency=1.0, cluster=None))
+    names = [op.name for op in lowered.ops]
+    cut = plan.stage_of()
+    stages = evaluate(lowered.problem, [cut[n] for n in names]).stages
+    assert [s.recompute for s in stages] == [s.recompute for s in plan.stages]
+    assert [(s.forward_s, s.backward_s) for s in stages] == [
+        (pytest.approx(m.forward_s), pytest.approx(m.backward_s)) for m in measured.stages]
+    # W takes the backward's factor: of the 3 B measured, what is not the 2 R run again
+    assert [s.backward_weight_s for s in stages] == [pytest.approx(
+        s.backward_weight_s * (3 * s.backward_s - 2 * s.recompute_s)
+        / (s.backward_s - s.recompute_s)) for s in plan.stages]
+    assert all(s.backward_weight_s > 0 for s in plan.stages)
+    assert again.layout is not None and again.layout.calibrated

@@ -3,7 +3,13 @@
 A plan predicts each stage's forward and backward seconds; a measurement
 (``measured.json``, written by the runtime) measures them. The ratio measured /
 predicted of stage k, for forward and for backward, becomes the factor of every op the
-measured plan put on stage k. Ops are named as in ``plan.json``'s ``stages[].nodes``, so
+measured plan put on stage k. A stage that recomputes runs its forward again inside its
+backward: that part is forward work and takes the forward's factor, and the backward's
+is fitted from the rest, so the measured plan's stages are predicted again as measured.
+The host time torch's SAC adds to a selective stage takes the forward's factor too
+(``meta.TimeInfo.host_scale``). The factors are of the plan's times, which ran every op
+at ``efficiency`` of the cost model's speed: the costs' own take factor / efficiency.
+Ops are named as in ``plan.json``'s ``stages[].nodes``, so
 an op keeps its factor wherever the new plan puts it; an op the measured plan did not
 have takes the median factor, but a model with fewer than half its ops in the measured
 plan is refused: its factors would be mostly that guess. Memory: where every stage had
@@ -41,6 +47,8 @@ class StageFigures:
     # bytes that vary with the split: predicted total minus parameter state; None
     # where the measurement has no memory of this stage alone
     memory: float | None = None
+    # predicted: the part of backward_s that runs the forward again (recompute)
+    recompute_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -57,14 +65,17 @@ class Calibration:
     stages: tuple[StageFactors, ...]  # per stage of the measured plan
     stage_of: dict[str, int]  # op name -> its stage in the measured plan
     median: StageFactors  # for ops the measured plan did not have
+    efficiency: float = 1.0  # the share of the cost model's speed the measured plan assumed
 
     def factors(self, name: str) -> StageFactors:
         k = self.stage_of.get(name)
         return self.median if k is None else self.stages[k]
 
 
-def fit(predicted: Sequence[StageFigures], measured: Sequence[StageFigures]) -> Calibration:
-    """Per-stage factors: ``measured[k]`` / ``predicted[k]`` (same stages, same order)."""
+def fit(predicted: Sequence[StageFigures], measured: Sequence[StageFigures], *,
+        efficiency: float = 1.0) -> Calibration:
+    """Per-stage factors: ``measured[k]`` / ``predicted[k]`` (same stages, same order), the
+    backward's of what is not the forward run again (``_backward``)."""
     assert len(predicted) == len(measured), (len(predicted), len(measured))
     # load_measured refuses a measured time that is not a finite number above 0
     assert all(math.isfinite(t) and t > 0 for m in measured for t in (m.forward_s, m.backward_s))
@@ -76,9 +87,10 @@ def fit(predicted: Sequence[StageFigures], measured: Sequence[StageFigures]) -> 
 
     stages = []
     for p, m in zip(predicted, measured, strict=True):
+        forward = ratio(m.forward_s, p.forward_s) or 1.0
         stages.append(StageFactors(
-            forward=ratio(m.forward_s, p.forward_s) or 1.0,
-            backward=ratio(m.backward_s, p.backward_s) or 1.0,
+            forward=forward,
+            backward=_backward(p, m, forward) or ratio(m.backward_s, p.backward_s) or 1.0,
             memory=ratio(m.memory, p.memory),
         ))
     memories = [s.memory for s in stages if s.memory is not None]
@@ -88,7 +100,20 @@ def fit(predicted: Sequence[StageFigures], measured: Sequence[StageFigures]) -> 
         memory=statistics.median(memories) if memories else None,
     )
     stage_of = {name: k for k, p in enumerate(predicted) for name in p.nodes}
-    return Calibration(stages=tuple(stages), stage_of=stage_of, median=median)
+    return Calibration(stages=tuple(stages), stage_of=stage_of, median=median,
+                       efficiency=efficiency)
+
+
+def _backward(predicted: StageFigures, measured: StageFigures, forward: float) -> float | None:
+    """The backward's factor of a stage that recomputes: what was measured beyond its
+    forward run again (at the forward's factor) over what was predicted beyond it. None
+    where it runs nothing again, or the measurement leaves nothing beyond it (then the
+    whole backward's ratio stands)."""
+    rest = predicted.backward_s - predicted.recompute_s
+    if predicted.recompute_s <= 0 or rest <= 0:
+        return None
+    beyond = measured.backward_s - forward * predicted.recompute_s
+    return beyond / rest if beyond > 0 else None
 
 
 def apply(gm: torch.fx.GraphModule, calibration: Calibration) -> int:
@@ -106,12 +131,16 @@ def apply(gm: torch.fx.GraphModule, calibration: Calibration) -> int:
             f"): the measurement is of another model; pass the model that plan was made "
             f"from, or measure this model's own plan"
         )
+    speed = calibration.efficiency
     for node in ops:
         f = calibration.factors(node.name)
         time = meta.TIME.get(node)
-        meta.TIME.set(node, meta.TimeInfo(
-            forward_s=time.forward_s * f.forward,
-            backward_s=time.backward_s * f.backward,
+        meta.TIME.set(node, replace(
+            time,
+            forward_s=time.forward_s * f.forward / speed,
+            backward_s=time.backward_s * f.backward / speed,
+            backward_weight_s=time.backward_weight_s * f.backward / speed,
+            host_scale=time.host_scale * f.forward,
             source=f"{time.source}+calibrated",
         ))
         if f.memory is not None and meta.BYTES.has(node):

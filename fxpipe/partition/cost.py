@@ -224,6 +224,7 @@ class StageCost(StageTimes):
     recompute: StageRecompute = StageRecompute.NONE
     backward_weight_s: float = 0.0  # the W part of backward_s (a recomputed forward is B's)
     keep_level: int = 0  # selective: its ``Problem.keep_levels`` index
+    recompute_s: float = 0.0  # the part of backward_s that runs the forward again
 
     @property
     def option(self) -> Option:
@@ -310,14 +311,14 @@ def stage_cost(problem: Problem, j: int, sums: StageSums, *, flight: int,
                          selective=sums.selective[level])
     memory = StageMemory(**{name: round(float(value)) for name, value in parts.items()})
     forward_s = sums.forward_s
-    backward_s = sums.backward_s + float(run_again_s(mode, sums.forward_s,
-                                                     sums.selective_again_s[level]))
+    again_s = float(run_again_s(mode, sums.forward_s, sums.selective_again_s[level]))
     if mode is StageRecompute.SELECTIVE:  # SAC's host time: half on the first run
         forward_s += sums.selective_host_s / 2
-        backward_s -= sums.selective_host_s / 2
-    return StageCost(forward_s / replicas, backward_s / replicas,
+        again_s -= sums.selective_host_s / 2
+    return StageCost(forward_s / replicas, (sums.backward_s + again_s) / replicas,
                      sums.comm_s + allreduce_s(problem, sums.own_params, replicas), memory,
-                     replicas, mode, sums.backward_weight_s / replicas, level)
+                     replicas, mode, sums.backward_weight_s / replicas, level,
+                     again_s / replicas)
 
 
 def recompute_options(problem: Problem) -> tuple[Option, ...]:

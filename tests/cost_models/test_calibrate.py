@@ -46,6 +46,27 @@ def test_factors_are_measured_over_predicted_and_follow_the_op() -> None:
     assert times[c].source == "analytic:test+calibrated"
 
 
+def test_a_recomputing_stages_backward_factor_is_of_what_it_does_not_run_again() -> None:
+    """1 s of a stage's 3 s backward is its forward run again: measured at the forward's
+    factor (2), the other 2 s measured 8 - 2 = 6 s take factor 3. Where the measured
+    backward is less than the forward run again at that factor, the whole ratio stands.
+    SAC's host time takes the forward's factor; the costs', factor / the plan's speed."""
+    gm = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))
+    ops = [n for n in gm.graph.nodes if n.op == "call_module"]
+    for node in ops:
+        meta.TIME.set(node, meta.TimeInfo(1.0, 2.0, "analytic:test", backward_weight_s=1.0))
+    a, b = (n.name for n in ops)
+    predicted = [StageFigures((a,), 1.0, 3.0, recompute_s=1.0),
+                 StageFigures((b,), 1.0, 3.0, recompute_s=1.0)]
+    measured = [StageFigures((a,), 2.0, 8.0), StageFigures((b,), 2.0, 1.5)]
+    fitted = fit(predicted, measured, efficiency=0.5)
+    assert [(f.forward, f.backward) for f in fitted.stages] == [(2.0, 3.0), (2.0, 0.5)]
+    apply(gm, fitted)
+    time = meta.TIME.get(ops[0])
+    assert (time.forward_s, time.backward_s, time.backward_weight_s) == (4.0, 12.0, 6.0)
+    assert time.host_scale == 2.0
+
+
 def _mlp_plan() -> tuple[ModelSource, Traced, SplitOptions, Plan]:
     """The example MLP analysed for the CPU, and its 3-stage 1F1B plan."""
     cpu = get_device("cpu")
