@@ -9,6 +9,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import (
     AbstractContextManager,
@@ -45,6 +46,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from fxpipe.signals import Interrupted, handle_signals
 
     debug = bool(os.environ.get("FXPIPE_DEBUG"))
+    _one_line_warnings()
     try:
         with handle_signals(_stop_searches):
             return _main(argv)
@@ -114,6 +116,23 @@ def _main(argv: Sequence[str] | None) -> int:
         return EXIT_USER_ERROR
     code: int = args.run(args)
     return code
+
+
+def _one_line_warnings() -> None:
+    """fxpipe's own warnings as one line on stderr, as its errors are; others (torch's, a
+    model's) as Python shows them, with where they come from."""
+    warnings.formatwarning = _warning_line
+
+
+_PYTHON_FORMAT = warnings.formatwarning
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def _warning_line(message: Warning | str, category: type[Warning], filename: str,
+                  lineno: int, line: str | None = None) -> str:
+    if os.path.abspath(filename).startswith(_PACKAGE):
+        return f"fxpipe: warning: {' '.join(str(message).split())}\n"
+    return _PYTHON_FORMAT(message, category, filename, lineno, line)
 
 
 def _stop_searches() -> None:
@@ -312,8 +331,6 @@ def _linked(out: Path, written: Path) -> str:
 def _card(plan_dir: str | None, measured: str) -> Any:
     """The report card of ``measured`` against the plan.json in ``plan_dir`` (default: the
     folder of ``measured``); a warning of the comparison is one line on stderr."""
-    import warnings
-
     from fxpipe.request import read_card
 
     with warnings.catch_warnings(record=True) as caught:

@@ -440,21 +440,19 @@ class StageModel:
         says when it fired (the answer may then differ from run to run)."""
         search = run_search(self.model, work_limit=work_limit, time_limit_s=time_limit_s,
                             workers=workers, log=log)
-        solver = search.solver
-        name = _status(solver.status_name(search.status), self)
+        name = _status(search.status, self)
         if not search.found:
             return IlpResult(name, None, None, math.inf, 0.0, search.wall_s, self.num_nodes,
                              wall_clock_stopped=search.wall_clock_stopped)
         unit = self.scale if self.objective == "time" else 1
         margin = self._rounding_terms * 0.5 / unit if self.objective == "time" else 0.0
         coarse = tuple(
-            sum(1 for v in row[:-1] if (v if isinstance(v, int) else solver.value(v)) == 0)
-            for row in self.d
+            sum(1 for v in row[:-1] if search.value(v) == 0) for row in self.d
         )
-        objective = solver.objective_value / unit
-        bound = max(0.0, solver.best_objective_bound / unit - margin)
-        replicas = tuple(next(r for r, y in row.items() if solver.value(y)) for row in self.y)
-        recompute = tuple(_choice(self.options, picks, solver.value) for picks in self.z)
+        objective = search.objective / unit
+        bound = max(0.0, search.bound / unit - margin)
+        replicas = tuple(next(r for r, y in row.items() if search.value(y)) for row in self.y)
+        recompute = tuple(_choice(self.options, picks, search.value) for picks in self.z)
         return IlpResult(name, coarse, self.coarsening.expand(coarse), objective,
                          min(bound, objective), search.wall_s, self.num_nodes, replicas or None,
                          recompute, wall_clock_stopped=search.wall_clock_stopped)

@@ -1,37 +1,72 @@
 """Running CP-SAT: a deterministic search (the same answer at any load), a wall-clock
-safety net, and a stop that another thread (a signal watcher) may call."""
+safety net, a stop that another thread (a signal watcher) may call, and a process of its
+own, so that OR-Tools failing its own checks ends the search, not fxpipe.
+
+OR-Tools 9.15 aborts the process on some programs ("Check failed:
+heuristics.fixed_search != nullptr", Llama-3-70B's exact groups at --gpus 64 --pp 8
+--tp 8: a subsolver proves the program infeasible while it loads, which the hint shows
+it is not). On Linux the search therefore runs in a forked child, which sends back its
+status, bounds and values; a child that dies sends nothing, and the search is UNKNOWN
+(the caller keeps the split it had, with its proved gap) with a warning naming how it
+ended. Elsewhere it runs in this process."""
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
+import os
+import pickle
+import select
+import signal
+import sys
 import time
+import warnings
 from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
 __all__ = ["Search", "run_search", "stop_searches"]
 
-_RUNNING: set[cp_model.CpSolver] = set()  # searches in progress, for stop_searches
+_RUNNING: set[cp_model.CpSolver] = set()  # searches in progress here, for stop_searches
+_CHILDREN: set[int] = set()  # processes searching, for stop_searches
+
+# How long past its wall-clock limit a child may take to answer before it is killed
+# (its program arrives by fork, its answer is a few kilobytes).
+_GRACE_S = 30.0
 
 
 def stop_searches() -> None:
-    """Stop every search in progress; each returns its best solution so far. Safe from
-    another thread (a signal watcher): CP-SAT's stop is thread-safe."""
+    """Stop every search in progress; each returns its best solution so far (a child
+    stopped before its search began returns none). Safe from another thread (a signal
+    watcher): CP-SAT's stop is thread-safe, and a child stops on SIGINT."""
     for solver in list(_RUNNING):
         solver.stop_search()
+    for pid in list(_CHILDREN):
+        with contextlib.suppress(ProcessLookupError):  # it has just ended
+            os.kill(pid, signal.SIGINT)
 
 
 @dataclass(frozen=True)
 class Search:
-    """A finished search: the solver holds its values and bounds."""
+    """A finished search: CP-SAT's status name and, where one was found, the values of
+    the program's variables (by index) and its objective and bound."""
 
-    solver: cp_model.CpSolver
-    status: cp_model.CpSolverStatus
+    status: str  # OPTIMAL, FEASIBLE, INFEASIBLE, UNKNOWN, MODEL_INVALID
+    solution: tuple[int, ...]
+    objective: float
+    bound: float
     wall_s: float
     wall_clock_stopped: bool  # the wall-clock safety net, not the work limit, ended it
 
     @property
     def found(self) -> bool:
-        return self.status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+        return self.status in ("OPTIMAL", "FEASIBLE")
+
+    def value(self, term: int | cp_model.IntVar) -> int:
+        """The value the search gave ``term`` (a constant is itself)."""
+        if isinstance(term, int):
+            return term
+        return self.solution[term.index]
 
 
 def run_search(model: cp_model.CpModel, *, work_limit: float, time_limit_s: float,
@@ -42,9 +77,6 @@ def run_search(model: cp_model.CpModel, *, work_limit: float, time_limit_s: floa
     solver.parameters.max_deterministic_time = max(0.001, work_limit)
     solver.parameters.max_time_in_seconds = max(0.01, time_limit_s)
     solver.parameters.num_workers = workers
-    # CP-SAT's own SIGINT catching swallows Ctrl-C and leaves SIGINT at the default
-    # afterwards; the caller stops a search with ``stop_searches`` (fxpipe.signals).
-    solver.parameters.catch_sigint_signal = False
     # Workers interleaved in one deterministic order, stopped by deterministic time and
     # seeded alike: the same problem gives the same split on every run, at any load
     # (plan.json and the generated stages are reproducible).
@@ -57,6 +89,17 @@ def run_search(model: cp_model.CpModel, *, work_limit: float, time_limit_s: floa
     # fits" or a dead fxpipe. tests/partition/test_cpsat_symmetry.py holds that program.
     solver.parameters.symmetry_level = 0
     solver.parameters.log_search_progress = log
+    if sys.platform != "linux":
+        return _search(solver, model, own_process=True)
+    return _search_in_child(solver, model, time_limit_s)
+
+
+def _search(solver: cp_model.CpSolver, model: cp_model.CpModel, *,
+            own_process: bool) -> Search:
+    """``solver`` run on ``model`` in this process. Here (``own_process``) CP-SAT's own
+    SIGINT catching would swallow Ctrl-C and leave SIGINT at the default afterwards: a
+    search stops by ``stop_searches`` (fxpipe.signals). A child stops on SIGINT itself."""
+    solver.parameters.catch_sigint_signal = not own_process
     start = time.perf_counter()
     _RUNNING.add(solver)
     try:
@@ -67,4 +110,89 @@ def run_search(model: cp_model.CpModel, *, work_limit: float, time_limit_s: floa
     # Neither proved nor out of work: the wall clock stopped it.
     wall_clock = (status not in (cp_model.OPTIMAL, cp_model.INFEASIBLE)
                   and solver.deterministic_time < solver.parameters.max_deterministic_time)
-    return Search(solver, status, wall, wall_clock)
+    found = status in (cp_model.OPTIMAL, cp_model.FEASIBLE)
+    solution = tuple(solver.response_proto.solution) if found else ()
+    return Search(solver.status_name(status), solution,
+                  solver.objective_value if found else 0.0,
+                  solver.best_objective_bound if found else 0.0, wall, wall_clock)
+
+
+def _search_in_child(solver: cp_model.CpSolver, model: cp_model.CpModel,
+                     time_limit_s: float) -> Search:
+    """``_search`` in a forked child, its answer pickled back through a pipe; UNKNOWN, with
+    a warning, where the child dies or outlives the wall clock by ``_GRACE_S``."""
+    start = time.perf_counter()
+    read, write = os.pipe()
+    with warnings.catch_warnings():
+        # Python 3.12 warns of fork() in a process with threads (torch's, a signal
+        # watcher): the child runs only CP-SAT on its copy of the program and writes to a
+        # pipe, and a child that hangs is killed after the wall clock and _GRACE_S.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:  # the child: never returns into the caller's code
+        code = 1
+        try:
+            os.close(read)
+            faulthandler.disable()  # OR-Tools says why it aborts, not Python's stack
+            signal.set_wakeup_fd(-1)  # the parent's signal watcher is the parent's
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(signum, signal.SIG_DFL)
+            answer = pickle.dumps(_search(solver, model, own_process=False))
+            with os.fdopen(write, "wb") as pipe:
+                pipe.write(answer)
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    _CHILDREN.add(pid)
+    try:
+        answer, killed = _read_answer(read, pid, deadline=start + time_limit_s + _GRACE_S)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        _CHILDREN.discard(pid)
+    if answer:
+        searched: Search = pickle.loads(answer)
+        return searched
+    stopped = os.WIFSIGNALED(status) and os.WTERMSIG(status) in (signal.SIGINT,
+                                                                 signal.SIGTERM)
+    how = "outlived its wall-clock limit and was killed" if killed else _ended(status)
+    if not stopped:  # a stop asked for (stop_searches, Ctrl-C) is no failure
+        warnings.warn(f"the CP-SAT search {how}, without an answer (OR-Tools "
+                      f"{_ortools_version()}); the split is the best found without it, "
+                      f"with its proved gap", RuntimeWarning, stacklevel=2)
+    wall = time.perf_counter() - start
+    return Search("UNKNOWN", (), 0.0, 0.0, wall, wall_clock_stopped=killed)
+
+
+def _read_answer(read: int, pid: int, *, deadline: float) -> tuple[bytes, bool]:
+    """All the child writes to ``read`` until it closes the pipe, and whether it was
+    killed at ``deadline`` first (then nothing)."""
+    chunks: list[bytes] = []
+    with os.fdopen(read, "rb") as pipe:
+        while True:
+            left = deadline - time.perf_counter()
+            ready, _, _ = select.select([pipe], [], [], max(left, 0.0))
+            if not ready:
+                os.kill(pid, signal.SIGKILL)
+                return b"", True
+            chunk = os.read(pipe.fileno(), 1 << 20)
+            if not chunk:
+                return b"".join(chunks), False
+            chunks.append(chunk)
+
+
+def _ended(status: int) -> str:
+    """How a child that sent nothing ended, from its wait status."""
+    if os.WIFSIGNALED(status):
+        signum = os.WTERMSIG(status)
+        try:
+            return f"ended on {signal.Signals(signum).name}"
+        except ValueError:
+            return f"ended on signal {signum}"
+    return f"exited with status {os.WEXITSTATUS(status)}"
+
+
+def _ortools_version() -> str:
+    import ortools
+
+    return str(getattr(ortools, "__version__", "?"))

@@ -21,7 +21,7 @@ from fxpipe.partition.ilp_search import run_search
 model = cp_model.CpModel()
 model.proto.parse_text_format(gzip.open(sys.argv[1], "rt").read())
 search = run_search(model, work_limit=2.5, time_limit_s=120, workers=2, log=False)
-print(search.solver.status_name(search.status), int(search.solver.objective_value))
+print(search.status, int(search.objective))
 """
 
 
