@@ -32,7 +32,8 @@ def calibrate_graph(gm: torch.fx.GraphModule, plan: Plan, measured: Measured) ->
     efficiency = 1.0 if plan.layout is None else plan.layout.compute_efficiency
     fitted = calibrate.fit(*figures(plan, measured), efficiency=efficiency)
     new_ops = calibrate.apply(gm, fitted)
-    return _note(measured, fitted, new_ops)
+    tp = 1 if plan.layout is None else plan.layout.tp
+    return _note(measured, fitted, new_ops, tp)
 
 
 def figures(plan: Plan, measured: Measured) -> tuple[list[StageFigures], list[StageFigures]]:
@@ -53,7 +54,7 @@ def figures(plan: Plan, measured: Measured) -> tuple[list[StageFigures], list[St
     return predicted, seen
 
 
-def _note(measured: Measured, fitted: Calibration, new_ops: int) -> str:
+def _note(measured: Measured, fitted: Calibration, new_ops: int, tp: int) -> str:
     def factors(values: list[float | None]) -> str:
         return ", ".join("-" if v is None else f"×{v:.2f}" for v in values)
 
@@ -67,6 +68,9 @@ def _note(measured: Measured, fitted: Calibration, new_ops: int) -> str:
     else:
         line += ", memory not calibrated (no per-stage peak measured)"
     line += "; communication not calibrated"
+    if tp > 1:  # their seconds are in the stage's forward and backward, fitted whole
+        line += (f", but the all-reduces of tensor parallelism inside each stage (tp {tp}) "
+                 f"are, with the compute beside them")
     for device, stages in m.overlapped.items():
         line += f"; {overlap_caveat(device, stages)}"
     if new_ops:

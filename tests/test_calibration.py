@@ -7,18 +7,23 @@ recompute and whatever speed the plan assumed."""
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from fxpipe import meta
 from fxpipe.calibration import figures
-from fxpipe.compiler import _lowered, analyze, plan_split
+from fxpipe.compiler import SplitOptions, _lowered, analyze, analyze_file, plan_split
+from fxpipe.cost_models import get_device
 from fxpipe.options import ClusterOptions, Recompute
 from fxpipe.partition import evaluate
 from fxpipe.passes.base import OP_NODES
 from fxpipe.plan import Plan, StageRecompute
 from fxpipe.runtime.measured_file import Measured, StageMeasure, plan_identity
+from fxpipe.schedules import ScheduleKind
 from tests.cost_models.test_calibrate import _mlp_plan
+
+GPT = str(Path(__file__).resolve().parents[1] / "examples" / "gpt.py")
 
 
 def _measured(plan: Plan, *, devices: list[str], peak: int | None = None) -> Measured:
@@ -98,3 +103,22 @@ def test_the_measured_plans_own_stages_are_predicted_again_as_measured(
         / (s.backward_s - s.recompute_s)) for s in plan.stages]
     assert all(s.backward_weight_s > 0 for s in plan.stages)
     assert again.layout is not None and again.layout.calibrated
+
+
+def test_a_tensor_parallel_plans_calibration_says_its_all_reduces_are_fitted_with_it() -> None:
+    """Their seconds are inside the stages' forward and backward, which the factors fit
+    whole: the note says so rather than "communication not calibrated" alone."""
+    cpu = get_device("cpu")
+    source, traced = analyze_file(GPT, device=cpu)
+    options = SplitOptions(gpus=4, device=cpu, memory_limit=float(cpu.memory_bytes),
+                           microbatches=4, schedule=ScheduleKind.ONE_F_ONE_B,
+                           cluster=ClusterOptions(pp=2, tp=2))
+    plan = plan_split(traced, label=source.label, options=options)
+    assert plan.layout is not None and plan.layout.tp == 2
+    measured = _measured(plan, devices=["cuda:0", "cuda:1"])
+    analyze(traced, device=cpu)
+    again = plan_split(traced, label=source.label, options=options,
+                       calibrate_from=(plan, measured))
+    note = next(n for n in again.notes if n.startswith("calibrated with a measurement"))
+    assert ("communication not calibrated, but the all-reduces of tensor parallelism inside "
+            "each stage (tp 2) are, with the compute beside them") in note
