@@ -48,7 +48,7 @@ def figures(plan: Plan, measured: Measured) -> tuple[list[StageFigures], list[St
         peak = None if stage.index in shared else m.peak_memory_bytes
         predicted.append(StageFigures(stage.nodes, stage.forward_s, stage.backward_s,
                                       stage.memory.total - fixed if peak is not None else None,
-                                      stage.recompute_s))
+                                      stage.recompute_s, stage.collective_s))
         seen.append(StageFigures(stage.nodes, m.forward_s, m.backward_s,
                                  float(peak - fixed) if peak is not None else None))
     return predicted, seen
@@ -68,9 +68,8 @@ def _note(measured: Measured, fitted: Calibration, new_ops: int, tp: int) -> str
     else:
         line += ", memory not calibrated (no per-stage peak measured)"
     line += "; communication not calibrated"
-    if tp > 1:  # their seconds are in the stage's forward and backward, fitted whole
-        line += (f", but the all-reduces of tensor parallelism inside each stage (tp {tp}) "
-                 f"are, with the compute beside them")
+    if tp > 1:
+        line += f", tensor parallelism's all-reduces inside the stages (tp {tp}) included"
     for device, stages in m.overlapped.items():
         line += f"; {overlap_caveat(device, stages)}"
     if new_ops:

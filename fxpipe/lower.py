@@ -26,7 +26,6 @@ from __future__ import annotations
 import operator
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
 
 import torch.fx
 
@@ -185,6 +184,7 @@ def _nodes(
         own = sum(size for name, size in reads[node.name].items() if len(readers[name]) == 1)
         memory = meta.BYTES.get(node)
         time = _slower(meta.TIME.get(node), efficiency)
+        kept_bytes, kept_s = _selective(memory.selective, time.forward_s, levels, skip)
         nodes.append(
             Node(
                 name=node.name,
@@ -200,7 +200,8 @@ def _nodes(
                 returned=node in returned,
                 backward_weight_s=time.backward_weight_s,
                 deferred_bytes=_deferred_bytes(node),
-                **_selective(memory.selective, time.forward_s, levels, skip),
+                selective_bytes=kept_bytes,
+                selective_kept_s=kept_s,
                 selective_host_s=_sac_host_s(node, time, device),
                 writes_kept=bool(memory.writes_kept) and unusable,
             )
@@ -247,16 +248,16 @@ def keep_levels(kept: Iterable[Kept], written: Collection[tuple[int, int]] = ()
 
 
 def _selective(kept: Sequence[Kept], forward_s: float, levels: Sequence[tuple[int, int]],
-               skip: tuple[tuple[int, int], ...]) -> dict[str, tuple[Any, ...]]:
+               skip: tuple[tuple[int, int], ...]) -> tuple[tuple[int, ...], tuple[float, ...]]:
     """A node's ``selective_bytes`` and ``selective_kept_s`` per keep level: what the
     level's rule keeps of its outputs, and the share of its forward that makes them (by
     FLOPs: work per element times elements, elements in proportion to the bytes)."""
     flops = sum(k.work * k.nbytes for k in kept)
     rules = [KeepRule(*level, skip) for level in levels]
     held = [[k for k in kept if rule.keeps(k.work, k.width)] for rule in rules]
-    return {"selective_bytes": tuple(sum(k.nbytes for k in row) for row in held),
-            "selective_kept_s": tuple(forward_s * sum(k.work * k.nbytes for k in row) / flops
-                                      if flops else 0.0 for row in held)}
+    return (tuple(sum(k.nbytes for k in row) for row in held),
+            tuple(forward_s * sum(k.work * k.nbytes for k in row) / flops if flops else 0.0
+                  for row in held))
 
 
 def _edges(

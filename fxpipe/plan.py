@@ -104,6 +104,9 @@ class StagePlan(StageTimes):
     # The part of backward_s that runs the forward again, recomputed (SAC's host time on
     # that run included); plan.json has it only then.
     recompute_s: float = 0.0
+    # Of forward_s and backward_s (the forward run again included), the seconds of tensor
+    # parallelism's all-reduces and gathers; plan.json has them only under it.
+    collective_s: tuple[float, float] = (0.0, 0.0)
     # A selective stage that keeps only some of its matmuls' and attention's outputs: the
     # (work, width) of its fxpipe.runtime.recompute_modes.KeepRule (those doing more FLOPs per
     # element than work, and of those doing work, the ones at most width wide). None:
@@ -335,6 +338,8 @@ class Plan:
             del raw["skips"]
             if not stage.recompute_s:
                 del raw["recompute_s"]
+            if not any(stage.collective_s):
+                del raw["collective_s"]
             if stage.keeps is None and not stage.skips:
                 del raw["keeps"]
             else:
@@ -370,6 +375,8 @@ class Plan:
                 k: tuple(raw[k]) for k in ("nodes", "inputs", "outputs", "parameters") if k in raw
             }
             fields: dict[str, Any] = {**raw, **tuples}
+            if "collective_s" in raw:
+                fields["collective_s"] = tuple(raw["collective_s"])
             if "keeps" in raw:
                 rule = (raw["keeps"]["work"], raw["keeps"]["width"])
                 fields["skips"] = tuple(tuple(s) for s in raw["keeps"].get("skip", ()))

@@ -92,6 +92,7 @@ def build_plan(
                 replicas=cost.replicas,
                 backward_weight_s=cost.backward_weight_s,
                 recompute_s=cost.recompute_s,
+                collective_s=cost.collective_s,
                 keeps=_keeps(problem, cost),
                 skips=problem.unkept if cost.recompute is StageRecompute.SELECTIVE else (),
             )

@@ -105,20 +105,33 @@ def test_the_measured_plans_own_stages_are_predicted_again_as_measured(
     assert again.layout is not None and again.layout.calibrated
 
 
-def test_a_tensor_parallel_plans_calibration_says_its_all_reduces_are_fitted_with_it() -> None:
-    """Their seconds are inside the stages' forward and backward, which the factors fit
-    whole: the note says so rather than "communication not calibrated" alone."""
+@pytest.mark.parametrize("recompute", ["none", "full", "selective"])
+def test_a_tensor_parallel_plans_own_stages_are_predicted_again_as_measured(
+        recompute: str) -> None:
+    """The stages' all-reduces are communication: left as they are, the compute beside
+    them takes the rest of what was measured, and the note says so."""
     cpu = get_device("cpu")
     source, traced = analyze_file(GPT, device=cpu)
     options = SplitOptions(gpus=4, device=cpu, memory_limit=float(cpu.memory_bytes),
                            microbatches=4, schedule=ScheduleKind.ONE_F_ONE_B,
-                           cluster=ClusterOptions(pp=2, tp=2))
+                           recompute=Recompute(recompute), cluster=ClusterOptions(pp=2, tp=2))
     plan = plan_split(traced, label=source.label, options=options)
     assert plan.layout is not None and plan.layout.tp == 2
+    assert all(0 < s.collective_s[0] < s.forward_s for s in plan.stages)
+    assert all(s.collective_s[0] < s.collective_s[1] < s.backward_s for s in plan.stages
+               if s.recompute is not StageRecompute.NONE)
     measured = _measured(plan, devices=["cuda:0", "cuda:1"])
     analyze(traced, device=cpu)
     again = plan_split(traced, label=source.label, options=options,
                        calibrate_from=(plan, measured))
     note = next(n for n in again.notes if n.startswith("calibrated with a measurement"))
-    assert ("communication not calibrated, but the all-reduces of tensor parallelism inside "
-            "each stage (tp 2) are, with the compute beside them") in note
+    assert ("communication not calibrated, tensor parallelism's all-reduces inside the "
+            "stages (tp 2) included") in note
+    lowered = _lowered(traced, replace(options, compute_efficiency=1.0, cluster=None,
+                                       gpus=2, tensor_parallel=2))
+    names = [op.name for op in lowered.ops]
+    cut = plan.stage_of()
+    stages = evaluate(lowered.problem, [cut[n] for n in names]).stages
+    assert [s.collective_s for s in stages] == [s.collective_s for s in plan.stages]
+    assert [(s.forward_s, s.backward_s) for s in stages] == [
+        (pytest.approx(m.forward_s), pytest.approx(m.backward_s)) for m in measured.stages]

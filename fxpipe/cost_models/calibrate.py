@@ -16,7 +16,8 @@ plan is refused: its factors would be mostly that guess. Memory: where every sta
 a device of its own, the ratio of measured to predicted peak, over what varies with the
 split (everything but parameters, gradients, optimizer state and stashed weights),
 scales each op's saved activations likewise. Communication is bytes over link
-bandwidth and is not rescaled.
+bandwidth and is not rescaled, tensor parallelism's collectives inside a stage's forward
+and backward included (``StageFigures.collective_s``): the compute takes the rest.
 
 Calibration rewrites ``meta.TIME`` (and ``meta.BYTES``) before ``lower``: the solver
 sees calibrated costs and nothing else changes.
@@ -47,8 +48,10 @@ class StageFigures:
     # bytes that vary with the split: predicted total minus parameter state; None
     # where the measurement has no memory of this stage alone
     memory: float | None = None
-    # predicted: the part of backward_s that runs the forward again (recompute)
+    # predicted: the part of backward_s that runs the forward again (recompute), and the
+    # seconds of forward_s and backward_s that are tensor parallelism's collectives
     recompute_s: float = 0.0
+    collective_s: tuple[float, float] = (0.0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,9 @@ def fit(predicted: Sequence[StageFigures], measured: Sequence[StageFigures], *,
 
     stages = []
     for p, m in zip(predicted, measured, strict=True):
-        forward = ratio(m.forward_s, p.forward_s) or 1.0
+        collective = p.collective_s[0]
+        forward = (ratio(m.forward_s - collective, p.forward_s - collective)
+                   or ratio(m.forward_s, p.forward_s) or 1.0)
         stages.append(StageFactors(
             forward=forward,
             backward=_backward(p, m, forward) or ratio(m.backward_s, p.backward_s) or 1.0,
@@ -105,15 +110,18 @@ def fit(predicted: Sequence[StageFigures], measured: Sequence[StageFigures], *,
 
 
 def _backward(predicted: StageFigures, measured: StageFigures, forward: float) -> float | None:
-    """The backward's factor of a stage that recomputes: what was measured beyond its
-    forward run again (at the forward's factor) over what was predicted beyond it. None
-    where it runs nothing again, or the measurement leaves nothing beyond it (then the
-    whole backward's ratio stands)."""
-    rest = predicted.backward_s - predicted.recompute_s
-    if predicted.recompute_s <= 0 or rest <= 0:
-        return None
-    beyond = measured.backward_s - forward * predicted.recompute_s
-    return beyond / rest if beyond > 0 else None
+    """The backward's factor: what was measured beyond its collectives and its forward
+    run again (that at the forward's factor, its collectives aside) over what was
+    predicted beyond them. None where that is all of it, or the measurement leaves
+    nothing beyond it (then the whole backward's ratio stands)."""
+    forward_collectives, collectives = predicted.collective_s
+    again = predicted.recompute_s
+    again_computed = again - (forward_collectives if again > 0 else 0.0)
+    if again <= 0 and collectives <= 0:
+        return None  # the whole backward's ratio is this one
+    rest = predicted.backward_s - collectives - again_computed
+    beyond = measured.backward_s - collectives - forward * again_computed
+    return beyond / rest if rest > 0 and beyond > 0 else None
 
 
 def apply(gm: torch.fx.GraphModule, calibration: Calibration) -> int:

@@ -114,6 +114,8 @@ class NodeCosts:
     selective: np.ndarray
     selective_again_s: np.ndarray
     selective_host_s: np.ndarray  # SAC's host time on both runs, in selective_again_s
+    forward_collective_s: np.ndarray  # of forward_s, tensor parallelism's collectives
+    backward_collective_s: np.ndarray  # of backward_s, likewise
 
     @classmethod
     def of(cls, problem: Problem) -> NodeCosts:
@@ -152,7 +154,9 @@ class NodeCosts:
                 len(nodes), len(levels)),
             selective_again_s=column([[again for _, again in row] for row in chosen]).reshape(
                 len(nodes), len(levels)),
-            selective_host_s=column([n.selective_host_s for n in nodes]))
+            selective_host_s=column([n.selective_host_s for n in nodes]),
+            forward_collective_s=column([n.forward_collective_s for n in nodes]),
+            backward_collective_s=column([n.backward_collective_s for n in nodes]))
 
     def by(self, part_of: Sequence[int] | np.ndarray, parts: int) -> NodeCosts:
         """A row per part: ``part_of[v]`` the part of row v, ``parts`` how many there are."""
@@ -204,6 +208,8 @@ class StageSums:
     selective: tuple[int, ...] = ()
     selective_again_s: tuple[float, ...] = ()
     selective_host_s: float = 0.0  # of those seconds, SAC's host time on both runs
+    forward_collective_s: float = 0.0  # of forward_s, tensor parallelism's collectives
+    backward_collective_s: float = 0.0  # of backward_s, likewise
 
 
 class Option(NamedTuple):
@@ -225,6 +231,9 @@ class StageCost(StageTimes):
     backward_weight_s: float = 0.0  # the W part of backward_s (a recomputed forward is B's)
     keep_level: int = 0  # selective: its ``Problem.keep_levels`` index
     recompute_s: float = 0.0  # the part of backward_s that runs the forward again
+    # of forward_s and backward_s (the forward run again included), the seconds of
+    # tensor parallelism's collectives
+    collective_s: tuple[float, float] = (0.0, 0.0)
 
     @property
     def option(self) -> Option:
@@ -315,10 +324,12 @@ def stage_cost(problem: Problem, j: int, sums: StageSums, *, flight: int,
     if mode is StageRecompute.SELECTIVE:  # SAC's host time: half on the first run
         forward_s += sums.selective_host_s / 2
         again_s -= sums.selective_host_s / 2
+    collectives = (sums.forward_collective_s, sums.backward_collective_s
+                   + (sums.forward_collective_s if mode is not StageRecompute.NONE else 0.0))
     return StageCost(forward_s / replicas, (sums.backward_s + again_s) / replicas,
                      sums.comm_s + allreduce_s(problem, sums.own_params, replicas), memory,
                      replicas, mode, sums.backward_weight_s / replicas, level,
-                     again_s / replicas)
+                     again_s / replicas, (collectives[0] / replicas, collectives[1] / replicas))
 
 
 def recompute_options(problem: Problem) -> tuple[Option, ...]:

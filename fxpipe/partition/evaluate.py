@@ -260,7 +260,9 @@ def stage_sums(problem: Problem, stage_of: Sequence[int]) -> list[StageSums]:
                       deferred=int(costs.deferred[j]),
                       selective=tuple(int(b) for b in costs.selective[j]),
                       selective_again_s=tuple(float(s) for s in costs.selective_again_s[j]),
-                      selective_host_s=float(costs.selective_host_s[j]))
+                      selective_host_s=float(costs.selective_host_s[j]),
+                      forward_collective_s=float(costs.forward_collective_s[j]),
+                      backward_collective_s=float(costs.backward_collective_s[j]))
             for j in range(K)]
 
 

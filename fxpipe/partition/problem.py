@@ -107,6 +107,10 @@ class Node:
     # Recomputed selectively at any level, the seconds torch's SAC adds to its first run
     # and its run again, the host's that its device time does not hide (``lower``).
     selective_host_s: float = 0.0
+    # Of forward_s and backward_s, the seconds of tensor parallelism's all-reduces and
+    # gathers (``partition.tensor_parallel``): communication, which calibration leaves.
+    forward_collective_s: float = 0.0
+    backward_collective_s: float = 0.0
     # It writes in place into what selective recompute keeps (a matmul's output), which
     # SAC would hand the backward written, and no keep level is left that skips all such
     # outputs (fxpipe.lower.keep_levels): no stage recomputes selectively.

@@ -101,12 +101,14 @@ def tensor_sharded(problem: Problem, shards: Sequence[Shard], t: int, *, bandwid
         # the sender's all-gather before the send, the receiver's of the gradient after:
         # a boundary charges comm_s to both sides, each ar(x)/2
         gathers = ar(node.output_bytes) / 2 if shard.tokens else 0.0
+        forward_collective_s = ar(shard.forward_reduce_bytes) + halves(shard.forward_halves)
+        backward_collective_s = ar(shard.backward_reduce_bytes) + halves(shard.backward_halves)
         return replace(
             node,
-            forward_s=(node.forward_s * c + ar(shard.forward_reduce_bytes)
-                       + halves(shard.forward_halves)),
-            backward_s=(node.backward_s * c + ar(shard.backward_reduce_bytes)
-                        + halves(shard.backward_halves)),
+            forward_s=node.forward_s * c + forward_collective_s,
+            backward_s=node.backward_s * c + backward_collective_s,
+            forward_collective_s=forward_collective_s,
+            backward_collective_s=backward_collective_s,
             backward_weight_s=node.backward_weight_s * c,
             param_bytes=_divided(node.param_bytes - whole, c) + whole,
             activation_bytes=_divided(node.activation_bytes, v),
