@@ -15,8 +15,10 @@ from fxpipe import meta
 from fxpipe.calibration import figures
 from fxpipe.compiler import SplitOptions, _lowered, analyze, analyze_file, plan_split
 from fxpipe.cost_models import get_device
+from fxpipe.frontend import Traced
 from fxpipe.options import ClusterOptions, Recompute
 from fxpipe.partition import evaluate
+from fxpipe.partition.cost import StageCost
 from fxpipe.passes.base import OP_NODES
 from fxpipe.plan import Plan, StageRecompute
 from fxpipe.runtime.measured_file import Measured, StageMeasure, plan_identity
@@ -67,6 +69,14 @@ def test_the_figures_are_the_plan_and_the_measurement_per_stage() -> None:
     assert seen[0].memory == peak - fixed
 
 
+def _scored_again(traced: Traced, options: SplitOptions, plan: Plan) -> list[StageCost]:
+    """The stages of ``plan``'s own cut under the graph's (calibrated) costs, lowered as
+    plan_split lowers them calibrated: every op at the costs' own speed."""
+    lowered = _lowered(traced, replace(options, compute_efficiency=1.0))
+    cut = plan.stage_of()
+    return list(evaluate(lowered.problem, [cut[op.name] for op in lowered.ops]).stages)
+
+
 @pytest.mark.parametrize("efficiency", [1.0, 0.5])
 @pytest.mark.parametrize("recompute", ["none", "full", "selective"])
 def test_the_measured_plans_own_stages_are_predicted_again_as_measured(
@@ -89,11 +99,7 @@ def test_the_measured_plans_own_stages_are_predicted_again_as_measured(
     analyze(traced, device=options.device)  # fresh costs: calibration rescales them
     again = plan_split(traced, label=source.label, options=options,
                        calibrate_from=(plan, measured))
-    # as plan_split lowers it calibrated: every op at the costs' own speed
-    lowered = _lowered(traced, replace(options, compute_efficiency=1.0, cluster=None))
-    names = [op.name for op in lowered.ops]
-    cut = plan.stage_of()
-    stages = evaluate(lowered.problem, [cut[n] for n in names]).stages
+    stages = _scored_again(traced, replace(options, cluster=None), plan)
     assert [s.recompute for s in stages] == [s.recompute for s in plan.stages]
     assert [(s.forward_s, s.backward_s) for s in stages] == [
         (pytest.approx(m.forward_s), pytest.approx(m.backward_s)) for m in measured.stages]
@@ -127,11 +133,8 @@ def test_a_tensor_parallel_plans_own_stages_are_predicted_again_as_measured(
     note = next(n for n in again.notes if n.startswith("calibrated with a measurement"))
     assert ("communication not calibrated, tensor parallelism's all-reduces inside the "
             "stages (tp 2) included") in note
-    lowered = _lowered(traced, replace(options, compute_efficiency=1.0, cluster=None,
-                                       gpus=2, tensor_parallel=2))
-    names = [op.name for op in lowered.ops]
-    cut = plan.stage_of()
-    stages = evaluate(lowered.problem, [cut[n] for n in names]).stages
+    stages = _scored_again(traced, replace(options, cluster=None, gpus=2,
+                                           tensor_parallel=2), plan)
     assert [s.collective_s for s in stages] == [s.collective_s for s in plan.stages]
     assert [(s.forward_s, s.backward_s) for s in stages] == [
         (pytest.approx(m.forward_s), pytest.approx(m.backward_s)) for m in measured.stages]
