@@ -147,8 +147,11 @@ def _search_in_child(solver: cp_model.CpSolver, model: cp_model.CpModel,
     _CHILDREN.add(pid)
     try:
         answer, killed = _read_answer(read, pid, deadline=start + time_limit_s + _GRACE_S)
-        _, status = os.waitpid(pid, 0)
+    except BaseException:  # an interrupt (fxpipe.signals) while waiting: leave no orphan
+        os.kill(pid, signal.SIGKILL)
+        raise
     finally:
+        _, status = os.waitpid(pid, 0)
         _CHILDREN.discard(pid)
     if answer:
         searched: Search = pickle.loads(answer)
