@@ -14,10 +14,16 @@ Elsewhere the work is done when its answer is asked for. A child that fails, can
 pickle its answer or does not answer within ``WAIT_S`` of being asked is no answer: the
 parent then does the work itself, so the result is the same as without a child, only
 slower.
+
+``isolated`` is the other use of a child: work that may kill the process it runs in (a
+library's own check aborting it, CP-SAT's in OR-Tools 9.15), run in a child of its own
+and waited for, on Linux whatever the cores. A child that dies is ``Died``, saying how,
+and the work is not done again.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import select
@@ -25,9 +31,10 @@ import signal
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-__all__ = ["FORK_MIN_NODES", "Forked"]
+__all__ = ["FORK_MIN_NODES", "Died", "Forked", "isolated"]
 
 T = TypeVar("T")
 
@@ -98,28 +105,92 @@ class Forked(Generic[T]):
         if self._pid is None:
             return None
         pid, self._pid = self._pid, None
-        data = bytearray()
-        deadline = time.monotonic() + WAIT_S
-        answered = False
+        return _collect(pid, self._pipe, time.monotonic() + WAIT_S)[0]
+
+
+@dataclass(frozen=True)
+class Died:
+    """An ``isolated`` child that gave no answer, and how it ended."""
+
+    how: str  # "ended on SIGABRT", "exited with status 1", "was killed after 30 s"
+    signal: int | None = None  # the signal that ended it, where one did
+    timed_out: bool = False
+
+
+def isolated(work: Callable[[], T], *, wait_s: float, running: set[int] | None = None
+             ) -> T | Died:
+    """``work()`` in a forked child, waited for up to ``wait_s``: its answer, or ``Died``
+    where the child ended without one (killed at ``wait_s``). The child's SIGINT and
+    SIGTERM are the default, its own to catch, and not the parent's watcher's
+    (``fxpipe.signals``). ``running`` holds the child's pid while it runs (to signal
+    it). In this process where no child can be made (not Linux, no process slot)."""
+    if sys.platform != "linux":
+        return work()
+    read, write = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(read)
+        os.close(write)
+        return work()
+    if pid == 0:
+        os.close(read)
+        faulthandler.disable()  # a library that aborts says why, not Python's stack
+        signal.set_wakeup_fd(-1)
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, signal.SIG_DFL)
+        _answer(work, write)
+    os.close(write)
+    if running is not None:
+        running.add(pid)
+    answer: tuple[T] | None
+    try:
+        answer, status = _collect(pid, read, time.monotonic() + wait_s)
+    finally:
+        if running is not None:
+            running.discard(pid)
+    if answer is not None:
+        return answer[0]
+    if status is None:
+        return Died(f"was killed after {wait_s:g} s", int(signal.SIGKILL), timed_out=True)
+    if os.WIFSIGNALED(status):
+        number = os.WTERMSIG(status)
         try:
-            while (left := deadline - time.monotonic()) > 0:
-                if not select.select([self._pipe], [], [], left)[0]:
-                    break
-                chunk = os.read(self._pipe, 1 << 20)
-                if not chunk:  # the child closed the pipe: all it wrote is here
-                    answered = True
-                    break
-                data += chunk
-        finally:
-            os.close(self._pipe)
-            if not answered:
-                os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        try:
-            answer = pickle.loads(data) if answered and data else None
-        except Exception:
-            return None
-        return answer if isinstance(answer, tuple) and len(answer) == 1 else None
+            name = signal.Signals(number).name
+        except ValueError:
+            name = f"signal {number}"
+        return Died(f"ended on {name}", number)
+    return Died(f"exited with status {os.WEXITSTATUS(status)}")
+
+
+def _collect(pid: int, pipe: int, deadline: float) -> tuple[tuple[T] | None, int | None]:
+    """Child ``pid``'s answer on ``pipe`` as a 1-tuple (None: no answer), and its wait
+    status (None where it was killed at ``deadline``). The child is reaped whatever
+    happens, killed first where it has not answered (an interrupt while waiting too)."""
+    data = bytearray()
+    answered = timed_out = False
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            if not select.select([pipe], [], [], left)[0]:
+                break
+            chunk = os.read(pipe, 1 << 20)
+            if not chunk:  # the child closed the pipe: all it wrote is here
+                answered = True
+                break
+            data += chunk
+        timed_out = not answered
+    finally:
+        os.close(pipe)
+        if not answered:
+            os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+    answer: object = None
+    try:
+        answer = pickle.loads(data) if answered and data else None
+    except Exception:
+        answer = None
+    one = answer if isinstance(answer, tuple) and len(answer) == 1 else None
+    return one, None if timed_out else status
 
 
 def _can_fork() -> bool:

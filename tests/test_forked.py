@@ -1,6 +1,7 @@
-"""Work in a forked child (fxpipe.tracing.forked): its answer comes back, computed in the
-child where one can be made, and the parent does the work itself whenever the child gives
-no answer: it fails, cannot pickle what it made, or takes too long."""
+"""Work in a forked child (fxpipe.forked): its answer comes back, computed in the child
+where one can be made, and the parent does the work itself whenever the child gives no
+answer: it fails, cannot pickle what it made, or takes too long. Isolated work (which may
+kill its process) is never done again: a child that dies is a ``Died`` saying how."""
 
 from __future__ import annotations
 
@@ -128,3 +129,56 @@ def test_ready_is_false_without_a_child(monkeypatch: pytest.MonkeyPatch) -> None
         assert not job.ready()
         assert job.result() == 7
         assert job.ready()
+
+
+linux = pytest.mark.skipif(os.uname().sysname != "Linux", reason="isolated work runs in a "
+                           "child on Linux only")
+
+
+@linux
+def test_isolated_work_answers_from_a_child_and_leaves_it_reaped() -> None:
+    running: set[int] = set()
+    child = forked.isolated(os.getpid, wait_s=30, running=running)
+    assert isinstance(child, int) and child != PARENT
+    assert _reaped(child) and not running  # held while it ran, dropped once reaped
+
+
+@linux
+def test_isolated_work_that_kills_its_process_is_a_death_said_and_not_done_again() -> None:
+    def abort() -> None:
+        if os.getpid() == PARENT:
+            raise AssertionError("done again in the parent")
+        os.abort()  # as OR-Tools 9.15's failed checks do
+
+    died = forked.isolated(abort, wait_s=30)
+    assert died == forked.Died("ended on SIGABRT", 6)
+
+
+@linux
+def test_isolated_work_past_its_wait_is_killed() -> None:
+    start = time.monotonic()
+    died = forked.isolated(lambda: time.sleep(60), wait_s=0.5)
+    assert time.monotonic() - start < 10
+    assert isinstance(died, forked.Died) and died.timed_out
+    assert died.how == "was killed after 0.5 s"
+
+
+@linux
+def test_an_interrupt_while_waiting_leaves_no_isolated_child_behind(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """fxpipe.signals raises in the waiting parent: the child is killed and reaped, not
+    left to run on after the process has exited."""
+    running: set[int] = set()
+    children: list[int] = []
+    select = forked.select.select
+
+    def interrupted(*args: object) -> object:
+        children.extend(running)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(forked.select, "select", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        forked.isolated(lambda: time.sleep(60), wait_s=60, running=running)
+    monkeypatch.setattr(forked.select, "select", select)
+    (pid,) = children
+    assert _reaped(pid) and not running

@@ -5,18 +5,15 @@ own, so that OR-Tools failing its own checks ends the search, not fxpipe.
 OR-Tools 9.15 aborts the process on some programs ("Check failed:
 heuristics.fixed_search != nullptr", Llama-3-70B's exact groups at --gpus 64 --pp 8
 --tp 8: a subsolver proves the program infeasible while it loads, which the hint shows
-it is not). On Linux the search therefore runs in a forked child, which sends back its
-status, bounds and values; a child that dies sends nothing, and the search is UNKNOWN
-(the caller keeps the split it had, with its proved gap) with a warning naming how it
-ended. Elsewhere it runs in this process."""
+it is not). On Linux the search therefore runs in a forked child (``fxpipe.forked.
+isolated``), which sends back its status, bounds and values; a child that dies sends
+nothing, and the search is UNKNOWN (the caller keeps the split it had, with its proved
+gap) with a warning naming how it ended. Elsewhere it runs in this process."""
 
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import os
-import pickle
-import select
 import signal
 import sys
 import time
@@ -24,6 +21,8 @@ import warnings
 from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
+
+from fxpipe.forked import isolated
 
 __all__ = ["Search", "run_search", "stop_searches"]
 
@@ -119,80 +118,28 @@ def _search(solver: cp_model.CpSolver, model: cp_model.CpModel, *,
 
 def _search_in_child(solver: cp_model.CpSolver, model: cp_model.CpModel,
                      time_limit_s: float) -> Search:
-    """``_search`` in a forked child, its answer pickled back through a pipe; UNKNOWN, with
-    a warning, where the child dies or outlives the wall clock by ``_GRACE_S``."""
+    """``_search`` in a forked child (``fxpipe.forked.isolated``); UNKNOWN, with a warning,
+    where the child dies or outlives the wall clock by ``_GRACE_S``."""
     start = time.perf_counter()
-    read, write = os.pipe()
     with warnings.catch_warnings():
         # Python 3.12 warns of fork() in a process with threads (torch's, a signal
         # watcher): the child runs only CP-SAT on its copy of the program and writes to a
         # pipe, and a child that hangs is killed after the wall clock and _GRACE_S.
         warnings.simplefilter("ignore", DeprecationWarning)
-        pid = os.fork()
-    if pid == 0:  # the child: never returns into the caller's code
-        code = 1
-        try:
-            os.close(read)
-            faulthandler.disable()  # OR-Tools says why it aborts, not Python's stack
-            signal.set_wakeup_fd(-1)  # the parent's signal watcher is the parent's
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(signum, signal.SIG_DFL)
-            answer = pickle.dumps(_search(solver, model, own_process=False))
-            with os.fdopen(write, "wb") as pipe:
-                pipe.write(answer)
-            code = 0
-        finally:
-            os._exit(code)
-    os.close(write)
-    _CHILDREN.add(pid)
-    try:
-        answer, killed = _read_answer(read, pid, deadline=start + time_limit_s + _GRACE_S)
-    except BaseException:  # an interrupt (fxpipe.signals) while waiting: leave no orphan
-        os.kill(pid, signal.SIGKILL)
-        raise
-    finally:
-        _, status = os.waitpid(pid, 0)
-        _CHILDREN.discard(pid)
-    if answer:
-        searched: Search = pickle.loads(answer)
-        return searched
-    stopped = os.WIFSIGNALED(status) and os.WTERMSIG(status) in (signal.SIGINT,
-                                                                 signal.SIGTERM)
-    how = "outlived its wall-clock limit and was killed" if killed else _ended(status)
-    if not stopped:  # a stop asked for (stop_searches, Ctrl-C) is no failure
+        parent = os.getpid()  # where no child can be made, the search runs here
+        answer = isolated(lambda: _search(solver, model, own_process=os.getpid() == parent),
+                          wait_s=time_limit_s + _GRACE_S, running=_CHILDREN)
+    if isinstance(answer, Search):
+        return answer
+    # a stop asked for (stop_searches, Ctrl-C) is no failure
+    if answer.signal not in (signal.SIGINT, signal.SIGTERM):
+        how = ("outlived its wall-clock limit and " + answer.how if answer.timed_out
+               else answer.how)
         warnings.warn(f"the CP-SAT search {how}, without an answer (OR-Tools "
                       f"{_ortools_version()}); the split is the best found without it, "
-                      f"with its proved gap", RuntimeWarning, stacklevel=2)
+                      f"with its proved gap", RuntimeWarning, stacklevel=3)
     wall = time.perf_counter() - start
-    return Search("UNKNOWN", (), 0.0, 0.0, wall, wall_clock_stopped=killed)
-
-
-def _read_answer(read: int, pid: int, *, deadline: float) -> tuple[bytes, bool]:
-    """All the child writes to ``read`` until it closes the pipe, and whether it was
-    killed at ``deadline`` first (then nothing)."""
-    chunks: list[bytes] = []
-    with os.fdopen(read, "rb") as pipe:
-        while True:
-            left = deadline - time.perf_counter()
-            ready, _, _ = select.select([pipe], [], [], max(left, 0.0))
-            if not ready:
-                os.kill(pid, signal.SIGKILL)
-                return b"", True
-            chunk = os.read(pipe.fileno(), 1 << 20)
-            if not chunk:
-                return b"".join(chunks), False
-            chunks.append(chunk)
-
-
-def _ended(status: int) -> str:
-    """How a child that sent nothing ended, from its wait status."""
-    if os.WIFSIGNALED(status):
-        signum = os.WTERMSIG(status)
-        try:
-            return f"ended on {signal.Signals(signum).name}"
-        except ValueError:
-            return f"ended on signal {signum}"
-    return f"exited with status {os.WEXITSTATUS(status)}"
+    return Search("UNKNOWN", (), 0.0, 0.0, wall, wall_clock_stopped=answer.timed_out)
 
 
 def _ortools_version() -> str:

@@ -81,27 +81,3 @@ def test_the_command_line_shows_fxpipes_own_warnings_as_one_line(
     assert line == "fxpipe: warning: the CP-SAT search ended on SIGABRT, without an answer\n"
     theirs = warnings.formatwarning("deprecated", UserWarning, "/elsewhere/model.py", 7)
     assert theirs.startswith("/elsewhere/model.py:7: UserWarning: deprecated")
-
-
-def test_an_interrupt_while_waiting_leaves_no_child_searching(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """fxpipe.signals raises Interrupted in the waiting parent: the child is killed and
-    reaped with it, not left to search on after fxpipe has exited."""
-    def hang(*_: object, **__: object) -> None:
-        time.sleep(60)
-
-    children: list[int] = []
-
-    def interrupted(read: int, pid: int, *, deadline: float) -> tuple[bytes, bool]:
-        children.append(pid)
-        os.close(read)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(ilp_search, "_search", hang)
-    monkeypatch.setattr(ilp_search, "_read_answer", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        run_search(cp_model.CpModel(), work_limit=1, time_limit_s=60, workers=1, log=False)
-    (pid,) = children
-    with pytest.raises(ChildProcessError):  # killed and reaped: no such child any more
-        os.waitpid(pid, os.WNOHANG)
-    assert not ilp_search._CHILDREN
