@@ -5,17 +5,17 @@ own, so that OR-Tools failing its own checks ends the search, not fxpipe.
 OR-Tools 9.15 aborts the process on some programs ("Check failed:
 heuristics.fixed_search != nullptr", Llama-3-70B's exact groups at --gpus 64 --pp 8
 --tp 8: a subsolver proves the program infeasible while it loads, which the hint shows
-it is not). On Linux the search therefore runs in a forked child (``fxpipe.forked.
-isolated``), which sends back its status, bounds and values; a child that dies sends
-nothing, and the search is UNKNOWN (the caller keeps the split it had, with its proved
-gap) with a warning naming how it ended. Elsewhere it runs in this process."""
+it is not). On Linux a search of ISOLATE_FROM variables or more therefore runs in a
+forked child (``fxpipe.forked.isolated``), which sends back its status, bounds and
+values; a child that dies sends nothing, and the search is UNKNOWN (the caller keeps the
+split it had, with its proved gap) with a warning naming how it ended. A smaller search,
+and any search elsewhere, runs in this process."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
-import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -32,6 +32,11 @@ _CHILDREN: set[int] = set()  # processes searching, for stop_searches
 # How long past its wall-clock limit a child may take to answer before it is killed
 # (its program arrives by fork, its answer is a few kilobytes).
 _GRACE_S = 30.0
+# Variables from which a search runs in a child: below, it takes milliseconds and a fork
+# costs more (75 ms from a 1.2 GiB process, torch loaded: 1.1 ms for the search of a
+# tiny program in the process, 76 ms in a child), and the programs OR-Tools 9.15 was seen
+# to abort on had 2,960 and 22,168.
+ISOLATE_FROM = 2_000
 
 
 def stop_searches() -> None:
@@ -88,7 +93,7 @@ def run_search(model: cp_model.CpModel, *, work_limit: float, time_limit_s: floa
     # fits" or a dead fxpipe. tests/partition/test_cpsat_symmetry.py holds that program.
     solver.parameters.symmetry_level = 0
     solver.parameters.log_search_progress = log
-    if sys.platform != "linux":
+    if len(model.proto.variables) < ISOLATE_FROM:
         return _search(solver, model, own_process=True)
     return _search_in_child(solver, model, time_limit_s)
 
@@ -118,8 +123,9 @@ def _search(solver: cp_model.CpSolver, model: cp_model.CpModel, *,
 
 def _search_in_child(solver: cp_model.CpSolver, model: cp_model.CpModel,
                      time_limit_s: float) -> Search:
-    """``_search`` in a forked child (``fxpipe.forked.isolated``); UNKNOWN, with a warning,
-    where the child dies or outlives the wall clock by ``_GRACE_S``."""
+    """``_search`` in a forked child (``fxpipe.forked.isolated``; in this process where no
+    child can be made); UNKNOWN, with a warning, where the child dies or outlives the wall
+    clock by ``_GRACE_S``."""
     start = time.perf_counter()
     with warnings.catch_warnings():
         # Python 3.12 warns of fork() in a process with threads (torch's, a signal

@@ -38,7 +38,17 @@ def test_a_search_that_aborts_or_tools_leaves_fxpipe_running() -> None:
         assert "the CP-SAT search ended on SIGABRT, without an answer (OR-Tools 9.15" in message
 
 
-def test_a_search_that_answers_is_read_back_whole() -> None:
+@pytest.mark.parametrize("apart", [True, False])
+def test_a_search_that_answers_is_read_back_whole(monkeypatch: pytest.MonkeyPatch,
+                                                  apart: bool) -> None:
+    """From a child, or in this process where the program is too small to pay for one."""
+    def no_child(*_: object, **__: object) -> None:
+        raise AssertionError("a child for a program of 4 variables")
+
+    if apart:
+        monkeypatch.setattr(ilp_search, "ISOLATE_FROM", 0)
+    else:
+        monkeypatch.setattr(ilp_search, "isolated", no_child)
     model = cp_model.CpModel()
     x = [model.new_int_var(0, 9, f"x{i}") for i in range(3)]
     pick = model.new_bool_var("pick")
@@ -58,6 +68,7 @@ def test_a_search_that_hangs_is_killed_after_its_wall_clock(
 
     monkeypatch.setattr(ilp_search, "_search", hang)  # the child forks with it
     monkeypatch.setattr(ilp_search, "_GRACE_S", 0.5)
+    monkeypatch.setattr(ilp_search, "ISOLATE_FROM", 0)
     start = time.perf_counter()
     with pytest.warns(RuntimeWarning, match="outlived its wall-clock limit and was killed"):
         search = run_search(cp_model.CpModel(), work_limit=1, time_limit_s=0.5, workers=1,
