@@ -29,11 +29,9 @@ def calibrate_graph(gm: torch.fx.GraphModule, plan: Plan, measured: Measured) ->
     (a ValueError where it is not: ``check_measures``); the note that says what was
     calibrated, by how much, and what was not."""
     check_measures(plan, measured)
-    efficiency = 1.0 if plan.layout is None else plan.layout.compute_efficiency
-    fitted = calibrate.fit(*figures(plan, measured), efficiency=efficiency)
+    fitted = calibrate.fit(*figures(plan, measured), efficiency=plan.compute_efficiency)
     new_ops = calibrate.apply(gm, fitted)
-    tp = 1 if plan.layout is None else plan.layout.tp
-    return _note(measured, fitted, new_ops, tp)
+    return _note(measured, fitted, new_ops, plan.tp)
 
 
 def figures(plan: Plan, measured: Measured) -> tuple[list[StageFigures], list[StageFigures]]:

@@ -62,20 +62,10 @@ class Forked(Generic[T]):
         self._pid: int | None = None
         self._pipe = -1
         self._done: tuple[T] | None = None
-        if not (in_child and _can_fork()):
-            return
-        read, write = os.pipe()
-        try:
-            pid = os.fork()
-        except OSError:  # no memory or process slot for a child: the work is done when asked
-            os.close(read)
-            os.close(write)
-            return
-        if pid == 0:  # the child: answer through the pipe, then leave without cleanup
-            os.close(read)
-            _answer(work, write)
-        os.close(write)
-        self._pid, self._pipe = pid, read
+        if in_child and _can_fork():
+            child = _fork(work, alone=False)
+            if child is not None:  # else the work is done when asked
+                self._pid, self._pipe = child
 
     def __enter__(self) -> Forked[T]:
         return self
@@ -124,23 +114,10 @@ def isolated(work: Callable[[], T], *, wait_s: float, running: set[int] | None =
     SIGTERM are the default, its own to catch, and not the parent's watcher's
     (``fxpipe.signals``). ``running`` holds the child's pid while it runs (to signal
     it). In this process where no child can be made (not Linux, no process slot)."""
-    if sys.platform != "linux":
+    child = _fork(work, alone=True) if sys.platform == "linux" else None
+    if child is None:
         return work()
-    read, write = os.pipe()
-    try:
-        pid = os.fork()
-    except OSError:
-        os.close(read)
-        os.close(write)
-        return work()
-    if pid == 0:
-        os.close(read)
-        faulthandler.disable()  # a library that aborts says why, not Python's stack
-        signal.set_wakeup_fd(-1)
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, signal.SIG_DFL)
-        _answer(work, write)
-    os.close(write)
+    pid, read = child
     if running is not None:
         running.add(pid)
     answer: tuple[T] | None
@@ -161,6 +138,30 @@ def isolated(work: Callable[[], T], *, wait_s: float, running: set[int] | None =
             name = f"signal {number}"
         return Died(f"ended on {name}", number)
     return Died(f"exited with status {os.WEXITSTATUS(status)}")
+
+
+def _fork(work: Callable[[], T], *, alone: bool) -> tuple[int, int] | None:
+    """A forked child answering ``work()`` on a pipe: its (pid, read end); None where no
+    child can be made (no memory or process slot). ``alone``: the child's SIGINT and
+    SIGTERM are the default and its own, not the parent's watcher's, and a crash prints
+    no Python stack (a library that aborts says why)."""
+    read, write = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError:
+        os.close(read)
+        os.close(write)
+        return None
+    if pid == 0:  # the child: answer through the pipe, then leave without cleanup
+        os.close(read)
+        if alone:
+            faulthandler.disable()
+            signal.set_wakeup_fd(-1)
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(signum, signal.SIG_DFL)
+        _answer(work, write)
+    os.close(write)
+    return pid, read
 
 
 def _collect(pid: int, pipe: int, deadline: float) -> tuple[tuple[T] | None, int | None]:

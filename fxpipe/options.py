@@ -82,8 +82,8 @@ def options_of(plan: Plan) -> SplitOptions:
         precision=parse_precision(plan.precision),
         data_parallel=(1, "ddp") if layout is None else (layout.dp, layout.dp_mode),
         across_hosts=layout is not None and layout.pipeline_link == "inter",
-        tensor_parallel=1 if layout is None else layout.tp,
-        compute_efficiency=1.0 if layout is None else layout.compute_efficiency,
+        tensor_parallel=plan.tp,
+        compute_efficiency=plan.compute_efficiency,
     )
 
 

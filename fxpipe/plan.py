@@ -290,6 +290,17 @@ class Plan:
         return sum(stage.replicas for stage in self.stages)
 
     @property
+    def tp(self) -> int:
+        """GPUs of a host splitting each stage's ops (the layout's; 1 without one)."""
+        return 1 if self.layout is None else self.layout.tp
+
+    @property
+    def compute_efficiency(self) -> float:
+        """The share of the cost model's speed every op ran at (the layout's; 1 without
+        one)."""
+        return 1.0 if self.layout is None else self.layout.compute_efficiency
+
+    @property
     def v_placed(self) -> bool:
         """Stage j and stage K - 1 - j on GPU j, as the schedule kind says (``KindSpec``)."""
         return kind_of(self.schedule).spec.v_placed

@@ -62,11 +62,10 @@ def pairs_run_whole(gm: torch.fx.GraphModule, plan: Plan) -> list[str]:
     """The tensor-parallel pairs the package of ``plan`` runs whole on every GPU of their
     stage (``codegen/local_shards.py`` cannot follow the ops between them, or a tie keeps a
     weight whole): none at t = 1."""
-    if plan.layout is None or plan.layout.tp == 1:
+    if plan.tp == 1:
         return []
     ios = stage_io(gm.graph, plan)
-    return whole_pairs(gm, ios, stage_local_pairs(gm, ios, tied_parameters(gm, ios),
-                                                  plan.layout.tp))
+    return whole_pairs(gm, ios, stage_local_pairs(gm, ios, tied_parameters(gm, ios), plan.tp))
 
 
 def generate(traced: Traced, plan: Plan) -> dict[str, str]:
@@ -81,9 +80,8 @@ def generate(traced: Traced, plan: Plan) -> dict[str, str]:
     }
     dims = BatchDims.of_traced(traced, ios,
                                replicated=any(stage.replicas > 1 for stage in plan.stages))
-    # what each stage runs split over t GPUs: pairs on local shares (none at t = 1)
-    t = plan.layout.tp if plan.layout is not None else 1
-    local = stage_local_pairs(gm, ios, tied_parameters(gm, ios), t)
+    # what each stage runs split over plan.tp GPUs: pairs on local shares (none at 1)
+    local = stage_local_pairs(gm, ios, tied_parameters(gm, ios), plan.tp)
     sources = _stage_sources(gm, ios, fixed, dims, traced.model, local)
     files = {f"stage{io.index}.py": source for io, source in zip(ios, sources, strict=True)}
     files["runner.py"] = runner_source(traced, plan)

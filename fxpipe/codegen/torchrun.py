@@ -190,7 +190,7 @@ def distributed_source(traced: Traced, plan: Plan, ios: list[StageIO],
     if _data_parallel(plan):
         footer = footer.replace("    recompute=RECOMPUTE,\n",
                                 "    recompute=RECOMPUTE,\n    data_parallel=DATA_PARALLEL,\n")
-    if plan.layout is not None and plan.layout.tp > 1:
+    if plan.tp > 1:
         footer = footer.replace("    recompute=RECOMPUTE,\n",
                                 "    recompute=RECOMPUTE,\n    tensor_parallel=TENSOR_PARALLEL,\n")
     return "\n".join([*lines, "", footer])
